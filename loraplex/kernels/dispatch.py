@@ -1,0 +1,103 @@
+"""The one place that chooses between Triton kernels (CUDA tensors) and their torch reference
+twins (CPU). Everything above ``loraplex.kernels`` calls these four functions only.
+
+Shapes (DESIGN.md contracts):
+
+* KV cache per layer: ``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]``
+* ``block_tables[num_seqs, max_blocks]`` int32, ``slot_mapping[num_tokens]`` int64,
+  ``seq_lens[num_seqs]`` int32 (cached prefix + this step's query tokens),
+  ``query_start_loc[num_seqs + 1]`` int32 (cumulative query lengths).
+* LoRA: ``a_stack[num_slices, max_loras, r_max, in]``, ``b_stack[max_loras, out_total, r_max]``
+  (slices concatenated along ``out``, slice ``s`` is rows ``slice_offsets[s]:slice_offsets[s+1]``),
+  ``scaling[num_slices, max_loras]`` fp32 (per module, so ``alpha_pattern`` is honoured).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.kernels.lora_meta import LoRABatchMeta
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; slot < 0 = skip (padding)
+) -> None:
+    if _use_triton(key):
+        from loraplex.kernels.triton_attention import write_kv_cache_triton
+
+        return write_kv_cache_triton(key, value, kv_cache, slot_mapping)
+    from loraplex.kernels.attention_ref import write_kv_cache_ref
+
+    return write_kv_cache_ref(key, value, kv_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+    max_query_len: int,  # host ints: grid sizes without a device sync
+    max_seq_len: int,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of each sequence's query chunk over its cached prefix and itself.
+
+    The query tokens of sequence ``i`` are the last ``q_len_i`` positions of its ``seq_lens[i]``;
+    their K/V must already be written to the cache (``write_kv_cache``) before this call.
+    """
+    if _use_triton(query):
+        from loraplex.kernels.triton_attention import paged_attention_triton
+
+        return paged_attention_triton(
+            query, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len
+        )
+    from loraplex.kernels.attention_ref import paged_attention_ref
+
+    return paged_attention_ref(
+        query, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len
+    )
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [num_tokens, in] (original token order)
+    a_stack: torch.Tensor,  # [num_slices, max_loras, r_max, in]
+    meta: LoRABatchMeta,
+    out: torch.Tensor,  # [num_slices, num_tokens, r_max] fp32, rows in permuted order
+) -> None:
+    """``out[s, i, :r] = x[token_perm[i]] @ a_stack[s, slot, :r].T`` for every LoRA row ``i``
+    (``slot = seg_slot`` of its segment, ``r = slot_rank[slot]``). Columns ``>= r`` and base-only
+    rows are left unspecified; expand never reads them."""
+    if _use_triton(x):
+        from loraplex.kernels.triton_lora import lora_shrink_triton
+
+        return lora_shrink_triton(x, a_stack, meta, out)
+    from loraplex.kernels.lora_ref import lora_shrink_ref
+
+    return lora_shrink_ref(x, a_stack, meta, out)
+
+
+def lora_expand(
+    shrunk: torch.Tensor,  # [num_slices, num_tokens, r_max] fp32, from lora_shrink
+    b_stack: torch.Tensor,  # [max_loras, out_total, r_max]
+    scaling: torch.Tensor,  # [num_slices, max_loras] fp32
+    slice_offsets: tuple[int, ...],  # num_slices + 1 offsets into out_total
+    meta: LoRABatchMeta,
+    y: torch.Tensor,  # [num_tokens, out_total] base output, original order; updated in place
+) -> None:
+    """``y[token_perm[i], off_s:off_s1] += scaling[s, slot] * shrunk[s, i, :r] @ b_stack[slot, off_s:off_s1, :r].T``
+    for every LoRA row ``i`` and slice ``s``, all slices in one call."""
+    if _use_triton(y):
+        from loraplex.kernels.triton_lora import lora_expand_triton
+
+        return lora_expand_triton(shrunk, b_stack, scaling, slice_offsets, meta, y)
+    from loraplex.kernels.lora_ref import lora_expand_ref
+
+    return lora_expand_ref(shrunk, b_stack, scaling, slice_offsets, meta, y)

@@ -1,0 +1,42 @@
+"""What the LoRA code needs to know about the base model, and how callers name an adapter.
+Plain data: the model produces a ``LoRATargetSpec``; the validator and slot pool consume it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# PEFT module names that loraplex can serve, in the order the packed projections use them.
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# loraplex's packed projections and the PEFT modules (slices) each holds, in slice order.
+PACKED_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
+@dataclass(frozen=True)
+class LoRATargetSpec:
+    """Shapes of the base model's LoRA-targetable linears: ``module -> (in_features, out_features)``
+    for each name in ``TARGET_MODULES``, identical in every layer of a Llama-family decoder."""
+
+    model_name: str
+    num_layers: int
+    module_shapes: dict[str, tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """A resolved adapter version to run a request with.
+
+    ``path`` is a local PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``).
+    ``content_hash`` is the version's identity (sha256 of canonical config and weights); when the
+    registry already knows it, it is passed along and verified on load, else it is computed.
+    ``name`` is for display only (metrics, logs), never for caching.
+    """
+
+    name: str
+    path: str
+    content_hash: str | None = None

@@ -1,0 +1,93 @@
+"""Per-request sampling options, with vLLM's names so callers can move over unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses. ``param`` names the offending field (OpenAI's envelope)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. ``temperature == 0`` means greedy."""
+
+    n: int = 1
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per generated token (0: only the chosen)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "SamplingParams":
+        """Build from keyword options; an unknown option is an error that names it."""
+        names = {f.name for f in fields(cls)}
+        for key in kwargs:
+            if key not in names:
+                raise InvalidRequestError(f"unknown sampling option {key!r}", param=key)
+        return cls(**kwargs)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def bad(param: str, message: str) -> None:
+            raise InvalidRequestError(message, param=param)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "n must be an integer >= 1")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", "max_tokens must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", "min_tokens must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", "min_tokens must not exceed max_tokens")
+        if not 0.0 <= float(self.temperature) <= 100.0:
+            bad("temperature", "temperature must be in [0, 100]")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            bad("top_p", "top_p must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", "top_k must be -1, 0 (disabled) or a positive integer")
+        if not 0.0 <= float(self.min_p) <= 1.0:
+            bad("min_p", "min_p must be in [0, 1]")
+        if not 0.0 < float(self.repetition_penalty) <= 10.0:
+            bad("repetition_penalty", "repetition_penalty must be in (0, 10]")
+        if not -2.0 <= float(self.presence_penalty) <= 2.0:
+            bad("presence_penalty", "presence_penalty must be in [-2, 2]")
+        if not -2.0 <= float(self.frequency_penalty) <= 2.0:
+            bad("frequency_penalty", "frequency_penalty must be in [-2, 2]")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            bad("logprobs", "logprobs must be an integer in [0, 20]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "stop must be a non-empty string or a list of them")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "stop_token_ids must be non-negative integers")
