@@ -1,0 +1,70 @@
+"""Torch reference of the paged-KV attention kernels (CPU path and the kernels' test oracle).
+
+Same arguments as ``dispatch.write_kv_cache`` / ``dispatch.paged_attention``. Written for
+clarity: one sequence at a time, K/V gathered through the block table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_cache_ref(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    block_size = kv_cache.shape[2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[0, blocks, offsets] = key[valid].to(kv_cache.dtype)
+    kv_cache[1, blocks, offsets] = value[valid].to(kv_cache.dtype)
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence's first ``seq_len`` positions: each ``[seq_len, num_kv_heads, head_dim]``."""
+    block_size = kv_cache.shape[2]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = block_table[:num_blocks].long()
+    k = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len]
+    v = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len]
+    return k, v
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+    max_query_len: int = 0,
+    max_seq_len: int = 0,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    num_heads = query.shape[1]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        k, v = gather_kv(kv_cache, block_tables[i], seq_len)
+        q = query[q_start:q_end].float().transpose(0, 1)  # [H, q_len, D]
+        k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, seq_len, D]
+        v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = (q @ k.transpose(1, 2)) * scale  # [H, q_len, seq_len]
+        # query row j sits at absolute position seq_len - q_len + j and sees keys up to it
+        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+        k_pos = torch.arange(seq_len).unsqueeze(0)
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = (probs @ v).transpose(0, 1).to(query.dtype)
+    return out
