@@ -1,0 +1,41 @@
+"""The ``loraplex`` command. Each area adds its own subcommands; this file only wires them.
+
+Settings are built here, once, and passed down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (module, description) of each subcommand group; each module has ``add_parser(subparsers)``
+# which registers its subcommand(s) with ``set_defaults(func=callable(args) -> int)``.
+SUBCOMMAND_MODULES = (
+    "loraplex.server.cli",  # serve
+    "loraplex.registry.cli",  # adapters, tenants
+    "loraplex.engine.cli",  # generate (offline demo)
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraplex", description="Multi-LoRA serving")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for module_name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
