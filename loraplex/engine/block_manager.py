@@ -1,0 +1,182 @@
+"""Paged KV block allocator with reference counts and (optional) prefix caching. Pure Python.
+
+A sequence's KV lives in fixed-size blocks listed in ``seq.block_table``; the KV of token ``p``
+is in slot ``block_table[p // block_size] * block_size + p % block_size``.
+
+Prefix caching: every *full, computed* block gets a hash chained over all tokens before it and
+the adapter's content hash (``h_i = sha256(h_{i-1} || tokens of block i)``, ``h_{-1} =
+sha256(adapter_id)``), so two sequences share a block only when the adapter and every earlier
+token are the same. A new sequence whose leading full blocks are already cached takes them by
+reference count instead of recomputing them. Cached blocks that no sequence uses stay
+"evictable": they count as free, and are reused (LRU) only when the free list is empty.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+
+from loraplex.engine.sequence import Sequence
+
+
+def _root_hash(adapter_id: str | None) -> bytes:
+    return hashlib.sha256(b"loraplex-kv|" + (adapter_id or "").encode()).digest()
+
+
+def _chain_hash(parent: bytes, tokens: list[int]) -> bytes:
+    digest = hashlib.sha256(parent)
+    digest.update(b"".join(t.to_bytes(4, "little", signed=False) for t in tokens))
+    return digest.digest()
+
+
+class BlockManager:
+    """Free list + reference counts over ``num_blocks`` blocks of ``block_size`` tokens."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: deque[int] = deque(range(num_blocks))
+        self._ref_count = [0] * num_blocks
+        # prefix cache: hash -> block, block -> hash, and unused cached blocks in LRU order
+        self._cached: dict[bytes, int] = {}
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # seq_id -> chain hashes of that sequence's full blocks registered so far
+        self._seq_hashes: dict[int, list[bytes]] = {}
+        self.num_prefix_hit_tokens = 0  # counters for stats
+        self.num_prefix_query_tokens = 0
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences (cached-but-unused blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def ref_count(self, block: int) -> int:
+        return self._ref_count[block]
+
+    # ---- prefix cache lookup ---------------------------------------------------------------
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Cached blocks matching ``seq``'s leading full blocks; at least one token is left to
+        compute so the step that admits it can sample from real logits."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        parent = _root_hash(seq.adapter_id)
+        for i in range(max_blocks):
+            parent = _chain_hash(parent, seq.token_slice(i * self.block_size, (i + 1) * self.block_size))
+            block = self._cached.get(parent)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def num_cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens of a not-yet-allocated ``seq`` that ``allocate`` would take from the cache."""
+        return len(self._prefix_hits(seq)) * self.block_size
+
+    # ---- allocation ------------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Can a sequence without blocks get its cached prefix plus ``num_new_tokens`` more?"""
+        hits = self._prefix_hits(seq)
+        need = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
+        # hit blocks that sit in the evictable pool stop being free once taken
+        taken_from_free = sum(1 for b in hits if self._ref_count[b] == 0)
+        return need + taken_from_free <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Give ``seq`` (which holds no blocks) its cached prefix and blocks for
+        ``num_new_tokens`` more; sets ``seq.num_computed_tokens`` to the cached length."""
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.seq_id} already holds blocks")
+        hits = self._prefix_hits(seq)
+        if self.enable_prefix_caching:
+            self.num_prefix_query_tokens += seq.num_tokens
+            self.num_prefix_hit_tokens += len(hits) * self.block_size
+        hashes: list[bytes] = []
+        for block in hits:
+            if self._ref_count[block] == 0:
+                self._evictable.pop(block, None)
+            self._ref_count[block] += 1
+            hashes.append(self._block_hash[block])  # type: ignore[arg-type]
+        seq.block_table = list(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            self._seq_hashes[seq.seq_id] = hashes
+        self.append(seq, num_new_tokens)
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        need = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return need <= self.num_free_blocks
+
+    def append(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow ``seq.block_table`` to hold its computed tokens plus ``num_new_tokens``."""
+        need = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if need > self.num_free_blocks:
+            raise RuntimeError(f"out of KV blocks: need {need}, free {self.num_free_blocks}")
+        for _ in range(need):
+            seq.block_table.append(self._take_block())
+
+    def _take_block(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:  # reuse the least recently used cached block nobody holds
+            block, _ = self._evictable.popitem(last=False)
+            old_hash = self._block_hash[block]
+            if old_hash is not None and self._cached.get(old_hash) == block:
+                del self._cached[old_hash]
+            self._block_hash[block] = None
+        self._ref_count[block] = 1
+        return block
+
+    def commit(self, seq: Sequence) -> None:
+        """Register ``seq``'s newly completed full blocks in the prefix cache (after a step)."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._seq_hashes.setdefault(seq.seq_id, [])
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        parent = hashes[-1] if hashes else _root_hash(seq.adapter_id)
+        for i in range(len(hashes), num_full):
+            parent = _chain_hash(parent, seq.token_slice(i * self.block_size, (i + 1) * self.block_size))
+            hashes.append(parent)
+            block = seq.block_table[i]
+            # the first block computed for a given content is the one others will share
+            if parent not in self._cached and self._block_hash[block] is None:
+                self._cached[parent] = block
+                self._block_hash[block] = parent
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s hold on its blocks (at once); cached ones stay reusable."""
+        # release in reverse so a prefix's tail blocks are evicted before its head
+        for block in reversed(seq.block_table):
+            self._ref_count[block] -= 1
+            if self._ref_count[block] < 0:
+                raise RuntimeError(f"block {block} freed twice")
+            if self._ref_count[block] == 0:
+                if self._block_hash[block] is not None:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+        seq.block_table = []
+        self._seq_hashes.pop(seq.seq_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block nobody holds (e.g. after an adapter was deleted)."""
+        for block in list(self._evictable):
+            old_hash = self._block_hash[block]
+            if old_hash is not None and self._cached.get(old_hash) == block:
+                del self._cached[old_hash]
+            self._block_hash[block] = None
+            self._free.append(block)
+        self._evictable.clear()

@@ -1,0 +1,366 @@
+"""Continuous-batching scheduler with chunked prefill, preemption by recompute and LoRA slot
+admission. Pure Python: it never imports torch (a test asserts it).
+
+Each ``schedule()`` builds one step under two budgets, ``max_num_batched_tokens`` tokens and
+``max_num_seqs`` running sequences:
+
+1. Running sequences, decodes first, then unfinished prompt chunks. A prompt longer than the
+   remaining token budget is cut (chunked prefill) and continues next step. When a running
+   sequence needs a KV block and none is free, the most recently admitted running sequence is
+   preempted (its blocks freed, requeued at the front of the waiting queue, recomputed later
+   from prompt + generated-so-far; its output is the same as without preemption).
+2. Waiting sequences in FCFS (arrival) order, while budget, KV blocks and adapter slots allow.
+   The first sequence that cannot get KV blocks stops admission (strict FCFS for memory).
+   A sequence whose adapter cannot get a slot, or is not loaded yet, is skipped without holding
+   up the ones behind it.
+
+Adapter slots: the distinct adapters of the RUNNING sequences never exceed
+``max_loras - gate.num_reserved_slots(running)``, so the runner can always place a step's
+adapters in device slots.
+
+Starvation bound: let S be the oldest waiting sequence whose adapter is ready (in host memory)
+but cannot get a slot. From the step S is picked, no sequence of any other adapter is admitted
+(base-model sequences still are: they take no slot), so the running adapters drain; if S's
+adapter still has no slot ``config.lora_starvation_steps`` steps later, every running sequence
+of the adapter with the fewest running sequences is preempted (recomputed later) in that step.
+So S's adapter gets a slot, and S is admitted, at most ``lora_starvation_steps`` steps after S
+is picked, provided S fits in the free KV blocks and the token budget (FCFS for memory) and that
+explicitly pinned adapters do not hold every slot.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Protocol
+
+from loraplex.config import EngineConfig
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledSeq
+from loraplex.engine.sequence import FINISH_STATUS, Sequence, SequenceStatus
+
+
+class AdapterGate(Protocol):
+    """What the scheduler asks the LoRA manager (implemented by ``LoRAManager``)."""
+
+    def is_ready(self, adapter_id: str) -> bool:
+        """Validated and in host memory: giving it a slot needs no blocking I/O."""
+        ...
+
+    def num_reserved_slots(self, running: set[str]) -> int:
+        """Device slots held by explicitly pinned adapters that are NOT in ``running``."""
+        ...
+
+
+@dataclass
+class SchedulerStats:
+    """Cumulative counters (engine stats, tests)."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_chunked_prefills: int = 0
+    num_starvation_preemptions: int = 0
+    num_prompt_tokens_computed: int = 0
+    num_generated_tokens: int = 0
+
+
+class Scheduler:
+    """Decides, step by step, which sequences run and how many tokens each (see module doc)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        adapter_gate: AdapterGate | None = None,
+        eos_token_ids: Iterable[int] = (),
+        max_model_len: int | None = None,
+    ):
+        self.config = config
+        self.block_manager = block_manager
+        self.adapter_gate = adapter_gate
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len or config.max_model_len
+        self.max_loras = config.max_loras
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self._seqs: dict[int, Sequence] = {}  # unfinished sequences by id
+        self._released: list[int] = []
+        self._starving: Sequence | None = None  # S of the module doc
+        self._starving_since = 0
+        self.stats = SchedulerStats()
+
+    # ---- queue management ------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self._seqs[seq.seq_id] = seq
+        self._insert_waiting(seq)
+
+    def _insert_waiting(self, seq: Sequence) -> None:
+        # FCFS by arrival; a preempted sequence is older than anything that arrived after it,
+        # so it lands at (or near) the front
+        if not self.waiting or seq.arrival_time >= self.waiting[-1].arrival_time:
+            self.waiting.append(seq)
+            return
+        for i, other in enumerate(self.waiting):
+            if seq.arrival_time < other.arrival_time:
+                self.waiting.insert(i, seq)
+                return
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get(self, seq_id: int) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
+    def running_adapters(self) -> set[str]:
+        return {s.adapter_id for s in self.running if s.adapter_id is not None}
+
+    # ---- step building ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.stats.num_steps += 1
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[int, ScheduledSeq] = {}
+        num_preempted = 0
+
+        self._check_starvation()
+        if self._starving is not None and self._starving_steps() >= self.config.lora_starvation_steps:
+            num_preempted += self._preempt_for_starving()
+        num_preempted_for_kv = 0
+
+        # 1. running: decodes first, then prompt chunks (stable within each group)
+        order = sorted(self.running, key=lambda s: 0 if s.is_decode else 1)
+        for seq in order:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if budget <= 0:
+                break
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            if num_tokens < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
+                continue
+            while not self.block_manager.can_append(seq, num_tokens):
+                victim = self.running[-1]
+                budget += self._unschedule(scheduled, victim)
+                self._preempt(victim)
+                num_preempted_for_kv += 1
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.block_manager.append(seq, num_tokens)
+            scheduled[seq.seq_id] = self._make_scheduled(seq, num_tokens)
+            budget -= num_tokens
+
+        # 2. waiting, FCFS; adapter-blocked ones are skipped, KV-blocked stop admission.
+        # No admission in a step that had to preempt for KV: memory is short already.
+        num_preempted += num_preempted_for_kv
+        if num_preempted_for_kv == 0:
+            budget = self._admit(scheduled, budget)
+
+        entries = list(scheduled.values())
+        out = SchedulerOutput(
+            scheduled=entries,
+            num_batched_tokens=sum(e.num_tokens for e in entries),
+            released_seq_ids=self._released,
+            num_preempted=num_preempted,
+            num_chunked_prefills=sum(1 for e in entries if not e.needs_sample),
+        )
+        self._released = []
+        self.stats.num_preemptions += num_preempted
+        self.stats.num_chunked_prefills += out.num_chunked_prefills
+        return out
+
+    def _admit(self, scheduled: dict[int, ScheduledSeq], budget: int) -> int:
+        adapters = self.running_adapters()
+        admitted: list[Sequence] = []
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not self._adapter_admissible(seq, adapters):
+                continue
+            cached = self.block_manager.num_cached_prefix_tokens(seq)
+            num_tokens = min(seq.num_tokens - cached, budget)
+            if num_tokens < seq.num_tokens - cached and not self.config.enable_chunked_prefill:
+                break
+            if not self.block_manager.can_allocate(seq, num_tokens):
+                break
+            self.block_manager.allocate(seq, num_tokens)
+            seq.status = SequenceStatus.RUNNING
+            seq.admitted_time = time.monotonic()
+            self.running.append(seq)
+            admitted.append(seq)
+            if seq.adapter_id is not None:
+                adapters.add(seq.adapter_id)
+            if seq is self._starving:
+                self._starving = None
+            scheduled[seq.seq_id] = self._make_scheduled(seq, num_tokens)
+            budget -= num_tokens
+        if admitted:
+            taken = {s.seq_id for s in admitted}
+            self.waiting = deque(s for s in self.waiting if s.seq_id not in taken)
+        return budget
+
+    def _adapter_admissible(self, seq: Sequence, adapters: set[str]) -> bool:
+        adapter = seq.adapter_id
+        if adapter is None or adapter in adapters:
+            # an adapter already running needs no new slot, but while S starves its running
+            # adapters must drain (see module doc)
+            return adapter is None or self._starving is None or self._starving.adapter_id == adapter
+        if self._starving is not None and self._starving.adapter_id != adapter:
+            return False
+        if self.adapter_gate is not None and not self.adapter_gate.is_ready(adapter):
+            return False
+        return self._fits_slots(adapters | {adapter})
+
+    def _fits_slots(self, adapters: set[str]) -> bool:
+        reserved = self.adapter_gate.num_reserved_slots(adapters) if self.adapter_gate else 0
+        return len(adapters) <= self.max_loras - reserved
+
+    # ---- starvation ------------------------------------------------------------------------
+    def _check_starvation(self) -> None:
+        """Keep or pick S: the oldest waiting sequence whose ready adapter cannot get a slot."""
+        starving = self._starving
+        if starving is not None:
+            still_waiting = starving.status is SequenceStatus.WAITING and starving.seq_id in self._seqs
+            not_ready = self.adapter_gate is not None and not self.adapter_gate.is_ready(starving.adapter_id)
+            if still_waiting and not not_ready:
+                return
+            self._starving = None
+        adapters = self.running_adapters()
+        for seq in self.waiting:  # arrival order
+            adapter = seq.adapter_id
+            if adapter is None or adapter in adapters:
+                continue
+            if self.adapter_gate is not None and not self.adapter_gate.is_ready(adapter):
+                continue
+            if not self._fits_slots(adapters | {adapter}):
+                self._starving = seq
+                self._starving_since = self.stats.num_steps
+            return
+
+    def _starving_steps(self) -> int:
+        return self.stats.num_steps - self._starving_since
+
+    def _preempt_for_starving(self) -> int:
+        """Free one slot for S by preempting all running sequences of the least used adapter."""
+        counts: dict[str, int] = {}
+        for seq in self.running:
+            if seq.adapter_id is not None:
+                counts[seq.adapter_id] = counts.get(seq.adapter_id, 0) + 1
+        if not counts:
+            return 0  # slots are held by pinned adapters; nothing the scheduler can preempt
+        victim_adapter = min(counts, key=lambda a: (counts[a], a))
+        victims = [s for s in self.running if s.adapter_id == victim_adapter]
+        for seq in reversed(victims):
+            self._preempt(seq)
+        self.stats.num_starvation_preemptions += len(victims)
+        self._starving_since = self.stats.num_steps  # the bound restarts if still not enough
+        return len(victims)
+
+    # ---- preemption / release --------------------------------------------------------------
+    def _make_scheduled(self, seq: Sequence, num_tokens: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        return ScheduledSeq(
+            seq=seq,
+            start_pos=start,
+            num_tokens=num_tokens,
+            block_table=seq.block_table,
+            needs_sample=start + num_tokens == seq.num_tokens,
+            adapter_id=seq.adapter_id,
+        )
+
+    @staticmethod
+    def _unschedule(scheduled: dict[int, ScheduledSeq], seq: Sequence) -> int:
+        entry = scheduled.pop(seq.seq_id, None)
+        return entry.num_tokens if entry else 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        self.running.remove(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self._released.append(seq.seq_id)
+        self._insert_waiting(seq)
+
+    def _release(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.block_manager.free(seq)
+        seq.status = status
+        seq.stop_reason = stop_reason
+        seq.finished_time = time.monotonic()
+        self._seqs.pop(seq.seq_id, None)
+        self._released.append(seq.seq_id)
+
+    def finish(self, seq_id: int, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a sequence now (the engine's stop-string check): ``reason`` is stop/length/abort."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            self._release(seq, FINISH_STATUS[reason], stop_reason)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Abort every sequence of a request; their blocks are free when this returns."""
+        seqs = [s for s in self._seqs.values() if s.request_id == request_id]
+        for seq in seqs:
+            self._release(seq, SequenceStatus.FINISHED_ABORTED)
+        return seqs
+
+    # ---- results ---------------------------------------------------------------------------
+    def update(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Sequence]:
+        """Apply a step's results: advance computed tokens, append sampled tokens, stop checks.
+        Returns the sequences that got a new token (finished ones included)."""
+        changed: list[Sequence] = []
+        now = time.monotonic()
+        for entry in sched_out.scheduled:
+            seq = entry.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens = entry.start_pos + entry.num_tokens
+            is_decode = entry.needs_sample and entry.num_tokens == 1 and seq.num_output_tokens > 0
+            if not is_decode:
+                self.stats.num_prompt_tokens_computed += entry.num_tokens
+            self.block_manager.commit(seq)
+            if not entry.needs_sample:
+                continue
+            sampled = runner_out.sampled[seq.seq_id]
+            seq.output_token_ids.append(sampled.token_id)
+            if seq.params.logprobs is not None:
+                seq.output_logprobs.append(
+                    {"token_id": sampled.token_id, "logprob": sampled.logprob, "top_logprobs": sampled.top_logprobs}
+                )
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self.stats.num_generated_tokens += 1
+            status, reason = self._check_stop(seq, sampled.token_id)
+            if status is not None:
+                self._release(seq, status, reason)
+            changed.append(seq)
+        return changed
+
+    def _check_stop(self, seq: Sequence, token: int) -> tuple[SequenceStatus | None, int | None]:
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids:
+                return SequenceStatus.FINISHED_STOPPED, token
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED, None
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH, None
+        if self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH, None
+        return None, None

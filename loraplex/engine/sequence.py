@@ -1,0 +1,113 @@
+"""One generated sequence (a request with ``n > 1`` has ``n`` of them). Pure Python, no torch.
+
+Preemption is by recompute: a preempted sequence drops its KV blocks and sets
+``num_computed_tokens`` back to 0, so prompt + generated-so-far becomes the "prompt" it
+recomputes on resume. The output tokens stay in ``output_token_ids`` (penalties and stop checks
+keep seeing them as generated tokens); only the KV is recomputed.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from loraplex.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            SequenceStatus.FINISHED_STOPPED,
+            SequenceStatus.FINISHED_LENGTH,
+            SequenceStatus.FINISHED_ABORTED,
+        )
+
+
+# finish_reason string (RequestOutput contract) -> status
+FINISH_STATUS = {
+    "stop": SequenceStatus.FINISHED_STOPPED,
+    "length": SequenceStatus.FINISHED_LENGTH,
+    "abort": SequenceStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass(eq=False)  # identity semantics: list.remove / `in` must not compare token lists
+class Sequence:
+    """A prompt and the tokens generated after it, plus its scheduling state.
+
+    The KV of ``all_token_ids[:num_computed_tokens]`` sits in the blocks of ``block_table``.
+    ``adapter_id`` is the adapter's content sha256 (None = base model).
+    """
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter_id: str | None = None
+    index: int = 0  # position among the request's n sequences
+    output_token_ids: list[int] = field(default_factory=list)
+    # per generated token: {"token_id", "logprob", "top_logprobs"} when params.logprobs is set
+    output_logprobs: list[dict] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+    admitted_time: float | None = None  # last admission (RUNNING), for preemption order
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """True when only the last sampled token lacks KV (a one-token step)."""
+        return self.num_uncomputed_tokens == 1 and bool(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.is_finished else None
+
+    def token_at(self, pos: int) -> int:
+        n_prompt = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < n_prompt else self.output_token_ids[pos - n_prompt]
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """``all_token_ids[start:stop]`` without building the whole list."""
+        n_prompt = len(self.prompt_token_ids)
+        if stop <= n_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : stop - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n_prompt]

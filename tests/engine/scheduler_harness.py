@@ -1,0 +1,122 @@
+"""A fake model runner and a driver loop for scheduler tests (no torch).
+
+The fake runner keeps a paged "KV cache" of token ids: it writes each scheduled token into the
+slot its block table gives, and when asked to sample it reads the whole context back through
+the block table. So a wrong block table, a block shared by mistake, a token recomputed at the
+wrong place or a stale prefix-cache hit all show up as a wrong context, and the sampled token
+(a deterministic function of the context) would differ from an unpaged reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+
+from loraplex.config import EngineConfig
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
+from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.sequence import Sequence
+from loraplex.sampling_params import SamplingParams
+
+VOCAB = 97
+
+
+def next_token(context: list[int], adapter_id: str | None = None) -> int:
+    """The fake model: a deterministic function of every previous token (and the adapter)."""
+    data = repr((adapter_id, context)).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=4).digest(), "little") % VOCAB
+
+
+def reference_output(prompt: list[int], max_tokens: int, adapter_id: str | None = None) -> list[int]:
+    tokens = list(prompt)
+    out = []
+    for _ in range(max_tokens):
+        tok = next_token(tokens, adapter_id)
+        tokens.append(tok)
+        out.append(tok)
+    return out
+
+
+class FakeRunner:
+    """Checks the scheduler's output against a paged token-id cache and samples ``next_token``."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.kv: dict[int, tuple[int, int]] = {}  # slot -> (position, token id)
+        self.num_slots = num_blocks * block_size
+        self.steps: list[SchedulerOutput] = []
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.steps.append(out)
+        sampled: dict[int, SampledToken] = {}
+        used_blocks: dict[int, int] = {}
+        for entry in out.scheduled:
+            seq = entry.seq
+            assert entry.start_pos == seq.num_computed_tokens
+            end = entry.start_pos + entry.num_tokens
+            assert end <= seq.num_tokens
+            assert len(entry.block_table) * self.block_size >= end
+            tokens = seq.all_token_ids
+            for pos in range(entry.start_pos, end):
+                block = entry.block_table[pos // self.block_size]
+                # a block being written belongs to this sequence alone in this step
+                assert used_blocks.setdefault(block, seq.seq_id) == seq.seq_id
+                self.kv[block * self.block_size + pos % self.block_size] = (pos, tokens[pos])
+            if entry.needs_sample:
+                assert end == seq.num_tokens
+                context = []
+                for pos in range(end):
+                    slot = entry.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+                    stored_pos, tok = self.kv[slot]
+                    assert stored_pos == pos
+                    context.append(tok)
+                assert context == tokens
+                sampled[seq.seq_id] = SampledToken(next_token(context, seq.adapter_id))
+        return ModelRunnerOutput(sampled=sampled)
+
+
+class Harness:
+    """A scheduler, its block manager and a fake runner, driven step by step."""
+
+    def __init__(self, num_blocks: int = 64, block_size: int = 4, gate=None, eos_token_ids=(), **config):
+        self.config = EngineConfig(block_size=block_size, **config)
+        self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager, gate, eos_token_ids=eos_token_ids)
+        self.runner = FakeRunner(num_blocks, block_size)
+        self._ids = itertools.count()
+        self.seqs: list[Sequence] = []
+        self.time = 0.0
+
+    def add(self, prompt: list[int], adapter_id: str | None = None, **params) -> Sequence:
+        params.setdefault("max_tokens", 8)
+        params.setdefault("ignore_eos", True)
+        seq_id = next(self._ids)
+        self.time += 1.0  # strictly increasing arrival times keep FCFS order well defined
+        seq = Sequence(
+            seq_id=seq_id,
+            request_id=f"req-{seq_id}",
+            prompt_token_ids=list(prompt),
+            params=SamplingParams(temperature=0.0, **params),
+            adapter_id=adapter_id,
+            arrival_time=self.time,
+        )
+        self.scheduler.add(seq)
+        self.seqs.append(seq)
+        return seq
+
+    def step(self) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        assert out.num_batched_tokens <= self.config.max_num_batched_tokens
+        assert len(self.scheduler.running) <= self.config.max_num_seqs
+        run_out = self.runner.execute(out)
+        self.scheduler.update(out, run_out)
+        return out
+
+    def run(self, max_steps: int = 10_000) -> int:
+        steps = 0
+        while self.scheduler.has_unfinished():
+            self.step()
+            steps += 1
+            assert steps < max_steps, "scheduler made no progress"
+        return steps
