@@ -1,0 +1,315 @@
+"""Segmented-gather LoRA kernels (SGMV shrink and expand) in Triton.
+
+Same arguments and semantics as ``dispatch.lora_shrink`` / ``dispatch.lora_expand`` (and their
+torch twins in ``lora_ref``). Tokens are grouped by adapter slot (``LoRABatchMeta``); one program
+handles one tile of rows of one segment, so the grid follows the work present
+(``num_segments x tiles of max_seg_len``), never ``max_loras x tokens``.
+
+Two shapes of the same kernels, chosen per call from ``meta.max_seg_len`` (a host int):
+
+* decode-shaped (segments of at most ``GEMV_MAX_SEG_LEN`` rows): a tensor-core tile is at least
+  16 rows, so a one-token segment would waste 15/16 of it. These programs multiply on the CUDA
+  cores (broadcast and ``tl.sum``), and shrink splits the ``in`` dimension across programs
+  (split-K, fp32 atomics into a zeroed output) so that a few segments still fill the GPU.
+  Each adapter's A and B tiles are read once per segment, which is the memory-roofline count.
+* prefill-shaped (longer segments): ``tl.dot`` tiles of 16 to 64 rows.
+
+Every slot's real rank bounds the work: shrink masks the rank tile beyond it (so ranks 1..15 and
+odd ranks work in a 16-wide tile and masked rows of A are never fetched), expand loops over the
+real rank only. Row indices are widened to int64 before they meet a stride. Per-step counts are
+``do_not_specialize`` so a new batch shape does not recompile, and nothing here reads a device
+value on the host, so the launches can be captured in a CUDA graph (the grid comes from meta's
+host ints; a graph runner passes upper bounds there, and empty segments exit at once).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.kernels.lora_meta import LoRABatchMeta
+
+# Longest segment the decode-shaped (no tl.dot) path takes; longer ones use tensor-core tiles.
+GEMV_MAX_SEG_LEN = 8
+# Aim for about this many programs per launch before splitting the shrink's K dimension:
+# a few waves over the 132 SMs of an H100/H200, fixed so the choice needs no device query.
+TARGET_PROGRAMS = 512
+MAX_SLICES = 4  # packed projections: qkv has 3, gate_up 2
+
+
+@triton.jit(do_not_specialize=["tiles_per_seg", "k_per_split"])
+def _sgmv_shrink_kernel(
+    x_ptr,  # [num_tokens, in]
+    a_ptr,  # [num_slices, max_loras, r_max, in]
+    out_ptr,  # [num_slices, num_tokens, r_max] fp32, permuted rows
+    token_perm_ptr,  # [num_tokens] int64
+    seg_starts_ptr,  # [num_segments + 1] int32
+    seg_slot_ptr,  # [num_segments] int32
+    slot_rank_ptr,  # [max_loras] int32
+    in_features,
+    tiles_per_seg,
+    k_per_split,
+    stride_xt,
+    stride_xk,
+    stride_as,
+    stride_al,
+    stride_ar,
+    stride_ak,
+    stride_os,
+    stride_ot,
+    stride_or,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    ATOMIC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    sl = tl.program_id(2)
+    seg = pid // tiles_per_seg
+    tile = pid % tiles_per_seg
+    slot = tl.load(seg_slot_ptr + seg)
+    if slot < 0:
+        return
+    rank = tl.load(slot_rank_ptr + slot)
+    if rank <= 0:
+        return
+    seg_hi = tl.load(seg_starts_ptr + seg + 1)
+    row_lo = tl.load(seg_starts_ptr + seg) + tile * BLOCK_M
+    if row_lo >= seg_hi:
+        return
+
+    rows = row_lo + tl.arange(0, BLOCK_M)  # permuted row indices
+    row_mask = rows < seg_hi
+    tok = tl.load(token_perm_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < rank
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, in_features)
+    offs_k = tl.arange(0, BLOCK_K)
+
+    x_rows = x_ptr + tok[:, None] * stride_xt  # [BLOCK_M, 1]
+    a_rows = (
+        a_ptr
+        + sl.to(tl.int64) * stride_as
+        + slot.to(tl.int64) * stride_al
+        + r[:, None].to(tl.int64) * stride_ar
+    )  # [BLOCK_R, 1]
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < k_hi
+        xt = tl.load(x_rows + k[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        at = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        if USE_DOT:
+            acc += tl.dot(xt, tl.trans(at))  # [BLOCK_M, BLOCK_R]
+        else:
+            prod = xt[:, None, :].to(tl.float32) * at[None, :, :].to(tl.float32)
+            acc += tl.sum(prod, axis=2)
+
+    out_ptrs = (
+        out_ptr
+        + sl.to(tl.int64) * stride_os
+        + rows[:, None].to(tl.int64) * stride_ot
+        + r[None, :] * stride_or
+    )
+    out_mask = row_mask[:, None] & r_mask[None, :]
+    if ATOMIC:
+        tl.atomic_add(out_ptrs, acc, mask=out_mask)
+    else:
+        tl.store(out_ptrs, acc, mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["tiles_per_seg", "off0", "off1", "off2", "off3", "off4"])
+def _sgmv_expand_kernel(
+    s_ptr,  # [num_slices, num_tokens, r_max] fp32, permuted rows
+    b_ptr,  # [max_loras, out_total, r_max]
+    scaling_ptr,  # [num_slices, max_loras] fp32
+    y_ptr,  # [num_tokens, out_total], original order
+    token_perm_ptr,
+    seg_starts_ptr,
+    seg_slot_ptr,
+    slot_rank_ptr,
+    tiles_per_seg,
+    off0,
+    off1,
+    off2,
+    off3,
+    off4,
+    stride_ss,
+    stride_st,
+    stride_sr,
+    stride_bl,
+    stride_bn,
+    stride_br,
+    stride_cs,
+    stride_cl,
+    stride_yt,
+    stride_yn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    sl = tl.program_id(2)
+    seg = pid // tiles_per_seg
+    tile = pid % tiles_per_seg
+    slot = tl.load(seg_slot_ptr + seg)
+    if slot < 0:
+        return
+    rank = tl.load(slot_rank_ptr + slot)
+    if rank <= 0:
+        return
+    seg_hi = tl.load(seg_starts_ptr + seg + 1)
+    row_lo = tl.load(seg_starts_ptr + seg) + tile * BLOCK_M
+    if row_lo >= seg_hi:
+        return
+    # this slice's columns of y: [n_lo, n_hi)
+    n_lo = tl.where(sl == 0, off0, tl.where(sl == 1, off1, tl.where(sl == 2, off2, off3)))
+    n_hi = tl.where(sl == 0, off1, tl.where(sl == 1, off2, tl.where(sl == 2, off3, off4)))
+    n_start = n_lo + pid_n * BLOCK_N
+    if n_start >= n_hi:
+        return
+
+    rows = row_lo + tl.arange(0, BLOCK_M)
+    row_mask = rows < seg_hi
+    tok = tl.load(token_perm_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    n = n_start + tl.arange(0, BLOCK_N)
+    n_mask = n < n_hi
+    scale = tl.load(scaling_ptr + sl * stride_cs + slot * stride_cl)
+
+    s_rows = s_ptr + sl.to(tl.int64) * stride_ss + rows[:, None].to(tl.int64) * stride_st  # [BLOCK_M, 1]
+    b_cols = b_ptr + slot.to(tl.int64) * stride_bl + n[None, :].to(tl.int64) * stride_bn  # [1, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):  # the slot's real rank, not r_max
+        r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = r < rank
+        st = tl.load(s_rows + r[None, :] * stride_sr, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+        bt = tl.load(b_cols + r[:, None] * stride_br, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        if USE_DOT:
+            acc += tl.dot(st.to(bt.dtype), bt)  # [BLOCK_M, BLOCK_N]
+        else:
+            acc += tl.sum(st[:, :, None] * bt[None, :, :].to(tl.float32), axis=1)
+
+    y_ptrs = y_ptr + tok[:, None] * stride_yt + n[None, :] * stride_yn
+    y_mask = row_mask[:, None] & n_mask[None, :]
+    y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y.dtype), mask=y_mask)
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+    return max(floor, triton.next_power_of_2(max(1, n)))
+
+
+def _row_tile(max_seg_len: int) -> tuple[int, bool]:
+    """Rows per program and whether to use tensor-core tiles, from the longest segment."""
+    if max_seg_len <= GEMV_MAX_SEG_LEN:
+        return _pow2_at_least(max_seg_len, 1), False
+    return min(64, _pow2_at_least(max_seg_len, 16)), True
+
+
+def lora_shrink_triton(
+    x: torch.Tensor,  # [num_tokens, in]
+    a_stack: torch.Tensor,  # [num_slices, max_loras, r_max, in]
+    meta: LoRABatchMeta,
+    out: torch.Tensor,  # [num_slices, num_tokens, r_max] fp32, permuted rows
+    *,
+    split_k: int | None = None,  # override the K split (tests, tuning); None = by work present
+) -> None:
+    """``out[s, i, :r] = x[token_perm[i]] @ a_stack[s, slot, :r].T`` (see dispatch.lora_shrink)."""
+    if meta.num_segments == 0 or meta.max_rank <= 0 or meta.max_seg_len == 0:
+        return
+    num_slices, _, _, in_features = a_stack.shape
+    block_m, use_dot = _row_tile(meta.max_seg_len)
+    block_r = _pow2_at_least(meta.max_rank, 16)
+    if use_dot:
+        block_k = 64 if block_r <= 64 else 32
+    else:
+        # bound the [BLOCK_M, BLOCK_R, BLOCK_K] broadcast product held in registers
+        block_k = max(16, min(256, 8192 // (block_m * block_r)))
+    tiles_per_seg = triton.cdiv(meta.max_seg_len, block_m)
+    programs = meta.num_segments * tiles_per_seg * num_slices
+    k_blocks = triton.cdiv(in_features, block_k)
+    if split_k is None:
+        # split K only while each split keeps at least 4 K-blocks of work
+        split_k = min(triton.cdiv(TARGET_PROGRAMS, programs), k_blocks // 4)
+    split_k = max(1, min(split_k, k_blocks))
+    k_per_split = triton.cdiv(k_blocks, split_k) * block_k
+    split_k = triton.cdiv(in_features, k_per_split)
+    if split_k > 1:
+        out.zero_()  # the splits add into it
+    grid = (meta.num_segments * tiles_per_seg, split_k, num_slices)
+    _sgmv_shrink_kernel[grid](
+        x,
+        a_stack,
+        out,
+        meta.token_perm,
+        meta.seg_starts,
+        meta.seg_slot,
+        meta.slot_rank,
+        in_features,
+        tiles_per_seg,
+        k_per_split,
+        x.stride(0),
+        x.stride(1),
+        *a_stack.stride(),
+        *out.stride(),
+        BLOCK_M=block_m,
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        USE_DOT=use_dot,
+        ATOMIC=split_k > 1,
+        num_warps=4,
+    )
+
+
+def lora_expand_triton(
+    shrunk: torch.Tensor,  # [num_slices, num_tokens, r_max] fp32
+    b_stack: torch.Tensor,  # [max_loras, out_total, r_max]
+    scaling: torch.Tensor,  # [num_slices, max_loras] fp32
+    slice_offsets: tuple[int, ...],  # num_slices + 1 offsets into out_total
+    meta: LoRABatchMeta,
+    y: torch.Tensor,  # [num_tokens, out_total], updated in place
+) -> None:
+    """``y[token_perm[i], slice s] += scaling[s, slot] * shrunk[s, i, :r] @ B_s[slot, :, :r].T``,
+    every slice of a packed projection in one launch (see dispatch.lora_expand)."""
+    if meta.num_segments == 0 or meta.max_rank <= 0 or meta.max_seg_len == 0:
+        return
+    num_slices = len(slice_offsets) - 1
+    if not 1 <= num_slices <= MAX_SLICES:
+        raise ValueError(f"lora_expand_triton supports 1..{MAX_SLICES} slices, got {num_slices}")
+    offsets = list(slice_offsets) + [slice_offsets[-1]] * (MAX_SLICES + 1 - len(slice_offsets))
+    max_width = max(slice_offsets[s + 1] - slice_offsets[s] for s in range(num_slices))
+    block_m, use_dot = _row_tile(meta.max_seg_len)
+    if use_dot:
+        block_n, block_r = 64, min(64, _pow2_at_least(meta.max_rank, 16))
+    else:
+        block_r = 16
+        block_n = 128 if block_m <= 2 else 64
+    tiles_per_seg = triton.cdiv(meta.max_seg_len, block_m)
+    grid = (meta.num_segments * tiles_per_seg, triton.cdiv(max_width, block_n), num_slices)
+    _sgmv_expand_kernel[grid](
+        shrunk,
+        b_stack,
+        scaling,
+        y,
+        meta.token_perm,
+        meta.seg_starts,
+        meta.seg_slot,
+        meta.slot_rank,
+        tiles_per_seg,
+        *offsets,
+        *shrunk.stride(),
+        *b_stack.stride(),
+        *scaling.stride(),
+        *y.stride(),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        USE_DOT=use_dot,
+        num_warps=4,
+    )

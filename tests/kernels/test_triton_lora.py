@@ -1,0 +1,144 @@
+"""SGMV shrink/expand Triton kernels (interpreter, CPU) against the torch reference in lora_ref."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.helpers import make_meta, nan_like, randn, rel_err
+
+from loraplex.kernels.lora_ref import lora_expand_ref, lora_shrink_ref  # noqa: E402
+from loraplex.kernels.triton_lora import lora_expand_triton, lora_shrink_triton  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+
+# Each case: per-token slots (-1 = base model), per-slot real ranks, r_max, slice widths, in.
+CASES = {
+    # one token per sequence, many adapters of mixed rank: the decode (no tl.dot) path
+    "decode_one_token_per_segment": dict(
+        slots=[3, 0, 5, 1, -1, 4, 2, 0, 5, 3], ranks=[1, 3, 8, 16, 64, 128], r_max=128,
+        widths=(24,), in_features=40, empty_segments=2,
+    ),
+    # ragged short segments with base-only tokens and unequal qkv slices (q 32, k 8, v 8)
+    "ragged_short_qkv": dict(
+        slots=[2, 2, -1, 0, 2, 1, 1, 1, 1, 1, -1, 0, 2, 2], ranks=[3, 16, 8], r_max=16,
+        widths=(32, 8, 8), in_features=48, empty_segments=1,
+    ),
+    # a segment longer than a 64-row tile beside one-token ones: the tl.dot path, ranks 1..128
+    "prefill_long_segment": dict(
+        slots=[1] * 70 + [0, -1, 2, 3, 4, 5] + [3] * 9, ranks=[1, 3, 8, 16, 64, 128], r_max=128,
+        widths=(16, 16), in_features=64, empty_segments=2,
+    ),
+}
+
+
+def _case_inputs(case: dict, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = len(case["slots"])
+    num_slices = len(case["widths"])
+    max_loras = len(case["ranks"])
+    x = randn(num_tokens, case["in_features"], dtype=dtype, gen=gen)
+    a_stack = randn(num_slices, max_loras, case["r_max"], case["in_features"], dtype=dtype, gen=gen, scale=0.2)
+    out_total = sum(case["widths"])
+    b_stack = randn(max_loras, out_total, case["r_max"], dtype=dtype, gen=gen, scale=0.2)
+    scaling = (torch.rand(num_slices, max_loras, generator=gen) + 0.5).float()
+    meta = make_meta(case["slots"], case["ranks"], case["empty_segments"])
+    offsets = [0]
+    for w in case["widths"]:
+        offsets.append(offsets[-1] + w)
+    return gen, x, a_stack, b_stack, scaling, tuple(offsets), meta
+
+
+def _defined_mask(meta, num_slices: int, r_max: int) -> torch.Tensor:
+    """Entries of the shrink output the contract defines: LoRA rows, columns below the slot's rank."""
+    mask = torch.zeros(num_slices, meta.num_tokens, r_max, dtype=torch.bool)
+    for g, slot in enumerate(meta.seg_slot_host):
+        lo, hi = meta.seg_starts_host[g], meta.seg_starts_host[g + 1]
+        if slot >= 0 and hi > lo:
+            mask[:, lo:hi, : meta.slot_rank_host[slot]] = True
+    return mask
+
+
+def _seed(name: str, dtype: torch.dtype, salt: int) -> int:
+    return (sum(map(ord, name)) * 31 + (7 if dtype == torch.float16 else 0) + salt * 1009) % (2**31)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", list(CASES))
+def test_shrink_matches_reference(name, dtype):
+    case = CASES[name]
+    _, x, a_stack, _, _, _, meta = _case_inputs(case, dtype, _seed(name, dtype, 1))
+    shape = (len(case["widths"]), meta.num_tokens, case["r_max"])
+    out = torch.full(shape, float("nan"))
+    ref = torch.full(shape, float("nan"))
+    lora_shrink_triton(x, a_stack, meta, out)
+    lora_shrink_ref(x, a_stack, meta, ref)
+    defined = _defined_mask(meta, shape[0], shape[2])
+    assert defined.any()
+    assert not out[defined].isnan().any(), "shrink left defined entries unwritten"
+    assert rel_err(out[defined], ref[defined]) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_shrink_split_k_accumulates_all_splits(split_k):
+    """The split-K path (atomics into a zeroed output) forced on a small problem."""
+    case = dict(CASES["ragged_short_qkv"], in_features=96)
+    _, x, a_stack, _, _, _, meta = _case_inputs(case, torch.float32, 77 + split_k)
+    shape = (3, meta.num_tokens, case["r_max"])
+    out, ref = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    lora_shrink_triton(x, a_stack, meta, out, split_k=split_k)
+    lora_shrink_ref(x, a_stack, meta, ref)
+    defined = _defined_mask(meta, 3, case["r_max"])
+    assert rel_err(out[defined], ref[defined]) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", list(CASES))
+def test_expand_matches_reference(name, dtype):
+    case = CASES[name]
+    gen, _, _, b_stack, scaling, offsets, meta = _case_inputs(case, dtype, _seed(name, dtype, 2))
+    num_slices = len(case["widths"])
+    defined = _defined_mask(meta, num_slices, case["r_max"])
+    # undefined shrink entries are NaN: expand must never read them
+    shrunk = torch.randn(num_slices, meta.num_tokens, case["r_max"], generator=gen).masked_fill(~defined, float("nan"))
+    y0 = randn(meta.num_tokens, offsets[-1], dtype=dtype, gen=gen)
+    y, y_ref = y0.clone(), y0.clone()
+    lora_expand_triton(shrunk, b_stack, scaling, offsets, meta, y)
+    lora_expand_ref(shrunk, b_stack, scaling, offsets, meta, y_ref)
+    assert not y.isnan().any()
+    base_rows = torch.tensor([s < 0 for s in case["slots"]])
+    assert torch.equal(y[base_rows], y0[base_rows]), "base-only rows must be left untouched"
+    assert rel_err(y - y0, y_ref - y0) < TOL[dtype] * 3
+
+
+def test_shrink_then_expand_equals_dense_lora():
+    """The two kernels chained reproduce y + scaling * x @ A.T @ B.T per token (independent of lora_ref)."""
+    case = CASES["ragged_short_qkv"]
+    _, x, a_stack, b_stack, scaling, offsets, meta = _case_inputs(case, torch.float32, 4242)
+    shrunk = nan_like(torch.empty(3, meta.num_tokens, case["r_max"]))
+    lora_shrink_triton(x, a_stack, meta, shrunk)
+    y0 = torch.randn(meta.num_tokens, offsets[-1], generator=torch.Generator().manual_seed(5))
+    y = y0.clone()
+    lora_expand_triton(shrunk, b_stack, scaling, offsets, meta, y)
+    expected = y0.clone()
+    for t, slot in enumerate(case["slots"]):
+        if slot < 0:
+            continue
+        r = case["ranks"][slot]
+        for s in range(3):
+            o0, o1 = offsets[s], offsets[s + 1]
+            delta = x[t] @ a_stack[s, slot, :r].t() @ b_stack[slot, o0:o1, :r].t()
+            expected[t, o0:o1] += scaling[s, slot] * delta
+    assert rel_err(y, expected) < 1e-5
+
+
+def test_no_lora_segments_is_a_no_op():
+    meta = make_meta([-1, -1, -1], [8, 8])
+    x = torch.randn(3, 16)
+    out = torch.full((1, 3, 8), float("nan"))
+    lora_shrink_triton(x, torch.randn(1, 2, 8, 16), meta, out)
+    assert out.isnan().all()
+    y0 = torch.randn(3, 8)
+    y = y0.clone()
+    lora_expand_triton(out, torch.randn(2, 8, 8), torch.ones(1, 2), (0, 8), meta, y)
+    assert torch.equal(y, y0)
