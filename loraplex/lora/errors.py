@@ -1,0 +1,25 @@
+"""Errors raised by the LoRA code. All are ``InvalidRequestError`` so the server maps them to a
+400 in OpenAI's envelope; ``param`` is ``"adapter"`` (or the offending field)."""
+
+from __future__ import annotations
+
+from loraplex.sampling_params import InvalidRequestError
+
+
+class InvalidAdapterError(InvalidRequestError):
+    """An adapter loraplex refuses to load: bad format, unsafe files, or not fitting the base
+    model. The message names the problem. Nothing is loaded when this is raised."""
+
+    def __init__(self, message: str, param: str | None = "adapter", code: str | None = "invalid_adapter"):
+        super().__init__(message, param=param, code=code)
+
+
+class AdapterNotFoundError(InvalidRequestError):
+    """A request names an adapter that is neither registered nor a readable PEFT directory."""
+
+    def __init__(self, message: str, param: str | None = "model", code: str | None = "model_not_found"):
+        super().__init__(message, param=param, code=code)
+
+
+class AdapterHashMismatchError(InvalidAdapterError):
+    """The weights on disk do not hash to the content hash the caller (the registry) expected."""

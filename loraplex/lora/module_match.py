@@ -1,0 +1,128 @@
+"""Which base-model modules an adapter touches, decided exactly as PEFT decides it.
+
+PEFT matches ``target_modules`` etc. against the module names of the Hugging Face model it was
+trained on, e.g. ``model.layers.3.self_attn.q_proj``. loraplex rebuilds those names for every
+layer and target module of a Llama-family decoder (the ``prefix`` before ``layers.`` is read off
+the adapter's tensor names) and applies PEFT's ``check_target_module_exists`` rules to them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from loraplex.lora.adapter_config import LoRAConfigView
+from loraplex.lora.errors import InvalidAdapterError
+from loraplex.lora.spec import TARGET_MODULES, LoRATargetSpec
+
+PARENT = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+TENSOR_PREFIX = "base_model.model."
+_TENSOR_RE = re.compile(r"^(?P<key>.+)\.lora_(?P<which>[AB])\.weight$")
+_KEY_RE = re.compile(r"^(?P<prefix>(?:.*\.)?)layers\.(?P<layer>\d+)\.(?P<parent>[^.]+)\.(?P<mod>[^.]+)$")
+
+
+@dataclass(frozen=True)
+class TensorName:
+    prefix: str  # e.g. "model."
+    module_key: str  # e.g. "model.layers.3.self_attn.q_proj"
+    layer: int
+    module: str  # e.g. "q_proj"
+    which: str  # "A" or "B"
+
+
+def parse_tensor_name(name: str, spec: LoRATargetSpec) -> TensorName:
+    """Split a PEFT tensor name; refuse anything that is not lora_A/lora_B of a servable module."""
+    if not name.startswith(TENSOR_PREFIX):
+        raise InvalidAdapterError(f"unexpected tensor {name!r} (PEFT LoRA tensors start with {TENSOR_PREFIX!r})")
+    m = _TENSOR_RE.match(name[len(TENSOR_PREFIX) :])
+    if not m:
+        raise InvalidAdapterError(f"unexpected tensor {name!r} (only lora_A.weight / lora_B.weight are served)")
+    key, which = m.group("key"), m.group("which")
+    k = _KEY_RE.match(key)
+    if not k or k.group("mod") not in PARENT or k.group("parent") != PARENT[k.group("mod")]:
+        raise InvalidAdapterError(
+            f"tensor {name!r} targets module {key!r}, which the base model does not have as a LoRA target "
+            f"(loraplex serves {', '.join(TARGET_MODULES)})"
+        )
+    mod = k.group("mod")
+    if mod not in spec.module_shapes:
+        raise InvalidAdapterError(f"tensor {name!r} targets {mod!r}, which base model {spec.model_name!r} lacks")
+    layer = int(k.group("layer"))
+    if layer >= spec.num_layers:
+        raise InvalidAdapterError(
+            f"tensor {name!r} is for layer {layer}, but the base model has {spec.num_layers} layers"
+        )
+    return TensorName(prefix=k.group("prefix"), module_key=key, layer=layer, module=mod, which=which)
+
+
+def base_module_keys(spec: LoRATargetSpec, prefix: str) -> dict[str, tuple[int, str]]:
+    """Every servable module of the base model: HF module name -> (layer, PEFT module name)."""
+    mods = [m for m in TARGET_MODULES if m in spec.module_shapes]
+    return {f"{prefix}layers.{i}.{PARENT[m]}.{m}": (i, m) for i in range(spec.num_layers) for m in mods}
+
+
+def enumerate_target_keys(cfg: LoRAConfigView, spec: LoRATargetSpec, prefix: str) -> dict[str, tuple[int, str]]:
+    """The base modules ``cfg`` targets, in layer order. Refuses a ``target_modules`` entry that
+    names no module the base model can serve (e.g. ``lm_head``), and a config that targets nothing."""
+    keys = base_module_keys(spec, prefix)
+    target_modules = cfg.target_modules
+    if target_modules == "all-linear":  # PEFT expands it to every linear but the output layer
+        target_modules = tuple(m for m in TARGET_MODULES if m in spec.module_shapes)
+    cfg_view = _Matcher(cfg, target_modules)
+    if not isinstance(target_modules, str):
+        for entry in target_modules:
+            if not any(key == entry or key.endswith(f".{entry}") for key in keys):
+                raise InvalidAdapterError(
+                    f"adapter_config.json: target_modules entry {entry!r} is not a module the base model has as "
+                    f"a LoRA target (loraplex serves {', '.join(TARGET_MODULES)})"
+                )
+    targeted = {key: lm for key, lm in keys.items() if cfg_view.targets(key)}
+    if not targeted:
+        raise InvalidAdapterError("adapter_config.json: target_modules matches no module of the base model")
+    return targeted
+
+
+class _Matcher:
+    """PEFT's ``check_target_module_exists`` (peft 0.21), restricted to the servable modules."""
+
+    def __init__(self, cfg: LoRAConfigView, target_modules: str | tuple[str, ...]):
+        self.cfg = cfg
+        self.target_modules = target_modules
+
+    def targets(self, key: str) -> bool:
+        cfg = self.cfg
+        ex = cfg.exclude_modules
+        if ex:
+            if isinstance(ex, str):
+                if re.fullmatch(ex, key):
+                    return False
+            elif key in ex or any(key.endswith(f".{e}") for e in ex):
+                return False
+        tm = self.target_modules
+        if isinstance(tm, str):
+            return re.fullmatch(tm, key) is not None
+        if key in tm:
+            return True
+        found = any(key.endswith(f".{t}") for t in tm)
+        if cfg.layers_to_transform is None or not found:
+            return found
+        # PEFT reads the layer index off the first numbered segment of the key.
+        match = None
+        if not cfg.layers_pattern:
+            match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+        else:
+            for pattern in cfg.layers_pattern:
+                match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
+                if match is not None:
+                    break
+        if match is None:
+            return False
+        return int(match.group("idx")) in cfg.layers_to_transform

@@ -1,0 +1,275 @@
+"""PEFT LoRA adapters: parse, validate against the base model, and name by content.
+
+Entry points:
+
+* ``load_adapter_files(path)`` / ``parse_adapter_bytes(config, weights)`` -> ``ParsedAdapter``:
+  format checks that need no base model (no pickle files, config fields, safetensors header,
+  NaN/Inf) and the content hash.
+* ``validate_adapter(parsed, spec, max_lora_rank)`` -> ``AdapterInfo``: fit to the base model
+  (targets, layers, shapes, ranks) and the per-module rank and scaling, with PEFT's own matching
+  rules for ``target_modules``, ``layers_to_transform``, ``rank_pattern`` and ``alpha_pattern``.
+* ``inspect_adapter_dir(path, spec, max_lora_rank)``: both, for the upload path.
+* ``compute_content_hash(path)``.
+
+Every failure raises ``InvalidAdapterError`` with a message naming the problem. Pickle files are
+never opened. Tensors are built by ``safetensors_io`` from a header we parse and check ourselves.
+
+``fan_in_fan_out``: PEFT stores ``lora_A``/``lora_B`` as ``nn.Linear`` weights (``[r, in]`` and
+``[out, r]``) whatever this flag says, and resets it to False on the ``nn.Linear`` projections of
+a Llama-family model, so it never changes the math here; it is accepted and part of the hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loraplex.lora.adapter_config import LoRAConfigView, parse_config
+from loraplex.lora.errors import InvalidAdapterError
+from loraplex.lora.module_match import enumerate_target_keys, parse_tensor_name
+from loraplex.lora.safetensors_io import MAX_HEADER_BYTES, SafetensorsFile, parse_safetensors
+from loraplex.lora.spec import TARGET_MODULES, LoRATargetSpec
+
+__all__ = [
+    "AdapterInfo",
+    "InvalidAdapterError",
+    "ModuleLoRA",
+    "ParsedAdapter",
+    "compute_content_hash",
+    "inspect_adapter_dir",
+    "load_adapter_files",
+    "parse_adapter_bytes",
+    "validate_adapter",
+]
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+MAX_CONFIG_BYTES = 1024 * 1024
+HASH_VERSION = b"loraplex-adapter-v1\n"
+
+
+@dataclass
+class ParsedAdapter:
+    """An adapter that passed the format checks: its config, its tensors (CPU, as stored) and
+    its identity. Not yet checked against a base model."""
+
+    config: LoRAConfigView
+    tensors: dict[str, torch.Tensor]  # name as stored -> tensor
+    tensor_dtypes: dict[str, str]  # name -> safetensors dtype tag
+    content_hash: str
+    size_bytes: int  # bytes of tensor data
+
+
+@dataclass(frozen=True)
+class ModuleLoRA:
+    """One targeted linear: layer, PEFT module name, its rank, alpha and scaling, and the
+    names of its two tensors in ``ParsedAdapter.tensors``."""
+
+    layer: int
+    module: str  # e.g. "q_proj"
+    rank: int
+    alpha: float
+    scaling: float
+    a_name: str  # lora_A.weight: [rank, in_features]
+    b_name: str  # lora_B.weight: [out_features, rank]
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What the registry and the engine need to know about a validated adapter."""
+
+    content_hash: str
+    rank: int  # max rank over modules
+    alpha: float  # lora_alpha of the config (per-module values in ``modules``)
+    use_rslora: bool
+    targets: tuple[str, ...]  # PEFT module names targeted in some layer, TARGET_MODULES order
+    layers: tuple[int, ...]  # layers with at least one targeted module
+    size_bytes: int
+    modules: dict[tuple[int, str], ModuleLoRA]  # (layer, module) -> per-module rank/scaling
+
+    def module_ranks(self) -> dict[str, int]:
+        return {f"{layer}.{mod}": m.rank for (layer, mod), m in self.modules.items()}
+
+    def module_scalings(self) -> dict[str, float]:
+        return {f"{layer}.{mod}": m.scaling for (layer, mod), m in self.modules.items()}
+
+    def summary(self) -> dict:
+        """JSON-friendly fields for the registry row and the admin API."""
+        return {
+            "sha256": self.content_hash,
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "use_rslora": self.use_rslora,
+            "targets": list(self.targets),
+            "layers": list(self.layers),
+            "bytes": self.size_bytes,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# format
+
+
+def load_adapter_files(path: str | Path, weights_path: str | Path | None = None) -> ParsedAdapter:
+    """Parse a PEFT directory, or (``path`` = config file, ``weights_path``) the two files."""
+    path = Path(path)
+    if weights_path is None:
+        if not path.is_dir():
+            raise InvalidAdapterError(f"adapter path {str(path)!r} is not a directory")
+        _reject_pickles(path)
+        config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
+    else:
+        config_file, weights_file = path, Path(weights_path)
+        for f in (config_file, weights_file):
+            if f.suffix.lower() in PICKLE_SUFFIXES:
+                raise InvalidAdapterError(f"pickle file {f.name!r} refused: only safetensors weights are loaded")
+    if not config_file.is_file():
+        raise InvalidAdapterError(f"{CONFIG_NAME} is missing")
+    if not weights_file.is_file():
+        raise InvalidAdapterError(f"{WEIGHTS_NAME} is missing")
+    if config_file.stat().st_size > MAX_CONFIG_BYTES:
+        raise InvalidAdapterError(f"{CONFIG_NAME} is larger than {MAX_CONFIG_BYTES} bytes")
+    return parse_adapter_bytes(config_file.read_bytes(), weights_file.read_bytes())
+
+
+def _reject_pickles(directory: Path) -> None:
+    for f in sorted(directory.rglob("*")):
+        if f.suffix.lower() in PICKLE_SUFFIXES:
+            raise InvalidAdapterError(
+                f"pickle file {str(f.relative_to(directory))!r} found in the adapter directory: "
+                "refused (pickles can run code); save the adapter with safetensors"
+            )
+
+
+def parse_adapter_bytes(
+    config_bytes: bytes, weights_bytes: bytes, max_header_bytes: int = MAX_HEADER_BYTES
+) -> ParsedAdapter:
+    """Format checks on the two files' contents; see the module docstring."""
+    config = parse_config(config_bytes)
+    st = parse_safetensors(weights_bytes, max_header_bytes=max_header_bytes)
+    tensors: dict[str, torch.Tensor] = {}
+    for name in sorted(st.entries):
+        t = st.tensor(name)
+        if t.numel() and not bool(torch.isfinite(t).all()):
+            raise InvalidAdapterError(f"tensor {name!r} contains NaN or Inf")
+        tensors[name] = t
+    return ParsedAdapter(
+        config=config,
+        tensors=tensors,
+        tensor_dtypes={n: e.dtype for n, e in st.entries.items()},
+        content_hash=_content_hash(config, st),
+        size_bytes=sum(e.end - e.begin for e in st.entries.values()),
+    )
+
+
+def _content_hash(config: LoRAConfigView, st: SafetensorsFile) -> str:
+    """sha256 over canonical JSON of the math-changing config fields, then every tensor in
+    sorted name order: name, dtype, shape, raw bytes (each length-prefixed, so unambiguous)."""
+    h = hashlib.sha256(HASH_VERSION)
+    canon = json.dumps(config.canonical(), sort_keys=True, separators=(",", ":")).encode()
+    _put(h, canon)
+    for name in sorted(st.entries):
+        e = st.entries[name]
+        _put(h, name.encode())
+        _put(h, e.dtype.encode())
+        _put(h, json.dumps(list(e.shape)).encode())
+        _put(h, st.raw_bytes(name))
+    return h.hexdigest()
+
+
+def _put(h, data: bytes | memoryview) -> None:
+    h.update(len(data).to_bytes(8, "little"))
+    h.update(data)
+
+
+def compute_content_hash(path: str | Path) -> str:
+    """The content hash (adapter identity) of a PEFT directory. Raises ``InvalidAdapterError``."""
+    return load_adapter_files(path).content_hash
+
+
+# ---------------------------------------------------------------------------------------------
+# fit to the base model
+
+
+def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank: int) -> AdapterInfo:
+    """Check that ``parsed`` fits the base model described by ``spec``; see module docstring."""
+    cfg = parsed.config
+    for layer in cfg.layer_indexes():
+        if not 0 <= layer < spec.num_layers:
+            raise InvalidAdapterError(
+                f"layers_to_transform names layer {layer}, but the base model has {spec.num_layers} layers"
+            )
+
+    # Which module keys the tensors belong to (and the key prefix PEFT saw, e.g. "model.").
+    by_key: dict[str, dict[str, str]] = {}  # module key -> {"A": name, "B": name}
+    prefix: str | None = None
+    for name in parsed.tensors:
+        tn = parse_tensor_name(name, spec)
+        if prefix is None:
+            prefix = tn.prefix
+        elif tn.prefix != prefix:
+            raise InvalidAdapterError(f"tensor {name!r} has module prefix {tn.prefix!r}, others {prefix!r}")
+        by_key.setdefault(tn.module_key, {})[tn.which] = name
+    if not parsed.tensors:
+        raise InvalidAdapterError("adapter has no tensors")
+
+    targeted = enumerate_target_keys(cfg, spec, prefix if prefix is not None else "model.")
+    for key in by_key:
+        if key not in targeted:
+            raise InvalidAdapterError(
+                f"extra tensors for module {key!r}, which adapter_config.json does not target"
+            )
+
+    modules: dict[tuple[int, str], ModuleLoRA] = {}
+    for key, (layer, mod) in targeted.items():
+        names = by_key.get(key, {})
+        for which in ("A", "B"):
+            if which not in names:
+                raise InvalidAdapterError(f"missing tensor lora_{which} for targeted module {key!r}")
+        rank, alpha = cfg.rank_alpha_for(key)
+        if rank > max_lora_rank:
+            raise InvalidAdapterError(
+                f"module {key!r} has rank {rank}, above this engine's max_lora_rank {max_lora_rank}",
+                param="adapter",
+            )
+        in_f, out_f = spec.module_shapes[mod]
+        a, b = parsed.tensors[names["A"]], parsed.tensors[names["B"]]
+        if tuple(a.shape) != (rank, in_f):
+            raise InvalidAdapterError(
+                f"{names['A']!r} has shape {list(a.shape)}, base model needs [{rank}, {in_f}] (rank {rank})"
+            )
+        if tuple(b.shape) != (out_f, rank):
+            raise InvalidAdapterError(
+                f"{names['B']!r} has shape {list(b.shape)}, base model needs [{out_f}, {rank}] (rank {rank})"
+            )
+        modules[(layer, mod)] = ModuleLoRA(
+            layer=layer,
+            module=mod,
+            rank=rank,
+            alpha=alpha,
+            scaling=cfg.scaling(rank, alpha),
+            a_name=names["A"],
+            b_name=names["B"],
+        )
+
+    present = {mod for (_, mod) in modules}
+    return AdapterInfo(
+        content_hash=parsed.content_hash,
+        rank=max(m.rank for m in modules.values()),
+        alpha=cfg.lora_alpha,
+        use_rslora=cfg.use_rslora,
+        targets=tuple(m for m in TARGET_MODULES if m in present),
+        layers=tuple(sorted({layer for (layer, _) in modules})),
+        size_bytes=parsed.size_bytes,
+        modules=dict(sorted(modules.items())),
+    )
+
+
+def inspect_adapter_dir(path: str | Path, spec: LoRATargetSpec, max_lora_rank: int) -> AdapterInfo:
+    """Parse and validate a PEFT directory in one call (the upload path)."""
+    return validate_adapter(load_adapter_files(path), spec, max_lora_rank)
