@@ -1,0 +1,33 @@
+"""Registry errors. Each carries the HTTP status a server should answer with (``http_status``)."""
+
+from __future__ import annotations
+
+
+class RegistryError(Exception):
+    """Base of every registry error; its message is safe to show to the caller."""
+
+    http_status = 400
+
+
+class InvalidName(RegistryError, ValueError):
+    """A tenant name, adapter name or model reference broke a naming rule (the message says which)."""
+
+    http_status = 400
+
+
+class NotFound(RegistryError, LookupError):
+    """The tenant, adapter, version or key does not exist (or was deleted)."""
+
+    http_status = 404
+
+
+class Conflict(RegistryError):
+    """The request conflicts with the current state (e.g. deleting the active version)."""
+
+    http_status = 409
+
+
+class AlreadyExists(Conflict):
+    """An object with that name already exists."""
+
+    http_status = 409

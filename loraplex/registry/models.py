@@ -1,0 +1,163 @@
+"""SQLAlchemy 2 models of the registry: tenants, API keys, adapters, versions, audit, state.
+
+Every constraint and index is named through ``NAMING_CONVENTION`` so migrations can refer to
+them on every backend. Timestamps are stored timezone-aware (UTC); SQLite hands them back
+naive, so readers go through ``as_utc``.
+
+Versions are never updated except for the soft-delete fields: a deleted version stays as a
+tombstone so that its number is never reused (``name@3`` always meant the same weights).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+NAME_LENGTH = 63
+SHA256_HEX_LENGTH = 64
+
+VERSION_READY = "ready"
+VERSION_DELETED = "deleted"
+REGISTRY_STATE_ID = 1  # registry_state has exactly one row
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def as_utc(value: datetime | None) -> datetime | None:
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=timezone.utc)
+
+
+class Base(DeclarativeBase):
+    """Declarative base carrying the named-constraint metadata."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {dict[str, Any]: JSON, list[str]: JSON, datetime: DateTime(timezone=True)}
+
+
+class Tenant(Base):
+    """A tenant: owns adapters and API keys."""
+
+    __tablename__ = "tenant"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(NAME_LENGTH), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    api_keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
+    adapters: Mapped[list[Adapter]] = relationship(back_populates="tenant")
+
+
+class ApiKey(Base):
+    """A tenant API key. Only the sha256 of the secret is stored; ``prefix`` is for display."""
+
+    __tablename__ = "api_key"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenant.id", ondelete="CASCADE"), index=True)
+    secret_sha256: Mapped[str] = mapped_column(String(SHA256_HEX_LENGTH), unique=True)
+    prefix: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    tenant: Mapped[Tenant] = relationship(back_populates="api_keys")
+
+
+class Adapter(Base):
+    """A named adapter of a tenant; ``active_version`` is the number ``name`` resolves to."""
+
+    __tablename__ = "adapter"
+    __table_args__ = (UniqueConstraint("tenant_id", "name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenant.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    active_version: Mapped[int | None] = mapped_column(Integer, default=None)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # set when the whole adapter is deleted; a later upload under the same name revives it and
+    # continues its version numbering
+    deleted_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    tenant: Mapped[Tenant] = relationship(back_populates="adapters")
+    versions: Mapped[list[AdapterVersion]] = relationship(
+        back_populates="adapter", order_by="AdapterVersion.number"
+    )
+
+
+class AdapterVersion(Base):
+    """One immutable upload of an adapter: numbered 1, 2, 3... per adapter."""
+
+    __tablename__ = "adapter_version"
+    __table_args__ = (
+        UniqueConstraint("adapter_id", "number"),
+        Index(None, "blob_key"),
+        Index(None, "adapter_id", "sha256"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    adapter_id: Mapped[int] = mapped_column(ForeignKey("adapter.id", ondelete="CASCADE"))
+    number: Mapped[int] = mapped_column(Integer)
+    sha256: Mapped[str] = mapped_column(String(SHA256_HEX_LENGTH))
+    base_model: Mapped[str] = mapped_column(String(255))
+    rank: Mapped[int] = mapped_column(Integer)
+    alpha: Mapped[float] = mapped_column(Float)
+    targets: Mapped[list[str]] = mapped_column()
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    blob_key: Mapped[str] = mapped_column(String(512))
+    uploader: Mapped[str] = mapped_column(String(255))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    state: Mapped[str] = mapped_column(String(16), default=VERSION_READY)
+    deleted_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    adapter: Mapped[Adapter] = relationship(back_populates="versions")
+
+
+class AuditEvent(Base):
+    """Who did what to which object, when. Names are copied, not referenced, so events outlive objects."""
+
+    __tablename__ = "audit_event"
+    __table_args__ = (Index(None, "tenant", "id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+    actor: Mapped[str] = mapped_column(String(255))
+    action: Mapped[str] = mapped_column(String(64))
+    tenant: Mapped[str | None] = mapped_column(String(NAME_LENGTH), default=None)
+    object_type: Mapped[str] = mapped_column(String(32))
+    object_name: Mapped[str] = mapped_column(String(255))
+    detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class RegistryState(Base):
+    """Single row: a change counter bumped with every hot-swap/delete, and the admin key hash."""
+
+    __tablename__ = "registry_state"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    change_counter: Mapped[int] = mapped_column(BigInteger, default=0)
+    admin_key_sha256: Mapped[str | None] = mapped_column(String(SHA256_HEX_LENGTH), default=None)

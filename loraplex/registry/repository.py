@@ -1,0 +1,226 @@
+"""Query and write helpers over a Session. They add, query and flush; they never commit.
+
+Transactions belong to ``service.RegistryService``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from loraplex.registry.models import (
+    REGISTRY_STATE_ID,
+    VERSION_READY,
+    Adapter,
+    AdapterVersion,
+    ApiKey,
+    AuditEvent,
+    RegistryState,
+    Tenant,
+)
+
+# ---- tenants -------------------------------------------------------------------------------
+
+
+def get_tenant(session: Session, name: str) -> Tenant | None:
+    return session.scalars(select(Tenant).where(Tenant.name == name)).one_or_none()
+
+
+def list_tenants(session: Session) -> list[Tenant]:
+    return list(session.scalars(select(Tenant).order_by(Tenant.name)))
+
+
+def add_tenant(session: Session, name: str) -> Tenant:
+    tenant = Tenant(name=name)
+    session.add(tenant)
+    session.flush()
+    return tenant
+
+
+# ---- API keys ------------------------------------------------------------------------------
+
+
+def add_api_key(session: Session, tenant: Tenant, secret_sha256: str, prefix: str) -> ApiKey:
+    key = ApiKey(tenant=tenant, secret_sha256=secret_sha256, prefix=prefix)
+    session.add(key)
+    session.flush()
+    return key
+
+
+def list_api_keys(session: Session, tenant: Tenant) -> list[ApiKey]:
+    return list(session.scalars(select(ApiKey).where(ApiKey.tenant_id == tenant.id).order_by(ApiKey.id)))
+
+
+def get_api_key(session: Session, tenant: Tenant, key_id: int) -> ApiKey | None:
+    return session.scalars(
+        select(ApiKey).where(ApiKey.tenant_id == tenant.id, ApiKey.id == key_id)
+    ).one_or_none()
+
+
+def find_api_key_by_hash(session: Session, secret_sha256: str) -> tuple[ApiKey, str] | None:
+    """The key with that secret hash and its tenant's name."""
+    row = session.execute(
+        select(ApiKey, Tenant.name).join(Tenant).where(ApiKey.secret_sha256 == secret_sha256)
+    ).one_or_none()
+    return None if row is None else (row[0], row[1])
+
+
+# ---- adapters and versions -----------------------------------------------------------------
+
+
+def get_adapter(session: Session, tenant: Tenant, name: str, *, for_update: bool = False) -> Adapter | None:
+    """The adapter row (deleted ones included: callers check ``deleted_at``)."""
+    query = select(Adapter).where(Adapter.tenant_id == tenant.id, Adapter.name == name)
+    if for_update:
+        query = query.with_for_update()
+    return session.scalars(query).one_or_none()
+
+
+def list_adapters(session: Session, tenant: Tenant) -> list[Adapter]:
+    """Live adapters of a tenant, by name."""
+    return list(
+        session.scalars(
+            select(Adapter)
+            .where(Adapter.tenant_id == tenant.id, Adapter.deleted_at.is_(None))
+            .order_by(Adapter.name)
+        )
+    )
+
+
+def add_adapter(session: Session, tenant: Tenant, name: str) -> Adapter:
+    adapter = Adapter(tenant=tenant, name=name)
+    session.add(adapter)
+    session.flush()
+    return adapter
+
+
+def live_versions(session: Session, adapter: Adapter) -> list[AdapterVersion]:
+    return list(
+        session.scalars(
+            select(AdapterVersion)
+            .where(AdapterVersion.adapter_id == adapter.id, AdapterVersion.state == VERSION_READY)
+            .order_by(AdapterVersion.number)
+        )
+    )
+
+
+def live_versions_of(session: Session, adapters: list[Adapter]) -> dict[int, list[AdapterVersion]]:
+    """Live versions of several adapters in one query, keyed by adapter id."""
+    by_adapter: dict[int, list[AdapterVersion]] = {adapter.id: [] for adapter in adapters}
+    if not adapters:
+        return by_adapter
+    rows = session.scalars(
+        select(AdapterVersion)
+        .where(AdapterVersion.adapter_id.in_(by_adapter), AdapterVersion.state == VERSION_READY)
+        .order_by(AdapterVersion.adapter_id, AdapterVersion.number)
+    )
+    for version in rows:
+        by_adapter[version.adapter_id].append(version)
+    return by_adapter
+
+
+def get_version(session: Session, adapter: Adapter, number: int) -> AdapterVersion | None:
+    """A version by number, deleted tombstones included."""
+    return session.scalars(
+        select(AdapterVersion).where(AdapterVersion.adapter_id == adapter.id, AdapterVersion.number == number)
+    ).one_or_none()
+
+
+def find_live_version_by_sha(session: Session, adapter: Adapter, sha256: str) -> AdapterVersion | None:
+    return session.scalars(
+        select(AdapterVersion)
+        .where(
+            AdapterVersion.adapter_id == adapter.id,
+            AdapterVersion.sha256 == sha256,
+            AdapterVersion.state == VERSION_READY,
+        )
+        .order_by(AdapterVersion.number)
+        .limit(1)
+    ).one_or_none()
+
+
+def next_version_number(session: Session, adapter: Adapter) -> int:
+    """One past the highest number ever used (tombstones count, so numbers are never reused)."""
+    highest = session.scalar(
+        select(func.max(AdapterVersion.number)).where(AdapterVersion.adapter_id == adapter.id)
+    )
+    return (highest or 0) + 1
+
+
+def add_version(session: Session, adapter: Adapter, number: int, **fields: Any) -> AdapterVersion:
+    version = AdapterVersion(adapter=adapter, number=number, **fields)
+    session.add(version)
+    session.flush()
+    return version
+
+
+def count_live_versions_with_blob(session: Session, blob_key: str) -> int:
+    return session.scalar(
+        select(func.count())
+        .select_from(AdapterVersion)
+        .where(AdapterVersion.blob_key == blob_key, AdapterVersion.state == VERSION_READY)
+    ) or 0
+
+
+# ---- audit and state -----------------------------------------------------------------------
+
+
+def add_audit_event(
+    session: Session,
+    *,
+    actor: str,
+    action: str,
+    tenant: str | None,
+    object_type: str,
+    object_name: str,
+    detail: dict[str, Any] | None = None,
+) -> AuditEvent:
+    event = AuditEvent(
+        actor=actor,
+        action=action,
+        tenant=tenant,
+        object_type=object_type,
+        object_name=object_name,
+        detail=dict(detail or {}),
+    )
+    session.add(event)
+    session.flush()
+    return event
+
+
+def list_audit_events(session: Session, tenant: str | None, limit: int) -> list[AuditEvent]:
+    """Newest first."""
+    query = select(AuditEvent).order_by(AuditEvent.id.desc()).limit(limit)
+    if tenant is not None:
+        query = query.where(AuditEvent.tenant == tenant)
+    return list(session.scalars(query))
+
+
+def get_state(session: Session) -> RegistryState:
+    """The single state row, created if a database was built without the migration's seed row."""
+    state = session.get(RegistryState, REGISTRY_STATE_ID)
+    if state is None:
+        state = RegistryState(id=REGISTRY_STATE_ID, change_counter=0)
+        session.add(state)
+        session.flush()
+    return state
+
+
+def bump_change_counter(session: Session) -> None:
+    """Increment in SQL (not read-modify-write) so concurrent writers never lose a bump."""
+    get_state(session)
+    session.execute(
+        update(RegistryState)
+        .where(RegistryState.id == REGISTRY_STATE_ID)
+        .values(change_counter=RegistryState.change_counter + 1)
+        .execution_options(synchronize_session=False)
+    )
+    session.flush()
+
+
+def read_change_counter(session: Session) -> int:
+    return session.scalar(
+        select(RegistryState.change_counter).where(RegistryState.id == REGISTRY_STATE_ID)
+    ) or 0

@@ -1,0 +1,387 @@
+"""RegistryService: tenants, API keys, versioned adapters, hot-swap and audit, one transaction each.
+
+Every public method opens its own session and transaction and returns plain dataclasses
+(``info.py``). Mutations of one adapter first lock its row (``SELECT ... FOR UPDATE`` on
+PostgreSQL; SQLite serialises writers anyway), so a hot-swap, an upload and a delete of the same
+adapter never interleave. Every change writes an audit event in the same transaction; every
+change to what a name resolves to also bumps the change counter that ``watch.RegistryWatcher``
+polls in other processes.
+
+Deleted versions stay as tombstones: their numbers are never reused, so ``name@3`` can never
+come to mean other weights. Deleting the active version is refused (activate another first, or
+delete the whole adapter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from loraplex.registry import repository as repo
+from loraplex.registry.admin_key import SHA256_HEX, AdminKeyMixin
+from loraplex.registry.db import make_session_factory
+from loraplex.registry.errors import AlreadyExists, Conflict, InvalidName, NotFound, RegistryError
+from loraplex.registry.info import AdapterInfo, ApiKeyInfo, AuditEventInfo, TenantInfo, VersionInfo
+from loraplex.registry.keys import display_prefix, generate_secret, hash_secret, plausible_secret, secret_matches
+from loraplex.registry.models import VERSION_DELETED, Adapter, Tenant, utcnow
+from loraplex.registry.names import parse_model_ref, parse_version, validate_adapter_name, validate_tenant_name
+
+__all__ = [
+    "RegistryService",
+    "RegistryError",
+    "NotFound",
+    "AlreadyExists",
+    "Conflict",
+    "InvalidName",
+    "TenantInfo",
+    "ApiKeyInfo",
+    "VersionInfo",
+    "AdapterInfo",
+    "AuditEventInfo",
+]
+
+WRITE_ATTEMPTS = 5  # retries of a write that lost a race on a unique constraint
+
+
+class RegistryService(AdminKeyMixin):
+    """The registry's public API. Thread-safe: it holds only a session factory."""
+
+    def __init__(self, session_factory: sessionmaker[Session]):
+        self._session_factory = session_factory
+
+    @classmethod
+    def from_url(cls, url: str) -> RegistryService:
+        """A service on ``url`` (run ``db.upgrade(url)`` first)."""
+        return cls(make_session_factory(url))
+
+    @contextmanager
+    def _transaction(self) -> Iterator[Session]:
+        with self._session_factory() as session, session.begin():
+            yield session
+
+    def ping(self) -> bool:
+        """True when the database answers (for readiness checks)."""
+        try:
+            with self._transaction() as session:
+                session.execute(text("SELECT 1"))
+            return True
+        except OperationalError:
+            return False
+
+    # ---- tenants ---------------------------------------------------------------------------
+
+    def create_tenant(self, name: str, actor: str = "admin") -> TenantInfo:
+        validate_tenant_name(name)
+        try:
+            with self._transaction() as session:
+                if repo.get_tenant(session, name) is not None:
+                    raise AlreadyExists(f"tenant {name!r} already exists")
+                tenant = repo.add_tenant(session, name)
+                repo.add_audit_event(
+                    session, actor=actor, action="tenant.create", tenant=name, object_type="tenant", object_name=name
+                )
+                return TenantInfo.from_row(tenant)
+        except IntegrityError:
+            raise AlreadyExists(f"tenant {name!r} already exists") from None
+
+    def list_tenants(self) -> list[TenantInfo]:
+        with self._transaction() as session:
+            return [TenantInfo.from_row(t) for t in repo.list_tenants(session)]
+
+    def get_tenant(self, name: str) -> TenantInfo | None:
+        validate_tenant_name(name)
+        with self._transaction() as session:
+            tenant = repo.get_tenant(session, name)
+            return None if tenant is None else TenantInfo.from_row(tenant)
+
+    @staticmethod
+    def _require_tenant(session: Session, name: str) -> Tenant:
+        validate_tenant_name(name)
+        tenant = repo.get_tenant(session, name)
+        if tenant is None:
+            raise NotFound(f"tenant {name!r} not found")
+        return tenant
+
+    # ---- API keys --------------------------------------------------------------------------
+
+    def create_api_key(self, tenant: str, actor: str = "admin") -> tuple[ApiKeyInfo, str]:
+        """A new key for ``tenant``; the secret is returned here once and never stored."""
+        secret = generate_secret()
+        with self._transaction() as session:
+            row = repo.add_api_key(
+                session, self._require_tenant(session, tenant), hash_secret(secret), display_prefix(secret)
+            )
+            repo.add_audit_event(
+                session, actor=actor, action="api_key.create", tenant=tenant, object_type="api_key",
+                object_name=str(row.id), detail={"prefix": row.prefix},
+            )
+            return ApiKeyInfo.from_row(row, tenant), secret
+
+    def list_api_keys(self, tenant: str) -> list[ApiKeyInfo]:
+        with self._transaction() as session:
+            rows = repo.list_api_keys(session, self._require_tenant(session, tenant))
+            return [ApiKeyInfo.from_row(r, tenant) for r in rows]
+
+    def revoke_api_key(self, tenant: str, key_id: int, actor: str = "admin") -> ApiKeyInfo:
+        """Revoke a key (idempotent). Raises NotFound if the tenant has no such key."""
+        try:
+            key_id = int(key_id)
+        except (TypeError, ValueError):
+            raise NotFound(f"API key {key_id!r} not found for tenant {tenant!r}") from None
+        with self._transaction() as session:
+            row = repo.get_api_key(session, self._require_tenant(session, tenant), key_id)
+            if row is None:
+                raise NotFound(f"API key {key_id} not found for tenant {tenant!r}")
+            if row.revoked_at is None:
+                row.revoked_at = utcnow()
+                session.flush()
+                repo.add_audit_event(
+                    session, actor=actor, action="api_key.revoke", tenant=tenant, object_type="api_key",
+                    object_name=str(row.id), detail={"prefix": row.prefix},
+                )
+            return ApiKeyInfo.from_row(row, tenant)
+
+    def authenticate(self, secret: str) -> str | None:
+        """The tenant name for a valid, unrevoked key; None for anything else."""
+        if not plausible_secret(secret):
+            return None
+        with self._transaction() as session:
+            found = repo.find_api_key_by_hash(session, hash_secret(secret))
+            if found is None:
+                return None
+            key, tenant_name = found
+            if key.revoked_at is not None or not secret_matches(secret, key.secret_sha256):
+                return None
+            return tenant_name
+
+    # ---- adapters --------------------------------------------------------------------------
+
+    def add_version(
+        self,
+        tenant: str,
+        name: str,
+        *,
+        sha256: str,
+        base_model: str,
+        rank: int,
+        alpha: float,
+        targets: Sequence[str],
+        size_bytes: int,
+        blob_key: str,
+        uploader: str,
+        activate_if_first: bool = True,
+    ) -> tuple[VersionInfo, bool]:
+        """Record a new immutable version (its blob must already be stored).
+
+        Returns ``(version, True)``, or ``(existing, False)`` when a live version of this adapter
+        has the same sha256. With ``activate_if_first`` the new version becomes active when the
+        adapter has no active version.
+        """
+        validate_adapter_name(name)
+        fields = _version_fields(sha256, base_model, rank, alpha, targets, size_bytes, blob_key, uploader)
+        for attempt in range(WRITE_ATTEMPTS):
+            try:
+                return self._add_version_once(tenant, name, fields, activate_if_first)
+            except IntegrityError:
+                # another writer created the adapter or took the version number first; retry
+                if attempt == WRITE_ATTEMPTS - 1:
+                    raise Conflict(f"concurrent uploads to {tenant}/{name}; try again") from None
+        raise AssertionError("unreachable")
+
+    def _add_version_once(
+        self, tenant: str, name: str, fields: dict[str, Any], activate_if_first: bool
+    ) -> tuple[VersionInfo, bool]:
+        with self._transaction() as session:
+            tenant_row = self._require_tenant(session, tenant)
+            adapter = repo.get_adapter(session, tenant_row, name, for_update=True)
+            if adapter is None:
+                adapter = repo.add_adapter(session, tenant_row, name)
+                repo.add_audit_event(
+                    session, actor=fields["uploader"], action="adapter.create", tenant=tenant,
+                    object_type="adapter", object_name=name,
+                )
+            elif adapter.deleted_at is not None:
+                adapter.deleted_at = None  # re-created: numbering continues after the tombstones
+            else:
+                existing = repo.find_live_version_by_sha(session, adapter, fields["sha256"])
+                if existing is not None:
+                    return VersionInfo.from_row(existing, tenant, name), False
+            number = repo.next_version_number(session, adapter)
+            version = repo.add_version(session, adapter, number, **fields)
+            detail = {"version": number, "sha256": fields["sha256"], "size_bytes": fields["size_bytes"]}
+            repo.add_audit_event(
+                session, actor=fields["uploader"], action="adapter.upload", tenant=tenant,
+                object_type="adapter", object_name=f"{name}@{number}", detail=detail,
+            )
+            if activate_if_first and adapter.active_version is None:
+                adapter.active_version = number
+                session.flush()
+                repo.bump_change_counter(session)
+                repo.add_audit_event(
+                    session, actor=fields["uploader"], action="adapter.activate", tenant=tenant,
+                    object_type="adapter", object_name=name, detail={"from": None, "to": number},
+                )
+            return VersionInfo.from_row(version, tenant, name), True
+
+    def list_adapters(self, tenant: str) -> list[AdapterInfo]:
+        with self._transaction() as session:
+            adapters = repo.list_adapters(session, self._require_tenant(session, tenant))
+            versions = repo.live_versions_of(session, adapters)
+            return [AdapterInfo.from_row(a, tenant, versions[a.id]) for a in adapters]
+
+    def get_adapter(self, tenant: str, name: str) -> AdapterInfo | None:
+        validate_adapter_name(name)
+        with self._transaction() as session:
+            adapter = repo.get_adapter(session, self._require_tenant(session, tenant), name)
+            if adapter is None or adapter.deleted_at is not None:
+                return None
+            return AdapterInfo.from_row(adapter, tenant, repo.live_versions(session, adapter))
+
+    def resolve(self, tenant: str, model_ref: str) -> VersionInfo:
+        """``"name"`` -> its active version; ``"name@3"`` -> version 3. Raises NotFound."""
+        name, number = parse_model_ref(model_ref)
+        with self._transaction() as session:
+            adapter = self._require_adapter(session, tenant, name)
+            if number is None:
+                if adapter.active_version is None:
+                    raise NotFound(f"adapter {name!r} has no active version")
+                number = adapter.active_version
+            return VersionInfo.from_row(self._require_live_version(session, adapter, number), tenant, name)
+
+    def _require_adapter(self, session: Session, tenant: str, name: str, *, for_update: bool = False) -> Adapter:
+        validate_adapter_name(name)
+        adapter = repo.get_adapter(session, self._require_tenant(session, tenant), name, for_update=for_update)
+        if adapter is None or adapter.deleted_at is not None:
+            raise NotFound(f"adapter {name!r} not found for tenant {tenant!r}")
+        return adapter
+
+    @staticmethod
+    def _require_live_version(session: Session, adapter: Adapter, number: int):
+        version = repo.get_version(session, adapter, number)
+        if version is None:
+            raise NotFound(f"adapter {adapter.name!r} has no version {number}")
+        if version.state == VERSION_DELETED:
+            raise NotFound(f"version {number} of adapter {adapter.name!r} was deleted")
+        return version
+
+    def activate(self, tenant: str, name: str, version: int, actor: str = "admin") -> VersionInfo:
+        """Hot-swap: point ``name`` at ``version`` atomically; audited; bumps the change counter."""
+        number = parse_version(version)
+        with self._transaction() as session:
+            adapter = self._require_adapter(session, tenant, name, for_update=True)
+            row = self._require_live_version(session, adapter, number)
+            previous = adapter.active_version
+            if previous != number:
+                adapter.active_version = number
+                session.flush()
+                repo.bump_change_counter(session)
+            repo.add_audit_event(
+                session, actor=actor, action="adapter.activate", tenant=tenant, object_type="adapter",
+                object_name=name, detail={"from": previous, "to": number, "sha256": row.sha256},
+            )
+            return VersionInfo.from_row(row, tenant, name)
+
+    def delete_version(self, tenant: str, name: str, version: int, actor: str = "admin") -> list[VersionInfo]:
+        """Delete one (non-active) version; returns it so the caller can drop its blob once unused."""
+        number = parse_version(version)
+        with self._transaction() as session:
+            adapter = self._require_adapter(session, tenant, name, for_update=True)
+            row = self._require_live_version(session, adapter, number)
+            if adapter.active_version == number:
+                raise Conflict(
+                    f"version {number} is the active version of {name!r}; activate another version "
+                    "first, or delete the whole adapter"
+                )
+            self._tombstone(row)
+            session.flush()
+            repo.bump_change_counter(session)
+            repo.add_audit_event(
+                session, actor=actor, action="adapter.version.delete", tenant=tenant, object_type="adapter",
+                object_name=f"{name}@{number}", detail={"sha256": row.sha256, "blob_key": row.blob_key},
+            )
+            return [VersionInfo.from_row(row, tenant, name)]
+
+    def delete_adapter(self, tenant: str, name: str, actor: str = "admin") -> list[VersionInfo]:
+        """Delete an adapter and all its versions; returns the versions removed."""
+        with self._transaction() as session:
+            adapter = self._require_adapter(session, tenant, name, for_update=True)
+            removed = repo.live_versions(session, adapter)
+            for row in removed:
+                self._tombstone(row)
+            adapter.active_version = None
+            adapter.deleted_at = utcnow()
+            session.flush()
+            repo.bump_change_counter(session)
+            repo.add_audit_event(
+                session, actor=actor, action="adapter.delete", tenant=tenant, object_type="adapter",
+                object_name=name, detail={"versions": [r.number for r in removed]},
+            )
+            return [VersionInfo.from_row(r, tenant, name) for r in removed]
+
+    @staticmethod
+    def _tombstone(row) -> None:
+        row.state = VERSION_DELETED
+        row.deleted_at = utcnow()
+
+    def versions_using_blob(self, blob_key: str) -> int:
+        """How many live versions (any tenant) use this blob; delete the blob only at zero."""
+        with self._transaction() as session:
+            return repo.count_live_versions_with_blob(session, blob_key)
+
+    # ---- audit and change detection --------------------------------------------------------
+
+    def record_event(
+        self,
+        actor: str,
+        action: str,
+        tenant: str | None,
+        object_type: str,
+        object_name: str,
+        detail: dict[str, Any] | None = None,
+    ) -> AuditEventInfo:
+        """Audit something done outside the registry (load/unload, pin, ...)."""
+        with self._transaction() as session:
+            row = repo.add_audit_event(
+                session, actor=actor, action=action, tenant=tenant, object_type=object_type,
+                object_name=object_name, detail=detail,
+            )
+            return AuditEventInfo.from_row(row)
+
+    def list_audit(self, tenant: str | None = None, limit: int = 100) -> list[AuditEventInfo]:
+        """Newest first."""
+        with self._transaction() as session:
+            return [AuditEventInfo.from_row(r) for r in repo.list_audit_events(session, tenant, max(1, int(limit)))]
+
+    def change_counter(self) -> int:
+        with self._transaction() as session:
+            return repo.read_change_counter(session)
+
+
+def _version_fields(sha256, base_model, rank, alpha, targets, size_bytes, blob_key, uploader) -> dict[str, Any]:
+    if not isinstance(sha256, str) or not SHA256_HEX.match(sha256):
+        raise RegistryError("sha256 must be 64 lower-case hex characters")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise RegistryError(f"rank must be a positive integer, got {rank!r}")
+    if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 0:
+        raise RegistryError(f"size_bytes must be a non-negative integer, got {size_bytes!r}")
+    if isinstance(targets, str) or not all(isinstance(t, str) for t in targets):
+        raise RegistryError("targets must be a list of module names")
+    if not blob_key or not isinstance(blob_key, str):
+        raise RegistryError("blob_key must be a non-empty string")
+    if not isinstance(base_model, str) or not base_model:
+        raise RegistryError("base_model must be a non-empty string")
+    return {
+        "sha256": sha256,
+        "base_model": base_model,
+        "rank": rank,
+        "alpha": float(alpha),
+        "targets": list(targets),
+        "size_bytes": size_bytes,
+        "blob_key": blob_key,
+        "uploader": str(uploader or "unknown"),
+    }
