@@ -1,0 +1,174 @@
+"""``ModelSpec``: the shape of a Llama-family decoder, parsed from a Hugging Face ``config.json``.
+
+Both config forms are read: the older one (``rope_theta`` plus ``rope_scaling``), which most
+published models use, and transformers 5's ``rope_parameters`` dict.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loraplex.lora.spec import LoRATargetSpec
+
+# architecture name in config.json -> whether q/k/v carry a bias by design
+SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
+    "LlamaForCausalLM": {"qkv_bias": False},
+    "MistralForCausalLM": {"qkv_bias": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True},
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint uses an architecture or option loraplex does not implement."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters. ``scaling`` holds the type-specific keys (``factor``, ...)."""
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    scaling: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the decoder, the loader and the KV-cache sizing need to know about a model."""
+
+    name: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    checkpoint_dtype: str | None = None  # "bfloat16", "float32", ... as saved
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, element_bytes: int) -> int:
+        """KV-cache bytes one token occupies across all layers (K and V)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
+
+    def lora_target_spec(self) -> LoRATargetSpec:
+        """``(in_features, out_features)`` of each LoRA-targetable linear (same in every layer)."""
+        h, i = self.hidden_size, self.intermediate_size
+        return LoRATargetSpec(
+            model_name=self.name,
+            num_layers=self.num_layers,
+            module_shapes={
+                "q_proj": (h, self.q_size),
+                "k_proj": (h, self.kv_size),
+                "v_proj": (h, self.kv_size),
+                "o_proj": (self.q_size, h),
+                "gate_proj": (h, i),
+                "up_proj": (h, i),
+                "down_proj": (i, h),
+            },
+        )
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], name: str = "model") -> "ModelSpec":
+        architectures = cfg.get("architectures") or []
+        arch = architectures[0] if architectures else _arch_from_model_type(cfg.get("model_type"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"unsupported model architecture {arch!r} (model_type={cfg.get('model_type')!r}); "
+                f"loraplex supports {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"unsupported hidden_act {act!r} for {arch}; only silu (SwiGLU)")
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        attention_bias = bool(cfg.get("attention_bias", False))  # Llama: on q, k, v and o
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            name=name,
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rope=parse_rope(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=SUPPORTED_ARCHITECTURES[arch]["qkv_bias"] or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, name: str | None = None) -> "ModelSpec":
+        model_dir = Path(model_dir)
+        cfg = json.loads((model_dir / "config.json").read_text())
+        return cls.from_dict(cfg, name=name or model_dir.name)
+
+
+def _arch_from_model_type(model_type: str | None) -> str:
+    known = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+    return known.get(model_type or "", f"<model_type {model_type!r}>")
+
+
+def parse_rope(cfg: dict[str, Any]) -> RopeConfig:
+    """Rope settings from either config form; unsupported scaling types are a clear error."""
+    params = cfg.get("rope_parameters")
+    if params:
+        if "rope_type" not in params and "type" not in params and "rope_theta" not in params:
+            raise UnsupportedModelError("per-layer-type rope_parameters are not supported")
+        params = dict(params)
+    else:
+        params = dict(cfg.get("rope_scaling") or {})
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    theta = params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
+    if rope_type == "mrope":  # an older alias of the default rotary embedding
+        rope_type = "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported rope type {rope_type!r}; loraplex supports {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+    scaling = {k: v for k, v in params.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if rope_type == "linear" and "factor" not in scaling:
+        raise UnsupportedModelError("linear rope scaling needs a 'factor'")
+    if rope_type == "llama3":
+        for key in ("factor", "low_freq_factor", "high_freq_factor"):
+            if key not in scaling:
+                raise UnsupportedModelError(f"llama3 rope scaling needs {key!r}")
+        scaling.setdefault(
+            "original_max_position_embeddings",
+            cfg.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048),
+        )
+    return RopeConfig(rope_type=rope_type, theta=float(theta), scaling=scaling)

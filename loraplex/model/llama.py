@@ -1,0 +1,134 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a flat batch of tokens.
+
+Tokens of many sequences are concatenated without padding; prefill chunks and decodes share one
+forward. K/V go to the paged cache and attention reads it back, both only through
+``loraplex.kernels.dispatch``. Projections are packed: ``qkv_proj`` (q, k, v along out) and
+``gate_up_proj`` (gate, up), so a step runs four matmuls per layer.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraplex.kernels import dispatch
+from loraplex.model.config import ModelSpec
+from loraplex.model.layers import AttentionMetadata, rms_norm
+from loraplex.model.rope import RotaryEmbedding, apply_rotary
+
+
+class LoRAStepContext(Protocol):
+    """What the model needs from a step's LoRA context (built by ``loraplex.lora``)."""
+
+    def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add the LoRA delta of ``module`` in ``layer`` to ``y`` in place (``x`` is the input)."""
+
+
+def _linear_params(out_features: int, in_features: int, bias: bool, dtype, device):
+    weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
+    b = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+    return weight, b
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block: attention then SwiGLU MLP, each with a residual."""
+
+    def __init__(self, spec: ModelSpec, dtype, device):
+        super().__init__()
+        h = spec.hidden_size
+        qkv_out = spec.q_size + 2 * spec.kv_size
+        self.input_layernorm = nn.Parameter(torch.empty(h, dtype=dtype, device=device), requires_grad=False)
+        self.qkv_weight, self.qkv_bias = _linear_params(qkv_out, h, spec.qkv_bias, dtype, device)
+        self.o_weight, self.o_bias = _linear_params(h, spec.q_size, spec.o_bias, dtype, device)
+        self.post_attention_layernorm = nn.Parameter(torch.empty(h, dtype=dtype, device=device), requires_grad=False)
+        self.gate_up_weight, self.gate_up_bias = _linear_params(
+            2 * spec.intermediate_size, h, spec.mlp_bias, dtype, device
+        )
+        self.down_weight, self.down_bias = _linear_params(h, spec.intermediate_size, spec.mlp_bias, dtype, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus LM head. ``forward`` returns final hidden states; ``compute_logits``
+    projects only the rows that need sampling."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, max_positions: int):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Parameter(
+            torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, device) for _ in range(spec.num_layers))
+        self.norm = nn.Parameter(torch.empty(spec.hidden_size, dtype=dtype, device=device), requires_grad=False)
+        if spec.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Parameter(
+                torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device), requires_grad=False
+            )
+        self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, max_positions, dtype, device)
+        self.scale = spec.head_dim**-0.5
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        lora: LoRAStepContext | None = None,
+    ) -> torch.Tensor:  # [T, hidden_size]
+        spec = self.spec
+        num_tokens = input_ids.shape[0]
+        eps = spec.rms_norm_eps
+        hidden = F.embedding(input_ids, self.embed_tokens)  # [T, H]
+        cos, sin = self.rotary.lookup(positions)  # [T, 1, head_dim] each
+        q_end, k_end = spec.q_size, spec.q_size + spec.kv_size
+        for i, layer in enumerate(self.layers):
+            # attention block
+            x = rms_norm(hidden, layer.input_layernorm, eps)  # [T, H]
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)  # [T, q_size + 2 * kv_size]
+            if lora is not None:
+                lora.apply(i, "qkv_proj", x, qkv)
+            q = qkv[:, :q_end].view(num_tokens, spec.num_heads, spec.head_dim)
+            k = qkv[:, q_end:k_end].view(num_tokens, spec.num_kv_heads, spec.head_dim)
+            v = qkv[:, k_end:].contiguous().view(num_tokens, spec.num_kv_heads, spec.head_dim)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+            dispatch.write_kv_cache(k, v, kv_caches[i], attn.slot_mapping)
+            attn_out = dispatch.paged_attention(
+                q,
+                kv_caches[i],
+                attn.block_tables,
+                attn.seq_lens,
+                attn.query_start_loc,
+                self.scale,
+                attn.max_query_len,
+                attn.max_seq_len,
+            ).reshape(num_tokens, spec.q_size)  # [T, q_size]
+            o = F.linear(attn_out, layer.o_weight, layer.o_bias)  # [T, H]
+            if lora is not None:
+                lora.apply(i, "o_proj", attn_out, o)
+            hidden = hidden + o
+            # MLP block (SwiGLU)
+            x = rms_norm(hidden, layer.post_attention_layernorm, eps)
+            gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)  # [T, 2 * intermediate]
+            if lora is not None:
+                lora.apply(i, "gate_up_proj", x, gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up  # [T, intermediate]
+            down = F.linear(act, layer.down_weight, layer.down_bias)  # [T, H]
+            if lora is not None:
+                lora.apply(i, "down_proj", act, down)
+            hidden = hidden + down
+        return rms_norm(hidden, self.norm, eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, vocab] fp32
+        return F.linear(hidden, self.lm_head_weight).float()

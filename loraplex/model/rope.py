@@ -1,0 +1,65 @@
+"""Rotary position embeddings (default, linear and llama3 scaling), as a cos/sin table indexed by
+absolute position, so a flat batch of tokens from many sequences needs one gather."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from loraplex.model.config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [head_dim // 2] fp32
+    """Same arithmetic as transformers' ``ROPE_INIT_FUNCTIONS`` so logits match bit for bit."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        inv_freq = inv_freq / rope.scaling["factor"]
+    elif rope.rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, rope.scaling)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: dict[str, float]) -> torch.Tensor:
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_context_len = s["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low
+    high_freq_wavelen = old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are divided by factor, short ones kept, the band between interpolated
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """cos/sin tables ``[max_positions, head_dim]`` in the model dtype (computed in fp32)."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype, device):
+        inv_freq = inverse_frequencies(rope, head_dim)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.max_positions = max_positions
+        self.cos = emb.cos().to(dtype=dtype, device=device)
+        self.sin = emb.sin().to(dtype=dtype, device=device)
+
+    def to(self, dtype=None, device=None) -> "RotaryEmbedding":
+        self.cos = self.cos.to(dtype=dtype, device=device)
+        self.sin = self.sin.to(dtype=dtype, device=device)
+        return self
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for each token, shaped ``[num_tokens, 1, head_dim]`` to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x[num_tokens, heads, head_dim]`` rotated with the rotate-half convention of HF Llama."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
