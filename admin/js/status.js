@@ -1,0 +1,133 @@
+// Live engine status: polls GET /admin/v1/status every few seconds, fills the cards and the
+// per-tier counts, and feeds the tokens/s and TTFT chart.
+
+import { api } from "./api.js";
+import { $, fill, formatNumber, h } from "./dom.js";
+import { ThroughputChart } from "./chart.js";
+
+export const TIERS = ["device", "host", "disk", "store"];
+
+// First present value among several dotted paths ("engine.num_running"), so the panel reads the
+// status body whether counters are flat or grouped.
+function pick(obj, ...paths) {
+  for (const path of paths) {
+    let cur = obj;
+    for (const part of path.split(".")) {
+      if (cur === null || cur === undefined || typeof cur !== "object") {
+        cur = undefined;
+        break;
+      }
+      cur = cur[part];
+    }
+    if (cur !== undefined && cur !== null) return cur;
+  }
+  return undefined;
+}
+
+/** Read the fields the panel shows out of one status body. */
+export function readStatus(body) {
+  const kv = pick(body, "kv_cache_usage", "kv_cache_usage_perc", "engine.kv_cache_usage", "kv.usage");
+  const tiers = pick(body, "adapters_per_tier", "adapters.per_tier", "tiers", "adapters") || {};
+  return {
+    running: pick(body, "num_requests_running", "running", "engine.num_requests_running", "requests.running"),
+    waiting: pick(body, "num_requests_waiting", "waiting", "engine.num_requests_waiting", "requests.waiting"),
+    kvUsage: kv === undefined ? undefined : Number(kv),
+    tiers: typeof tiers === "object" && !Array.isArray(tiers) ? tiers : {},
+    loads: pick(body, "loads", "adapter_loads", "loads_total", "adapters.loads"),
+    evictions: pick(body, "evictions", "adapter_evictions", "evictions_total", "adapters.evictions"),
+    tokensPerSecond: pick(body, "tokens_per_second", "generation_tokens_per_second", "throughput.tokens_per_second"),
+    generationTokens: pick(body, "generation_tokens_total", "generation_tokens", "tokens.generation"),
+    ttftSeconds: pick(body, "ttft_seconds", "time_to_first_token_seconds", "ttft.mean_seconds", "ttft_mean_seconds"),
+    ttftSum: pick(body, "ttft_sum_seconds", "ttft.sum_seconds", "time_to_first_token.sum"),
+    ttftCount: pick(body, "ttft_count", "ttft.count", "time_to_first_token.count"),
+  };
+}
+
+/** The status panel; call start() after sign-in and stop() on sign-out. */
+export class StatusPanel {
+  constructor(root, { intervalMs = 2000 } = {}) {
+    this.root = root;
+    this.intervalMs = intervalMs;
+    this.timer = null;
+    this.previous = null; // last reading, for rates computed from cumulative counters
+    this.chart = new ThroughputChart($("#status-chart", root), 300);
+    this.updates = 0;
+  }
+
+  start() {
+    this.stop();
+    this.refresh();
+    this.timer = setInterval(() => this.refresh(), this.intervalMs);
+  }
+
+  stop() {
+    if (this.timer) clearInterval(this.timer);
+    this.timer = null;
+  }
+
+  async refresh() {
+    let body;
+    try {
+      body = await api("GET", "/status");
+    } catch (err) {
+      fill($("#status-error", this.root), `Status unavailable: ${err.message}`);
+      return;
+    }
+    fill($("#status-error", this.root));
+    const now = Date.now();
+    const s = readStatus(body);
+    const rates = this.rates(s, now);
+    this.previous = { ...s, t: now };
+    this.updates += 1;
+
+    const set = (name, text) => fill($(`[data-stat="${name}"]`, this.root), text);
+    set("running", formatNumber(s.running));
+    set("waiting", formatNumber(s.waiting));
+    set("kv", s.kvUsage === undefined ? "–" : `${formatNumber(kvPercent(s.kvUsage), 1)} %`);
+    set("tps", rates.tps === null ? "–" : formatNumber(rates.tps, 1));
+    set("ttft", rates.ttftMs === null ? "–" : `${formatNumber(rates.ttftMs, 0)} ms`);
+    set("loads", formatNumber(s.loads));
+    set("evictions", formatNumber(s.evictions));
+    const bar = $("#kv-bar", this.root);
+    bar.value = s.kvUsage === undefined ? 0 : kvPercent(s.kvUsage);
+
+    const tierRow = $("#tier-counts", this.root);
+    fill(
+      tierRow,
+      TIERS.map((tier) =>
+        h("div", { class: `tier-count tier-${tier}`, dataset: { tier } }, h("span", { class: "tier-name" }, tier), h("strong", {}, formatNumber(tierCount(s.tiers[tier]))))
+      )
+    );
+    fill($("#status-updated", this.root), `updated ${new Date(now).toLocaleTimeString()}`);
+    this.root.dataset.updates = String(this.updates);
+    this.chart.add({ t: now, tps: rates.tps, ttftMs: rates.ttftMs });
+  }
+
+  // tokens/s and TTFT: the server's own figures when it gives them, else derived from the change
+  // in cumulative counters since the previous poll.
+  rates(s, now) {
+    const prev = this.previous;
+    let tps = s.tokensPerSecond === undefined ? null : Number(s.tokensPerSecond);
+    if (tps === null && prev && s.generationTokens !== undefined && prev.generationTokens !== undefined) {
+      const dt = (now - prev.t) / 1000;
+      tps = dt > 0 ? Math.max(0, (s.generationTokens - prev.generationTokens) / dt) : null;
+    }
+    let ttftMs = s.ttftSeconds === undefined ? null : Number(s.ttftSeconds) * 1000;
+    if (ttftMs === null && prev && s.ttftCount !== undefined && prev.ttftCount !== undefined) {
+      const dn = s.ttftCount - prev.ttftCount;
+      ttftMs = dn > 0 ? ((s.ttftSum - prev.ttftSum) / dn) * 1000 : null;
+    }
+    return { tps, ttftMs };
+  }
+}
+
+// The server may give KV usage as a fraction (vLLM's kv_cache_usage_perc is 0..1) or a percent.
+function kvPercent(value) {
+  return value <= 1 ? value * 100 : value;
+}
+
+function tierCount(value) {
+  if (Array.isArray(value)) return value.length;
+  if (value && typeof value === "object") return value.count ?? Object.keys(value).length;
+  return value ?? 0;
+}
