@@ -11,6 +11,7 @@ pytest_plugins = [
     "tests.fixtures.pg",
     "tests.fixtures.s3",
     "tests.fixtures.tiny_models",
+    "tests.fixtures.peft_adapters",
 ]
 
 

@@ -1,0 +1,252 @@
+"""peft_format: per-module rank/scaling and targets against PEFT's own model, identity, and
+every rejection naming its problem."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from loraplex.lora.errors import InvalidAdapterError
+from loraplex.lora.peft_format import compute_content_hash, inspect_adapter_dir, load_adapter_files
+from tests.fixtures.peft_adapters import peft_model_for, write_safetensors_raw
+from tests.lora.adapter_edits import copy_adapter, edit_config, edit_tensors
+
+
+def peft_modules(base, adapter_dir) -> dict[tuple[int, str], tuple[int, float]]:
+    """(layer, module) -> (rank, scaling) as PEFT itself sets them up."""
+    from peft.tuners.lora import LoraLayer
+
+    model = peft_model_for(base, {"default": adapter_dir})
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, LoraLayer) and "default" in mod.r:
+            layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
+            out[(layer, name.rsplit(".", 1)[1])] = (mod.r["default"], mod.scaling["default"])
+    return out
+
+
+CASES = {
+    "plain": dict(r=4, lora_alpha=7, target_modules=["q_proj", "v_proj", "down_proj"]),
+    "rslora": dict(r=8, lora_alpha=5, use_rslora=True, target_modules=["k_proj", "o_proj", "up_proj"]),
+    "patterns": dict(
+        r=4,
+        lora_alpha=3,
+        target_modules=["q_proj", "k_proj", "v_proj", "gate_proj"],
+        rank_pattern={"k_proj": 2, "layers.1.self_attn.q_proj": 8},
+        alpha_pattern={"v_proj": 11, "gate_proj": 1.5},
+    ),
+    "layers": dict(r=2, lora_alpha=4, target_modules=["q_proj", "up_proj"], layers_to_transform=[1]),
+    "layers_pattern": dict(
+        r=2, lora_alpha=4, target_modules=["o_proj"], layers_to_transform=0, layers_pattern="layers"
+    ),
+    "regex": dict(r=2, lora_alpha=3, target_modules=r".*\.1\.mlp\.(gate|down)_proj"),
+    "exclude": dict(r=2, lora_alpha=3, target_modules=["q_proj", "down_proj"], exclude_modules=["0.mlp.down_proj"]),
+    "all_linear": dict(r=1, lora_alpha=2, target_modules="all-linear"),
+    "fan_in_fan_out": dict(r=2, lora_alpha=2, target_modules=["q_proj"], fan_in_fan_out=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_modules_ranks_scalings_match_peft(case, lora_base, make_adapter):
+    torch.manual_seed(0)
+    d = make_adapter(case, seed=3, **CASES[case])
+    info = inspect_adapter_dir(d, lora_base.spec, max_lora_rank=64)
+    expected = peft_modules(lora_base.model, d)
+    got = {k: (m.rank, m.scaling) for k, m in info.modules.items()}
+    assert got.keys() == expected.keys()
+    for k in expected:
+        assert got[k][0] == expected[k][0], k
+        assert math.isclose(got[k][1], expected[k][1], rel_tol=1e-12), k
+    assert info.rank == max(r for r, _ in expected.values())
+    assert set(info.targets) == {m for (_, m) in expected}
+
+
+def test_content_hash_identity(lora_base, make_adapter, tmp_path):
+    torch.manual_seed(0)
+    a = make_adapter("a", seed=1)
+    same = make_adapter("a_again", seed=1)
+    other_weights = make_adapter("b", seed=2)
+    assert compute_content_hash(a) == compute_content_hash(same)
+    assert compute_content_hash(a) != compute_content_hash(other_weights)
+    # a config field that changes the math changes the hash; one that does not, does not
+    alpha = edit_config(a, tmp_path / "alpha", lora_alpha=99)
+    assert compute_content_hash(alpha) != compute_content_hash(a)
+    doc = edit_config(a, tmp_path / "doc", base_model_name_or_path="somewhere/else", lora_dropout=0.3)
+    assert compute_content_hash(doc) == compute_content_hash(a)
+    # one element changed in one tensor
+    def bump(t):
+        k = sorted(t)[0]
+        t[k] = t[k].clone()
+        t[k][0, 0] += 1.0
+
+    assert compute_content_hash(edit_tensors(a, tmp_path / "bump", bump)) != compute_content_hash(a)
+    # the header's key order does not matter
+    parsed = load_adapter_files(a)
+    names = sorted(parsed.tensors, reverse=True)
+    header, data, off = {}, b"", 0
+    for n in names:
+        raw = parsed.tensors[n].contiguous().numpy().tobytes()
+        header[n] = {"dtype": "F32", "shape": list(parsed.tensors[n].shape), "data_offsets": [off, off + len(raw)]}
+        data += raw
+        off += len(raw)
+    reordered = copy_adapter(a, tmp_path / "reordered")
+    write_safetensors_raw(reordered / "adapter_model.safetensors", header, data)
+    assert compute_content_hash(reordered) == compute_content_hash(a)
+
+
+def test_two_file_form(make_adapter):
+    d = make_adapter("two", seed=1)
+    both = load_adapter_files(d / "adapter_config.json", d / "adapter_model.safetensors")
+    assert both.content_hash == compute_content_hash(d)
+
+
+# ---------------------------------------------------------------------------------------------
+# rejections: each names its problem
+
+
+def _rejects(path, spec, match, max_rank=64):
+    with pytest.raises(InvalidAdapterError, match=match):
+        inspect_adapter_dir(path, spec, max_lora_rank=max_rank)
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".pt", ".pth", ".pkl"])
+def test_rejects_pickle_files(suffix, lora_base, make_adapter, tmp_path):
+    d = copy_adapter(make_adapter("p", seed=1), tmp_path / "p")
+    # a real pickle that would run code if loaded: it must never be opened
+    (d / f"extra{suffix}").write_bytes(b"cos\nsystem\n(S'touch /tmp/loraplex_pwned'\ntR.")
+    _rejects(d, lora_base.spec, "pickle")
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(use_dora=True), "DoRA"),
+        (dict(modules_to_save=["lm_head"]), "modules_to_save"),
+        (dict(bias="all"), "bias"),
+        (dict(bias="lora_only"), "bias"),
+        (dict(r=...), "'r' is missing"),
+        (dict(lora_alpha=...), "'lora_alpha' is missing"),
+        (dict(target_modules=...), "'target_modules' is missing"),
+        (dict(peft_type=...), "'peft_type' is missing"),
+        (dict(peft_type="IA3"), "peft_type"),
+        (dict(r=0), "r must be a positive integer"),
+        (dict(lora_alpha="x"), "lora_alpha"),
+        (dict(target_modules=["q_proj", "lm_head"]), "lm_head"),
+        (dict(target_modules=["q_proj", "v_proj", "fc1"]), "fc1"),
+        (dict(layers_to_transform=[5]), "layer 5"),
+        (dict(rank_pattern={"[": 2}), "regular expression"),
+    ],
+)
+def test_rejects_config(changes, match, lora_base, make_adapter, tmp_path):
+    src = make_adapter("c", seed=1)
+    _rejects(edit_config(src, tmp_path / "bad", **changes), lora_base.spec, match)
+
+
+def test_rejects_config_not_json(lora_base, make_adapter, tmp_path):
+    d = copy_adapter(make_adapter("j", seed=1), tmp_path / "j")
+    (d / "adapter_config.json").write_text('{"r": 4, "lora_alpha": ')
+    _rejects(d, lora_base.spec, "not valid JSON")
+
+
+def test_rejects_rank_above_max(lora_base, make_adapter):
+    _rejects(make_adapter("big", seed=1, r=16, lora_alpha=16), lora_base.spec, "max_lora_rank 8", max_rank=8)
+
+
+def test_rejects_shapes_for_another_model(lora_base, tmp_path):
+    from tests.fixtures.peft_adapters import make_peft_adapter, tiny_llama
+
+    wider = tiny_llama(seed=0, hidden_size=96, intermediate_size=96)
+    d = make_peft_adapter(wider, tmp_path / "wider", seed=1, r=2, target_modules=["q_proj"])
+    _rejects(d, lora_base.spec, r"shape \[2, 96\], base model needs \[2, 64\]")
+
+
+def test_rejects_layer_out_of_range(lora_base, tmp_path):
+    from tests.fixtures.peft_adapters import make_peft_adapter, tiny_llama
+
+    deeper = tiny_llama(seed=0, num_hidden_layers=3)
+    d = make_peft_adapter(deeper, tmp_path / "deeper", seed=1, r=2, target_modules=["q_proj"])
+    _rejects(d, lora_base.spec, "layer 2, but the base model has 2 layers")
+
+
+def test_rejects_missing_and_extra_tensors(lora_base, make_adapter, tmp_path):
+    src = make_adapter("t", seed=1, target_modules=["q_proj", "v_proj"])
+
+    def drop(t):
+        del t[sorted(k for k in t if "lora_B" in k)[0]]
+
+    _rejects(edit_tensors(src, tmp_path / "missing", drop), lora_base.spec, "missing tensor lora_B")
+
+    def extra_module(t):
+        k = next(k for k in t if "q_proj.lora_A" in k)
+        t[k.replace("q_proj", "k_proj")] = t[k].clone()
+        t[k.replace("q_proj", "k_proj").replace("lora_A", "lora_B")] = torch.zeros(32, 4)
+
+    _rejects(edit_tensors(src, tmp_path / "extra", extra_module), lora_base.spec, "extra tensors .*k_proj")
+
+    def extra_kind(t):
+        t["base_model.model.lm_head.weight"] = torch.zeros(2, 2)
+
+    _rejects(edit_tensors(src, tmp_path / "extra2", extra_kind), lora_base.spec, "lm_head")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_rejects_nan_inf(bad, lora_base, make_adapter, tmp_path):
+    src = make_adapter("n", seed=1)
+
+    def poison(t):
+        k = sorted(t)[-1]
+        t[k] = t[k].clone()
+        t[k][0, -1] = bad
+
+    _rejects(edit_tensors(src, tmp_path / "nan", poison), lora_base.spec, "NaN or Inf")
+
+
+def _raw_case(d, kind):
+    f = d / "adapter_model.safetensors"
+    parsed = load_adapter_files(d)
+    names = sorted(parsed.tensors)
+    header, data, off = {}, b"", 0
+    for n in names:
+        raw = parsed.tensors[n].contiguous().numpy().tobytes()
+        header[n] = {"dtype": "F32", "shape": list(parsed.tensors[n].shape), "data_offsets": [off, off + len(raw)]}
+        data += raw
+        off += len(raw)
+    if kind == "not_json":
+        write_safetensors_raw(f, b"{not json", data)
+    elif kind == "oversized":
+        write_safetensors_raw(f, json.dumps(header).encode(), data, header_len=200 * 1024 * 1024)
+    elif kind == "len_past_end":
+        write_safetensors_raw(f, json.dumps(header).encode(), data, header_len=len(json.dumps(header)) + len(data) + 1)
+    elif kind == "outside":
+        header[names[-1]]["data_offsets"][1] += 1 << 20
+        write_safetensors_raw(f, header, data)
+    elif kind == "overlap":
+        header[names[1]]["data_offsets"] = list(header[names[0]]["data_offsets"])
+        write_safetensors_raw(f, header, data)
+    elif kind == "bad_dtype":
+        header[names[0]]["dtype"] = "I64"
+        write_safetensors_raw(f, header, data)
+    elif kind == "short":
+        f.write_bytes(b"\x01\x02")
+    return d
+
+
+@pytest.mark.parametrize(
+    "kind, match",
+    [
+        ("not_json", "header is not valid JSON"),
+        ("oversized", "exceeds the cap"),
+        ("len_past_end", "past the end"),
+        ("outside", "outside the file"),
+        ("overlap", "gap or overlap|spans"),
+        ("bad_dtype", "dtype 'I64'"),
+        ("short", "shorter than"),
+    ],
+)
+def test_rejects_malformed_safetensors(kind, match, lora_base, make_adapter, tmp_path):
+    d = copy_adapter(make_adapter("m", seed=1), tmp_path / "m")
+    _rejects(_raw_case(d, kind), lora_base.spec, match)
