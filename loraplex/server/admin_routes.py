@@ -1,0 +1,308 @@
+"""Admin API under ``/admin/v1`` (admin bearer key): tenants, keys, adapter versions, hot-swap,
+load/pin/unload, delete, status and the audit log. Backed by the registry service, the adapter
+manager (uploads, blobs, in-use tracking) and the engine (device/host tiers)."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from loraplex.server.context import AppContext
+from loraplex.server.errors import APIError, bad_request
+from loraplex.server.limits import read_body
+from loraplex.server.uploads import new_staging_dir, remove_staging, stage_upload
+
+ACTOR = "admin"
+
+
+def _ctx(request: Request) -> AppContext:
+    return request.app.state.ctx
+
+
+async def _admin(request: Request) -> AppContext:
+    ctx = _ctx(request)
+    await ctx.admin_auth.require(request)
+    return ctx
+
+
+async def _json(request: Request, ctx: AppContext) -> dict:
+    raw = await read_body(request, ctx.settings.max_body_bytes)
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise bad_request("Request body is not valid JSON.") from None
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object.")
+    return body
+
+
+def _not_found(what: str) -> APIError:
+    return APIError(404, f"{what} not found", code="not_found")
+
+
+# --- tenants and keys -------------------------------------------------------------------------
+
+
+async def create_tenant(request: Request) -> Response:
+    ctx = await _admin(request)
+    name = (await _json(request, ctx)).get("name")
+    if not isinstance(name, str):
+        raise bad_request("`name` must be a string", param="name")
+    info = await run_in_threadpool(ctx.registry.create_tenant, name, ACTOR)
+    return JSONResponse(info.to_dict(), status_code=201)
+
+
+async def list_tenants(request: Request) -> Response:
+    ctx = await _admin(request)
+    tenants = await run_in_threadpool(ctx.registry.list_tenants)
+    return JSONResponse({"object": "list", "data": [t.to_dict() for t in tenants]})
+
+
+async def create_key(request: Request) -> Response:
+    ctx = await _admin(request)
+    info, secret = await run_in_threadpool(ctx.registry.create_api_key, request.path_params["tenant"], ACTOR)
+    return JSONResponse({**info.to_dict(), "key": secret}, status_code=201)
+
+
+async def list_keys(request: Request) -> Response:
+    ctx = await _admin(request)
+    keys = await run_in_threadpool(ctx.registry.list_api_keys, request.path_params["tenant"])
+    return JSONResponse({"object": "list", "data": [k.to_dict() for k in keys]})
+
+
+async def revoke_key(request: Request) -> Response:
+    ctx = await _admin(request)
+    p = request.path_params
+    info = await run_in_threadpool(ctx.registry.revoke_api_key, p["tenant"], p["key_id"], ACTOR)
+    ctx.tenant_auth.forget_all()  # effective at once in this process
+    return JSONResponse(info.to_dict())
+
+
+# --- adapters ---------------------------------------------------------------------------------
+
+
+def _version_dict(ctx: AppContext, v, stats: dict) -> dict:
+    d = v.to_dict()
+    d["tier"] = adapter_tier(ctx, v.sha256, stats)
+    usage = adapter_usage(stats, v.sha256)
+    d["requests"] = usage.get("requests", 0)
+    d["tokens"] = usage.get("tokens", 0)
+    return d
+
+
+def _adapter_dict(ctx: AppContext, a, stats: dict) -> dict:
+    versions = [_version_dict(ctx, v, stats) for v in a.versions]
+    active = next((v for v in versions if v["version"] == a.active_version), None)
+    return {
+        "tenant": a.tenant,
+        "name": a.name,
+        "active_version": a.active_version,
+        "created_at": a.to_dict()["created_at"],
+        "tier": active["tier"] if active else None,
+        "requests": sum(v["requests"] for v in versions),
+        "tokens": sum(v["tokens"] for v in versions),
+        "versions": versions,
+    }
+
+
+def _lora_stats(stats: dict) -> dict:
+    lora = stats.get("lora")
+    return lora if isinstance(lora, dict) else stats
+
+
+def adapter_usage(stats: dict, content_hash: str) -> dict:
+    per = _lora_stats(stats).get("adapters") or {}
+    entry = per.get(content_hash) if isinstance(per, dict) else None
+    if not isinstance(entry, dict):
+        return {}
+    tokens = entry.get("tokens")
+    if tokens is None:
+        tokens = int(entry.get("prompt_tokens", 0)) + int(entry.get("gen_tokens", entry.get("generation_tokens", 0)))
+    return {"requests": int(entry.get("requests", 0)), "tokens": int(tokens)}
+
+
+def adapter_tier(ctx: AppContext, content_hash: str, stats: dict) -> str:
+    """Closest tier holding this version: device, host (engine), disk (local cache), store."""
+    per = _lora_stats(stats).get("adapters") or {}
+    entry = per.get(content_hash) if isinstance(per, dict) else None
+    if isinstance(entry, dict) and entry.get("tier") in ("device", "host"):
+        return entry["tier"]
+    tier_of = getattr(ctx.adapters, "tier_of", None)
+    if tier_of is not None:
+        try:
+            tier = tier_of(content_hash)
+            if tier in ("disk", "store", "device", "host"):
+                return tier
+        except Exception:
+            pass
+    return "store"
+
+
+async def list_adapters(request: Request) -> Response:
+    ctx = await _admin(request)
+    adapters = await run_in_threadpool(ctx.registry.list_adapters, request.path_params["tenant"])
+    stats = ctx.engine_stats()
+    return JSONResponse({"object": "list", "data": [_adapter_dict(ctx, a, stats) for a in adapters]})
+
+
+async def _get_adapter(ctx: AppContext, tenant: str, name: str):
+    info = await run_in_threadpool(ctx.registry.get_adapter, tenant, name)
+    if info is None:
+        raise _not_found(f"adapter {name!r} of tenant {tenant!r}")
+    return info
+
+
+async def get_adapter(request: Request) -> Response:
+    ctx = await _admin(request)
+    p = request.path_params
+    info = await _get_adapter(ctx, p["tenant"], p["name"])
+    return JSONResponse(_adapter_dict(ctx, info, ctx.engine_stats()))
+
+
+async def upload_version(request: Request) -> Response:
+    ctx = await _admin(request)
+    p = request.path_params
+    if await run_in_threadpool(ctx.registry.get_tenant, p["tenant"]) is None:
+        raise _not_found(f"tenant {p['tenant']!r}")
+    if "multipart/form-data" not in request.headers.get("content-type", ""):
+        raise bad_request("upload must be multipart/form-data", param="content-type")
+    staging = new_staging_dir(ctx.staging_root)
+    try:
+        async with request.form(max_files=8, max_fields=16) as form:
+            peft_dir = await stage_upload(form, staging, ctx.settings.max_upload_member_bytes)
+        version, created = await run_in_threadpool(ctx.adapters.upload, p["tenant"], p["name"], peft_dir, ACTOR)
+    finally:
+        remove_staging(staging)
+    body = {**version.to_dict(), "created": created}
+    return JSONResponse(body, status_code=201 if created else 200)
+
+
+async def activate(request: Request) -> Response:
+    ctx = await _admin(request)
+    p = request.path_params
+    version = (await _json(request, ctx)).get("version")
+    if isinstance(version, bool) or not isinstance(version, (int, str)):
+        raise bad_request("`version` must be a version number", param="version")
+    info = await run_in_threadpool(ctx.registry.activate, p["tenant"], p["name"], version, ACTOR)
+    return JSONResponse(info.to_dict())
+
+
+async def load(request: Request) -> Response:
+    ctx = await _admin(request)
+    p = request.path_params
+    body = await _json(request, ctx)
+    tier = body.get("tier", "device")
+    pin = body.get("pin", False)
+    if tier not in ("device", "host"):
+        raise bad_request("`tier` must be \"device\" or \"host\"", param="tier")
+    if not isinstance(pin, bool):
+        raise bad_request("`pin` must be a boolean", param="pin")
+    ref_name = p["name"] if body.get("version") is None else f"{p['name']}@{body['version']}"
+    ref = await run_in_threadpool(ctx.adapters.resolve, p["tenant"], ref_name)
+    await ctx.engine.load_adapter(ref, tier=tier, pin=pin)
+    ctx.adapter_display[ref.content_hash] = f"{p['tenant']}/{ref.name}"
+    await run_in_threadpool(
+        ctx.registry.record_event, ACTOR, "adapter.load", p["tenant"], "adapter", ref.name,
+        {"tier": tier, "pin": pin, "sha256": ref.content_hash},
+    )
+    return JSONResponse({"adapter": ref.name, "sha256": ref.content_hash, "tier": tier, "pinned": pin})
+
+
+async def unload(request: Request) -> Response:
+    ctx = await _admin(request)
+    p = request.path_params
+    info = await _get_adapter(ctx, p["tenant"], p["name"])
+    for v in info.versions:  # every version of the name: drop from device and host
+        await ctx.engine.unload_adapter(v.sha256)
+    await run_in_threadpool(ctx.registry.record_event, ACTOR, "adapter.unload", p["tenant"], "adapter", p["name"], {})
+    return JSONResponse({"adapter": p["name"], "unloaded": [v.version for v in info.versions]})
+
+
+async def delete_adapter(request: Request) -> Response:
+    ctx = await _admin(request)
+    p = request.path_params
+    if hasattr(ctx.adapters, "delete_adapter"):
+        removed = await run_in_threadpool(ctx.adapters.delete_adapter, p["tenant"], p["name"], ACTOR)
+    else:
+        removed = await run_in_threadpool(ctx.registry.delete_adapter, p["tenant"], p["name"], ACTOR)
+    return JSONResponse({"deleted": [v.to_dict() for v in removed or []]})
+
+
+async def delete_version(request: Request) -> Response:
+    ctx = await _admin(request)
+    p = request.path_params
+    if hasattr(ctx.adapters, "delete_version"):
+        removed = await run_in_threadpool(ctx.adapters.delete_version, p["tenant"], p["name"], p["version"], ACTOR)
+    else:
+        removed = await run_in_threadpool(ctx.registry.delete_version, p["tenant"], p["name"], p["version"], ACTOR)
+    return JSONResponse({"deleted": [v.to_dict() for v in removed or []]})
+
+
+# --- status and audit -------------------------------------------------------------------------
+
+
+async def status(request: Request) -> Response:
+    ctx = await _admin(request)
+    stats = ctx.engine_stats()
+    running, waiting = ctx.metrics.lora_adapters()
+    body = {
+        "model": ctx.served_model_name,
+        "max_model_len": ctx.max_model_len,
+        "ready": ctx.lifecycle.started and not ctx.lifecycle.draining,
+        "draining": ctx.lifecycle.draining,
+        "in_flight": ctx.lifecycle.in_flight,
+        "running_lora_adapters": running,
+        "waiting_lora_adapters": waiting,
+        "engine": _jsonable(stats),
+        "adapter_names": dict(ctx.adapter_display),
+    }
+    return JSONResponse(body)
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+async def audit(request: Request) -> Response:
+    ctx = await _admin(request)
+    tenant = request.query_params.get("tenant") or None
+    limit = request.query_params.get("limit", "100")
+    if not limit.isdigit() or not 1 <= int(limit) <= 1000:
+        raise bad_request("`limit` must be an integer in [1, 1000]", param="limit")
+    events = await run_in_threadpool(ctx.registry.list_audit, tenant, int(limit))
+    return JSONResponse({"object": "list", "data": [e.to_dict() for e in events]})
+
+
+def routes() -> list[Route]:
+    a = "/admin/v1"
+    t = a + "/tenants/{tenant}"
+    ad = t + "/adapters/{name}"
+    return [
+        Route(a + "/tenants", create_tenant, methods=["POST"]),
+        Route(a + "/tenants", list_tenants, methods=["GET"]),
+        Route(t + "/keys", create_key, methods=["POST"]),
+        Route(t + "/keys", list_keys, methods=["GET"]),
+        Route(t + "/keys/{key_id}", revoke_key, methods=["DELETE"]),
+        Route(t + "/adapters", list_adapters, methods=["GET"]),
+        Route(ad, get_adapter, methods=["GET"]),
+        Route(ad, delete_adapter, methods=["DELETE"]),
+        Route(ad + "/versions", upload_version, methods=["POST"]),
+        Route(ad + "/versions/{version}", delete_version, methods=["DELETE"]),
+        Route(ad + "/active", activate, methods=["PUT"]),
+        Route(ad + "/load", load, methods=["POST"]),
+        Route(ad + "/unload", unload, methods=["POST"]),
+        Route(a + "/status", status, methods=["GET"]),
+        Route(a + "/audit", audit, methods=["GET"]),
+    ]

@@ -1,0 +1,122 @@
+"""The app factory: ``create_app(settings, engine=..., registry=..., adapters=...)``.
+
+Parts not passed in are built at startup from ``settings`` (``components.build_components``),
+off the event loop, so ``/health`` answers while the model loads and ``/ready`` turns 200 when
+it is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from loraplex.config import Settings
+from loraplex.server import admin_routes, openai_routes
+from loraplex.server.auth import AdminAuth, TenantAuth
+from loraplex.server.context import AppContext
+from loraplex.server.errors import EXCEPTION_HANDLERS
+from loraplex.server.lifecycle import Lifecycle
+from loraplex.server.limits import BodySizeLimitMiddleware, TenantConcurrencyLimiter
+from loraplex.server.metrics import CONTENT_TYPE, ServerMetrics
+
+log = logging.getLogger("loraplex.server")
+DEFAULT_ADMIN_DIR = Path(__file__).resolve().parents[2] / "admin"
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    ctx: AppContext = request.app.state.ctx
+    problems = []
+    if not ctx.lifecycle.started:
+        problems.append("model not loaded")
+    if ctx.lifecycle.draining:
+        problems.append("draining")
+    if ctx.registry is not None and not ctx.lifecycle.draining:
+        ping = getattr(ctx.registry, "ping", None)
+        if ping is not None and not await run_in_threadpool(ping):
+            problems.append("registry unreachable")
+    if problems:
+        return JSONResponse({"status": "not ready", "reasons": problems}, status_code=503)
+    return JSONResponse({"status": "ready"})
+
+
+async def metrics(request: Request) -> Response:
+    ctx: AppContext = request.app.state.ctx
+    return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def create_app(
+    settings: Settings,
+    *,
+    engine=None,
+    registry=None,
+    adapters=None,
+    admin_dir: Path | None = None,
+    builder=None,
+) -> Starlette:
+    """The ASGI app. ``engine`` is an ``AsyncLLMEngine``, ``registry`` a ``RegistryService``,
+    ``adapters`` an ``AdapterManager``; any left out is built by ``builder(settings)`` at startup
+    (default: ``components.build_components``)."""
+    lifecycle = Lifecycle()
+    ctx = AppContext(
+        settings=settings,
+        engine=engine,
+        registry=registry,
+        adapters=adapters,
+        served_model_name=settings.served_model_name or settings.model,
+        metrics=ServerMetrics(settings.served_model_name or settings.model, settings.max_loras),
+        limiter=TenantConcurrencyLimiter(settings.max_concurrent_requests_per_tenant),
+        lifecycle=lifecycle,
+        tenant_auth=TenantAuth(lambda secret: ctx.registry.authenticate(secret), settings.registry_poll_seconds),
+        admin_auth=AdminAuth(settings.admin_key, lambda secret: ctx.registry.check_admin_key(secret)),
+        staging_root=settings.home / "staging",
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        if ctx.engine is None or ctx.registry is None or ctx.adapters is None:
+            build = builder
+            if build is None:
+                from loraplex.server.components import build_components as build
+            parts = await run_in_threadpool(build, settings, engine=ctx.engine, registry=ctx.registry, adapters=ctx.adapters)
+            ctx.engine, ctx.registry, ctx.adapters = parts.engine, parts.registry, parts.adapters
+        if not settings.served_model_name and getattr(ctx.engine, "model_name", None):
+            ctx.served_model_name = ctx.engine.model_name
+            ctx.metrics.model_name = ctx.served_model_name
+        ctx.metrics.stats_source = ctx.engine_stats
+        lifecycle.started = True
+        log.info("ready: serving %s", ctx.served_model_name)
+        try:
+            yield
+        finally:
+            lifecycle.started = False
+            shutdown = getattr(ctx.engine, "shutdown", None)
+            if shutdown is not None:
+                await run_in_threadpool(shutdown)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        *openai_routes.routes(),
+        *admin_routes.routes(),
+    ]
+    admin_dir = admin_dir or DEFAULT_ADMIN_DIR
+    if (admin_dir / "index.html").is_file():
+        routes.append(Mount("/admin", app=StaticFiles(directory=admin_dir, html=True), name="admin-ui"))
+
+    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+    app.state.ctx = ctx
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    return app

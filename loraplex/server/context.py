@@ -1,0 +1,44 @@
+"""What every route needs, built once per app and kept on ``app.state.ctx``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loraplex.config import Settings
+from loraplex.server.auth import AdminAuth, TenantAuth
+from loraplex.server.lifecycle import Lifecycle
+from loraplex.server.limits import TenantConcurrencyLimiter
+from loraplex.server.metrics import ServerMetrics
+
+
+@dataclass
+class AppContext:
+    """The wired parts: the engine (``AsyncLLMEngine``), the registry (``RegistryService``) and
+    the adapter manager (``AdapterManager``), plus the server's own state."""
+
+    settings: Settings
+    engine: Any
+    registry: Any
+    adapters: Any
+    served_model_name: str
+    metrics: ServerMetrics
+    limiter: TenantConcurrencyLimiter
+    lifecycle: Lifecycle
+    tenant_auth: TenantAuth
+    admin_auth: AdminAuth
+    staging_root: Path
+    # content hash -> display name ("tenant/name@version"), for status and logs
+    adapter_display: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.max_model_len)
+
+    def engine_stats(self) -> dict:
+        return self.engine.stats() if self.engine is not None else {}

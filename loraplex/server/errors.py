@@ -1,0 +1,116 @@
+"""OpenAI's error envelope, and the mapping from loraplex's exceptions onto HTTP statuses.
+
+Every error the server returns, tenant or admin route, has the shape::
+
+    {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}
+"""
+
+from __future__ import annotations
+
+import logging
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from loraplex.sampling_params import InvalidRequestError
+
+log = logging.getLogger("loraplex.server")
+
+# HTTP status -> OpenAI error "type"
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error to answer with the OpenAI envelope."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> APIError:
+    # One message for "does not exist" and "belongs to another tenant": the answer must not tell
+    # the two apart.
+    return APIError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def unauthorized(message: str = "Invalid or missing API key.") -> APIError:
+    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def from_exception(exc: Exception) -> APIError:
+    """Map an exception raised below the server onto an APIError."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, exc.message, param=exc.param, code=exc.code)
+    # registry/storage errors carry their HTTP status; matched by attribute so this module does
+    # not import the registry
+    status = getattr(exc, "http_status", None)
+    if isinstance(status, int) and 400 <= status < 600:
+        codes = {"NotFound": "not_found", "AlreadyExists": "already_exists", "InvalidName": "invalid_name"}
+        name = type(exc).__name__
+        param = "name" if name == "InvalidName" else None
+        return APIError(status, str(exc), param=param, code=codes.get(name, "conflict" if status == 409 else None))
+    log.exception("internal error", exc_info=exc)
+    return APIError(500, "Internal server error.", type="server_error", code="internal_error")
+
+
+async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    return from_exception(exc).response()
+
+
+async def http_exception_handler(request: Request, exc: HTTPException) -> JSONResponse:
+    err = APIError(exc.status_code, exc.detail or "error", headers=dict(exc.headers or {}))
+    if exc.status_code == 404:
+        err.code = "not_found"
+    return err.response()
+
+
+EXCEPTION_HANDLERS = {
+    APIError: api_error_handler,
+    InvalidRequestError: api_error_handler,
+    HTTPException: http_exception_handler,
+    Exception: api_error_handler,
+}

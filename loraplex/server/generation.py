@@ -1,0 +1,247 @@
+"""From a validated request to engine deltas: model resolution, tokenization, admission, and
+the per-request bookkeeping (tenant slot, adapter in-use pin, metrics, the access log line).
+
+A request resolves its ``model`` once, at admission, to an ``AdapterRef`` carrying the version's
+content hash; the engine runs every token of it with that hash. A hot-swap after admission only
+changes what later requests resolve to, so no request mixes two versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from starlette.concurrency import run_in_threadpool
+
+from loraplex.server.context import AppContext
+from loraplex.server.errors import APIError, bad_request, model_not_found
+from loraplex.server.limits import check_generation_limits
+from loraplex.server.protocol import GenerationRequest
+
+access_log = logging.getLogger("loraplex.access")
+
+
+@dataclass
+class Target:
+    """What a request's ``model`` resolved to."""
+
+    model: str  # as the client wrote it; echoed in responses
+    adapter: object | None  # loraplex.lora.spec.AdapterRef, None for the base model
+    label: str | None  # "tenant/name" for metrics, None for the base model
+    version: int | None
+
+
+async def resolve_target(ctx: AppContext, tenant: str, model: str) -> Target:
+    if model == ctx.served_model_name:
+        return Target(model=model, adapter=None, label=None, version=None)
+    try:
+        ref = await run_in_threadpool(ctx.adapters.resolve, tenant, model)
+    except APIError:
+        raise
+    except Exception as exc:
+        status = getattr(exc, "http_status", None)
+        if status in (400, 404):  # no such name, or one that could never be a name: same answer
+            raise model_not_found(model) from None
+        raise
+    name, _, version = ref.name.partition("@")
+    ctx.adapter_display[ref.content_hash] = f"{tenant}/{ref.name}"
+    return Target(model=model, adapter=ref, label=f"{tenant}/{name}", version=int(version) if version.isdigit() else None)
+
+
+def tokenize_prompts(ctx: AppContext, req: GenerationRequest) -> list[list[int]]:
+    """Token ids per prompt, as the offline engine would tokenize the same text."""
+    tok = ctx.tokenizer
+    if req.kind == "chat":
+        if not getattr(tok, "chat_template", None):
+            raise bad_request("This model has no chat template; use /completions.", param="messages")
+        text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+        # the template already holds any BOS token
+        return [list(tok(text, add_special_tokens=False)["input_ids"])]
+    vocab = len(tok)
+    out = []
+    for prompt in req.prompts:
+        if isinstance(prompt, str):
+            out.append(list(tok(prompt)["input_ids"]))
+        else:
+            if any(t >= vocab for t in prompt):
+                raise bad_request(f"prompt token ids must be < {vocab}", param="prompt")
+            out.append(list(prompt))
+    return out
+
+
+class RequestRun:
+    """One admitted generation request. ``close`` gives everything back exactly once."""
+
+    def __init__(self, ctx: AppContext, tenant: str, target: Target, req: GenerationRequest,
+                 prompt_ids: list[list[int]], request_id: str, arrival: float):
+        self.ctx = ctx
+        self.tenant = tenant
+        self.target = target
+        self.req = req
+        self.prompt_ids = prompt_ids
+        self.request_id = request_id
+        self.arrival = arrival
+        self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompt_ids))]
+        self.prompt_tokens = sum(len(p) for p in prompt_ids)
+        self.completion_tokens = 0
+        self.first_token_at: float | None = None
+        self.finish_reasons: list[str] = []
+        self._closed = False
+        self._held: list[str] = []
+
+    # --- admission ---------------------------------------------------------------------------
+
+    def admit(self) -> None:
+        """Take a drain slot (503), a tenant slot (429), and pin the adapter version."""
+        ctx = self.ctx
+        ctx.lifecycle.admit()
+        self._held.append("lifecycle")
+        try:
+            ctx.limiter.acquire(self.tenant)
+            self._held.append("limiter")
+            if self.target.adapter is not None and hasattr(ctx.adapters, "acquire"):
+                ctx.adapters.acquire(self.target.adapter.content_hash)
+                self._held.append("adapter")
+        except BaseException:
+            self._release()
+            raise
+        ctx.metrics.request_started(self.target.label)
+
+    def _release(self) -> None:
+        ctx = self.ctx
+        if "adapter" in self._held:
+            ctx.adapters.release(self.target.adapter.content_hash)
+        if "limiter" in self._held:
+            ctx.limiter.release(self.tenant)
+        if "lifecycle" in self._held:
+            ctx.lifecycle.done()
+        self._held.clear()
+
+    # --- running -----------------------------------------------------------------------------
+
+    async def deltas(self) -> AsyncIterator[tuple[int, int, object]]:
+        """Yields ``(prompt_index, choice_index, CompletionOutput delta)`` from all prompts."""
+        engine = self.ctx.engine
+        n = self.req.params.n
+        gens = [
+            engine.generate(ids, self.req.params, request_id=rid, adapter=self.target.adapter)
+            for ids, rid in zip(self.prompt_ids, self.engine_ids)
+        ]
+        last_token_at: dict[int, float] = {}
+        try:
+            async for p_idx, out in _merge(gens):
+                for comp in out.outputs:
+                    choice = p_idx * n + comp.index
+                    now = time.monotonic()
+                    if comp.token_ids:
+                        self.completion_tokens += len(comp.token_ids)
+                        if self.first_token_at is None:
+                            self.first_token_at = now
+                            self.ctx.metrics.first_token(self.target.label, now - self.arrival)
+                        elif choice in last_token_at:
+                            self.ctx.metrics.itl.labels(self.ctx.metrics.model_name).observe(now - last_token_at[choice])
+                        last_token_at[choice] = now
+                    if comp.finish_reason is not None:
+                        self.finish_reasons.append(comp.finish_reason)
+                    yield p_idx, choice, comp
+        finally:
+            for rid in self.engine_ids:  # idempotent for finished requests; frees blocks of others
+                try:
+                    engine.abort(rid)
+                except Exception:  # pragma: no cover - abort must not mask the real outcome
+                    pass
+
+    def close(self, status: int) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._release()
+        now = time.monotonic()
+        finish = self.finish_reasons[0] if self.finish_reasons else None
+        self.ctx.metrics.request_finished(
+            self.target.label,
+            got_first_token=self.first_token_at is not None,
+            prompt_tokens=self.prompt_tokens if status == 200 else 0,
+            gen_tokens=self.completion_tokens,
+            e2e=now - self.arrival if status == 200 else None,
+            finish_reason=finish if status == 200 else None,
+        )
+        record = {
+            "event": "request",
+            "request_id": self.request_id,
+            "tenant": self.tenant,
+            "endpoint": self.req.kind,
+            "stream": self.req.stream,
+            "adapter": self.target.label.split("/", 1)[1] if self.target.label else None,
+            "version": self.target.version,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "ttft_s": round(self.first_token_at - self.arrival, 4) if self.first_token_at else None,
+            "duration_s": round(now - self.arrival, 4),
+            "finish_reason": finish,
+            "status": status,
+        }
+        access_log.info(json.dumps(record, separators=(",", ":")))
+
+
+def prepare(ctx: AppContext, req: GenerationRequest, prompt_ids: list[list[int]]) -> None:
+    """Check limits for every prompt; sets max_tokens where the request left it open."""
+    s = ctx.settings
+    effective = []
+    for ids in prompt_ids:
+        effective.append(
+            check_generation_limits(
+                prompt_len=len(ids), max_tokens=req.params.max_tokens if req.max_tokens_given else None,
+                n=req.params.n, max_model_len=ctx.max_model_len, max_prompt_tokens=s.max_prompt_tokens, max_n=s.max_n,
+            )
+        )
+    if not req.max_tokens_given:
+        req.params.max_tokens = min(effective)
+        if req.params.min_tokens > req.params.max_tokens:
+            raise bad_request("`min_tokens` exceeds what the context leaves", param="min_tokens")
+
+
+async def _merge(gens: list) -> AsyncIterator[tuple[int, object]]:
+    """Interleave several engine streams; closing this closes (and so aborts) all of them."""
+    if len(gens) == 1:
+        gen = gens[0]
+        try:
+            async for item in gen:
+                yield 0, item
+        finally:
+            await gen.aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, gen) -> None:
+        try:
+            async for item in gen:
+                await queue.put((i, item, None))
+            await queue.put((i, done, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            await queue.put((i, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(gens)
+        while remaining:
+            i, item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is done:
+                remaining -= 1
+                continue
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for g in gens:
+            await g.aclose()

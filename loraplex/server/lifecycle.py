@@ -1,0 +1,99 @@
+"""Readiness, in-flight accounting and the SIGTERM drain.
+
+On SIGTERM (or SIGINT) the server stops admitting: ``/ready`` answers 503 and new generation
+requests get 503, while requests already admitted (streams included) run on. When the last one
+ends, or after ``shutdown_grace_seconds``, uvicorn is told to exit; it then closes the
+connections and runs the app's shutdown (engine stopped). A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import uvicorn
+
+from loraplex.server.errors import APIError
+
+log = logging.getLogger("loraplex.server")
+
+
+class Lifecycle:
+    """Process state the routes consult: ready, draining, and the count of admitted requests."""
+
+    def __init__(self) -> None:
+        self.started = False  # engine and registry built
+        self.draining = False
+        self.in_flight = 0
+        self._idle: asyncio.Event | None = None
+
+    def _idle_event(self) -> asyncio.Event:
+        if self._idle is None:
+            self._idle = asyncio.Event()
+            if self.in_flight == 0:
+                self._idle.set()
+        return self._idle
+
+    def admit(self) -> None:
+        """Count one generation request in; 503 once draining."""
+        if self.draining:
+            raise APIError(503, "The server is shutting down.", code="server_shutting_down", headers={"Retry-After": "1"})
+        self.in_flight += 1
+        self._idle_event().clear()
+
+    def done(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight <= 0:
+            self.in_flight = 0
+            self._idle_event().set()
+
+    async def drain(self, grace_seconds: float) -> bool:
+        """Stop admitting and wait for admitted requests; True when all finished in time."""
+        self.draining = True
+        start = time.monotonic()
+        try:
+            await asyncio.wait_for(self._idle_event().wait(), timeout=grace_seconds)
+            ok = True
+        except asyncio.TimeoutError:
+            ok = False
+        log.info(
+            "drain %s after %.2fs (%d requests still in flight)",
+            "complete" if ok else "timed out", time.monotonic() - start, self.in_flight,
+        )
+        return ok
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, with a first SIGTERM/SIGINT that drains before exiting (exit status 0)."""
+
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle, grace_seconds: float):
+        super().__init__(config)
+        self.lifecycle = lifecycle
+        self.grace_seconds = grace_seconds
+        self._drain_task: asyncio.Future | bool | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._drain_task is not None or self._loop is None or sig not in (signal.SIGTERM, signal.SIGINT):
+            # second signal: stop now
+            self.should_exit = True
+            self.force_exit = self._drain_task is not None
+            return
+        log.info("signal %s: draining (grace %.1fs)", signal.Signals(sig).name, self.grace_seconds)
+
+        async def drain_then_exit() -> None:
+            await self.lifecycle.drain(self.grace_seconds)
+            self.should_exit = True
+
+        def start() -> None:
+            self._drain_task = asyncio.ensure_future(drain_then_exit())
+
+        # the handler may run at any bytecode boundary of the loop's thread: schedule, do not run
+        self._drain_task = True  # marks "draining" for a second signal
+        self._loop.call_soon_threadsafe(start)

@@ -1,0 +1,179 @@
+"""Prometheus metrics, on a CollectorRegistry owned by one app (never the process-global one, so
+two apps in one process, as in tests, do not collide).
+
+vLLM's names, which the Kubernetes Gateway API Inference Extension reads:
+``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
+(a fraction in [0, 1], as vLLM reports it), ``vllm:lora_requests_info`` (labels
+running_lora_adapters, waiting_lora_adapters, max_lora; value: the time of the scrape),
+``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
+``vllm:e2e_request_latency_seconds``, ``vllm:prompt_tokens_total``,
+``vllm:generation_tokens_total``.
+
+loraplex's own: ``loraplex_adapters{tier}``, ``loraplex_adapter_loads_total``,
+``loraplex_adapter_evictions_total``, ``loraplex_adapter_load_seconds_total``,
+``loraplex_adapter_requests_total{adapter}``, ``loraplex_adapter_tokens_total{adapter,kind}``,
+``loraplex_http_requests_total{route,status}``. Adapter labels are ``tenant/name`` (never a
+version or hash); past ``max_adapter_labels`` distinct values new adapters are counted under
+``__other__`` so the series count stays bounded.
+
+Running/waiting LoRA adapters are seen from the server: a request is waiting until its first
+token arrives, running after.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter as Multiset
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OTHER_LABEL = "__other__"
+TIERS = ("device", "host", "disk")
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+
+
+def _num(stats: dict, *names: str, default: float = 0.0) -> float:
+    """The first of ``names`` present in the engine's stats dict (its key names are the engine's)."""
+    for name in names:
+        value = stats.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return default
+
+
+class ServerMetrics:
+    """All metrics of one app. Request-level series are observed by the routes; engine and
+    adapter state is read from ``stats_source()`` at scrape time."""
+
+    def __init__(self, model_name: str, max_lora: int, max_adapter_labels: int = 256):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self.max_lora = max_lora
+        self.max_adapter_labels = max_adapter_labels
+        self.stats_source: Callable[[], dict] = dict
+        self._lock = threading.Lock()
+        self._adapter_labels: set[str] = set()
+        self._waiting: Multiset[str] = Multiset()
+        self._running: Multiset[str] = Multiset()
+        labels = ["model_name"]
+        reg = self.registry
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels, registry=reg, buckets=_TTFT_BUCKETS)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", labels, registry=reg, buckets=_ITL_BUCKETS)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", labels, registry=reg, buckets=_E2E_BUCKETS)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=reg)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens produced.", labels, registry=reg)
+        self.request_success = Counter("vllm:request_success", "Finished requests.", labels + ["finished_reason"], registry=reg)
+        self.adapter_requests = Counter("loraplex_adapter_requests", "Requests per adapter.", ["adapter"], registry=reg)
+        self.adapter_tokens = Counter("loraplex_adapter_tokens", "Tokens per adapter.", ["adapter", "kind"], registry=reg)
+        self.http_requests = Counter("loraplex_http_requests", "HTTP requests by route and status.", ["route", "status"], registry=reg)
+        reg.register(_EngineCollector(self))
+
+    # --- called by the routes --------------------------------------------------------------
+
+    def adapter_label(self, adapter: str | None) -> str:
+        if adapter is None:
+            return "base"
+        with self._lock:
+            if adapter in self._adapter_labels:
+                return adapter
+            if len(self._adapter_labels) < self.max_adapter_labels:
+                self._adapter_labels.add(adapter)
+                return adapter
+        return OTHER_LABEL
+
+    def request_started(self, adapter: str | None) -> None:
+        if adapter is not None:
+            with self._lock:
+                self._waiting[adapter] += 1
+
+    def first_token(self, adapter: str | None, ttft: float) -> None:
+        self.ttft.labels(self.model_name).observe(ttft)
+        if adapter is not None:
+            with self._lock:
+                self._waiting[adapter] -= 1
+                self._running[adapter] += 1
+
+    def request_finished(
+        self, adapter: str | None, *, got_first_token: bool, prompt_tokens: int, gen_tokens: int,
+        e2e: float | None, finish_reason: str | None,
+    ) -> None:
+        if adapter is not None:
+            with self._lock:
+                bucket = self._running if got_first_token else self._waiting
+                bucket[adapter] -= 1
+                if bucket[adapter] <= 0:
+                    del bucket[adapter]
+        label = self.adapter_label(adapter)
+        self.adapter_requests.labels(label).inc()
+        self.adapter_tokens.labels(label, "prompt").inc(prompt_tokens)
+        self.adapter_tokens.labels(label, "generation").inc(gen_tokens)
+        self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
+        self.generation_tokens.labels(self.model_name).inc(gen_tokens)
+        if e2e is not None:
+            self.e2e.labels(self.model_name).observe(e2e)
+        if finish_reason is not None:
+            self.request_success.labels(self.model_name, finish_reason).inc()
+
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        with self._lock:
+            running = sorted(a for a, c in self._running.items() if c > 0)
+            waiting = sorted(a for a, c in self._waiting.items() if c > 0)
+        return running, waiting
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Scrape-time view of the engine and adapter tiers."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        m = self.metrics
+        try:
+            stats = m.stats_source() or {}
+        except Exception:  # a scrape must not fail because the engine is busy or gone
+            stats = {}
+        labels = ["model_name"]
+        for name, doc, keys in (
+            ("vllm:num_requests_running", "Requests running on the engine.", ("num_running", "running")),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", ("num_waiting", "waiting")),
+            ("vllm:kv_cache_usage_perc", "KV cache usage (1 = 100%).", ("kv_cache_usage", "kv_usage")),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric([m.model_name], _num(stats, *keys))
+            yield g
+        running, waiting = m.lora_adapters()
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running and waiting LoRA adapters.",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        info.add_metric([",".join(running), ",".join(waiting), str(m.max_lora)], time.time())
+        yield info
+        lora = stats.get("lora") if isinstance(stats.get("lora"), dict) else stats
+        tiers = GaugeMetricFamily("loraplex_adapters", "Adapters held per tier.", labels=["tier"])
+        per_tier = lora.get("adapters_per_tier") or {}
+        for tier in TIERS:
+            tiers.add_metric([tier], _num(per_tier, tier) if isinstance(per_tier, dict) else 0.0)
+        yield tiers
+        for name, doc, keys in (
+            ("loraplex_adapter_loads", "Adapter loads into a device slot.", ("loads", "num_loads")),
+            ("loraplex_adapter_evictions", "Adapter evictions from a device slot.", ("evictions", "num_evictions")),
+            ("loraplex_adapter_load_seconds", "Seconds spent loading adapters.", ("load_seconds",)),
+        ):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], _num(lora, *keys))
+            yield c

@@ -1,0 +1,171 @@
+"""Tenant routes, OpenAI-compatible: ``/t/{tenant}/v1/...`` and ``/v1/...`` (the key's tenant)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from loraplex.server.context import AppContext
+from loraplex.server.errors import bad_request, from_exception
+from loraplex.server.generation import RequestRun, prepare, resolve_target, tokenize_prompts
+from loraplex.server.limits import read_body
+from loraplex.server.protocol import GenerationRequest, parse_chat_request, parse_completion_request
+from loraplex.server.shapes import ResponseShaper
+from loraplex.server.streaming import DONE, ClientDisconnected, SSEResponse, run_unless_disconnected, sse_event
+
+CLIENT_CLOSED = 499  # nginx's status for "client closed the request": logs only, never sent
+
+
+def _ctx(request: Request) -> AppContext:
+    return request.app.state.ctx
+
+
+async def _json_body(request: Request, ctx: AppContext):
+    raw = await read_body(request, ctx.settings.max_body_bytes)
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise bad_request("Request body is not valid JSON.") from None
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, parse_completion_request)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, parse_chat_request)
+
+
+async def _generate(request: Request, parse) -> Response:
+    arrival = time.monotonic()
+    ctx = _ctx(request)
+    tenant = await ctx.tenant_auth.tenant_for(request, request.path_params.get("tenant"))
+    req: GenerationRequest = parse(await _json_body(request, ctx))
+    target = await resolve_target(ctx, tenant, req.model)
+    prompt_ids = tokenize_prompts(ctx, req)
+    prepare(ctx, req, prompt_ids)
+    shaper = ResponseShaper(req.kind, req.model, ctx.tokenizer, include_usage=req.include_usage)
+    run = RequestRun(ctx, tenant, target, req, prompt_ids, shaper.id, arrival)
+    run.admit()
+    if req.stream:
+        return SSEResponse(_stream_events(run, shaper), on_close=lambda: run.close(CLIENT_CLOSED))
+    try:
+        body = await run_unless_disconnected(request, _collect(run, shaper))
+    except ClientDisconnected:
+        run.close(CLIENT_CLOSED)
+        return Response(status_code=CLIENT_CLOSED)
+    except BaseException as exc:
+        err = from_exception(exc) if isinstance(exc, Exception) else None
+        run.close(err.status if err else CLIENT_CLOSED)
+        raise
+    run.close(200)
+    return JSONResponse(body)
+
+
+def _echo_text(run: RequestRun, p_idx: int) -> str:
+    prompt = run.req.prompts[p_idx]
+    return prompt if isinstance(prompt, str) else run.ctx.tokenizer.decode(prompt)
+
+
+async def _collect(run: RequestRun, shaper: ResponseShaper) -> dict:
+    req = run.req
+    n_choices = len(run.prompt_ids) * req.params.n
+    texts = [""] * n_choices
+    entries: list[list[dict]] = [[] for _ in range(n_choices)]
+    finish: list[str | None] = [None] * n_choices
+    async for p_idx, choice, comp in run.deltas():
+        texts[choice] += comp.text
+        if comp.logprobs:
+            entries[choice].extend(comp.logprobs)
+        if comp.finish_reason is not None:
+            finish[choice] = comp.finish_reason
+    choices = []
+    for i in range(n_choices):
+        prefix = _echo_text(run, i // req.params.n) if req.echo else ""
+        logprobs = None
+        if req.logprobs:
+            logprobs = (
+                shaper.chat_logprobs(entries[i], req.top_logprobs)
+                if req.kind == "chat"
+                else shaper.completion_logprobs(entries[i], req.top_logprobs, len(prefix))
+            )
+        choices.append({"index": i, "text": prefix + texts[i], "logprobs": logprobs, "finish_reason": finish[i]})
+    build = shaper.chat_response if req.kind == "chat" else shaper.completion_response
+    return build(choices, run.prompt_tokens, run.completion_tokens)
+
+
+async def _stream_events(run: RequestRun, shaper: ResponseShaper):
+    req = run.req
+    status = CLIENT_CLOSED
+    try:
+        n_choices = len(run.prompt_ids) * req.params.n
+        if req.kind == "chat":  # first chunk of each choice announces the role
+            for i in range(n_choices):
+                yield sse_event(shaper.chunk(i, "", None, role=True))
+        elif req.echo:
+            for i in range(n_choices):
+                yield sse_event(shaper.chunk(i, _echo_text(run, i // req.params.n), None))
+        offsets = [0] * n_choices
+        try:
+            async for p_idx, choice, comp in run.deltas():
+                if not comp.text and not comp.token_ids and comp.finish_reason is None:
+                    continue
+                logprobs = None
+                if req.logprobs and comp.logprobs:
+                    if req.kind == "chat":
+                        logprobs = shaper.chat_logprobs(comp.logprobs, req.top_logprobs)
+                    else:
+                        logprobs = shaper.completion_logprobs(comp.logprobs, req.top_logprobs, offsets[choice])
+                offsets[choice] += len(comp.text)
+                if req.kind == "chat" and comp.finish_reason is not None and comp.text:
+                    # OpenAI sends the finish reason on a chunk of its own with an empty delta
+                    yield sse_event(shaper.chunk(choice, comp.text, None, logprobs))
+                    yield sse_event(shaper.chunk(choice, None, comp.finish_reason))
+                elif req.kind == "chat" and comp.finish_reason is not None:
+                    yield sse_event(shaper.chunk(choice, None, comp.finish_reason, logprobs))
+                else:
+                    yield sse_event(shaper.chunk(choice, comp.text, comp.finish_reason, logprobs))
+        except Exception as exc:  # headers are out: report in-band, as vLLM does
+            err = from_exception(exc)
+            status = err.status
+            yield sse_event(err.body())
+            yield DONE
+            return
+        if req.include_usage:
+            yield sse_event(shaper.usage_chunk(run.prompt_tokens, run.completion_tokens))
+        yield DONE
+        status = 200
+    finally:
+        run.close(status)
+
+
+async def list_models(request: Request) -> Response:
+    ctx = _ctx(request)
+    tenant = await ctx.tenant_auth.tenant_for(request, request.path_params.get("tenant"))
+    adapters = await run_in_threadpool(ctx.registry.list_adapters, tenant)
+    created = int(time.time())
+    data = [{"id": ctx.served_model_name, "object": "model", "created": created, "owned_by": "loraplex",
+             "root": ctx.served_model_name, "parent": None, "max_model_len": ctx.max_model_len}]
+    for a in adapters:
+        if getattr(a, "active_version", None) is None:
+            continue
+        data.append({"id": a.name, "object": "model", "created": created, "owned_by": tenant,
+                     "root": a.name, "parent": ctx.served_model_name, "active_version": a.active_version})
+    return JSONResponse({"object": "list", "data": data})
+
+
+def routes() -> list[Route]:
+    out = []
+    for prefix in ("/v1", "/t/{tenant}/v1"):
+        out += [
+            Route(prefix + "/completions", completions, methods=["POST"]),
+            Route(prefix + "/chat/completions", chat_completions, methods=["POST"]),
+            Route(prefix + "/models", list_models, methods=["GET"]),
+        ]
+    return out
+

@@ -1,0 +1,256 @@
+"""Parsing and validating OpenAI request bodies into engine inputs.
+
+Unknown fields are ignored, as OpenAI does. A known field of the wrong type or out of range is a
+400 whose ``param`` names the field. vLLM's extra sampling fields (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ...) are accepted under
+vLLM's names so clients written for vLLM work unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loraplex.sampling_params import InvalidRequestError, SamplingParams
+from loraplex.server.errors import bad_request
+
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class GenerationRequest:
+    """A validated completions or chat request, before tokenization."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    params: SamplingParams
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions
+    messages: list[dict] = field(default_factory=list)  # chat: [{"role", "content": str}]
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False  # report logprobs in the response
+    top_logprobs: int = 0
+    echo: bool = False
+    max_tokens_given: bool = False  # False: max_tokens defaults to what the context leaves
+    user: str | None = None
+
+
+# --- typed field readers ----------------------------------------------------------------------
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _get(body: dict, name: str, check, kind: str, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not check(value):
+        raise bad_request(f"`{name}` must be {kind}, got {type(value).__name__}", param=name)
+    return value
+
+
+def _int(body, name, default=None, lo=None, hi=None):
+    v = _get(body, name, _is_int, "an integer", default)
+    _range(name, v, lo, hi)
+    return v
+
+
+def _num(body, name, default=None, lo=None, hi=None):
+    v = _get(body, name, _is_number, "a number", default)
+    _range(name, v, lo, hi)
+    return float(v) if v is not None else None
+
+
+def _bool(body, name, default=False):
+    return _get(body, name, lambda v: isinstance(v, bool), "a boolean", default)
+
+
+def _range(name, v, lo, hi) -> None:
+    if v is None:
+        return
+    if lo is not None and v < lo:
+        raise bad_request(f"`{name}` must be >= {lo}, got {v}", param=name)
+    if hi is not None and v > hi:
+        raise bad_request(f"`{name}` must be <= {hi}, got {v}", param=name)
+
+
+def _stop(body) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise bad_request("`stop` must be a non-empty string or a list of them", param="stop")
+    return stop
+
+
+def _int_list(body, name) -> list[int]:
+    v = body.get(name)
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
+        raise bad_request(f"`{name}` must be a list of non-negative integers", param=name)
+    return v
+
+
+def _model(body) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("`model` is required and must be a non-empty string", param="model")
+    return model
+
+
+def _stream(body) -> tuple[bool, bool]:
+    stream = _bool(body, "stream", False)
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad_request("`stream_options` must be an object", param="stream_options")
+        iu = opts.get("include_usage")
+        if iu is not None and not isinstance(iu, bool):
+            raise bad_request("`stream_options.include_usage` must be a boolean", param="stream_options.include_usage")
+        include_usage = bool(iu)
+        if not stream and include_usage:
+            raise bad_request("`stream_options` is only allowed when `stream` is true", param="stream_options")
+    return stream, include_usage
+
+
+def _sampling(body: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The sampling fields common to both endpoints, checked for type here and for range by
+    SamplingParams (its InvalidRequestError already names the field)."""
+    kwargs = dict(
+        n=_int(body, "n", 1, lo=1),
+        max_tokens=max_tokens,
+        min_tokens=_int(body, "min_tokens", 0, lo=0),
+        temperature=_num(body, "temperature", 1.0, lo=0.0, hi=2.0),
+        top_p=_num(body, "top_p", 1.0, lo=0.0, hi=1.0),
+        top_k=_int(body, "top_k", 0, lo=-1),
+        min_p=_num(body, "min_p", 0.0, lo=0.0, hi=1.0),
+        repetition_penalty=_num(body, "repetition_penalty", 1.0),
+        presence_penalty=_num(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+        frequency_penalty=_num(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+        seed=_int(body, "seed", None),
+        stop=_stop(body),
+        stop_token_ids=_int_list(body, "stop_token_ids"),
+        ignore_eos=_bool(body, "ignore_eos", False),
+        logprobs=logprobs,
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+    )
+    if kwargs["top_p"] == 0.0:
+        raise bad_request("`top_p` must be > 0", param="top_p")
+    try:
+        return SamplingParams(**kwargs)
+    except InvalidRequestError as exc:
+        raise bad_request(exc.message, param=exc.param, code=exc.code) from None
+
+
+def _prompts(body) -> list[str | list[int]]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(_is_int(t) for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+            return [list(p) for p in prompt]
+    raise bad_request(
+        "`prompt` must be a string, a list of strings, a list of token ids or a list of token id lists",
+        param="prompt",
+    )
+
+
+def _messages(body) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("`messages` must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"`{where}` must be an object", param=where)
+        role = m.get("role")
+        if role == "developer":  # OpenAI's newer name for system
+            role = "system"
+        if role not in CHAT_ROLES:
+            raise bad_request(f"`{where}.role` must be one of {', '.join(CHAT_ROLES)}", param=f"{where}.role")
+        out.append({"role": role, "content": _content(m.get("content"), f"{where}.content")})
+    return out
+
+
+def _content(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: only text parts are served
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"`{where}` parts must be text parts", param=where)
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(f"`{where}` must be a string or a list of text parts", param=where)
+
+
+# --- the two endpoints ------------------------------------------------------------------------
+
+
+def parse_completion_request(body) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    model = _model(body)
+    prompts = _prompts(body)
+    max_tokens = _int(body, "max_tokens", None, lo=1)
+    logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    stream, include_usage = _stream(body)
+    params = _sampling(body, max_tokens if max_tokens is not None else 16, logprobs)
+    return GenerationRequest(
+        kind="completion",
+        model=model,
+        params=params,
+        prompts=prompts,
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=logprobs is not None,
+        top_logprobs=logprobs or 0,
+        echo=_bool(body, "echo", False),
+        max_tokens_given=True,  # OpenAI's completions default is 16
+        user=body.get("user") if isinstance(body.get("user"), str) else None,
+    )
+
+
+def parse_chat_request(body) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    model = _model(body)
+    messages = _messages(body)
+    max_tokens = _int(body, "max_completion_tokens", None, lo=1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", None, lo=1)
+    want_logprobs = _bool(body, "logprobs", False)
+    top_logprobs = _int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if top_logprobs is not None and not want_logprobs:
+        raise bad_request("`top_logprobs` requires `logprobs` to be true", param="top_logprobs")
+    stream, include_usage = _stream(body)
+    params = _sampling(body, max_tokens, (top_logprobs or 0) if want_logprobs else None)
+    return GenerationRequest(
+        kind="chat",
+        model=model,
+        params=params,
+        messages=messages,
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=want_logprobs,
+        top_logprobs=top_logprobs or 0,
+        max_tokens_given=max_tokens is not None,
+        user=body.get("user") if isinstance(body.get("user"), str) else None,
+    )

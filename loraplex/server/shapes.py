@@ -1,0 +1,127 @@
+"""OpenAI response and stream-chunk shapes for completions and chat completions.
+
+Ids are ``cmpl-<hex>`` / ``chatcmpl-<hex>``; ``object`` is ``text_completion``,
+``chat.completion`` or ``chat.completion.chunk``. Streams end with ``data: [DONE]`` (see
+streaming.py); with ``stream_options.include_usage`` every chunk carries ``"usage": null`` and a
+last chunk with empty ``choices`` carries the usage.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class ResponseShaper:
+    """Builds the bodies of one response (all chunks share id, created and model)."""
+
+    def __init__(self, kind: str, model: str, tokenizer, include_usage: bool = False):
+        self.kind = kind
+        self.model = model
+        self.tokenizer = tokenizer
+        self.include_usage = include_usage
+        self.id = new_id(kind)
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    # --- logprobs --------------------------------------------------------------------------
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    @staticmethod
+    def _top_items(entry: dict, limit: int) -> list[tuple[int, float]]:
+        top = entry.get("top_logprobs") or {}
+        items = list(top.items()) if isinstance(top, dict) else [(t["token_id"], t["logprob"]) for t in top]
+        items.sort(key=lambda kv: -kv[1])
+        return items[:limit]
+
+    def completion_logprobs(self, entries: list[dict], top_n: int, text_offset0: int) -> dict:
+        """Completions' ``logprobs`` object for the tokens of ``entries``."""
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        offset = text_offset0
+        for e in entries:
+            text = self._token_text(e["token_id"])
+            tokens.append(text)
+            token_logprobs.append(e.get("logprob"))
+            top.append({self._token_text(t): lp for t, lp in self._top_items(e, top_n)})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def chat_logprobs(self, entries: list[dict], top_n: int) -> dict:
+        def item(token_id: int, logprob: float) -> dict:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        content = []
+        for e in entries:
+            d = item(e["token_id"], e.get("logprob"))
+            d["top_logprobs"] = [item(t, lp) for t, lp in self._top_items(e, top_n)]
+            content.append(d)
+        return {"content": content}
+
+    # --- whole responses -------------------------------------------------------------------
+
+    def completion_response(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+        """choices: [{"index", "text", "logprobs", "finish_reason"}] in index order."""
+        body = self._head("text_completion")
+        body["choices"] = choices
+        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["system_fingerprint"] = None
+        return body
+
+    def chat_response(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+        """choices: [{"index", "text", "logprobs", "finish_reason"}] -> chat message shape."""
+        body = self._head("chat.completion")
+        body["choices"] = [
+            {
+                "index": c["index"],
+                "message": {"role": "assistant", "content": c["text"]},
+                "logprobs": c.get("logprobs"),
+                "finish_reason": c["finish_reason"],
+            }
+            for c in choices
+        ]
+        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["system_fingerprint"] = None
+        return body
+
+    # --- stream chunks ---------------------------------------------------------------------
+
+    def chunk(self, index: int, text: str | None, finish_reason: str | None, logprobs=None, role: bool = False) -> dict:
+        if self.kind == "chat":
+            body = self._head("chat.completion.chunk")
+            delta: dict = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        else:
+            body = self._head("text_completion")
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        body["choices"] = [choice]
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        body = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")
+        body["choices"] = []
+        body["usage"] = usage(prompt_tokens, completion_tokens)
+        return body

@@ -1,0 +1,179 @@
+"""Adapter uploads: multipart fields or one archive, written into a private staging directory.
+
+An archive (``.tar.gz`` / ``.tgz`` / ``.tar`` / ``.zip``) is unpacked member by member by this
+code, never with ``extractall``: absolute paths, ``..`` components, links (symbolic or hard),
+devices and other special members, and members larger than the cap are rejected, so no path can
+leave the staging directory. The PEFT directory is the staging root or its single sub-directory
+holding ``adapter_config.json``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import stat
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path, PurePosixPath
+
+from starlette.datastructures import UploadFile
+
+from loraplex.server.errors import APIError, bad_request
+
+CONFIG_FIELD = "adapter_config.json"
+WEIGHTS_FIELD = "adapter_model.safetensors"
+ARCHIVE_FIELD = "archive"
+_COPY_CHUNK = 1 << 20
+
+
+def new_staging_dir(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="upload-", dir=root))
+
+
+def too_large(what: str, limit: int) -> APIError:
+    return APIError(413, f"{what} is larger than the limit of {limit} bytes.", param=ARCHIVE_FIELD, code="payload_too_large")
+
+
+def _copy_capped(src, dst_path: Path, limit: int, what: str) -> int:
+    """Copy a binary stream to a new file, refusing more than ``limit`` bytes."""
+    total = 0
+    with open(dst_path, "xb") as dst:
+        while True:
+            chunk = src.read(_COPY_CHUNK)
+            if not chunk:
+                return total
+            total += len(chunk)
+            if total > limit:
+                raise too_large(what, limit)
+            dst.write(chunk)
+
+
+def _safe_member_path(staging: Path, name: str) -> Path:
+    """Where an archive member goes, or a 400 if its name could leave the staging directory."""
+    if not name or "\x00" in name or "\\" in name:
+        raise bad_request(f"archive member {name!r} has an invalid name", param=ARCHIVE_FIELD)
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or name.startswith("/"):
+        raise bad_request(f"archive member {name!r} has an absolute path", param=ARCHIVE_FIELD)
+    if any(part == ".." for part in pure.parts):
+        raise bad_request(f"archive member {name!r} leaves the archive root (`..`)", param=ARCHIVE_FIELD)
+    if len(pure.parts) > 8:
+        raise bad_request(f"archive member {name!r} is nested too deep", param=ARCHIVE_FIELD)
+    target = (staging / Path(*[p for p in pure.parts if p not in ("", ".")])).resolve()
+    root = staging.resolve()
+    if target != root and root not in target.parents:
+        raise bad_request(f"archive member {name!r} leaves the archive root", param=ARCHIVE_FIELD)
+    return target
+
+
+def _unpack_tar(fileobj, staging: Path, member_limit: int) -> None:
+    try:
+        archive = tarfile.open(fileobj=fileobj, mode="r:*")
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise bad_request(f"archive is not a readable tar file: {exc}", param=ARCHIVE_FIELD) from None
+    with archive:
+        for member in archive:
+            target = _safe_member_path(staging, member.name)
+            if member.isdir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            if member.issym() or member.islnk():
+                raise bad_request(f"archive member {member.name!r} is a link", param=ARCHIVE_FIELD)
+            if not member.isreg():
+                raise bad_request(f"archive member {member.name!r} is not a regular file", param=ARCHIVE_FIELD)
+            if member.size > member_limit:
+                raise too_large(f"archive member {member.name!r}", member_limit)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            src = archive.extractfile(member)
+            if src is None:
+                raise bad_request(f"archive member {member.name!r} cannot be read", param=ARCHIVE_FIELD)
+            try:
+                _copy_capped(src, target, member_limit, f"archive member {member.name!r}")
+            except FileExistsError:
+                raise bad_request(f"archive member {member.name!r} appears twice", param=ARCHIVE_FIELD) from None
+
+
+def _unpack_zip(fileobj, staging: Path, member_limit: int) -> None:
+    try:
+        archive = zipfile.ZipFile(fileobj)
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise bad_request(f"archive is not a readable zip file: {exc}", param=ARCHIVE_FIELD) from None
+    with archive:
+        for info in archive.infolist():
+            target = _safe_member_path(staging, info.filename)
+            mode = info.external_attr >> 16
+            if stat.S_ISLNK(mode):
+                raise bad_request(f"archive member {info.filename!r} is a link", param=ARCHIVE_FIELD)
+            if info.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            if mode and not stat.S_ISREG(mode):
+                raise bad_request(f"archive member {info.filename!r} is not a regular file", param=ARCHIVE_FIELD)
+            if info.file_size > member_limit:
+                raise too_large(f"archive member {info.filename!r}", member_limit)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with archive.open(info) as src:  # the cap is enforced on the bytes, not the declared size
+                    _copy_capped(src, target, member_limit, f"archive member {info.filename!r}")
+            except FileExistsError:
+                raise bad_request(f"archive member {info.filename!r} appears twice", param=ARCHIVE_FIELD) from None
+            except (zipfile.BadZipFile, NotImplementedError) as exc:
+                raise bad_request(f"archive member {info.filename!r}: {exc}", param=ARCHIVE_FIELD) from None
+
+
+def unpack_archive(fileobj, filename: str, staging: Path, member_limit: int) -> Path:
+    """Unpack into ``staging``; returns the PEFT directory inside it."""
+    head = fileobj.read(4)
+    fileobj.seek(0)
+    if head.startswith(b"PK") or filename.lower().endswith(".zip"):
+        _unpack_zip(fileobj, staging, member_limit)
+    else:
+        _unpack_tar(fileobj, staging, member_limit)
+    return find_peft_dir(staging)
+
+
+def find_peft_dir(staging: Path) -> Path:
+    if (staging / CONFIG_FIELD).is_file():
+        return staging
+    subdirs = [p for p in staging.iterdir() if p.is_dir()]
+    if len(subdirs) == 1 and (subdirs[0] / CONFIG_FIELD).is_file():
+        return subdirs[0]
+    raise bad_request(f"archive holds no `{CONFIG_FIELD}` at its root or in one top folder", param=ARCHIVE_FIELD)
+
+
+async def _field_to_file(value, target: Path, limit: int, field: str) -> None:
+    if isinstance(value, UploadFile):
+        await value.seek(0)
+        _copy_capped(value.file, target, limit, f"field `{field}`")
+    elif isinstance(value, str):
+        data = value.encode("utf-8")
+        if len(data) > limit:
+            raise too_large(f"field `{field}`", limit)
+        target.write_bytes(data)
+    else:
+        raise bad_request(f"field `{field}` is missing", param=field)
+
+
+async def stage_upload(form, staging: Path, member_limit: int) -> Path:
+    """Write the upload in ``form`` (a parsed multipart form) into ``staging``; returns the PEFT dir."""
+    archive = form.get(ARCHIVE_FIELD)
+    if archive is not None:
+        if not isinstance(archive, UploadFile):
+            raise bad_request("field `archive` must be a file", param=ARCHIVE_FIELD)
+        await archive.seek(0)
+        return unpack_archive(archive.file, archive.filename or "", staging, member_limit)
+    if form.get(CONFIG_FIELD) is None or form.get(WEIGHTS_FIELD) is None:
+        missing = CONFIG_FIELD if form.get(CONFIG_FIELD) is None else WEIGHTS_FIELD
+        raise bad_request(
+            f"upload needs fields `{CONFIG_FIELD}` and `{WEIGHTS_FIELD}`, or one field `{ARCHIVE_FIELD}`",
+            param=missing,
+        )
+    await _field_to_file(form.get(CONFIG_FIELD), staging / CONFIG_FIELD, member_limit, CONFIG_FIELD)
+    await _field_to_file(form.get(WEIGHTS_FIELD), staging / WEIGHTS_FIELD, member_limit, WEIGHTS_FIELD)
+    return staging
+
+
+def remove_staging(staging: Path) -> None:
+    shutil.rmtree(staging, ignore_errors=True)
+

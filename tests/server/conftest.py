@@ -1,0 +1,103 @@
+"""The HTTP layer over a fake engine: a real uvicorn server in a thread on a free loopback port,
+a real RegistryService on a throwaway SQLite database."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+
+from loraplex.config import Settings
+from loraplex.registry import db
+from loraplex.registry.service import RegistryService
+from loraplex.server.app import create_app
+from tests.server.fakes import FakeAdapterManager, FakeEngine
+
+ADMIN_KEY = "test-admin-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    url: str
+    app: object
+    engine: FakeEngine
+    registry: RegistryService
+    adapters: FakeAdapterManager
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
+
+    def tenant_client(self, key: str) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+
+    def make_tenant(self, name: str) -> str:
+        self.registry.create_tenant(name)
+        _, secret = self.registry.create_api_key(name)
+        return secret
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def start_server(tmp_path, engine: FakeEngine | None = None, **setting_overrides) -> RunningServer:
+    home = tmp_path / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    url = f"sqlite:///{home / 'registry.db'}"
+    db.upgrade(url)
+    registry = RegistryService.from_url(url)
+    engine = engine or FakeEngine()
+    adapters = FakeAdapterManager(registry, home / "adapters")
+    settings = Settings(home=home, admin_key=ADMIN_KEY, database_url=url, **setting_overrides)
+    app = create_app(settings, engine=engine, registry=registry, adapters=adapters)
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/ready", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    else:
+        raise RuntimeError("test server did not become ready")
+    return RunningServer(base, app, engine, registry, adapters, server, thread)
+
+
+@pytest.fixture
+def fake_server(tmp_path):
+    srv = start_server(tmp_path)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def server_factory(tmp_path):
+    started = []
+
+    def make(engine=None, **overrides) -> RunningServer:
+        srv = start_server(tmp_path / f"s{len(started)}", engine, **overrides)
+        started.append(srv)
+        return srv
+
+    yield make
+    for srv in started:
+        srv.stop()

@@ -1,0 +1,172 @@
+"""Small stand-ins for the engine and adapter manager, for testing the HTTP layer alone.
+
+The fake engine is deterministic: output token ``k`` of a request is a function of the prompt,
+the adapter's content hash, the seed and ``k``, so tests can compute the expected text
+independently. It honours max_tokens, n, stop strings and abort, and keeps KV-block accounting
+so leak tests mean something.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+from pathlib import Path
+
+from loraplex.engine.outputs import CompletionOutput, RequestOutput
+from loraplex.lora.spec import AdapterRef
+from loraplex.sampling_params import InvalidRequestError
+
+VOCAB_OFFSET = 3  # 0 pad, 1 bos, 2 eos
+LETTERS = "abcdefghijklmnopqrstuvwxyz "
+
+
+class FakeTokenizer:
+    """Character-level tokenizer: one token per character of ``LETTERS`` (others dropped)."""
+
+    chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    eos_token_id = 2
+
+    def __len__(self) -> int:
+        return VOCAB_OFFSET + len(LETTERS) + 4
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        ids = [VOCAB_OFFSET + LETTERS.index(c) for c in text.lower() if c in LETTERS]
+        return {"input_ids": ([1] if add_special_tokens else []) + ids}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(LETTERS[i - VOCAB_OFFSET] for i in ids if VOCAB_OFFSET <= i < VOCAB_OFFSET + len(LETTERS))
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        text = "".join(f"{m['role']} {m['content']} " for m in messages) + ("assistant " if add_generation_prompt else "")
+        return text
+
+
+def fake_token(prompt_ids: list[int], adapter_id: str | None, seed, choice: int, k: int) -> int:
+    h = hashlib.sha256(f"{prompt_ids}|{adapter_id}|{seed}|{choice}|{k}".encode()).digest()
+    return VOCAB_OFFSET + h[0] % len(LETTERS)
+
+
+def expected_text(tok: FakeTokenizer, prompt_ids, adapter_id, seed, max_tokens, choice=0) -> str:
+    return tok.decode([fake_token(prompt_ids, adapter_id, seed, choice, k) for k in range(max_tokens)])
+
+
+class FakeEngine:
+    """Async engine facade with the AsyncLLMEngine surface the server uses."""
+
+    def __init__(self, step_seconds: float = 0.0, num_blocks: int = 1000, block_size: int = 4, max_model_len: int = 128):
+        self.tokenizer = FakeTokenizer()
+        self.model_name = "fake-model"
+        self.max_model_len = max_model_len
+        self.step_seconds = step_seconds
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._lock = threading.Lock()
+        self.blocks_in_use: dict[str, int] = {}
+        self.aborted: set[str] = set()
+        self.started: list[tuple[str, str | None]] = []  # (request_id, adapter content hash)
+        self.loaded: dict[str, tuple[str, bool]] = {}
+        self.shut_down = False
+
+    def _blocks(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    async def generate(self, prompt, params, request_id=None, adapter=None):
+        if isinstance(prompt, str):
+            prompt = self.tokenizer(prompt)["input_ids"]
+        if not prompt:
+            raise InvalidRequestError("empty prompt", param="prompt")
+        adapter_id = adapter.content_hash if isinstance(adapter, AdapterRef) else adapter
+        with self._lock:
+            self.started.append((request_id, adapter_id))
+            self.blocks_in_use[request_id] = self._blocks(len(prompt)) * params.n
+        try:
+            texts = [""] * params.n
+            done = [False] * params.n
+            for k in range(params.max_tokens):
+                await asyncio.sleep(self.step_seconds)
+                if request_id in self.aborted:
+                    return
+                outs = []
+                for c in range(params.n):
+                    if done[c]:
+                        continue
+                    tok = fake_token(prompt, adapter_id, params.seed, c, k)
+                    text = self.tokenizer.decode([tok])
+                    texts[c] += text
+                    finish = None
+                    if any(s in texts[c] for s in params.stop):
+                        finish, text = "stop", ""
+                    elif k == params.max_tokens - 1:
+                        finish = "length"
+                    done[c] = finish is not None
+                    lp = [{"token_id": tok, "logprob": -0.5, "top_logprobs": {tok: -0.5, VOCAB_OFFSET: -1.5}}]
+                    outs.append(CompletionOutput(c, text, [tok], finish, lp if params.logprobs is not None else None))
+                with self._lock:
+                    self.blocks_in_use[request_id] = self._blocks(len(prompt) + k + 1) * params.n
+                finished = all(done)
+                yield RequestOutput(request_id, None, list(prompt), outs, finished, adapter_id)
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self.blocks_in_use.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self.aborted.add(request_id)
+            self.blocks_in_use.pop(request_id, None)
+
+    async def load_adapter(self, ref, tier="device", pin=False):
+        self.loaded[ref.content_hash] = (tier, pin)
+
+    async def unload_adapter(self, adapter_id):
+        self.loaded.pop(adapter_id, None)
+
+    def stats(self) -> dict:
+        with self._lock:
+            used = sum(self.blocks_in_use.values())
+            running = len(self.blocks_in_use)
+        return {
+            "num_running": running,
+            "num_waiting": 0,
+            "kv_cache_usage": used / self.num_blocks,
+            "num_free_blocks": self.num_blocks - used,
+            "num_blocks": self.num_blocks,
+            "lora": {"adapters": {h: {"tier": t} for h, (t, _) in self.loaded.items()}},
+        }
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+class FakeAdapterManager:
+    """Uploads record the two files' sha256 as the version's content hash (no validation)."""
+
+    def __init__(self, registry, root: Path):
+        self.registry = registry
+        self.root = root
+        self.in_use: dict[str, int] = {}
+
+    def upload(self, tenant, name, adapter_dir, uploader):
+        adapter_dir = Path(adapter_dir)
+        cfg = (adapter_dir / "adapter_config.json").read_bytes()
+        weights = (adapter_dir / "adapter_model.safetensors").read_bytes()
+        sha = hashlib.sha256(cfg + b"|" + weights).hexdigest()
+        return self.registry.add_version(
+            tenant, name, sha256=sha, base_model="fake-model", rank=4, alpha=8.0, targets=["q_proj"],
+            size_bytes=len(weights), blob_key=f"sha256/{sha}", uploader=uploader,
+        )
+
+    def resolve(self, tenant, model_ref):
+        v = self.registry.resolve(tenant, model_ref)
+        return AdapterRef(name=f"{v.adapter}@{v.version}", path=str(self.root / v.sha256), content_hash=v.sha256)
+
+    def acquire(self, content_hash):
+        self.in_use[content_hash] = self.in_use.get(content_hash, 0) + 1
+
+    def release(self, content_hash):
+        self.in_use[content_hash] -= 1
+
+    def tier_of(self, content_hash):
+        return "store"
