@@ -1,0 +1,190 @@
+"""Batched sampling from one step's logits, with vLLM's semantics.
+
+Order of operations per row (as vLLM v1):
+
+1. ``min_tokens``: while fewer tokens were generated, EOS (unless ``ignore_eos``) and
+   ``stop_token_ids`` get ``-inf``.
+2. Penalties: ``repetition_penalty`` over prompt + output tokens (positive logits divided,
+   negative multiplied); ``frequency_penalty * count`` and ``presence_penalty * (count > 0)``
+   subtracted, counting output tokens only.
+3. Greedy rows (``temperature == 0``) take the argmax here.
+4. Other rows: divide by temperature, then ``min_p`` (drop tokens with probability below
+   ``min_p`` times the top one), ``top_k``, ``top_p`` (smallest set of top tokens whose mass
+   reaches ``top_p``), then draw from the softmax.
+
+Logprobs (``params.logprobs = N``) are those of the raw model distribution, before any of the
+above, like vLLM's default ``raw_logprobs`` mode: the chosen token's logprob plus the top N.
+
+Seeds: a row with ``params.seed`` draws its noise from a generator seeded by
+``(seed, sequence index, number of tokens generated so far)``, so the same seed gives the same
+output whatever else shares the batch, and a sequence preempted and recomputed continues
+exactly where it was. Rows without a seed share the sampler's own generator.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence as Seq
+
+import torch
+
+from loraplex.engine.outputs import SampledToken
+
+if TYPE_CHECKING:  # pragma: no cover
+    from loraplex.engine.sequence import Sequence
+
+_MASK64 = (1 << 63) - 1
+
+
+def row_seed(seed: int, index: int, step: int) -> int:
+    """A well-mixed 63-bit seed for one draw of one sequence (splitmix64-style)."""
+    z = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+class Sampler:
+    """Turns ``logits[N, vocab]`` (fp32) for N sequences into one ``SampledToken`` each."""
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, seqs: Seq["Sequence"], eos_token_ids: set[int] | frozenset[int] = frozenset()
+    ) -> list[SampledToken]:
+        params = [s.params for s in seqs]
+        want_logprobs = [p.logprobs is not None for p in params]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        logits = apply_min_tokens(logits, seqs, eos_token_ids)
+        logits = apply_penalties(logits, seqs)
+
+        greedy = [p.temperature == 0.0 for p in params]
+        token_ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        greedy_rows = [i for i, g in enumerate(greedy) if g]
+        random_rows = [i for i, g in enumerate(greedy) if not g]
+        if greedy_rows:
+            if len(greedy_rows) == len(params):
+                token_ids = logits.argmax(dim=-1)
+            else:
+                index = torch.tensor(greedy_rows, device=logits.device)
+                token_ids[index] = logits[index].argmax(dim=-1)
+        if random_rows:
+            index = torch.tensor(random_rows, device=logits.device)
+            chosen = self._sample_random(logits[index], [seqs[i] for i in random_rows])
+            token_ids[index] = chosen
+
+        ids = token_ids.tolist()
+        if raw_logprobs is None:
+            return [SampledToken(token_id=t) for t in ids]
+        return _with_logprobs(ids, raw_logprobs, params)
+
+    def _sample_random(self, logits: torch.Tensor, seqs: list["Sequence"]) -> torch.Tensor:
+        params = [s.params for s in seqs]
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+        logits = logits / temps.unsqueeze(1)
+        logits = apply_min_p(logits, [p.min_p for p in params])
+        logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
+        probs = torch.softmax(logits, dim=-1)  # [n, vocab]
+        # exponential race: argmax(p / q) with q ~ Exp(1) draws from p (one sync-free op)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(
+                len(unseeded), probs.shape[1], dtype=probs.dtype, device=probs.device
+            ).exponential_(generator=self.generator)
+        for i, (seq, p) in enumerate(zip(seqs, params)):
+            if p.seed is not None:
+                gen = torch.Generator(device=probs.device)
+                gen.manual_seed(row_seed(p.seed, getattr(seq, "index", 0), len(seq.output_token_ids)))
+                noise[i].exponential_(generator=gen)
+        return (probs / noise).argmax(dim=-1)
+
+
+def apply_min_tokens(logits: torch.Tensor, seqs: Seq["Sequence"], eos_token_ids) -> torch.Tensor:
+    """Forbid EOS and stop token ids for rows that have not yet generated ``min_tokens``."""
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if p.min_tokens and len(seq.output_token_ids) < p.min_tokens:
+            banned = set(p.stop_token_ids)
+            if not p.ignore_eos:
+                banned |= set(eos_token_ids)
+            banned = [t for t in banned if 0 <= t < logits.shape[1]]
+            if banned:
+                logits[row, banned] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, seqs: Seq["Sequence"]) -> torch.Tensor:
+    """Repetition (prompt + output), frequency and presence (output only) penalties, in place."""
+    vocab = logits.shape[1]
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        rep, freq, pres = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+        if rep == 1.0 and freq == 0.0 and pres == 0.0:
+            continue
+        out_ids = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)  # [vocab]
+        if rep != 1.0:
+            prompt_ids = torch.tensor(seq.prompt_token_ids, dtype=torch.long, device=logits.device)
+            seen = counts > 0
+            seen[prompt_ids[prompt_ids < vocab]] = True
+            row_logits = logits[row]
+            penalized = torch.where(row_logits > 0, row_logits / rep, row_logits * rep)
+            logits[row] = torch.where(seen, penalized, row_logits)
+        if freq != 0.0 or pres != 0.0:
+            logits[row] -= freq * counts + pres * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    if not any(m > 0.0 for m in min_ps):
+        return logits
+    min_p = torch.tensor(min_ps, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """Keep each row's ``top_k`` best tokens (0 = all), then the smallest prefix (by probability)
+    whose mass reaches ``top_p``. The best token always survives."""
+    vocab = logits.shape[1]
+    use_k = any(0 < k < vocab for k in top_ks)
+    use_p = any(p < 1.0 for p in top_ps)
+    if not use_k and not use_p:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, vocab]
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if use_k:
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+        drop |= ranks >= ks.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    if use_p:
+        ps = torch.tensor(top_ps, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly better tokens
+        drop |= mass_before >= ps
+        drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _with_logprobs(ids: list[int], raw_logprobs: torch.Tensor, params) -> list[SampledToken]:
+    out: list[SampledToken] = []
+    max_top = max((p.logprobs or 0) for p in params)
+    top_vals = top_ids = None
+    if max_top > 0:
+        top = raw_logprobs.topk(max_top, dim=-1)
+        top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+    chosen = raw_logprobs.gather(1, torch.tensor(ids, device=raw_logprobs.device).unsqueeze(1)).squeeze(1).tolist()
+    for row, (token, p) in enumerate(zip(ids, params)):
+        if p.logprobs is None:
+            out.append(SampledToken(token_id=token))
+            continue
+        n = p.logprobs
+        top_lp = {top_ids[row][j]: top_vals[row][j] for j in range(n)} if n > 0 else {}
+        out.append(SampledToken(token_id=token, logprob=chosen[row], top_logprobs=top_lp))
+    return out
