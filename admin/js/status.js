@@ -24,22 +24,26 @@ function pick(obj, ...paths) {
   return undefined;
 }
 
-/** Read the fields the panel shows out of one status body. */
+/**
+ * Read the fields the panel shows out of one status body. The server nests the engine's stats
+ * under "engine" (adapter tiers under "engine.lora") and cumulative request counters under
+ * "totals"; flat names are read too.
+ */
 export function readStatus(body) {
-  const kv = pick(body, "kv_cache_usage", "kv_cache_usage_perc", "engine.kv_cache_usage", "kv.usage");
-  const tiers = pick(body, "adapters_per_tier", "adapters.per_tier", "tiers", "adapters") || {};
+  const kv = pick(body, "engine.kv_cache_usage", "engine.kv_usage", "kv_cache_usage", "kv_cache_usage_perc");
+  const tiers = pick(body, "engine.lora.adapters_per_tier", "engine.adapters_per_tier", "adapters_per_tier") || {};
   return {
-    running: pick(body, "num_requests_running", "running", "engine.num_requests_running", "requests.running"),
-    waiting: pick(body, "num_requests_waiting", "waiting", "engine.num_requests_waiting", "requests.waiting"),
+    running: pick(body, "engine.num_running", "engine.running", "num_requests_running", "running"),
+    waiting: pick(body, "engine.num_waiting", "engine.waiting", "num_requests_waiting", "waiting"),
     kvUsage: kv === undefined ? undefined : Number(kv),
     tiers: typeof tiers === "object" && !Array.isArray(tiers) ? tiers : {},
-    loads: pick(body, "loads", "adapter_loads", "loads_total", "adapters.loads"),
-    evictions: pick(body, "evictions", "adapter_evictions", "evictions_total", "adapters.evictions"),
-    tokensPerSecond: pick(body, "tokens_per_second", "generation_tokens_per_second", "throughput.tokens_per_second"),
-    generationTokens: pick(body, "generation_tokens_total", "generation_tokens", "tokens.generation"),
-    ttftSeconds: pick(body, "ttft_seconds", "time_to_first_token_seconds", "ttft.mean_seconds", "ttft_mean_seconds"),
-    ttftSum: pick(body, "ttft_sum_seconds", "ttft.sum_seconds", "time_to_first_token.sum"),
-    ttftCount: pick(body, "ttft_count", "ttft.count", "time_to_first_token.count"),
+    loads: pick(body, "engine.lora.loads", "engine.lora.num_loads", "engine.loads", "loads"),
+    evictions: pick(body, "engine.lora.evictions", "engine.lora.num_evictions", "engine.evictions", "evictions"),
+    tokensPerSecond: pick(body, "tokens_per_second"),
+    generationTokens: pick(body, "totals.generation_tokens", "generation_tokens_total"),
+    ttftSeconds: pick(body, "ttft_seconds"),
+    ttftSum: pick(body, "totals.ttft_sum_seconds", "ttft_sum_seconds"),
+    ttftCount: pick(body, "totals.ttft_count", "ttft_count"),
   };
 }
 

@@ -45,12 +45,10 @@ export class TenantsView {
         "tr",
         { class: name === current ? "selected" : null, dataset: { tenant: name } },
         h("td", {}, h("button", { class: "link", type: "button", onclick: () => this.setTenant(name) }, name)),
-        h("td", {}, formatTime(t.created_at ?? t.created)),
-        h("td", {}, t.adapters ?? t.num_adapters ?? t.adapter_count ?? "–"),
-        h("td", {}, t.keys ?? t.num_keys ?? t.active_keys ?? "–")
+        h("td", {}, formatTime(t.created_at ?? t.created))
       );
     });
-    const empty = h("tr", {}, h("td", { colspan: 4, class: "empty" }, "No tenants yet: create one above."));
+    const empty = h("tr", {}, h("td", { colspan: 2, class: "empty" }, "No tenants yet: create one above."));
     fill($("#tenant-rows", this.root), rows.length ? rows : empty);
   }
 
