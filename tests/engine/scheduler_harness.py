@@ -120,3 +120,26 @@ class Harness:
             steps += 1
             assert steps < max_steps, "scheduler made no progress"
         return steps
+
+
+class FakeModelRunner(FakeRunner):
+    """``ModelRunner`` stand-in for engine tests: the fake model behind the runner interface,
+    with the tiny byte-level tokenizer of the test fixtures (ids 4..96 are bytes)."""
+
+    def __init__(self, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256, eos_token_ids=(1,)):
+        super().__init__(num_blocks, block_size)
+        from tests.fixtures.tiny_models import make_tiny_tokenizer
+
+        self.num_blocks = num_blocks
+        self.tokenizer = make_tiny_tokenizer()
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.model_name = "fake-model"
+        self.device = "cpu"
+        self.dtype = "float32"
+        self.vocab_size = VOCAB
+        self.lora_manager = None
+        self.released: list[int] = []
+
+    def release(self, seq_ids) -> None:
+        self.released.extend(seq_ids)

@@ -1,0 +1,243 @@
+"""Asyncio facade over ``LLMEngine``: the engine loop runs in its own thread.
+
+Everything that touches engine state (adding, aborting, adapter loads, steps) runs on that one
+thread, so the engine and the LoRA manager need no locks. Callers talk to it through a command
+queue and get results back on their own event loop with ``loop.call_soon_threadsafe``; no
+caller ever waits for a step while holding its event loop. An abort is applied before the next
+step starts (at once when the engine is idle), so an aborted request never runs again and its
+KV blocks are free by then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from loraplex.config import EngineConfig
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.outputs import RequestOutput
+from loraplex.sampling_params import SamplingParams
+
+logger = logging.getLogger("loraplex.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (shutdown, or a step failed); the request cannot finish."""
+
+
+class _Stream:
+    """Where one request's deltas go: a queue on the caller's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            return True
+        except RuntimeError:  # the caller's loop is closed
+            return False
+
+
+def _resolve_future(fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
+    def settle() -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    try:
+        fut.get_loop().call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass
+
+
+class AsyncLLMEngine:
+    """Async API used by the HTTP server (and anything else on an asyncio loop)."""
+
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
+        self.config = config
+        self.engine = engine if engine is not None else LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = self.engine.model_name
+        self.max_model_len = self.engine.max_model_len
+        # (run, fail): ``run`` on the engine thread; ``fail(exc)`` if the loop stops first
+        self._commands: deque[tuple[Callable[[], None], Callable[[BaseException], None]]] = deque()
+        self._lock = threading.Lock()  # guards _commands against a concurrent shutdown
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._stopped = False
+        self._dead: BaseException | None = None
+        self._stats: dict = self.engine.stats()
+        self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side -----------------------------------------------------------------------
+    def _submit(self, run: Callable[[], None], fail: Callable[[BaseException], None]) -> None:
+        with self._lock:
+            if self._stopped or self._dead is not None:
+                raise EngineDeadError("the engine is not running") from self._dead
+            self._commands.append((run, fail))
+        self._wakeup.set()
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread and await its result."""
+        fut = asyncio.get_running_loop().create_future()
+
+        def command() -> None:
+            try:
+                _resolve_future(fut, fn())
+            except BaseException as exc:  # handed to the caller
+                _resolve_future(fut, exc=exc)
+
+        self._submit(command, lambda exc: _resolve_future(fut, exc=exc))
+        return await fut
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        adapter=None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its deltas: each ``CompletionOutput`` holds the text and
+        token ids new since the previous yield (only completions with news are included),
+        ``finish_reason`` set on a completion's last delta; the last yield has ``finished``.
+        A bad request raises ``InvalidRequestError`` before anything is yielded. Closing the
+        generator or cancelling the consuming task aborts the request."""
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        stream = _Stream(asyncio.get_running_loop())
+        engine = self.engine
+        added = finished = False
+
+        def add() -> None:
+            req = engine.prepare_request(request_id, prompt, params, None, stream_deltas=True)
+            req.adapter_id = engine.resolve_adapter(adapter)
+            engine.add_prepared(req)
+            self._streams[request_id] = stream
+
+        try:
+            await self._call(add)
+            added = True
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if added and not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe). Applied before the next step; its stream, if still
+        read, ends with a ``finish_reason == "abort"`` delta."""
+        def command() -> None:
+            out = self.engine.abort(request_id)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None and out is not None:
+                stream.put(out)
+
+        try:
+            self._submit(command, lambda exc: None)
+        except EngineDeadError:
+            pass  # nothing runs any more
+
+    async def load_adapter(self, ref, tier: str = "device", pin: bool = False):
+        manager = self._lora()
+        return await self._call(lambda: manager.load(ref, tier, pin))
+
+    async def unload_adapter(self, adapter_id: str):
+        manager = self._lora()
+        return await self._call(lambda: manager.unload(adapter_id))
+
+    async def register_adapter(self, name: str, path: str) -> str:
+        return await self._call(lambda: self.engine.register_adapter(name, path))
+
+    async def unregister_adapter(self, name: str) -> None:
+        await self._call(lambda: self.engine.unregister_adapter(name))
+
+    def _lora(self):
+        if self.engine.lora_manager is None:
+            from loraplex.sampling_params import InvalidRequestError
+
+            raise InvalidRequestError("this engine was built without LoRA support", param="adapter")
+        return self.engine.lora_manager
+
+    def stats(self) -> dict:
+        """Engine state as of the last step or command (running, waiting, KV usage, blocks
+        free/total, counters, adapter tiers and per-adapter counters under ``"lora"``)."""
+        return dict(self._stats)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None and not self._stopped
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the loop; unfinished requests end with ``EngineDeadError``."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._wakeup.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # ---- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._run_commands()
+                if not self.engine.has_unfinished():
+                    self._refresh_stats()
+                    self._wakeup.wait()
+                    self._wakeup.clear()
+                    continue
+                for out in self.engine.step():
+                    stream = self._streams.get(out.request_id)
+                    if out.finished:
+                        self._streams.pop(out.request_id, None)
+                    if stream is not None and not stream.put(out):
+                        self.engine.abort(out.request_id)
+                        self._streams.pop(out.request_id, None)
+                self._refresh_stats()
+        except BaseException as exc:  # a failed step: every open request learns why
+            logger.exception("engine loop failed")
+            self._dead = exc
+        finally:
+            self._fail_all(self._dead)
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            run, _ = self._commands.popleft()
+            run()
+
+    def _refresh_stats(self) -> None:
+        self._stats = self.engine.stats()  # one reference swap: readers see a whole dict
+
+    def _fail_all(self, cause: BaseException | None) -> None:
+        error = EngineDeadError("the engine stopped" if cause is None else f"the engine failed: {cause!r}")
+        with self._lock:
+            self._stopped = True
+            pending = list(self._commands)
+            self._commands.clear()
+        for _, fail in pending:
+            fail(error)
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self.engine.abort(request_id)
+            except BaseException:
+                pass
+            stream.put(error)
+        self._streams.clear()
+

@@ -1,0 +1,80 @@
+"""Incremental detokenization and stop strings, per generated sequence.
+
+Text is decoded over a short window of earlier tokens (the prompt's tail included), as vLLM
+does, so tokenizers that drop a leading space at the start of a decode still give the right
+text, and a multi-byte character split over several tokens is emitted only once it is whole.
+
+Stop strings never leak: when one appears, the text is cut before it (after it with
+``include_stop_str_in_output``), and while streaming, any tail of the text that could be the
+start of a stop string is held back until the next tokens decide.
+"""
+
+from __future__ import annotations
+
+from loraplex.sampling_params import SamplingParams
+
+# prompt tokens kept as decode context (enough for any tokenizer's merge/space rules)
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Decodes one sequence's generated tokens as they arrive and watches for stop strings."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stop = list(params.stop)
+        self.include_stop = params.include_stop_str_in_output
+        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        context = list(prompt_token_ids[-(_CONTEXT_TOKENS + 1) :])
+        self._ids = context  # decode window: prompt tail + every generated token
+        self._prefix_offset = max(len(context) - _CONTEXT_TOKENS, 0)
+        self._read_offset = len(context)
+        self.text = ""  # decoded generated text (cut at a stop string once one was found)
+        self.stop_string: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> str | None:
+        """Append a generated token; returns the stop string if the text now contains one."""
+        if self.stop_string is not None:
+            return self.stop_string
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        # "\ufffd" at the end: an incomplete multi-byte character; wait for more tokens
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return None
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        start = max(len(self.text) - self._max_stop_len + 1, 0)
+        self.text += delta
+        return self._find_stop(start) if self.stop else None
+
+    def _find_stop(self, start: int) -> str | None:
+        best: tuple[int, str] | None = None
+        for stop in self.stop:
+            pos = self.text.find(stop, start)
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, stop)
+        if best is None:
+            return None
+        pos, stop = best
+        self.text = self.text[: pos + len(stop)] if self.include_stop else self.text[:pos]
+        self.stop_string = stop
+        return stop
+
+    def visible_text(self, finished: bool) -> str:
+        """Text safe to show now: all of it when finished, else without a tail that could
+        still grow into a stop string."""
+        if finished or not self.stop:
+            return self.text
+        hold = 0
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(stop[:k]):
+                    hold = k
+                    break
+        return self.text[: len(self.text) - hold] if hold else self.text

@@ -1,0 +1,90 @@
+"""Offline batch API: ``LLM(model=..., **engine options).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+
+from loraplex.config import EngineConfig
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.outputs import RequestOutput
+from loraplex.sampling_params import InvalidRequestError, SamplingParams
+
+
+def _normalize_prompts(prompts) -> list[str | list[int]]:
+    """str | list[str] | list[int] | list[list[int]] -> a list of single prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    if isinstance(prompts, SequenceABC):
+        return [p if isinstance(p, str) else list(p) for p in prompts]
+    raise TypeError("prompts must be a string, a list of strings, a list of token ids or a list of those")
+
+
+class LLM:
+    """Generate for a batch of prompts with one engine (vLLM's ``LLM`` interface).
+
+    Engine options are ``EngineConfig`` fields under vLLM's names (``max_num_seqs``,
+    ``max_num_batched_tokens``, ``block_size``, ``max_model_len``, ``max_loras``, ...); an unknown
+    option is a ``TypeError`` that names it.
+    """
+
+    def __init__(self, model: str | None = None, dtype: str | None = None, **options):
+        unknown = sorted(set(options) - EngineConfig.option_names())
+        if unknown:
+            raise TypeError(f"LLM got unknown engine option(s): {', '.join(unknown)}")
+        if model is not None:
+            options["model"] = model
+        if dtype is not None:
+            options["dtype"] = dtype
+        self.config = EngineConfig(**options)
+        self.engine = LLMEngine(self.config)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def add_adapter(self, name: str, path: str) -> str:
+        """Register a PEFT directory under ``name``; returns its content hash."""
+        return self.engine.register_adapter(name, str(path))
+
+    def remove_adapter(self, name: str) -> None:
+        self.engine.unregister_adapter(name)
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, adapters=None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order.
+
+        ``params``: one ``SamplingParams`` for all, or one per prompt. ``adapters``: None, or one
+        entry per prompt (None = base model, a registered name, or a PEFT directory path).
+        A bad prompt raises before anything runs.
+        """
+        items = _normalize_prompts(prompts)
+        if params is None:
+            params_list = [SamplingParams()] * len(items)
+        elif isinstance(params, SamplingParams):
+            params_list = [params] * len(items)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(items):
+                raise InvalidRequestError("params must be one SamplingParams or one per prompt", param="params")
+        adapter_list = [None] * len(items) if adapters is None else list(adapters)
+        if len(adapter_list) != len(items):
+            raise InvalidRequestError("adapters must have one entry per prompt", param="adapters")
+        engine = self.engine
+        prepared = []
+        for prompt, p, adapter in zip(items, params_list, adapter_list):
+            req = engine.prepare_request(None, prompt, p)
+            req.adapter_id = engine.resolve_adapter(adapter)
+            prepared.append(req)
+        for req in prepared:
+            engine.add_prepared(req)
+        finals: dict[str, RequestOutput] = {}
+        try:
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+        except BaseException:
+            for req in prepared:
+                engine.abort(req.request_id)
+            raise
+        return [finals[req.request_id] for req in prepared]

@@ -1,0 +1,296 @@
+"""The synchronous engine loop: requests in, one batched model step at a time, outputs out.
+
+``LLMEngine`` is single-threaded; ``AsyncLLMEngine`` runs one in its own thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+from loraplex.config import EngineConfig
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.request_state import PreparedRequest, RequestState
+from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.sampling_params import InvalidRequestError, SamplingParams
+
+logger = logging.getLogger("loraplex.engine")
+
+
+def _build_lora_manager(config: EngineConfig, runner) -> Any | None:
+    try:
+        from loraplex.lora.manager import LoRAManager
+    except ModuleNotFoundError as exc:
+        if exc.name != "loraplex.lora.manager":
+            raise
+        return None
+    return LoRAManager(spec=runner.lora_target_spec(), config=config, device=runner.device, dtype=runner.dtype)
+
+
+def _kv_bytes_per_token(runner) -> int | None:
+    value = getattr(runner, "kv_bytes_per_token", None)
+    if isinstance(value, int):
+        return value
+    spec = getattr(runner, "spec", None) or getattr(runner, "model_spec", None)
+    dtype = getattr(runner, "kv_dtype", None) or getattr(runner, "dtype", None)
+    if spec is not None and hasattr(spec, "kv_bytes_per_token") and hasattr(dtype, "itemsize"):
+        return spec.kv_bytes_per_token(dtype.itemsize)
+    return None
+
+
+class LLMEngine:
+    """Model runner + LoRA manager + block manager + scheduler, stepped by the caller.
+
+    ``runner`` may be passed in (tests); by default a ``ModelRunner(config)`` is built, which
+    loads the model and tokenizer and sizes the KV cache.
+    """
+
+    def __init__(self, config: EngineConfig, runner=None, lora_manager=None):
+        self.config = config
+        if runner is None:
+            from loraplex.engine.model_runner import ModelRunner
+
+            runner = ModelRunner(config)
+        self.runner = runner
+        self.tokenizer = runner.tokenizer
+        self.model_name = runner.model_name
+        kv_capacity = runner.num_blocks * runner.block_size
+        self.max_model_len = min(runner.max_model_len, kv_capacity)
+        if self.max_model_len < runner.max_model_len:
+            logger.warning(
+                "KV cache holds only %d tokens: max_model_len lowered from %d to %d",
+                kv_capacity, runner.max_model_len, self.max_model_len,
+            )
+        if lora_manager is None and getattr(runner, "lora_manager", None) is None:
+            lora_manager = _build_lora_manager(config, runner)
+        self.lora_manager = lora_manager or getattr(runner, "lora_manager", None)
+        runner.lora_manager = self.lora_manager
+        self.block_manager = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            config,
+            self.block_manager,
+            adapter_gate=self.lora_manager,
+            eos_token_ids=runner.eos_token_ids,
+            max_model_len=self.max_model_len,
+        )
+        self.vocab_size = getattr(runner, "vocab_size", None) or len(self.tokenizer)
+        self._requests: dict[str, RequestState] = {}
+        self._seq_to_request: dict[int, RequestState] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self.num_requests_finished = 0
+        self.num_requests_aborted = 0
+        self._log_start()
+
+    def _log_start(self) -> None:
+        cfg = self.config
+        kv_bytes = _kv_bytes_per_token(self.runner)
+        logger.info(
+            "loraplex engine: model=%s dtype=%s device=%s kv_bytes_per_token=%s num_blocks=%d "
+            "block_size=%d max_concurrent_tokens=%d max_model_len=%d max_num_seqs=%d "
+            "max_num_batched_tokens=%d chunked_prefill=%s prefix_caching=%s max_loras=%d "
+            "max_lora_rank=%d max_cpu_lora_bytes=%d lora=%s",
+            self.model_name, self.runner.dtype, self.runner.device, kv_bytes, self.runner.num_blocks,
+            self.runner.block_size, self.runner.num_blocks * self.runner.block_size, self.max_model_len,
+            cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill,
+            cfg.enable_prefix_caching, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_lora_bytes,
+            "on" if self.lora_manager is not None else "off",
+        )
+
+    # ---- requests --------------------------------------------------------------------------
+    def resolve_adapter(self, adapter) -> str | None:
+        """Adapter reference (None, registered name, PEFT dir, AdapterRef) -> content hash."""
+        if adapter is None:
+            return None
+        if self.lora_manager is None:
+            raise InvalidRequestError("this engine was built without LoRA support", param="adapter")
+        return self.lora_manager.resolve(adapter)
+
+    def prepare_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        adapter_id: str | None = None,
+        stream_deltas: bool = False,
+    ) -> PreparedRequest:
+        """Validate and tokenize; raises ``InvalidRequestError`` (with ``param``) and changes
+        nothing when the request is bad. ``adapter_id`` is an already resolved content hash."""
+        if request_id is None:
+            request_id = f"req-{next(self._request_ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be a SamplingParams", param="params")
+        params.validate()
+        text: str | None = None
+        if isinstance(prompt, str):
+            text = prompt
+            token_ids = list(self.tokenizer(prompt)["input_ids"]) if prompt else []
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)
+            if any(t < 0 or t >= self.vocab_size for t in token_ids):
+                raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        else:
+            raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
+        if not token_ids:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt is {len(token_ids)} tokens, but the context is {self.max_model_len} tokens "
+                "and at least one must be left to generate",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        if not self.config.enable_chunked_prefill and len(token_ids) > self.config.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"prompt is {len(token_ids)} tokens, more than max_num_batched_tokens="
+                f"{self.config.max_num_batched_tokens} without chunked prefill",
+                param="prompt",
+            )
+        return PreparedRequest(request_id, text, token_ids, params, adapter_id, stream_deltas)
+
+    def add_prepared(self, req: PreparedRequest) -> None:
+        if req.request_id in self._requests:
+            raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
+        seqs = [
+            Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=req.request_id,
+                prompt_token_ids=list(req.prompt_token_ids),
+                params=req.params,
+                adapter_id=req.adapter_id,
+                index=i,
+                arrival_time=req.arrival_time,
+            )
+            for i in range(req.params.n)
+        ]
+        state = RequestState(req, seqs, self.tokenizer)
+        self._requests[req.request_id] = state
+        for seq in seqs:
+            self._seq_to_request[seq.seq_id] = state
+        if req.adapter_id is not None and self.lora_manager is not None:
+            self.lora_manager.prefetch(req.adapter_id)  # start the device load before it is needed
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        adapter=None,
+        stream_deltas: bool = False,
+    ) -> str:
+        """Validate and queue a request; returns its id. ``adapter``: None, a registered name,
+        a PEFT directory or an ``AdapterRef``. Bad requests raise ``InvalidRequestError``."""
+        req = self.prepare_request(request_id, prompt, params, None, stream_deltas)
+        req.adapter_id = self.resolve_adapter(adapter)
+        self.add_prepared(req)
+        return req.request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now (its KV blocks are free on return); returns its final output."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return None
+        self.scheduler.abort(request_id)
+        self.num_requests_aborted += 1
+        return self._finish_request(state)
+
+    def _finish_request(self, state: RequestState) -> RequestOutput | None:
+        out = state.make_output()
+        self._requests.pop(state.request_id, None)
+        for t in state.tracks:
+            self._seq_to_request.pop(t.seq.seq_id, None)
+        self.num_requests_finished += 1
+        if state.req.adapter_id is not None and self.lora_manager is not None:
+            gen_tokens = sum(t.seq.num_output_tokens for t in state.tracks)
+            self.lora_manager.on_request_finished(state.req.adapter_id, len(state.req.prompt_token_ids), gen_tokens)
+        return out
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batched model step; returns the outputs of requests that progressed
+        (cumulative, or deltas for requests added with ``stream_deltas``)."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            if sched_out.released_seq_ids:
+                self.runner.release(sched_out.released_seq_ids)
+            return []
+        run_out = self.runner.execute(sched_out)
+        changed = self.scheduler.update(sched_out, run_out)
+        touched: dict[str, RequestState] = {}
+        for seq in changed:
+            state = self._seq_to_request.get(seq.seq_id)
+            if state is None:
+                continue
+            track = state.track(seq.seq_id)
+            stop = track.detok.add_token(seq.output_token_ids[-1])
+            if stop is not None:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq.seq_id, "stop", stop)
+                else:  # the same token also hit max_tokens / eos: the stop string wins
+                    seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+            touched[state.request_id] = state
+        outputs: list[RequestOutput] = []
+        for state in touched.values():
+            if state.finished:
+                out = self._finish_request(state)
+            else:
+                out = state.make_output()
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    # ---- adapters --------------------------------------------------------------------------
+    def _require_lora(self):
+        if self.lora_manager is None:
+            raise InvalidRequestError("this engine was built without LoRA support", param="adapter")
+        return self.lora_manager
+
+    def register_adapter(self, name: str, path: str) -> str:
+        return self._require_lora().register(name, path)
+
+    def unregister_adapter(self, name: str) -> None:
+        self._require_lora().unregister(name)
+
+    # ---- stats -----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        bm, sched = self.block_manager, self.scheduler
+        s = sched.stats
+        out = {
+            "model": self.model_name,
+            "num_requests_running": sched.num_running,
+            "num_requests_waiting": sched.num_waiting,
+            "num_unfinished_requests": len(self._requests),
+            "num_blocks_total": bm.num_blocks,
+            "num_blocks_free": bm.num_free_blocks,
+            "block_size": bm.block_size,
+            "kv_cache_usage": bm.usage,
+            "num_steps": s.num_steps,
+            "num_preemptions": s.num_preemptions,
+            "num_chunked_prefills": s.num_chunked_prefills,
+            "num_starvation_preemptions": s.num_starvation_preemptions,
+            "prompt_tokens_total": s.num_prompt_tokens_computed,
+            "generation_tokens_total": s.num_generated_tokens,
+            "num_requests_finished": self.num_requests_finished,
+            "num_requests_aborted": self.num_requests_aborted,
+            "prefix_cache_queries": bm.num_prefix_query_tokens,
+            "prefix_cache_hits": bm.num_prefix_hit_tokens,
+            "running_adapters": sorted(sched.running_adapters()),
+        }
+        if self.lora_manager is not None:
+            out["lora"] = self.lora_manager.stats()
+        return out

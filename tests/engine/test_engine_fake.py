@@ -1,0 +1,226 @@
+"""LLMEngine and AsyncLLMEngine over the fake paged runner: request handling, detokenization,
+stop strings, errors, aborts and streaming. The model itself is tested in test_engine_exact."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from loraplex.config import EngineConfig
+from loraplex.engine.async_engine import AsyncLLMEngine
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.sampling_params import InvalidRequestError, SamplingParams
+from tests.engine.scheduler_harness import FakeModelRunner, reference_output
+
+
+def make_engine(**config) -> LLMEngine:
+    runner_kw = {k: config.pop(k) for k in ("num_blocks", "max_model_len") if k in config}
+    runner = FakeModelRunner(block_size=4, **runner_kw)
+    return LLMEngine(EngineConfig(block_size=4, **config), runner=runner)
+
+
+def run_all(engine: LLMEngine) -> dict:
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, ignore_eos=True, **kw)
+
+
+def test_outputs_text_and_blocks():
+    rng = random.Random(0)
+    engine = make_engine(max_num_batched_tokens=16, num_blocks=30)
+    prompts = [[rng.randrange(4, 97) for _ in range(rng.randint(1, 40))] for _ in range(10)]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, greedy(max_tokens=12))
+    finals = run_all(engine)
+    tok = engine.tokenizer
+    for i, p in enumerate(prompts):
+        out = finals[f"r{i}"]
+        assert out.token_ids == reference_output(p, 12)
+        assert out.prompt_token_ids == p
+        assert out.finish_reason == "length"
+        full = tok.decode(out.token_ids, skip_special_tokens=True)
+        # incremental decoding gives the same text (a trailing split character may be held)
+        assert full.startswith(out.text) and len(full) - len(out.text) <= 1
+    stats = engine.stats()
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
+    assert stats["num_preemptions"] > 0 and stats["num_chunked_prefills"] > 0
+
+
+def test_string_prompt_is_tokenized():
+    engine = make_engine()
+    engine.add_request("a", "hello", greedy(max_tokens=3))
+    out = run_all(engine)["a"]
+    assert out.prompt_token_ids == list(engine.tokenizer("hello")["input_ids"])
+    assert out.prompt == "hello"
+    assert out.token_ids == reference_output(out.prompt_token_ids, 3)
+
+
+def _find_stop_case(engine, max_tokens=30):
+    """A prompt whose reference output has a decodable 2-char substring to use as stop string."""
+    tok = engine.tokenizer
+    for seed in range(200):
+        rng = random.Random(seed)
+        prompt = [rng.randrange(4, 97) for _ in range(5)]
+        ref = reference_output(prompt, max_tokens)
+        if any(t < 4 for t in ref):
+            continue
+        text = tok.decode(ref, skip_special_tokens=True)
+        if len(text) >= 12 and "\ufffd" not in text:
+            stop = text[6:8]
+            if text.find(stop) == 6:
+                return prompt, ref, text, stop
+    pytest.fail("no stop-string case found")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_cut_and_never_streamed(include):
+    engine = make_engine()
+    prompt, ref, text, stop = _find_stop_case(engine)
+    params = greedy(max_tokens=30, stop=[stop], include_stop_str_in_output=include)
+    engine.add_request("s", prompt, params, stream_deltas=True)
+    streamed = ""
+    finals = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed += out.outputs[0].text
+            assert stop not in streamed or (include and streamed.endswith(stop))
+            if out.finished:
+                finals.append(out)
+    expected = text[:8] if include else text[:6]
+    assert streamed == expected
+    assert finals[0].outputs[0].finish_reason == "stop"
+    assert finals[0].outputs[0].stop_reason == stop
+    assert engine.stats()["num_blocks_free"] == engine.stats()["num_blocks_total"]
+
+
+def test_bad_requests_rejected_without_disturbing_others():
+    engine = make_engine(max_model_len=64)
+    engine.add_request("good", [5, 6, 7], greedy(max_tokens=8))
+    engine.step()
+    bad_max = greedy(max_tokens=4)
+    bad_max.max_tokens = 0
+    cases = [
+        ([], greedy(), "prompt"),
+        ("", greedy(), "prompt"),
+        ([5] * 64, greedy(), "prompt"),
+        ([5, 1000], greedy(), "prompt"),
+        ([5], bad_max, "max_tokens"),
+    ]
+    for prompt, params, param in cases:
+        with pytest.raises(InvalidRequestError) as info:
+            engine.add_request(None, prompt, params)
+        assert info.value.param == param
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request("good", [5], greedy())
+    assert info.value.param == "request_id"
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request("x", [5], greedy(), adapter="some-adapter")
+    assert info.value.param == "adapter"
+    assert engine.num_unfinished_requests == 1
+    out = run_all(engine)["good"]
+    assert out.token_ids == reference_output([5, 6, 7], 8)
+
+
+def test_n_sequences_and_abort_frees_blocks():
+    engine = make_engine(num_blocks=64)
+    engine.add_request("multi", [9, 9], greedy(max_tokens=20, n=3))
+    engine.add_request("long", list(range(4, 40)), greedy(max_tokens=100))
+    for _ in range(6):
+        engine.step()
+    held_by_long = len(engine.scheduler.running[-1].block_table)
+    assert engine.scheduler.running[-1].request_id == "long" and held_by_long >= 9
+    used = engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
+    final = engine.abort("long")
+    assert final.finished and final.finish_reason == "abort"
+    assert engine.block_manager.num_blocks - engine.block_manager.num_free_blocks == used - held_by_long
+    out = run_all(engine)["multi"]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(c.token_ids == reference_output([9, 9], 20) for c in out.outputs)
+    assert engine.stats()["num_blocks_free"] == 64
+    assert engine.abort("long") is None
+
+
+def test_async_two_streams_abort_one():
+    engine = make_engine(num_blocks=64)
+    aengine = AsyncLLMEngine(engine.config, engine=engine)
+
+    async def consume(request_id, prompt, max_tokens, stop_after=None):
+        tokens, text, n = [], "", 0
+        gen = aengine.generate(prompt, greedy(max_tokens=max_tokens), request_id=request_id)
+        async for delta in gen:
+            n += 1
+            tokens += delta.outputs[0].token_ids
+            text += delta.outputs[0].text
+            last = delta
+            if stop_after is not None and len(tokens) >= stop_after:
+                await gen.aclose()  # the consumer walks away: the request is aborted
+                return tokens, text, None, n
+        return tokens, text, last, n
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        ticks = 0
+
+        async def ticker():  # the event loop keeps running while steps happen
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        t = loop.create_task(ticker())
+        keep, dropped = await asyncio.gather(
+            consume("keep", [10, 11, 12], 40), consume("drop", list(range(4, 30)), 200, stop_after=3)
+        )
+        t.cancel()
+        with pytest.raises(InvalidRequestError):
+            async for _ in aengine.generate([], greedy()):
+                pass
+        for _ in range(200):
+            if aengine.stats()["num_unfinished_requests"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        return keep, dropped, ticks
+
+    try:
+        keep, dropped, ticks = asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    tokens, text, last, n = keep
+    assert tokens == reference_output([10, 11, 12], 40)
+    assert last.finished and last.outputs[0].finish_reason == "length"
+    assert n > 1  # streamed in pieces
+    full = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    assert full.startswith(text) and len(full) - len(text) <= 1
+    assert 3 <= len(dropped[0]) < 200
+    stats = aengine.stats()
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
+    assert stats["num_requests_aborted"] == 1
+    assert ticks > 0
+
+
+def test_async_abort_by_id_ends_stream_with_abort():
+    engine = make_engine(num_blocks=64)
+    aengine = AsyncLLMEngine(engine.config, engine=engine)
+
+    async def main():
+        reasons = []
+        async for delta in aengine.generate([7, 8], greedy(max_tokens=500), request_id="x"):
+            if delta.outputs[0].token_ids and len(reasons) == 0:
+                aengine.abort("x")
+            reasons.append(delta.outputs[0].finish_reason)
+        return reasons
+
+    try:
+        reasons = asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    assert reasons[-1] == "abort" and len(reasons) < 100
