@@ -174,7 +174,9 @@ def test_s3_outage_during_fetch_then_recovery(registry, adapters, tmp_path, moto
     direct = S3BlobStore(s3_bucket, "blobs", endpoint_url=moto_server)
     make_manager(registry, direct, tmp_path / "up", spec).upload("acme", "support", dirs["a"])
     with FlakyProxy(moto_server) as proxy:
-        flaky = S3BlobStore(s3_bucket, "blobs", endpoint_url=proxy.url, read_retries=1, retry_backoff=0.01)
+        flaky = S3BlobStore(
+            s3_bucket, "blobs", endpoint_url=proxy.url, max_attempts=2, read_retries=1, retry_backoff=0.01
+        )
         manager = make_manager(registry, flaky, tmp_path / "cache", spec)
         proxy.mode = "cut"
         with pytest.raises(BlobStoreUnavailable, match="download broke"):
@@ -272,8 +274,8 @@ def test_delete_keeps_blob_shared_with_another_version(registry, adapters, tmp_p
 def test_acquired_entries_survive_disk_pressure(registry, adapters, tmp_path):
     spec, dirs = adapters
     blobs = open_blob_store(str(tmp_path / "blobs"))
-    size_a = sum(p.stat().st_size for p in dirs["a"].iterdir() if p.name in FILES)
-    manager = make_manager(registry, blobs, tmp_path / "cache", spec, max_disk_bytes=size_a + 10)
+    sizes = [sum(p.stat().st_size for p in dirs[n].iterdir() if p.name in FILES) for n in ("a", "b")]
+    manager = make_manager(registry, blobs, tmp_path / "cache", spec, max_disk_bytes=max(sizes) + 10)
     manager.upload("acme", "a", dirs["a"])
     manager.upload("acme", "b", dirs["b"])
     with manager.lease("acme", "a") as ref_a:

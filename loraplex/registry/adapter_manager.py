@@ -1,0 +1,300 @@
+"""AdapterManager: the upload path and the way from ``(tenant, model ref)`` to local adapter files.
+
+Upload: validate (``inspect_adapter_dir``: format, and fit to the served base model) -> content
+hash -> blob ``sha256/<hash>`` (a deterministic tar of the two PEFT files; skipped when the store
+already has it) -> version row. The row is written last, so no version is ever visible without
+its blob; when writing the row fails, a blob this upload created is removed again (unless a
+version row uses it by then). A crash between the two leaves at most an unreferenced blob.
+
+Resolve: registry -> local disk cache -> blob store. A fetch unpacks into a staging directory
+and the disk cache recomputes the content hash before the entry becomes visible; a mismatch is
+logged, audited (``blob.integrity_error``) and raised, and the bytes are not used. Concurrent
+resolves of the same missing adapter share one fetch (single flight).
+
+In-use tracking: ``acquire``/``release`` count requests running on a content hash (and pin its
+disk copy). Deleting a version removes its row at once (new requests cannot resolve it) but its
+blob and disk copy only after the last release, and only if no other live version row (any
+tenant) uses the same blob.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from pathlib import Path
+
+from loraplex.lora.peft_format import CONFIG_NAME, WEIGHTS_NAME, compute_content_hash, inspect_adapter_dir
+from loraplex.lora.spec import AdapterRef, LoRATargetSpec
+from loraplex.registry.errors import NotFound
+from loraplex.registry.info import VersionInfo
+from loraplex.registry.names import validate_adapter_name, validate_tenant_name
+from loraplex.registry.service import RegistryService
+from loraplex.storage.archive import ArchiveError, pack_files, unpack_files
+from loraplex.storage.base import BlobIntegrityError, BlobStore, content_key
+from loraplex.storage.disk_cache import CacheIntegrityError, DiskCache
+
+log = logging.getLogger(__name__)
+
+ADAPTER_FILES = (CONFIG_NAME, WEIGHTS_NAME)
+SYSTEM_ACTOR = "system"
+
+
+class AdapterManager:
+    """Uploads, resolves and deletes adapter versions across registry, blob store and disk cache.
+    Thread-safe; one per process."""
+
+    def __init__(
+        self,
+        registry: RegistryService,
+        blobs: BlobStore,
+        disk_cache: DiskCache,
+        spec: LoRATargetSpec,
+        max_lora_rank: int,
+        *,
+        max_member_bytes: int = 2 << 30,
+    ):
+        self.registry = registry
+        self.blobs = blobs
+        self.disk_cache = disk_cache
+        self.spec = spec
+        self.max_lora_rank = max_lora_rank
+        self.max_member_bytes = max_member_bytes
+        self._lock = threading.Lock()
+        self._inflight: dict[str, Future] = {}  # content hash -> the running fetch
+        self._in_use: Counter[str] = Counter()  # content hash -> running requests
+        self._pending_delete: dict[str, str] = {}  # content hash -> blob key, deleted on last release
+        self.fetches = 0
+        self.fetch_seconds = 0.0
+        self.integrity_errors = 0
+
+    @staticmethod
+    def make_disk_cache(root: str | Path, max_bytes: int) -> DiskCache:
+        """The disk cache this manager expects (adapter content hashes as identity)."""
+        return DiskCache(root, max_bytes, verify=compute_content_hash)
+
+    # -- upload --------------------------------------------------------------------------------
+
+    def upload(
+        self, tenant: str, name: str, adapter_dir: str | Path, uploader: str = "admin"
+    ) -> tuple[VersionInfo, bool]:
+        """Store a PEFT directory as a new version of ``tenant/name``. Returns ``(version,
+        created)``; ``created`` is False when identical weights already are a live version of
+        this adapter (that version is returned). Raises ``InvalidAdapterError``, ``NotFound``
+        (tenant), ``InvalidName`` or a blob store error; on any failure no version is added."""
+        validate_tenant_name(tenant)
+        validate_adapter_name(name)
+        if self.registry.get_tenant(tenant) is None:
+            raise NotFound(f"tenant {tenant!r} not found")
+        info = inspect_adapter_dir(adapter_dir, self.spec, self.max_lora_rank)
+        key = content_key(info.content_hash)
+        created_blob = False
+        if not self.blobs.exists(key):
+            self._put_blob(adapter_dir, key)
+            created_blob = True
+        try:
+            result = self.registry.add_version(
+                tenant,
+                name,
+                sha256=info.content_hash,
+                base_model=self.spec.model_name,
+                rank=info.rank,
+                alpha=info.alpha,
+                targets=list(info.targets),
+                size_bytes=info.size_bytes,
+                blob_key=key,
+                uploader=uploader,
+            )
+        except BaseException:
+            if created_blob:
+                self._delete_blob_if_unused(info.content_hash, key)
+            raise
+        if not created_blob and not self.blobs.exists(key):
+            # A delete of the last other version using these bytes removed the blob between our
+            # exists() and the row insert: store it again so the new row has its blob.
+            self._put_blob(adapter_dir, key)
+        return result
+
+    def _put_blob(self, adapter_dir: str | Path, key: str) -> None:
+        with tempfile.TemporaryFile() as archive:
+            size = pack_files(adapter_dir, ADAPTER_FILES, archive)
+            archive.seek(0)
+            self.blobs.put(key, archive, size)
+
+    # -- resolve -------------------------------------------------------------------------------
+
+    def resolve(self, tenant: str, model_ref: str, *, acquire: bool = False) -> AdapterRef:
+        """``name`` (active version) or ``name@N`` -> an ``AdapterRef`` whose ``path`` is a local
+        PEFT directory. With ``acquire`` the version is also marked in use (call ``release``
+        with its ``content_hash`` when the request ends), atomically with the lookup, so its
+        files cannot be evicted or deleted in between."""
+        version = self.registry.resolve(tenant, model_ref)
+        path = self.local_path(version, acquire=acquire)
+        return AdapterRef(name=version.ref, path=str(path), content_hash=version.sha256)
+
+    @contextmanager
+    def lease(self, tenant: str, model_ref: str) -> Iterator[AdapterRef]:
+        """``resolve(..., acquire=True)`` and ``release`` around a block."""
+        ref = self.resolve(tenant, model_ref, acquire=True)
+        try:
+            yield ref
+        finally:
+            self.release(ref.content_hash)
+
+    def local_path(self, version: VersionInfo, *, acquire: bool = False) -> Path:
+        """The local directory of ``version``'s files, fetched once if missing."""
+        content_hash = version.sha256
+        for _ in range(3):  # an entry evicted between fetch and pin is fetched again
+            path = self._ensure_local(version)
+            if not acquire:
+                return path
+            with self._lock:
+                self._in_use[content_hash] += 1
+                self.disk_cache.pin(content_hash)
+                if self.disk_cache.contains(content_hash) and path.is_dir():
+                    return path
+            self.release(content_hash)
+        raise BlobIntegrityError(f"adapter {version.ref}: local copy keeps disappearing")
+
+    def _ensure_local(self, version: VersionInfo) -> Path:
+        content_hash = version.sha256
+        path = self.disk_cache.get(content_hash)
+        if path is not None:
+            return path
+        with self._lock:
+            future = self._inflight.get(content_hash)
+            leader = future is None
+            if leader:
+                future = Future()
+                self._inflight[content_hash] = future
+        if not leader:
+            return future.result()
+        try:
+            path = self.disk_cache.get(content_hash)  # another leader may have just finished
+            if path is None:
+                path = self._fetch(version)
+            future.set_result(path)
+            return path
+        except BaseException as exc:
+            future.set_exception(exc)
+            raise
+        finally:
+            with self._lock:
+                self._inflight.pop(content_hash, None)
+
+    def _fetch(self, version: VersionInfo) -> Path:
+        started = time.monotonic()
+        staging = self.disk_cache.new_staging_dir()
+        try:
+            chunks = self.blobs.get(version.blob_key)
+            try:
+                unpack_files(chunks, staging, ADAPTER_FILES, self.max_member_bytes)
+                path = self.disk_cache.insert(version.sha256, staging)
+            except (ArchiveError, CacheIntegrityError) as exc:
+                self._integrity_failure(version, str(exc))
+                raise BlobIntegrityError(
+                    f"adapter {version.tenant}/{version.ref}: blob {version.blob_key} in "
+                    f"{self.blobs.describe()} failed verification ({exc}); not used"
+                ) from exc
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        with self._lock:
+            self.fetches += 1
+            self.fetch_seconds += time.monotonic() - started
+        return path
+
+    def _integrity_failure(self, version: VersionInfo, reason: str) -> None:
+        with self._lock:
+            self.integrity_errors += 1
+        log.error(
+            "integrity error: blob %s of %s/%s does not match sha256 %s: %s",
+            version.blob_key, version.tenant, version.ref, version.sha256, reason,
+        )
+        try:
+            self.registry.record_event(
+                SYSTEM_ACTOR, "blob.integrity_error", version.tenant, "adapter", version.ref,
+                {"sha256": version.sha256, "blob_key": version.blob_key, "reason": reason[:500]},
+            )
+        except Exception:  # noqa: BLE001 - the error itself is what the caller must see
+            log.exception("could not audit the integrity error of %s", version.blob_key)
+
+    # -- in-use tracking and deletes -------------------------------------------------------------
+
+    def acquire(self, content_hash: str) -> None:
+        """Mark one request as using this adapter version (its files stay until ``release``)."""
+        with self._lock:
+            self._in_use[content_hash] += 1
+            self.disk_cache.pin(content_hash)
+
+    def release(self, content_hash: str) -> None:
+        with self._lock:
+            if self._in_use[content_hash] <= 0:
+                self._in_use.pop(content_hash, None)
+                return
+            self._in_use[content_hash] -= 1
+            last = self._in_use[content_hash] == 0
+            if last:
+                self._in_use.pop(content_hash, None)
+            self.disk_cache.unpin(content_hash)
+            blob_key = self._pending_delete.pop(content_hash, None) if last else None
+        if blob_key is not None:
+            self._delete_blob_if_unused(content_hash, blob_key)
+
+    def in_use(self, content_hash: str) -> int:
+        with self._lock:
+            return self._in_use.get(content_hash, 0)
+
+    def delete_version(self, tenant: str, name: str, version: int, actor: str = "admin") -> list[VersionInfo]:
+        """Delete one version; its files go once no request uses them."""
+        removed = self.registry.delete_version(tenant, name, version, actor)
+        self._drop_files(removed)
+        return removed
+
+    def delete_adapter(self, tenant: str, name: str, actor: str = "admin") -> list[VersionInfo]:
+        """Delete an adapter and all its versions; files go once no request uses them."""
+        removed = self.registry.delete_adapter(tenant, name, actor)
+        self._drop_files(removed)
+        return removed
+
+    def _drop_files(self, removed: list[VersionInfo]) -> None:
+        for version in removed:
+            with self._lock:
+                if self._in_use.get(version.sha256, 0) > 0:
+                    self._pending_delete[version.sha256] = version.blob_key
+                    continue
+            self._delete_blob_if_unused(version.sha256, version.blob_key)
+
+    def _delete_blob_if_unused(self, content_hash: str, blob_key: str) -> None:
+        try:
+            if self.registry.versions_using_blob(blob_key) > 0:
+                return  # another live version (maybe another tenant's) has the same weights
+            self.blobs.delete(blob_key)
+            self.disk_cache.remove(content_hash)
+            log.info("deleted blob %s and its local copy", blob_key)
+        except Exception:  # noqa: BLE001 - an orphan blob is harmless; never mask the caller's error
+            log.exception("could not delete blob %s", blob_key)
+
+    # -- reporting -------------------------------------------------------------------------------
+
+    def tier_of(self, content_hash: str) -> str:
+        """``"disk"`` when a local copy exists, else ``"store"`` (engine tiers are the engine's)."""
+        return "disk" if self.disk_cache.contains(content_hash) else "store"
+
+    def stats(self) -> dict:
+        with self._lock:
+            stats = {
+                "fetches": self.fetches,
+                "fetch_seconds": round(self.fetch_seconds, 6),
+                "integrity_errors": self.integrity_errors,
+                "in_use": dict(self._in_use),
+                "pending_deletes": len(self._pending_delete),
+            }
+        stats["disk"] = self.disk_cache.stats()
+        stats["blob_store"] = self.blobs.describe()
+        return stats
