@@ -1,0 +1,78 @@
+"""One step's LoRA state: the batch metadata (DESIGN.md "LoRA batch metadata") and the call the
+model makes after each base projection."""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.kernels import dispatch
+from loraplex.kernels.lora_meta import LoRABatchMeta
+from loraplex.lora.slots import SlotPool
+
+MAX_SLICES = 3  # qkv_proj
+
+
+def build_batch_meta(token_slots: list[int], slot_rank: torch.Tensor, slot_rank_host: list[int]) -> LoRABatchMeta:
+    """Group the flat batch's tokens by device slot (``-1`` = base model).
+
+    ``token_perm`` is a stable sort of token indices by slot, base-model tokens first; only the
+    segments of real slots are listed, so base-only tokens never enter the LoRA kernels.
+    """
+    device = slot_rank.device
+    num_tokens = len(token_slots)
+    perm = sorted(range(num_tokens), key=token_slots.__getitem__)  # stable
+    seg_starts: list[int] = []
+    seg_slot: list[int] = []
+    prev = None
+    for row, tok in enumerate(perm):
+        slot = token_slots[tok]
+        if slot != prev:
+            if slot >= 0:
+                seg_starts.append(row)
+                seg_slot.append(slot)
+            prev = slot
+    seg_starts.append(num_tokens)
+    # with base tokens first, every listed segment ends where the next begins (or at the end)
+    max_seg_len = max((seg_starts[g + 1] - seg_starts[g] for g in range(len(seg_slot))), default=0)
+    max_rank = max((slot_rank_host[s] for s in seg_slot), default=0)
+    return LoRABatchMeta(
+        token_perm=torch.tensor(perm, dtype=torch.int64, device=device),
+        seg_starts=torch.tensor(seg_starts, dtype=torch.int32, device=device),
+        seg_slot=torch.tensor(seg_slot, dtype=torch.int32, device=device),
+        slot_rank=slot_rank,
+        num_tokens=num_tokens,
+        num_segments=len(seg_slot),
+        max_seg_len=max_seg_len,
+        max_rank=max_rank,
+        seg_starts_host=seg_starts,
+        seg_slot_host=seg_slot,
+        slot_rank_host=list(slot_rank_host),
+    )
+
+
+class LoRAStepContext:
+    """Built by ``LoRAManager.prepare_step`` for one step; the model calls ``apply`` after each
+    packed projection. Holds the step's metadata and one fp32 shrink buffer reused by every call."""
+
+    def __init__(self, pool: SlotPool, meta: LoRABatchMeta):
+        self.pool = pool
+        self.meta = meta
+        self.slots = sorted(set(meta.seg_slot_host))
+        # [MAX_SLICES, num_tokens, r_max] fp32: shrink output, sliced per projection
+        self._shrunk = torch.empty(
+            MAX_SLICES, meta.num_tokens, pool.max_rank, dtype=torch.float32, device=pool.device
+        )
+
+    def apply(self, layer_idx: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """``y[t] += sum_s scaling * (x[t] @ A_s.T) @ B_s.T`` for each token's adapter, in place.
+
+        ``module`` is a packed projection name (``qkv_proj``, ``o_proj``, ``gate_up_proj``,
+        ``down_proj``); ``x [num_tokens, in]``, ``y [num_tokens, out_total]`` (all slices).
+        """
+        stack = self.pool.stacks[layer_idx].get(module)
+        if stack is None or not any(stack.active[s] for s in self.slots):
+            return  # no adapter of this step touches this projection in this layer
+        num_slices = stack.a.shape[0]
+        shrunk = self._shrunk[:num_slices]  # [num_slices, num_tokens, r_max]
+        dispatch.lora_shrink(x, stack.a, self.meta, shrunk)
+        dispatch.lora_expand(shrunk, stack.b, stack.scaling, stack.slice_offsets, self.meta, y)

@@ -1,0 +1,373 @@
+"""LoRAManager: adapter names and references -> content hashes, and the device/host tiers.
+
+Tiers (DESIGN.md): device slots (``max_loras``) <- host cache (``max_cpu_lora_bytes``) <- the
+adapter's local PEFT directory. Everything is keyed by content hash (the adapter id), so a name
+re-pointed at new weights can never be served from the old weights' slot.
+
+Request lifecycle, as the engine drives it:
+
+* ``resolve(ref)`` when a request arrives: validates (once per file version) and returns the id.
+* ``prefetch(id)`` when the request is queued (once per request): counts it and, if a device slot
+  is free (or holds an idle adapter), loads the adapter now, ahead of the step that needs it.
+* ``is_ready`` / ``num_reserved_slots``: the scheduler's ``AdapterGate``.
+* ``prepare_step(token_adapter_ids)`` each step: places the step's adapters in slots (the
+  scheduler guarantees they fit) and returns the step's ``LoRAStepContext``.
+* ``on_request_finished(id, ...)`` once per request (finished or aborted).
+
+Host entries of adapters with queued requests and no slot are protected from eviction; when the
+budget is full of those, others wait (not ready) and are loaded as room frees up.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from loraplex.config import EngineConfig
+from loraplex.lora.context import LoRAStepContext, build_batch_meta
+from loraplex.lora.errors import AdapterHashMismatchError, AdapterNotFoundError, InvalidAdapterError
+from loraplex.lora.host_cache import HostCache
+from loraplex.lora.peft_format import AdapterInfo, load_adapter_files, validate_adapter
+from loraplex.lora.slots import SlotPool
+from loraplex.lora.spec import AdapterRef, LoRATargetSpec
+from loraplex.lora.weights import AdapterWeights
+
+
+@dataclass
+class AdapterStats:
+    """Per-adapter counters (``LoRAManager.stats``)."""
+
+    loads: int = 0  # copies into a device slot
+    evictions: int = 0  # removals from a device slot to make room
+    host_loads: int = 0  # reads from disk into host memory
+    host_evictions: int = 0
+    load_seconds: float = 0.0  # disk reads + device copies
+    requests: int = 0  # finished requests
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+@dataclass
+class AdapterRecord:
+    adapter_id: str
+    path: str  # local PEFT directory to (re)load from
+    info: AdapterInfo
+    display_name: str
+    names: set[str] = field(default_factory=set)
+    outstanding: int = 0  # queued or running requests
+    stats: AdapterStats = field(default_factory=AdapterStats)
+
+
+class LoRAManager:
+    """Multi-LoRA state of one engine (see module doc). Not thread-safe: call from the engine loop."""
+
+    def __init__(self, spec: LoRATargetSpec, config: EngineConfig, device: torch.device | str, dtype: torch.dtype):
+        self.spec = spec
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_lora_rank = config.max_lora_rank
+        self.pool = SlotPool(spec, config.max_loras, config.max_lora_rank, self.device, dtype)
+        self.host = HostCache(config.max_cpu_lora_bytes)
+        self._records: dict[str, AdapterRecord] = {}
+        self._names: dict[str, str] = {}  # registered name -> adapter id
+        self._path_memo: dict[str, tuple[tuple, str]] = {}  # path -> (file fingerprint, adapter id)
+        self._wanted: "OrderedDict[str, None]" = OrderedDict()  # queued, not in host for lack of room
+        self._last_step: set[str] = set()
+        self._device_pinned: set[str] = set()
+
+    # ---- AdapterGate ---------------------------------------------------------------------
+    def is_ready(self, adapter_id: str) -> bool:
+        """In host memory or already in a device slot: a slot can be filled without disk I/O."""
+        return adapter_id in self.host or self.pool.slot_of(adapter_id) is not None
+
+    def num_reserved_slots(self, running: set[str]) -> int:
+        return sum(1 for a in self._device_pinned if a not in running)
+
+    # ---- names and references ------------------------------------------------------------
+    def resolve(self, adapter: None | str | AdapterRef) -> str | None:
+        """Adapter id for a request's adapter: None (base model), a registered name, a PEFT
+        directory path, or an ``AdapterRef`` (its ``content_hash`` is verified when given)."""
+        if adapter is None:
+            return None
+        if isinstance(adapter, AdapterRef):
+            if adapter.content_hash is not None and adapter.content_hash in self._records:
+                return adapter.content_hash
+            return self._ensure_known(adapter.path, adapter.name, adapter.content_hash)
+        if isinstance(adapter, str):
+            if adapter in self._names:
+                return self._names[adapter]
+            if os.path.isdir(adapter):
+                return self._ensure_known(adapter, Path(adapter).name)
+            raise AdapterNotFoundError(f"adapter {adapter!r} is neither a registered name nor a PEFT directory")
+        raise InvalidAdapterError(f"adapter must be None, a name, a path or an AdapterRef, not {type(adapter).__name__}")
+
+    def register(self, name: str, path: str | os.PathLike) -> str:
+        """Point ``name`` at the adapter in ``path`` (validated first; a rejected adapter leaves
+        the previous registration in place). Returns the adapter id."""
+        adapter_id = self._ensure_known(str(path), name)
+        old = self._names.get(name)
+        if old is not None and old != adapter_id and old in self._records:
+            self._records[old].names.discard(name)
+        self._names[name] = adapter_id
+        rec = self._records[adapter_id]
+        rec.names.add(name)
+        rec.display_name = name
+        return adapter_id
+
+    def unregister(self, name: str) -> None:
+        adapter_id = self._names.pop(name, None)
+        if adapter_id is None:
+            raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+        rec = self._records.get(adapter_id)
+        if rec is not None:
+            rec.names.discard(name)
+            if not rec.names and rec.outstanding == 0:
+                self.unload(adapter_id)
+
+    def registered(self) -> dict[str, str]:
+        return dict(self._names)
+
+    def info(self, adapter_id: str) -> AdapterInfo:
+        return self._records[adapter_id].info
+
+    # ---- loading -------------------------------------------------------------------------
+    def _ensure_known(self, path: str, display: str, expected_hash: str | None = None) -> str:
+        path = os.path.abspath(path)
+        fp = _fingerprint(path)
+        memo = self._path_memo.get(path)
+        if memo is not None and memo[0] == fp and memo[1] in self._records:
+            adapter_id = memo[1]
+        else:
+            t0 = time.perf_counter()
+            weights = self._read(path)  # every check runs before any state changes
+            adapter_id = weights.adapter_id
+            _check_hash(path, adapter_id, expected_hash)
+            rec = self._records.get(adapter_id)
+            if rec is None:
+                rec = self._records[adapter_id] = AdapterRecord(adapter_id, path, weights.info, display)
+                rec.stats.host_loads += 1
+                rec.stats.load_seconds += time.perf_counter() - t0
+            rec.path = path
+            self._path_memo[path] = (fp, adapter_id)
+            self._host_put(weights)
+        _check_hash(path, adapter_id, expected_hash)
+        return adapter_id
+
+    def _read(self, path: str, expected_id: str | None = None) -> AdapterWeights:
+        t0 = time.perf_counter()
+        parsed = load_adapter_files(path)
+        info = validate_adapter(parsed, self.spec, self.max_lora_rank)
+        if expected_id is not None and info.content_hash != expected_id:
+            raise AdapterHashMismatchError(f"adapter files at {path!r} changed since they were loaded")
+        weights = AdapterWeights.build(parsed, info, self.spec, self.dtype)
+        rec = self._records.get(weights.adapter_id)
+        if rec is not None:
+            rec.stats.host_loads += 1
+            rec.stats.load_seconds += time.perf_counter() - t0
+        return weights
+
+    def _host_protected(self, adapter_id: str) -> bool:
+        rec = self._records.get(adapter_id)
+        return rec is not None and rec.outstanding > 0 and self.pool.slot_of(adapter_id) is None
+
+    def _host_put(self, weights: AdapterWeights) -> bool:
+        stored, evicted = self.host.put(weights, self._host_protected)
+        for other in evicted:
+            if other in self._records:
+                self._records[other].stats.host_evictions += 1
+        if stored:
+            self._wanted.pop(weights.adapter_id, None)
+        elif self._records[weights.adapter_id].outstanding > 0:
+            self._wanted[weights.adapter_id] = None
+        return stored
+
+    def _weights_for(self, adapter_id: str) -> AdapterWeights:
+        w = self.host.get(adapter_id)
+        if w is None:
+            rec = self._records[adapter_id]
+            w = self._read(rec.path, expected_id=adapter_id)
+            self._host_put(w)
+        return w
+
+    def _load_slot(self, adapter_id: str, slot: int) -> None:
+        weights = self._weights_for(adapter_id)
+        t0 = time.perf_counter()
+        old = self.pool.adapter_in[slot]
+        if old is not None:
+            self.pool.clear(slot)
+            rec_old = self._records.get(old)
+            if rec_old is not None:
+                rec_old.stats.evictions += 1
+                if rec_old.outstanding > 0 and old not in self.host:
+                    self._wanted[old] = None
+        self.pool.write(slot, weights)
+        stats = self._records[adapter_id].stats
+        stats.loads += 1
+        stats.load_seconds += time.perf_counter() - t0
+
+    def _sync_refs(self, adapter_id: str) -> None:
+        self.pool.refs[adapter_id] = self._records[adapter_id].outstanding
+
+    def prefetch(self, adapter_id: str) -> None:
+        """A request for ``adapter_id`` was queued (call once per request): warm it up now, into
+        a free device slot or one whose adapter has no requests, else at least into host memory."""
+        rec = self._records[adapter_id]
+        rec.outstanding += 1
+        self._sync_refs(adapter_id)
+        self._warm(adapter_id)
+
+    def _warm(self, adapter_id: str) -> None:
+        if self.pool.slot_of(adapter_id) is not None:
+            return
+        slot = self.pool.free_slot()
+        if slot is None:
+            slot = self.pool.victim(protected=self._last_step, idle_only=True)
+        if slot is not None:
+            self._load_slot(adapter_id, slot)
+        elif adapter_id not in self.host:
+            rec = self._records[adapter_id]
+            self._host_put(self._read(rec.path, expected_id=adapter_id))
+
+    def load(self, ref: str | AdapterRef, tier: str = "device", pin: bool = False) -> str:
+        """Admin warm-up: put the adapter in ``tier`` ("device" or "host"), pinned if asked."""
+        if tier not in ("device", "host"):
+            raise InvalidAdapterError(f"tier must be 'device' or 'host', not {tier!r}", param="tier")
+        adapter_id = self.resolve(ref)
+        if tier == "host":
+            if adapter_id not in self.host and not self._host_put(self._weights_for(adapter_id)):
+                raise InvalidAdapterError("host cache is full of adapters in use; try again later", param="tier")
+            if pin:
+                self.host.pinned.add(adapter_id)
+            return adapter_id
+        if pin and adapter_id not in self._device_pinned and len(self._device_pinned) >= self.pool.max_loras - 1:
+            raise InvalidAdapterError(
+                f"at most {self.pool.max_loras - 1} adapters can be pinned to device slots (one stays free)",
+                param="pin",
+            )
+        if self.pool.slot_of(adapter_id) is None:
+            slot = self.pool.free_slot()
+            if slot is None:
+                slot = self.pool.victim(protected=self._last_step)
+            if slot is None:
+                raise InvalidAdapterError("every device slot is in use or pinned; try again later", param="tier")
+            self._load_slot(adapter_id, slot)
+        if pin:
+            self._device_pinned.add(adapter_id)
+            self.pool.pinned.add(adapter_id)
+        return adapter_id
+
+    def unload(self, adapter_id: str) -> None:
+        """Drop from device and host (requests still using it reload it from disk)."""
+        self._device_pinned.discard(adapter_id)
+        self.pool.pinned.discard(adapter_id)
+        slot = self.pool.slot_of(adapter_id)
+        if slot is not None:
+            self.pool.clear(slot)
+        self.host.remove(adapter_id)
+        self._wanted.pop(adapter_id, None)
+
+    # ---- per step ------------------------------------------------------------------------
+    def prepare_step(self, token_adapter_ids: list[str | None]) -> LoRAStepContext | None:
+        """Slots for this step's adapters and the step's ``LoRAStepContext`` (None when no
+        token uses an adapter). ``token_adapter_ids``: one entry per token of the flat batch."""
+        step = list(dict.fromkeys(a for a in token_adapter_ids if a is not None))
+        self._last_step = set(step)
+        if not step:
+            self._service_wanted()
+            return None
+        for adapter_id in step:
+            if self.pool.slot_of(adapter_id) is None:
+                slot = self.pool.free_slot()
+                if slot is None:
+                    slot = self.pool.victim(protected=self._last_step)
+                if slot is None:
+                    raise RuntimeError(
+                        f"{len(step)} adapters in one step do not fit {self.pool.max_loras} device slots "
+                        f"({len(self._device_pinned)} pinned): the scheduler must not allow this"
+                    )
+                self._load_slot(adapter_id, slot)
+        self.pool.touch(step)
+        slot_of = {a: self.pool.slot_of(a) for a in step}
+        token_slots = [-1 if a is None else slot_of[a] for a in token_adapter_ids]
+        ctx = LoRAStepContext(self.pool, build_batch_meta(token_slots, self.pool.slot_rank, self.pool.slot_rank_host))
+        self._service_wanted()
+        return ctx
+
+    def on_request_finished(self, adapter_id: str | None, prompt_tokens: int, gen_tokens: int) -> None:
+        """A request ended (finished or aborted): release it and count its tokens."""
+        if adapter_id is None or adapter_id not in self._records:
+            return
+        rec = self._records[adapter_id]
+        rec.outstanding = max(0, rec.outstanding - 1)
+        self._sync_refs(adapter_id)
+        rec.stats.requests += 1
+        rec.stats.prompt_tokens += prompt_tokens
+        rec.stats.generation_tokens += gen_tokens
+        self._service_wanted()
+
+    def _service_wanted(self) -> None:
+        """Bring queued adapters that lacked host room into host memory, then free slots."""
+        for adapter_id in list(self._wanted):
+            rec = self._records.get(adapter_id)
+            if rec is None or rec.outstanding == 0 or self.is_ready(adapter_id):
+                self._wanted.pop(adapter_id, None)
+                continue
+            if not self._host_put(self._read(rec.path, expected_id=adapter_id)):
+                break
+        for adapter_id, rec in self._records.items():
+            if rec.outstanding > 0 and self.pool.slot_of(adapter_id) is None and adapter_id in self.host:
+                slot = self.pool.free_slot()
+                if slot is None:
+                    break
+                self._load_slot(adapter_id, slot)
+
+    # ---- introspection -------------------------------------------------------------------
+    def tier_of(self, adapter_id: str) -> str:
+        if self.pool.slot_of(adapter_id) is not None:
+            return "device"
+        return "host" if adapter_id in self.host else "disk"
+
+    def stats(self) -> dict:
+        """Per-adapter counters, adapters per tier, slot occupancy and host bytes."""
+        adapters = {}
+        for aid, rec in self._records.items():
+            adapters[aid] = {
+                "name": rec.display_name,
+                "names": sorted(rec.names),
+                "tier": self.tier_of(aid),
+                "pinned": aid in self._device_pinned or aid in self.host.pinned,
+                "rank": rec.info.rank,
+                "outstanding_requests": rec.outstanding,
+                **asdict(rec.stats),
+            }
+        resident = self.pool.resident()
+        return {
+            "adapters": adapters,
+            "tiers": {"device": len(resident), "host": len(self.host)},
+            "slots": {"max_loras": self.pool.max_loras, "used": len(resident), "pinned": len(self._device_pinned)},
+            "host_bytes": self.host.used_bytes,
+            "host_budget_bytes": self.host.budget_bytes,
+        }
+
+
+def _check_hash(path: str, adapter_id: str, expected: str | None) -> None:
+    if expected is not None and expected != adapter_id:
+        raise AdapterHashMismatchError(f"adapter at {path!r} hashes to {adapter_id}, expected {expected}")
+
+
+def _fingerprint(path: str) -> tuple:
+    """(mtime_ns, size) of the adapter files, so an unchanged directory is not re-hashed."""
+    out = []
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        try:
+            st = os.stat(os.path.join(path, name))
+            out.append((st.st_mtime_ns, st.st_size))
+        except OSError:
+            out.append(None)
+    return tuple(out)

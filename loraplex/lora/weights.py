@@ -1,0 +1,76 @@
+"""An adapter's weights laid out for loraplex's packed projections (host copy).
+
+Per layer and packed module (``PACKED_MODULES``: qkv_proj = q, k, v; gate_up_proj = gate, up;
+o_proj; down_proj): for each slice, ``A [rank_s, in]``, ``B [out_s, rank_s]`` and its scaling,
+or nothing when the adapter does not target that slice in that layer. This is what the host
+cache holds and what a device slot is filled from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.lora.peft_format import AdapterInfo, ParsedAdapter
+from loraplex.lora.spec import PACKED_MODULES, LoRATargetSpec
+
+
+@dataclass
+class SliceLoRA:
+    """One PEFT module's LoRA inside a packed projection."""
+
+    a: torch.Tensor  # [rank, in]
+    b: torch.Tensor  # [out_s, rank]
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+@dataclass
+class PackedLoRA:
+    """LoRA of one packed projection in one layer: one entry per slice, None = not targeted."""
+
+    slices: tuple[SliceLoRA | None, ...]
+
+    @property
+    def rank(self) -> int:
+        return max((s.rank for s in self.slices if s is not None), default=0)
+
+
+@dataclass
+class AdapterWeights:
+    """A validated adapter as loraplex computes with it (CPU tensors in the engine's dtype)."""
+
+    adapter_id: str  # content sha256
+    info: AdapterInfo
+    layers: dict[tuple[int, str], PackedLoRA]  # (layer, packed module) -> weights; absent = untouched
+    nbytes: int
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @classmethod
+    def build(
+        cls, parsed: ParsedAdapter, info: AdapterInfo, spec: LoRATargetSpec, dtype: torch.dtype
+    ) -> "AdapterWeights":
+        layers: dict[tuple[int, str], PackedLoRA] = {}
+        nbytes = 0
+        for layer in range(spec.num_layers):
+            for packed, names in PACKED_MODULES.items():
+                slices: list[SliceLoRA | None] = []
+                for mod in names:
+                    m = info.modules.get((layer, mod))
+                    if m is None:
+                        slices.append(None)
+                        continue
+                    a = parsed.tensors[m.a_name].to(dtype).contiguous()  # [rank, in]
+                    b = parsed.tensors[m.b_name].to(dtype).contiguous()  # [out_s, rank]
+                    nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
+                    slices.append(SliceLoRA(a=a, b=b, scaling=float(m.scaling)))
+                if any(s is not None for s in slices):
+                    layers[(layer, packed)] = PackedLoRA(slices=tuple(slices))
+        return cls(adapter_id=info.content_hash, info=info, layers=layers, nbytes=nbytes)
