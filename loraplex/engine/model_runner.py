@@ -1,0 +1,255 @@
+"""The model runner: the only part of the engine that touches tensors.
+
+It loads the model and tokenizer, owns the paged KV cache, turns a ``SchedulerOutput`` into one
+flat token batch, runs the decoder (with the step's LoRA context when a LoRA manager is set)
+and samples a token for every sequence that reached the end of its known tokens.
+
+Device and dtype (``EngineConfig.device`` / ``dtype`` = ``"auto"``): CUDA with bfloat16 when a
+GPU is present (float16 where the card lacks bf16), else CPU with float32 (exact against
+transformers, and faster than bf16 on CPUs without native bf16 matmul). CPU accepts float32
+and bfloat16; CUDA bfloat16, float16 and float32.
+
+KV budget: ``kv_cache_bytes`` when given; else ``kv_cache_memory_fraction`` of the free device
+memory after the weights are loaded (CUDA), or of ``min(CPU_KV_CAP_BYTES, half the available
+RAM)`` on CPU. Never more blocks than ``max_num_seqs`` full-length sequences can use.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.config import GiB, EngineConfig
+from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from loraplex.engine.sampler import Sampler
+from loraplex.lora.spec import LoRATargetSpec
+from loraplex.model.config import ModelSpec
+from loraplex.model.layers import AttentionMetadata
+from loraplex.model.loader import load_generation_eos, load_model, load_tokenizer, resolve_model_dir
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CAP_BYTES = 1 * GiB  # CPU KV budget cap before the fraction (vLLM's CPU default is 4 GiB)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {name!r}; use auto, cpu or cuda[:N]")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; use auto, {', '.join(DTYPES)}")
+    if device.type == "cpu" and name == "float16":
+        raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
+    return DTYPES[name]
+
+
+@dataclass
+class FlatBatch:
+    """One step's tokens, concatenated over sequences (no padding)."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn: AttentionMetadata
+    token_adapter_ids: list[str | None]  # [T]
+    sample_rows: list[int]  # flat row of each sampled sequence's last token
+    sample_seqs: list  # the Sequence behind each sample row
+
+
+class ModelRunner:
+    """Loads the model, owns the KV cache, executes scheduler steps (see module docstring)."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_dir, self.model_name = resolve_model_dir(config.model, config.home)
+        self.spec = ModelSpec.from_dir(self.model_dir, name=self.model_name)
+        self.max_model_len = self._resolve_max_model_len()
+        self.model = load_model(self.model_dir, self.spec, self.dtype, self.device, self.max_model_len)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.eos_token_ids: set[int] = self._collect_eos_ids()
+        self.block_size = config.block_size
+        self.kv_bytes_per_token = self.spec.kv_bytes_per_token(self.dtype.itemsize)
+        self.num_blocks = self._size_kv_cache()
+        self._limit_max_model_len_to_kv()
+        cache_shape = (2, self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        self.kv_caches = [
+            torch.zeros(cache_shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)
+        ]
+        self.sampler = Sampler(seed=config.seed, device=self.device)
+        self.lora_manager = None  # set by the engine (loraplex.lora LoRAManager)
+        logger.info(
+            "model %s (%s, %d layers) on %s, dtype %s; KV cache: %d bytes per token, %d blocks of %d "
+            "tokens = %d max concurrent tokens (%.1f MiB); max_model_len %d",
+            self.model_name,
+            self.spec.architecture,
+            self.spec.num_layers,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            self.kv_bytes_per_token,
+            self.num_blocks,
+            self.block_size,
+            self.max_concurrent_tokens,
+            self.num_blocks * self.block_size * self.kv_bytes_per_token / (1 << 20),
+            self.max_model_len,
+        )
+
+    # ---- set-up -------------------------------------------------------------------------------
+
+    @property
+    def max_concurrent_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def lora_target_spec(self) -> LoRATargetSpec:
+        return self.spec.lora_target_spec()
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self.spec.max_position_embeddings
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return limit
+        if not 0 < wanted <= limit:
+            raise ValueError(f"max_model_len={wanted} must be in [1, {limit}] (the model's max_position_embeddings)")
+        return wanted
+
+    def _collect_eos_ids(self) -> set[int]:
+        ids = set(load_generation_eos(self.model_dir)) | set(self.spec.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    def _kv_budget_bytes(self) -> int:
+        if self.config.kv_cache_bytes is not None:
+            return int(self.config.kv_cache_bytes)
+        fraction = self.config.kv_cache_memory_fraction
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            return int(free * fraction)
+        return int(min(CPU_KV_CAP_BYTES, _available_ram_bytes() // 2) * fraction)
+
+    def _size_kv_cache(self) -> int:
+        block_bytes = self.kv_bytes_per_token * self.block_size
+        num_blocks = self._kv_budget_bytes() // block_bytes
+        useful = self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
+        num_blocks = min(num_blocks, useful)
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV cache budget too small: one block of {self.block_size} tokens needs {block_bytes} bytes"
+            )
+        return num_blocks
+
+    def _limit_max_model_len_to_kv(self) -> None:
+        capacity = self.num_blocks * self.block_size
+        if capacity >= self.max_model_len:
+            return
+        if self.config.max_model_len is not None:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} does not fit the KV cache ({capacity} tokens); "
+                "raise kv_cache_bytes / kv_cache_memory_fraction or lower max_model_len"
+            )
+        logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, self.max_model_len)
+        self.max_model_len = capacity
+
+    # ---- per step -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        if sched_out.released_seq_ids:
+            self.release(sched_out.released_seq_ids)
+        if sched_out.is_empty:
+            return ModelRunnerOutput(sampled={})
+        batch = self.prepare_batch(sched_out.scheduled)
+        lora_ctx = None
+        if self.lora_manager is not None:
+            lora_ctx = self.lora_manager.prepare_step(batch.token_adapter_ids)
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, lora=lora_ctx)
+        if not batch.sample_rows:
+            return ModelRunnerOutput(sampled={})
+        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab] fp32
+        tokens = self.sampler(logits, batch.sample_seqs, self.eos_token_ids)
+        return ModelRunnerOutput(sampled={seq.seq_id: tok for seq, tok in zip(batch.sample_seqs, tokens)})
+
+    def release(self, seq_ids) -> None:
+        """Drop per-sequence state. The runner keeps none today (seeded sampling derives its
+        generator per draw), so this only exists as the engine's hook."""
+
+    def prepare_batch(self, scheduled: list[ScheduledSeq]) -> FlatBatch:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        adapters: list[str | None] = []
+        seq_lens: list[int] = []
+        query_start = [0]
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_seqs: list = []
+        for item in scheduled:
+            start, n, table = item.start_pos, item.num_tokens, item.block_table
+            end = start + n
+            input_ids.extend(item.seq.token_slice(start, end))
+            positions.extend(range(start, end))
+            pos = start
+            while pos < end:  # one block at a time: its slots are a contiguous range
+                block, offset = divmod(pos, bs)
+                run = min(bs - offset, end - pos)
+                first = table[block] * bs + offset
+                slots.extend(range(first, first + run))
+                pos += run
+            adapters.extend([item.adapter_id] * n)
+            seq_lens.append(end)
+            query_start.append(query_start[-1] + n)
+            tables.append(table[: math.ceil(end / bs)])
+            if item.needs_sample:
+                sample_rows.append(query_start[-1] - 1)
+                sample_seqs.append(item.seq)
+        max_blocks = max(len(t) for t in tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        dev = self.device
+        attn = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            max_query_len=max(item.num_tokens for item in scheduled),
+            max_seq_len=max(seq_lens),
+        )
+        return FlatBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            attn=attn,
+            token_adapter_ids=adapters,
+            sample_rows=sample_rows,
+            sample_seqs=sample_seqs,
+        )
+
+
+def _available_ram_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux); total physical memory elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
