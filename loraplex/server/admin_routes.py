@@ -257,6 +257,7 @@ async def status(request: Request) -> Response:
         "ready": ctx.lifecycle.started and not ctx.lifecycle.draining,
         "draining": ctx.lifecycle.draining,
         "in_flight": ctx.lifecycle.in_flight,
+        **ctx.metrics.summary(),
         "running_lora_adapters": running,
         "waiting_lora_adapters": waiting,
         "engine": _jsonable(stats),

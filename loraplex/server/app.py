@@ -22,7 +22,7 @@ from loraplex.config import Settings
 from loraplex.server import admin_routes, openai_routes
 from loraplex.server.auth import AdminAuth, TenantAuth
 from loraplex.server.context import AppContext
-from loraplex.server.errors import EXCEPTION_HANDLERS
+from loraplex.server.errors import exception_handlers
 from loraplex.server.lifecycle import Lifecycle
 from loraplex.server.limits import BodySizeLimitMiddleware, TenantConcurrencyLimiter
 from loraplex.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -116,7 +116,7 @@ def create_app(
     if (admin_dir / "index.html").is_file():
         routes.append(Mount("/admin", app=StaticFiles(directory=admin_dir, html=True), name="admin-ui"))
 
-    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+    app = Starlette(routes=routes, exception_handlers=exception_handlers(), lifespan=lifespan)
     app.state.ctx = ctx
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     return app

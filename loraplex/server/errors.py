@@ -93,6 +93,10 @@ def from_exception(exc: Exception) -> APIError:
         name = type(exc).__name__
         param = "name" if name == "InvalidName" else None
         return APIError(status, str(exc), param=param, code=codes.get(name, "conflict" if status == 409 else None))
+    if type(exc).__name__ == "BlobStoreUnavailable":
+        return APIError(503, str(exc), code="blob_store_unavailable")
+    if type(exc).__name__.startswith("Blob"):
+        return APIError(502, str(exc), type="server_error", code="blob_store_error")
     log.exception("internal error", exc_info=exc)
     return APIError(500, "Internal server error.", type="server_error", code="internal_error")
 
@@ -106,6 +110,15 @@ async def http_exception_handler(request: Request, exc: HTTPException) -> JSONRe
     if exc.status_code == 404:
         err.code = "not_found"
     return err.response()
+
+
+def exception_handlers() -> dict:
+    """Handlers by class. Errors with a known status get their own entry: the catch-all
+    ``Exception`` entry is Starlette's 500 path, which logs and re-raises."""
+    from loraplex.registry.errors import RegistryError
+    from loraplex.storage.base import BlobStoreError
+
+    return {**EXCEPTION_HANDLERS, RegistryError: api_error_handler, BlobStoreError: api_error_handler}
 
 
 EXCEPTION_HANDLERS = {

@@ -127,6 +127,33 @@ class ServerMetrics:
             waiting = sorted(a for a, c in self._waiting.items() if c > 0)
         return running, waiting
 
+    def summary(self) -> dict:
+        """Engine and request figures for the admin status page (cumulative counters)."""
+        try:
+            stats = self.stats_source() or {}
+        except Exception:
+            stats = {}
+        lora = stats.get("lora") if isinstance(stats.get("lora"), dict) else stats
+        per_tier = lora.get("adapters_per_tier") if isinstance(lora.get("adapters_per_tier"), dict) else {}
+
+        def sample(metric, suffix: str) -> float:
+            return sum(
+                s.value for fam in metric.collect() for s in fam.samples if s.name.endswith(suffix)
+            )
+
+        return {
+            "num_requests_running": _num(stats, "num_running", "running"),
+            "num_requests_waiting": _num(stats, "num_waiting", "waiting"),
+            "kv_cache_usage": _num(stats, "kv_cache_usage", "kv_usage"),
+            "adapters_per_tier": {t: _num(per_tier, t) for t in TIERS},
+            "loads": _num(lora, "loads", "num_loads"),
+            "evictions": _num(lora, "evictions", "num_evictions"),
+            "prompt_tokens_total": sample(self.prompt_tokens, "_total"),
+            "generation_tokens_total": sample(self.generation_tokens, "_total"),
+            "ttft_sum_seconds": sample(self.ttft, "_sum"),
+            "ttft_count": sample(self.ttft, "_count"),
+        }
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

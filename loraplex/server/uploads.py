@@ -108,7 +108,7 @@ def _unpack_zip(fileobj, staging: Path, member_limit: int) -> None:
             if info.is_dir():
                 target.mkdir(parents=True, exist_ok=True)
                 continue
-            if mode and not stat.S_ISREG(mode):
+            if stat.S_IFMT(mode) not in (0, stat.S_IFREG):  # 0: made without unix modes
                 raise bad_request(f"archive member {info.filename!r} is not a regular file", param=ARCHIVE_FIELD)
             if info.file_size > member_limit:
                 raise too_large(f"archive member {info.filename!r}", member_limit)

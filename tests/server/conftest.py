@@ -50,7 +50,10 @@ class RunningServer:
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=3)
+        if self.thread.is_alive():  # a stream a test left open: do not wait for it
+            self.server.force_exit = True
+            self.thread.join(timeout=10)
 
 
 def start_server(tmp_path, engine: FakeEngine | None = None, **setting_overrides) -> RunningServer:
@@ -85,6 +88,14 @@ def start_server(tmp_path, engine: FakeEngine | None = None, **setting_overrides
 @pytest.fixture
 def fake_server(tmp_path):
     srv = start_server(tmp_path)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def module_server(tmp_path_factory):
+    """One server shared by a module's tests (each test makes its own tenants)."""
+    srv = start_server(tmp_path_factory.mktemp("srv"))
     yield srv
     srv.stop()
 

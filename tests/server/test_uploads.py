@@ -1,0 +1,116 @@
+"""Archive uploads: unpacked member by member into the staging dir, nothing may leave it."""
+
+from __future__ import annotations
+
+import io
+import stat
+import tarfile
+import zipfile
+
+import pytest
+
+from loraplex.server.errors import APIError
+from loraplex.server.uploads import unpack_archive
+
+CONFIG = b'{"r": 4}'
+WEIGHTS = b"\x00" * 64
+
+
+def _tar(members: list[tuple[str, bytes | None, str]], gz: bool = True) -> io.BytesIO:
+    """members: (name, data, kind) with kind file|dir|sym|lnk|fifo."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz" if gz else "w") as tar:
+        for name, data, kind in members:
+            info = tarfile.TarInfo(name)
+            if kind == "file":
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+                continue
+            info.type = {"dir": tarfile.DIRTYPE, "sym": tarfile.SYMTYPE, "lnk": tarfile.LNKTYPE, "fifo": tarfile.FIFOTYPE}[kind]
+            if kind in ("sym", "lnk"):
+                info.linkname = data.decode()
+            tar.addfile(info)
+    buf.seek(0)
+    return buf
+
+
+def _zip(members: list[tuple[str, bytes, int | None]]) -> io.BytesIO:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, data, mode in members:
+            info = zipfile.ZipInfo(name)
+            if mode is not None:
+                info.external_attr = mode << 16
+            z.writestr(info, data)
+    buf.seek(0)
+    return buf
+
+
+def test_good_archives_unpack(tmp_path):
+    (tmp_path / "t").mkdir()
+    peft = unpack_archive(
+        _tar([("adapter/", None, "dir"), ("adapter/adapter_config.json", CONFIG, "file"),
+              ("adapter/adapter_model.safetensors", WEIGHTS, "file")]),
+        "a.tar.gz", tmp_path / "t", 1 << 20,
+    )
+    assert (peft / "adapter_config.json").read_bytes() == CONFIG
+    assert (peft / "adapter_model.safetensors").read_bytes() == WEIGHTS
+    (tmp_path / "z").mkdir()
+    peft = unpack_archive(
+        _zip([("adapter_config.json", CONFIG, None), ("adapter_model.safetensors", WEIGHTS, None)]),
+        "a.zip", tmp_path / "z", 1 << 20,
+    )
+    assert peft == tmp_path / "z" and (peft / "adapter_config.json").read_bytes() == CONFIG
+
+
+@pytest.mark.parametrize(
+    "members,what",
+    [
+        ([("/etc/evil", b"x", "file")], "absolute"),
+        ([("../evil", b"x", "file")], ".."),
+        ([("a/../../evil", b"x", "file")], ".."),
+        ([("link", b"/etc/passwd", "sym")], "link"),
+        ([("adapter_config.json", CONFIG, "file"), ("hard", b"adapter_config.json", "lnk")], "link"),
+        ([("fifo", None, "fifo")], "regular"),
+    ],
+)
+def test_bad_tar_members_rejected(tmp_path, members, what):
+    with pytest.raises(APIError) as err:
+        unpack_archive(_tar(members), "a.tar.gz", tmp_path, 1 << 20)
+    assert err.value.status == 400 and what in err.value.message
+    assert not (tmp_path.parent / "evil").exists()
+
+
+def test_oversized_member_rejected(tmp_path):
+    with pytest.raises(APIError) as err:
+        unpack_archive(_tar([("adapter_model.safetensors", b"x" * 2000, "file")]), "a.tgz", tmp_path, 1000)
+    assert err.value.status == 413
+    with pytest.raises(APIError) as err:
+        unpack_archive(_zip([("adapter_model.safetensors", b"x" * 2000, None)]), "a.zip", tmp_path, 1000)
+    assert err.value.status == 413
+
+
+@pytest.mark.parametrize(
+    "members,what",
+    [
+        ([("../evil", b"x", None)], ".."),
+        ([("/abs", b"x", None)], "absolute"),
+        ([("link", b"/etc/passwd", stat.S_IFLNK | 0o777)], "link"),
+    ],
+)
+def test_bad_zip_members_rejected(tmp_path, members, what):
+    with pytest.raises(APIError) as err:
+        unpack_archive(_zip(members), "a.zip", tmp_path, 1 << 20)
+    assert err.value.status == 400 and what in err.value.message
+
+
+def test_archive_without_config_rejected(tmp_path):
+    with pytest.raises(APIError) as err:
+        unpack_archive(_tar([("readme.txt", b"x", "file")]), "a.tar.gz", tmp_path, 1 << 20)
+    assert err.value.param == "archive"
+
+
+def test_not_an_archive(tmp_path):
+    with pytest.raises(APIError) as err:
+        unpack_archive(io.BytesIO(b"garbage" * 10), "a.tar.gz", tmp_path, 1 << 20)
+    assert err.value.status == 400
