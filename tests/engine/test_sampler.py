@@ -1,0 +1,146 @@
+"""Sampler behaviour against direct torch computations of the same rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.engine.sampler import Sampler, apply_penalties
+from loraplex.engine.sequence import Sequence
+from loraplex.sampling_params import SamplingParams
+
+VOCAB = 50
+
+
+def seq(params: SamplingParams, prompt=(3, 4), output=(), seq_id=0, index=0) -> Sequence:
+    return Sequence(seq_id=seq_id, request_id=str(seq_id), prompt_token_ids=list(prompt), params=params,
+                    index=index, output_token_ids=list(output))
+
+
+def random_logits(rows: int = 1, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, VOCAB, generator=g) * 2.0
+
+
+def draw_support(logits_row: torch.Tensor, params: SamplingParams, draws: int = 3000) -> set[int]:
+    """Tokens drawn from ``draws`` identical rows in one batch."""
+    sampler = Sampler(seed=0)
+    tokens = sampler(logits_row.expand(draws, -1).clone(), [seq(params, seq_id=i) for i in range(draws)])
+    return {t.token_id for t in tokens}
+
+
+def test_greedy_is_argmax():
+    logits = random_logits(8)
+    tokens = Sampler()(logits.clone(), [seq(SamplingParams(temperature=0.0), seq_id=i) for i in range(8)])
+    assert [t.token_id for t in tokens] == logits.argmax(-1).tolist()
+
+
+def test_top_k_support():
+    logits = random_logits()[0] * 0.3  # flat enough that every kept token gets drawn
+    expected = set(logits.topk(5).indices.tolist())
+    assert draw_support(logits, SamplingParams(temperature=1.0, top_k=5)) == expected
+
+
+def test_top_p_support():
+    logits = random_logits(seed=1)[0]
+    probs = torch.softmax(logits, -1)
+    order = probs.argsort(descending=True)
+    cumulative = probs[order].cumsum(0)
+    keep = int((cumulative < 0.6).sum().item()) + 1  # smallest prefix whose mass reaches 0.6
+    expected = set(order[:keep].tolist())
+    assert draw_support(logits, SamplingParams(temperature=1.0, top_p=0.6), draws=6000) == expected
+
+
+def test_min_p_support_uses_temperature_scaled_probs():
+    logits = random_logits(seed=2)[0] * 0.5
+    probs = torch.softmax(logits / 0.7, -1)
+    expected = set(torch.nonzero(probs >= 0.2 * probs.max()).flatten().tolist())
+    assert draw_support(logits, SamplingParams(temperature=0.7, min_p=0.2), draws=6000) == expected
+
+
+def test_top_k_then_top_p():
+    logits = random_logits(seed=3)[0] * 0.5
+    top = logits.topk(10)
+    probs = torch.softmax(top.values, -1)  # renormalised over the top 10
+    keep = int((probs.cumsum(0) < 0.5).sum().item()) + 1
+    expected = set(top.indices[:keep].tolist())
+    assert draw_support(logits, SamplingParams(temperature=1.0, top_k=10, top_p=0.5), draws=6000) == expected
+
+
+def test_temperature_distribution():
+    logits = random_logits(seed=4)[0] * 0.4
+    draws = 20000
+    tokens = Sampler(seed=1)(logits.expand(draws, -1).clone(),
+                             [seq(SamplingParams(temperature=1.5), seq_id=i) for i in range(draws)])
+    counts = torch.bincount(torch.tensor([t.token_id for t in tokens]), minlength=VOCAB).float() / draws
+    expected = torch.softmax(logits / 1.5, -1)
+    assert (counts - expected).abs().max().item() < 0.015
+
+
+def test_penalties_formula():
+    logits = random_logits(2, seed=5)
+    p = SamplingParams(repetition_penalty=1.7, presence_penalty=0.5, frequency_penalty=0.3)
+    rows = [seq(p, prompt=[1, 2, 2, 40], output=[2, 7, 7, 7, 9]), seq(SamplingParams(), prompt=[1], output=[1, 1])]
+    got = apply_penalties(logits.clone(), rows)
+    want = logits.clone()
+    for token in range(VOCAB):
+        x = want[0, token].item()
+        if token in (1, 2, 40, 7, 9):  # prompt or output: repetition penalty
+            x = x / 1.7 if x > 0 else x * 1.7
+        count = [2, 7, 7, 7, 9].count(token)  # output only: frequency and presence
+        x -= 0.3 * count + 0.5 * (count > 0)
+        want[0, token] = x
+    torch.testing.assert_close(got, want)
+
+
+def test_seed_reproducible_and_independent_of_batch():
+    logits = random_logits(1, seed=6)[0]
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    alone = Sampler(seed=0)(logits.unsqueeze(0).clone(), [seq(seeded, output=[5, 6])])[0].token_id
+    others = [seq(SamplingParams(temperature=1.0), seq_id=i) for i in range(1, 6)]
+    batch = torch.cat([random_logits(5, seed=7), logits.unsqueeze(0)])
+    in_batch = Sampler(seed=99)(batch, others + [seq(seeded, output=[5, 6], seq_id=9)])[5].token_id
+    assert alone == in_batch
+    # different steps and different seeds draw differently (over many draws)
+    flat = torch.zeros(1, VOCAB)
+    by_step = {Sampler()(flat.clone(), [seq(seeded, output=[0] * n)])[0].token_id for n in range(40)}
+    by_seed = {Sampler()(flat.clone(), [seq(SamplingParams(temperature=1.0, seed=s))])[0].token_id for s in range(40)}
+    assert len(by_step) > 10 and len(by_seed) > 10
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 1] = 10.0  # eos
+    logits[0, 8] = 9.0  # a stop token id
+    logits[0, 20] = 5.0
+    p = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[8])
+    early = Sampler()(logits.clone(), [seq(p, output=[20, 20])], eos_token_ids={1})[0].token_id
+    late = Sampler()(logits.clone(), [seq(p, output=[20, 20, 20])], eos_token_ids={1})[0].token_id
+    assert early == 20 and late == 1
+    ignore = SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True)
+    assert Sampler()(logits.clone(), [seq(ignore, output=[])], eos_token_ids={1})[0].token_id == 1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_are_raw_model_logprobs(temperature):
+    logits = random_logits(2, seed=8)
+    p = SamplingParams(temperature=temperature, logprobs=3, repetition_penalty=1.5)
+    tokens = Sampler()(logits.clone(), [seq(p, output=[4]), seq(SamplingParams(temperature=0.0))])
+    raw = torch.log_softmax(logits[0], -1)
+    first = tokens[0]
+    assert first.logprob == pytest.approx(raw[first.token_id].item(), abs=1e-6)
+    top = raw.topk(3)
+    assert list(first.top_logprobs) == top.indices.tolist()
+    assert list(first.top_logprobs.values()) == pytest.approx(top.values.tolist(), abs=1e-6)
+    assert tokens[1].logprob is None and tokens[1].top_logprobs is None
+    zero = Sampler()(logits[:1].clone(), [seq(SamplingParams(temperature=0.0, logprobs=0))])[0]
+    assert zero.top_logprobs == {} and zero.logprob == pytest.approx(raw.max().item(), abs=1e-6)
+
+
+def test_greedy_sees_penalised_logits():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 7], logits[0, 9] = 3.0, 2.0
+    plain = Sampler()(logits.clone(), [seq(SamplingParams(temperature=0.0), output=[7])])[0].token_id
+    penalised = SamplingParams(temperature=0.0, presence_penalty=1.5)
+    assert plain == 7
+    assert Sampler()(logits.clone(), [seq(penalised, output=[7])])[0].token_id == 9
