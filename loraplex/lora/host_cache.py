@@ -38,6 +38,13 @@ class HostCache:
             self._entries.move_to_end(adapter_id)
         return w
 
+    def can_fit(self, nbytes: int, is_protected: Callable[[str], bool] = lambda _: False) -> bool:
+        """Whether ``put`` of an adapter of ``nbytes`` would succeed now."""
+        evictable = sum(w.nbytes for a, w in self._entries.items() if a not in self.pinned and not is_protected(a))
+        if evictable == self.used_bytes:  # everything could go: the oversized-alone rule applies
+            return True
+        return self.used_bytes - evictable + nbytes <= self.budget_bytes
+
     def put(self, weights: AdapterWeights, is_protected: Callable[[str], bool] = lambda _: False) -> tuple[bool, list[str]]:
         """Store ``weights``; returns (stored, ids evicted to make room)."""
         aid = weights.adapter_id

@@ -187,6 +187,17 @@ class LoRAManager:
             self._wanted[weights.adapter_id] = None
         return stored
 
+    def _host_load(self, adapter_id: str) -> bool:
+        """Disk -> host for an adapter with requests; when there is no room now, it is queued
+        (``_wanted``) without reading the files."""
+        rec = self._records[adapter_id]
+        nbytes = _host_nbytes(rec.info, self.spec, self.dtype)
+        if not self.host.can_fit(nbytes, self._host_protected):
+            if rec.outstanding > 0:
+                self._wanted[adapter_id] = None
+            return False
+        return self._host_put(self._read(rec.path, expected_id=adapter_id))
+
     def _weights_for(self, adapter_id: str) -> AdapterWeights:
         w = self.host.get(adapter_id)
         if w is None:
@@ -231,8 +242,7 @@ class LoRAManager:
         if slot is not None:
             self._load_slot(adapter_id, slot)
         elif adapter_id not in self.host:
-            rec = self._records[adapter_id]
-            self._host_put(self._read(rec.path, expected_id=adapter_id))
+            self._host_load(adapter_id)
 
     def load(self, ref: str | AdapterRef, tier: str = "device", pin: bool = False) -> str:
         """Admin warm-up: put the adapter in ``tier`` ("device" or "host"), pinned if asked."""
@@ -318,7 +328,7 @@ class LoRAManager:
             if rec is None or rec.outstanding == 0 or self.is_ready(adapter_id):
                 self._wanted.pop(adapter_id, None)
                 continue
-            if not self._host_put(self._read(rec.path, expected_id=adapter_id)):
+            if not self._host_load(adapter_id):
                 break
         for adapter_id, rec in self._records.items():
             if rec.outstanding > 0 and self.pool.slot_of(adapter_id) is None and adapter_id in self.host:
@@ -354,6 +364,12 @@ class LoRAManager:
             "host_bytes": self.host.used_bytes,
             "host_budget_bytes": self.host.budget_bytes,
         }
+
+
+def _host_nbytes(info: AdapterInfo, spec: LoRATargetSpec, dtype: torch.dtype) -> int:
+    """Bytes ``AdapterWeights`` of this adapter take in host memory (without reading it)."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return elem * sum(m.rank * sum(spec.module_shapes[m.module]) for m in info.modules.values())
 
 
 def _check_hash(path: str, adapter_id: str, expected: str | None) -> None:

@@ -1,0 +1,170 @@
+"""LoRAManager: rejections leave every pool and cache as they were, re-registration serves new
+weights at once, prefetch loads ahead of the step, LRU + pins + reference counts, host budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.config import EngineConfig
+from loraplex.lora.errors import AdapterHashMismatchError, AdapterNotFoundError, InvalidAdapterError
+from loraplex.lora.manager import LoRAManager
+from loraplex.lora.spec import AdapterRef
+from tests.fixtures.peft_adapters import peft_model_for
+from tests.lora.adapter_edits import BAD_ADAPTERS
+from tests.lora.test_context import peft_delta
+
+
+def new_manager(spec, **options) -> LoRAManager:
+    return LoRAManager(spec, EngineConfig(**{"max_loras": 2, "max_lora_rank": 8, **options}), "cpu", torch.float32)
+
+
+def snapshot(m: LoRAManager) -> dict:
+    stacks = [(st.a.clone(), st.b.clone(), st.scaling.clone()) for layer in m.pool.stacks for st in layer.values()]
+    return {
+        "registered": m.registered(),
+        "host": m.host.ids(),
+        "host_bytes": m.host.used_bytes,
+        "slots": list(m.pool.adapter_in),
+        "ranks": m.pool.slot_rank.tolist(),
+        "stats": m.stats(),
+        "stacks": stacks,
+    }
+
+
+def same(a: dict, b: dict) -> bool:
+    tensors_equal = all(
+        torch.equal(x, y) for sa, sb in zip(a["stacks"], b["stacks"]) for x, y in zip(sa, sb)
+    )
+    return tensors_equal and {k: v for k, v in a.items() if k != "stacks"} == {k: v for k, v in b.items() if k != "stacks"}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_ADAPTERS))
+def test_rejection_loads_nothing(kind, lora_base, make_adapter, tmp_path):
+    torch.manual_seed(0)
+    good = make_adapter("good", seed=1)
+    other = make_adapter("other", seed=2)
+    m = new_manager(lora_base.spec)
+    good_id = m.register("good", good)
+    m.register("other", other)
+    m.prepare_step([good_id, None])  # good in a device slot, other in host
+    before = snapshot(m)
+
+    make, match = BAD_ADAPTERS[kind]
+    bad = make(good, tmp_path / f"bad_{kind}")
+    for attempt in (
+        lambda: m.register("good", bad),  # re-pointing an existing name
+        lambda: m.register("fresh", bad),
+        lambda: m.resolve(str(bad)),
+        lambda: m.load(str(bad), tier="device", pin=True),
+    ):
+        with pytest.raises(InvalidAdapterError, match=match):
+            attempt()
+        assert same(before, snapshot(m)), kind
+    assert m.resolve("good") == good_id
+
+
+def test_hash_mismatch_loads_nothing(lora_base, make_adapter):
+    m = new_manager(lora_base.spec)
+    d = make_adapter("a", seed=1)
+    before = snapshot(m)
+    with pytest.raises(AdapterHashMismatchError):
+        m.resolve(AdapterRef(name="a", path=str(d), content_hash="0" * 64))
+    assert same(before, snapshot(m))
+    good = m.resolve(AdapterRef(name="a", path=str(d)))
+    assert m.resolve(AdapterRef(name="a", path=str(d), content_hash=good)) == good
+
+
+def test_unknown_name(lora_base):
+    with pytest.raises(AdapterNotFoundError):
+        new_manager(lora_base.spec).resolve("no-such-adapter")
+
+
+def _lora_out(m: LoRAManager, adapter_id: str, x: torch.Tensor) -> torch.Tensor:
+    ctx = m.prepare_step([adapter_id] * x.shape[0])
+    y = torch.zeros(x.shape[0], 64 + 32 + 32)
+    ctx.apply(1, "qkv_proj", x, y)
+    return y
+
+
+def test_reregister_serves_new_weights_at_once(lora_base, make_adapter):
+    torch.manual_seed(0)
+    d1 = make_adapter("v1", seed=1, target_modules=["q_proj", "k_proj", "v_proj"])
+    d2 = make_adapter("v2", seed=2, target_modules=["q_proj", "k_proj", "v_proj"])
+    peft = peft_model_for(lora_base.model, {"v1": d1, "v2": d2})
+    m = new_manager(lora_base.spec)
+    x = torch.randn(3, 64)
+    id1 = m.register("x", d1)
+    with torch.no_grad():
+        torch.testing.assert_close(_lora_out(m, m.resolve("x"), x), peft_delta(peft, "v1", 1, "qkv_proj", x))
+        assert m.tier_of(id1) == "device"
+        id2 = m.register("x", d2)
+        assert id2 != id1 and m.resolve("x") == id2
+        torch.testing.assert_close(_lora_out(m, m.resolve("x"), x), peft_delta(peft, "v2", 1, "qkv_proj", x))
+
+
+def test_prefetch_loads_before_the_step(lora_base, make_adapter):
+    m = new_manager(lora_base.spec)
+    a = m.register("a", make_adapter("a", seed=1))
+    assert m.tier_of(a) == "host" and m.is_ready(a)
+    m.prefetch(a)
+    assert m.tier_of(a) == "device" and m.stats()["adapters"][a]["loads"] == 1
+    m.prepare_step([a, a, None])
+    assert m.stats()["adapters"][a]["loads"] == 1  # the step found it already loaded
+
+
+def test_lru_pins_and_refs(lora_base, make_adapter):
+    m = new_manager(lora_base.spec, max_loras=3)
+    ids = {n: m.register(n, make_adapter(n, seed=i)) for i, n in enumerate("pabcd")}
+    m.load("p", tier="device", pin=True)
+    assert m.num_reserved_slots(set()) == 1 and m.num_reserved_slots({ids["p"]}) == 0
+    m.prepare_step([ids["a"]])
+    m.prepare_step([ids["b"]])
+    m.prepare_step([ids["c"]])  # evicts a (LRU), never the pinned p
+    assert m.tier_of(ids["p"]) == "device" and m.tier_of(ids["a"]) != "device"
+    assert m.tier_of(ids["b"]) == "device" and m.stats()["adapters"][ids["a"]]["evictions"] == 1
+    # b has a request in flight, c has none: d evicts c although b is older
+    m.prefetch(ids["b"])
+    m.prepare_step([ids["d"]])
+    assert m.tier_of(ids["b"]) == "device" and m.tier_of(ids["c"]) != "device"
+    # a step's own adapters are never evicted; too many for the free slots is a scheduler bug
+    with pytest.raises(RuntimeError):
+        m.prepare_step([ids["a"], ids["c"], ids["d"]])
+    with pytest.raises(InvalidAdapterError, match="pinned"):
+        m.load("a", tier="device", pin=True) and m.load("b", tier="device", pin=True)
+
+
+def test_host_budget_lru_and_waiting_adapters(lora_base, make_adapter):
+    probe = new_manager(lora_base.spec)
+    size = probe.host.get(probe.register("probe", make_adapter("probe", seed=9))).nbytes
+    m = new_manager(lora_base.spec, max_loras=1, max_cpu_lora_bytes=size)  # room for one adapter
+    a, b, c = (m.register(n, make_adapter(n, seed=i)) for i, n in enumerate("abc"))
+    st = m.stats()["adapters"]
+    assert m.host.ids() == [c] and st[a]["host_evictions"] == 1 and st[b]["host_evictions"] == 1
+    assert not m.is_ready(a)
+    m.prefetch(a)  # free slot: straight from disk to the device
+    assert m.tier_of(a) == "device" and m.is_ready(a)
+    m.prefetch(b)  # no idle slot: b goes to host, evicting c (no requests)
+    assert m.host.ids() == [b] and m.tier_of(c) == "disk"
+    m.prefetch(c)  # host holds b, which waits for a slot: c must wait too
+    assert not m.is_ready(c)
+    m.on_request_finished(a, 5, 3)
+    m.prepare_step([b])  # b takes the slot; its host copy is no longer needed, so c comes in
+    assert m.tier_of(b) == "device" and m.is_ready(c)
+    st = m.stats()["adapters"]
+    assert st[a]["requests"] == 1 and st[a]["prompt_tokens"] == 5 and st[a]["generation_tokens"] == 3
+
+
+def test_unregister_and_unload(lora_base, make_adapter):
+    m = new_manager(lora_base.spec)
+    a = m.register("a", make_adapter("a", seed=1))
+    m.prefetch(a)
+    m.unload(a)
+    assert m.tier_of(a) == "disk"
+    m.prepare_step([a])  # a queued request still runs: reloaded from its directory
+    assert m.tier_of(a) == "device"
+    m.on_request_finished(a, 1, 1)
+    m.unregister("a")
+    assert "a" not in m.registered() and m.tier_of(a) == "disk"
+    with pytest.raises(AdapterNotFoundError):
+        m.unregister("a")
