@@ -189,3 +189,40 @@ def test_failed_change_leaves_no_trace(service):
     with pytest.raises(NotFound):
         service.activate("acme", "sql", 5)
     assert service.change_counter() == counter and len(service.list_audit()) == events
+
+
+def test_a_failure_inside_an_upload_leaves_no_version(service, monkeypatch):
+    from loraplex.registry import repository
+
+    real = repository.add_audit_event
+
+    def failing_audit(session, **kwargs):
+        if kwargs["action"] == "adapter.upload":
+            raise RuntimeError("crash after the version row was written")
+        return real(session, **kwargs)
+
+    monkeypatch.setattr(repository, "add_audit_event", failing_audit)
+    with pytest.raises(RuntimeError):
+        service.add_version("acme", "sql", **version_fields(b"one"))
+    monkeypatch.setattr(repository, "add_audit_event", real)
+    assert service.get_adapter("acme", "sql") is None
+    assert service.versions_using_blob(version_fields(b"one")["blob_key"]) == 0
+    version, created = service.add_version("acme", "sql", **version_fields(b"one"))
+    assert created and version.version == 1
+
+
+def test_a_failure_inside_a_hot_swap_changes_nothing(service, monkeypatch):
+    from loraplex.registry import repository
+
+    service.add_version("acme", "sql", **version_fields(b"one"))
+    service.add_version("acme", "sql", **version_fields(b"two"))
+    counter = service.change_counter()
+
+    def failing_bump(session):
+        raise RuntimeError("crash after active_version was updated")
+
+    monkeypatch.setattr(repository, "bump_change_counter", failing_bump)
+    with pytest.raises(RuntimeError):
+        service.activate("acme", "sql", 2)
+    assert service.resolve("acme", "sql").version == 1
+    assert service.change_counter() == counter

@@ -80,3 +80,18 @@ def test_every_constraint_and_index_is_named_by_the_convention(registry_url):
 def test_migration_seeds_the_state_row(registry_service):
     assert registry_service.change_counter() == 0
     assert registry_service.admin_key_hash() is None
+
+
+def test_alembic_command_line_uses_migrations_ini(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo_root = Path(__file__).resolve().parents[2]
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    result = subprocess.run(
+        [sys.executable, "-m", "alembic", "-c", "migrations/alembic.ini", "-x", f"url={url}", "upgrade", "head"],
+        cwd=repo_root, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert db.current_revision(url) == ScriptDirectory.from_config(db.alembic_config(url)).get_current_head()
