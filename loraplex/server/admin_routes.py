@@ -90,6 +90,8 @@ async def revoke_key(request: Request) -> Response:
 def _version_dict(ctx: AppContext, v, stats: dict) -> dict:
     d = v.to_dict()
     d["tier"] = adapter_tier(ctx, v.sha256, stats)
+    entry = (_lora_stats(stats).get("adapters") or {}).get(v.sha256) or {}
+    d["pinned"] = bool(entry.get("pinned", False))
     usage = adapter_usage(stats, v.sha256)
     d["requests"] = usage.get("requests", 0)
     d["tokens"] = usage.get("tokens", 0)
@@ -105,6 +107,7 @@ def _adapter_dict(ctx: AppContext, a, stats: dict) -> dict:
         "active_version": a.active_version,
         "created_at": a.to_dict()["created_at"],
         "tier": active["tier"] if active else None,
+        "pinned": bool(active and active["pinned"]),
         "requests": sum(v["requests"] for v in versions),
         "tokens": sum(v["tokens"] for v in versions),
         "versions": versions,
@@ -218,10 +221,16 @@ async def unload(request: Request) -> Response:
     ctx = await _admin(request)
     p = request.path_params
     info = await _get_adapter(ctx, p["tenant"], p["name"])
-    for v in info.versions:  # every version of the name: drop from device and host
-        await ctx.engine.unload_adapter(v.sha256)
-    await run_in_threadpool(ctx.registry.record_event, ACTOR, "adapter.unload", p["tenant"], "adapter", p["name"], {})
-    return JSONResponse({"adapter": p["name"], "unloaded": [v.version for v in info.versions]})
+    known = _lora_stats(ctx.engine_stats()).get("adapters") or {}
+    unloaded = []
+    for v in info.versions:  # every version of the name the engine holds: drop from device and host
+        if v.sha256 in known:
+            await ctx.engine.unload_adapter(v.sha256)
+            unloaded.append(v.version)
+    await run_in_threadpool(
+        ctx.registry.record_event, ACTOR, "adapter.unload", p["tenant"], "adapter", p["name"], {"versions": unloaded}
+    )
+    return JSONResponse({"adapter": p["name"], "unloaded": unloaded})
 
 
 async def delete_adapter(request: Request) -> Response:

@@ -39,7 +39,8 @@ async def resolve_target(ctx: AppContext, tenant: str, model: str) -> Target:
     if model == ctx.served_model_name:
         return Target(model=model, adapter=None, label=None, version=None)
     try:
-        ref = await run_in_threadpool(ctx.adapters.resolve, tenant, model)
+        # acquire: the version's files stay (no eviction, no delete) until RequestRun releases
+        ref = await run_in_threadpool(lambda: ctx.adapters.resolve(tenant, model, acquire=True))
     except APIError:
         raise
     except Exception as exc:
@@ -96,16 +97,16 @@ class RequestRun:
     # --- admission ---------------------------------------------------------------------------
 
     def admit(self) -> None:
-        """Take a drain slot (503), a tenant slot (429), and pin the adapter version."""
+        """Take a drain slot (503) and a tenant slot (429). The adapter version was acquired by
+        ``resolve_target``; from here on this run releases it."""
         ctx = self.ctx
-        ctx.lifecycle.admit()
-        self._held.append("lifecycle")
+        if self.target.adapter is not None:
+            self._held.append("adapter")
         try:
+            ctx.lifecycle.admit()
+            self._held.append("lifecycle")
             ctx.limiter.acquire(self.tenant)
             self._held.append("limiter")
-            if self.target.adapter is not None and hasattr(ctx.adapters, "acquire"):
-                ctx.adapters.acquire(self.target.adapter.content_hash)
-                self._held.append("adapter")
         except BaseException:
             self._release()
             raise

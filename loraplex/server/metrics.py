@@ -48,6 +48,21 @@ def _num(stats: dict, *names: str, default: float = 0.0) -> float:
     return default
 
 
+def lora_stats(stats: dict) -> dict:
+    lora = stats.get("lora")
+    return lora if isinstance(lora, dict) else {}
+
+
+def adapter_totals(stats: dict) -> dict:
+    """Loads, evictions and load seconds summed over the engine's per-adapter counters."""
+    totals = {"loads": 0.0, "evictions": 0.0, "load_seconds": 0.0}
+    adapters = lora_stats(stats).get("adapters") or {}
+    for entry in adapters.values() if isinstance(adapters, dict) else ():
+        for key in totals:
+            totals[key] += _num(entry, key)
+    return totals
+
+
 class ServerMetrics:
     """All metrics of one app. Request-level series are observed by the routes; engine and
     adapter state is read from ``stats_source()`` at scrape time."""
@@ -58,6 +73,7 @@ class ServerMetrics:
         self.max_lora = max_lora
         self.max_adapter_labels = max_adapter_labels
         self.stats_source: Callable[[], dict] = dict
+        self.disk_entries: Callable[[], int] = lambda: 0  # adapters in the local disk cache
         self._lock = threading.Lock()
         self._adapter_labels: set[str] = set()
         self._waiting: Multiset[str] = Multiset()
@@ -127,27 +143,33 @@ class ServerMetrics:
             waiting = sorted(a for a, c in self._waiting.items() if c > 0)
         return running, waiting
 
+    def tier_counts(self, stats: dict) -> dict:
+        tiers = lora_stats(stats).get("tiers") or {}
+        try:
+            disk = float(self.disk_entries())
+        except Exception:
+            disk = 0.0
+        return {"device": _num(tiers, "device"), "host": _num(tiers, "host"), "disk": disk}
+
     def summary(self) -> dict:
         """Engine and request figures for the admin status page (cumulative counters)."""
         try:
             stats = self.stats_source() or {}
         except Exception:
             stats = {}
-        lora = stats.get("lora") if isinstance(stats.get("lora"), dict) else stats
-        per_tier = lora.get("adapters_per_tier") if isinstance(lora.get("adapters_per_tier"), dict) else {}
-
+        totals = adapter_totals(stats)
         def sample(metric, suffix: str) -> float:
             return sum(
                 s.value for fam in metric.collect() for s in fam.samples if s.name.endswith(suffix)
             )
 
         return {
-            "num_requests_running": _num(stats, "num_running", "running"),
-            "num_requests_waiting": _num(stats, "num_waiting", "waiting"),
-            "kv_cache_usage": _num(stats, "kv_cache_usage", "kv_usage"),
-            "adapters_per_tier": {t: _num(per_tier, t) for t in TIERS},
-            "loads": _num(lora, "loads", "num_loads"),
-            "evictions": _num(lora, "evictions", "num_evictions"),
+            "num_requests_running": _num(stats, "num_requests_running", "num_running"),
+            "num_requests_waiting": _num(stats, "num_requests_waiting", "num_waiting"),
+            "kv_cache_usage": _num(stats, "kv_cache_usage"),
+            "adapters_per_tier": self.tier_counts(stats),
+            "loads": totals["loads"],
+            "evictions": totals["evictions"],
             "prompt_tokens_total": sample(self.prompt_tokens, "_total"),
             "generation_tokens_total": sample(self.generation_tokens, "_total"),
             "ttft_sum_seconds": sample(self.ttft, "_sum"),
@@ -175,9 +197,9 @@ class _EngineCollector:
             stats = {}
         labels = ["model_name"]
         for name, doc, keys in (
-            ("vllm:num_requests_running", "Requests running on the engine.", ("num_running", "running")),
-            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", ("num_waiting", "waiting")),
-            ("vllm:kv_cache_usage_perc", "KV cache usage (1 = 100%).", ("kv_cache_usage", "kv_usage")),
+            ("vllm:num_requests_running", "Requests running on the engine.", ("num_requests_running", "num_running")),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", ("num_requests_waiting", "num_waiting")),
+            ("vllm:kv_cache_usage_perc", "KV cache usage (1 = 100%).", ("kv_cache_usage",)),
         ):
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric([m.model_name], _num(stats, *keys))
@@ -190,17 +212,17 @@ class _EngineCollector:
         )
         info.add_metric([",".join(running), ",".join(waiting), str(m.max_lora)], time.time())
         yield info
-        lora = stats.get("lora") if isinstance(stats.get("lora"), dict) else stats
         tiers = GaugeMetricFamily("loraplex_adapters", "Adapters held per tier.", labels=["tier"])
-        per_tier = lora.get("adapters_per_tier") or {}
+        per_tier = m.tier_counts(stats)
         for tier in TIERS:
-            tiers.add_metric([tier], _num(per_tier, tier) if isinstance(per_tier, dict) else 0.0)
+            tiers.add_metric([tier], per_tier[tier])
         yield tiers
-        for name, doc, keys in (
-            ("loraplex_adapter_loads", "Adapter loads into a device slot.", ("loads", "num_loads")),
-            ("loraplex_adapter_evictions", "Adapter evictions from a device slot.", ("evictions", "num_evictions")),
-            ("loraplex_adapter_load_seconds", "Seconds spent loading adapters.", ("load_seconds",)),
+        totals = adapter_totals(stats)
+        for name, doc, key in (
+            ("loraplex_adapter_loads", "Adapter loads into a device slot.", "loads"),
+            ("loraplex_adapter_evictions", "Adapter evictions from a device slot.", "evictions"),
+            ("loraplex_adapter_load_seconds", "Seconds spent loading adapters (disk reads and device copies).", "load_seconds"),
         ):
             c = CounterMetricFamily(name, doc)
-            c.add_metric([], _num(lora, *keys))
+            c.add_metric([], totals[key])
             yield c

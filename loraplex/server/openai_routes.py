@@ -46,12 +46,17 @@ async def _generate(request: Request, parse) -> Response:
     ctx = _ctx(request)
     tenant = await ctx.tenant_auth.tenant_for(request, request.path_params.get("tenant"))
     req: GenerationRequest = parse(await _json_body(request, ctx))
-    target = await resolve_target(ctx, tenant, req.model)
-    prompt_ids = tokenize_prompts(ctx, req)
-    prepare(ctx, req, prompt_ids)
+    target = await resolve_target(ctx, tenant, req.model)  # holds the adapter version from here
+    try:
+        prompt_ids = tokenize_prompts(ctx, req)
+        prepare(ctx, req, prompt_ids)
+    except BaseException:
+        if target.adapter is not None:
+            ctx.adapters.release(target.adapter.content_hash)
+        raise
     shaper = ResponseShaper(req.kind, req.model, ctx.tokenizer, include_usage=req.include_usage)
     run = RequestRun(ctx, tenant, target, req, prompt_ids, shaper.id, arrival)
-    run.admit()
+    run.admit()  # on refusal (503/429) it has released everything
     if req.stream:
         return SSEResponse(_stream_events(run, shaper), on_close=lambda: run.close(CLIENT_CLOSED))
     try:

@@ -128,12 +128,15 @@ class FakeEngine:
             used = sum(self.blocks_in_use.values())
             running = len(self.blocks_in_use)
         return {
-            "num_running": running,
-            "num_waiting": 0,
+            "num_requests_running": running,
+            "num_requests_waiting": 0,
             "kv_cache_usage": used / self.num_blocks,
-            "num_free_blocks": self.num_blocks - used,
-            "num_blocks": self.num_blocks,
-            "lora": {"adapters": {h: {"tier": t} for h, (t, _) in self.loaded.items()}},
+            "num_blocks_free": self.num_blocks - used,
+            "num_blocks_total": self.num_blocks,
+            "lora": {
+                "adapters": {h: {"tier": t, "pinned": p, "loads": 1} for h, (t, p) in self.loaded.items()},
+                "tiers": {"device": sum(t == "device" for t, _ in self.loaded.values()), "host": 0},
+            },
         }
 
     def shutdown(self) -> None:
@@ -158,8 +161,10 @@ class FakeAdapterManager:
             size_bytes=len(weights), blob_key=f"sha256/{sha}", uploader=uploader,
         )
 
-    def resolve(self, tenant, model_ref):
+    def resolve(self, tenant, model_ref, *, acquire=False):
         v = self.registry.resolve(tenant, model_ref)
+        if acquire:
+            self.acquire(v.sha256)
         return AdapterRef(name=f"{v.adapter}@{v.version}", path=str(self.root / v.sha256), content_hash=v.sha256)
 
     def acquire(self, content_hash):

@@ -41,9 +41,9 @@ def test_disconnect_mid_stream_aborts(server_factory):
         chunk = sock.recv(4096)
         assert chunk, "connection closed early"
         received += chunk
-    assert engine.stats()["num_free_blocks"] < engine.num_blocks
+    assert engine.stats()["num_blocks_free"] < engine.num_blocks
     sock.close()
-    took = _wait(lambda: engine.stats()["num_free_blocks"] == engine.num_blocks, 2.0)
+    took = _wait(lambda: engine.stats()["num_blocks_free"] == engine.num_blocks, 2.0)
     assert took < 1.0
     assert len(engine.aborted) == 1
     _wait(lambda: srv.app.state.ctx.limiter.in_flight() == 0, 1.0)  # tenant slot given back
@@ -57,9 +57,9 @@ def test_disconnect_before_non_stream_response_aborts(server_factory):
     sock = _raw_request(srv.url, "/v1/completions", key, body)
     _wait(lambda: engine.started, 2.0)
     time.sleep(0.2)
-    assert engine.stats()["num_running"] == 1
+    assert engine.stats()["num_requests_running"] == 1
     sock.close()
-    took = _wait(lambda: engine.stats()["num_free_blocks"] == engine.num_blocks, 2.0)
+    took = _wait(lambda: engine.stats()["num_blocks_free"] == engine.num_blocks, 2.0)
     assert took < 1.0
     assert engine.aborted
     _wait(lambda: srv.app.state.ctx.lifecycle.in_flight == 0, 1.0)
