@@ -1,0 +1,144 @@
+"""Timing part of the GPU check: median times of the Triton kernels, achieved GB/s against a copy
+bandwidth measured in the same run, and the LoRA kernels against the base projection they ride on.
+
+Byte counts are the fewest a kernel must move (README.md, "Roofline"): each distinct adapter's
+A and B once (at its real rank), x once, y read and written once, the fp32 shrink output written
+by shrink and read by expand; the attention decode reads each sequence's K and V once.
+"""
+
+from __future__ import annotations
+
+import torch
+from lab_common import Report, bench_ms, make_meta, spread_slots
+
+from loraplex.kernels.triton_attention import paged_attention_triton
+from loraplex.kernels.triton_lora import lora_expand_triton, lora_shrink_triton
+
+ROOFLINE_TARGET = 0.70  # shrink+expand, decode batches of >= 64 tokens
+RANK = 16
+MAX_LORAS = 128
+
+
+def measure_copy_bandwidth(report: Report, on_gpu: bool, device: str) -> float:
+    """Bytes read + written per second by a large device-to-device copy (the memory ceiling)."""
+    nbytes = (2 << 30) if on_gpu else (4 << 20)
+    src = torch.randn(nbytes // 2, device=device).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), on_gpu)
+    bw = 2 * nbytes / (ms * 1e-3)
+    report.line(f"copy bandwidth: {bw / 1e9:.0f} GB/s ({nbytes >> 20} MiB copied in {ms:.3f} ms, median)")
+    report.line()
+    del src, dst
+    return bw
+
+
+def _lora_bytes(t, adapters, in_f, widths, elt) -> dict[str, int]:
+    s, out_total = len(widths), sum(widths)
+    a_bytes = adapters * s * RANK * in_f * elt
+    b_bytes = adapters * out_total * RANK * elt
+    shrunk = s * t * RANK * 4
+    lora_t = t if adapters else 0
+    return {
+        "shrink": a_bytes + lora_t * in_f * elt + shrunk,
+        "expand": b_bytes + shrunk + 2 * lora_t * out_total * elt,
+    }
+
+
+def bench_lora(report: Report, on_gpu: bool, device: str, copy_bw: float) -> None:
+    dtype = torch.bfloat16 if on_gpu else torch.float16
+    elt = 2
+    if on_gpu:
+        hidden, kv, inter = 4096, 1024, 14336
+        configs = [(64, 1), (64, 16), (64, 64), (256, 16), (256, 64), (256, 128), (2048, 4)]
+    else:
+        hidden, kv, inter = 64, 16, 96
+        configs = [(8, 2)]
+    modules = {
+        "qkv": (hidden, (hidden, kv, kv)),
+        "o": (hidden, (hidden,)),
+        "gate_up": (hidden, (inter, inter)),
+        "down": (inter, (hidden,)),
+    }
+    report.line(f"## SGMV LoRA kernels ({dtype}, rank {RANK}, stacks of {MAX_LORAS} slots)")
+    report.line()
+    rows, per_layer = [], {}
+    for tokens, adapters in configs:
+        meta = make_meta(spread_slots(tokens, adapters), [RANK] * MAX_LORAS, device)
+        for mod, (in_f, widths) in modules.items():
+            s, out_total = len(widths), sum(widths)
+            offsets = tuple([0] + [sum(widths[: i + 1]) for i in range(s)])
+            x = torch.randn(tokens, in_f, device=device).to(dtype)
+            a = (torch.randn(s, MAX_LORAS, RANK, in_f, device=device) * in_f**-0.5).to(dtype)
+            b = (torch.randn(MAX_LORAS, out_total, RANK, device=device) * 0.25).to(dtype)
+            w = (torch.randn(out_total, in_f, device=device) * in_f**-0.5).to(dtype)
+            scaling = torch.full((s, MAX_LORAS), 2.0, device=device)
+            shrunk = torch.empty(s, tokens, RANK, device=device)
+            y = torch.randn(tokens, out_total, device=device).to(dtype)
+
+            def both():
+                lora_shrink_triton(x, a, meta, shrunk)
+                lora_expand_triton(shrunk, b, scaling, offsets, meta, y)
+
+            t_shrink = bench_ms(lambda: lora_shrink_triton(x, a, meta, shrunk), on_gpu)
+            t_expand = bench_ms(lambda: lora_expand_triton(shrunk, b, scaling, offsets, meta, y), on_gpu)
+            t_both = bench_ms(both, on_gpu)
+            t_base = bench_ms(lambda: torch.matmul(x, w.t()), on_gpu)
+            nb = _lora_bytes(tokens, adapters, in_f, widths, elt)
+            frac = (nb["shrink"] + nb["expand"]) / (t_both * 1e-3) / copy_bw
+            rows.append([
+                tokens, adapters, mod, meta.max_seg_len,
+                f"{t_shrink * 1e3:.1f}", f"{t_expand * 1e3:.1f}", f"{t_both * 1e3:.1f}",
+                f"{frac * 100:.0f}%", f"{t_base * 1e3:.1f}", f"{t_both / t_base * 100:.0f}%",
+            ])
+            acc = per_layer.setdefault((tokens, adapters), [0.0, 0.0])
+            acc[0] += t_both
+            acc[1] += t_base
+            if tokens >= 64 and tokens <= 256:
+                ok = frac >= ROOFLINE_TARGET
+                report.target(
+                    f"{'MET' if ok else 'MISSED'} roofline T={tokens} adapters={adapters} {mod}: shrink+expand at "
+                    f"{frac * 100:.0f}% of copy bandwidth (target >= {ROOFLINE_TARGET * 100:.0f}%)"
+                )
+    report.table(
+        ["tokens", "adapters", "module", "max seg", "shrink us", "expand us", "both us",
+         "of copy BW", "base matmul us", "LoRA/base"],
+        rows,
+    )
+    report.line("Per decoder layer (qkv + o + gate_up + down), LoRA kernels against the base matmuls:")
+    for (tokens, adapters), (t_lora, t_base) in per_layer.items():
+        report.line(f"- T={tokens} adapters={adapters}: LoRA {t_lora * 1e3:.0f} us vs base {t_base * 1e3:.0f} us "
+                    f"({t_lora / t_base * 100:.0f}%)")
+    report.line()
+
+
+def bench_attention(report: Report, on_gpu: bool, device: str, copy_bw: float) -> None:
+    dtype = torch.bfloat16 if on_gpu else torch.float16
+    if on_gpu:
+        heads, kv_heads, head_dim, cases = 32, 8, 128, [(64, 1024, 1), (256, 1024, 1), (256, 4096, 1), (1, 0, 2048)]
+    else:
+        heads, kv_heads, head_dim, cases = 4, 1, 16, [(2, 20, 1)]
+    block_size = 16
+    report.line(f"## Paged attention ({dtype}, {heads} heads / {kv_heads} KV heads, head_dim {head_dim}, block {block_size})")
+    report.line()
+    rows = []
+    for seqs, prefix, q_len in cases:
+        seq_len = prefix + q_len
+        blocks_per_seq = -(-seq_len // block_size)
+        num_blocks = seqs * blocks_per_seq
+        cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, device=device).to(dtype)
+        tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(seqs, blocks_per_seq)
+        query = torch.randn(seqs * q_len, heads, head_dim, device=device).to(dtype)
+        args = dict(
+            block_tables=tables,
+            seq_lens=torch.full((seqs,), seq_len, dtype=torch.int32, device=device),
+            query_start_loc=(torch.arange(seqs + 1, device=device) * q_len).to(torch.int32),
+            scale=head_dim**-0.5, max_query_len=q_len, max_seq_len=seq_len,
+        )
+        ms = bench_ms(lambda: paged_attention_triton(query, cache, **args), on_gpu)
+        kv_bytes = seqs * seq_len * kv_heads * head_dim * 2 * 2
+        io_bytes = 2 * query.numel() * 2
+        gbs = (kv_bytes + io_bytes) / (ms * 1e-3)
+        flops = 4 * seqs * heads * head_dim * q_len * (prefix + (q_len + 1) / 2)
+        rows.append([seqs, prefix, q_len, f"{ms * 1e3:.1f}", f"{gbs / 1e9:.0f}",
+                     f"{gbs / copy_bw * 100:.0f}%", f"{flops / (ms * 1e-3) / 1e12:.1f}"])
+    report.table(["seqs", "prefix", "query len", "us", "GB/s", "of copy BW", "TFLOP/s"], rows)

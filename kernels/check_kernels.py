@@ -1,0 +1,135 @@
+"""Correctness part of the GPU check: every Triton kernel in low precision against the fp32 torch
+reference, at Llama-3-8B shapes on the GPU (bf16) or tiny shapes under the interpreter (fp16).
+
+Inputs are fresh random values (never zeros), outputs poisoned with NaN before each launch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from lab_common import Report, make_meta, rel_err
+
+from loraplex.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
+from loraplex.kernels.lora_ref import lora_expand_ref, lora_shrink_ref
+from loraplex.kernels.triton_attention import paged_attention_triton, write_kv_cache_triton
+from loraplex.kernels.triton_lora import lora_expand_triton, lora_shrink_triton
+
+TOLERANCE = 1e-2  # bf16 operands land between 1e-3 and 1e-2 against an fp32 reference
+
+
+def _lora_case(report, shape, gen, name, token_slots, ranks, in_features, widths, dtype, device):
+    """Shrink then expand on one batch; each compared with the fp32 reference on the same inputs."""
+    num_slices, max_loras, r_max = len(widths), len(ranks), max(ranks)
+    out_total = sum(widths)
+    offsets = tuple([0] + [sum(widths[: i + 1]) for i in range(num_slices)])
+    meta = make_meta(token_slots, ranks, device)
+    t = len(token_slots)
+
+    def rnd(*s, std=1.0):
+        return (torch.randn(*s, generator=gen) * std).to(device=device, dtype=dtype)
+
+    x = rnd(t, in_features)
+    a = rnd(num_slices, max_loras, r_max, in_features, std=in_features**-0.5)
+    b = rnd(max_loras, out_total, r_max, std=16**-0.5)
+    scaling = (torch.rand(num_slices, max_loras, generator=gen) + 0.5).to(device)
+    shrunk = torch.full((num_slices, t, r_max), float("nan"), device=device)
+    shrunk_ref = shrunk.clone()
+    lora_shrink_triton(x, a, meta, shrunk)
+    lora_shrink_ref(x.float(), a.float(), meta, shrunk_ref)
+    defined = ~shrunk_ref.isnan()
+    err = rel_err(shrunk[defined], shrunk_ref[defined])
+    report.check(f"{name} shrink", err < TOLERANCE and bool(defined.any()), f"rel err {err:.2e} ({shape})")
+
+    y0 = rnd(t, out_total)
+    y = y0.clone()
+    y_ref = y0.float()
+    lora_expand_triton(shrunk_ref, b, scaling, offsets, meta, y)
+    lora_expand_ref(shrunk_ref, b.float(), scaling, offsets, meta, y_ref)
+    err = rel_err(y, y_ref)
+    base = torch.tensor([s < 0 for s in token_slots], device=device)
+    untouched = bool(torch.equal(y[base], y0[base]))
+    report.check(f"{name} expand", err < TOLERANCE and untouched, f"rel err {err:.2e}, base rows untouched={untouched}")
+
+
+def _attention_case(report, gen, name, seqs, heads, kv_heads, head_dim, block_size, dtype, device):
+    """Mixed prefill-with-prefix + decode batch through shuffled block tables."""
+    seq_lens = [c + q for c, q in seqs]
+    per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(per_seq) + 4
+    physical = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(seqs), max(per_seq), dtype=torch.int32)
+    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = torch.tensor([physical.pop() for _ in range(n)])
+    cache, tables = cache.to(device), tables.to(device)
+    # write every position's K/V with the Triton kernel, checked against the reference write
+    slots, keys, values = [], [], []
+    for i, length in enumerate(seq_lens):
+        for p in range(length):
+            slots.append(int(tables[i, p // block_size]) * block_size + p % block_size)
+    n_tok = len(slots)
+    keys = torch.randn(n_tok, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    values = torch.randn(n_tok, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    slot_t = torch.tensor(slots, dtype=torch.int64, device=device)
+    cache_ref = cache.clone()
+    write_kv_cache_triton(keys, values, cache, slot_t)
+    write_kv_cache_ref(keys, values, cache_ref, slot_t)
+    same = bool(torch.equal(torch.nan_to_num(cache), torch.nan_to_num(cache_ref)))
+    same = same and bool(torch.equal(cache.isnan(), cache_ref.isnan()))
+    report.check(f"{name} kv write", same, f"{n_tok} tokens, block size {block_size}, bit-exact={same}")
+
+    q_lens = [q for _, q in seqs]
+    num_q = sum(q_lens)
+    query = torch.randn(num_q, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    args = dict(
+        block_tables=tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0] + q_lens, dtype=torch.int64).cumsum(0).to(torch.int32).to(device),
+        scale=head_dim**-0.5,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
+    out = torch.full_like(query, float("nan"))
+    paged_attention_triton(query, cache, out=out, **args)
+    ref = paged_attention_ref(query.float(), cache.float(), **args)
+    err = rel_err(out, ref)
+    report.check(f"{name} attention", err < TOLERANCE, f"rel err {err:.2e}, seqs (prefix, query)={seqs}")
+
+
+def run_checks(report: Report, on_gpu: bool) -> None:
+    device = "cuda" if on_gpu else "cpu"
+    # the interpreter multiplies bf16 wrongly in tl.dot (triton-lang/triton#11584): fp16 there
+    dtype = torch.bfloat16 if on_gpu else torch.float16
+    seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printed to replay
+    gen = torch.Generator().manual_seed(seed)
+    report.line(f"## Correctness ({dtype} vs fp32 reference, fresh random inputs, seed {seed})")
+    report.line()
+    if on_gpu:
+        hidden, kv, inter, heads, kv_heads, head_dim = 4096, 1024, 14336, 32, 8, 128
+        decode_tokens, prefill_lens = 64, [300, 1, 3, 70, 129, 1]
+        attn_seqs = [(0, 300), (1000, 1), (517, 64), (37, 1), (4000, 1), (20, 130)]
+    else:
+        hidden, kv, inter, heads, kv_heads, head_dim = 64, 16, 96, 4, 1, 16
+        decode_tokens, prefill_lens = 6, [70, 1, 3]
+        attn_seqs = [(0, 20), (40, 1), (17, 9)]
+    shape = f"hidden {hidden}, kv {kv}, intermediate {inter}"
+    # decode: one token per sequence, each its own rank-16 adapter, two base-only tokens
+    slots = list(range(decode_tokens - 2)) + [-1, -1]
+    ranks = [16] * (decode_tokens - 2)
+    _lora_case(report, shape, gen, "decode qkv", slots, ranks, hidden, (hidden, kv, kv), dtype, device)
+    # 4 tokens per adapter (decode-shaped, 4-row tiles), gate_up and down
+    n4 = max(2, decode_tokens // 4)
+    slots = [t % n4 for t in range(decode_tokens)]
+    _lora_case(report, shape, gen, "decode gate_up", slots, [16] * n4, hidden, (inter, inter), dtype, device)
+    _lora_case(report, shape, gen, "decode down", slots, [16] * n4, inter, (hidden,), dtype, device)
+    # prefill-shaped: long segments beside short ones, ranks 1..128 in one batch
+    mixed_ranks = [1, 3, 8, 16, 64, 128]
+    slots = [g % len(mixed_ranks) for g, n in enumerate(prefill_lens) for _ in range(n)]
+    _lora_case(report, shape, gen, "prefill qkv mixed ranks", slots, mixed_ranks, hidden, (hidden, kv, kv), dtype, device)
+    for block_size in (16, 32):
+        _attention_case(
+            report, gen, f"bs{block_size}", attn_seqs, heads, kv_heads, head_dim, block_size, dtype, device
+        )

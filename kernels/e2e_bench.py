@@ -1,0 +1,133 @@
+"""End-to-end part of the GPU check: loraplex's engine on a random-weight Llama with Llama-3-8B
+layer shapes (fewer layers; nothing downloaded), decode throughput and LoRA overhead.
+
+The model directory (config, bf16 safetensors, a byte-level tokenizer) and the rank-16 adapters
+(real PEFT directories written by peft, ``init_lora_weights=False``) are made on the fly. Each
+configuration is run twice with different generation lengths after a warm-up; the difference
+isolates the decode steps from the prefill: ``decode step = (t_long - t_short) / (long - short)``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from lab_common import Report
+
+LLAMA3_8B_LAYER = dict(
+    hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+    vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
+)
+TINY_LAYER = dict(
+    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=320, rope_theta=10000.0, max_position_embeddings=1024,
+)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPT_LEN = 32
+OVERHEAD_TARGET = 0.15  # LoRA step overhead at 64 distinct rank-16 adapters, batch 256
+
+
+def _make_model_and_adapters(root: Path, shape: dict, layers: int, num_adapters: int, device: str) -> tuple[Path, list[Path]]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.fixtures.tiny_models import make_tiny_tokenizer  # the project's byte-level tokenizer
+
+    shape = dict(shape)
+    rope_theta = shape.pop("rope_theta")
+    config = LlamaConfig(num_hidden_layers=layers, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+                         pad_token_id=2, rms_norm_eps=1e-5, **shape)
+    config.rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model_dir = root / "model"
+    model.save_pretrained(model_dir)
+    make_tiny_tokenizer(config.vocab_size).save_pretrained(model_dir)
+    peft_model = get_peft_model(
+        model, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, init_lora_weights=False)
+    )
+    adapter_dirs = []
+    with torch.no_grad():
+        for i in range(num_adapters):
+            for name, p in peft_model.named_parameters():
+                if "lora_" in name:
+                    p.normal_(0.0, 0.02)
+            out = root / f"adapter-{i:03d}"
+            peft_model.save_pretrained(out)
+            adapter_dirs.append(out)
+    del model, peft_model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return model_dir, adapter_dirs
+
+
+def _timed_generate(llm, prompts, adapters, max_tokens: int) -> float:
+    from loraplex import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, adapters=adapters)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    got = sum(len(o.outputs[0].token_ids) for o in outs)
+    if got != max_tokens * len(prompts):
+        raise RuntimeError(f"expected {max_tokens * len(prompts)} generated tokens, got {got}")
+    return elapsed
+
+
+def run_e2e(report: Report, on_gpu: bool, layers: int, max_tokens: int) -> None:
+    from loraplex import LLM
+
+    device = "cuda" if on_gpu else "cpu"
+    shape = LLAMA3_8B_LAYER if on_gpu else TINY_LAYER
+    if on_gpu:
+        configs = [(64, 0), (64, 16), (64, 128), (256, 0), (256, 16), (256, 64), (256, 128)]
+    else:
+        configs, layers, max_tokens = [(4, 0), (4, 2), (8, 0), (8, 4)], 2, 6
+    short = max(2, max_tokens // 4)
+    num_adapters = max(n for _, n in configs)
+    report.line(f"## End to end ({'Llama-3-8B layer shapes' if on_gpu else 'tiny shapes'}, {layers} layers, "
+                f"vocab {shape['vocab_size']}, bf16, prompt {PROMPT_LEN} tokens, greedy, ignore_eos)")
+    report.line()
+    with tempfile.TemporaryDirectory(prefix="loraplex-e2e-") as tmp:
+        root = Path(tmp)
+        t0 = time.perf_counter()
+        model_dir, adapter_dirs = _make_model_and_adapters(root, shape, layers, num_adapters, device)
+        report.line(f"model + {num_adapters} PEFT adapters written in {time.perf_counter() - t0:.0f} s")
+        t0 = time.perf_counter()
+        llm = LLM(
+            model=str(model_dir), dtype="bfloat16", device=device, home=root / "home",
+            max_loras=num_adapters, max_lora_rank=16, max_num_seqs=256,
+            max_num_batched_tokens=max(2048, 256 * PROMPT_LEN), max_model_len=PROMPT_LEN + max_tokens + 16,
+        )
+        names = [f"a{i:03d}" for i in range(num_adapters)]
+        for name, path in zip(names, adapter_dirs):
+            llm.add_adapter(name, str(path))
+        report.line(f"engine up and adapters registered in {time.perf_counter() - t0:.0f} s")
+        gen = torch.Generator().manual_seed(1234)
+        results, rows = {}, []
+        for batch, n_adapters in configs:
+            prompts = torch.randint(4, shape["vocab_size"], (batch, PROMPT_LEN), generator=gen).tolist()
+            adapters = [names[i % n_adapters] if n_adapters else None for i in range(batch)]
+            _timed_generate(llm, prompts, adapters, short)  # warm-up: compiles, loads adapters to slots
+            t_short = _timed_generate(llm, prompts, adapters, short)
+            t_long = _timed_generate(llm, prompts, adapters, max_tokens)
+            step = (t_long - t_short) / (max_tokens - short)
+            results[(batch, n_adapters)] = step
+            base = results.get((batch, 0))
+            overhead = f"{(step / base - 1) * 100:+.1f}%" if base and n_adapters else "-"
+            rows.append([batch, n_adapters, f"{batch * max_tokens / t_long:.0f}", f"{step * 1e3:.2f}",
+                         f"{batch / step:.0f}", overhead])
+            print(f"  e2e batch {batch} adapters {n_adapters}: decode step {step * 1e3:.2f} ms", flush=True)
+        report.table(["batch", "distinct adapters", "tokens/s (whole run)", "decode step ms",
+                      "decode tokens/s", "LoRA overhead vs base"], rows)
+    if on_gpu and (256, 64) in results and (256, 0) in results:
+        overhead = results[(256, 64)] / results[(256, 0)] - 1
+        ok = overhead <= OVERHEAD_TARGET
+        report.target(f"{'MET' if ok else 'MISSED'} LoRA step overhead at batch 256, 64 distinct rank-16 adapters: "
+                      f"{overhead * 100:+.1f}% (target <= {OVERHEAD_TARGET * 100:.0f}%)")
