@@ -298,3 +298,16 @@ class AdapterManager:
         stats["disk"] = self.disk_cache.stats()
         stats["blob_store"] = self.blobs.describe()
         return stats
+
+
+def build_adapter_manager(settings, registry: RegistryService, spec: LoRATargetSpec) -> AdapterManager:
+    """The manager an entry point uses: blob store from ``settings.resolved_blob_url()``, disk
+    cache under ``settings.home / "adapter-cache"`` within ``settings.max_disk_lora_bytes``.
+    ``settings`` is a ``loraplex.config.Settings`` built by the caller."""
+    from loraplex.storage.base import open_blob_store
+
+    blobs = open_blob_store(settings.resolved_blob_url())
+    disk_cache = AdapterManager.make_disk_cache(Path(settings.home) / "adapter-cache", settings.max_disk_lora_bytes)
+    return AdapterManager(
+        registry, blobs, disk_cache, spec, settings.max_lora_rank, max_member_bytes=settings.max_upload_member_bytes
+    )

@@ -1,0 +1,216 @@
+"""``loraplex tenants ...`` and ``loraplex adapters ...``: manage the registry without a server.
+
+They work on whatever ``Settings`` name (``LORAPLEX_HOME``, ``LORAPLEX_DATABASE_URL``,
+``LORAPLEX_BLOB_URL``): by default the embedded SQLite database and blob directory under
+``LORAPLEX_HOME``, migrated on first use. A running server on the same database sees the changes
+(hot-swaps within ``registry_poll_seconds``).
+
+Uploads are validated against the served base model (``LORAPLEX_MODEL``): its ``config.json`` is
+read from the model directory, from the converted copy under ``LORAPLEX_HOME/models`` or straight
+from the GGUF metadata; ``--base-config path/to/config.json`` overrides that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from loraplex.config import DEFAULT_MODEL, Settings
+from loraplex.lora.spec import LoRATargetSpec
+from loraplex.registry.errors import RegistryError
+from loraplex.sampling_params import InvalidRequestError
+from loraplex.storage.base import BlobStoreError
+
+
+def add_parser(subparsers) -> None:
+    tenants = subparsers.add_parser("tenants", help="create and list tenants, make API keys")
+    tsub = tenants.add_subparsers(dest="tenants_command", required=True)
+    p = tsub.add_parser("create", help="create a tenant")
+    p.add_argument("name")
+    p.set_defaults(func=_tenants_create)
+    p = tsub.add_parser("list", help="list tenants")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_tenants_list)
+    p = tsub.add_parser("create-key", help="create an API key for a tenant (the secret is printed once)")
+    p.add_argument("name")
+    p.set_defaults(func=_tenants_create_key)
+
+    adapters = subparsers.add_parser("adapters", help="upload, list, activate and delete LoRA adapters")
+    asub = adapters.add_subparsers(dest="adapters_command", required=True)
+    p = asub.add_parser("upload", help="upload a PEFT adapter directory as a new version")
+    _tenant_name(p)
+    p.add_argument("path", help="PEFT directory (adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("--base-config", help="config.json of the base model to validate against")
+    p.add_argument("--uploader", default="cli", help="recorded as the uploader (default: cli)")
+    p.add_argument("--activate", action="store_true", help="make the new version active at once")
+    p.set_defaults(func=_adapters_upload)
+    p = asub.add_parser("list", help="list a tenant's adapters and versions")
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_adapters_list)
+    p = asub.add_parser("activate", help="point an adapter name at a version (hot-swap)")
+    _tenant_name(p)
+    p.add_argument("--version", required=True, type=int)
+    p.set_defaults(func=_adapters_activate)
+    p = asub.add_parser("delete", help="delete an adapter, or one version of it")
+    _tenant_name(p)
+    p.add_argument("--version", type=int, help="only this version (not the active one)")
+    p.set_defaults(func=_adapters_delete)
+
+
+def _tenant_name(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tenant", required=True)
+    parser.add_argument("--name", required=True, help="adapter name")
+
+
+# -- plumbing -----------------------------------------------------------------------------------
+
+
+def _registry(settings: Settings):
+    from loraplex.registry.db import upgrade
+    from loraplex.registry.service import RegistryService
+
+    url = settings.resolved_database_url()
+    upgrade(url)
+    return RegistryService.from_url(url)
+
+
+def _manager(settings: Settings, spec: LoRATargetSpec | None = None):
+    from loraplex.registry.adapter_manager import build_adapter_manager
+
+    # Deletes need no base model; a placeholder spec keeps them from loading one.
+    spec = spec or LoRATargetSpec(model_name=str(settings.model), num_layers=0, module_shapes={})
+    return build_adapter_manager(settings, _registry(settings), spec)
+
+
+def base_model_spec(settings: Settings, base_config: str | None = None) -> LoRATargetSpec:
+    """The served base model's LoRA target shapes, from its config only (no weights loaded).
+    Named as the engine names it (``resolve_model_dir``'s display name)."""
+    from loraplex.model.config import ModelSpec
+
+    model = str(settings.model)
+    path = Path(model).expanduser()
+    if model == DEFAULT_MODEL:
+        name, converted, gguf = DEFAULT_MODEL, Path(settings.home) / "models" / DEFAULT_MODEL, None
+    elif model.endswith(".gguf"):
+        name, converted, gguf = path.stem, Path(settings.home) / "models" / path.stem, path
+    else:
+        name, converted, gguf = path.name, path, None
+    if base_config:
+        config = json.loads(Path(base_config).read_text())
+        return ModelSpec.from_dict(config, name=name).lora_target_spec()
+    if (converted / "config.json").is_file():
+        return ModelSpec.from_dir(converted, name=name).lora_target_spec()
+    if model == DEFAULT_MODEL or gguf is not None:
+        from transformers import AutoConfig
+
+        if gguf is None:
+            from loraplex.model.gguf import smollm2_gguf_path
+
+            gguf = smollm2_gguf_path()
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).to_dict()
+        return ModelSpec.from_dict(config, name=name).lora_target_spec()
+    raise FileNotFoundError(
+        f"base model {model!r} has no config.json; pass --base-config or set LORAPLEX_MODEL"
+    )
+
+
+def _run(func):
+    """Turn the expected failures into one ``error: ...`` line and exit status 1."""
+
+    def wrapper(args) -> int:
+        try:
+            return func(args, Settings()) or 0
+        except (RegistryError, InvalidRequestError, BlobStoreError, FileNotFoundError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+
+    return wrapper
+
+
+def _print_json(data) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+# -- tenants ------------------------------------------------------------------------------------
+
+
+@_run
+def _tenants_create(args, settings: Settings) -> int:
+    tenant = _registry(settings).create_tenant(args.name, actor="cli")
+    print(f"created tenant {tenant.name}")
+    return 0
+
+
+@_run
+def _tenants_list(args, settings: Settings) -> int:
+    tenants = _registry(settings).list_tenants()
+    if args.json:
+        _print_json([t.to_dict() for t in tenants])
+    else:
+        for t in tenants:
+            print(f"{t.name}\t{t.created_at:%Y-%m-%d %H:%M:%S}")
+    return 0
+
+
+@_run
+def _tenants_create_key(args, settings: Settings) -> int:
+    info, secret = _registry(settings).create_api_key(args.name, actor="cli")
+    print(f"API key {info.id} for tenant {info.tenant} (shown once, keep it):")
+    print(secret)
+    return 0
+
+
+# -- adapters -----------------------------------------------------------------------------------
+
+
+@_run
+def _adapters_upload(args, settings: Settings) -> int:
+    spec = base_model_spec(settings, args.base_config)
+    manager = _manager(settings, spec)
+    version, created = manager.upload(args.tenant, args.name, args.path, uploader=args.uploader)
+    if args.activate:
+        version = manager.registry.activate(args.tenant, args.name, version.version, actor=args.uploader)
+    verb = "uploaded" if created else "identical to existing"
+    print(
+        f"{verb} {args.tenant}/{version.ref} sha256={version.sha256} rank={version.rank} "
+        f"targets={','.join(version.targets)} bytes={version.size_bytes}"
+    )
+    return 0
+
+
+@_run
+def _adapters_list(args, settings: Settings) -> int:
+    adapters = _registry(settings).list_adapters(args.tenant)
+    if args.json:
+        _print_json([a.to_dict() for a in adapters])
+        return 0
+    for adapter in adapters:
+        print(f"{adapter.name}\tactive={adapter.active_version}")
+        for v in adapter.versions:
+            mark = "*" if v.version == adapter.active_version else " "
+            print(
+                f"  {mark} v{v.version}\tsha256={v.sha256[:16]}\trank={v.rank}\t"
+                f"targets={','.join(v.targets)}\tbytes={v.size_bytes}\t{v.created_at:%Y-%m-%d %H:%M:%S}\t{v.uploader}"
+            )
+    return 0
+
+
+@_run
+def _adapters_activate(args, settings: Settings) -> int:
+    version = _registry(settings).activate(args.tenant, args.name, args.version, actor="cli")
+    print(f"{args.tenant}/{args.name} now serves version {version.version} (sha256={version.sha256})")
+    return 0
+
+
+@_run
+def _adapters_delete(args, settings: Settings) -> int:
+    manager = _manager(settings)
+    if args.version is None:
+        removed = manager.delete_adapter(args.tenant, args.name, actor="cli")
+    else:
+        removed = manager.delete_version(args.tenant, args.name, args.version, actor="cli")
+    print(f"deleted {args.tenant}/{args.name} versions {', '.join(str(v.version) for v in removed) or '(none)'}")
+    return 0
