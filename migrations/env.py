@@ -11,6 +11,7 @@ from __future__ import annotations
 from logging.config import fileConfig
 
 from alembic import context
+from sqlalchemy import text
 
 from loraplex.registry.db import make_engine
 from loraplex.registry.models import Base
@@ -38,6 +39,20 @@ def _configure_kwargs(dialect_name: str) -> dict:
     }
 
 
+# Several replicas may start at once against one PostgreSQL database: each takes this
+# transaction-scoped advisory lock before alembic reads the current revision, so the second one
+# waits, then finds the schema already at head.
+MIGRATION_LOCK_ID = 0x6C6F7261706C6578  # "loraplex"
+
+
+def _run_locked(connection) -> None:
+    context.configure(connection=connection, **_configure_kwargs(connection.dialect.name))
+    with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            connection.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": MIGRATION_LOCK_ID})
+        context.run_migrations()
+
+
 def run_migrations_offline() -> None:
     url = _url()
     context.configure(url=url, literal_binds=True, **_configure_kwargs(url.split(":", 1)[0].split("+")[0]))
@@ -48,16 +63,12 @@ def run_migrations_offline() -> None:
 def run_migrations_online() -> None:
     connection = config.attributes.get("connection")
     if connection is not None:
-        context.configure(connection=connection, **_configure_kwargs(connection.dialect.name))
-        with context.begin_transaction():
-            context.run_migrations()
+        _run_locked(connection)
         return
     engine = make_engine(_url())
     try:
         with engine.connect() as connection:
-            context.configure(connection=connection, **_configure_kwargs(connection.dialect.name))
-            with context.begin_transaction():
-                context.run_migrations()
+            _run_locked(connection)
     finally:
         engine.dispose()
 

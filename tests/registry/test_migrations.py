@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
@@ -95,3 +96,22 @@ def test_alembic_command_line_uses_migrations_ini(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert db.current_revision(url) == ScriptDirectory.from_config(db.alembic_config(url)).get_current_head()
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_replicas_upgrading_at_once_do_not_collide(pg_url):
+    """Replica processes migrating one PostgreSQL database together (advisory lock in env.py)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "import sys; from loraplex.registry.db import upgrade; upgrade(sys.argv[1])"
+    repo_root = Path(__file__).resolve().parents[2]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, pg_url], cwd=repo_root, stderr=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], errors
+    assert _diff(pg_url) == []
