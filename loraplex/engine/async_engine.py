@@ -145,6 +145,7 @@ class AsyncLLMEngine:
         read, ends with a ``finish_reason == "abort"`` delta."""
         def command() -> None:
             out = self.engine.abort(request_id)
+            self._refresh_stats()
             stream = self._streams.pop(request_id, None)
             if stream is not None and out is not None:
                 stream.put(out)
@@ -203,14 +204,15 @@ class AsyncLLMEngine:
                     self._wakeup.wait()
                     self._wakeup.clear()
                     continue
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                self._refresh_stats()  # before delivery: a caller that saw its last delta sees the freed blocks
+                for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if out.finished:
                         self._streams.pop(out.request_id, None)
                     if stream is not None and not stream.put(out):
                         self.engine.abort(out.request_id)
                         self._streams.pop(out.request_id, None)
-                self._refresh_stats()
         except BaseException as exc:  # a failed step: every open request learns why
             logger.exception("engine loop failed")
             self._dead = exc

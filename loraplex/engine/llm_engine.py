@@ -76,7 +76,9 @@ class LLMEngine:
             eos_token_ids=runner.eos_token_ids,
             max_model_len=self.max_model_len,
         )
-        self.vocab_size = getattr(runner, "vocab_size", None) or len(self.tokenizer)
+        spec = getattr(runner, "spec", None)
+        # prompt ids must index the model's embedding table
+        self.vocab_size = getattr(runner, "vocab_size", None) or getattr(spec, "vocab_size", None) or len(self.tokenizer)
         self._requests: dict[str, RequestState] = {}
         self._seq_to_request: dict[int, RequestState] = {}
         self._seq_ids = itertools.count()
