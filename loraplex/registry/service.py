@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import text
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.registry import repository as repo
@@ -70,7 +70,7 @@ class RegistryService(AdminKeyMixin):
             with self._transaction() as session:
                 session.execute(text("SELECT 1"))
             return True
-        except OperationalError:
+        except SQLAlchemyError:
             return False
 
     # ---- tenants ---------------------------------------------------------------------------
