@@ -93,5 +93,6 @@ export class ThroughputChart {
     root.appendChild(svg("path", { d: pathFor(tpsPoints, x, yTps), class: "line tps" }));
     root.appendChild(svg("path", { d: pathFor(ttftPoints, x, yTtft), class: "line ttft" }));
     root.dataset.samples = String(this.samples.length);
+    root.dataset.peakTps = String(Math.max(0, ...this.samples.map((s) => s.tps ?? 0)));
   }
 }

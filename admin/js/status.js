@@ -25,25 +25,23 @@ function pick(obj, ...paths) {
 }
 
 /**
- * Read the fields the panel shows out of one status body. The server nests the engine's stats
- * under "engine" (adapter tiers under "engine.lora") and cumulative request counters under
- * "totals"; flat names are read too.
+ * Read the fields the panel shows out of one status body: the server's summary fields at the
+ * top level (cumulative counters, from which the panel derives rates), with the engine's own
+ * stats under "engine" as a fallback.
  */
 export function readStatus(body) {
-  const kv = pick(body, "engine.kv_cache_usage", "engine.kv_usage", "kv_cache_usage", "kv_cache_usage_perc");
-  const tiers = pick(body, "engine.lora.adapters_per_tier", "engine.adapters_per_tier", "adapters_per_tier") || {};
+  const kv = pick(body, "kv_cache_usage", "engine.kv_cache_usage");
+  const tiers = pick(body, "adapters_per_tier", "engine.lora.tiers") || {};
   return {
-    running: pick(body, "engine.num_running", "engine.running", "num_requests_running", "running"),
-    waiting: pick(body, "engine.num_waiting", "engine.waiting", "num_requests_waiting", "waiting"),
+    running: pick(body, "num_requests_running", "engine.num_requests_running"),
+    waiting: pick(body, "num_requests_waiting", "engine.num_requests_waiting"),
     kvUsage: kv === undefined ? undefined : Number(kv),
     tiers: typeof tiers === "object" && !Array.isArray(tiers) ? tiers : {},
-    loads: pick(body, "engine.lora.loads", "engine.lora.num_loads", "engine.loads", "loads"),
-    evictions: pick(body, "engine.lora.evictions", "engine.lora.num_evictions", "engine.evictions", "evictions"),
-    tokensPerSecond: pick(body, "tokens_per_second"),
-    generationTokens: pick(body, "totals.generation_tokens", "generation_tokens_total"),
-    ttftSeconds: pick(body, "ttft_seconds"),
-    ttftSum: pick(body, "totals.ttft_sum_seconds", "ttft_sum_seconds"),
-    ttftCount: pick(body, "totals.ttft_count", "ttft_count"),
+    loads: pick(body, "loads"),
+    evictions: pick(body, "evictions"),
+    generationTokens: pick(body, "generation_tokens_total", "engine.generation_tokens_total"),
+    ttftSum: pick(body, "ttft_sum_seconds"),
+    ttftCount: pick(body, "ttft_count"),
   };
 }
 
@@ -56,6 +54,7 @@ export class StatusPanel {
     this.previous = null; // last reading, for rates computed from cumulative counters
     this.chart = new ThroughputChart($("#status-chart", root), 300);
     this.updates = 0;
+    this.lastTtftMs = null;
   }
 
   start() {
@@ -89,7 +88,9 @@ export class StatusPanel {
     set("waiting", formatNumber(s.waiting));
     set("kv", s.kvUsage === undefined ? "–" : `${formatNumber(kvPercent(s.kvUsage), 1)} %`);
     set("tps", rates.tps === null ? "–" : formatNumber(rates.tps, 1));
-    set("ttft", rates.ttftMs === null ? "–" : `${formatNumber(rates.ttftMs, 0)} ms`);
+    // the card keeps the last measured TTFT; the chart shows gaps where none was measured
+    if (rates.ttftMs !== null) this.lastTtftMs = rates.ttftMs;
+    set("ttft", this.lastTtftMs === null ? "–" : `${formatNumber(this.lastTtftMs, 0)} ms`);
     set("loads", formatNumber(s.loads));
     set("evictions", formatNumber(s.evictions));
     const bar = $("#kv-bar", this.root);
@@ -98,7 +99,7 @@ export class StatusPanel {
     const tierRow = $("#tier-counts", this.root);
     fill(
       tierRow,
-      TIERS.map((tier) =>
+      TIERS.filter((tier) => tier in s.tiers).map((tier) =>
         h("div", { class: `tier-count tier-${tier}`, dataset: { tier } }, h("span", { class: "tier-name" }, tier), h("strong", {}, formatNumber(tierCount(s.tiers[tier]))))
       )
     );
@@ -107,17 +108,17 @@ export class StatusPanel {
     this.chart.add({ t: now, tps: rates.tps, ttftMs: rates.ttftMs });
   }
 
-  // tokens/s and TTFT: the server's own figures when it gives them, else derived from the change
-  // in cumulative counters since the previous poll.
+  // tokens/s and mean TTFT since the previous poll, from the change in cumulative counters.
+  // No new first token in the interval leaves a gap in the TTFT line rather than a zero.
   rates(s, now) {
     const prev = this.previous;
-    let tps = s.tokensPerSecond === undefined ? null : Number(s.tokensPerSecond);
-    if (tps === null && prev && s.generationTokens !== undefined && prev.generationTokens !== undefined) {
+    let tps = null;
+    if (prev && s.generationTokens !== undefined && prev.generationTokens !== undefined) {
       const dt = (now - prev.t) / 1000;
       tps = dt > 0 ? Math.max(0, (s.generationTokens - prev.generationTokens) / dt) : null;
     }
-    let ttftMs = s.ttftSeconds === undefined ? null : Number(s.ttftSeconds) * 1000;
-    if (ttftMs === null && prev && s.ttftCount !== undefined && prev.ttftCount !== undefined) {
+    let ttftMs = null;
+    if (prev && s.ttftCount !== undefined && prev.ttftCount !== undefined) {
       const dn = s.ttftCount - prev.ttftCount;
       ttftMs = dn > 0 ? ((s.ttftSum - prev.ttftSum) / dn) * 1000 : null;
     }
