@@ -69,6 +69,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     if is_converted(gguf_path, out_dir):
         return out_dir
     import torch
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.info("converting %s to safetensors under %s (once)", gguf_path, out_dir)
@@ -78,14 +79,21 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     source_dir, file_name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(source_dir, gguf_file=file_name)
     model = AutoModelForCausalLM.from_pretrained(source_dir, gguf_file=file_name, dtype=torch.float32)
-    model.save_pretrained(tmp_dir)
+    tmp_dir.mkdir()
+    # transformers refuses save_pretrained on a GGUF-loaded model, so write the parts ourselves.
+    # The weights are plain fp32 now: drop the GGUF quantization entry from the config so nothing
+    # (transformers included) treats the directory as quantized.
+    state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # same storage as the embedding
+    save_file(state, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
+    model.generation_config.save_pretrained(tmp_dir)
     tokenizer.save_pretrained(tmp_dir)
-    # the saved weights are plain fp32 now: drop the GGUF quantization entry so nothing
-    # (transformers included) tries to treat the directory as quantized
-    config_path = tmp_dir / "config.json"
-    config = json.loads(config_path.read_text())
+    config = model.config.to_dict()
     config.pop("quantization_config", None)
-    config_path.write_text(json.dumps(config, indent=2))
+    config.pop("_name_or_path", None)
+    config["architectures"] = config.get("architectures") or [type(model).__name__]
+    (tmp_dir / "config.json").write_text(json.dumps(config, indent=2))
     (tmp_dir / SOURCE_MARKER).write_text(json.dumps(_source_record(gguf_path)))
     del model
     if out_dir.exists():  # a stale or concurrent conversion: replace it
