@@ -5,9 +5,8 @@ They work on whatever ``Settings`` name (``LORAPLEX_HOME``, ``LORAPLEX_DATABASE_
 ``LORAPLEX_HOME``, migrated on first use. A running server on the same database sees the changes
 (hot-swaps within ``registry_poll_seconds``).
 
-Uploads are validated against the served base model (``LORAPLEX_MODEL``): its ``config.json`` is
-read from the model directory, from the converted copy under ``LORAPLEX_HOME/models`` or straight
-from the GGUF metadata; ``--base-config path/to/config.json`` overrides that.
+Uploads are validated against the served base model (``LORAPLEX_MODEL``); see
+``loraplex.registry.base_model``; ``--base-config path/to/config.json`` overrides it.
 """
 
 from __future__ import annotations
@@ -15,10 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from loraplex.config import DEFAULT_MODEL, Settings
+from loraplex.config import Settings
 from loraplex.lora.spec import LoRATargetSpec
+from loraplex.registry.base_model import base_model_spec
 from loraplex.registry.errors import RegistryError
 from loraplex.sampling_params import InvalidRequestError
 from loraplex.storage.base import BlobStoreError
@@ -83,38 +82,6 @@ def _manager(settings: Settings, spec: LoRATargetSpec | None = None):
     # Deletes need no base model; a placeholder spec keeps them from loading one.
     spec = spec or LoRATargetSpec(model_name=str(settings.model), num_layers=0, module_shapes={})
     return build_adapter_manager(settings, _registry(settings), spec)
-
-
-def base_model_spec(settings: Settings, base_config: str | None = None) -> LoRATargetSpec:
-    """The served base model's LoRA target shapes, from its config only (no weights loaded).
-    Named as the engine names it (``resolve_model_dir``'s display name)."""
-    from loraplex.model.config import ModelSpec
-
-    model = str(settings.model)
-    path = Path(model).expanduser()
-    if model == DEFAULT_MODEL:
-        name, converted, gguf = DEFAULT_MODEL, Path(settings.home) / "models" / DEFAULT_MODEL, None
-    elif model.endswith(".gguf"):
-        name, converted, gguf = path.stem, Path(settings.home) / "models" / path.stem, path
-    else:
-        name, converted, gguf = path.name, path, None
-    if base_config:
-        config = json.loads(Path(base_config).read_text())
-        return ModelSpec.from_dict(config, name=name).lora_target_spec()
-    if (converted / "config.json").is_file():
-        return ModelSpec.from_dir(converted, name=name).lora_target_spec()
-    if model == DEFAULT_MODEL or gguf is not None:
-        from transformers import AutoConfig
-
-        if gguf is None:
-            from loraplex.model.gguf import smollm2_gguf_path
-
-            gguf = smollm2_gguf_path()
-        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).to_dict()
-        return ModelSpec.from_dict(config, name=name).lora_target_spec()
-    raise FileNotFoundError(
-        f"base model {model!r} has no config.json; pass --base-config or set LORAPLEX_MODEL"
-    )
 
 
 def _run(func):
