@@ -75,6 +75,7 @@ class Settings(BaseSettings):
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
     max_loras: int = 8
     max_lora_rank: int = 64

@@ -95,6 +95,9 @@ def create_app(
             ctx.served_model_name = ctx.engine.model_name
             ctx.metrics.model_name = ctx.served_model_name
         ctx.metrics.stats_source = ctx.engine_stats
+        disk_cache = getattr(ctx.adapters, "disk_cache", None)
+        if disk_cache is not None:
+            ctx.metrics.disk_entries = lambda: disk_cache.stats()["entries"]
         lifecycle.started = True
         log.info("ready: serving %s", ctx.served_model_name)
         try:

@@ -118,8 +118,8 @@ async def _stream_events(run: RequestRun, shaper: ResponseShaper):
         offsets = [0] * n_choices
         try:
             async for p_idx, choice, comp in run.deltas():
-                if not comp.text and not comp.token_ids and comp.finish_reason is None:
-                    continue
+                if not comp.text and comp.finish_reason is None and not (req.logprobs and comp.logprobs):
+                    continue  # text held back (a partial character or a possible stop string)
                 logprobs = None
                 if req.logprobs and comp.logprobs:
                     if req.kind == "chat":

@@ -1,0 +1,111 @@
+"""``loraplex serve``: the HTTP server on embedded defaults, or on what flags and ``LORAPLEX_*``
+settings say.
+
+Every ``Settings`` field is a flag (``--max-loras 16`` for ``LORAPLEX_MAX_LORAS``); a flag wins over
+the environment. The admin key is read from ``LORAPLEX_ADMIN_KEY`` only (a flag would show it in
+the process list); without it one is generated at the first start, stored hashed and printed once.
+On the embedded default database a ``demo`` tenant and its key are created (and printed) at the
+first start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import types
+import typing
+from pathlib import Path
+
+from loraplex.config import Settings
+
+# Settings fields that are not flags: secrets go through the environment only.
+NOT_FLAGS = {"admin_key"}
+
+
+def _flag_type(annotation):
+    """(argparse type, is_bool) for a Settings field annotation such as ``int | None``."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        annotation = args[0] if args else str
+    if annotation is bool:
+        return None, True
+    if annotation in (int, float, str):
+        return annotation, False
+    if annotation is Path:
+        return Path, False
+    return str, False
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="run the OpenAI-compatible multi-LoRA server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for name, field in Settings.model_fields.items():
+        if name in NOT_FLAGS:
+            continue
+        flag = "--" + name.replace("_", "-")
+        kind, is_bool = _flag_type(field.annotation)
+        env = f"LORAPLEX_{name.upper()}"
+        if is_bool:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=f"(env {env})")
+        else:
+            p.add_argument(flag, dest=name, type=kind, default=None, help=f"(env {env})")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run_serve)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    overrides = {
+        name: getattr(args, name)
+        for name in Settings.model_fields
+        if name not in NOT_FLAGS and getattr(args, name, None) is not None
+    }
+    return Settings(**overrides)
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    access = logging.getLogger("loraplex.access")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))  # the message is one JSON object
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)  # request lines are kept whatever --log-level says
+    access.propagate = False
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from loraplex.server.app import create_app
+    from loraplex.server.components import prepare_registry
+    from loraplex.server.lifecycle import DrainingServer
+
+    _configure_logging(args.log_level)
+    settings = settings_from_args(args)
+    embedded = settings.database_url is None
+    setup = prepare_registry(settings, create_demo=embedded)
+    base = f"http://{settings.host}:{settings.port}"
+    if setup.admin_secret:
+        print(f"loraplex: admin key (shown once, stored hashed): {setup.admin_secret}", flush=True)
+    for note in setup.notes:
+        print(f"loraplex: {note}", flush=True)
+    if setup.demo_key:
+        print(f"loraplex: tenant 'demo' API key (shown once): {setup.demo_key}", flush=True)
+        print(f"loraplex: OpenAI base URL for it: {base}/t/demo/v1", flush=True)
+    app = create_app(settings, registry=setup.registry)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
+        access_log=False,  # one JSON line per request comes from loraplex.access instead
+        lifespan="on",
+        timeout_graceful_shutdown=1,
+    )
+    server = DrainingServer(config, app.state.ctx.lifecycle, settings.shutdown_grace_seconds)
+    server.run()
+    return 0

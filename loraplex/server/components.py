@@ -1,0 +1,69 @@
+"""Building the server's parts from Settings: registry (migrated), engine, adapter manager.
+
+``prepare_registry`` is quick (migrations, admin key, demo tenant) and runs before the server
+listens, so its one-time secrets are printed first; ``build_components`` loads the model and runs
+at app startup, off the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from loraplex.config import Settings
+
+log = logging.getLogger("loraplex.server")
+DEMO_TENANT = "demo"
+
+
+@dataclass
+class Components:
+    engine: object
+    registry: object
+    adapters: object
+
+
+@dataclass
+class RegistrySetup:
+    registry: object
+    admin_secret: str | None = None  # generated now: print it once
+    demo_key: str | None = None  # demo tenant created now: print it once
+    notes: list[str] = field(default_factory=list)
+
+
+def prepare_registry(settings: Settings, *, create_demo: bool) -> RegistrySetup:
+    """Migrate the database and open the registry. Without ``settings.admin_key`` an admin key is
+    generated and stored hashed (once per database). With ``create_demo`` a ``demo`` tenant and a
+    key are made when the tenant does not exist yet."""
+    from loraplex.registry import db
+    from loraplex.registry.service import RegistryService
+
+    settings.home.mkdir(parents=True, exist_ok=True)
+    url = settings.resolved_database_url()
+    db.upgrade(url)
+    registry = RegistryService.from_url(url)
+    setup = RegistrySetup(registry)
+    if not settings.admin_key:
+        setup.admin_secret = registry.get_or_create_admin_key()
+        if setup.admin_secret is None:
+            setup.notes.append("admin key: the one generated at first start (set LORAPLEX_ADMIN_KEY to use your own)")
+    if create_demo and registry.get_tenant(DEMO_TENANT) is None:
+        registry.create_tenant(DEMO_TENANT, actor="system")
+        _, setup.demo_key = registry.create_api_key(DEMO_TENANT, actor="system")
+    return setup
+
+
+def build_components(settings: Settings, *, engine=None, registry=None, adapters=None) -> Components:
+    """The parts not given: the registry, the engine (loads the model), the adapter manager."""
+    if registry is None:
+        registry = prepare_registry(settings, create_demo=False).registry
+    if engine is None:
+        from loraplex.engine.async_engine import AsyncLLMEngine
+
+        engine = AsyncLLMEngine(settings.engine_config())
+    if adapters is None:
+        from loraplex.registry.adapter_manager import build_adapter_manager
+
+        spec = engine.engine.runner.lora_target_spec()
+        adapters = build_adapter_manager(settings, registry, spec)
+    return Components(engine=engine, registry=registry, adapters=adapters)
