@@ -122,6 +122,9 @@ export class AdaptersView {
         h("td", {}, v.rank ?? "–"),
         h("td", { class: "targets" }, targetsText(v.targets)),
         h("td", {}, formatBytes(v.size_bytes ?? v.bytes)),
+        h("td", { class: "col-tier" }, v.tier ? tierBadge(v.tier, v.pinned) : "–"),
+        h("td", { class: "num" }, formatNumber(v.requests)),
+        h("td", { class: "num" }, formatNumber(v.tokens)),
         h("td", {}, formatTime(v.created_at ?? v.created)),
         h("td", {}, v.uploader ?? "–"),
         h(
@@ -152,7 +155,9 @@ export class AdaptersView {
       h(
         "thead",
         {},
-        h("tr", {}, ["Version", "sha256", "Rank", "Targets", "Size", "Uploaded", "By", ""].map((t) => h("th", {}, t)))
+        h("tr", {}, ["Version", "sha256", "Rank", "Targets", "Size", "Tier", "Requests", "Tokens", "Uploaded", "By", ""].map((t) =>
+          h("th", { class: t === "Requests" || t === "Tokens" ? "num" : null }, t)
+        ))
       ),
       h("tbody", {}, versionRows)
     );

@@ -92,6 +92,12 @@ export class ThroughputChart {
     const ttftPoints = this.samples.map((s) => ({ t: s.t, value: s.ttftMs }));
     root.appendChild(svg("path", { d: pathFor(tpsPoints, x, yTps), class: "line tps" }));
     root.appendChild(svg("path", { d: pathFor(ttftPoints, x, yTtft), class: "line ttft" }));
+    // TTFT is measured only in intervals where a request started: mark each measurement, so a
+    // lone one (no neighbour to draw a line to) still shows
+    for (const p of ttftPoints) {
+      if (p.value === null || p.value === undefined) continue;
+      root.appendChild(svg("circle", { cx: x(p.t).toFixed(1), cy: yTtft(p.value).toFixed(1), r: 3, class: "dot ttft" }));
+    }
     root.dataset.samples = String(this.samples.length);
     root.dataset.peakTps = String(Math.max(0, ...this.samples.map((s) => s.tps ?? 0)));
   }

@@ -200,7 +200,7 @@ def _archive(adapter_dir: Path) -> bytes:
     return buf.getvalue()
 
 
-def test_archive_dropped_on_the_drop_zone_is_uploaded(ui, ui_server, ui_adapters):
+def test_archive_dropped_on_the_drop_zone_is_uploaded_then_deleted(ui, ui_server, ui_adapters):
     page = ui.page
     tenant, adapter = "dropper", "dropped"
     sign_in(page)
@@ -229,6 +229,14 @@ def test_archive_dropped_on_the_drop_zone_is_uploaded(ui, ui_server, ui_adapters
         listed = admin.get(f"/admin/v1/tenants/{tenant}/adapters/{adapter}").json()
     assert listed["active_version"] == 1
     assert listed["versions"][0]["rank"] == peft_config(ui_adapters["v1"])["r"]
+
+    # and deleted again, after the confirmation
+    page.locator(f"tr.adapter-row[data-adapter='{adapter}'] button").first.click()
+    page.locator(f"tr.adapter-detail[data-adapter='{adapter}'] button:has-text('Delete adapter')").click()
+    page.click("#confirm-ok")
+    page.wait_for_selector(f"tr.adapter-row[data-adapter='{adapter}']", state="detached")
+    with ui_server.admin() as admin:
+        assert admin.get(f"/admin/v1/tenants/{tenant}/adapters/{adapter}").status_code == 404
     assert ui.console_errors == []
 
 
@@ -262,6 +270,28 @@ def test_load_pin_unload_move_the_adapter_between_tiers(ui, ui_server, ui_adapte
     page.locator(f"tr.adapter-detail[data-adapter='{adapter}'] button:has-text('Load to host')").click()
     page.wait_for_selector(f"tr.adapter-row[data-adapter='{adapter}'] .col-tier:has-text('host')")
     assert server_tier() == "host"
+
+    # a request through the tenant API: the table's requests and tokens are the server's counters
+    with ui_server.admin() as admin:
+        secret = admin.post(f"/admin/v1/tenants/{tenant}/keys", json={}).json()["key"]
+    reply = httpx.post(
+        f"{ui_server.url}/t/{tenant}/v1/completions",
+        headers={"Authorization": f"Bearer {secret}"},
+        json={"model": adapter, "prompt": "hi there", "max_tokens": 8, "ignore_eos": True},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+    usage = reply.json()["usage"]
+    with ui_server.admin() as admin:
+        listed = admin.get(f"/admin/v1/tenants/{tenant}/adapters/{adapter}").json()
+    assert listed["requests"] == 1 and listed["tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    page.click("#nav-adapters")  # the view reloads its table when shown
+    page.wait_for_selector(f"tr.adapter-row[data-adapter='{adapter}'] .col-requests:text-is('1')")
+    assert page.inner_text(f"tr.adapter-row[data-adapter='{adapter}'] .col-tokens") == str(listed["tokens"])
+    assert page.inner_text(f"tr.adapter-detail[data-adapter='{adapter}'] tr.version-row[data-version='1'] .col-tier").startswith(
+        listed["versions"][0]["tier"]
+    )
+    screenshot(page, "adapters-in-use")
     assert ui.console_errors == []
 
 
