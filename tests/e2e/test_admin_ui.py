@@ -330,3 +330,27 @@ def test_status_panel_follows_the_engine(ui, ui_server, ui_adapters):
     assert float(page.inner_text("[data-stat=running]")) == status["num_requests_running"]
     screenshot(page, "overview")
     assert ui.console_errors == []
+
+
+def test_progress_bar_follows_a_slow_upload(ui, ui_server, ui_adapters):
+    page = ui.page
+    tenant, adapter = "slow", "throttled"
+    sign_in(page)
+    create_tenant(page, tenant)
+    # Chromium's own network throttling: the ~30 KB upload takes a second or two
+    cdp = page.context.new_cdp_session(page)
+    cdp.send("Network.enable")
+    cdp.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0, "downloadThroughput": -1, "uploadThroughput": 16_000})
+    page.click("#nav-adapters")
+    page.fill("#upload-name", adapter)
+    page.set_input_files("#upload-files", adapter_files(ui_adapters["v2"]))
+    page.click("#upload-submit")
+    page.wait_for_function("() => { const v = document.querySelector('#upload-progress').value; return v > 0 && v < 100; }")
+    assert page.is_visible("#upload-progress")
+    assert " of " in page.inner_text("#upload-progress-label")
+    page.wait_for_function("() => document.querySelector('#upload-card').dataset.uploadState === 'done'")
+    assert page.get_attribute("#upload-progress", "value") == "100"
+    with ui_server.admin() as admin:
+        listed = admin.get(f"/admin/v1/tenants/{tenant}/adapters/{adapter}").json()
+    assert listed["versions"][0]["rank"] == peft_config(ui_adapters["v2"])["r"]
+    assert ui.console_errors == []
