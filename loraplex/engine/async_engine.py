@@ -205,6 +205,9 @@ class AsyncLLMEngine:
                     self._wakeup.clear()
                     continue
                 outputs = self.engine.step()
+                if self.engine.last_step_was_empty:  # nothing runnable yet: do not spin hot
+                    self._wakeup.wait(0.005)
+                    self._wakeup.clear()
                 self._refresh_stats()  # before delivery: a caller that saw its last delta sees the freed blocks
                 for out in outputs:
                     stream = self._streams.get(out.request_id)

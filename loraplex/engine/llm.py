@@ -10,6 +10,10 @@ from loraplex.engine.outputs import RequestOutput
 from loraplex.sampling_params import InvalidRequestError, SamplingParams
 
 
+# offline, nothing changes between empty steps except the starvation counter: give up after this
+_MAX_IDLE_STEPS = 1000
+
+
 def _normalize_prompts(prompts) -> list[str | list[int]]:
     """str | list[str] | list[int] | list[list[int]] -> a list of single prompts."""
     if isinstance(prompts, str):
@@ -78,11 +82,18 @@ class LLM:
         for req in prepared:
             engine.add_prepared(req)
         finals: dict[str, RequestOutput] = {}
+        idle_steps = 0
         try:
             while engine.has_unfinished():
                 for out in engine.step():
                     if out.finished:
                         finals[out.request_id] = out
+                idle_steps = idle_steps + 1 if engine.last_step_was_empty else 0
+                if idle_steps > _MAX_IDLE_STEPS:
+                    raise RuntimeError(
+                        f"no request could be scheduled for {_MAX_IDLE_STEPS} steps "
+                        f"(engine stats: {engine.stats()})"
+                    )
         except BaseException:
             for req in prepared:
                 engine.abort(req.request_id)

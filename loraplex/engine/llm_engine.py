@@ -21,6 +21,8 @@ logger = logging.getLogger("loraplex.engine")
 
 
 def _build_lora_manager(config: EngineConfig, runner) -> Any | None:
+    if not hasattr(runner, "lora_target_spec"):  # a runner without LoRA support
+        return None
     try:
         from loraplex.lora.manager import LoRAManager
     except ModuleNotFoundError as exc:
@@ -83,6 +85,7 @@ class LLMEngine:
         self._seq_to_request: dict[int, RequestState] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
+        self.last_step_was_empty = False  # nothing could run (e.g. every adapter still loading)
         self.num_requests_finished = 0
         self.num_requests_aborted = 0
         self._log_start()
@@ -227,6 +230,7 @@ class LLMEngine:
         """Run one batched model step; returns the outputs of requests that progressed
         (cumulative, or deltas for requests added with ``stream_deltas``)."""
         sched_out = self.scheduler.schedule()
+        self.last_step_was_empty = sched_out.is_empty
         if sched_out.is_empty:
             if sched_out.released_seq_ids:
                 self.runner.release(sched_out.released_seq_ids)
@@ -274,8 +278,10 @@ class LLMEngine:
         s = sched.stats
         out = {
             "model": self.model_name,
-            "num_requests_running": sched.num_running,
-            "num_requests_waiting": sched.num_waiting,
+            "num_requests_running": len({seq.request_id for seq in sched.running}),
+            "num_requests_waiting": len(self._requests) - len({seq.request_id for seq in sched.running}),
+            "num_seqs_running": sched.num_running,
+            "num_seqs_waiting": sched.num_waiting,
             "num_unfinished_requests": len(self._requests),
             "num_blocks_total": bm.num_blocks,
             "num_blocks_free": bm.num_free_blocks,

@@ -139,3 +139,18 @@ def test_async_engine_real_model_two_streams_abort_one(tiny_qwen2_dir, loraplex_
     assert last_a.finished and last_a.outputs[0].finish_reason == "length"
     assert last_b.finished and last_b.outputs[0].finish_reason == "abort" and len(tok_b) < 300
     assert stats["num_blocks_free"] == stats["num_blocks_total"]
+
+
+def test_prefix_caching_reuses_kv_and_keeps_outputs(tiny_llama_dir, loraplex_home):
+    torch.manual_seed(1)
+    shared = torch.randint(4, 300, (40,)).tolist()  # two full blocks of 16 shared by every prompt
+    prompts = [shared + torch.randint(4, 300, (n,)).tolist() for n in (1, 5, 17, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
+    plain = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=64).generate(prompts, params)
+    llm = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=64, enable_prefix_caching=True)
+    llm.generate(prompts[:1], params)
+    cached = llm.generate(prompts, params)
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_hits"] >= 4 * 32
+    assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
