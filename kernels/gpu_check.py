@@ -33,6 +33,8 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--skip-e2e", action="store_true", help="no end-to-end engine run")
     p.add_argument("--e2e-layers", type=int, default=4, help="decoder layers of the Llama-3-8B-shaped model")
     p.add_argument("--e2e-max-tokens", type=int, default=64, help="tokens generated per request")
+    p.add_argument("--e2e-prompt-len", type=int, default=512, help="prompt tokens per request (context size)")
+    p.add_argument("--e2e-targets", choices=["all", "qkvo"], default="all", help="modules the adapters adapt")
     return p.parse_args()
 
 
@@ -75,7 +77,10 @@ def main() -> int:
         try:
             from e2e_bench import run_e2e
 
-            run_e2e(report, on_gpu, layers=args.e2e_layers, max_tokens=args.e2e_max_tokens)
+            run_e2e(
+                report, on_gpu, layers=args.e2e_layers, max_tokens=args.e2e_max_tokens,
+                prompt_len=args.e2e_prompt_len, targets=args.e2e_targets,
+            )
         except Exception:  # the engine is another team's moving part: report, keep the kernel results
             report.line("end-to-end run FAILED:")
             report.line("```\n" + traceback.format_exc() + "```")
