@@ -116,17 +116,18 @@ class AsyncLLMEngine:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         stream = _Stream(asyncio.get_running_loop())
         engine = self.engine
-        added = finished = False
+        finished = False
+        added = threading.Event()  # set on the engine thread once the request is in
 
         def add() -> None:
             req = engine.prepare_request(request_id, prompt, params, None, stream_deltas=True)
             req.adapter_id = engine.resolve_adapter(adapter)
             engine.add_prepared(req)
             self._streams[request_id] = stream
+            added.set()
 
         try:
             await self._call(add)
-            added = True
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -137,13 +138,20 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
-            if added and not finished:
-                self.abort(request_id)
+            if not finished:
+                # also when cancelled while the add was queued: commands run in order, so this
+                # sees whether the add went in (and never aborts another request's duplicate id)
+                self._abort(request_id, only_if=added)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe). Applied before the next step; its stream, if still
         read, ends with a ``finish_reason == "abort"`` delta."""
+        self._abort(request_id)
+
+    def _abort(self, request_id: str, only_if: threading.Event | None = None) -> None:
         def command() -> None:
+            if only_if is not None and not only_if.is_set():
+                return
             out = self.engine.abort(request_id)
             self._refresh_stats()
             stream = self._streams.pop(request_id, None)

@@ -224,3 +224,38 @@ def test_async_abort_by_id_ends_stream_with_abort():
     finally:
         aengine.shutdown()
     assert reasons[-1] == "abort" and len(reasons) < 100
+
+
+def test_async_cancelled_consumer_aborts_and_duplicate_id_is_refused():
+    engine = make_engine(num_blocks=500, max_model_len=2000)
+    aengine = AsyncLLMEngine(engine.config, engine=engine)
+
+    async def consume(request_id):
+        async for _ in aengine.generate([7, 8], greedy(max_tokens=1900), request_id=request_id):
+            await asyncio.sleep(0)
+
+    async def main():
+        task = asyncio.create_task(consume("c"))
+        while aengine.stats()["generation_tokens_total"] < 2:
+            await asyncio.sleep(0.005)
+        # a second request with the same id is refused and leaves the first alone
+        with pytest.raises(InvalidRequestError) as info:
+            async for _ in aengine.generate([9], greedy(), request_id="c"):
+                pass
+        assert info.value.param == "request_id"
+        assert aengine.stats()["num_unfinished_requests"] == 1
+        task.cancel()  # the consumer goes away: the request is aborted
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if aengine.stats()["num_unfinished_requests"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        return aengine.stats()
+
+    try:
+        stats = asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    assert stats["num_unfinished_requests"] == 0 and stats["num_requests_aborted"] == 1
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
