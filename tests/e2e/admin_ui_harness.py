@@ -1,10 +1,10 @@
 """Harness for the admin web UI tests: the real server, adapters, Chromium, and page helpers.
 
-One ``loraplex serve`` process (uvicorn, free loopback port, tiny random-weight Llama, SQLite and
-blob directory in a temp LORAPLEX_HOME) for the module; PEFT adapters made by peft for that
-model. Playwright drives Debian's Chromium (``/usr/bin/chromium``; Playwright's own browser
-download is never used). What the UI shows is checked against the HTTP API and the adapters'
-own PEFT configs, not against strings copied from the UI.
+One ``loraplex serve`` process for the session (``tests/e2e/server_process.py``: uvicorn on a free
+loopback port, tiny random-weight Llama, SQLite and blobs in a temp LORAPLEX_HOME); PEFT adapters
+made by peft for that model. Playwright drives Debian's Chromium (``/usr/bin/chromium``;
+Playwright's own browser download is never used). What the UI shows is checked against the HTTP
+API and the adapters' own PEFT configs, not against strings copied from the UI.
 
 Screenshots of the main views go to ``tests/artifacts/screenshots/`` (gitignored).
 """
@@ -14,17 +14,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
+from tests.e2e.server_process import ADMIN_KEY, ServerProcess, start_server
 from tests.fixtures.peft_adapters import make_peft_adapter
 from tests.fixtures.tiny_models import make_tiny_model_dir
 
@@ -40,27 +35,7 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-ADMIN_KEY = "ui-test-admin-key-0123456789"
 WAIT_MS = 20_000  # for anything that crosses the server (uploads validate and store a blob)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class UIServer:
-    url: str
-    process: subprocess.Popen
-    log_path: Path
-
-    def admin(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
 
 
 def _require_chromium() -> None:
@@ -78,48 +53,16 @@ def ui_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def ui_server(tmp_path_factory, ui_model_dir) -> UIServer:
+def ui_server(tmp_path_factory, ui_model_dir) -> ServerProcess:
     """``loraplex serve`` as its own process, as an operator would start it."""
-    home = tmp_path_factory.mktemp("ui-home")
-    port = _free_port()
-    env = {
-        **os.environ,
-        "LORAPLEX_HOME": str(home),
-        "LORAPLEX_ADMIN_KEY": ADMIN_KEY,
-        "LORAPLEX_DEVICE": "cpu",
-        "LORAPLEX_DTYPE": "float32",
-        "LORAPLEX_KV_CACHE_BYTES": str(4 << 20),
-        "LORAPLEX_MAX_LORAS": "2",
-        "LORAPLEX_MAX_LORA_RANK": "16",
-        "OMP_NUM_THREADS": "1",
-    }
-    log_path = home / "server.log"
-    log = open(log_path, "wb")
-    cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(ui_model_dir), "--host", "127.0.0.1", "--port", str(port)]
-    process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    server = UIServer(url=f"http://127.0.0.1:{port}", process=process, log_path=log_path)
-    deadline = time.monotonic() + 180
+    server = start_server(
+        tmp_path_factory.mktemp("ui-home"), ui_model_dir,
+        "--kv-cache-bytes", str(4 << 20), "--max-loras", "2", "--max-lora-rank", "16",
+    )
     try:
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"server exited with {process.returncode}:\n{server.log_tail()}")
-            try:
-                if httpx.get(server.url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not ready after 180 s:\n{server.log_tail()}")
-            time.sleep(0.2)
         yield server
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
+        server.stop()
 
 
 @pytest.fixture(scope="session")
