@@ -29,6 +29,11 @@ CASES = {
         slots=[1] * 70 + [0, -1, 2, 3, 4, 5] + [3] * 9, ranks=[1, 3, 8, 16, 64, 128], r_max=128,
         widths=(16, 16), in_features=64, empty_segments=2,
     ),
+    # segments of 9..16 rows: 16-row tensor-core tiles, slices of gate_up
+    "medium_segments": dict(
+        slots=[0] * 12 + [1] * 9 + [-1] * 2 + [2] * 3, ranks=[8, 16, 3], r_max=16,
+        widths=(24, 24), in_features=32, empty_segments=1,
+    ),
 }
 
 
@@ -79,16 +84,17 @@ def test_shrink_matches_reference(name, dtype):
     assert rel_err(out[defined], ref[defined]) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("split_k", [2, 3])
-def test_shrink_split_k_accumulates_all_splits(split_k):
-    """The split-K path (atomics into a zeroed output) forced on a small problem."""
-    case = dict(CASES["ragged_short_qkv"], in_features=96)
-    _, x, a_stack, _, _, _, meta = _case_inputs(case, torch.float32, 77 + split_k)
-    shape = (3, meta.num_tokens, case["r_max"])
+@pytest.mark.parametrize("name,split_k", [("ragged_short_qkv", 2), ("ragged_short_qkv", 3), ("medium_segments", 2)])
+def test_shrink_split_k_accumulates_all_splits(name, split_k):
+    """The split-K path (atomics into a zeroed output) forced on small problems, both tile shapes."""
+    case = dict(CASES[name], in_features=160)
+    _, x, a_stack, _, _, _, meta = _case_inputs(case, torch.float32, 77 + split_k + len(name))
+    num_slices = len(case["widths"])
+    shape = (num_slices, meta.num_tokens, case["r_max"])
     out, ref = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
     lora_shrink_triton(x, a_stack, meta, out, split_k=split_k)
     lora_shrink_ref(x, a_stack, meta, ref)
-    defined = _defined_mask(meta, 3, case["r_max"])
+    defined = _defined_mask(meta, num_slices, case["r_max"])
     assert rel_err(out[defined], ref[defined]) < TOL[torch.float32]
 
 
