@@ -37,8 +37,8 @@ from loraplex.registry.info import VersionInfo
 from loraplex.registry.names import validate_adapter_name, validate_tenant_name
 from loraplex.registry.service import RegistryService
 from loraplex.storage.archive import ArchiveError, pack_files, unpack_files
-from loraplex.storage.base import BlobIntegrityError, BlobStore, content_key
-from loraplex.storage.disk_cache import CacheIntegrityError, DiskCache
+from loraplex.storage.base import BlobIntegrityError, BlobStore, BlobStoreError, content_key
+from loraplex.storage.disk_cache import CacheIntegrityError, CacheTooSmallError, DiskCache
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +202,8 @@ class AdapterManager:
                     f"adapter {version.tenant}/{version.ref}: blob {version.blob_key} in "
                     f"{self.blobs.describe()} failed verification ({exc}); not used"
                 ) from exc
+            except CacheTooSmallError as exc:
+                raise BlobStoreError(f"adapter {version.tenant}/{version.ref}: {exc}") from exc
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         with self._lock:

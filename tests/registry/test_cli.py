@@ -56,7 +56,7 @@ def test_embedded_default_walkthrough(home, setup, capsys):
 
     code, out, _ = run(capsys, "adapters", "upload", "--tenant", "acme", "--name", "support", str(a))
     assert code == 0 and "uploaded acme/support@1" in out and compute_content_hash(a) in out
-    code, out, _ = run(capsys, "adapters", "upload", "--tenant", "acme", "--name", "support", str(b))
+    code, out, _ = run(capsys, "adapters", "upload", "--tenant", "acme", "--name", "support", str(b), "--activate")
     assert code == 0 and "support@2" in out
     code, out, _ = run(capsys, "adapters", "upload", "--tenant", "acme", "--name", "support", str(a))
     assert code == 0 and "identical to existing acme/support@1" in out
@@ -64,13 +64,15 @@ def test_embedded_default_walkthrough(home, setup, capsys):
     code, out, _ = run(capsys, "adapters", "list", "--tenant", "acme", "--json")
     listed = json.loads(out)
     assert code == 0 and [x["name"] for x in listed] == ["support"]
-    assert listed[0]["active_version"] == 1
+    assert listed[0]["active_version"] == 2  # --activate
     assert [v["sha256"] for v in listed[0]["versions"]] == [compute_content_hash(a), compute_content_hash(b)]
     code, out, _ = run(capsys, "adapters", "list", "--tenant", "acme")
-    assert "* v1" in out and "  v2" in out
+    assert "  v1" in out and "* v2" in out
 
-    assert run(capsys, "adapters", "activate", "--tenant", "acme", "--name", "support", "--version", "2")[0] == 0
+    assert run(capsys, "adapters", "activate", "--tenant", "acme", "--name", "support", "--version", "1")[0] == 0
     registry = RegistryService.from_url(Settings().resolved_database_url())
+    assert registry.resolve("acme", "support").version == 1
+    assert run(capsys, "adapters", "activate", "--tenant", "acme", "--name", "support", "--version", "2")[0] == 0
     assert registry.resolve("acme", "support").version == 2
     assert (home / "loraplex.db").exists()  # embedded default: SQLite under LORAPLEX_HOME
 
