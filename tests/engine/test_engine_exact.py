@@ -5,6 +5,7 @@ and token budget small enough that the same run preempts and chunks prefills."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 import torch
@@ -74,10 +75,15 @@ def test_greedy_matches_transformers_with_preemption_and_chunking(fixture, reque
         assert out.finish_reason == "length"
 
 
-def test_llm_api_options_prompts_and_errors(tiny_llama_dir, loraplex_home):
+def test_llm_api_options_prompts_and_errors(tiny_llama_dir, loraplex_home, caplog):
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(model=str(tiny_llama_dir), home=loraplex_home, max_num_seq=4)
-    llm = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=64)
+    with caplog.at_level(logging.INFO, logger="loraplex.engine"):
+        llm = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=64, max_loras=3)
+    # 2 (K and V) x 2 layers x 2 KV heads x 16 head dim x 4 bytes
+    for fragment in ("kv_bytes_per_token=512", "num_blocks=64", "max_concurrent_tokens=1024", "max_loras=3",
+                     "max_lora_rank=64", "max_cpu_lora_bytes="):
+        assert fragment in caplog.text
     params = SamplingParams(temperature=0.0, max_tokens=5)
     tok = llm.get_tokenizer()
     single = llm.generate("hello there", params)
@@ -99,13 +105,13 @@ def test_llm_api_options_prompts_and_errors(tiny_llama_dir, loraplex_home):
 
 
 def test_seeded_sampling_reproducible_through_engine(tiny_llama_dir, loraplex_home):
-    llm = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=30)
+    llm = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=20)
     prompt = list(range(4, 60))
     seeded = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=12, seed=1234)
     alone = llm.generate(prompt, seeded)[0].token_ids
     # the same request inside a crowded batch (other requests, preemptions) samples the same
-    crowd = [list(range(4 + i, 100 + i)) for i in range(6)]
-    crowded = llm.generate([*crowd, prompt], [SamplingParams(temperature=1.0, max_tokens=12)] * 6 + [seeded])
+    crowd = [list(range(4 + i, 60 + i)) for i in range(4)]
+    crowded = llm.generate([*crowd, prompt], [SamplingParams(temperature=1.0, max_tokens=12)] * 4 + [seeded])
     assert crowded[-1].token_ids == alone
     other_seed = llm.generate(prompt, SamplingParams(temperature=1.0, top_p=0.95, max_tokens=12, seed=99))
     assert other_seed[0].token_ids != alone
