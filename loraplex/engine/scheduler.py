@@ -145,7 +145,7 @@ class Scheduler:
             if budget <= 0:
                 break
             num_tokens = min(seq.num_uncomputed_tokens, budget)
-            if num_tokens < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
+            if not self._may_cut(seq.num_uncomputed_tokens, num_tokens):
                 continue
             while not self.block_manager.can_append(seq, num_tokens):
                 victim = self.running[-1]
@@ -189,7 +189,7 @@ class Scheduler:
                 continue
             cached = self.block_manager.num_cached_prefix_tokens(seq)
             num_tokens = min(seq.num_tokens - cached, budget)
-            if num_tokens < seq.num_tokens - cached and not self.config.enable_chunked_prefill:
+            if not self._may_cut(seq.num_tokens - cached, num_tokens):
                 break
             if not self.block_manager.can_allocate(seq, num_tokens):
                 break
@@ -208,6 +208,13 @@ class Scheduler:
             taken = {s.seq_id for s in admitted}
             self.waiting = deque(s for s in self.waiting if s.seq_id not in taken)
         return budget
+
+    def _may_cut(self, remaining: int, num_tokens: int) -> bool:
+        """Without chunked prefill a prompt runs whole; only a recompute after preemption that
+        can never fit one step (prompt + generated > max_num_batched_tokens) is cut."""
+        if num_tokens == remaining or self.config.enable_chunked_prefill:
+            return True
+        return remaining > self.config.max_num_batched_tokens
 
     def _adapter_admissible(self, seq: Sequence, adapters: set[str]) -> bool:
         adapter = seq.adapter_id

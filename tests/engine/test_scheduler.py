@@ -184,3 +184,13 @@ def test_fcfs_order_of_admission():
     first_token = [s.first_token_time for s in seqs]
     assert first_token == sorted(first_token)
 
+
+
+def test_without_chunked_prefill_a_long_recompute_still_resumes():
+    """A preempted sequence whose prompt + output outgrew the step budget is recomputed in
+    pieces instead of waiting forever."""
+    h = Harness(num_blocks=12, block_size=4, max_num_batched_tokens=20, enable_chunked_prefill=False)
+    seqs = [h.add([i + 1] * 18, max_tokens=20) for i in range(2)]
+    h.run(max_steps=500)
+    assert h.scheduler.stats.num_preemptions > 0
+    assert [s.output_token_ids for s in seqs] == [reference_output([i + 1] * 18, 20) for i in range(2)]
