@@ -84,13 +84,17 @@ def _timed_generate(llm, prompts, adapters, max_tokens: int) -> float:
     return elapsed
 
 
-def run_e2e(report: Report, on_gpu: bool, layers: int, max_tokens: int, prompt_len: int, targets: str) -> None:
+def run_e2e(
+    report: Report, on_gpu: bool, layers: int, max_tokens: int, prompt_len: int, targets: str, deadline: float
+) -> None:
+    """Run the configurations in order; none is started after ``deadline`` (``time.time()``)."""
     from loraplex import LLM
 
     device = "cuda" if on_gpu else "cpu"
     shape = LLAMA3_8B_LAYER if on_gpu else TINY_LAYER
     if on_gpu:
-        configs = [(64, 0), (64, 16), (64, 128), (256, 0), (256, 16), (256, 64), (256, 128)]
+        # the target configuration first, so a run cut short by the budget still has it
+        configs = [(256, 0), (256, 64), (64, 0), (64, 16), (64, 128), (256, 16), (256, 128)]
     else:
         configs, layers, max_tokens, prompt_len = [(4, 0), (4, 2), (8, 0), (8, 4)], 2, 6, 8
     short = max(2, max_tokens // 4)
@@ -119,6 +123,9 @@ def run_e2e(report: Report, on_gpu: bool, layers: int, max_tokens: int, prompt_l
         gen = torch.Generator().manual_seed(1234)
         results, rows = {}, []
         for batch, n_adapters in configs:
+            if time.time() > deadline:
+                report.line(f"time budget spent: batch {batch} with {n_adapters} adapters and later ones not run")
+                break
             prompts = torch.randint(4, shape["vocab_size"], (batch, prompt_len), generator=gen).tolist()
             adapters = [names[i % n_adapters] if n_adapters else None for i in range(batch)]
             _timed_generate(llm, prompts, adapters, short)  # warm-up: compiles, loads adapters to slots

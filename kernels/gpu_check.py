@@ -35,6 +35,8 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--e2e-max-tokens", type=int, default=64, help="tokens generated per request")
     p.add_argument("--e2e-prompt-len", type=int, default=512, help="prompt tokens per request (context size)")
     p.add_argument("--e2e-targets", choices=["all", "qkvo"], default="all", help="modules the adapters adapt")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="start no new end-to-end configuration after this many seconds of the run")
     return p.parse_args()
 
 
@@ -67,19 +69,21 @@ def main() -> int:
     run_checks(report, on_gpu)
     report.line(f"(correctness done at {time.time() - start:.0f} s)")
     report.line()
+    report.write()  # after each section, so a run cut short still leaves its results
     if not args.skip_bench:
         copy_bw = measure_copy_bandwidth(report, on_gpu, device)
         bench_lora(report, on_gpu, device, copy_bw)
         bench_attention(report, on_gpu, device, copy_bw)
         report.line(f"(timings done at {time.time() - start:.0f} s)")
         report.line()
+        report.write()
     if not args.skip_e2e:
         try:
             from e2e_bench import run_e2e
 
             run_e2e(
                 report, on_gpu, layers=args.e2e_layers, max_tokens=args.e2e_max_tokens,
-                prompt_len=args.e2e_prompt_len, targets=args.e2e_targets,
+                prompt_len=args.e2e_prompt_len, targets=args.e2e_targets, deadline=start + args.budget_s,
             )
         except Exception:  # the engine is another team's moving part: report, keep the kernel results
             report.line("end-to-end run FAILED:")
