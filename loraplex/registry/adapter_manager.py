@@ -14,7 +14,7 @@ resolves of the same missing adapter share one fetch (single flight).
 In-use tracking: ``acquire``/``release`` count requests running on a content hash (and pin its
 disk copy). Deleting a version removes its row at once (new requests cannot resolve it) but its
 blob and disk copy only after the last release, and only if no other live version row (any
-tenant) uses the same blob.
+tenant) uses the same blob. ``collect_garbage`` removes what a crash left behind.
 """
 
 from __future__ import annotations
@@ -281,6 +281,28 @@ class AdapterManager:
             log.info("deleted blob %s and its local copy", blob_key)
         except Exception:  # noqa: BLE001 - an orphan blob is harmless; never mask the caller's error
             log.exception("could not delete blob %s", blob_key)
+
+    def collect_garbage(self, min_age_seconds: float = 3600.0) -> list[str]:
+        """Delete blobs that no live version uses: left by a crash between blob put and row
+        insert, or by deletes deferred in a process that stopped before its requests finished.
+        Blobs younger than ``min_age_seconds`` stay (an upload stores its blob before its row),
+        as do blobs this process is using. Returns the deleted keys."""
+        now = time.time()
+        deleted = []
+        for entry in list(self.blobs.list_blobs("sha256/")):
+            if now - entry.modified < min_age_seconds:
+                continue
+            content_hash = entry.key.split("/", 1)[1]
+            with self._lock:
+                if self._in_use.get(content_hash, 0) > 0 or content_hash in self._inflight:
+                    continue
+            if self.registry.versions_using_blob(entry.key) > 0:
+                continue
+            self.blobs.delete(entry.key)
+            self.disk_cache.remove(content_hash)
+            deleted.append(entry.key)
+            log.info("garbage-collected unreferenced blob %s", entry.key)
+        return deleted
 
     # -- reporting -------------------------------------------------------------------------------
 

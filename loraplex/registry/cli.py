@@ -57,6 +57,10 @@ def add_parser(subparsers) -> None:
     _tenant_name(p)
     p.add_argument("--version", type=int, help="only this version (not the active one)")
     p.set_defaults(func=_adapters_delete)
+    p = asub.add_parser("gc", help="delete blobs no adapter version uses (left by crashes)")
+    p.add_argument("--min-age-seconds", type=float, default=3600.0,
+                   help="keep blobs younger than this; uploads in progress store the blob first (default 3600)")
+    p.set_defaults(func=_adapters_gc)
 
 
 def _tenant_name(parser: argparse.ArgumentParser) -> None:
@@ -180,4 +184,13 @@ def _adapters_delete(args, settings: Settings) -> int:
     else:
         removed = manager.delete_version(args.tenant, args.name, args.version, actor="cli")
     print(f"deleted {args.tenant}/{args.name} versions {', '.join(str(v.version) for v in removed) or '(none)'}")
+    return 0
+
+
+@_run
+def _adapters_gc(args, settings: Settings) -> int:
+    deleted = _manager(settings).collect_garbage(args.min_age_seconds)
+    print(f"deleted {len(deleted)} unreferenced blob(s)")
+    for key in deleted:
+        print(f"  {key}")
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -50,6 +51,15 @@ def check_key(key: str) -> str:
     return key
 
 
+@dataclass(frozen=True)
+class BlobEntry:
+    """A stored blob as listed: key, size in bytes, last modification (unix seconds)."""
+
+    key: str
+    size: int
+    modified: float
+
+
 class BlobStore(ABC):
     """Immutable blobs under keys. ``put`` streams from a file object of known size; ``get``
     streams chunks back. A key either holds a complete blob or nothing (never a partial one)."""
@@ -71,6 +81,10 @@ class BlobStore(ABC):
     @abstractmethod
     def delete(self, key: str) -> None:
         """Remove ``key``; a missing key is not an error."""
+
+    @abstractmethod
+    def list_blobs(self, prefix: str = "sha256/") -> Iterator[BlobEntry]:
+        """Every blob whose key starts with ``prefix`` (for garbage collection)."""
 
     @abstractmethod
     def describe(self) -> str:

@@ -10,6 +10,7 @@ from typing import BinaryIO
 
 from loraplex.storage.base import (
     DEFAULT_CHUNK_BYTES,
+    BlobEntry,
     BlobIntegrityError,
     BlobNotFound,
     BlobStore,
@@ -86,6 +87,16 @@ class LocalBlobStore(BlobStore):
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def list_blobs(self, prefix: str = "sha256/") -> Iterator[BlobEntry]:
+        for path in sorted(self.root.rglob("*")):
+            relative = path.relative_to(self.root)
+            if relative.parts[0] == _TMP_DIR or not path.is_file():
+                continue
+            key = "/".join(relative.parts)
+            if key.startswith(prefix):
+                stat = path.stat()
+                yield BlobEntry(key, stat.st_size, stat.st_mtime)
 
     def describe(self) -> str:
         return f"directory {self.root}"

@@ -27,6 +27,7 @@ from urllib3.exceptions import HTTPError as Urllib3HTTPError
 
 from loraplex.storage.base import (
     DEFAULT_CHUNK_BYTES,
+    BlobEntry,
     BlobIntegrityError,
     BlobNotFound,
     BlobStore,
@@ -212,6 +213,18 @@ class S3BlobStore(BlobStore):
             error = self._translate(exc, "deleting", key)
             if not isinstance(error, BlobNotFound):
                 raise error from exc
+
+
+    def list_blobs(self, prefix: str = "sha256/") -> Iterator[BlobEntry]:
+        base = f"{self.prefix}/" if self.prefix else ""
+        try:
+            pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base + prefix)
+            for page in pages:
+                for item in page.get("Contents", []):
+                    key = item["Key"][len(base) :]
+                    yield BlobEntry(key, int(item["Size"]), item["LastModified"].timestamp())
+        except Exception as exc:  # noqa: BLE001
+            raise self._translate(exc, "listing", prefix + "*") from exc
 
 
 class _ExactSizeReader(io.RawIOBase):

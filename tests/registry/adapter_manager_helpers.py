@@ -64,5 +64,8 @@ class CountingStore(BlobStore):
     def delete(self, key):
         self.inner.delete(key)
 
+    def list_blobs(self, prefix="sha256/"):
+        return self.inner.list_blobs(prefix)
+
     def describe(self):
         return "counting " + self.inner.describe()

@@ -283,3 +283,33 @@ def test_acquired_entries_survive_disk_pressure(registry, adapters, tmp_path):
         assert manager.tier_of(ref_a.content_hash) == "disk" and compute_content_hash(ref_a.path) == ref_a.content_hash
     # released: a is the least recently used and goes
     assert manager.tier_of(ref_a.content_hash) == "store" and manager.tier_of(ref_b.content_hash) == "disk"
+
+
+def test_garbage_collection_of_crash_leftovers(registry, blobs, adapters, tmp_path, monkeypatch):
+    spec, dirs = adapters
+    manager = make_manager(registry, blobs, tmp_path / "cache", spec)
+    kept, _ = manager.upload("acme", "kept", dirs["b"])
+    # 1. crash between blob put and row insert, and the cleanup never ran (process died)
+    monkeypatch.setattr(registry, "add_version", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("killed")))
+    monkeypatch.setattr(manager, "_delete_blob_if_unused", lambda *a: None)
+    with pytest.raises(RuntimeError):
+        manager.upload("acme", "orphan", dirs["a"])
+    monkeypatch.undo()
+    orphan_key = content_key(compute_content_hash(dirs["a"]))
+    assert blobs.exists(orphan_key)
+    assert manager.collect_garbage(min_age_seconds=3600) == []  # too young: might be an upload in progress
+    assert manager.collect_garbage(min_age_seconds=0) == [orphan_key]
+    assert not blobs.exists(orphan_key) and blobs.exists(kept.blob_key)
+
+
+def test_garbage_collection_after_deferred_delete_was_lost(registry, adapters, tmp_path):
+    spec, dirs = adapters
+    blobs = open_blob_store(str(tmp_path / "blobs"))
+    first = make_manager(registry, blobs, tmp_path / "cache", spec)
+    v, _ = first.upload("acme", "support", dirs["a"])
+    first.resolve("acme", "support", acquire=True)
+    first.delete_adapter("acme", "support")  # deferred: a request is running...
+    assert blobs.exists(v.blob_key)  # ...and then the process dies without releasing
+    restarted = make_manager(registry, blobs, tmp_path / "cache", spec)
+    assert restarted.collect_garbage(min_age_seconds=0) == [v.blob_key]
+    assert not blobs.exists(v.blob_key) and restarted.tier_of(v.sha256) == "store"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -83,6 +84,10 @@ def test_embedded_default_walkthrough(home, setup, capsys):
     assert not blobs.exists(key_a)
     assert run(capsys, "adapters", "delete", "--tenant", "acme", "--name", "support")[0] == 0
     assert json.loads(run(capsys, "adapters", "list", "--tenant", "acme", "--json")[1]) == []
+    leftover = content_key("e" * 64)  # a blob no version uses, as a crash would leave
+    blobs.put(leftover, io.BytesIO(b"x"), 1)
+    code, out, _ = run(capsys, "adapters", "gc", "--min-age-seconds", "0")
+    assert code == 0 and leftover in out and not blobs.exists(leftover)
     actions = {e.action for e in registry.list_audit("acme")}
     assert {"adapter.upload", "adapter.activate", "adapter.version.delete", "adapter.delete"} <= actions
 

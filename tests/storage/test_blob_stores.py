@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import time
 
 import pytest
 
@@ -130,3 +131,15 @@ def test_local_crash_before_rename_leaves_no_blob(tmp_path, monkeypatch):
     # The next put of the same key works normally.
     store.put(key, io.BytesIO(b"y" * 100), 100)
     assert b"".join(store.get(key)) == b"y" * 100
+
+
+def test_list_blobs(store):
+    blobs = {}
+    for i in range(3):
+        data = os.urandom(100 + i)
+        blobs[_key(data)] = len(data)
+        store.put(_key(data), io.BytesIO(data), len(data))
+    store.put("other/x", io.BytesIO(b"zz"), 2)
+    listed = {e.key: e for e in store.list_blobs("sha256/")}
+    assert {k: e.size for k, e in listed.items()} == blobs
+    assert all(abs(e.modified - time.time()) < 300 for e in listed.values())
