@@ -37,7 +37,7 @@ from loraplex.registry.info import VersionInfo
 from loraplex.registry.names import validate_adapter_name, validate_tenant_name
 from loraplex.registry.service import RegistryService
 from loraplex.storage.archive import ArchiveError, pack_files, unpack_files
-from loraplex.storage.base import BlobIntegrityError, BlobStore, BlobStoreError, content_key
+from loraplex.storage.base import BlobIntegrityError, BlobNotFound, BlobStore, BlobStoreError, content_key
 from loraplex.storage.disk_cache import CacheIntegrityError, CacheTooSmallError, DiskCache
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,12 @@ class AdapterManager:
         with its ``content_hash`` when the request ends), atomically with the lookup, so its
         files cannot be evicted or deleted in between."""
         version = self.registry.resolve(tenant, model_ref)
-        path = self.local_path(version, acquire=acquire)
+        try:
+            path = self.local_path(version, acquire=acquire)
+        except BlobNotFound:
+            # deleted since the lookup? Then say so (NotFound) rather than blame the store.
+            self.registry.resolve(tenant, version.ref)
+            raise
         return AdapterRef(name=version.ref, path=str(path), content_hash=version.sha256)
 
     @contextmanager

@@ -313,3 +313,28 @@ def test_garbage_collection_after_deferred_delete_was_lost(registry, adapters, t
     restarted = make_manager(registry, blobs, tmp_path / "cache", spec)
     assert restarted.collect_garbage(min_age_seconds=0) == [v.blob_key]
     assert not blobs.exists(v.blob_key) and restarted.tier_of(v.sha256) == "store"
+
+
+def test_version_deleted_during_resolve_is_not_found(registry, adapters, tmp_path, monkeypatch):
+    spec, dirs = adapters
+    blobs = open_blob_store(str(tmp_path / "blobs"))
+    manager = make_manager(registry, blobs, tmp_path / "cache", spec)
+    manager.upload("acme", "support", dirs["a"])
+    real_resolve = registry.resolve
+
+    def resolve_then_delete(tenant, ref):
+        version = real_resolve(tenant, ref)
+        monkeypatch.setattr(registry, "resolve", real_resolve)
+        manager.delete_adapter(tenant, "support")  # another admin, right after our lookup
+        return version
+
+    monkeypatch.setattr(registry, "resolve", resolve_then_delete)
+    with pytest.raises(NotFound):
+        manager.resolve("acme", "support")
+    # a store that really lost a blob of a live version is a blob error
+    v, _ = manager.upload("acme", "other", dirs["b"])
+    blobs.delete(v.blob_key)
+    from loraplex.storage.base import BlobNotFound
+
+    with pytest.raises(BlobNotFound, match="not found in directory"):
+        manager.resolve("acme", "other")
