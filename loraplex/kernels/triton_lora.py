@@ -212,6 +212,30 @@ def _row_tile(max_seg_len: int) -> tuple[int, bool]:
     return min(64, _pow2_at_least(max_seg_len, 16)), True
 
 
+def shrink_tiles(max_seg_len: int, max_rank: int) -> dict[str, int | bool]:
+    """The shrink kernel's constexprs for a step's segment shape (also enumerated by the lab's
+    ahead-of-time compile check)."""
+    block_m, use_dot = _row_tile(max_seg_len)
+    block_r = _pow2_at_least(max_rank, 16)
+    if use_dot:
+        block_k = 64 if block_r <= 64 else 32
+    else:
+        # bound the [BLOCK_M, BLOCK_R, BLOCK_K] broadcast product held in registers
+        block_k = max(16, min(256, 8192 // (block_m * block_r)))
+    return dict(BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, USE_DOT=use_dot)
+
+
+def expand_tiles(max_seg_len: int, max_rank: int) -> dict[str, int | bool]:
+    """The expand kernel's constexprs for a step's segment shape."""
+    block_m, use_dot = _row_tile(max_seg_len)
+    if use_dot:
+        block_n, block_r = 64, min(64, _pow2_at_least(max_rank, 16))
+    else:
+        block_r = 16
+        block_n = 128 if block_m <= 2 else 64
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, USE_DOT=use_dot)
+
+
 def lora_shrink_triton(
     x: torch.Tensor,  # [num_tokens, in]
     a_stack: torch.Tensor,  # [num_slices, max_loras, r_max, in]
@@ -224,13 +248,8 @@ def lora_shrink_triton(
     if meta.num_segments == 0 or meta.max_rank <= 0 or meta.max_seg_len == 0:
         return
     num_slices, _, _, in_features = a_stack.shape
-    block_m, use_dot = _row_tile(meta.max_seg_len)
-    block_r = _pow2_at_least(meta.max_rank, 16)
-    if use_dot:
-        block_k = 64 if block_r <= 64 else 32
-    else:
-        # bound the [BLOCK_M, BLOCK_R, BLOCK_K] broadcast product held in registers
-        block_k = max(16, min(256, 8192 // (block_m * block_r)))
+    tiles = shrink_tiles(meta.max_seg_len, meta.max_rank)
+    block_m, block_k = tiles["BLOCK_M"], tiles["BLOCK_K"]
     tiles_per_seg = triton.cdiv(meta.max_seg_len, block_m)
     programs = meta.num_segments * tiles_per_seg * num_slices
     k_blocks = triton.cdiv(in_features, block_k)
@@ -258,10 +277,7 @@ def lora_shrink_triton(
         x.stride(1),
         *a_stack.stride(),
         *out.stride(),
-        BLOCK_M=block_m,
-        BLOCK_R=block_r,
-        BLOCK_K=block_k,
-        USE_DOT=use_dot,
+        **tiles,
         ATOMIC=split_k > 1,
         num_warps=4,
     )
@@ -284,14 +300,9 @@ def lora_expand_triton(
         raise ValueError(f"lora_expand_triton supports 1..{MAX_SLICES} slices, got {num_slices}")
     offsets = list(slice_offsets) + [slice_offsets[-1]] * (MAX_SLICES + 1 - len(slice_offsets))
     max_width = max(slice_offsets[s + 1] - slice_offsets[s] for s in range(num_slices))
-    block_m, use_dot = _row_tile(meta.max_seg_len)
-    if use_dot:
-        block_n, block_r = 64, min(64, _pow2_at_least(meta.max_rank, 16))
-    else:
-        block_r = 16
-        block_n = 128 if block_m <= 2 else 64
-    tiles_per_seg = triton.cdiv(meta.max_seg_len, block_m)
-    grid = (meta.num_segments * tiles_per_seg, triton.cdiv(max_width, block_n), num_slices)
+    tiles = expand_tiles(meta.max_seg_len, meta.max_rank)
+    tiles_per_seg = triton.cdiv(meta.max_seg_len, tiles["BLOCK_M"])
+    grid = (meta.num_segments * tiles_per_seg, triton.cdiv(max_width, tiles["BLOCK_N"]), num_slices)
     _sgmv_expand_kernel[grid](
         shrunk,
         b_stack,
@@ -307,9 +318,6 @@ def lora_expand_triton(
         *b_stack.stride(),
         *scaling.stride(),
         *y.stride(),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_R=block_r,
-        USE_DOT=use_dot,
+        **tiles,
         num_warps=4,
     )
