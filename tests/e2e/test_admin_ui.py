@@ -131,6 +131,19 @@ def test_tenant_key_upload_hot_swap_and_audit(ui, ui_server, ui_adapters):
     cells = row.locator("td").all_inner_texts()
     assert cells[3] == str(config_v2["r"])
     assert set(cells[4].split(", ")) == set(config_v2["target_modules"])
+
+    # a request by name after the swap is served by v2: its version row counts it, v1's does not
+    reply = httpx.post(
+        f"{ui_server.url}/t/{tenant}/v1/completions",
+        headers={"Authorization": f"Bearer {secret}"},
+        json={"model": adapter, "prompt": "hello", "max_tokens": 4},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+    page.click("#nav-adapters")  # the view reloads its table when shown
+    versions = page.locator(f"tr.adapter-detail[data-adapter='{adapter}'] tr.version-row")
+    page.wait_for_selector(f"tr.adapter-detail[data-adapter='{adapter}'] tr.version-row[data-version='2'] .col-requests:text-is('1')")
+    assert versions.locator(".col-requests").all_inner_texts() == ["0", "1"]
     screenshot(page, "adapters")
 
     # the audit log shows the swap, who made it and from which version to which
