@@ -266,6 +266,8 @@ def test_disconnect_aborts_and_frees_blocks(world):
 
 
 def test_metrics_and_access_log(world):
+    for stream in (False, True):
+        list(world.acme_client.completions.create(model="sql", prompt="m", max_tokens=3, stream=stream) or [])
     text = httpx.get(world.srv.url + "/metrics").text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:lora_requests_info", "vllm:time_to_first_token_seconds_count",
@@ -335,7 +337,7 @@ def test_load_200_streams_over_20_adapters(world, tmp_path):
 def test_sigterm_drains_in_flight_streams(world, offline):
     """Runs last: stops the module's server."""
     srv = world.srv
-    params = dict(max_tokens=300, temperature=0, ignore_eos=True)
+    params = dict(max_tokens=150, temperature=0, ignore_eos=True)
     with srv.client(world.acme) as c:
         ctx, lines = _stream_lines(c, "/v1/completions", {"model": "sql", "prompt": "drain", "stream": True, **params})
         first = next(lines)

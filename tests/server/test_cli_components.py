@@ -1,0 +1,71 @@
+"""`loraplex serve` settings from flags, and the first-start registry setup (admin key, demo)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from loraplex.cli import build_parser
+from loraplex.config import Settings
+from loraplex.server.app import create_app
+from loraplex.server.cli import settings_from_args
+from loraplex.server.components import prepare_registry
+from tests.server.conftest import free_port
+from tests.server.fakes import FakeAdapterManager, FakeEngine
+
+
+def test_every_setting_is_a_flag_and_flags_win(monkeypatch, tmp_path):
+    monkeypatch.setenv("LORAPLEX_MAX_LORAS", "3")
+    monkeypatch.setenv("LORAPLEX_PORT", "9999")
+    args = build_parser().parse_args([
+        "serve", "--model", "m", "--port", "1234", "--home", str(tmp_path), "--enable-prefix-caching",
+        "--max-model-len", "64", "--kv-cache-memory-fraction", "0.5",
+    ])
+    s = settings_from_args(args)
+    assert (s.model, s.port, s.max_loras, s.home) == ("m", 1234, 3, tmp_path)  # env where no flag
+    assert s.enable_prefix_caching is True and s.max_model_len == 64 and s.kv_cache_memory_fraction == 0.5
+    engine = s.engine_config()
+    assert engine.max_model_len == 64 and engine.enable_prefix_caching is True
+    # no flag for the admin key (it would show in the process list)
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    assert "--admin-key" not in help_text and "--max-lora-rank" in help_text
+
+
+def test_first_start_generates_admin_key_and_demo_tenant(tmp_path):
+    settings = Settings(home=tmp_path / "home")
+    first = prepare_registry(settings, create_demo=True)
+    assert first.admin_secret and first.demo_key
+    assert first.registry.check_admin_key(first.admin_secret)
+    assert first.registry.authenticate(first.demo_key) == "demo"
+    again = prepare_registry(settings, create_demo=True)
+    assert again.admin_secret is None and again.demo_key is None  # shown once only
+    assert again.registry.check_admin_key(first.admin_secret)
+
+
+def test_stored_admin_key_guards_admin_routes(tmp_path):
+    settings = Settings(home=tmp_path / "home")  # no admin_key: the registry's hash decides
+    setup = prepare_registry(settings, create_demo=False)
+    app = create_app(settings, engine=FakeEngine(), registry=setup.registry,
+                     adapters=FakeAdapterManager(setup.registry, tmp_path))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(200):
+            try:
+                if httpx.get(url + "/ready").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        ok = httpx.get(url + "/admin/v1/tenants", headers={"Authorization": f"Bearer {setup.admin_secret}"})
+        assert ok.status_code == 200
+        bad = httpx.get(url + "/admin/v1/tenants", headers={"Authorization": "Bearer lpx_admin_wrong"})
+        assert bad.status_code == 401
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
