@@ -142,9 +142,9 @@ export class AdaptersView {
     const actions = h(
       "div",
       { class: "adapter-actions" },
-      h("button", { type: "button", onclick: () => this.load_(tenant, adapter, "device", false) }, "Load to device"),
-      h("button", { type: "button", onclick: () => this.load_(tenant, adapter, "host", false) }, "Load to host"),
-      h("button", { type: "button", onclick: () => this.load_(tenant, adapter, "device", true) }, "Pin on device"),
+      h("button", { type: "button", onclick: () => this.loadTo(tenant, adapter, "device", false) }, "Load to device"),
+      h("button", { type: "button", onclick: () => this.loadTo(tenant, adapter, "host", false) }, "Load to host"),
+      h("button", { type: "button", onclick: () => this.loadTo(tenant, adapter, "device", true) }, "Pin on device"),
       h("button", { type: "button", onclick: () => this.unload(tenant, adapter) }, "Unload"),
       h("button", { type: "button", onclick: () => this.onUploadVersion(adapter.name) }, "Upload new version"),
       h("button", { type: "button", class: "danger", onclick: () => this.deleteAdapter(tenant, adapter) }, "Delete adapter")
@@ -194,7 +194,7 @@ export class AdaptersView {
     );
   }
 
-  async load_(tenant, adapter, tier, pin) {
+  async loadTo(tenant, adapter, tier, pin) {
     await this.run(
       () => api("POST", `/tenants/${enc(tenant)}/adapters/${enc(adapter.name)}/load`, { tier, pin }),
       pin ? `${adapter.name} pinned on ${tier}.` : `${adapter.name} loaded to ${tier}.`

@@ -1,6 +1,6 @@
 """Harness for the admin web UI tests: the real server, adapters, Chromium, and page helpers.
 
-One ``loraplex serve`` process for the session (``tests/e2e/server_process.py``: uvicorn on a free
+One ``loraplex serve`` process per module (``tests/e2e/server_process.py``: uvicorn on a free
 loopback port, tiny random-weight Llama, SQLite and blobs in a temp LORAPLEX_HOME); PEFT adapters
 made by peft for that model. Playwright drives Debian's Chromium (``/usr/bin/chromium``;
 Playwright's own browser download is never used). What the UI shows is checked against the HTTP
@@ -47,12 +47,12 @@ def _require_chromium() -> None:
     pytest.skip(message)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ui_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("ui-model") / "tiny-llama", "llama")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ui_server(tmp_path_factory, ui_model_dir) -> ServerProcess:
     """``loraplex serve`` as its own process, as an operator would start it."""
     server = start_server(
@@ -65,7 +65,7 @@ def ui_server(tmp_path_factory, ui_model_dir) -> ServerProcess:
         server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ui_adapters(tmp_path_factory, ui_model_dir) -> dict[str, Path]:
     """PEFT adapter directories for the served tiny model, made by peft itself."""
     import torch
@@ -92,7 +92,7 @@ def peft_config(adapter_dir: Path) -> dict:
     return json.loads((adapter_dir / "adapter_config.json").read_text())
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
     _require_chromium()
     from playwright.sync_api import sync_playwright
