@@ -259,7 +259,7 @@ async def delete_version(request: Request) -> Response:
 async def status(request: Request) -> Response:
     ctx = await _admin(request)
     stats = ctx.engine_stats()
-    running, waiting = ctx.metrics.lora_adapters()
+    running, waiting = ctx.metrics.lora_adapters(stats)
     body = {
         "model": ctx.served_model_name,
         "max_model_len": ctx.max_model_len,

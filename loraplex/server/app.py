@@ -25,7 +25,7 @@ from loraplex.server.context import AppContext
 from loraplex.server.errors import exception_handlers
 from loraplex.server.lifecycle import Lifecycle
 from loraplex.server.limits import BodySizeLimitMiddleware, TenantConcurrencyLimiter
-from loraplex.server.metrics import CONTENT_TYPE, ServerMetrics
+from loraplex.server.metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
 
 log = logging.getLogger("loraplex.server")
 DEFAULT_ADMIN_DIR = Path(__file__).resolve().parents[2] / "admin"
@@ -122,4 +122,5 @@ def create_app(
     app = Starlette(routes=routes, exception_handlers=exception_handlers(), lifespan=lifespan)
     app.state.ctx = ctx
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(HttpMetricsMiddleware, metrics=ctx.metrics)
     return app

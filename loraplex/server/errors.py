@@ -79,8 +79,8 @@ def unauthorized(message: str = "Invalid or missing API key.") -> APIError:
     return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-def from_exception(exc: Exception) -> APIError:
-    """Map an exception raised below the server onto an APIError."""
+def from_exception(exc: Exception, *, log_unknown: bool = True) -> APIError:
+    """Map an exception raised below the server onto an APIError (unknown ones: 500, logged)."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequestError):
@@ -97,7 +97,8 @@ def from_exception(exc: Exception) -> APIError:
         return APIError(503, str(exc), code="blob_store_unavailable")
     if type(exc).__name__.startswith("Blob"):
         return APIError(502, str(exc), type="server_error", code="blob_store_error")
-    log.exception("internal error", exc_info=exc)
+    if log_unknown:
+        log.error("internal error", exc_info=exc)
     return APIError(500, "Internal server error.", type="server_error", code="internal_error")
 
 

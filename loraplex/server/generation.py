@@ -50,6 +50,7 @@ async def resolve_target(ctx: AppContext, tenant: str, model: str) -> Target:
         raise
     name, _, version = ref.name.partition("@")
     ctx.adapter_display[ref.content_hash] = f"{tenant}/{ref.name}"
+    ctx.metrics.hash_labels[ref.content_hash] = f"{tenant}/{name}"
     return Target(model=model, adapter=ref, label=f"{tenant}/{name}", version=int(version) if version.isdigit() else None)
 
 
@@ -187,6 +188,16 @@ class RequestRun:
             "status": status,
         }
         access_log.info(json.dumps(record, separators=(",", ":")))
+
+
+def log_refused(kind: str, tenant: str | None, model: str | None, status: int, arrival: float) -> None:
+    """The access line of a request refused before it reached the engine."""
+    record = {
+        "event": "request", "request_id": None, "tenant": tenant, "endpoint": kind, "model": model,
+        "adapter": None, "version": None, "prompt_tokens": 0, "completion_tokens": 0, "ttft_s": None,
+        "duration_s": round(time.monotonic() - arrival, 4), "finish_reason": None, "status": status,
+    }
+    access_log.info(json.dumps(record, separators=(",", ":")))
 
 
 def prepare(ctx: AppContext, req: GenerationRequest, prompt_ids: list[list[int]]) -> None:

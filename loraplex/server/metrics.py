@@ -74,6 +74,7 @@ class ServerMetrics:
         self.max_adapter_labels = max_adapter_labels
         self.stats_source: Callable[[], dict] = dict
         self.disk_entries: Callable[[], int] = lambda: 0  # adapters in the local disk cache
+        self.hash_labels: dict[str, str] = {}  # adapter content hash -> "tenant/name"
         self._lock = threading.Lock()
         self._adapter_labels: set[str] = set()
         self._waiting: Multiset[str] = Multiset()
@@ -137,11 +138,17 @@ class ServerMetrics:
         if finish_reason is not None:
             self.request_success.labels(self.model_name, finish_reason).inc()
 
-    def lora_adapters(self) -> tuple[list[str], list[str]]:
+    def lora_adapters(self, stats: dict | None = None) -> tuple[list[str], list[str]]:
+        """(running, waiting) adapter labels. Running comes from the engine's
+        ``running_adapters`` (content hashes, named through ``hash_labels``) when it reports
+        them; waiting are adapters with admitted requests not yet running."""
         with self._lock:
-            running = sorted(a for a, c in self._running.items() if c > 0)
-            waiting = sorted(a for a, c in self._waiting.items() if c > 0)
-        return running, waiting
+            running = {a for a, c in self._running.items() if c > 0}
+            waiting = {a for a, c in self._waiting.items() if c > 0}
+        engine_running = (stats or {}).get("running_adapters")
+        if isinstance(engine_running, (list, tuple, set)):
+            running = {self.hash_labels.get(h, h[:12]) for h in engine_running if isinstance(h, str)}
+        return sorted(running), sorted(waiting - running)
 
     def tier_counts(self, stats: dict) -> dict:
         tiers = lora_stats(stats).get("tiers") or {}
@@ -180,6 +187,32 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+class HttpMetricsMiddleware:
+    """ASGI middleware counting responses by endpoint (a bounded set of names) and status."""
+
+    def __init__(self, app, metrics: "ServerMetrics"):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_wrapper(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            endpoint = scope.get("endpoint")
+            name = getattr(endpoint, "__name__", None) or ("static" if endpoint is not None else "unmatched")
+            self.metrics.http_requests.labels(name, str(status)).inc()
+
+
 class _EngineCollector:
     """Scrape-time view of the engine and adapter tiers."""
 
@@ -204,7 +237,7 @@ class _EngineCollector:
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric([m.model_name], _num(stats, *keys))
             yield g
-        running, waiting = m.lora_adapters()
+        running, waiting = m.lora_adapters(stats)
         info = GaugeMetricFamily(
             "vllm:lora_requests_info",
             "Running and waiting LoRA adapters.",

@@ -12,7 +12,7 @@ from starlette.routing import Route
 
 from loraplex.server.context import AppContext
 from loraplex.server.errors import bad_request, from_exception
-from loraplex.server.generation import RequestRun, prepare, resolve_target, tokenize_prompts
+from loraplex.server.generation import RequestRun, log_refused, prepare, resolve_target, tokenize_prompts
 from loraplex.server.limits import read_body
 from loraplex.server.protocol import GenerationRequest, parse_chat_request, parse_completion_request
 from loraplex.server.shapes import ResponseShaper
@@ -44,19 +44,26 @@ async def chat_completions(request: Request) -> Response:
 async def _generate(request: Request, parse) -> Response:
     arrival = time.monotonic()
     ctx = _ctx(request)
-    tenant = await ctx.tenant_auth.tenant_for(request, request.path_params.get("tenant"))
-    req: GenerationRequest = parse(await _json_body(request, ctx))
-    target = await resolve_target(ctx, tenant, req.model)  # holds the adapter version from here
+    kind = "chat" if parse is parse_chat_request else "completion"
+    tenant = model = None
     try:
-        prompt_ids = tokenize_prompts(ctx, req)
-        prepare(ctx, req, prompt_ids)
-    except BaseException:
-        if target.adapter is not None:
-            ctx.adapters.release(target.adapter.content_hash)
+        tenant = await ctx.tenant_auth.tenant_for(request, request.path_params.get("tenant"))
+        req: GenerationRequest = parse(await _json_body(request, ctx))
+        model = req.model
+        target = await resolve_target(ctx, tenant, req.model)  # holds the adapter version from here
+        try:
+            prompt_ids = tokenize_prompts(ctx, req)
+            prepare(ctx, req, prompt_ids)
+        except BaseException:
+            if target.adapter is not None:
+                ctx.adapters.release(target.adapter.content_hash)
+            raise
+        shaper = ResponseShaper(req.kind, req.model, ctx.tokenizer, include_usage=req.include_usage)
+        run = RequestRun(ctx, tenant, target, req, prompt_ids, shaper.id, arrival)
+        run.admit()  # on refusal (503/429) it has released everything
+    except Exception as exc:
+        log_refused(kind, tenant, model, from_exception(exc, log_unknown=False).status, arrival)
         raise
-    shaper = ResponseShaper(req.kind, req.model, ctx.tokenizer, include_usage=req.include_usage)
-    run = RequestRun(ctx, tenant, target, req, prompt_ids, shaper.id, arrival)
-    run.admit()  # on refusal (503/429) it has released everything
     if req.stream:
         return SSEResponse(_stream_events(run, shaper), on_close=lambda: run.close(CLIENT_CLOSED))
     try:
@@ -65,7 +72,7 @@ async def _generate(request: Request, parse) -> Response:
         run.close(CLIENT_CLOSED)
         return Response(status_code=CLIENT_CLOSED)
     except BaseException as exc:
-        err = from_exception(exc) if isinstance(exc, Exception) else None
+        err = from_exception(exc, log_unknown=False) if isinstance(exc, Exception) else None
         run.close(err.status if err else CLIENT_CLOSED)
         raise
     run.close(200)

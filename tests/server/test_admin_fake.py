@@ -135,3 +135,21 @@ def test_adapter_label_set_is_bounded():
 def test_admin_ui_served(fake_server, path):
     r = httpx.get(fake_server.url + path)
     assert r.status_code == 200 and "<html" in r.text.lower()
+
+
+def test_access_log_lines_and_http_counter(fake_server, caplog):
+    import json
+    import logging
+
+    key = fake_server.make_tenant("logs")
+    with caplog.at_level(logging.INFO, logger="loraplex.access"), fake_server.tenant_client(key) as t:
+        assert t.post("/v1/completions", json={"model": "fake-model", "prompt": "ab", "max_tokens": 2}).status_code == 200
+        assert t.post("/v1/completions", json={"model": "missing", "prompt": "ab"}).status_code == 404
+        assert httpx.post(fake_server.url + "/v1/completions", json={}).status_code == 401
+    records = [json.loads(r.getMessage()) for r in caplog.records if r.name == "loraplex.access"]
+    assert [r["status"] for r in records] == [200, 404, 401]
+    assert records[0]["tenant"] == "logs" and records[0]["completion_tokens"] == 2 and records[0]["ttft_s"] is not None
+    assert records[1]["tenant"] == "logs" and records[2]["tenant"] is None
+    assert key not in caplog.text
+    text = httpx.get(fake_server.url + "/metrics").text
+    assert 'loraplex_http_requests_total{route="completions",status="404"} 1.0' in text
