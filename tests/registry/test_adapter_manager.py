@@ -11,7 +11,13 @@ from loraplex.lora.errors import InvalidAdapterError
 from loraplex.lora.peft_format import compute_content_hash
 from loraplex.registry.errors import InvalidName, NotFound
 from loraplex.storage.archive import pack_files
-from loraplex.storage.base import BlobIntegrityError, BlobStoreUnavailable, content_key, open_blob_store
+from loraplex.storage.base import (
+    BlobIntegrityError,
+    BlobNotFound,
+    BlobStoreUnavailable,
+    content_key,
+    open_blob_store,
+)
 from loraplex.storage.s3 import S3BlobStore
 from tests.registry.adapter_manager_helpers import (
     CountingStore,
@@ -334,7 +340,5 @@ def test_version_deleted_during_resolve_is_not_found(registry, adapters, tmp_pat
     # a store that really lost a blob of a live version is a blob error
     v, _ = manager.upload("acme", "other", dirs["b"])
     blobs.delete(v.blob_key)
-    from loraplex.storage.base import BlobNotFound
-
     with pytest.raises(BlobNotFound, match="not found in directory"):
         manager.resolve("acme", "other")
