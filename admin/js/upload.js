@@ -30,7 +30,12 @@ function readDirectory(entry) {
       reader.readEntries(async (entries) => {
         if (!entries.length) return resolve(out);
         for (const e of entries) {
-          if (e.isFile && ADAPTER_FILE.test(e.name)) out.push(await new Promise((res, rej) => e.file(res, rej)));
+          if (!e.isFile || !ADAPTER_FILE.test(e.name)) continue;
+          try {
+            out.push(await new Promise((res, rej) => e.file(res, rej)));
+          } catch (_) {
+            // an unreadable file is left out; the server then names what is missing
+          }
         }
         next();
       }, () => resolve(out));
@@ -79,20 +84,26 @@ export class UploadPanel {
   async onDrop(ev) {
     ev.preventDefault();
     $("#drop-zone", this.root).classList.remove("dragging");
+    // The drop's items are readable only while this handler runs synchronously: take every entry
+    // and file first, then read folders.
     const items = [...(ev.dataTransfer.items || [])];
     const files = [];
-    let folderName = null;
+    const folders = [];
     for (const item of items) {
       const entry = item.webkitGetAsEntry ? item.webkitGetAsEntry() : null;
       if (entry && entry.isDirectory) {
-        folderName = entry.name;
-        files.push(...(await readDirectory(entry)));
+        folders.push(entry);
       } else {
         const file = item.getAsFile();
         if (file) files.push(file);
       }
     }
     if (!items.length) files.push(...ev.dataTransfer.files);
+    let folderName = null;
+    for (const entry of folders) {
+      folderName = entry.name;
+      files.push(...(await readDirectory(entry)));
+    }
     const nameInput = $("#upload-name", this.root);
     if (folderName && !nameInput.value) nameInput.value = folderName.toLowerCase().replace(/[^a-z0-9_-]/g, "-");
     this.setFiles(files);
