@@ -59,9 +59,10 @@ def paged_attention(
         return paged_attention_triton(
             query, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len
         )
-    from loraplex.kernels.attention_ref import paged_attention_ref
+    # CPU: the batched twin of attention_ref (same result; the reference stays the test oracle)
+    from loraplex.kernels.attention_cpu import paged_attention_cpu
 
-    return paged_attention_ref(
+    return paged_attention_cpu(
         query, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len
     )
 
