@@ -6,6 +6,8 @@ GET requests for objects:
 * ``"pass"``: forward unchanged;
 * ``"cut"``: send the status line and headers (full Content-Length) but only half the body,
   then close the connection (a download that breaks mid-body);
+* ``"stall"``: send headers and half the body, then go silent (for ``stall_seconds``) without
+  closing: the client's read timeout has to notice;
 * ``"error503"``: answer 503 Service Unavailable without asking upstream.
 
 ``cut_budget`` limits how many GETs are cut/failed (None: all of them) and ``gets`` counts the
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import http.client
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
@@ -32,6 +35,7 @@ class FlakyProxy:
         self.mode = "pass"
         self.cut_budget: int | None = None
         self.gets = 0
+        self.stall_seconds = 5.0
         self._lock = threading.Lock()
         proxy = self
 
@@ -72,6 +76,13 @@ class FlakyProxy:
                     if name.lower() not in _HOP_HEADERS and name.lower() != "content-length":
                         self.send_header(name, value)
                 self.send_header("Content-Length", str(len(data)))
+                if action == "stall":
+                    self.end_headers()
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    time.sleep(proxy.stall_seconds)
+                    self.close_connection = True
+                    return
                 if action == "cut":
                     self.send_header("Connection", "close")
                     self.end_headers()

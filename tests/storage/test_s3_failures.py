@@ -97,3 +97,20 @@ def test_5xx_outage_then_recovery(moto_server, s3_bucket):
         assert proxy.gets == 2  # botocore retried once (max_attempts=2), then gave up
         proxy.mode = "pass"
         assert b"".join(store.get(key)) == data
+
+
+def test_download_stall_times_out_and_resumes(moto_server, s3_bucket):
+    data = os.urandom(MiB)
+    key = _put_direct(moto_server, s3_bucket, data)
+    with FlakyProxy(moto_server) as proxy:
+        proxy.stall_seconds = 3.0
+        store = S3BlobStore(s3_bucket, "p", endpoint_url=proxy.url, read_timeout=0.5, retry_backoff=0.01)
+        proxy.mode, proxy.cut_budget = "stall", 1
+        started = time.monotonic()
+        assert b"".join(store.get(key)) == data  # the read timed out, a ranged GET finished it
+        assert time.monotonic() - started < 3.0 and proxy.gets == 2
+        proxy.mode, proxy.cut_budget = "stall", None
+        started = time.monotonic()
+        with pytest.raises(BlobStoreUnavailable, match="download broke"):
+            b"".join(S3BlobStore(s3_bucket, "p", endpoint_url=proxy.url, read_timeout=0.5, read_retries=1).get(key))
+        assert time.monotonic() - started < 3.0
