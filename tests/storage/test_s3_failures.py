@@ -114,3 +114,17 @@ def test_download_stall_times_out_and_resumes(moto_server, s3_bucket):
         with pytest.raises(BlobStoreUnavailable, match="download broke"):
             b"".join(S3BlobStore(s3_bucket, "p", endpoint_url=proxy.url, read_timeout=0.5, read_retries=1).get(key))
         assert time.monotonic() - started < 3.0
+
+
+def test_endpoint_that_never_answers_fails_in_bounded_time(s3_env):
+    import socket
+
+    with socket.socket() as silent:  # accepts connections (kernel backlog), never replies
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        store = S3BlobStore("bucket", "p", endpoint_url=endpoint, max_attempts=2, read_timeout=0.5)
+        started = time.monotonic()
+        with pytest.raises(BlobStoreUnavailable, match=f"cannot reach S3 at .*{endpoint}"):
+            store.get(content_key("b" * 64))
+        assert time.monotonic() - started < 10
