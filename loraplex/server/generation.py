@@ -63,7 +63,7 @@ def tokenize_prompts(ctx: AppContext, req: GenerationRequest) -> list[list[int]]
         text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
         # the template already holds any BOS token
         return [list(tok(text, add_special_tokens=False)["input_ids"])]
-    vocab = len(tok)
+    vocab = getattr(getattr(ctx.engine, "engine", None), "vocab_size", None) or len(tok)
     out = []
     for prompt in req.prompts:
         if isinstance(prompt, str):

@@ -181,7 +181,7 @@ def test_hot_swap_during_stream(world, offline):
     key = _tenant(world.srv, "swapper")
     _upload(world.srv, "swapper", "m", world.adapters["a0"])
     _upload(world.srv, "swapper", "m", world.adapters["a1"])
-    params = dict(max_tokens=400, temperature=0, ignore_eos=True)
+    params = dict(max_tokens=200, temperature=0, ignore_eos=True)
     with world.srv.client(key) as c, world.srv.admin() as admin:
         ctx, lines = _stream_lines(c, "/v1/completions", {"model": "m", "prompt": "swap", "stream": True, **params})
         first = next(lines)
@@ -203,7 +203,7 @@ def _chain(head, tail):
 def test_delete_while_in_use(world, offline):
     key = _tenant(world.srv, "deleter")
     _upload(world.srv, "deleter", "gone", world.adapters["a2"])
-    params = dict(max_tokens=300, temperature=0, ignore_eos=True)
+    params = dict(max_tokens=150, temperature=0, ignore_eos=True)
     with world.srv.client(key) as c, world.srv.admin() as admin:
         ctx, lines = _stream_lines(c, "/v1/completions", {"model": "gone", "prompt": "bye", "stream": True, **params})
         first = next(lines)
