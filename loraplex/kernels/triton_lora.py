@@ -16,7 +16,8 @@ Two shapes of the same kernels, chosen per call from ``meta.max_seg_len`` (a hos
 
 Every slot's real rank bounds the work: shrink masks the rank tile beyond it (so ranks 1..15 and
 odd ranks work in a 16-wide tile and masked rows of A are never fetched), expand loops over the
-real rank only. Row indices are widened to int64 before they meet a stride. Per-step counts are
+real rank in 16-wide chunks (reading at most 15 padding columns of B, selected away, so that the
+loads stay 16 bytes wide). Row indices are widened to int64 before they meet a stride. Per-step counts are
 ``do_not_specialize`` so a new batch shape does not recompile, and nothing here reads a device
 value on the host, so the launches can be captured in a CUDA graph (the grid comes from meta's
 host ints; a graph runner passes upper bounds there, and empty segments exit at once).
@@ -38,7 +39,7 @@ TARGET_PROGRAMS = 512
 MAX_SLICES = 4  # packed projections: qkv has 3, gate_up 2
 
 
-@triton.jit(do_not_specialize=["tiles_per_seg", "k_per_split"])
+@triton.jit(do_not_specialize=["tiles_per_seg", "k_blocks_per_split"])
 def _sgmv_shrink_kernel(
     x_ptr,  # [num_tokens, in]
     a_ptr,  # [num_slices, max_loras, r_max, in]
@@ -49,7 +50,7 @@ def _sgmv_shrink_kernel(
     slot_rank_ptr,  # [max_loras] int32
     in_features,
     tiles_per_seg,
-    k_per_split,
+    k_blocks_per_split,
     stride_xt,
     stride_xk,
     stride_as,
@@ -64,6 +65,7 @@ def _sgmv_shrink_kernel(
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     ATOMIC: tl.constexpr,
+    EVEN_K: tl.constexpr,  # in_features % BLOCK_K == 0: no K mask, so loads vectorise
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -86,8 +88,9 @@ def _sgmv_shrink_kernel(
     tok = tl.load(token_perm_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     r_mask = r < rank
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, in_features)
+    # this split's K blocks; block-aligned by construction, which the compiler can see
+    kb_lo = split * k_blocks_per_split
+    kb_hi = tl.minimum(kb_lo + k_blocks_per_split, tl.cdiv(in_features, BLOCK_K))
     offs_k = tl.arange(0, BLOCK_K)
 
     x_rows = x_ptr + tok[:, None] * stride_xt  # [BLOCK_M, 1]
@@ -98,11 +101,15 @@ def _sgmv_shrink_kernel(
         + r[:, None].to(tl.int64) * stride_ar
     )  # [BLOCK_R, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + offs_k
-        k_mask = k < k_hi
-        xt = tl.load(x_rows + k[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        at = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+    for kb in range(kb_lo, kb_hi):
+        k = kb * BLOCK_K + offs_k
+        if EVEN_K:
+            xt = tl.load(x_rows + k[None, :] * stride_xk, mask=row_mask[:, None], other=0.0)
+            at = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None], other=0.0)
+        else:
+            k_mask = k < in_features
+            xt = tl.load(x_rows + k[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
         if USE_DOT:
             acc += tl.dot(xt, tl.trans(at))  # [BLOCK_M, BLOCK_R]
         else:
@@ -122,7 +129,9 @@ def _sgmv_shrink_kernel(
         tl.store(out_ptrs, acc, mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["tiles_per_seg", "off0", "off1", "off2", "off3", "off4"])
+# slice offsets stay specialised: they are per-module constants, and knowing they are multiples
+# of 16 lets the y accesses vectorise
+@triton.jit(do_not_specialize=["tiles_per_seg"])
 def _sgmv_expand_kernel(
     s_ptr,  # [num_slices, num_tokens, r_max] fp32, permuted rows
     b_ptr,  # [max_loras, out_total, r_max]
@@ -152,6 +161,7 @@ def _sgmv_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     USE_DOT: tl.constexpr,
+    R_EVEN: tl.constexpr,  # r_max % BLOCK_R == 0: rank chunks need no bounds mask
 ):
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -188,8 +198,16 @@ def _sgmv_expand_kernel(
     for r0 in range(0, rank, BLOCK_R):  # the slot's real rank, not r_max
         r = r0 + tl.arange(0, BLOCK_R)
         r_mask = r < rank
-        st = tl.load(s_rows + r[None, :] * stride_sr, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-        bt = tl.load(b_cols + r[:, None] * stride_br, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        if R_EVEN:
+            # whole 16-wide chunks (inside the r_max storage), so the loads vectorise; columns
+            # past the real rank (padding, unspecified shrink output, even NaN) are selected away
+            st = tl.load(s_rows + r[None, :] * stride_sr, mask=row_mask[:, None], other=0.0)
+            bt = tl.load(b_cols + r[:, None] * stride_br, mask=n_mask[None, :], other=0.0)
+            st = tl.where(r_mask[None, :], st, 0.0)
+            bt = tl.where(r_mask[:, None], bt, 0.0)
+        else:
+            st = tl.load(s_rows + r[None, :] * stride_sr, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+            bt = tl.load(b_cols + r[:, None] * stride_br, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         if USE_DOT:
             acc += tl.dot(st.to(bt.dtype), bt)  # [BLOCK_M, BLOCK_N]
         else:
@@ -228,12 +246,9 @@ def shrink_tiles(max_seg_len: int, max_rank: int) -> dict[str, int | bool]:
 def expand_tiles(max_seg_len: int, max_rank: int) -> dict[str, int | bool]:
     """The expand kernel's constexprs for a step's segment shape."""
     block_m, use_dot = _row_tile(max_seg_len)
-    if use_dot:
-        block_n, block_r = 64, min(64, _pow2_at_least(max_rank, 16))
-    else:
-        block_r = 16
-        block_n = 128 if block_m <= 2 else 64
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, USE_DOT=use_dot)
+    # rank in chunks of 16: a tensor-core K step, and at most 15 columns read past a real rank
+    block_n = 64 if use_dot or block_m > 2 else 128
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=16, USE_DOT=use_dot)
 
 
 def lora_shrink_triton(
@@ -257,8 +272,8 @@ def lora_shrink_triton(
         # split K only while each split keeps at least 4 K-blocks of work
         split_k = min(triton.cdiv(TARGET_PROGRAMS, programs), k_blocks // 4)
     split_k = max(1, min(split_k, k_blocks))
-    k_per_split = triton.cdiv(k_blocks, split_k) * block_k
-    split_k = triton.cdiv(in_features, k_per_split)
+    k_blocks_per_split = triton.cdiv(k_blocks, split_k)
+    split_k = triton.cdiv(k_blocks, k_blocks_per_split)
     if split_k > 1:
         out.zero_()  # the splits add into it
     grid = (meta.num_segments * tiles_per_seg, split_k, num_slices)
@@ -272,13 +287,14 @@ def lora_shrink_triton(
         meta.slot_rank,
         in_features,
         tiles_per_seg,
-        k_per_split,
+        k_blocks_per_split,
         x.stride(0),
         x.stride(1),
         *a_stack.stride(),
         *out.stride(),
         **tiles,
         ATOMIC=split_k > 1,
+        EVEN_K=in_features % block_k == 0,
         num_warps=4,
     )
 
@@ -319,5 +335,6 @@ def lora_expand_triton(
         *scaling.stride(),
         *y.stride(),
         **tiles,
+        R_EVEN=shrunk.shape[2] % tiles["BLOCK_R"] == 0 and b_stack.shape[2] % tiles["BLOCK_R"] == 0,
         num_warps=4,
     )

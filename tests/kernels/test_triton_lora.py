@@ -17,7 +17,7 @@ CASES = {
     # one token per sequence, many adapters of mixed rank: the decode (no tl.dot) path
     "decode_one_token_per_segment": dict(
         slots=[3, 0, 5, 1, -1, 4, 2, 0, 5, 3], ranks=[1, 3, 8, 16, 64, 128], r_max=128,
-        widths=(24,), in_features=40, empty_segments=2,
+        widths=(24,), in_features=64, empty_segments=2,
     ),
     # ragged short segments with base-only tokens and unequal qkv slices (q 32, k 8, v 8)
     "ragged_short_qkv": dict(
@@ -34,6 +34,11 @@ CASES = {
         slots=[0] * 12 + [1] * 9 + [-1] * 2 + [2] * 3, ranks=[8, 16, 3], r_max=16,
         widths=(24, 24), in_features=32, empty_segments=1,
     ),
+    # storage rank not a multiple of 16 and `in` not a multiple of the K tile: the masked paths
+    "odd_r_max": dict(
+        slots=[1, 0, 0, 2, -1, 1, 1, 2], ranks=[3, 12, 8], r_max=12,
+        widths=(40, 8), in_features=40, empty_segments=0,
+    ),
 }
 
 
@@ -47,6 +52,11 @@ def _case_inputs(case: dict, dtype: torch.dtype, seed: int):
     out_total = sum(case["widths"])
     b_stack = randn(max_loras, out_total, case["r_max"], dtype=dtype, gen=gen, scale=0.2)
     scaling = (torch.rand(num_slices, max_loras, generator=gen) + 0.5).float()
+    # storage past each slot's real rank is padding with unspecified contents: make it NaN, so a
+    # kernel that lets it into a result fails
+    for slot, rank in enumerate(case["ranks"]):
+        a_stack[:, slot, rank:] = float("nan")
+        b_stack[slot, :, rank:] = float("nan")
     meta = make_meta(case["slots"], case["ranks"], case["empty_segments"])
     offsets = [0]
     for w in case["widths"]:
@@ -105,7 +115,7 @@ def test_expand_matches_reference(name, dtype):
     gen, _, _, b_stack, scaling, offsets, meta = _case_inputs(case, dtype, _seed(name, dtype, 2))
     num_slices = len(case["widths"])
     defined = _defined_mask(meta, num_slices, case["r_max"])
-    # undefined shrink entries are NaN: expand must never read them
+    # undefined shrink entries are NaN: expand must never let them into y
     shrunk = torch.randn(num_slices, meta.num_tokens, case["r_max"], generator=gen).masked_fill(~defined, float("nan"))
     y0 = randn(meta.num_tokens, offsets[-1], dtype=dtype, gen=gen)
     y, y_ref = y0.clone(), y0.clone()
