@@ -160,3 +160,22 @@ def test_prefix_caching_reuses_kv_and_keeps_outputs(tiny_llama_dir, loraplex_hom
     assert stats["prefix_cache_hits"] >= 4 * 32
     assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
     assert stats["num_blocks_free"] == stats["num_blocks_total"]
+
+
+def test_logprobs_through_engine_match_transformers(tiny_llama_dir, loraplex_home):
+    llm = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=64)
+    prompt = list(range(4, 40))
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5, min_tokens=5, logprobs=3))[0]
+    entries = out.outputs[0].logprobs
+    assert len(entries) == len(out.token_ids) == 5
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = model(torch.tensor([prompt + out.token_ids])).logits[0].log_softmax(-1)
+    for i, (token, entry) in enumerate(zip(out.token_ids, entries)):
+        row = logp[len(prompt) - 1 + i]
+        assert entry["token_id"] == token
+        assert entry["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+        top = row.topk(3)
+        assert set(entry["top_logprobs"]) == set(top.indices.tolist())
+        for tid, lp in entry["top_logprobs"].items():
+            assert lp == pytest.approx(row[tid].item(), abs=1e-4)
