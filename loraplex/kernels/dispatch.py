@@ -80,9 +80,10 @@ def lora_shrink(
         from loraplex.kernels.triton_lora import lora_shrink_triton
 
         return lora_shrink_triton(x, a_stack, meta, out)
-    from loraplex.kernels.lora_ref import lora_shrink_ref
+    # CPU: the batched twin of lora_ref (same result; the reference stays the test oracle)
+    from loraplex.kernels.lora_cpu import lora_shrink_cpu
 
-    return lora_shrink_ref(x, a_stack, meta, out)
+    return lora_shrink_cpu(x, a_stack, meta, out)
 
 
 def lora_expand(
@@ -99,6 +100,6 @@ def lora_expand(
         from loraplex.kernels.triton_lora import lora_expand_triton
 
         return lora_expand_triton(shrunk, b_stack, scaling, slice_offsets, meta, y)
-    from loraplex.kernels.lora_ref import lora_expand_ref
+    from loraplex.kernels.lora_cpu import lora_expand_cpu
 
-    return lora_expand_ref(shrunk, b_stack, scaling, slice_offsets, meta, y)
+    return lora_expand_cpu(shrunk, b_stack, scaling, slice_offsets, meta, y)

@@ -3,7 +3,7 @@ shared by every LoRA layer of that step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,3 +30,6 @@ class LoRABatchMeta:
     seg_starts_host: list[int]
     seg_slot_host: list[int]
     slot_rank_host: list[int]
+    # per-step scratch a backend may fill lazily and reuse across the step's layers
+    # (e.g. the CPU path's grouping plan); never part of the contract between runner and kernels
+    scratch: dict = field(default_factory=dict, repr=False)
