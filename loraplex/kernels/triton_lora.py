@@ -33,6 +33,8 @@ from loraplex.kernels.lora_meta import LoRABatchMeta
 
 # Longest segment the decode-shaped (no tl.dot) path takes; longer ones use tensor-core tiles.
 GEMV_MAX_SEG_LEN = 8
+# Largest rows x rank-tile product the decode-shaped shrink holds in registers without spilling.
+GEMV_MAX_ROWS_X_RANK = 512
 # Aim for about this many programs per launch before splitting the shrink's K dimension:
 # a few waves over the 132 SMs of an H100/H200, fixed so the choice needs no device query.
 TARGET_PROGRAMS = 512
@@ -235,6 +237,10 @@ def shrink_tiles(max_seg_len: int, max_rank: int) -> dict[str, int | bool]:
     ahead-of-time compile check)."""
     block_m, use_dot = _row_tile(max_seg_len)
     block_r = _pow2_at_least(max_rank, 16)
+    if not use_dot and block_m * block_r > GEMV_MAX_ROWS_X_RANK:
+        # several tokens x a large rank: the broadcast product would spill registers (sm_90,
+        # 8 x 128), and a 16-row tensor-core tile is at most half padding here
+        block_m, use_dot = 16, True
     if use_dot:
         block_k = 64 if block_r <= 64 else 32
     else:

@@ -34,6 +34,11 @@ CASES = {
         slots=[0] * 12 + [1] * 9 + [-1] * 2 + [2] * 3, ranks=[8, 16, 3], r_max=16,
         widths=(24, 24), in_features=32, empty_segments=1,
     ),
+    # short segments with a rank-128 slot: too big a product for the GEMV path, 16-row dot tiles
+    "short_segments_rank128": dict(
+        slots=[0] * 5 + [1] * 3 + [-1], ranks=[128, 8], r_max=128,
+        widths=(16,), in_features=64, empty_segments=0,
+    ),
     # storage rank not a multiple of 16 and `in` not a multiple of the K tile: the masked paths
     "odd_r_max": dict(
         slots=[1, 0, 0, 2, -1, 1, 1, 2], ranks=[3, 12, 8], r_max=12,
