@@ -69,6 +69,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def _configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # migration chatter at every start
     access = logging.getLogger("loraplex.access")
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))  # the message is one JSON object

@@ -58,7 +58,10 @@ class ResponseShaper:
             text = self._token_text(e["token_id"])
             tokens.append(text)
             token_logprobs.append(e.get("logprob"))
-            top.append({self._token_text(t): lp for t, lp in self._top_items(e, top_n)})
+            entry: dict[str, float] = {}
+            for t, lp in self._top_items(e, top_n):  # most likely first: a text shared by two tokens keeps the higher
+                entry.setdefault(self._token_text(t), lp)
+            top.append(entry)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

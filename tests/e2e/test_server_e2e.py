@@ -130,6 +130,13 @@ def test_completions_equal_offline_engine(world, offline):
         assert got.usage.prompt_tokens == len(want.prompt_token_ids)
     base = client.completions.create(model="base-model", prompt="hello", max_tokens=16, temperature=0)
     assert base.choices[0].text == _offline_text(offline, "hello", None, max_tokens=16, temperature=0)
+    scored = client.completions.create(model="sql", prompt="hello", max_tokens=6, temperature=0, logprobs=3)
+    lp = scored.choices[0].logprobs
+    # keyed by token text as OpenAI does: byte tokens that decode alike share a key
+    assert len(lp.token_logprobs) == 6 and all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+    # greedy: the chosen token is the most likely one
+    assert all(abs(max(top.values()) - chosen) < 1e-4 for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    assert "".join(lp.tokens) == scored.choices[0].text
     pinned = client.completions.create(model="sql@2", prompt="hello", max_tokens=16, temperature=0)
     assert pinned.choices[0].text == _offline_text(offline, "hello", "a1", max_tokens=16, temperature=0)
     assert pinned.choices[0].text != _offline_text(offline, "hello", "a0", max_tokens=16, temperature=0)
@@ -150,6 +157,11 @@ def test_chat_and_streaming_with_usage(world, offline):
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     assert chunks[-1].usage.completion_tokens == got.usage.completion_tokens
+    scored = client.chat.completions.create(model="sql", messages=messages, max_tokens=5, temperature=0,
+                                            logprobs=True, top_logprobs=3)
+    content = scored.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(abs(c.top_logprobs[0].logprob - c.logprob) < 1e-4 for c in content)
     cstream = client.completions.create(model="sql", prompt="abc", max_tokens=12, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in cstream) == _offline_text(offline, "abc", "a0", max_tokens=12, temperature=0)
 
