@@ -73,6 +73,8 @@ ATTENTION_CASES = {
     "decode_only_gqa4": dict(
         seqs=[(5, 1), (90, 1), (16, 1), (0, 1), (47, 1), (200, 1)], heads=8, kv_heads=2, head_dim=16, block_size=16,
     ),
+    # a head group that is not a power of two (6 heads over 2 KV heads)
+    "gqa3_mixed": dict(seqs=[(19, 1), (0, 11), (64, 5)], heads=6, kv_heads=2, head_dim=16, block_size=16),
     # no GQA (MHA) and a head_dim that is not a power of two
     "mha_odd_head_dim": dict(seqs=[(10, 6), (31, 1)], heads=2, kv_heads=2, head_dim=24, block_size=32),
 }
