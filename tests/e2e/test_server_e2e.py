@@ -254,6 +254,32 @@ def test_tenant_isolation_and_errors(world):
         other.completions.create(model="sql", prompt="x", max_tokens=1)
 
 
+def test_admin_upload_refusals_and_tiers(world):
+    srv = world.srv
+    good = world.adapters["a0"]
+    with srv.admin() as c:
+        base = "/admin/v1/tenants/globex/adapters/bad/versions"
+        garbage = {"adapter_config.json": ("adapter_config.json", (good / "adapter_config.json").read_bytes()),
+                   "adapter_model.safetensors": ("adapter_model.safetensors", b"not safetensors")}
+        r = c.post(base, files=garbage)
+        assert r.status_code == 400 and r.json()["error"]["message"]
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+            tar.add(good / "adapter_config.json", arcname="../adapter_config.json")
+        r = c.post(base, files={"archive": ("evil.tar.gz", buf.getvalue(), "application/gzip")})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "archive"
+        assert c.get("/admin/v1/tenants/globex/adapters/bad").status_code == 404  # nothing was stored
+
+        one = "/admin/v1/tenants/globex/adapters/private"
+        assert c.post(one + "/load", json={"tier": "device", "pin": True}).status_code == 200
+        info = c.get(one).json()
+        assert info["tier"] == "device" and info["pinned"] is True
+        assert c.post(one + "/unload").json()["unloaded"] == [1]
+        assert c.get(one).json()["tier"] in ("disk", "store")
+        status = c.get("/admin/v1/status").json()
+        assert status["ready"] is True and status["model"] == "base-model"
+
+
 def test_disconnect_aborts_and_frees_blocks(world):
     stats = _engine_stats(world.srv)
     total = stats["num_blocks_total"]
