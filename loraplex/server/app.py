@@ -40,6 +40,8 @@ async def ready(request: Request) -> Response:
     problems = []
     if not ctx.lifecycle.started:
         problems.append("model not loaded")
+    elif getattr(ctx.engine, "is_running", True) is False:
+        problems.append("engine stopped")
     if ctx.lifecycle.draining:
         problems.append("draining")
     if ctx.registry is not None and not ctx.lifecycle.draining:

@@ -153,3 +153,16 @@ def test_access_log_lines_and_http_counter(fake_server, caplog):
     assert key not in caplog.text
     text = httpx.get(fake_server.url + "/metrics").text
     assert 'loraplex_http_requests_total{route="completions",status="404"} 1.0' in text
+
+
+def test_ready_reflects_engine_and_registry(fake_server, monkeypatch):
+    url = fake_server.url + "/ready"
+    assert httpx.get(url).status_code == 200
+    fake_server.engine.is_running = False
+    r = httpx.get(url)
+    assert r.status_code == 503 and "engine stopped" in r.json()["reasons"]
+    fake_server.engine.is_running = True
+    monkeypatch.setattr(fake_server.registry, "ping", lambda: False)
+    r = httpx.get(url)
+    assert r.status_code == 503 and "registry unreachable" in r.json()["reasons"]
+    assert httpx.get(fake_server.url + "/health").status_code == 200  # alive all along
