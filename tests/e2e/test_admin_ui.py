@@ -268,8 +268,10 @@ def test_load_pin_unload_move_the_adapter_between_tiers(ui, ui_server, ui_adapte
             return admin.get(f"/admin/v1/tenants/{tenant}/adapters/{adapter}").json()["tier"]
 
     detail.locator("button:has-text('Pin on device')").click()
-    page.wait_for_selector(f"tr.adapter-row[data-adapter='{adapter}'] .col-tier:has-text('device')")
+    page.wait_for_selector(f"tr.adapter-row[data-adapter='{adapter}'] .col-tier:has-text('device · pinned')")
     assert server_tier() == "device"
+    with ui_server.admin() as admin:
+        assert admin.get(f"/admin/v1/tenants/{tenant}/adapters/{adapter}").json()["pinned"] is True
     with ui_server.admin() as admin:
         audit = admin.get("/admin/v1/audit", params={"tenant": tenant}).json()["data"]
     assert any(e["action"] == "adapter.load" and e["detail"].get("pin") is True for e in audit)
@@ -280,6 +282,7 @@ def test_load_pin_unload_move_the_adapter_between_tiers(ui, ui_server, ui_adapte
         arg=adapter,
     )
     assert server_tier() not in ("device", "host")
+    assert "pinned" not in page.inner_text(f"tr.adapter-row[data-adapter='{adapter}'] .col-tier")
     page.locator(f"tr.adapter-detail[data-adapter='{adapter}'] button:has-text('Load to host')").click()
     page.wait_for_selector(f"tr.adapter-row[data-adapter='{adapter}'] .col-tier:has-text('host')")
     assert server_tier() == "host"
