@@ -44,7 +44,19 @@ class SlotPool:
         self.max_rank = max_rank
         self.device = torch.device(device)
         self.dtype = dtype
+        # allocated at the first adapter load, so a base-model-only engine holds no LoRA memory
         self.stacks: list[dict[str, LoRAStack]] = []
+        self.slot_rank = torch.zeros(max_loras, dtype=torch.int32, device=self.device)  # [max_loras]
+        self.slot_rank_host = [0] * max_loras
+        self.adapter_in: list[str | None] = [None] * max_loras
+        self._slot_of: dict[str, int] = {}
+        self._last_used = [0] * max_loras
+        self._tick = 0
+        self.pinned: set[str] = set()
+        self.refs: dict[str, int] = {}  # adapter -> requests still needing it (set by the manager)
+
+    def _allocate(self) -> None:
+        spec, max_loras, max_rank, dtype = self.spec, self.max_loras, self.max_rank, self.dtype
         for _ in range(spec.num_layers):
             layer: dict[str, LoRAStack] = {}
             for packed, names in PACKED_MODULES.items():
@@ -62,14 +74,6 @@ class SlotPool:
                     active=[False] * max_loras,
                 )
             self.stacks.append(layer)
-        self.slot_rank = torch.zeros(max_loras, dtype=torch.int32, device=self.device)  # [max_loras]
-        self.slot_rank_host = [0] * max_loras
-        self.adapter_in: list[str | None] = [None] * max_loras
-        self._slot_of: dict[str, int] = {}
-        self._last_used = [0] * max_loras
-        self._tick = 0
-        self.pinned: set[str] = set()
-        self.refs: dict[str, int] = {}  # adapter -> requests still needing it (set by the manager)
 
     @property
     def nbytes(self) -> int:
@@ -111,6 +115,8 @@ class SlotPool:
         """Fill ``slot`` with ``weights`` (clearing what was there)."""
         if weights.rank > self.max_rank:
             raise ValueError(f"adapter rank {weights.rank} exceeds the pool's max rank {self.max_rank}")
+        if not self.stacks:
+            self._allocate()
         old = self.adapter_in[slot]
         if old is not None:
             self._slot_of.pop(old, None)

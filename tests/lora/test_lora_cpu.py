@@ -16,14 +16,15 @@ from loraplex.lora.context import build_batch_meta
 def _case(seed: int, dtype: torch.dtype, num_slices: int, num_tokens: int):
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    max_loras, r_max, in_f = 6, 16, 24
+    max_loras, r_max, in_f = 12, 16, 24
     outs = [rng.randrange(4, 20) for _ in range(num_slices)]
     offsets = [0]
     for o in outs:
         offsets.append(offsets[-1] + o)
-    ranks = [rng.choice([1, 3, 8, 16]) for _ in range(max_loras)]
+    ranks = [rng.choice([1, 8, 16]) for _ in range(max_loras)]
     ranks[4] = 0  # an empty slot, never referenced
-    slots = [rng.choice([-1, 0, 1, 2, 3, 5]) for _ in range(num_tokens)]
+    # gaps between used slots: evenly spaced, runs and gathered batches all occur
+    slots = [rng.choice([-1, 0, 1, 2, 3, 5, 6, 8, 10, 11]) for _ in range(num_tokens)]
     meta = build_batch_meta(slots, torch.tensor(ranks, dtype=torch.int32), ranks)
     x = torch.randn(num_tokens, in_f).to(dtype)
     a = torch.randn(num_slices, max_loras, r_max, in_f).to(dtype)
@@ -35,7 +36,7 @@ def _case(seed: int, dtype: torch.dtype, num_slices: int, num_tokens: int):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_slices", [1, 2, 3])
-@pytest.mark.parametrize("num_tokens", [1, 7, 40])
+@pytest.mark.parametrize("num_tokens", [1, 7, 40, 300])  # 300: long segments run alone
 def test_cpu_twin_matches_reference(dtype, num_slices, num_tokens):
     meta, x, a, b, scaling, offsets, y, slots, ranks = _case(num_tokens * 10 + num_slices, dtype, num_slices, num_tokens)
     shrunk_ref = torch.zeros(num_slices, num_tokens, a.shape[2])
@@ -55,3 +56,21 @@ def test_cpu_twin_matches_reference(dtype, num_slices, num_tokens):
     torch.testing.assert_close(y_cpu.float() / scale, y_ref.float() / scale, **tol)
     base_rows = [t for t, s in enumerate(slots) if s < 0]
     assert torch.equal(y_cpu[base_rows], y[base_rows])  # base-only tokens are never touched
+
+
+def test_plan_uses_views_runs_gathers_and_unpadded_long_segments():
+    from loraplex.kernels.lora_cpu import LONG_SEGMENT, _plan
+
+    ranks = [8] * 12
+
+    def plan_for(slots):
+        return _plan(build_batch_meta(slots, torch.tensor(ranks, dtype=torch.int32), ranks))
+
+    [spaced] = plan_for([0, 2, 4, 2])
+    assert spaced.slots == slice(0, 5, 2) and spaced.rows.shape == (3, 2) and spaced.valid is not None
+    runs = plan_for([0, 1, 2, 5, 6])
+    assert [b.slots for b in runs] == [slice(0, 3, 1), slice(5, 7, 1)]
+    [gathered] = plan_for([0, 2, 3, 5, 7, 9, 11])
+    assert isinstance(gathered.slots, torch.Tensor) and gathered.slots.tolist() == [0, 2, 3, 5, 7, 9, 11]
+    long_and_short = plan_for([3] * LONG_SEGMENT + [1, 1])
+    assert [(b.slots, tuple(b.rows.shape)) for b in long_and_short] == [(slice(3, 4), (1, LONG_SEGMENT)), (slice(1, 2), (1, 2))]
