@@ -82,6 +82,7 @@ class LoRAManager:
         self._path_memo: dict[str, tuple[tuple, str]] = {}  # path -> (file fingerprint, adapter id)
         self._wanted: "OrderedDict[str, None]" = OrderedDict()  # queued, not in host for lack of room
         self._last_step: set[str] = set()
+        self._queued: "OrderedDict[str, None]" = OrderedDict()  # adapters with requests, by first arrival
         self._device_pinned: set[str] = set()
 
     # ---- AdapterGate ---------------------------------------------------------------------
@@ -135,9 +136,6 @@ class LoRAManager:
 
     def registered(self) -> dict[str, str]:
         return dict(self._names)
-
-    def info(self, adapter_id: str) -> AdapterInfo:
-        return self._records[adapter_id].info
 
     # ---- loading -------------------------------------------------------------------------
     def _ensure_known(self, path: str, display: str, expected_hash: str | None = None) -> str:
@@ -233,6 +231,7 @@ class LoRAManager:
         a free device slot or one whose adapter has no requests, else at least into host memory."""
         rec = self._records[adapter_id]
         rec.outstanding += 1
+        self._queued.setdefault(adapter_id, None)
         self._sync_refs(adapter_id)
         self._warm(adapter_id)
 
@@ -318,6 +317,8 @@ class LoRAManager:
             return
         rec = self._records[adapter_id]
         rec.outstanding = max(0, rec.outstanding - 1)
+        if rec.outstanding == 0:
+            self._queued.pop(adapter_id, None)
         self._sync_refs(adapter_id)
         rec.stats.requests += 1
         rec.stats.prompt_tokens += prompt_tokens
@@ -333,12 +334,16 @@ class LoRAManager:
                 continue
             if not self._host_load(adapter_id):
                 break
-        for adapter_id, rec in self._records.items():
-            if rec.outstanding > 0 and self.pool.slot_of(adapter_id) is None and adapter_id in self.host:
-                slot = self.pool.free_slot()
-                if slot is None:
-                    break
-                self._load_slot(adapter_id, slot)
+        # queued adapters (oldest first) into free or idle slots: later steps find them loaded
+        for adapter_id in list(self._queued):
+            if self.pool.slot_of(adapter_id) is not None or adapter_id not in self.host:
+                continue
+            slot = self.pool.free_slot()
+            if slot is None:
+                slot = self.pool.victim(protected=self._last_step, idle_only=True)
+            if slot is None:
+                break
+            self._load_slot(adapter_id, slot)
 
     # ---- introspection -------------------------------------------------------------------
     def tier_of(self, adapter_id: str) -> str:

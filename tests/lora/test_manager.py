@@ -148,9 +148,10 @@ def test_host_budget_lru_and_waiting_adapters(lora_base, make_adapter):
     assert m.host.ids() == [b] and m.tier_of(c) == "disk"
     m.prefetch(c)  # host holds b, which waits for a slot: c must wait too
     assert not m.is_ready(c)
-    m.on_request_finished(a, 5, 3)
-    m.prepare_step([b])  # b takes the slot; its host copy is no longer needed, so c comes in
-    assert m.tier_of(b) == "device" and m.is_ready(c)
+    m.on_request_finished(a, 5, 3)  # a is idle now: b takes its slot at once, ahead of any step
+    assert m.tier_of(b) == "device" and m.stats()["adapters"][b]["loads"] == 1
+    m.prepare_step([b])  # b's host copy is no longer needed, so c comes in
+    assert m.stats()["adapters"][b]["loads"] == 1 and m.is_ready(c)
     st = m.stats()["adapters"]
     assert st[a]["requests"] == 1 and st[a]["prompt_tokens"] == 5 and st[a]["generation_tokens"] == 3
 
