@@ -16,6 +16,7 @@ from torch import nn
 
 from loraplex.kernels import dispatch
 from loraplex.model.config import ModelSpec
+from loraplex.model.cpu_linear import PrepackedLinear, use_prepacked_linears
 from loraplex.model.layers import AttentionMetadata, rms_norm
 from loraplex.model.rope import RotaryEmbedding, apply_rotary
 
@@ -70,6 +71,31 @@ class LlamaForCausalLM(nn.Module):
             )
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, max_positions, dtype, device)
         self.scale = spec.head_dim**-0.5
+        # CPU only: per layer {"qkv", "o", "gate_up", "down"} -> PrepackedLinear (see cpu_linear)
+        self.prepacked: list[dict[str, PrepackedLinear]] | None = None
+        self.prepacked_head: PrepackedLinear | None = None
+
+    def prepare_linears(self) -> None:
+        """Pack the weights for the CPU matmul path when the policy wants it (call after loading)."""
+        weight = self.embed_tokens
+        if not use_prepacked_linears(weight.device, weight.dtype):
+            self.prepacked = self.prepacked_head = None
+            return
+        dtype = weight.dtype
+        self.prepacked = [
+            {
+                name: PrepackedLinear(getattr(layer, f"{name}_weight"), getattr(layer, f"{name}_bias"), dtype)
+                for name in ("qkv", "o", "gate_up", "down")
+            }
+            for layer in self.layers
+        ]
+        self.prepacked_head = PrepackedLinear(self.lm_head_weight, None, torch.float32)
+
+    def _linear(self, i: int, name: str, x: torch.Tensor) -> torch.Tensor:
+        if self.prepacked is not None:
+            return self.prepacked[i][name](x)
+        layer = self.layers[i]
+        return F.linear(x, getattr(layer, f"{name}_weight"), getattr(layer, f"{name}_bias"))
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -93,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             # attention block
             x = rms_norm(hidden, layer.input_layernorm, eps)  # [T, H]
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)  # [T, q_size + 2 * kv_size]
+            qkv = self._linear(i, "qkv", x)  # [T, q_size + 2 * kv_size]
             if lora is not None:
                 lora.apply(i, "qkv_proj", x, qkv)
             q = qkv[:, :q_end].view(num_tokens, spec.num_heads, spec.head_dim)
@@ -112,18 +138,18 @@ class LlamaForCausalLM(nn.Module):
                 attn.max_query_len,
                 attn.max_seq_len,
             ).reshape(num_tokens, spec.q_size)  # [T, q_size]
-            o = F.linear(attn_out, layer.o_weight, layer.o_bias)  # [T, H]
+            o = self._linear(i, "o", attn_out)  # [T, H]
             if lora is not None:
                 lora.apply(i, "o_proj", attn_out, o)
             hidden = hidden + o
             # MLP block (SwiGLU)
             x = rms_norm(hidden, layer.post_attention_layernorm, eps)
-            gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)  # [T, 2 * intermediate]
+            gate_up = self._linear(i, "gate_up", x)  # [T, 2 * intermediate]
             if lora is not None:
                 lora.apply(i, "gate_up_proj", x, gate_up)
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up  # [T, intermediate]
-            down = F.linear(act, layer.down_weight, layer.down_bias)  # [T, H]
+            down = self._linear(i, "down", act)  # [T, H]
             if lora is not None:
                 lora.apply(i, "down_proj", act, down)
             hidden = hidden + down
@@ -131,4 +157,6 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, vocab] fp32
+        if self.prepacked_head is not None:
+            return self.prepacked_head(hidden)
         return F.linear(hidden, self.lm_head_weight).float()

@@ -115,6 +115,7 @@ def load_model(
     for param in model.parameters():
         param.requires_grad_(False)
     model.rotary = type(model.rotary)(spec.rope, spec.head_dim, max_positions, dtype, device)
+    model.prepare_linears()
     return model
 
 
