@@ -14,10 +14,43 @@ import torch.nn.functional as F
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """``cache[num_blocks_total, block_size, kvh, d]`` -> ``[rows, num_blocks * block_size, kvh, d]``."""
+    """``cache[num_blocks_total, block_size, kvh, d]`` -> ``[rows, num_blocks * block_size, kvh, d]``.
+
+    ``index_select`` on dim 0 copies whole blocks (memcpy); advanced indexing is ~5x slower here.
+    """
     blocks = block_tables[:, :num_blocks].long()  # [rows, num_blocks]
-    gathered = cache[blocks]  # [rows, num_blocks, block_size, kvh, d]
-    return gathered.flatten(1, 2)
+    gathered = torch.index_select(cache, 0, blocks.flatten())  # [rows * num_blocks, block_size, kvh, d]
+    return gathered.view(blocks.shape[0], num_blocks * cache.shape[1], *cache.shape[2:])
+
+
+def _decode_attention(query, kv_cache, block_tables, decode, starts, lens, scale, out) -> None:
+    """One-token queries of many sequences at once: per KV head, one batched matmul for the
+    scores and one for the output. Slicing a KV head out of the gathered ``[S, L, kvh, d]``
+    leaves BLAS-compatible strides, so no operand is copied again."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_seqs = len(decode)
+    pure_decode = num_seqs == query.shape[0]  # every row of the batch, in order
+    rows = None if pure_decode else torch.tensor([starts[i] for i in decode])
+    dec_lens = torch.tensor([lens[i] for i in decode])
+    longest = int(dec_lens.max())
+    nblk = (longest + block_size - 1) // block_size
+    tables = block_tables if pure_decode else block_tables[decode]
+    k = _gather(kv_cache[0], tables, nblk)[:, :longest].float()  # [S, L, kvh, d]
+    v = _gather(kv_cache[1], tables, nblk)[:, :longest].float()
+    q = (query if pure_decode else query[rows]).float().view(num_seqs, num_kv_heads, group, head_dim)
+    pad = (torch.arange(longest).unsqueeze(0) >= dec_lens.unsqueeze(1)).unsqueeze(1)  # [S, 1, L]
+    attn = torch.empty(num_seqs, num_kv_heads, group, head_dim)
+    for h in range(num_kv_heads):
+        scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)).mul_(scale)  # [S, g, L]
+        scores.masked_fill_(pad, float("-inf"))
+        attn[:, h] = torch.bmm(torch.softmax(scores, dim=-1), v[:, :, h])  # [S, g, d]
+    attn = attn.view(num_seqs, num_heads, head_dim).to(query.dtype)
+    if pure_decode:
+        out.copy_(attn)
+    else:
+        out[rows] = attn
 
 
 def paged_attention_cpu(
@@ -40,20 +73,7 @@ def paged_attention_cpu(
 
     decode = [i for i, q in enumerate(q_lens) if q == 1]
     if decode:
-        rows = torch.tensor([starts[i] for i in decode])
-        dec_lens = torch.tensor([lens[i] for i in decode])
-        longest = int(dec_lens.max())
-        nblk = (longest + block_size - 1) // block_size
-        tables = block_tables[decode] if len(decode) != len(lens) else block_tables
-        k = _gather(kv_cache[0], tables, nblk)[:, :longest]  # [S, L, kvh, d]
-        v = _gather(kv_cache[1], tables, nblk)[:, :longest]
-        q = query[rows].float().view(len(decode), num_kv_heads, group, head_dim)  # [S, kvh, g, d]
-        scores = q @ k.float().permute(0, 2, 3, 1) * scale  # [S, kvh, g, L]
-        pad = torch.arange(longest).unsqueeze(0) >= dec_lens.unsqueeze(1)  # [S, L]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        attn = probs @ v.float().transpose(1, 2)  # [S, kvh, g, d]
-        out[rows] = attn.reshape(len(decode), num_heads, head_dim).to(query.dtype)
+        _decode_attention(query, kv_cache, block_tables, decode, starts, lens, scale, out)
 
     for i, q_len in enumerate(q_lens):
         if q_len <= 1:
