@@ -123,7 +123,14 @@ def section_base(args) -> list[Row]:
     return rows
 
 
-SECTIONS = {"base": section_base}
+def section_lora(args) -> list[Row]:
+    """Multi-LoRA throughput (32 adapters vs the same engine's base vs PEFT): benchmarks/bench_lora.py."""
+    from bench_lora import section_lora as run  # this script's folder is on sys.path
+
+    return run(args)
+
+
+SECTIONS = {"base": section_base, "lora": section_lora}
 
 
 def print_table(rows: list[Row]) -> None:
