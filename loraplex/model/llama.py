@@ -76,7 +76,10 @@ class LlamaForCausalLM(nn.Module):
         self.prepacked_head: PrepackedLinear | None = None
 
     def prepare_linears(self) -> None:
-        """Pack the weights for the CPU matmul path when the policy wants it (call after loading)."""
+        """Pack the weights for the CPU matmul path when the policy wants it (call after loading).
+
+        The packed copies are snapshots: call again after changing any weight in place. The
+        parameters stay as they are (state_dict, LoRA shapes), so CPU weight memory doubles."""
         weight = self.embed_tokens
         if not use_prepacked_linears(weight.device, weight.dtype):
             self.prepacked = self.prepacked_head = None
