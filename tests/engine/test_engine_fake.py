@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import pytest
 
@@ -209,6 +210,19 @@ def test_async_two_streams_abort_one():
 
 def test_async_abort_by_id_ends_stream_with_abort():
     engine = make_engine(num_blocks=64)
+    # After the first step, hold each step until the abort was sent: otherwise the fake runner
+    # can reach max_model_len before a loaded machine delivers the first delta to the consumer.
+    abort_sent = threading.Event()
+    execute = engine.runner.execute
+    num_steps = [0]
+
+    def gated_execute(sched_out):
+        num_steps[0] += 1
+        if num_steps[0] > 1:
+            assert abort_sent.wait(30)
+        return execute(sched_out)
+
+    engine.runner.execute = gated_execute
     aengine = AsyncLLMEngine(engine.config, engine=engine)
 
     async def main():
@@ -216,6 +230,7 @@ def test_async_abort_by_id_ends_stream_with_abort():
         async for delta in aengine.generate([7, 8], greedy(max_tokens=500), request_id="x"):
             if delta.outputs[0].token_ids and len(reasons) == 0:
                 aengine.abort("x")
+                abort_sent.set()
             reasons.append(delta.outputs[0].finish_reason)
         return reasons
 
