@@ -1,56 +1,174 @@
 """Paged attention for CPU tensors, batched for speed (``attention_ref`` stays the oracle).
 
-Same arguments and result as ``attention_ref.paged_attention_ref``. Decode rows (one query
-token) of all sequences run as one batched matmul over K/V gathered through the block tables;
-each prompt chunk runs through ``scaled_dot_product_attention`` with a causal mask shifted by its
-cached prefix. The reference's per-sequence Python loop costs about as much as the decoder's
-matmuls at decode batch 64 on a small model; this path does not.
+Same arguments and result as ``attention_ref``. Decode rows (one query token) of all sequences
+run as batched matmuls over K/V gathered through the block tables, with a key-padding mask.
+Prompt chunks are grouped by size and each group runs as one padded call with
+a mask that is causal and shifted by each chunk's cached prefix: a call per sequence costs about
+0.2 ms of fixed overhead, which for 64 short prompts over 30 layers is as much as the math.
+
+Everything that depends only on the step's metadata (groups, gather indices, masks, row maps)
+is an ``AttentionPlan``, built once per step and reused by every layer.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """``cache[num_blocks_total, block_size, kvh, d]`` -> ``[rows, num_blocks * block_size, kvh, d]``.
-
-    ``index_select`` on dim 0 copies whole blocks (memcpy); advanced indexing is ~5x slower here.
-    """
-    blocks = block_tables[:, :num_blocks].long()  # [rows, num_blocks]
-    gathered = torch.index_select(cache, 0, blocks.flatten())  # [rows * num_blocks, block_size, kvh, d]
-    return gathered.view(blocks.shape[0], num_blocks * cache.shape[1], *cache.shape[2:])
+# A prefill group's padded work (chunks x longest query x longest key run) may exceed its real
+# work by this factor; a chunk that would push past it starts a new group, so one long prompt
+# never pads a batch of short ones.
+MAX_PADDING_FACTOR = 1.5
 
 
-def _decode_attention(query, kv_cache, block_tables, decode, starts, lens, scale, out) -> None:
-    """One-token queries of many sequences at once: per KV head, one batched matmul for the
-    scores and one for the output. Slicing a KV head out of the gathered ``[S, L, kvh, d]``
-    leaves BLAS-compatible strides, so no operand is copied again."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    group = num_heads // num_kv_heads
-    num_seqs = len(decode)
-    pure_decode = num_seqs == query.shape[0]  # every row of the batch, in order
-    rows = None if pure_decode else torch.tensor([starts[i] for i in decode])
+@dataclass
+class _Group:
+    """Sequences attended in one padded call."""
+
+    blocks: torch.Tensor  # [P * num_blocks] int64, the group's block tables, row-major
+    num_blocks: int
+    longest: int  # key positions kept (longest seq_len in the group)
+    rows: torch.Tensor | None  # [P, Q] flat query row of each padded query ([S] for decode); None = 0..S-1
+    mask: torch.Tensor  # prefill [P, 1, Q, L] True = may attend; decode [S, 1, L] True = padding
+    valid: torch.Tensor | None  # [P, Q] bool, padded queries that are real rows; None = all
+
+
+@dataclass
+class AttentionPlan:
+    """One step's attention work, computed from the metadata alone (no K/V, no queries)."""
+
+    decode: _Group | None
+    prefill: list[_Group]
+
+
+def plan_paged_attention(
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    block_size: int,
+) -> AttentionPlan:
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
+    decode = [i for i, q in enumerate(q_lens) if q == 1]
+    chunks = [(i, q, lens[i]) for i, q in enumerate(q_lens) if q > 1]
+    return AttentionPlan(
+        decode=_decode_group(block_tables, decode, starts, lens, block_size) if decode else None,
+        prefill=[_prefill_group(block_tables, g, starts, block_size) for g in _prefill_groups(chunks)],
+    )
+
+
+def _blocks(block_tables: torch.Tensor, seqs: list[int] | None, longest: int, block_size: int):
+    num_blocks = (longest + block_size - 1) // block_size
+    tables = block_tables if seqs is None else block_tables[seqs]
+    return tables[:, :num_blocks].long().flatten(), num_blocks
+
+
+def _decode_group(block_tables, decode, starts, lens, block_size) -> _Group:
+    pure = len(decode) == starts[-1]  # every row of the batch is a decode, in order
     dec_lens = torch.tensor([lens[i] for i in decode])
     longest = int(dec_lens.max())
-    nblk = (longest + block_size - 1) // block_size
-    tables = block_tables if pure_decode else block_tables[decode]
-    k = _gather(kv_cache[0], tables, nblk)[:, :longest].float()  # [S, L, kvh, d]
-    v = _gather(kv_cache[1], tables, nblk)[:, :longest].float()
-    q = (query if pure_decode else query[rows]).float().view(num_seqs, num_kv_heads, group, head_dim)
-    pad = (torch.arange(longest).unsqueeze(0) >= dec_lens.unsqueeze(1)).unsqueeze(1)  # [S, 1, L]
-    attn = torch.empty(num_seqs, num_kv_heads, group, head_dim)
+    blocks, num_blocks = _blocks(block_tables, None if pure else decode, longest, block_size)
+    hidden = torch.arange(longest).unsqueeze(0) >= dec_lens.unsqueeze(1)  # [S, L]
+    rows = None if pure else torch.tensor([starts[i] for i in decode])
+    return _Group(blocks, num_blocks, longest, rows, hidden.unsqueeze(1), None)
+
+
+def _prefill_groups(chunks: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """Split ``(seq index, q_len, seq_len)`` chunks into groups worth one padded call each."""
+    groups: list[list[tuple[int, int, int]]] = []
+    real = 0
+    for chunk in sorted(chunks, key=lambda c: (c[2], c[1])):
+        if groups:
+            cand = groups[-1] + [chunk]
+            padded = len(cand) * max(c[1] for c in cand) * max(c[2] for c in cand)
+            if padded <= MAX_PADDING_FACTOR * (real + chunk[1] * chunk[2]):
+                groups[-1].append(chunk)
+                real += chunk[1] * chunk[2]
+                continue
+        groups.append([chunk])
+        real = chunk[1] * chunk[2]
+    return groups
+
+
+def _prefill_group(block_tables, group, starts, block_size) -> _Group:
+    q_lens = torch.tensor([q for _, q, _ in group])  # [P]
+    seq_lens = torch.tensor([n for _, _, n in group])
+    longest_q, longest = int(q_lens.max()), int(seq_lens.max())
+    blocks, num_blocks = _blocks(block_tables, [i for i, _, _ in group], longest, block_size)
+    # padded query j of chunk p reads flat row start_p + min(j, q_len_p - 1); padding rows are
+    # computed (they see a valid key range) and never written back
+    j = torch.arange(longest_q).unsqueeze(0)  # [1, Q]
+    first = torch.tensor([starts[i] for i, _, _ in group]).unsqueeze(1)  # [P, 1]
+    rows = first + torch.minimum(j, q_lens.unsqueeze(1) - 1)  # [P, Q]
+    # query j of chunk p sits at position seq_len_p - q_len_p + j and sees keys up to it
+    q_pos = (seq_lens - q_lens).unsqueeze(1) + j  # [P, Q]
+    allowed = torch.arange(longest).view(1, 1, -1) <= q_pos.unsqueeze(2)  # [P, Q, L]
+    valid = j < q_lens.unsqueeze(1)
+    return _Group(blocks, num_blocks, longest, rows, allowed.unsqueeze(1), None if bool(valid.all()) else valid)
+
+
+def write_kv_cache_cpu(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; slot < 0 = skip (padding)
+) -> None:
+    """``index_copy_`` into the cache seen as one row per slot (no boolean-mask indexing)."""
+    if key.shape[0] == 0:
+        return
+    if int(slot_mapping.min()) < 0:
+        valid = slot_mapping >= 0
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    rows = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, num_blocks * block_size, kvh, d]
+    rows[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    rows[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def _gather(kv_cache: torch.Tensor, group: _Group, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the group's sequences, each ``[P, L, kvh, d]``. ``index_select`` on dim 0 copies
+    whole blocks (memcpy); advanced indexing is ~5x slower here, and on dim 1 ~1.5x."""
+    shape = (-1, group.num_blocks * kv_cache.shape[2], *kv_cache.shape[3:])
+    k, v = (torch.index_select(kv_cache[i], 0, group.blocks).view(shape)[:, : group.longest] for i in (0, 1))
+    return k.to(dtype), v.to(dtype)
+
+
+def _attend_decode(query, kv_cache, group: _Group, scale: float, out: torch.Tensor) -> None:
+    """One query per sequence: per KV head one batched matmul for the scores and one for the
+    output (cheaper than SDPA's per-row setup at these sizes). Slicing a head out of the
+    gathered ``[S, L, kvh, d]`` leaves BLAS-compatible strides, so no operand is copied again."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    k, v = _gather(kv_cache, group, torch.float32)
+    num_seqs = k.shape[0]
+    q = (query if group.rows is None else query[group.rows]).float()
+    q = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    attn = torch.empty(q.shape)  # [S, kvh, g, d]
     for h in range(num_kv_heads):
         scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)).mul_(scale)  # [S, g, L]
-        scores.masked_fill_(pad, float("-inf"))
+        scores.masked_fill_(group.mask, float("-inf"))
         attn[:, h] = torch.bmm(torch.softmax(scores, dim=-1), v[:, :, h])  # [S, g, d]
     attn = attn.view(num_seqs, num_heads, head_dim).to(query.dtype)
-    if pure_decode:
+    if group.rows is None:
         out.copy_(attn)
     else:
-        out[rows] = attn
+        out[group.rows] = attn
+
+
+def _attend_prefill(query, kv_cache, group: _Group, scale: float, out: torch.Tensor) -> None:
+    """A group of prompt chunks as one padded ``scaled_dot_product_attention``."""
+    k, v = _gather(kv_cache, group, query.dtype)
+    q = query[group.rows].transpose(1, 2)  # [P, H, Q, d]
+    attn = F.scaled_dot_product_attention(
+        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask, scale=scale,
+        enable_gqa=kv_cache.shape[3] != query.shape[1],
+    ).transpose(1, 2)  # [P, Q, H, d]
+    if group.valid is None:
+        out[group.rows.flatten()] = attn.flatten(0, 1)
+    else:
+        out[group.rows[group.valid]] = attn[group.valid]
 
 
 def paged_attention_cpu(
@@ -62,35 +180,13 @@ def paged_attention_cpu(
     scale: float,
     max_query_len: int = 0,
     max_seq_len: int = 0,
+    plan: AttentionPlan | None = None,  # from plan_paged_attention on the same metadata
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    group = num_heads // num_kv_heads
+    if plan is None:
+        plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, kv_cache.shape[2])
     out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
-
-    decode = [i for i, q in enumerate(q_lens) if q == 1]
-    if decode:
-        _decode_attention(query, kv_cache, block_tables, decode, starts, lens, scale, out)
-
-    for i, q_len in enumerate(q_lens):
-        if q_len <= 1:
-            continue
-        seq_len = lens[i]
-        nblk = (seq_len + block_size - 1) // block_size
-        k = _gather(kv_cache[0], block_tables[i : i + 1], nblk)[0, :seq_len]  # [L, kvh, d]
-        v = _gather(kv_cache[1], block_tables[i : i + 1], nblk)[0, :seq_len]
-        q = query[starts[i] : starts[i + 1]].transpose(0, 1)  # [H, q_len, d]
-        k = k.to(query.dtype).transpose(0, 1)  # [kvh, L, d]
-        v = v.to(query.dtype).transpose(0, 1)
-        if group > 1:
-            k = k.repeat_interleave(group, dim=0)
-            v = v.repeat_interleave(group, dim=0)
-        # query row j sits at position seq_len - q_len + j and sees keys up to it
-        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        allowed = torch.arange(seq_len).unsqueeze(0) <= q_pos  # [q_len, L]
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)  # [H, q_len, d]
-        out[starts[i] : starts[i + 1]] = attn.transpose(0, 1)
+    if plan.decode is not None:
+        _attend_decode(query, kv_cache, plan.decode, scale, out)
+    for group in plan.prefill:
+        _attend_prefill(query, kv_cache, group, scale, out)
     return out

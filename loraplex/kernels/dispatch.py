@@ -1,5 +1,5 @@
 """The one place that chooses between Triton kernels (CUDA tensors) and their torch reference
-twins (CPU). Everything above ``loraplex.kernels`` calls these four functions only.
+twins (CPU). Everything above ``loraplex.kernels`` calls these functions only.
 
 Shapes (DESIGN.md contracts):
 
@@ -33,9 +33,24 @@ def write_kv_cache(
         from loraplex.kernels.triton_attention import write_kv_cache_triton
 
         return write_kv_cache_triton(key, value, kv_cache, slot_mapping)
-    from loraplex.kernels.attention_ref import write_kv_cache_ref
+    from loraplex.kernels.attention_cpu import write_kv_cache_cpu
 
-    return write_kv_cache_ref(key, value, kv_cache, slot_mapping)
+    return write_kv_cache_cpu(key, value, kv_cache, slot_mapping)
+
+
+def plan_paged_attention(
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] (any layer's)
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+) -> object | None:
+    """The step's attention work planned once from the metadata, for every layer's
+    ``paged_attention(..., plan=)``. ``None`` on CUDA: the Triton kernel needs no plan."""
+    if _use_triton(kv_cache):
+        return None
+    from loraplex.kernels.attention_cpu import plan_paged_attention as plan_cpu
+
+    return plan_cpu(block_tables, seq_lens, query_start_loc, kv_cache.shape[2])
 
 
 def paged_attention(
@@ -47,6 +62,7 @@ def paged_attention(
     scale: float,
     max_query_len: int,  # host ints: grid sizes without a device sync
     max_seq_len: int,
+    plan: object | None = None,  # from plan_paged_attention for this step's metadata
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's query chunk over its cached prefix and itself.
 
@@ -63,7 +79,7 @@ def paged_attention(
     from loraplex.kernels.attention_cpu import paged_attention_cpu
 
     return paged_attention_cpu(
-        query, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len
+        query, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len, plan
     )
 
 

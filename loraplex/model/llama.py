@@ -118,18 +118,19 @@ class LlamaForCausalLM(nn.Module):
         eps = spec.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed_tokens)  # [T, H]
         cos, sin = self.rotary.lookup(positions)  # [T, 1, head_dim] each
-        q_end, k_end = spec.q_size, spec.q_size + spec.kv_size
+        k_end = spec.q_size + spec.kv_size
+        num_qk_heads = spec.num_heads + spec.num_kv_heads
+        plan = dispatch.plan_paged_attention(kv_caches[0], attn.block_tables, attn.seq_lens, attn.query_start_loc)
         for i, layer in enumerate(self.layers):
             # attention block
             x = rms_norm(hidden, layer.input_layernorm, eps)  # [T, H]
             qkv = self._linear(i, "qkv", x)  # [T, q_size + 2 * kv_size]
             if lora is not None:
                 lora.apply(i, "qkv_proj", x, qkv)
-            q = qkv[:, :q_end].view(num_tokens, spec.num_heads, spec.head_dim)
-            k = qkv[:, q_end:k_end].view(num_tokens, spec.num_kv_heads, spec.head_dim)
-            v = qkv[:, k_end:].contiguous().view(num_tokens, spec.num_kv_heads, spec.head_dim)
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
+            # q and k heads rotate in one pass; q and k stay views into the rotated [T, H + kvh, d]
+            qk = apply_rotary(qkv[:, :k_end].view(num_tokens, num_qk_heads, spec.head_dim), cos, sin)
+            q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
+            v = qkv[:, k_end:].view(num_tokens, spec.num_kv_heads, spec.head_dim)
             dispatch.write_kv_cache(k, v, kv_caches[i], attn.slot_mapping)
             attn_out = dispatch.paged_attention(
                 q,
@@ -140,22 +141,23 @@ class LlamaForCausalLM(nn.Module):
                 self.scale,
                 attn.max_query_len,
                 attn.max_seq_len,
+                plan=plan,
             ).reshape(num_tokens, spec.q_size)  # [T, q_size]
             o = self._linear(i, "o", attn_out)  # [T, H]
             if lora is not None:
                 lora.apply(i, "o_proj", attn_out, o)
-            hidden = hidden + o
+            hidden += o  # hidden is this forward's own tensor (the embedding gather's output)
             # MLP block (SwiGLU)
             x = rms_norm(hidden, layer.post_attention_layernorm, eps)
             gate_up = self._linear(i, "gate_up", x)  # [T, 2 * intermediate]
             if lora is not None:
                 lora.apply(i, "gate_up_proj", x, gate_up)
             gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up  # [T, intermediate]
+            act = F.silu(gate).mul_(up)  # [T, intermediate]
             down = self._linear(i, "down", act)  # [T, H]
             if lora is not None:
                 lora.apply(i, "down_proj", act, down)
-            hidden = hidden + down
+            hidden += down
         return rms_norm(hidden, self.norm, eps)
 
     @torch.inference_mode()

@@ -58,8 +58,16 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x[num_tokens, heads, head_dim]`` rotated with the rotate-half convention of HF Llama."""
+    """``x[num_tokens, heads, head_dim]`` rotated with the rotate-half convention of HF Llama.
+
+    Both halves of a cos/sin row are equal (the table repeats the frequencies), so each output
+    half is two products and one add, written into its half of the result: the same roundings
+    as ``x * cos + rotate_half(x) * sin`` without materialising the rotated copy.
+    """
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
+    c, s = cos[..., :half], sin[..., :half]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.mul(x1, c, out=out[..., :half]).sub_(x2 * s)
+    torch.mul(x2, c, out=out[..., half:]).add_(x1 * s)
+    return out
