@@ -8,20 +8,20 @@ same run, same process.
 Base section: ``--num-requests`` prompts (default 64) x ``--output-tokens`` greedy tokens
 (default 32, EOS ignored so every request produces them all) on SmolLM2-135M-Instruct. The
 engine gets all requests at once (continuous batching, paged KV); transformers gets them as one
-left-padded batch. Output tokens per second, wall clock, after one warm-up call each.
+left-padded batch. Output tokens per second, wall clock. Every side is warmed up once with the
+full workload, then ``--repeats`` rounds run the sides in turn; the table gives each side's
+median and the median of the per-round ratios (these shared VMs drift by +-20% within minutes).
 Sections live in ``SECTIONS``; a new one is ``def section_x(args) -> list[Row]`` plus an entry.
-
-Seen 2026-12-02 on the 2-core AVX2 dev VM (shared with other jobs, so ``--threads 1``),
-SmolLM2-135M, 64 x 32 tokens: float32 76.6 vs 65.8 tok/s (1.16x); bfloat16 78.1 vs 13.1 tok/s
-(5.9x: this CPU has no native bf16, see ``loraplex.model.cpu_linear``).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,15 +45,10 @@ STYLES = [
 class Row:
     section: str
     dtype: str
-    engine_tps: float | None
-    transformers_tps: float | None
+    engine_tps: float | None  # median over rounds
+    transformers_tps: float | None  # median over rounds (the baseline column)
+    ratio: float | None = None  # median of the per-round ratios
     note: str = ""
-
-    @property
-    def ratio(self) -> float | None:
-        if self.engine_tps and self.transformers_tps:
-            return self.engine_tps / self.transformers_tps
-        return None
 
 
 def make_prompts(n: int) -> list[str]:
@@ -68,62 +63,92 @@ def chat_token_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
     return out
 
 
-def bench_engine(args, dtype: str, prompt_ids: list[list[int]]) -> tuple[float, int]:
-    from loraplex import LLM, SamplingParams
-
-    llm = LLM(model=args.model, dtype=dtype, home=Path(args.home).expanduser(),
-              max_model_len=args.max_model_len, max_num_seqs=max(256, len(prompt_ids)))
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
-    llm.generate(prompt_ids[:2], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(prompt_ids, params)
-    elapsed = time.perf_counter() - start
-    tokens = sum(len(o.token_ids) for o in outputs)
-    del llm
-    gc.collect()
-    return tokens / elapsed, tokens
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
 
 
-def bench_transformers(model_dir: Path, dtype: str, prompt_ids: list[list[int]], output_tokens: int) -> tuple[float, int]:
+def alternate(runners: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+    """Warm every runner up once with the full workload, then ``repeats`` rounds that call each
+    runner in turn, so slow phases of a noisy machine hit every side alike."""
+    for run in runners.values():
+        run()
+    rates: dict[str, list[float]] = {name: [] for name in runners}
+    for r in range(repeats):
+        for name, run in runners.items():
+            rates[name].append(run())
+        print("  round", r + 1, "  ".join(f"{n} {v[-1]:.1f}" for n, v in rates.items()), "tok/s", flush=True)
+    return rates
+
+
+def ratio_median(num: list[float], den: list[float]) -> float:
+    return median([a / b for a, b in zip(num, den)])
+
+
+def engine_runner(llm, prompt_ids: list[list[int]], output_tokens: int, adapters=None) -> Callable[[], float]:
+    """One timed ``LLM.generate`` of the whole workload -> output tokens per second."""
+    from loraplex import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+
+    def run() -> float:
+        start = time.perf_counter()
+        outputs = llm.generate(prompt_ids, params, adapters=adapters)
+        return sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
+
+    return run
+
+
+def hf_generate_runner(model, prompt_ids: list[list[int]], output_tokens: int, **extra) -> Callable[[], float]:
+    """One timed batched ``generate`` (left-padded, as transformers expects for decoder-only
+    models) -> output tokens per second. ``extra`` goes to ``generate`` (PEFT: adapter_names)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else 0
     width = max(len(p) for p in prompt_ids)
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids])  # left padding
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids])
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
     kwargs = dict(do_sample=False, pad_token_id=pad, max_new_tokens=output_tokens, min_new_tokens=output_tokens)
-    with torch.inference_mode():
-        model.generate(input_ids[:2], attention_mask=attention_mask[:2], **{**kwargs, "max_new_tokens": 2,
-                                                                             "min_new_tokens": 2})
-        start = time.perf_counter()
-        out = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
-        elapsed = time.perf_counter() - start
-    tokens = (out.shape[1] - width) * out.shape[0]
-    del model
-    gc.collect()
-    return tokens / elapsed, tokens
+
+    def run() -> float:
+        with torch.inference_mode():
+            start = time.perf_counter()
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs, **extra)
+            elapsed = time.perf_counter() - start
+        return (out.shape[1] - width) * out.shape[0] / elapsed
+
+    return run
 
 
 def section_base(args) -> list[Row]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from loraplex import LLM
     from loraplex.model.loader import load_tokenizer, resolve_model_dir
 
     model_dir, _name = resolve_model_dir(args.model, Path(args.home).expanduser())  # converts GGUF once
     prompt_ids = chat_token_ids(load_tokenizer(model_dir), make_prompts(args.num_requests))
     print(f"# {len(prompt_ids)} requests, prompt lengths {min(map(len, prompt_ids))}-"
-          f"{max(map(len, prompt_ids))} tokens, {args.output_tokens} output tokens each", flush=True)
+          f"{max(map(len, prompt_ids))} tokens, {args.output_tokens} output tokens each; "
+          f"warm-up + {args.repeats} alternating rounds", flush=True)
     rows = []
     for dtype in args.dtypes.split(","):
-        engine_tps = transformers_tps = None
+        runners = {}
         if args.only in (None, "engine"):
-            engine_tps, _ = bench_engine(args, dtype, prompt_ids)
-            print(f"  engine       {dtype:9s} {engine_tps:8.1f} tok/s", flush=True)
+            llm = LLM(model=args.model, dtype=dtype, home=Path(args.home).expanduser(),
+                      max_model_len=args.max_model_len, max_num_seqs=max(256, len(prompt_ids)))
+            runners["engine"] = engine_runner(llm, prompt_ids, args.output_tokens)
         if args.only in (None, "transformers"):
-            transformers_tps, _ = bench_transformers(model_dir, dtype, prompt_ids, args.output_tokens)
-            print(f"  transformers {dtype:9s} {transformers_tps:8.1f} tok/s", flush=True)
-        rows.append(Row("base", dtype, engine_tps, transformers_tps))
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+            runners["transformers"] = hf_generate_runner(model, prompt_ids, args.output_tokens)
+        print(f"## {dtype}", flush=True)
+        rates = alternate(runners, args.repeats)
+        eng, hf = rates.get("engine"), rates.get("transformers")
+        rows.append(Row("base", dtype, eng and median(eng), hf and median(hf),
+                        ratio_median(eng, hf) if eng and hf else None))
+        runners.clear()
+        gc.collect()
     return rows
 
 
@@ -141,7 +166,7 @@ def print_table(rows: list[Row]) -> None:
     def fmt(x, spec=".1f"):
         return "-" if x is None else format(x, spec)
 
-    print("\n| section | dtype | loraplex tok/s | transformers tok/s | ratio | note |")
+    print("\n| section | dtype | loraplex tok/s | baseline tok/s | ratio (median of rounds) | note |")
     print("| --- | --- | ---: | ---: | ---: | --- |")
     for r in rows:
         print(f"| {r.section} | {r.dtype} | {fmt(r.engine_tps)} | {fmt(r.transformers_tps)} | "
@@ -160,6 +185,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up (medians reported)")
     return parser.parse_args(argv)
 
 

@@ -9,7 +9,10 @@ them round-robin, ``--output-tokens`` greedy tokens each (EOS ignored). Prints, 
 
 * loraplex with adapters (one ``generate`` call, every adapter in a device slot after warm-up),
 * the same engine on the base model, same prompts,
-* PEFT's mixed-adapter ``generate(adapter_names=...)`` on the same prompts, one left-padded batch.
+* PEFT's mixed-adapter ``generate(adapter_names=...)`` on the same prompts, one left-padded batch,
+
+each warmed up once with the full workload, then ``--repeats`` rounds in turn (medians, and the
+median of per-round ratios).
 
 Targets (2-core CPU): adapters >= 0.7 x engine base, >= 1.7 x PEFT.
 """
@@ -53,52 +56,25 @@ def make_adapters(model_dir: Path, root: Path, num: int):
     return model.eval(), names
 
 
-def bench_peft(model, prompt_ids: list[list[int]], adapter_names: list[str], output_tokens: int, pad: int) -> float:
-    import torch
-
-    width = max(len(p) for p in prompt_ids)
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids])  # left padding
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
-    kwargs = dict(do_sample=False, pad_token_id=pad, max_new_tokens=output_tokens, min_new_tokens=output_tokens)
-    with torch.inference_mode():
-        model.generate(input_ids=input_ids[:2], attention_mask=attention_mask[:2], adapter_names=adapter_names[:2],
-                       **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
-        start = time.perf_counter()
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, adapter_names=adapter_names, **kwargs)
-        elapsed = time.perf_counter() - start
-    return (out.shape[1] - width) * out.shape[0] / elapsed
-
-
-def bench_engine_lora(args, dtype: str, prompt_ids, adapter_dirs: list[Path]) -> tuple[float, float, float]:
-    """(tok/s with adapters, tok/s base, seconds to register all adapters) on one engine."""
+def make_engine(args, dtype: str, adapter_dirs: list[Path], num_prompts: int):
+    """An engine with every adapter registered and in a device slot: (llm, names, seconds to register)."""
     from loraplex import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype=dtype, home=Path(args.home).expanduser(), max_model_len=args.max_model_len,
-              max_num_seqs=max(256, len(prompt_ids)), max_loras=len(adapter_dirs), max_lora_rank=16)
+              max_num_seqs=max(256, num_prompts), max_loras=len(adapter_dirs), max_lora_rank=16)
     start = time.perf_counter()
     names = [f"a{i}" for i in range(len(adapter_dirs))]
     for name, d in zip(names, adapter_dirs):
         llm.add_adapter(name, str(d))
     register_s = time.perf_counter() - start
-    adapters = [names[i % len(names)] for i in range(len(prompt_ids))]
-    # warm-up: every adapter once (fills the device slots), and the base path
-    warm = [prompt_ids[i % len(prompt_ids)] for i in range(len(names))]
-    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=2), adapters=names)
-    llm.generate(prompt_ids[:2], SamplingParams(temperature=0.0, max_tokens=2))
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
-    rates = {}
-    for label, ads in (("lora", adapters), ("base", None)):
-        start = time.perf_counter()
-        outputs = llm.generate(prompt_ids, params, adapters=ads)
-        rates[label] = sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
-    del llm
-    gc.collect()
-    return rates["lora"], rates["base"], register_s
+    llm.generate([[1, 2, 3]] * len(names), SamplingParams(temperature=0.0, max_tokens=2), adapters=names)
+    return llm, names, register_s
 
 
 def section_lora(args) -> list:
     import torch
-    from bench_engine import Row, chat_token_ids, make_prompts
+    from bench_engine import Row, alternate, chat_token_ids, engine_runner, hf_generate_runner, make_prompts, median
+    from bench_engine import ratio_median
 
     from loraplex.model.loader import load_tokenizer, resolve_model_dir
 
@@ -109,20 +85,24 @@ def section_lora(args) -> list:
     root = home / "bench_adapters" / f"{model_dir.name}-{num}"
     peft_model, names = make_adapters(model_dir, root, num)
     print(f"# lora: {len(prompt_ids)} requests over {num} adapters (r8/r16, all 7 projections), "
-          f"{args.output_tokens} output tokens each", flush=True)
+          f"{args.output_tokens} output tokens each; warm-up + {args.repeats} alternating rounds", flush=True)
     rows = []
     for dtype in args.dtypes.split(","):
-        lora_tps, base_tps, register_s = bench_engine_lora(args, dtype, prompt_ids, [root / n for n in names])
-        print(f"  engine+lora  {dtype:9s} {lora_tps:8.1f} tok/s", flush=True)
-        print(f"  engine base  {dtype:9s} {base_tps:8.1f} tok/s", flush=True)
+        llm, names, register_s = make_engine(args, dtype, [root / n for n in names], len(prompt_ids))
+        adapters = [names[i % len(names)] for i in range(len(prompt_ids))]
         peft_model.to(getattr(torch, dtype))
-        pad = peft_model.generation_config.pad_token_id
-        adapter_names = [names[i % len(names)] for i in range(len(prompt_ids))]
-        peft_tps = bench_peft(peft_model, prompt_ids, adapter_names, args.output_tokens, pad if pad is not None else 0)
-        print(f"  peft mixed   {dtype:9s} {peft_tps:8.1f} tok/s", flush=True)
-        note = (f"engine base {base_tps:.1f} tok/s; lora/base {lora_tps / base_tps:.2f}x (target 0.7); "
+        print(f"## {dtype}", flush=True)
+        rates = alternate({
+            "lora": engine_runner(llm, prompt_ids, args.output_tokens, adapters=adapters),
+            "base": engine_runner(llm, prompt_ids, args.output_tokens),
+            "peft": hf_generate_runner(peft_model, prompt_ids, args.output_tokens, adapter_names=adapters),
+        }, args.repeats)
+        lora, base, peft = rates["lora"], rates["base"], rates["peft"]
+        note = (f"engine base {median(base):.1f} tok/s; lora/base {ratio_median(lora, base):.2f}x (target 0.7); "
                 f"registering {num} adapters {register_s:.1f}s")
-        rows.append(Row("lora (vs PEFT mixed)", dtype, lora_tps, peft_tps, note))
+        rows.append(Row("lora (vs PEFT mixed)", dtype, median(lora), median(peft), ratio_median(lora, peft), note))
+        del llm
+        gc.collect()
     return rows
 
 
