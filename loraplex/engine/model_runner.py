@@ -174,8 +174,13 @@ class ModelRunner:
             self.release(sched_out.released_seq_ids)
         if sched_out.is_empty:
             return ModelRunnerOutput(sampled={})
-        batch = self.prepare_batch(sched_out.scheduled)
+        scheduled = sched_out.scheduled
         lora_ctx = None
+        if self.lora_manager is not None:
+            # each adapter's tokens contiguous, in slot order within a rank (see batch_order_key)
+            self.lora_manager.place([item.adapter_id for item in scheduled])
+            scheduled = sorted(scheduled, key=lambda item: self.lora_manager.batch_order_key(item.adapter_id))
+        batch = self.prepare_batch(scheduled)
         if self.lora_manager is not None:
             lora_ctx = self.lora_manager.prepare_step(batch.token_adapter_ids)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, lora=lora_ctx)

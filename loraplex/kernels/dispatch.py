@@ -1,5 +1,6 @@
 """The one place that chooses between Triton kernels (CUDA tensors) and their torch reference
-twins (CPU). Everything above ``loraplex.kernels`` calls these functions only.
+twins (CPU). Everything above ``loraplex.kernels`` calls these functions only (the model's LoRA
+context calls ``lora_apply``; ``lora_shrink``/``lora_expand`` are its two halves).
 
 Shapes (DESIGN.md contracts):
 
@@ -96,10 +97,10 @@ def lora_shrink(
         from loraplex.kernels.triton_lora import lora_shrink_triton
 
         return lora_shrink_triton(x, a_stack, meta, out)
-    # CPU: the batched twin of lora_ref (same result; the reference stays the test oracle)
-    from loraplex.kernels.lora_cpu import lora_shrink_cpu
+    # CPU: the reference (the engine's CPU path is the fused ``lora_apply``)
+    from loraplex.kernels.lora_ref import lora_shrink_ref
 
-    return lora_shrink_cpu(x, a_stack, meta, out)
+    return lora_shrink_ref(x, a_stack, meta, out)
 
 
 def lora_expand(
@@ -116,6 +117,29 @@ def lora_expand(
         from loraplex.kernels.triton_lora import lora_expand_triton
 
         return lora_expand_triton(shrunk, b_stack, scaling, slice_offsets, meta, y)
-    from loraplex.kernels.lora_cpu import lora_expand_cpu
+    from loraplex.kernels.lora_ref import lora_expand_ref
 
-    return lora_expand_cpu(shrunk, b_stack, scaling, slice_offsets, meta, y)
+    return lora_expand_ref(shrunk, b_stack, scaling, slice_offsets, meta, y)
+
+
+def lora_apply(
+    x: torch.Tensor,  # [num_tokens, in] (original token order)
+    a_stack: torch.Tensor,  # [num_slices, max_loras, r_max, in]
+    b_stack: torch.Tensor,  # [max_loras, out_total, r_max]
+    scaling: torch.Tensor,  # [num_slices, max_loras] fp32
+    slice_offsets: tuple[int, ...],  # num_slices + 1 offsets into out_total
+    meta: LoRABatchMeta,
+    y: torch.Tensor,  # [num_tokens, out_total] base output, original order; updated in place
+    shrunk: torch.Tensor,  # [num_slices, num_tokens, r_max] fp32 scratch for the shrink output
+) -> None:
+    """``lora_shrink`` then ``lora_expand``: the one call the model's LoRA context makes.
+
+    On CUDA the two Triton kernels run through ``shrunk``; on CPU a fused twin keeps each
+    batch's shrink result local (``shrunk`` unused), which halves the small ops per projection."""
+    if _use_triton(y):
+        lora_shrink(x, a_stack, meta, shrunk)
+        lora_expand(shrunk, b_stack, scaling, slice_offsets, meta, y)
+        return
+    from loraplex.kernels.lora_cpu import lora_apply_cpu
+
+    lora_apply_cpu(x, a_stack, b_stack, scaling, slice_offsets, meta, y)

@@ -1,13 +1,15 @@
-"""Batched CPU twin of the segmented LoRA shrink/expand (same arguments and result as
-``lora_ref``, which stays the test oracle).
+"""Fused CPU twin of the segmented LoRA shrink + expand (same result as ``lora_ref``'s two
+halves, which stay the test oracle), behind ``dispatch.lora_apply``.
 
 ``lora_ref`` runs a few small torch ops per segment and slice; with tens of adapters in a decode
-step that is thousands of tiny ops per step. Here the short segments of one real rank are one
-padded batch, ``[G, L, in] @ [G, in, r]`` for all slices at once, reading the stacked weights
-through a view when the batch's slots are evenly spaced (else per run of consecutive slots, or
-a gather). A call costs a handful of ops whatever the number of adapters, and every adapter
-still computes with its own rank (a rank-8 adapter never pays for a rank-64 one). Long segments
-(prefill chunks) run alone, unpadded.
+step that is thousands of tiny ops per step. Here the segments of one real rank form padded
+batches ``[G, L, in] @ [G, in, r]`` then ``[G, L, r] @ [G, r, out_s]``, reading the stacked
+weights through strided views when the batch's slots are evenly spaced (else per run of
+consecutive slots, or a gather). A projection costs a handful of ops whatever the number of
+adapters, and every adapter computes with its own rank (a rank-8 adapter never pays for a
+rank-64 one). Short segments (decodes) of a rank are one batch in slot order; long ones
+(prefill chunks) are batched by length, with little padding. The runner orders the flat batch by
+(rank, slot), so a batch's tokens are usually one run and x and y are views, not copies.
 
 Fast on CPU only in fp32: AVX2 hosts run small bf16 batched matmuls about ten times slower, so
 the slot pool keeps fp32 stacks on CPU (``LoRAManager``); inputs are converted to the stacks' dtype.
@@ -25,9 +27,12 @@ import torch
 from loraplex.kernels.lora_meta import LoRABatchMeta
 
 
-# Segments at least this long run alone (no padding); shorter ones of one rank are batched,
+# Segments shorter than this (decodes, short chunks) of one rank form one batch in slot order,
 # padded to the longest of them, so padding never costs more than this many rows a segment.
 LONG_SEGMENT = 16
+# Longer segments (prompt chunks) of one rank are batched by length: a batch's padded rows may
+# exceed its real rows by this factor, so one long prompt never pads a batch of short ones.
+MAX_PADDING_FACTOR = 1.25
 # A batch whose slots are not evenly spaced is split into runs of consecutive slots (views of
 # the stacks, no copy) up to this many runs; past that the weights are gathered (a copy).
 MAX_RUNS = 4
@@ -44,6 +49,7 @@ class _Batch:
     valid: torch.Tensor | None  # [n] flat positions in G*L of real rows; None = no padding
     rows_valid: torch.Tensor  # [n] int64
     tokens_valid: torch.Tensor  # [n] int64
+    token_start: int | None  # unpadded and the tokens are token_start.. in order: x and y as views
 
 
 def _slot_index(slots: list[int]) -> slice | torch.Tensor:
@@ -67,6 +73,8 @@ def _batch(rank: int, segs: list[tuple[int, int, int]], perm_host: torch.Tensor)
     padded = len(valid) != len(rows)
     valid_t = torch.tensor(valid, dtype=torch.int64) if padded else None
     flat_rows, flat_tokens = rows_t.view(-1), tokens_t.view(-1)
+    first = int(flat_tokens[0])
+    in_order = not padded and torch.equal(flat_tokens, torch.arange(first, first + flat_tokens.numel()))
     return _Batch(
         rank=rank,
         slots=_slot_index([s for s, _, _ in segs]),
@@ -75,6 +83,7 @@ def _batch(rank: int, segs: list[tuple[int, int, int]], perm_host: torch.Tensor)
         valid=valid_t,
         rows_valid=flat_rows[valid_t] if padded else flat_rows,
         tokens_valid=flat_tokens[valid_t] if padded else flat_tokens,
+        token_start=first if in_order else None,
     )
 
 
@@ -86,6 +95,21 @@ def _runs(segs: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
         else:
             runs.append([seg])
     return runs
+
+
+def _length_groups(segs: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """``(slot, lo, hi)`` segments cut into batches of similar length (see MAX_PADDING_FACTOR)."""
+    groups: list[list[tuple[int, int, int]]] = []
+    real = 0
+    for seg in sorted(segs, key=lambda s: s[2] - s[1]):
+        n = seg[2] - seg[1]  # the longest so far, as segments come shortest first
+        if groups and (len(groups[-1]) + 1) * n <= MAX_PADDING_FACTOR * (real + n):
+            groups[-1].append(seg)
+            real += n
+        else:
+            groups.append([seg])
+            real = n
+    return groups
 
 
 def _plan(meta: LoRABatchMeta) -> list[_Batch]:
@@ -104,7 +128,8 @@ def _plan(meta: LoRABatchMeta) -> list[_Batch]:
     plan = []
     for rank, segs in sorted(by_rank.items()):
         short = sorted(s for s in segs if s[2] - s[1] < LONG_SEGMENT)
-        plan.extend(_batch(rank, [s], perm_host) for s in segs if s[2] - s[1] >= LONG_SEGMENT)
+        long = [s for s in segs if s[2] - s[1] >= LONG_SEGMENT]
+        plan.extend(_batch(rank, sorted(grp), perm_host) for grp in _length_groups(long))
         if not short:
             continue
         if isinstance(_slot_index([s for s, _, _ in short]), slice):
@@ -117,43 +142,48 @@ def _plan(meta: LoRABatchMeta) -> list[_Batch]:
     return plan
 
 
-def lora_shrink_cpu(
-    x: torch.Tensor,  # [num_tokens, in]
+def lora_apply_cpu(
+    x: torch.Tensor,  # [num_tokens, in] (original token order)
     a_stack: torch.Tensor,  # [num_slices, max_loras, r_max, in]
-    meta: LoRABatchMeta,
-    out: torch.Tensor,  # [num_slices, num_tokens, r_max] fp32, permuted rows
-) -> None:
-    num_slices = a_stack.shape[0]
-    for bt in _plan(meta):
-        g, length = bt.rows.shape
-        xg = x[bt.tokens].to(a_stack.dtype)  # [G, L, in]
-        a = a_stack[:, bt.slots, : bt.rank]  # [num_slices, G, r, in]
-        shrunk = torch.matmul(xg.unsqueeze(0), a.transpose(-1, -2))  # [num_slices, G, L, r]
-        shrunk = shrunk.reshape(num_slices, g * length, bt.rank)
-        if bt.valid is not None:
-            shrunk = shrunk[:, bt.valid]
-        out[:, bt.rows_valid, : bt.rank] = shrunk.float()
-
-
-def lora_expand_cpu(
-    shrunk: torch.Tensor,  # [num_slices, num_tokens, r_max] fp32
     b_stack: torch.Tensor,  # [max_loras, out_total, r_max]
     scaling: torch.Tensor,  # [num_slices, max_loras] fp32
-    slice_offsets: tuple[int, ...],
+    slice_offsets: tuple[int, ...],  # num_slices + 1 offsets into out_total
     meta: LoRABatchMeta,
-    y: torch.Tensor,  # [num_tokens, out_total]
+    y: torch.Tensor,  # [num_tokens, out_total] base output, original order; updated in place
 ) -> None:
-    num_slices = len(slice_offsets) - 1
+    """Shrink then expand, fused per batch of the plan: a batch's shrink result goes straight
+    into its expand as ``[G, L, r]``, and every weight operand is a strided view of the stacks
+    (bmm reads them in place). When the runner has ordered the flat batch by (rank, slot) a
+    batch's tokens are one run, so x and y are read and updated through views as well; else
+    they are gathered and scattered. Same result as ``lora_shrink_ref`` + ``lora_expand_ref``.
+    """
+    num_slices = a_stack.shape[0]
+    x_gatherable = None
     for bt in _plan(meta):
         g, length = bt.rows.shape
-        sh = shrunk[:, bt.rows, : bt.rank]  # [num_slices, G, L, r] fp32
-        sh = (sh * scaling[:, bt.slots][:, :, None, None]).to(b_stack.dtype)
-        b = b_stack[bt.slots, :, : bt.rank]  # [G, out_total, r]
-        parts = [
-            torch.matmul(sh[s], b[:, slice_offsets[s] : slice_offsets[s + 1]].transpose(1, 2))  # [G, L, out_s]
-            for s in range(num_slices)
-        ]
-        delta = (parts[0] if num_slices == 1 else torch.cat(parts, dim=-1)).reshape(g * length, -1)
+        if bt.token_start is not None:
+            t0, t1 = bt.token_start, bt.token_start + g * length
+            xg = x[t0:t1].to(a_stack.dtype).view(g, length, -1)  # [G, L, in]
+            y3 = y[t0:t1].view(g, length, -1)  # [G, L, out_total]
+        else:
+            if x_gatherable is None:
+                x_gatherable = x.to(a_stack.dtype)
+            xg = x_gatherable[bt.tokens]
+            y3 = None
+        scales = scaling[:, bt.slots].to(a_stack.dtype).view(num_slices, -1, 1, 1)  # [num_slices, G, 1, 1]
+        parts = []
+        for s in range(num_slices):
+            o0, o1 = slice_offsets[s], slice_offsets[s + 1]
+            a = a_stack[s, bt.slots, : bt.rank]  # [G, r, in]
+            b = b_stack[bt.slots, o0:o1, : bt.rank]  # [G, out_s, r]
+            delta = torch.bmm(torch.bmm(xg, a.transpose(1, 2)).mul_(scales[s]), b.transpose(1, 2))  # [G, L, out_s]
+            if y3 is not None:
+                y3[:, :, o0:o1].add_(delta)
+            else:
+                parts.append(delta)
+        if y3 is not None:
+            continue
+        delta = (parts[0] if num_slices == 1 else torch.cat(parts, dim=-1)).view(g * length, -1)
         if bt.valid is not None:
             delta = delta[bt.valid]
         y.index_add_(0, bt.tokens_valid, delta.to(y.dtype))

@@ -74,5 +74,4 @@ class LoRAStepContext:
             return  # no adapter of this step touches this projection in this layer
         num_slices = stack.a.shape[0]
         shrunk = self._shrunk[:num_slices]  # [num_slices, num_tokens, r_max]
-        dispatch.lora_shrink(x, stack.a, self.meta, shrunk)
-        dispatch.lora_expand(shrunk, stack.b, stack.scaling, stack.slice_offsets, self.meta, y)
+        dispatch.lora_apply(x, stack.a, stack.b, stack.scaling, stack.slice_offsets, self.meta, y, shrunk)

@@ -10,8 +10,9 @@ Request lifecycle, as the engine drives it:
 * ``prefetch(id)`` when the request is queued (once per request): counts it and, if a device slot
   is free (or holds an idle adapter), loads the adapter now, ahead of the step that needs it.
 * ``is_ready`` / ``num_reserved_slots``: the scheduler's ``AdapterGate``.
-* ``prepare_step(token_adapter_ids)`` each step: places the step's adapters in slots (the
-  scheduler guarantees they fit) and returns the step's ``LoRAStepContext``.
+* ``place(ids)`` then ``batch_order_key`` each step: the runner places the step's adapters in
+  slots (the scheduler guarantees they fit) and orders the flat batch by (rank, slot);
+  ``prepare_step(token_adapter_ids)`` (places them if needed) returns the ``LoRAStepContext``.
 * ``on_request_finished(id, ...)`` once per request (finished or aborted).
 
 Host entries of adapters with queued requests and no slot are protected from eviction; when the
@@ -285,14 +286,11 @@ class LoRAManager:
         self._wanted.pop(adapter_id, None)
 
     # ---- per step ------------------------------------------------------------------------
-    def prepare_step(self, token_adapter_ids: list[str | None]) -> LoRAStepContext | None:
-        """Slots for this step's adapters and the step's ``LoRAStepContext`` (None when no
-        token uses an adapter). ``token_adapter_ids``: one entry per token of the flat batch."""
-        step = list(dict.fromkeys(a for a in token_adapter_ids if a is not None))
+    def place(self, adapter_ids: list[str | None]) -> None:
+        """Put this step's adapters (``None`` entries ignored) in device slots; the scheduler
+        guarantees they fit. Idempotent within a step."""
+        step = list(dict.fromkeys(a for a in adapter_ids if a is not None))
         self._last_step = set(step)
-        if not step:
-            self._service_wanted()
-            return None
         for adapter_id in step:
             if self.pool.slot_of(adapter_id) is None:
                 slot = self.pool.free_slot()
@@ -305,7 +303,24 @@ class LoRAManager:
                     )
                 self._load_slot(adapter_id, slot)
         self.pool.touch(step)
-        slot_of = {a: self.pool.slot_of(a) for a in step}
+
+    def batch_order_key(self, adapter_id: str | None) -> tuple[int, int]:
+        """Sort key for a placed adapter's sequences in the flat batch: base model first, then by
+        (rank, slot), so each rank's tokens are one contiguous run in slot order and the CPU
+        path reads them as views."""
+        if adapter_id is None:
+            return (-1, -1)
+        slot = self.pool.slot_of(adapter_id)
+        return (self.pool.slot_rank_host[slot], slot)
+
+    def prepare_step(self, token_adapter_ids: list[str | None]) -> LoRAStepContext | None:
+        """Slots for this step's adapters and the step's ``LoRAStepContext`` (None when no
+        token uses an adapter). ``token_adapter_ids``: one entry per token of the flat batch."""
+        self.place(token_adapter_ids)
+        if not self._last_step:
+            self._service_wanted()
+            return None
+        slot_of = {a: self.pool.slot_of(a) for a in self._last_step}
         token_slots = [-1 if a is None else slot_of[a] for a in token_adapter_ids]
         ctx = LoRAStepContext(self.pool, build_batch_meta(token_slots, self.pool.slot_rank, self.pool.slot_rank_host))
         self._service_wanted()

@@ -114,6 +114,12 @@ class FakeLoRAManager:
         self.calls: list[tuple[int, str, tuple, tuple]] = []
         self.token_adapter_ids = None
 
+    def place(self, adapter_ids):
+        self.placed = list(adapter_ids)
+
+    def batch_order_key(self, adapter_id):
+        return (-1, -1) if adapter_id is None else (8, 0)
+
     def prepare_step(self, token_adapter_ids):
         self.token_adapter_ids = list(token_adapter_ids)
         mask = torch.tensor([a == "A" for a in token_adapter_ids])
@@ -140,7 +146,8 @@ def test_lora_hook_sees_every_linear_and_changes_output(tiny_llama_dir, loraplex
     scheduled = [ScheduledSeq(seqs[0], 0, 5, [0], True, "A"), ScheduledSeq(seqs[1], 0, 3, [1], True, None)]
     runner.execute(SchedulerOutput(scheduled=scheduled, num_batched_tokens=8))
     manager = runner.lora_manager
-    assert manager.token_adapter_ids == ["A"] * 5 + [None] * 3
+    assert manager.placed == ["A", None]
+    assert manager.token_adapter_ids == [None] * 3 + ["A"] * 5  # the runner orders base tokens first
     h, i, q, kv = spec.hidden_size, spec.intermediate_size, spec.q_size, spec.kv_size
     expected = []
     for layer in range(spec.num_layers):

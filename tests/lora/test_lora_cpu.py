@@ -1,5 +1,6 @@
-"""The batched CPU shrink/expand (what dispatch runs on CPU) against the torch reference
-``lora_ref``: mixed real ranks, padding, base tokens, empty slots, 1-3 slices, fp32 and bf16."""
+"""The fused CPU LoRA path (what dispatch.lora_apply runs on CPU) against the torch reference
+``lora_ref``: mixed real ranks, padding, base tokens, empty slots, 1-3 slices, fp32 and bf16,
+in arbitrary token order and in the runner's (rank, slot) order."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import random
 import pytest
 import torch
 
-from loraplex.kernels.lora_cpu import lora_expand_cpu, lora_shrink_cpu
 from loraplex.kernels.lora_ref import lora_expand_ref, lora_shrink_ref
 from loraplex.lora.context import build_batch_meta
 
@@ -34,30 +34,6 @@ def _case(seed: int, dtype: torch.dtype, num_slices: int, num_tokens: int):
     return meta, x, a, b, scaling, tuple(offsets), y, slots, ranks
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_slices", [1, 2, 3])
-@pytest.mark.parametrize("num_tokens", [1, 7, 40, 300])  # 300: long segments run alone
-def test_cpu_twin_matches_reference(dtype, num_slices, num_tokens):
-    meta, x, a, b, scaling, offsets, y, slots, ranks = _case(num_tokens * 10 + num_slices, dtype, num_slices, num_tokens)
-    shrunk_ref = torch.zeros(num_slices, num_tokens, a.shape[2])
-    shrunk_cpu = torch.zeros_like(shrunk_ref)
-    lora_shrink_ref(x, a, meta, shrunk_ref)
-    lora_shrink_cpu(x, a, meta, shrunk_cpu)
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
-    # only the columns below each row's real rank are specified
-    for row, tok in enumerate(meta.token_perm.tolist()):
-        if slots[tok] >= 0:
-            r = ranks[slots[tok]]
-            torch.testing.assert_close(shrunk_cpu[:, row, :r], shrunk_ref[:, row, :r], **tol)
-    y_ref, y_cpu = y.clone(), y.clone()
-    lora_expand_ref(shrunk_ref, b, scaling, offsets, meta, y_ref)
-    lora_expand_cpu(shrunk_ref, b, scaling, offsets, meta, y_cpu)
-    scale = float(y_ref.float().abs().max())
-    torch.testing.assert_close(y_cpu.float() / scale, y_ref.float() / scale, **tol)
-    base_rows = [t for t, s in enumerate(slots) if s < 0]
-    assert torch.equal(y_cpu[base_rows], y[base_rows])  # base-only tokens are never touched
-
-
 def test_plan_uses_views_runs_gathers_and_unpadded_long_segments():
     from loraplex.kernels.lora_cpu import LONG_SEGMENT, _plan
 
@@ -74,3 +50,74 @@ def test_plan_uses_views_runs_gathers_and_unpadded_long_segments():
     assert isinstance(gathered.slots, torch.Tensor) and gathered.slots.tolist() == [0, 2, 3, 5, 7, 9, 11]
     long_and_short = plan_for([3] * LONG_SEGMENT + [1, 1])
     assert [(b.slots, tuple(b.rows.shape)) for b in long_and_short] == [(slice(3, 4), (1, LONG_SEGMENT)), (slice(1, 2), (1, 2))]
+
+
+def _reference_apply(x, a, b, scaling, offsets, meta):
+    shrunk = torch.zeros(a.shape[0], x.shape[0], a.shape[2])
+    lora_shrink_ref(x, a, meta, shrunk)
+    y = torch.zeros(x.shape[0], offsets[-1], dtype=x.dtype)
+    lora_expand_ref(shrunk, b, scaling, offsets, meta, y)
+    return y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_slices", [1, 2, 3])
+@pytest.mark.parametrize("num_tokens", [1, 7, 40, 300])  # 300: long segments, batched by length
+def test_fused_apply_matches_reference_in_any_token_order(dtype, num_slices, num_tokens):
+    """Tokens in arbitrary order (mixed real ranks, padding, base tokens, empty slots): batches
+    are gathered and scattered."""
+    from loraplex.kernels.lora_cpu import lora_apply_cpu
+
+    meta, x, a, b, scaling, offsets, y, slots, ranks = _case(num_tokens * 7 + num_slices, dtype, num_slices, num_tokens)
+    want = y.float() + _reference_apply(x.float(), a.float(), b.float(), scaling, offsets, meta)
+    got = y.clone()
+    lora_apply_cpu(x, a, b, scaling, offsets, meta, got)
+    scale = float(want.abs().max())
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float() / scale, want / scale, **tol)
+    base_rows = [t for t, s in enumerate(slots) if s < 0]
+    assert torch.equal(got[base_rows], y[base_rows])  # base-only tokens are never touched
+
+
+@pytest.mark.parametrize("seg_len", [1, 2, 20])
+def test_fused_apply_on_batch_ordered_by_rank_and_slot_reads_views(seg_len):
+    """The runner's order (base first, then by (rank, slot)): each rank's batch is one token
+    run, so x and y are used through views; the result is still the reference's."""
+    from loraplex.kernels.lora_cpu import _plan, lora_apply_cpu
+
+    gen = torch.Generator().manual_seed(seg_len)
+    max_loras, r_max, in_f, offsets = 8, 16, 24, (0, 12, 18, 24)
+    ranks = [8, 16, 8, 16, 8, 16, 3, 0]
+    used = sorted([0, 1, 2, 3, 4, 5, 6], key=lambda s: (ranks[s], s))
+    slots = [-1] * 3 + [s for s in used for _ in range(seg_len)]
+    meta = build_batch_meta(slots, torch.tensor(ranks, dtype=torch.int32), ranks)
+    x = torch.randn(len(slots), in_f, generator=gen)
+    a = torch.randn(3, max_loras, r_max, in_f, generator=gen)
+    b = torch.randn(max_loras, offsets[-1], r_max, generator=gen)
+    scaling = torch.rand(3, max_loras, generator=gen) * 2
+    y = torch.randn(len(slots), offsets[-1], generator=gen)
+    plan = _plan(meta)
+    assert all(bt.token_start is not None for bt in plan)
+    if seg_len < 16:  # short segments of one rank: one batch whose slots are a view
+        assert sorted(bt.rank for bt in plan) == [3, 8, 16] and all(isinstance(bt.slots, slice) for bt in plan)
+    want = y + _reference_apply(x, a, b, scaling, offsets, meta)
+    got = y.clone()
+    lora_apply_cpu(x, a, b, scaling, offsets, meta, got)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[:3], y[:3])  # base-only tokens untouched
+
+
+def test_long_segments_batch_by_length_without_much_padding():
+    from loraplex.kernels.lora_cpu import MAX_PADDING_FACTOR, _length_groups
+
+    segs, lo = [], 0
+    for slot, n in enumerate([40, 44, 41, 300, 42, 17, 18]):
+        segs.append((slot, lo, lo + n))
+        lo += n
+    groups = _length_groups(segs)
+    assert sorted(s for g in groups for s in g) == sorted(segs)
+    assert [segs[3]] in groups  # the 300-token one alone
+    assert any(len(g) >= 4 for g in groups)  # the ~40-token ones together
+    for g in groups:
+        lens = [hi - lo for _, lo, hi in g]
+        assert len(g) * max(lens) <= MAX_PADDING_FACTOR * sum(lens)
