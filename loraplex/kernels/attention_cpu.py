@@ -1,8 +1,8 @@
 """Paged attention for CPU tensors, batched for speed (``attention_ref`` stays the oracle).
 
 Same arguments and result as ``attention_ref``. Decode rows (one query token) of all sequences
-run as batched matmuls over K/V gathered through the block tables, with a key-padding mask.
-Prompt chunks are grouped by size and each group runs as one padded call with
+run as one ``scaled_dot_product_attention`` over K/V gathered through the block tables, with a
+key-padding mask. Prompt chunks are grouped by size and each group runs as one padded call with
 a mask that is causal and shifted by each chunk's cached prefix: a call per sequence costs about
 0.2 ms of fixed overhead, which for 64 short prompts over 30 layers is as much as the math.
 
@@ -30,8 +30,8 @@ class _Group:
     blocks: torch.Tensor  # [P * num_blocks] int64, the group's block tables, row-major
     num_blocks: int
     longest: int  # key positions kept (longest seq_len in the group)
-    rows: torch.Tensor | None  # [P, Q] flat query row of each padded query ([S] for decode); None = 0..S-1
-    mask: torch.Tensor  # prefill [P, 1, Q, L] True = may attend; decode [S, 1, L] True = padding
+    rows: torch.Tensor | None  # [P, Q] flat query row of each padded query; None = decode rows 0..S-1
+    mask: torch.Tensor  # [P, 1, Q, L] bool, True = may attend
     valid: torch.Tensor | None  # [P, Q] bool, padded queries that are real rows; None = all
 
 
@@ -71,9 +71,9 @@ def _decode_group(block_tables, decode, starts, lens, block_size) -> _Group:
     dec_lens = torch.tensor([lens[i] for i in decode])
     longest = int(dec_lens.max())
     blocks, num_blocks = _blocks(block_tables, None if pure else decode, longest, block_size)
-    hidden = torch.arange(longest).unsqueeze(0) >= dec_lens.unsqueeze(1)  # [S, L]
-    rows = None if pure else torch.tensor([starts[i] for i in decode])
-    return _Group(blocks, num_blocks, longest, rows, hidden.unsqueeze(1), None)
+    keep = torch.arange(longest).unsqueeze(0) < dec_lens.unsqueeze(1)  # [S, L]
+    rows = None if pure else torch.tensor([[starts[i]] for i in decode])
+    return _Group(blocks, num_blocks, longest, rows, keep.view(len(decode), 1, 1, longest), None)
 
 
 def _prefill_groups(chunks: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
@@ -127,45 +127,24 @@ def write_kv_cache_cpu(
     rows[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
-def _gather(kv_cache: torch.Tensor, group: _Group, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the group's sequences, each ``[P, L, kvh, d]``. ``index_select`` on dim 0 copies
-    whole blocks (memcpy); advanced indexing is ~5x slower here, and on dim 1 ~1.5x."""
+def _attend(query, kv_cache, group: _Group, scale: float, out: torch.Tensor) -> None:
+    """One group as one ``scaled_dot_product_attention`` over padded queries and K/V (read
+    through transposed views of the gather, GQA without repeating K/V)."""
     shape = (-1, group.num_blocks * kv_cache.shape[2], *kv_cache.shape[3:])
+    # index_select on dim 0 copies whole blocks (memcpy); advanced indexing is ~5x slower here
     k, v = (torch.index_select(kv_cache[i], 0, group.blocks).view(shape)[:, : group.longest] for i in (0, 1))
-    return k.to(dtype), v.to(dtype)
-
-
-def _attend_decode(query, kv_cache, group: _Group, scale: float, out: torch.Tensor) -> None:
-    """One query per sequence: per KV head one batched matmul for the scores and one for the
-    output (cheaper than SDPA's per-row setup at these sizes). Slicing a head out of the
-    gathered ``[S, L, kvh, d]`` leaves BLAS-compatible strides, so no operand is copied again."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = kv_cache.shape[3]
-    k, v = _gather(kv_cache, group, torch.float32)
-    num_seqs = k.shape[0]
-    q = (query if group.rows is None else query[group.rows]).float()
-    q = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    attn = torch.empty(q.shape)  # [S, kvh, g, d]
-    for h in range(num_kv_heads):
-        scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)).mul_(scale)  # [S, g, L]
-        scores.masked_fill_(group.mask, float("-inf"))
-        attn[:, h] = torch.bmm(torch.softmax(scores, dim=-1), v[:, :, h])  # [S, g, d]
-    attn = attn.view(num_seqs, num_heads, head_dim).to(query.dtype)
-    if group.rows is None:
-        out.copy_(attn)
-    else:
-        out[group.rows] = attn
-
-
-def _attend_prefill(query, kv_cache, group: _Group, scale: float, out: torch.Tensor) -> None:
-    """A group of prompt chunks as one padded ``scaled_dot_product_attention``."""
-    k, v = _gather(kv_cache, group, query.dtype)
-    q = query[group.rows].transpose(1, 2)  # [P, H, Q, d]
+    q = query.unsqueeze(1) if group.rows is None else query[group.rows]  # [P, Q, H, d]
     attn = F.scaled_dot_product_attention(
-        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask, scale=scale,
+        q.transpose(1, 2),
+        k.to(query.dtype).transpose(1, 2),  # [P, kvh, L, d]
+        v.to(query.dtype).transpose(1, 2),
+        attn_mask=group.mask,
+        scale=scale,
         enable_gqa=kv_cache.shape[3] != query.shape[1],
     ).transpose(1, 2)  # [P, Q, H, d]
-    if group.valid is None:
+    if group.rows is None:
+        out.copy_(attn.squeeze(1))
+    elif group.valid is None:
         out[group.rows.flatten()] = attn.flatten(0, 1)
     else:
         out[group.rows[group.valid]] = attn[group.valid]
@@ -185,8 +164,6 @@ def paged_attention_cpu(
     if plan is None:
         plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, kv_cache.shape[2])
     out = torch.empty_like(query)
-    if plan.decode is not None:
-        _attend_decode(query, kv_cache, plan.decode, scale, out)
-    for group in plan.prefill:
-        _attend_prefill(query, kv_cache, group, scale, out)
+    for group in ([plan.decode] if plan.decode is not None else []) + plan.prefill:
+        _attend(query, kv_cache, group, scale, out)
     return out

@@ -59,12 +59,15 @@ class PrepackedLinear:
             self.weight = w32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        x32 = x.float().contiguous()
-        if self.packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x32, self.packed, self.bias, "none", [], "")
-        else:
-            y = F.linear(x32, self.weight, self.bias)
+        y = self.fp32(x.float())
         return y if y.dtype == self.out_dtype else y.to(self.out_dtype)
+
+    def fp32(self, x32: torch.Tensor) -> torch.Tensor:  # [T, in] fp32 -> [T, out] fp32
+        """The product before rounding to ``out_dtype`` (a LoRA delta is added here first)."""
+        x32 = x32.contiguous()
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x32, self.packed, self.bias, "none", [], "")
+        return F.linear(x32, self.weight, self.bias)
 
 
 def use_prepacked_linears(device: torch.device | str, dtype: torch.dtype) -> bool:

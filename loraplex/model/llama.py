@@ -94,11 +94,23 @@ class LlamaForCausalLM(nn.Module):
         ]
         self.prepacked_head = PrepackedLinear(self.lm_head_weight, None, torch.float32)
 
-    def _linear(self, i: int, name: str, x: torch.Tensor) -> torch.Tensor:
+    def _project(self, i: int, name: str, x: torch.Tensor, lora: LoRAStepContext | None) -> torch.Tensor:
+        """Packed projection ``name`` of layer ``i`` plus its LoRA delta (``{name}_proj``).
+
+        Prepacked CPU path: the delta is added to the fp32 product before rounding to the model
+        dtype, and LoRA reads the same fp32 input the GEMM did (one conversion, one rounding)."""
         if self.prepacked is not None:
-            return self.prepacked[i][name](x)
+            linear = self.prepacked[i][name]
+            x32 = x.float()
+            y = linear.fp32(x32)
+            if lora is not None:
+                lora.apply(i, f"{name}_proj", x32, y)
+            return y if y.dtype == linear.out_dtype else y.to(linear.out_dtype)
         layer = self.layers[i]
-        return F.linear(x, getattr(layer, f"{name}_weight"), getattr(layer, f"{name}_bias"))
+        y = F.linear(x, getattr(layer, f"{name}_weight"), getattr(layer, f"{name}_bias"))
+        if lora is not None:
+            lora.apply(i, f"{name}_proj", x, y)
+        return y
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -124,9 +136,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             # attention block
             x = rms_norm(hidden, layer.input_layernorm, eps)  # [T, H]
-            qkv = self._linear(i, "qkv", x)  # [T, q_size + 2 * kv_size]
-            if lora is not None:
-                lora.apply(i, "qkv_proj", x, qkv)
+            qkv = self._project(i, "qkv", x, lora)  # [T, q_size + 2 * kv_size]
             # q and k heads rotate in one pass; q and k stay views into the rotated [T, H + kvh, d]
             qk = apply_rotary(qkv[:, :k_end].view(num_tokens, num_qk_heads, spec.head_dim), cos, sin)
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
@@ -143,20 +153,14 @@ class LlamaForCausalLM(nn.Module):
                 attn.max_seq_len,
                 plan=plan,
             ).reshape(num_tokens, spec.q_size)  # [T, q_size]
-            o = self._linear(i, "o", attn_out)  # [T, H]
-            if lora is not None:
-                lora.apply(i, "o_proj", attn_out, o)
+            o = self._project(i, "o", attn_out, lora)  # [T, H]
             hidden += o  # hidden is this forward's own tensor (the embedding gather's output)
             # MLP block (SwiGLU)
             x = rms_norm(hidden, layer.post_attention_layernorm, eps)
-            gate_up = self._linear(i, "gate_up", x)  # [T, 2 * intermediate]
-            if lora is not None:
-                lora.apply(i, "gate_up_proj", x, gate_up)
+            gate_up = self._project(i, "gate_up", x, lora)  # [T, 2 * intermediate]
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate).mul_(up)  # [T, intermediate]
-            down = self._linear(i, "down", act)  # [T, H]
-            if lora is not None:
-                lora.apply(i, "down_proj", act, down)
+            down = self._project(i, "down", act, lora)  # [T, H]
             hidden += down
         return rms_norm(hidden, self.norm, eps)
 
