@@ -28,9 +28,10 @@ class AttentionMetadata:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as HF Llama computes it: statistics in fp32, scaled in the input dtype."""
-    if x.dtype == torch.float32:
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+    """RMSNorm as HF Llama computes it: statistics in fp32, scaled in the input dtype.
+
+    Written out rather than ``F.rms_norm``, which on CPU (torch 2.13) is ~9x slower at prefill
+    sizes ([2048, 576]) and rounds differently from transformers."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
