@@ -3,7 +3,7 @@ same run, same process.
 
     .venv/bin/python benchmarks/bench_engine.py                      # base section, fp32 + bf16
     .venv/bin/python benchmarks/bench_engine.py --dtypes float32 --only engine
-    .venv/bin/python benchmarks/bench_engine.py --section lora       # multi-LoRA (added by its owner)
+    .venv/bin/python benchmarks/bench_engine.py --section lora       # multi-LoRA (benchmarks/bench_lora.py)
 
 Base section: ``--num-requests`` prompts (default 64) x ``--output-tokens`` greedy tokens
 (default 32, EOS ignored so every request produces them all) on SmolLM2-135M-Instruct. The

@@ -121,12 +121,16 @@ class AsyncLLMEngine:
 
         def add() -> None:
             req = engine.prepare_request(request_id, prompt, params, None, stream_deltas=True)
-            req.adapter_id = engine.resolve_adapter(adapter)
+            req.adapter_id = engine.resolve_adapter(adapter, prepared)
             engine.add_prepared(req)
             self._streams[request_id] = stream
             added.set()
 
         try:
+            prepared = None
+            if adapter is not None and getattr(engine, "lora_manager", None) is not None:
+                # a new adapter version is read and hashed here, not on the engine thread
+                prepared = await asyncio.to_thread(engine.lora_manager.read_ahead, adapter)
             await self._call(add)
             while True:
                 item = await stream.queue.get()

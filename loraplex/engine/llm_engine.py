@@ -106,13 +106,14 @@ class LLMEngine:
         )
 
     # ---- requests --------------------------------------------------------------------------
-    def resolve_adapter(self, adapter) -> str | None:
-        """Adapter reference (None, registered name, PEFT dir, AdapterRef) -> content hash."""
+    def resolve_adapter(self, adapter, prepared=None) -> str | None:
+        """Adapter reference (None, registered name, PEFT dir, AdapterRef) -> content hash.
+        ``prepared``: the lora manager's ``read_ahead`` of the same reference, if any."""
         if adapter is None:
             return None
         if self.lora_manager is None:
             raise InvalidRequestError("this engine was built without LoRA support", param="adapter")
-        return self.lora_manager.resolve(adapter)
+        return self.lora_manager.resolve(adapter, prepared)
 
     def prepare_request(
         self,

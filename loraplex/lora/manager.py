@@ -6,7 +6,8 @@ re-pointed at new weights can never be served from the old weights' slot.
 
 Request lifecycle, as the engine drives it:
 
-* ``resolve(ref)`` when a request arrives: validates (once per file version) and returns the id.
+* ``resolve(ref)`` when a request arrives: validates (once per file version) and returns the id;
+  ``read_ahead(ref)`` does the file reading and validation first, on any thread.
 * ``prefetch(id)`` when the request is queued (once per request): counts it and, if a device slot
   is free (or holds an idle adapter), loads the adapter now, ahead of the step that needs it.
 * ``is_ready`` / ``num_reserved_slots``: the scheduler's ``AdapterGate``.
@@ -95,22 +96,47 @@ class LoRAManager:
         return sum(1 for a in self._device_pinned if a not in running)
 
     # ---- names and references ------------------------------------------------------------
-    def resolve(self, adapter: None | str | AdapterRef) -> str | None:
+    def resolve(self, adapter: None | str | AdapterRef, prepared: PreparedAdapter | None = None) -> str | None:
         """Adapter id for a request's adapter: None (base model), a registered name, a PEFT
-        directory path, or an ``AdapterRef`` (its ``content_hash`` is verified when given)."""
+        directory path, or an ``AdapterRef`` (its ``content_hash`` is verified when given).
+        ``prepared`` (from ``read_ahead``) replaces reading the files when it still matches them."""
         if adapter is None:
             return None
         if isinstance(adapter, AdapterRef):
             if adapter.content_hash is not None and adapter.content_hash in self._records:
                 return adapter.content_hash
-            return self._ensure_known(adapter.path, adapter.name, adapter.content_hash)
+            return self._ensure_known(adapter.path, adapter.name, adapter.content_hash, prepared)
         if isinstance(adapter, str):
             if adapter in self._names:
                 return self._names[adapter]
             if os.path.isdir(adapter):
-                return self._ensure_known(adapter, Path(adapter).name)
+                return self._ensure_known(adapter, Path(adapter).name, prepared=prepared)
             raise AdapterNotFoundError(f"adapter {adapter!r} is neither a registered name nor a PEFT directory")
         raise InvalidAdapterError(f"adapter must be None, a name, a path or an AdapterRef, not {type(adapter).__name__}")
+
+    def read_ahead(self, adapter: None | str | AdapterRef) -> PreparedAdapter | None:
+        """Read and validate the files ``resolve`` would read, without touching any state, so a
+        caller can do it off the engine thread (reading and hashing a large adapter takes
+        seconds that would otherwise stall every running request). None when ``resolve`` needs
+        no files (base model, a registered name, a version already known). Raises what
+        ``resolve`` would for a bad adapter."""
+        if isinstance(adapter, AdapterRef):
+            if adapter.content_hash is not None and adapter.content_hash in self._records:
+                return None
+            path, expected = adapter.path, adapter.content_hash
+        elif isinstance(adapter, str) and adapter not in self._names and os.path.isdir(adapter):
+            path, expected = adapter, None
+        else:
+            return None
+        path = os.path.abspath(path)
+        fingerprint = _fingerprint(path)
+        memo = self._path_memo.get(path)
+        if memo is not None and memo[0] == fingerprint and memo[1] in self._records:
+            return None
+        started = time.perf_counter()
+        weights = self._parse(path)
+        _check_hash(path, weights.adapter_id, expected)
+        return PreparedAdapter(path, fingerprint, weights, time.perf_counter() - started)
 
     def register(self, name: str, path: str | os.PathLike) -> str:
         """Point ``name`` at the adapter in ``path`` (validated first; a rejected adapter leaves
@@ -139,7 +165,9 @@ class LoRAManager:
         return dict(self._names)
 
     # ---- loading -------------------------------------------------------------------------
-    def _ensure_known(self, path: str, display: str, expected_hash: str | None = None) -> str:
+    def _ensure_known(
+        self, path: str, display: str, expected_hash: str | None = None, prepared: PreparedAdapter | None = None
+    ) -> str:
         path = os.path.abspath(path)
         fp = _fingerprint(path)
         memo = self._path_memo.get(path)
@@ -147,27 +175,36 @@ class LoRAManager:
             adapter_id = memo[1]
         else:
             t0 = time.perf_counter()
-            weights = self._read(path)  # every check runs before any state changes
+            if prepared is not None and prepared.path == path and prepared.fingerprint == fp:
+                weights, read_seconds = prepared.weights, prepared.read_seconds
+            else:
+                weights = self._read(path)  # every check runs before any state changes
+                read_seconds = time.perf_counter() - t0
             adapter_id = weights.adapter_id
             _check_hash(path, adapter_id, expected_hash)
             rec = self._records.get(adapter_id)
             if rec is None:
                 rec = self._records[adapter_id] = AdapterRecord(adapter_id, path, weights.info, display)
                 rec.stats.host_loads += 1
-                rec.stats.load_seconds += time.perf_counter() - t0
+                rec.stats.load_seconds += read_seconds
             rec.path = path
             self._path_memo[path] = (fp, adapter_id)
             self._host_put(weights)
         _check_hash(path, adapter_id, expected_hash)
         return adapter_id
 
-    def _read(self, path: str, expected_id: str | None = None) -> AdapterWeights:
-        t0 = time.perf_counter()
+    def _parse(self, path: str, expected_id: str | None = None) -> AdapterWeights:
+        """Files -> validated weights. Reads only the manager's fixed configuration, so
+        ``read_ahead`` may run it on another thread."""
         parsed = load_adapter_files(path)
         info = validate_adapter(parsed, self.spec, self.max_lora_rank)
         if expected_id is not None and info.content_hash != expected_id:
             raise AdapterHashMismatchError(f"adapter files at {path!r} changed since they were loaded")
-        weights = AdapterWeights.build(parsed, info, self.spec, self.dtype)
+        return AdapterWeights.build(parsed, info, self.spec, self.dtype)
+
+    def _read(self, path: str, expected_id: str | None = None) -> AdapterWeights:
+        t0 = time.perf_counter()
+        weights = self._parse(path, expected_id)
         rec = self._records.get(weights.adapter_id)
         if rec is not None:
             rec.stats.host_loads += 1
@@ -387,6 +424,16 @@ class LoRAManager:
             "host_bytes": self.host.used_bytes,
             "host_budget_bytes": self.host.budget_bytes,
         }
+
+
+@dataclass
+class PreparedAdapter:
+    """Adapter files read and validated ahead of ``resolve`` (see ``LoRAManager.read_ahead``)."""
+
+    path: str  # absolute
+    fingerprint: tuple  # of the files when they were read; resolve reads again if it changed
+    weights: AdapterWeights
+    read_seconds: float
 
 
 def _host_nbytes(info: AdapterInfo, spec: LoRATargetSpec, dtype: torch.dtype) -> int:

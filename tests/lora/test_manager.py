@@ -169,3 +169,45 @@ def test_unregister_and_unload(lora_base, make_adapter):
     assert "a" not in m.registered() and m.tier_of(a) == "disk"
     with pytest.raises(AdapterNotFoundError):
         m.unregister("a")
+
+
+def test_read_ahead_reads_without_state_then_resolve_uses_it(lora_base, make_adapter, monkeypatch):
+    """read_ahead does the file work (for another thread) and changes nothing; resolve then
+    takes its result instead of reading again; stale or unneeded reads are handled."""
+    m = new_manager(lora_base.spec)
+    known = m.register("known", make_adapter("known", seed=1))
+    fresh = make_adapter("fresh", seed=2)
+    before = snapshot(m)
+    prepared = m.read_ahead(str(fresh))
+    assert prepared is not None and same(snapshot(m), before)
+    assert m.read_ahead("known") is None and m.read_ahead(None) is None
+    assert m.read_ahead(AdapterRef("k", str(m._records[known].path), known)) is None
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("resolve read the files again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(m, "_read", no_read)
+        adapter_id = m.resolve(str(fresh), prepared)
+    assert adapter_id == prepared.weights.adapter_id and m.read_ahead(str(fresh)) is None
+
+    # files rewritten after the read-ahead: resolve reads them again, never serves the old ones
+    other = make_adapter("other", seed=3)
+    stale = m.read_ahead(str(other))
+    newer = make_adapter("other", seed=4)  # same directory, new weights
+    assert newer == other
+    assert m.resolve(str(other), stale) != stale.weights.adapter_id
+
+
+def test_read_ahead_rejects_bad_adapter_before_the_engine_sees_it(lora_base, make_adapter, tmp_path):
+    m = new_manager(lora_base.spec)
+    good = make_adapter("good", seed=1)
+    m.register("good", good)
+    before = snapshot(m)
+    make, match = BAD_ADAPTERS["nan"]
+    bad = make(good, tmp_path / "bad")
+    with pytest.raises(InvalidAdapterError, match=match):
+        m.read_ahead(str(bad))
+    with pytest.raises(AdapterHashMismatchError):  # the registry's hash and the files disagree
+        m.read_ahead(AdapterRef("new", str(make_adapter("new", seed=2)), "0" * 64))
+    assert same(snapshot(m), before)
