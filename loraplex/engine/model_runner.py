@@ -182,7 +182,7 @@ class ModelRunner:
             scheduled = sorted(scheduled, key=lambda item: self.lora_manager.batch_order_key(item.adapter_id))
         batch = self.prepare_batch(scheduled)
         if self.lora_manager is not None:
-            lora_ctx = self.lora_manager.prepare_step(batch.token_adapter_ids)
+            lora_ctx = self.lora_manager.step_context(batch.token_adapter_ids)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, lora=lora_ctx)
         if not batch.sample_rows:
             return ModelRunnerOutput(sampled={})

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from loraplex.kernels.padding import padded_groups
+
 # A prefill group's padded work (chunks x longest query x longest key run) may exceed its real
 # work by this factor; a chunk that would push past it starts a new group, so one long prompt
 # never pads a batch of short ones.
@@ -78,19 +80,7 @@ def _decode_group(block_tables, decode, starts, lens, block_size) -> _Group:
 
 def _prefill_groups(chunks: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
     """Split ``(seq index, q_len, seq_len)`` chunks into groups worth one padded call each."""
-    groups: list[list[tuple[int, int, int]]] = []
-    real = 0
-    for chunk in sorted(chunks, key=lambda c: (c[2], c[1])):
-        if groups:
-            cand = groups[-1] + [chunk]
-            padded = len(cand) * max(c[1] for c in cand) * max(c[2] for c in cand)
-            if padded <= MAX_PADDING_FACTOR * (real + chunk[1] * chunk[2]):
-                groups[-1].append(chunk)
-                real += chunk[1] * chunk[2]
-                continue
-        groups.append([chunk])
-        real = chunk[1] * chunk[2]
-    return groups
+    return padded_groups(chunks, lambda c: (c[2], c[1]), MAX_PADDING_FACTOR)
 
 
 def _prefill_group(block_tables, group, starts, block_size) -> _Group:

@@ -130,12 +130,12 @@ def lora_apply(
     slice_offsets: tuple[int, ...],  # num_slices + 1 offsets into out_total
     meta: LoRABatchMeta,
     y: torch.Tensor,  # [num_tokens, out_total] base output, original order; updated in place
-    shrunk: torch.Tensor,  # [num_slices, num_tokens, r_max] fp32 scratch for the shrink output
+    shrunk: torch.Tensor | None,  # [num_slices, num_tokens, r_max] fp32 scratch; CUDA only
 ) -> None:
     """``lora_shrink`` then ``lora_expand``: the one call the model's LoRA context makes.
 
     On CUDA the two Triton kernels run through ``shrunk``; on CPU a fused twin keeps each
-    batch's shrink result local (``shrunk`` unused), which halves the small ops per projection."""
+    batch's shrink result local (``shrunk`` may be None), which halves the small ops per projection."""
     if _use_triton(y):
         lora_shrink(x, a_stack, meta, shrunk)
         lora_expand(shrunk, b_stack, scaling, slice_offsets, meta, y)

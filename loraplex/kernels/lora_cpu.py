@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.kernels.lora_meta import LoRABatchMeta
+from loraplex.kernels.padding import padded_groups
 
 
 # Segments shorter than this (decodes, short chunks) of one rank form one batch in slot order,
@@ -99,17 +100,7 @@ def _runs(segs: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
 
 def _length_groups(segs: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
     """``(slot, lo, hi)`` segments cut into batches of similar length (see MAX_PADDING_FACTOR)."""
-    groups: list[list[tuple[int, int, int]]] = []
-    real = 0
-    for seg in sorted(segs, key=lambda s: s[2] - s[1]):
-        n = seg[2] - seg[1]  # the longest so far, as segments come shortest first
-        if groups and (len(groups[-1]) + 1) * n <= MAX_PADDING_FACTOR * (real + n):
-            groups[-1].append(seg)
-            real += n
-        else:
-            groups.append([seg])
-            real = n
-    return groups
+    return padded_groups(segs, lambda s: (s[2] - s[1],), MAX_PADDING_FACTOR)
 
 
 def _plan(meta: LoRABatchMeta) -> list[_Batch]:

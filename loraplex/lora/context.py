@@ -51,17 +51,20 @@ def build_batch_meta(token_slots: list[int], slot_rank: torch.Tensor, slot_rank_
 
 
 class LoRAStepContext:
-    """Built by ``LoRAManager.prepare_step`` for one step; the model calls ``apply`` after each
-    packed projection. Holds the step's metadata and one fp32 shrink buffer reused by every call."""
+    """Built by ``LoRAManager.step_context`` for one step; the model calls ``apply`` after each
+    packed projection. Holds the step's metadata and, on CUDA, one fp32 shrink buffer reused by every call."""
 
     def __init__(self, pool: SlotPool, meta: LoRABatchMeta):
         self.pool = pool
         self.meta = meta
         self.slots = sorted(set(meta.seg_slot_host))
-        # [MAX_SLICES, num_tokens, r_max] fp32: shrink output, sliced per projection
-        self._shrunk = torch.empty(
-            MAX_SLICES, meta.num_tokens, pool.max_rank, dtype=torch.float32, device=pool.device
-        )
+        # [MAX_SLICES, num_tokens, r_max] fp32: shrink output, sliced per projection; only the
+        # Triton kernels pass it between shrink and expand (the CPU path is fused)
+        self._shrunk = None
+        if pool.device.type == "cuda":
+            self._shrunk = torch.empty(
+                MAX_SLICES, meta.num_tokens, pool.max_rank, dtype=torch.float32, device=pool.device
+            )
 
     def apply(self, layer_idx: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """``y[t] += sum_s scaling * (x[t] @ A_s.T) @ B_s.T`` for each token's adapter, in place.
@@ -73,5 +76,5 @@ class LoRAStepContext:
         if stack is None or not any(stack.active[s] for s in self.slots):
             return  # no adapter of this step touches this projection in this layer
         num_slices = stack.a.shape[0]
-        shrunk = self._shrunk[:num_slices]  # [num_slices, num_tokens, r_max]
+        shrunk = None if self._shrunk is None else self._shrunk[:num_slices]  # [num_slices, num_tokens, r_max]
         dispatch.lora_apply(x, stack.a, stack.b, stack.scaling, stack.slice_offsets, self.meta, y, shrunk)

@@ -13,7 +13,8 @@ Request lifecycle, as the engine drives it:
 * ``is_ready`` / ``num_reserved_slots``: the scheduler's ``AdapterGate``.
 * ``place(ids)`` then ``batch_order_key`` each step: the runner places the step's adapters in
   slots (the scheduler guarantees they fit) and orders the flat batch by (rank, slot);
-  ``prepare_step(token_adapter_ids)`` (places them if needed) returns the ``LoRAStepContext``.
+  ``step_context(token_adapter_ids)`` then returns the ``LoRAStepContext``
+  (``prepare_step`` does both).
 * ``on_request_finished(id, ...)`` once per request (finished or aborted).
 
 Host entries of adapters with queued requests and no slot are protected from eviction; when the
@@ -130,8 +131,7 @@ class LoRAManager:
             return None
         path = os.path.abspath(path)
         fingerprint = _fingerprint(path)
-        memo = self._path_memo.get(path)
-        if memo is not None and memo[0] == fingerprint and memo[1] in self._records:
+        if self._known_id(path, fingerprint) is not None:
             return None
         started = time.perf_counter()
         weights = self._parse(path)
@@ -170,10 +170,8 @@ class LoRAManager:
     ) -> str:
         path = os.path.abspath(path)
         fp = _fingerprint(path)
-        memo = self._path_memo.get(path)
-        if memo is not None and memo[0] == fp and memo[1] in self._records:
-            adapter_id = memo[1]
-        else:
+        adapter_id = self._known_id(path, fp)
+        if adapter_id is None:
             t0 = time.perf_counter()
             if prepared is not None and prepared.path == path and prepared.fingerprint == fp:
                 weights, read_seconds = prepared.weights, prepared.read_seconds
@@ -192,6 +190,13 @@ class LoRAManager:
             self._host_put(weights)
         _check_hash(path, adapter_id, expected_hash)
         return adapter_id
+
+    def _known_id(self, path: str, fingerprint: tuple) -> str | None:
+        """The id already loaded from ``path`` when its files are unchanged, else None."""
+        memo = self._path_memo.get(path)
+        if memo is not None and memo[0] == fingerprint and memo[1] in self._records:
+            return memo[1]
+        return None
 
     def _parse(self, path: str, expected_id: str | None = None) -> AdapterWeights:
         """Files -> validated weights. Reads only the manager's fixed configuration, so
@@ -351,9 +356,13 @@ class LoRAManager:
         return (self.pool.slot_rank_host[slot], slot)
 
     def prepare_step(self, token_adapter_ids: list[str | None]) -> LoRAStepContext | None:
-        """Slots for this step's adapters and the step's ``LoRAStepContext`` (None when no
-        token uses an adapter). ``token_adapter_ids``: one entry per token of the flat batch."""
+        """``place`` then ``step_context``, for callers that have not placed the step's adapters."""
         self.place(token_adapter_ids)
+        return self.step_context(token_adapter_ids)
+
+    def step_context(self, token_adapter_ids: list[str | None]) -> LoRAStepContext | None:
+        """The step's ``LoRAStepContext`` (None when no token uses an adapter) for adapters
+        already placed by ``place``. ``token_adapter_ids``: one entry per token of the flat batch."""
         if not self._last_step:
             self._service_wanted()
             return None

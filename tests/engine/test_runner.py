@@ -133,6 +133,8 @@ class FakeLoRAManager:
 
         return Ctx()
 
+    step_context = prepare_step  # what the runner calls once it has placed the step's adapters
+
 
 def test_lora_hook_sees_every_linear_and_changes_output(tiny_llama_dir, loraplex_home):
     runner = make_runner(tiny_llama_dir, loraplex_home)
