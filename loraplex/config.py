@@ -39,7 +39,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
+    # on, as in vLLM v1: requests that share a prefix (a chat template's system prompt, a
+    # tenant's few-shot preamble) compute its full KV blocks once, even within one step
+    enable_prefix_caching: bool = True
     # multi-LoRA
     max_loras: int = 8
     max_lora_rank: int = 64
@@ -76,7 +78,7 @@ class Settings(BaseSettings):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     max_loras: int = 8
     max_lora_rank: int = 64
     max_cpu_lora_bytes: int = 2 * GiB

@@ -3,12 +3,19 @@
 A sequence's KV lives in fixed-size blocks listed in ``seq.block_table``; the KV of token ``p``
 is in slot ``block_table[p // block_size] * block_size + p % block_size``.
 
-Prefix caching: every *full, computed* block gets a hash chained over all tokens before it and
-the adapter's content hash (``h_i = sha256(h_{i-1} || tokens of block i)``, ``h_{-1} =
+Prefix caching: every full block gets a hash chained over all tokens before it and the
+adapter's content hash (``h_i = sha256(h_{i-1} || tokens of block i)``, ``h_{-1} =
 sha256(adapter_id)``), so two sequences share a block only when the adapter and every earlier
 token are the same. A new sequence whose leading full blocks are already cached takes them by
 reference count instead of recomputing them. Cached blocks that no sequence uses stay
 "evictable": they count as free, and are reused (LRU) only when the free list is empty.
+
+A block is registered when it is *scheduled* to become full, not after the step that fills it:
+the model writes every scheduled token's K/V into the cache before any attention of the same
+layer reads it, so a sequence admitted later in the same step can already share it. Requests
+arriving together with a common prefix (a chat template's system prompt) compute it once.
+Registration is undone when the sequence is freed before the step ran (preempted later in the
+same scheduling pass); ``seq.num_computed_tokens`` tells which of its blocks are computed.
 """
 
 from __future__ import annotations
@@ -127,37 +134,44 @@ class BlockManager:
             raise RuntimeError(f"out of KV blocks: need {need}, free {self.num_free_blocks}")
         for _ in range(need):
             seq.block_table.append(self._take_block())
+        if self.enable_prefix_caching:
+            self._register(seq, seq.num_computed_tokens + num_new_tokens)
 
     def _take_block(self) -> int:
         if self._free:
             block = self._free.popleft()
         else:  # reuse the least recently used cached block nobody holds
             block, _ = self._evictable.popitem(last=False)
-            old_hash = self._block_hash[block]
-            if old_hash is not None and self._cached.get(old_hash) == block:
-                del self._cached[old_hash]
-            self._block_hash[block] = None
+            self._unregister(block)
         self._ref_count[block] = 1
         return block
 
-    def commit(self, seq: Sequence) -> None:
-        """Register ``seq``'s newly completed full blocks in the prefix cache (after a step)."""
-        if not self.enable_prefix_caching:
-            return
+    def _register(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the full blocks among ``seq``'s first ``num_tokens`` tokens (those this step
+        computes included) in the prefix cache."""
         hashes = self._seq_hashes.setdefault(seq.seq_id, [])
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        num_full = min(num_tokens // self.block_size, len(seq.block_table))
         parent = hashes[-1] if hashes else _root_hash(seq.adapter_id)
         for i in range(len(hashes), num_full):
             parent = _chain_hash(parent, seq.token_slice(i * self.block_size, (i + 1) * self.block_size))
             hashes.append(parent)
             block = seq.block_table[i]
-            # the first block computed for a given content is the one others will share
+            # the first block scheduled for a given content is the one others will share
             if parent not in self._cached and self._block_hash[block] is None:
                 self._cached[parent] = block
                 self._block_hash[block] = parent
 
+    def _unregister(self, block: int) -> None:
+        old_hash = self._block_hash[block]
+        if old_hash is not None and self._cached.get(old_hash) == block:
+            del self._cached[old_hash]
+        self._block_hash[block] = None
+
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s hold on its blocks (at once); cached ones stay reusable."""
+        # blocks registered for a step that has not run hold no K/V yet: nobody may find them
+        for block in seq.block_table[seq.num_computed_tokens // self.block_size :]:
+            self._unregister(block)
         # release in reverse so a prefix's tail blocks are evicted before its head
         for block in reversed(seq.block_table):
             self._ref_count[block] -= 1
@@ -174,9 +188,6 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached block nobody holds (e.g. after an adapter was deleted)."""
         for block in list(self._evictable):
-            old_hash = self._block_hash[block]
-            if old_hash is not None and self._cached.get(old_hash) == block:
-                del self._cached[old_hash]
-            self._block_hash[block] = None
+            self._unregister(block)
             self._free.append(block)
         self._evictable.clear()

@@ -54,6 +54,10 @@ class LLM:
     def remove_adapter(self, name: str) -> None:
         self.engine.unregister_adapter(name)
 
+    def reset_prefix_cache(self) -> None:
+        """Drop every unused prefix-cache block, so the next ``generate`` starts cold."""
+        self.engine.reset_prefix_cache()
+
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, adapters=None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order.
 

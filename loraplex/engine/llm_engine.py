@@ -261,6 +261,11 @@ class LLMEngine:
                 outputs.append(out)
         return outputs
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached KV blocks no running sequence holds (benchmarks measure a cold
+        cache this way; blocks in use stay shared)."""
+        self.block_manager.reset_prefix_cache()
+
     # ---- adapters --------------------------------------------------------------------------
     def _require_lora(self):
         if self.lora_manager is None:

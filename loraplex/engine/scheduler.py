@@ -341,7 +341,6 @@ class Scheduler:
             is_decode = entry.needs_sample and entry.num_tokens == 1 and seq.num_output_tokens > 0
             if not is_decode:
                 self.stats.num_prompt_tokens_computed += entry.num_tokens
-            self.block_manager.commit(seq)
             if not entry.needs_sample:
                 continue
             sampled = runner_out.sampled[seq.seq_id]

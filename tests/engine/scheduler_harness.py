@@ -48,6 +48,8 @@ class FakeRunner:
         self.steps: list[SchedulerOutput] = []
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        # like the real model (per layer: write every scheduled token's K/V, then attend), all
+        # writes of a step land before any read, so a block filled in this step may be shared
         self.steps.append(out)
         sampled: dict[int, SampledToken] = {}
         used_blocks: dict[int, int] = {}
@@ -63,6 +65,10 @@ class FakeRunner:
                 # a block being written belongs to this sequence alone in this step
                 assert used_blocks.setdefault(block, seq.seq_id) == seq.seq_id
                 self.kv[block * self.block_size + pos % self.block_size] = (pos, tokens[pos])
+        for entry in out.scheduled:
+            seq = entry.seq
+            end = entry.start_pos + entry.num_tokens
+            tokens = seq.all_token_ids
             if entry.needs_sample:
                 assert end == seq.num_tokens
                 context = []

@@ -177,6 +177,54 @@ def test_prefix_caching_shares_blocks_and_keeps_outputs():
     assert h.block_manager.num_free_blocks == 80
 
 
+def test_prefix_shared_within_the_step_that_computes_it():
+    # requests that arrive together with a common prefix (a chat template's system prompt)
+    # compute it once: the first one's blocks are shared from the step that fills them
+    rng = random.Random(5)
+    shared = [rng.randrange(97) for _ in range(21)]  # five full blocks of 4, then one partial
+    prompts = [shared + [rng.randrange(97) for _ in range(rng.randint(1, 9))] for _ in range(6)]
+    h = Harness(num_blocks=80, block_size=4, enable_prefix_caching=True, max_num_batched_tokens=256)
+    seqs = [h.add(p, max_tokens=5) for p in prompts]
+    first = h.step()
+    assert len(first.scheduled) == 6  # all admitted in one step ...
+    assert first.num_batched_tokens == sum(map(len, prompts)) - 5 * 20  # ... the prefix computed once
+    tables = [s.block_table[:5] for s in seqs]
+    assert all(t == tables[0] for t in tables)
+    h.run()
+    assert h.block_manager.num_prefix_hit_tokens == 5 * 20
+    for seq, p in zip(seqs, prompts):
+        assert seq.output_token_ids == reference_output(p, 5)
+    assert h.block_manager.num_free_blocks == 80
+
+
+def test_blocks_of_a_step_that_never_ran_are_not_shared():
+    from loraplex.engine.block_manager import BlockManager
+    from loraplex.engine.sequence import Sequence
+    from loraplex.sampling_params import SamplingParams
+
+    def seq(i: int, prompt: list[int]) -> Sequence:
+        return Sequence(seq_id=i, request_id=f"r{i}", prompt_token_ids=prompt, params=SamplingParams())
+
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(10, 23))  # three full blocks and one token
+    a = seq(0, prompt)
+    bm.allocate(a, a.num_tokens)  # scheduled: its full blocks are registered ...
+    b = seq(1, prompt)
+    assert bm.num_cached_prefix_tokens(b) == 12
+    bm.free(a)  # ... but it is preempted in the same pass, before the step computed them
+    assert bm.num_cached_prefix_tokens(b) == 0
+    assert bm.num_free_blocks == 16
+    # once computed (the engine advanced num_computed_tokens) they outlive their sequence
+    c = seq(2, prompt)
+    bm.allocate(c, c.num_tokens)
+    c.num_computed_tokens = c.num_tokens
+    bm.free(c)
+    assert bm.num_cached_prefix_tokens(b) == 12
+    bm.allocate(b, 1)
+    assert b.num_computed_tokens == 12
+    assert all(bm.ref_count(block) == 1 for block in b.block_table)  # c's, now held by b alone
+
+
 def test_fcfs_order_of_admission():
     h = Harness(num_blocks=64, block_size=4, max_num_seqs=2)
     seqs = [h.add([i + 1] * 3, max_tokens=3) for i in range(6)]
