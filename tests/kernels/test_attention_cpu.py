@@ -80,3 +80,23 @@ def test_write_kv_cache_matches_reference_and_skips_padding():
     write_kv_cache_cpu(key, value, got, slots)
     write_kv_cache_ref(key, value, want, slots)
     assert torch.equal(got, want) and not torch.equal(got, cache)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
+def test_pure_decode_batch_with_strided_query(num_heads, num_kv_heads):
+    """A step of decodes only (the common case) takes the grouped-heads path; the query is a
+    view into a packed qkv projection, as the model passes it."""
+    gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
+    block_size, head_dim, num_blocks = 16, 32, 64
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    seq_lens = [1, 16, 17, 40, 95, 33]
+    max_blocks = max((n + block_size - 1) // block_size for n in seq_lens)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[perm.pop() for _ in range(max_blocks)] for _ in seq_lens]
+    qkv = torch.randn(len(seq_lens), (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    query = qkv[:, : num_heads * head_dim].view(len(seq_lens), num_heads, head_dim)
+    assert not query.is_contiguous()
+    args = (query, kv_cache, torch.tensor(tables, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
+            torch.arange(len(seq_lens) + 1, dtype=torch.int32), head_dim**-0.5, 1, max(seq_lens))
+    got, want = paged_attention_cpu(*args), paged_attention_ref(*args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
