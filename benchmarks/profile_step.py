@@ -59,6 +59,7 @@ def main() -> int:
         return out
 
     runner.execute = profiled
+    llm.reset_prefix_cache()  # as bench_engine.py: only the chat template's prefix is shared
     llm.generate(prompt_ids, params)
     print("| step | tokens | wall ms | profiled ms | GEMM ms | attention ms | other ms |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

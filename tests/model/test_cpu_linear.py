@@ -11,7 +11,7 @@ from loraplex.model.cpu_linear import PrepackedLinear, use_prepacked_linears
 
 
 @pytest.mark.parametrize("onednn", [True, False])
-@pytest.mark.parametrize("rows", [1, 5, 130])
+@pytest.mark.parametrize("rows", [1, 5, 130, cpu_linear.PLAIN_GEMM_MIN_ROWS + 3])  # last: plain path
 def test_prepacked_matches_f_linear(monkeypatch, onednn, rows):
     if onednn and not cpu_linear.onednn_linear_available():
         pytest.skip("this torch build has no oneDNN prepacked linear")
@@ -36,3 +36,17 @@ def test_policy():
     assert not use_prepacked_linears("meta", torch.float32)
     assert not use_prepacked_linears("cpu", torch.float16)
     assert use_prepacked_linears("cpu", torch.bfloat16) == (not cpu_linear.native_cpu_bf16())
+
+
+def test_bf16_weights_keep_no_fp32_copy_for_tall_inputs():
+    # the plain-GEMM path for prompt-sized inputs only reuses an fp32 weight; it never copies one
+    if not cpu_linear.onednn_linear_available():
+        pytest.skip("this torch build has no oneDNN prepacked linear")
+    torch.manual_seed(2)
+    w = torch.randn(40, 24)
+    assert PrepackedLinear(w, None, torch.float32).weight.data_ptr() == w.data_ptr()
+    w16 = w.bfloat16()
+    lin = PrepackedLinear(w16, None, torch.bfloat16)
+    assert lin.weight is None
+    x = torch.randn(cpu_linear.PLAIN_GEMM_MIN_ROWS + 1, 24).bfloat16()
+    torch.testing.assert_close(lin(x).float(), F.linear(x.float(), w16.float()).bfloat16().float(), rtol=1e-2, atol=1e-2)
