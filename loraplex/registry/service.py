@@ -14,6 +14,8 @@ delete the whole adapter).
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -45,7 +47,11 @@ __all__ = [
     "AuditEventInfo",
 ]
 
-WRITE_ATTEMPTS = 5  # retries of a write that lost a race on a unique constraint
+WRITE_ATTEMPTS = 8  # retries of a write that lost a race on a unique constraint
+# Before retry n a loser sleeps a random time up to RETRY_BACKOFF_S * 2**n: without it, writers
+# that collided once (SQLite has no row locks, so FOR UPDATE does not serialise them) collide
+# again at once, and under CPU load one of four could lose five times in a row.
+RETRY_BACKOFF_S = 0.002
 
 
 class RegistryService(AdminKeyMixin):
@@ -191,6 +197,7 @@ class RegistryService(AdminKeyMixin):
                 # another writer created the adapter or took the version number first; retry
                 if attempt == WRITE_ATTEMPTS - 1:
                     raise Conflict(f"concurrent uploads to {tenant}/{name}; try again") from None
+                time.sleep(random.uniform(0, RETRY_BACKOFF_S * 2**attempt))
         raise AssertionError("unreachable")
 
     def _add_version_once(
