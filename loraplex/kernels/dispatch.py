@@ -68,7 +68,10 @@ def paged_attention(
     """Causal attention of each sequence's query chunk over its cached prefix and itself.
 
     The query tokens of sequence ``i`` are the last ``q_len_i`` positions of its ``seq_lens[i]``;
-    their K/V must already be written to the cache (``write_kv_cache``) before this call.
+    their K/V must already be written to the cache (``write_kv_cache``) before this call. So
+    must the whole step's: with prefix caching a sequence may read a block that another
+    sequence of the same step fills (see ``BlockManager``), so a kernel that fuses the write
+    into the attention has to finish every write before any read.
     """
     if _use_triton(query):
         from loraplex.kernels.triton_attention import paged_attention_triton

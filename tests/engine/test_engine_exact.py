@@ -152,13 +152,29 @@ def test_prefix_caching_reuses_kv_and_keeps_outputs(tiny_llama_dir, loraplex_hom
     shared = torch.randint(4, 300, (40,)).tolist()  # two full blocks of 16 shared by every prompt
     prompts = [shared + torch.randint(4, 300, (n,)).tolist() for n in (1, 5, 17, 30)]
     params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
-    plain = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=64).generate(prompts, params)
+    plain = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=64, enable_prefix_caching=False)
+    plain = plain.generate(prompts, params)
     llm = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=64, enable_prefix_caching=True)
     llm.generate(prompts[:1], params)
     cached = llm.generate(prompts, params)
     stats = llm.engine.stats()
     assert stats["prefix_cache_hits"] >= 4 * 32
     assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
+
+
+def test_prefix_shared_within_one_step_matches_transformers(tiny_llama_dir, loraplex_home):
+    # cold cache, all prompts in one step: the first prompt's two prefix blocks are filled and
+    # read by the other three in that same step
+    torch.manual_seed(2)
+    shared = torch.randint(4, 300, (40,)).tolist()
+    prompts = [shared + torch.randint(4, 300, (n,)).tolist() for n in (1, 5, 17, 30)]
+    llm = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=64, max_num_batched_tokens=256)
+    out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6))
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_hits"] == 3 * 32
+    assert llm.engine.scheduler.stats.num_steps == 6  # one step for every prompt, then decodes
+    assert [o.token_ids for o in out] == hf_greedy_all(tiny_llama_dir, prompts, 6)
     assert stats["num_blocks_free"] == stats["num_blocks_total"]
 
 

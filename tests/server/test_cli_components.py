@@ -21,14 +21,14 @@ def test_every_setting_is_a_flag_and_flags_win(monkeypatch, tmp_path):
     monkeypatch.setenv("LORAPLEX_MAX_LORAS", "3")
     monkeypatch.setenv("LORAPLEX_PORT", "9999")
     args = build_parser().parse_args([
-        "serve", "--model", "m", "--port", "1234", "--home", str(tmp_path), "--enable-prefix-caching",
+        "serve", "--model", "m", "--port", "1234", "--home", str(tmp_path), "--no-enable-prefix-caching",
         "--max-model-len", "64", "--kv-cache-memory-fraction", "0.5",
     ])
     s = settings_from_args(args)
     assert (s.model, s.port, s.max_loras, s.home) == ("m", 1234, 3, tmp_path)  # env where no flag
-    assert s.enable_prefix_caching is True and s.max_model_len == 64 and s.kv_cache_memory_fraction == 0.5
+    assert s.enable_prefix_caching is False and s.max_model_len == 64 and s.kv_cache_memory_fraction == 0.5
     engine = s.engine_config()
-    assert engine.max_model_len == 64 and engine.enable_prefix_caching is True
+    assert engine.max_model_len == 64 and engine.enable_prefix_caching is False
     # no flag for the admin key (it would show in the process list)
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     assert "--admin-key" not in help_text and "--max-lora-rank" in help_text
