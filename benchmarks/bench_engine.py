@@ -8,7 +8,9 @@ same run, same process.
 Base section: ``--num-requests`` prompts (default 64) x ``--output-tokens`` greedy tokens
 (default 32, EOS ignored so every request produces them all) on SmolLM2-135M-Instruct. The
 engine gets all requests at once (continuous batching, paged KV); transformers gets them as one
-left-padded batch. Output tokens per second, wall clock. Every side is warmed up once with the
+left-padded batch. The prompts differ but share the chat template's system prompt (24 tokens,
+one full KV block), which the engine computes once when prefix caching is on; rows with it on
+and off show what that buys. Output tokens per second, wall clock. Every side is warmed up once with the
 full workload, then ``--repeats`` rounds run the sides in turn; the table gives each side's
 median and the median of the per-round ratios (these shared VMs drift by +-20% within minutes).
 Sections live in ``SECTIONS``; a new one is ``def section_x(args) -> list[Row]`` plus an entry.
@@ -52,7 +54,9 @@ class Row:
 
 
 def make_prompts(n: int) -> list[str]:
-    return [STYLES[i % len(STYLES)].format(t=TOPICS[(i * 7) % len(TOPICS)]) for i in range(n)]
+    """``n`` chat prompts, all different up to ``len(STYLES) * len(TOPICS)`` = 64: what they share
+    is the chat template's system prompt, as real chat traffic does, never a whole prompt."""
+    return [STYLES[(i // len(TOPICS)) % len(STYLES)].format(t=TOPICS[i % len(TOPICS)]) for i in range(n)]
 
 
 def chat_token_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
@@ -91,6 +95,7 @@ def engine_runner(llm, prompt_ids: list[list[int]], output_tokens: int, adapters
     params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
 
     def run() -> float:
+        llm.reset_prefix_cache()  # each round starts cold: only sharing within the round counts
         start = time.perf_counter()
         outputs = llm.generate(prompt_ids, params, adapters=adapters)
         return sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
@@ -132,21 +137,26 @@ def section_base(args) -> list[Row]:
     print(f"# {len(prompt_ids)} requests, prompt lengths {min(map(len, prompt_ids))}-"
           f"{max(map(len, prompt_ids))} tokens, {args.output_tokens} output tokens each; "
           f"warm-up + {args.repeats} alternating rounds", flush=True)
+    caching = {"on": [True], "off": [False], "both": [True, False]}[args.prefix_caching]
     rows = []
     for dtype in args.dtypes.split(","):
         runners = {}
         if args.only in (None, "engine"):
-            llm = LLM(model=args.model, dtype=dtype, home=Path(args.home).expanduser(),
-                      max_model_len=args.max_model_len, max_num_seqs=max(256, len(prompt_ids)))
-            runners["engine"] = engine_runner(llm, prompt_ids, args.output_tokens)
+            for on in caching:
+                llm = LLM(model=args.model, dtype=dtype, home=Path(args.home).expanduser(),
+                          max_model_len=args.max_model_len, max_num_seqs=max(256, len(prompt_ids)),
+                          enable_prefix_caching=on)
+                runners[f"engine (prefix caching {'on' if on else 'off'})"] = engine_runner(
+                    llm, prompt_ids, args.output_tokens)
         if args.only in (None, "transformers"):
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
             runners["transformers"] = hf_generate_runner(model, prompt_ids, args.output_tokens)
         print(f"## {dtype}", flush=True)
         rates = alternate(runners, args.repeats)
-        eng, hf = rates.get("engine"), rates.get("transformers")
-        rows.append(Row("base", dtype, eng and median(eng), hf and median(hf),
-                        ratio_median(eng, hf) if eng and hf else None))
+        hf = rates.pop("transformers", None)
+        for name, eng in (rates or {"engine": None}).items():  # --only transformers: one row
+            rows.append(Row("base", dtype, eng and median(eng), hf and median(hf),
+                            ratio_median(eng, hf) if eng and hf else None, name.removeprefix("engine ")))
         runners.clear()
         gc.collect()
     return rows
@@ -185,6 +195,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--prefix-caching", choices=["on", "off", "both"], default="both",
+                        help="engine rows with prefix caching on, off or both (default both; the "
+                        "prompts share only the chat template's system prompt)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up (medians reported)")
     return parser.parse_args(argv)
 

@@ -14,6 +14,10 @@ them round-robin, ``--output-tokens`` greedy tokens each (EOS ignored). Prints, 
 each warmed up once with the full workload, then ``--repeats`` rounds in turn (medians, and the
 median of per-round ratios).
 
+Prefix caching is on unless ``--prefix-caching off``: base requests then share the chat
+template's prefix blocks with each other, adapter requests only with requests of the same
+adapter (KV depends on the adapter), so the adapters/base ratio includes that difference.
+
 Targets (2-core CPU): adapters >= 0.7 x engine base, >= 1.7 x PEFT.
 """
 
@@ -61,7 +65,8 @@ def make_engine(args, dtype: str, adapter_dirs: list[Path], num_prompts: int):
     from loraplex import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype=dtype, home=Path(args.home).expanduser(), max_model_len=args.max_model_len,
-              max_num_seqs=max(256, num_prompts), max_loras=len(adapter_dirs), max_lora_rank=16)
+              max_num_seqs=max(256, num_prompts), max_loras=len(adapter_dirs), max_lora_rank=16,
+              enable_prefix_caching=getattr(args, "prefix_caching", "on") != "off")
     start = time.perf_counter()
     names = [f"a{i}" for i in range(len(adapter_dirs))]
     for name, d in zip(names, adapter_dirs):
@@ -98,7 +103,9 @@ def section_lora(args) -> list:
             "peft": hf_generate_runner(peft_model, prompt_ids, args.output_tokens, adapter_names=adapters),
         }, args.repeats)
         lora, base, peft = rates["lora"], rates["base"], rates["peft"]
+        caching = "off" if getattr(args, "prefix_caching", "on") == "off" else "on"
         note = (f"engine base {median(base):.1f} tok/s; lora/base {ratio_median(lora, base):.2f}x (target 0.7); "
+                f"prefix caching {caching}; "
                 f"registering {num} adapters {register_s:.1f}s")
         rows.append(Row("lora (vs PEFT mixed)", dtype, median(lora), median(peft), ratio_median(lora, peft), note))
         del llm

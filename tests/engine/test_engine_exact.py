@@ -165,11 +165,12 @@ def test_prefix_caching_reuses_kv_and_keeps_outputs(tiny_llama_dir, loraplex_hom
 
 def test_prefix_shared_within_one_step_matches_transformers(tiny_llama_dir, loraplex_home):
     # cold cache, all prompts in one step: the first prompt's two prefix blocks are filled and
-    # read by the other three in that same step
+    # read by the other three in that same step. The step computes 413 - 96 = 317 tokens, so
+    # the prompt-sized GEMM path (PLAIN_GEMM_MIN_ROWS) runs too.
     torch.manual_seed(2)
     shared = torch.randint(4, 300, (40,)).tolist()
-    prompts = [shared + torch.randint(4, 300, (n,)).tolist() for n in (1, 5, 17, 30)]
-    llm = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=64, max_num_batched_tokens=256)
+    prompts = [shared + torch.randint(4, 300, (n,)).tolist() for n in (1, 5, 17, 230)]
+    llm = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=64, max_num_batched_tokens=512)
     out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6))
     stats = llm.engine.stats()
     assert stats["prefix_cache_hits"] == 3 * 32
