@@ -186,7 +186,7 @@ class BlockManager:
         self._seq_hashes.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block nobody holds (e.g. after an adapter was deleted)."""
+        """Forget every cached block nobody holds (a benchmark round that must start cold)."""
         for block in list(self._evictable):
             self._unregister(block)
             self._free.append(block)
