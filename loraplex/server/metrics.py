@@ -7,7 +7,8 @@ vLLM's names, which the Kubernetes Gateway API Inference Extension reads:
 running_lora_adapters, waiting_lora_adapters, max_lora; value: the time of the scrape),
 ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
 ``vllm:e2e_request_latency_seconds``, ``vllm:prompt_tokens_total``,
-``vllm:generation_tokens_total``.
+``vllm:generation_tokens_total``, ``vllm:prefix_cache_queries_total``,
+``vllm:prefix_cache_hits_total`` (prompt tokens; hit rate = hits / queries).
 
 loraplex's own: ``loraplex_adapters{tier}``, ``loraplex_adapter_loads_total``,
 ``loraplex_adapter_evictions_total``, ``loraplex_adapter_load_seconds_total``,
@@ -237,6 +238,13 @@ class _EngineCollector:
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric([m.model_name], _num(stats, *keys))
             yield g
+        for name, doc, key in (  # vLLM v1's names; both count prompt tokens
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+        ):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([m.model_name], _num(stats, key))
+            yield c
         running, waiting = m.lora_adapters(stats)
         info = GaugeMetricFamily(
             "vllm:lora_requests_info",

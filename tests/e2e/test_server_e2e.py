@@ -303,6 +303,11 @@ def test_disconnect_aborts_and_frees_blocks(world):
     assert _engine_stats(world.srv)["num_requests_running"] == 0
 
 
+def _metric(text: str, name: str) -> float:
+    (line,) = [line for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " ")]
+    return float(line.rsplit(" ", 1)[1])
+
+
 def test_metrics_and_access_log(world):
     for stream in (False, True):
         list(world.acme_client.completions.create(model="sql", prompt="m", max_tokens=3, stream=stream) or [])
@@ -311,8 +316,17 @@ def test_metrics_and_access_log(world):
                  "vllm:lora_requests_info", "vllm:time_to_first_token_seconds_count",
                  "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", 'loraplex_adapters{tier="device"}',
-                 "loraplex_adapter_loads_total", 'loraplex_adapter_requests_total{adapter="acme/sql"}'):
+                 "loraplex_adapter_loads_total", 'loraplex_adapter_requests_total{adapter="acme/sql"}',
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
         assert name in text, name
+    # the same 40-byte prompt twice: the second request finds its first two 16-token blocks cached
+    hits_before = _metric(text, "vllm:prefix_cache_hits_total")
+    queries_before = _metric(text, "vllm:prefix_cache_queries_total")
+    for _ in range(2):
+        world.acme_client.completions.create(model="sql", prompt="cache me, please: " + "x" * 22, max_tokens=1)
+    text = httpx.get(world.srv.url + "/metrics").text
+    assert _metric(text, "vllm:prefix_cache_hits_total") - hits_before >= 32
+    assert _metric(text, "vllm:prefix_cache_queries_total") - queries_before >= 80
     log = world.srv.log()
     records = [json.loads(line) for line in log.splitlines() if line.startswith('{"event":"request"')]
     assert records and all({"tenant", "adapter", "version", "prompt_tokens", "completion_tokens", "ttft_s",
