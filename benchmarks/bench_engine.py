@@ -8,11 +8,12 @@ same run, same process.
 Base section: ``--num-requests`` prompts (default 64) x ``--output-tokens`` greedy tokens
 (default 32, EOS ignored so every request produces them all) on SmolLM2-135M-Instruct. The
 engine gets all requests at once (continuous batching, paged KV); transformers gets them as one
-left-padded batch. The prompts differ but share the chat template's system prompt (24 tokens,
-one full KV block), which the engine computes once when prefix caching is on; rows with it on
-and off show what that buys. Output tokens per second, wall clock. Every side is warmed up once with the
-full workload, then ``--repeats`` rounds run the sides in turn; the table gives each side's
-median and the median of the per-round ratios (these shared VMs drift by +-20% within minutes).
+left-padded batch. The prompts differ but begin alike (the chat template's system prompt, 24
+tokens, one full KV block; four instruction openings), which the engine computes once when
+prefix caching is on; rows with it on and off show what that buys, each round from a cold
+cache. Output tokens per second, wall clock. Every side is warmed up once with the full
+workload, then ``--repeats`` rounds run the sides in turn; the table gives each side's median
+and the median of the per-round ratios (these shared VMs drift by +-20% within minutes).
 Sections live in ``SECTIONS``; a new one is ``def section_x(args) -> list[Row]`` plus an entry.
 """
 
@@ -54,8 +55,9 @@ class Row:
 
 
 def make_prompts(n: int) -> list[str]:
-    """``n`` chat prompts, all different up to ``len(STYLES) * len(TOPICS)`` = 64: what they share
-    is the chat template's system prompt, as real chat traffic does, never a whole prompt."""
+    """``n`` chat prompts, all different up to ``len(STYLES) * len(TOPICS)`` = 64. They share
+    beginnings as real chat traffic does (system prompt, instruction openings), never a whole
+    prompt, which a prefix cache would turn into an unrealistic win."""
     return [STYLES[(i // len(TOPICS)) % len(STYLES)].format(t=TOPICS[i % len(TOPICS)]) for i in range(n)]
 
 
