@@ -66,7 +66,7 @@ def make_engine(args, dtype: str, adapter_dirs: list[Path], num_prompts: int):
 
     llm = LLM(model=args.model, dtype=dtype, home=Path(args.home).expanduser(), max_model_len=args.max_model_len,
               max_num_seqs=max(256, num_prompts), max_loras=len(adapter_dirs), max_lora_rank=16,
-              enable_prefix_caching=getattr(args, "prefix_caching", "on") != "off")
+              enable_prefix_caching=args.prefix_caching != "off")
     start = time.perf_counter()
     names = [f"a{i}" for i in range(len(adapter_dirs))]
     for name, d in zip(names, adapter_dirs):
@@ -103,7 +103,7 @@ def section_lora(args) -> list:
             "peft": hf_generate_runner(peft_model, prompt_ids, args.output_tokens, adapter_names=adapters),
         }, args.repeats)
         lora, base, peft = rates["lora"], rates["base"], rates["peft"]
-        caching = "off" if getattr(args, "prefix_caching", "on") == "off" else "on"
+        caching = "off" if args.prefix_caching == "off" else "on"
         note = (f"engine base {median(base):.1f} tok/s; lora/base {ratio_median(lora, base):.2f}x (target 0.7); "
                 f"prefix caching {caching}; "
                 f"registering {num} adapters {register_s:.1f}s")
