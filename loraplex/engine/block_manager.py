@@ -51,8 +51,8 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        # seq_id -> chain hashes of that sequence's full blocks registered so far
-        self._seq_hashes: dict[int, list[bytes]] = {}
+        # seq_id -> how many of that sequence's leading full blocks are registered
+        self._num_registered: dict[int, int] = {}
         self.num_prefix_hit_tokens = 0  # counters for stats
         self.num_prefix_query_tokens = 0
 
@@ -73,6 +73,16 @@ class BlockManager:
         return self._ref_count[block]
 
     # ---- prefix cache lookup ---------------------------------------------------------------
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The chain hashes of ``seq``'s first ``num_blocks`` full blocks (at least), computed
+        once per sequence: a waiting sequence is looked up every step it stays blocked."""
+        hashes = seq.block_hashes
+        parent = hashes[-1] if hashes else _root_hash(seq.adapter_id)
+        for i in range(len(hashes), num_blocks):
+            parent = _chain_hash(parent, seq.token_slice(i * self.block_size, (i + 1) * self.block_size))
+            hashes.append(parent)
+        return hashes
+
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks matching ``seq``'s leading full blocks; at least one token is left to
         compute so the step that admits it can sample from real logits."""
@@ -80,10 +90,8 @@ class BlockManager:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        parent = _root_hash(seq.adapter_id)
-        for i in range(max_blocks):
-            parent = _chain_hash(parent, seq.token_slice(i * self.block_size, (i + 1) * self.block_size))
-            block = self._cached.get(parent)
+        for block_hash in self._block_hashes(seq, max_blocks)[:max_blocks]:
+            block = self._cached.get(block_hash)
             if block is None:
                 break
             hits.append(block)
@@ -111,16 +119,14 @@ class BlockManager:
         if self.enable_prefix_caching:
             self.num_prefix_query_tokens += seq.num_tokens
             self.num_prefix_hit_tokens += len(hits) * self.block_size
-        hashes: list[bytes] = []
         for block in hits:
             if self._ref_count[block] == 0:
                 self._evictable.pop(block, None)
             self._ref_count[block] += 1
-            hashes.append(self._block_hash[block])  # type: ignore[arg-type]
         seq.block_table = list(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
         if self.enable_prefix_caching:
-            self._seq_hashes[seq.seq_id] = hashes
+            self._num_registered[seq.seq_id] = len(hits)
         self.append(seq, num_new_tokens)
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -149,17 +155,18 @@ class BlockManager:
     def _register(self, seq: Sequence, num_tokens: int) -> None:
         """Register the full blocks among ``seq``'s first ``num_tokens`` tokens (those this step
         computes included) in the prefix cache."""
-        hashes = self._seq_hashes.setdefault(seq.seq_id, [])
         num_full = min(num_tokens // self.block_size, len(seq.block_table))
-        parent = hashes[-1] if hashes else _root_hash(seq.adapter_id)
-        for i in range(len(hashes), num_full):
-            parent = _chain_hash(parent, seq.token_slice(i * self.block_size, (i + 1) * self.block_size))
-            hashes.append(parent)
+        num_registered = self._num_registered.get(seq.seq_id, 0)
+        if num_full <= num_registered:
+            return
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(num_registered, num_full):
             block = seq.block_table[i]
             # the first block scheduled for a given content is the one others will share
-            if parent not in self._cached and self._block_hash[block] is None:
-                self._cached[parent] = block
-                self._block_hash[block] = parent
+            if hashes[i] not in self._cached and self._block_hash[block] is None:
+                self._cached[hashes[i]] = block
+                self._block_hash[block] = hashes[i]
+        self._num_registered[seq.seq_id] = num_full
 
     def _unregister(self, block: int) -> None:
         old_hash = self._block_hash[block]
@@ -183,7 +190,7 @@ class BlockManager:
                 else:
                     self._free.append(block)
         seq.block_table = []
-        self._seq_hashes.pop(seq.seq_id, None)
+        self._num_registered.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block nobody holds (a benchmark round that must start cold)."""

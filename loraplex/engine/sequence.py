@@ -65,6 +65,9 @@ class Sequence:
     finished_time: float | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # prefix-cache keys of the leading full blocks of all_token_ids, filled in by the block
+    # manager as it needs them; tokens are only ever appended, so they never go stale
+    block_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

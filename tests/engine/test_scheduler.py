@@ -225,6 +225,33 @@ def test_blocks_of_a_step_that_never_ran_are_not_shared():
     assert all(bm.ref_count(block) == 1 for block in b.block_table)  # c's, now held by b alone
 
 
+def test_each_block_is_hashed_once_per_sequence(monkeypatch):
+    """A prompt held at the head of the queue for lack of KV is looked up every step; its
+    prefix-cache keys are computed once, not per lookup, and outputs stay exact."""
+    import loraplex.engine.block_manager as block_manager
+
+    calls = 0
+    real_chain_hash = block_manager._chain_hash
+
+    def counting_chain_hash(parent, tokens):
+        nonlocal calls
+        calls += 1
+        return real_chain_hash(parent, tokens)
+
+    monkeypatch.setattr(block_manager, "_chain_hash", counting_chain_hash)
+    rng = random.Random(11)
+    h = Harness(num_blocks=24, block_size=4, enable_prefix_caching=True, max_num_batched_tokens=64)
+    prompts = [[rng.randrange(97) for _ in range(rng.randint(30, 40))] for _ in range(6)]
+    seqs = [h.add(p, max_tokens=8) for p in prompts]
+    steps = h.run()
+    assert steps > 10  # the later prompts waited for KV through many steps
+    for seq, p in zip(seqs, prompts):
+        assert seq.output_token_ids == reference_output(p, 8)
+    # every full block of every sequence (prompt and output) at most once
+    assert calls <= sum(s.num_tokens // 4 for s in seqs)
+    assert h.block_manager.num_free_blocks == 24
+
+
 def test_fcfs_order_of_admission():
     h = Harness(num_blocks=64, block_size=4, max_num_seqs=2)
     seqs = [h.add([i + 1] * 3, max_tokens=3) for i in range(6)]
