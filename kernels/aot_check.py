@@ -35,9 +35,9 @@ from loraplex.kernels import triton_lora as tl_lora  # noqa: E402
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 UNIT = {"stride_xk", "stride_ak", "stride_or", "stride_sr", "stride_br", "stride_yn", "stride_cl",
-        "stride_kd", "stride_vd", "stride_cd", "stride_qd", "stride_od"}
+        "stride_kd", "stride_vd", "stride_cd", "stride_qd", "stride_od", "stride_pd", "stride_lh"}
 I64 = {"stride_ckv", "stride_cb"}  # a KV cache of tens of GB: these exceed int32
-NOT_DIV16 = {"tiles_per_seg", "k_blocks_per_split", "num_kv_heads"}  # do_not_specialize, or small
+NOT_DIV16 = {"tiles_per_seg", "k_blocks_per_split", "num_kv_heads", "num_kv_splits"}  # do_not_specialize, or small
 
 
 def _variants(quick: bool) -> list[tuple[str, object, dict, dict]]:
@@ -47,7 +47,8 @@ def _variants(quick: bool) -> list[tuple[str, object, dict, dict]]:
                  "s_ptr": "fp32", "b_ptr": "bf16", "scaling_ptr": "fp32", "y_ptr": "bf16"}
     attn_ptrs = {"q_ptr": "bf16", "kv_ptr": "bf16", "out_ptr": "bf16", "block_tables_ptr": "i32",
                  "seq_lens_ptr": "i32", "query_start_ptr": "i32", "key_ptr": "bf16", "value_ptr": "bf16",
-                 "slot_ptr": "i64"}
+                 "slot_ptr": "i64", "lse_ptr": "fp32", "partial_ptr": "fp32"}
+    split_ptrs = {**attn_ptrs, "out_ptr": "fp32"}  # split-KV programs write fp32 partials
     seg_lens = [1, 8, 64] if quick else [1, 2, 4, 8, 16, 64]
     ranks = [16] if quick else [16, 128]
     out = []
@@ -66,10 +67,16 @@ def _variants(quick: bool) -> list[tuple[str, object, dict, dict]]:
             block_m, block_q, block_n = ta.attention_tiles(group, q_len)
             for block_size in ([16] if quick else [16, 32]):
                 consts = dict(GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
-                              BLOCK_N=block_n, BLOCK_D=128)
+                              BLOCK_N=block_n, BLOCK_D=128, SPLIT_KV=False)
                 kind = "decode" if q_len == 1 else "prefill"
                 out.append((f"attention {kind} group {group} bs{block_size}", ta._paged_attention_kernel,
                             attn_ptrs, consts))
+                if q_len == 1:  # the host splits the keys of decode batches only
+                    out.append((f"attention decode split-KV group {group} bs{block_size}",
+                                ta._paged_attention_kernel, split_ptrs, {**consts, "SPLIT_KV": True}))
+    for block_s in ([32] if quick else [4, 32]):
+        out.append((f"merge {block_s} KV splits d128", ta._merge_kv_splits_kernel, attn_ptrs,
+                    dict(BLOCK_S=block_s, BLOCK_D=128)))
     out.append(("kv write 8x128 bs16", ta._write_kv_kernel, attn_ptrs, dict(BLOCK_SIZE=16, BLOCK=1024)))
     return out
 

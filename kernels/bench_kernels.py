@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from lab_common import Report, bench_ms, make_meta, spread_slots
 
-from loraplex.kernels.triton_attention import paged_attention_triton
+from loraplex.kernels.triton_attention import choose_num_kv_splits, paged_attention_triton
 from loraplex.kernels.triton_lora import lora_expand_triton, lora_shrink_triton
 
 ROOFLINE_TARGET = 0.70  # shrink+expand, decode batches of >= 64 tokens
@@ -161,10 +161,12 @@ def bench_lora(report: Report, on_gpu: bool, device: str, copy_bw: float) -> Non
 def bench_attention(report: Report, on_gpu: bool, device: str, copy_bw: float) -> None:
     dtype = torch.bfloat16 if on_gpu else torch.float16
     if on_gpu:
-        heads, kv_heads, head_dim, cases = 32, 8, 128, [(64, 1024, 1), (256, 1024, 1), (256, 4096, 1), (1, 0, 2048)]
+        heads, kv_heads, head_dim = 32, 8, 128
+        cases = [(64, 1024, 1), (256, 1024, 1), (256, 4096, 1), (1, 0, 2048), (1, 32768, 1), (8, 8192, 1)]
     else:
-        heads, kv_heads, head_dim, cases = 4, 1, 16, [(2, 20, 1)]
+        heads, kv_heads, head_dim, cases = 4, 1, 16, [(2, 20, 1), (1, 600, 1)]
     block_size = 16
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if on_gpu else 132
     report.line(f"## Paged attention ({dtype}, {heads} heads / {kv_heads} KV heads, head_dim {head_dim}, block {block_size})")
     report.line()
     rows = []
@@ -181,11 +183,15 @@ def bench_attention(report: Report, on_gpu: bool, device: str, copy_bw: float) -
             query_start_loc=(torch.arange(seqs + 1, device=device) * q_len).to(torch.int32),
             scale=head_dim**-0.5, max_query_len=q_len, max_seq_len=seq_len,
         )
-        ms = bench_ms(lambda: paged_attention_triton(query, cache, **args), on_gpu)
         kv_bytes = seqs * seq_len * kv_heads * head_dim * 2 * 2
         io_bytes = 2 * query.numel() * 2
-        gbs = (kv_bytes + io_bytes) / (ms * 1e-3)
         flops = 4 * seqs * heads * head_dim * q_len * (prefix + (q_len + 1) / 2)
-        rows.append([seqs, prefix, q_len, f"{ms * 1e3:.1f}", f"{gbs / 1e9:.0f}",
-                     f"{gbs / copy_bw * 100:.0f}%", f"{flops / (ms * 1e-3) / 1e12:.1f}"])
-    report.table(["seqs", "prefix", "query len", "us", "GB/s", "of copy BW", "TFLOP/s"], rows)
+        chosen = choose_num_kv_splits(seqs, kv_heads, q_len, seq_len, num_sms)
+        # the launcher's choice, and for split batches also one program per (sequence, KV head)
+        for splits in sorted({chosen, 1}, reverse=True):
+            ms = bench_ms(lambda: paged_attention_triton(query, cache, **args, num_kv_splits=splits), on_gpu)
+            gbs = (kv_bytes + io_bytes) / (ms * 1e-3)
+            label = f"{splits}" + (" (chosen)" if splits == chosen else "")
+            rows.append([seqs, prefix, q_len, label, f"{ms * 1e3:.1f}", f"{gbs / 1e9:.0f}",
+                         f"{gbs / copy_bw * 100:.0f}%", f"{flops / (ms * 1e-3) / 1e12:.1f}"])
+    report.table(["seqs", "prefix", "query len", "KV splits", "us", "GB/s", "of copy BW", "TFLOP/s"], rows)

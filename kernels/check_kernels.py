@@ -54,8 +54,9 @@ def _lora_case(report, shape, gen, name, token_slots, ranks, in_features, widths
     report.check(f"{name} expand", err < TOLERANCE and untouched, f"rel err {err:.2e}, base rows untouched={untouched}")
 
 
-def _attention_case(report, gen, name, seqs, heads, kv_heads, head_dim, block_size, dtype, device):
-    """Mixed prefill-with-prefix + decode batch through shuffled block tables."""
+def _attention_case(report, gen, name, seqs, heads, kv_heads, head_dim, block_size, dtype, device, num_kv_splits=None):
+    """Mixed prefill-with-prefix + decode batch through shuffled block tables (``num_kv_splits``:
+    None lets the launcher choose, as the engine does)."""
     seq_lens = [c + q for c, q in seqs]
     per_seq = [math.ceil(n / block_size) for n in seq_lens]
     num_blocks = sum(per_seq) + 4
@@ -64,12 +65,12 @@ def _attention_case(report, gen, name, seqs, heads, kv_heads, head_dim, block_si
     cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
     for i, n in enumerate(per_seq):
         tables[i, :n] = torch.tensor([physical.pop() for _ in range(n)])
-    cache, tables = cache.to(device), tables.to(device)
     # write every position's K/V with the Triton kernel, checked against the reference write
-    slots, keys, values = [], [], []
+    slots = []  # from the host copy of the tables: a device read per position would sync each time
     for i, length in enumerate(seq_lens):
-        for p in range(length):
-            slots.append(int(tables[i, p // block_size]) * block_size + p % block_size)
+        row = tables[i].tolist()
+        slots.extend(row[p // block_size] * block_size + p % block_size for p in range(length))
+    cache, tables = cache.to(device), tables.to(device)
     n_tok = len(slots)
     keys = torch.randn(n_tok, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     values = torch.randn(n_tok, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
@@ -93,10 +94,11 @@ def _attention_case(report, gen, name, seqs, heads, kv_heads, head_dim, block_si
         max_seq_len=max(seq_lens),
     )
     out = torch.full_like(query, float("nan"))
-    paged_attention_triton(query, cache, out=out, **args)
+    paged_attention_triton(query, cache, out=out, num_kv_splits=num_kv_splits, **args)
     ref = paged_attention_ref(query.float(), cache.float(), **args)
     err = rel_err(out, ref)
-    report.check(f"{name} attention", err < TOLERANCE, f"rel err {err:.2e}, seqs (prefix, query)={seqs}")
+    splits = "" if num_kv_splits is None else f", {num_kv_splits} KV splits"
+    report.check(f"{name} attention", err < TOLERANCE, f"rel err {err:.2e}, seqs (prefix, query)={seqs}{splits}")
 
 
 def run_checks(report: Report, on_gpu: bool) -> None:
@@ -111,10 +113,12 @@ def run_checks(report: Report, on_gpu: bool) -> None:
         hidden, kv, inter, heads, kv_heads, head_dim = 4096, 1024, 14336, 32, 8, 128
         decode_tokens, prefill_lens = 64, [300, 1, 3, 70, 129, 1]
         attn_seqs = [(0, 300), (1000, 1), (517, 64), (37, 1), (4000, 1), (20, 130)]
+        split_seqs, splits = [(20000, 1), (3000, 1), (77, 1)], 13
     else:
         hidden, kv, inter, heads, kv_heads, head_dim = 64, 16, 96, 4, 1, 16
         decode_tokens, prefill_lens = 6, [70, 1, 3]
         attn_seqs = [(0, 20), (40, 1), (17, 9)]
+        split_seqs, splits = [(300, 1), (30, 1)], 3
     shape = f"hidden {hidden}, kv {kv}, intermediate {inter}"
     # decode: one token per sequence, each its own rank-16 adapter, two base-only tokens
     slots = list(range(decode_tokens - 2)) + [-1, -1]
@@ -133,3 +137,7 @@ def run_checks(report: Report, on_gpu: bool) -> None:
         _attention_case(
             report, gen, f"bs{block_size}", attn_seqs, heads, kv_heads, head_dim, block_size, dtype, device
         )
+    # a small decode batch over long contexts: keys split across programs, then merged
+    _attention_case(
+        report, gen, "decode split-KV bs16", split_seqs, heads, kv_heads, head_dim, 16, dtype, device, splits
+    )

@@ -11,12 +11,23 @@ therefore fills a 16-row tensor-core tile with a group of heads instead of 15 pa
 every K/V tile is read once for the whole group. Query rows attend to the cached prefix and
 causally to their own chunk (prefill-with-prefix), K/V tokens are looked up through the block
 table one by one, so any block size works with a fixed key tile. Softmax is the online
-(flash) form in base 2. The grid is ``(num_seqs, query blocks of max_query_len, num_kv_heads)``,
-from host ints only (graph-capturable); row offsets are int64 before they meet a stride.
+(flash) form in base 2. The grid is ``(num_seqs, query blocks of max_query_len, num_kv_heads x
+num_kv_splits)``, from host ints only (graph-capturable); row offsets are int64 before they meet
+a stride.
+
+Split-KV (flash-decoding): a decode batch of few sequences gives too few programs to fill the
+GPU (one sequence x 8 KV heads = 8 programs on 132 SMs) while each walks a long context. Such
+batches split every sequence's keys into ``num_kv_splits`` equal ranges, one program each; the
+programs write a normalised partial output and its log-sum-exp (base 2) to fp32 scratch, and a
+second kernel merges the splits of each (token, head). The split count is chosen on the host
+from the batch shape (``choose_num_kv_splits``); each sequence divides its own length, so a
+graph runner may pass an upper bound of ``max_seq_len`` and short sequences merely leave some
+splits empty.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -63,7 +74,7 @@ def _write_kv_kernel(
     tl.store(dst + stride_ckv, v.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_kv_splits"])
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     kv_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -85,6 +96,13 @@ def _paged_attention_kernel(
     stride_oh,
     stride_od,
     stride_bt,
+    num_kv_splits,  # 1: write the output; > 1: write partials to out_ptr[split] and lse_ptr
+    stride_os,  # split stride of the partial output (0 when not split)
+    lse_ptr,  # [num_kv_splits, num_tokens, num_heads] fp32 (unused when not split)
+    stride_ls,
+    stride_lt,
+    stride_lh,
+    SPLIT_KV: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_SIZE: tl.constexpr,  # KV-cache block size
     BLOCK_M: tl.constexpr,  # rows per program = BLOCK_Q query tokens x GROUP heads (padded)
@@ -95,6 +113,10 @@ def _paged_attention_kernel(
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     kv_head = tl.program_id(2)
+    kv_split = 0
+    if SPLIT_KV:
+        kv_head = tl.program_id(2) // num_kv_splits
+        kv_split = tl.program_id(2) % num_kv_splits
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     if q_block * BLOCK_Q >= q_len:
@@ -117,6 +139,11 @@ def _paged_attention_kernel(
     q_pos = ctx_len + q_idx  # absolute position of each row's query token
     # keys beyond the last query position of this block are masked for every row: skip them
     kv_end = tl.minimum(seq_len, ctx_len + (q_block + 1) * BLOCK_Q)
+    kv_start = 0
+    if SPLIT_KV:  # this program's share of the keys, whole key tiles; the last ones may be empty
+        keys_per_split = tl.cdiv(tl.cdiv(kv_end, num_kv_splits), BLOCK_N) * BLOCK_N
+        kv_start = kv_split * keys_per_split
+        kv_end = tl.minimum(kv_end, kv_start + keys_per_split)
 
     m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # finite: no inf - inf on empty rows
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -124,7 +151,7 @@ def _paged_attention_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = kv_ptr + kv_head.to(tl.int64) * stride_ch
     v_base = k_base + stride_ckv
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < kv_end
         phys = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
@@ -150,11 +177,69 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_base = out_ptr
+    if SPLIT_KV:
+        out_base += kv_split.to(tl.int64) * stride_os
     tl.store(
-        out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
+        out_base + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
         out.to(out_ptr.dtype.element_ty),
         mask=row_mask[:, None] & d_mask[None, :],
     )
+    if SPLIT_KV:  # rows that saw no key in this split weigh nothing in the merge
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), -1.0e30)
+        tl.store(
+            lse_ptr + kv_split.to(tl.int64) * stride_ls + q_rows * stride_lt + head * stride_lh,
+            lse,
+            mask=row_mask,
+        )
+
+
+@triton.jit(do_not_specialize=["num_kv_splits"])
+def _merge_kv_splits_kernel(
+    partial_ptr,  # [num_kv_splits, num_tokens, num_heads, head_dim] fp32
+    lse_ptr,  # [num_kv_splits, num_tokens, num_heads] fp32
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    query_start_ptr,  # [num_seqs + 1] int32
+    num_kv_splits,
+    head_dim,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_pd,
+    stride_ls,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    BLOCK_S: tl.constexpr,  # >= num_kv_splits, a power of two
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_ptr + seq)
+    q_end = tl.load(query_start_ptr + seq + 1)
+    sp = tl.arange(0, BLOCK_S)
+    sp_mask = sp < num_kv_splits
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    first_row = q_start.to(tl.int64)
+    for i in range(0, q_end - q_start):  # only rows a sequence owns (padding rows stay as they were)
+        row = first_row + i
+        lse = tl.load(lse_ptr + sp * stride_ls + row * stride_lt + head * stride_lh, mask=sp_mask, other=-1.0e30)
+        weight = tl.exp2(lse - tl.max(lse, axis=0))  # [BLOCK_S]; empty splits weigh 0
+        weight = tl.where(sp_mask, weight, 0.0)
+        part = tl.load(
+            partial_ptr + sp[:, None] * stride_ps + row * stride_pt + head * stride_ph + d[None, :] * stride_pd,
+            mask=sp_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_S, BLOCK_D]
+        merged = tl.sum(part * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+        tl.store(
+            out_ptr + row * stride_ot + head * stride_oh + d * stride_od,
+            merged.to(out_ptr.dtype.element_ty),
+            mask=d_mask,
+        )
 
 
 def write_kv_cache_triton(
@@ -198,6 +283,31 @@ def attention_tiles(group: int, max_query_len: int) -> tuple[int, int, int]:
     return block_m, block_m // group, block_n
 
 
+MAX_KV_SPLITS = 32
+MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs (its partial row, the merge) dominate
+
+
+def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, num_sms: int) -> int:
+    """How many key ranges each sequence of a decode batch is split into: enough programs for
+    about two per SM, never a split under ``MIN_KEYS_PER_SPLIT`` keys; 1 for batches with prompt
+    chunks (their query tiles already make many programs) and for batches that fill the GPU."""
+    if max_query_len != 1:
+        return 1
+    programs = num_seqs * num_kv_heads
+    if programs >= num_sms:
+        return 1
+    by_occupancy = -(-2 * num_sms // programs)
+    by_length = max_seq_len // MIN_KEYS_PER_SPLIT
+    return max(1, min(by_occupancy, by_length, MAX_KV_SPLITS))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter (CPU tensors) chooses as on an H100 / H200
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def paged_attention_triton(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -206,9 +316,10 @@ def paged_attention_triton(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
     max_query_len: int,
-    max_seq_len: int,  # unused: the key loop is bounded per sequence on the device
+    max_seq_len: int,  # an upper bound is enough: it only sizes the split-KV choice
     *,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], e.g. a graph's buffer
+    num_kv_splits: int | None = None,  # None: choose_num_kv_splits for this batch and GPU
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's query chunk over its cached prefix and itself.
 
@@ -222,11 +333,23 @@ def paged_attention_triton(
         return out
     group = num_heads // num_kv_heads
     block_m, block_q, block_n = attention_tiles(group, max_query_len)
-    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(
+            num_seqs, num_kv_heads, max_query_len, max_seq_len, _num_sms(query.device)
+        )
+    split = num_kv_splits > 1
+    if split:
+        partial = torch.empty(num_kv_splits, num_tokens, num_heads, head_dim, dtype=torch.float32, device=query.device)
+        lse = torch.empty(num_kv_splits, num_tokens, num_heads, dtype=torch.float32, device=query.device)
+        target, split_strides = partial, (partial.stride(0), lse, *lse.stride())
+    else:
+        target, split_strides = out, (0, out, 0, 0, 0)
+    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads * num_kv_splits)
     _paged_attention_kernel[grid](
         query,
         kv_cache,
-        out,
+        target,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -234,14 +357,32 @@ def paged_attention_triton(
         head_dim,
         *query.stride(),
         *kv_cache.stride(),
-        *out.stride(),
+        *target.stride()[-3:],
         block_tables.stride(0),
+        num_kv_splits,
+        *split_strides,
+        SPLIT_KV=split,
         GROUP=group,
         BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=block_d,
         num_warps=4,
     )
+    if split:
+        _merge_kv_splits_kernel[(num_seqs, num_heads)](
+            partial,
+            lse,
+            out,
+            query_start_loc,
+            num_kv_splits,
+            head_dim,
+            *partial.stride(),
+            *lse.stride(),
+            *out.stride(),
+            BLOCK_S=triton.next_power_of_2(num_kv_splits),
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
     return out

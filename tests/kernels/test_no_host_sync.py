@@ -68,4 +68,5 @@ def test_launchers_read_no_tensor_values_on_the_host():
         lora_expand_triton(shrunk, b, torch.ones(2, 3), (0, 16, 24), meta, y)
         write_kv_cache_triton(key, value, kv, torch.tensor([5, -1, 40]))
         paged_attention_triton(query, kv, **args)
+        paged_attention_triton(query, kv, **args, num_kv_splits=2)  # split-KV + merge
     assert calls == []

@@ -10,7 +10,11 @@ import torch
 from tests.kernels.helpers import rel_err
 
 from loraplex.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref  # noqa: E402
-from loraplex.kernels.triton_attention import paged_attention_triton, write_kv_cache_triton  # noqa: E402
+from loraplex.kernels.triton_attention import (  # noqa: E402
+    choose_num_kv_splits,
+    paged_attention_triton,
+    write_kv_cache_triton,
+)
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 
@@ -94,6 +98,67 @@ def test_paged_attention_matches_reference(name, dtype):
     ref = paged_attention_ref(**batch)
     assert not out.isnan().any(), "attention left output rows unwritten (or read poisoned cache slots)"
     assert rel_err(out, ref) < TOL[dtype]
+
+
+SPLIT_CASES = {
+    # decode batches over long contexts, split into key ranges: contexts of several splits,
+    # one shorter than a single key tile (its later splits are empty), GQA 4 and 1
+    "decode_split3_gqa4_bs16": dict(
+        seqs=[(700, 1), (12, 1), (301, 1)], heads=8, kv_heads=2, head_dim=16, block_size=16, splits=3,
+    ),
+    "decode_split7_mha_bs32": dict(
+        seqs=[(450, 1), (63, 1)], heads=2, kv_heads=2, head_dim=32, block_size=32, splits=7,
+    ),
+    # the kernel splits prompt chunks correctly too (the host only splits decode batches)
+    "mixed_split2_gqa2_bs16": dict(
+        seqs=[(130, 9), (0, 20), (260, 1)], heads=4, kv_heads=2, head_dim=16, block_size=16, splits=2,
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_split_kv_matches_reference(name, dtype):
+    case = SPLIT_CASES[name]
+    seed = sum(map(ord, name)) * 17 + (1 if dtype == torch.float16 else 0)
+    batch = _build_batch(
+        case["seqs"], case["heads"], case["kv_heads"], case["head_dim"], case["block_size"], dtype, seed
+    )
+    out = torch.full(batch["query"].shape, float("nan"), dtype=dtype)
+    paged_attention_triton(**batch, out=out, num_kv_splits=case["splits"])
+    ref = paged_attention_ref(**batch)
+    assert not out.isnan().any(), "a merged row was left unwritten or took a poisoned partial"
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_split_kv_leaves_padding_rows_alone():
+    """A graph runner pads the batch with rows no sequence owns; the merge must not touch them."""
+    batch = _build_batch([(600, 1), (280, 1)], 4, 1, 16, 16, torch.float32, seed=23)
+    pad = torch.randn(2, 4, 16)
+    query = torch.cat([batch.pop("query"), pad])  # two padding rows after the real ones
+    out = torch.full(query.shape, 7.0)
+    paged_attention_triton(query, **batch, out=out, num_kv_splits=4)
+    assert torch.equal(out[2:], torch.full_like(out[2:], 7.0))
+    assert rel_err(out[:2], paged_attention_ref(query[:2], **batch)) < TOL[torch.float32]
+
+
+def test_split_kv_choice():
+    # one long decode on 8 KV heads splits until about two programs per SM
+    assert choose_num_kv_splits(1, 8, 1, 32768, 132) == 32
+    assert choose_num_kv_splits(4, 8, 1, 32768, 132) == 9
+    # never a split under 256 keys, never a batch that already fills the GPU, never a prefill
+    assert choose_num_kv_splits(1, 8, 1, 700, 132) == 2
+    assert choose_num_kv_splits(1, 8, 1, 255, 132) == 1
+    assert choose_num_kv_splits(64, 8, 1, 32768, 132) == 1
+    assert choose_num_kv_splits(1, 8, 16, 32768, 132) == 1
+
+
+def test_split_kv_chosen_automatically_for_a_small_long_decode_batch():
+    batch = _build_batch([(1100, 1)], 2, 1, 16, 16, torch.float32, seed=31)
+    assert choose_num_kv_splits(1, 1, 1, batch["max_seq_len"], 132) == 4
+    out = torch.full(batch["query"].shape, float("nan"))
+    paged_attention_triton(**batch, out=out)
+    assert rel_err(out, paged_attention_ref(**batch)) < TOL[torch.float32]
 
 
 def test_paged_attention_allocates_output_when_not_given():
