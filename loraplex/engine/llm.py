@@ -82,6 +82,7 @@ class LLM:
         for prompt, p, adapter in zip(items, params_list, adapter_list):
             req = engine.prepare_request(None, prompt, p)
             req.adapter_id = engine.resolve_adapter(adapter)
+            req.final_only = True  # only finished outputs are read below
             prepared.append(req)
         for req in prepared:
             engine.add_prepared(req)

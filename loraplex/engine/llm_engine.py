@@ -11,6 +11,7 @@ from typing import Any
 
 from loraplex.config import EngineConfig
 from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.detokenizer import backend_decoder
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.request_state import PreparedRequest, RequestState
 from loraplex.engine.scheduler import Scheduler
@@ -58,6 +59,7 @@ class LLMEngine:
             runner = ModelRunner(config)
         self.runner = runner
         self.tokenizer = runner.tokenizer
+        self._fast_decode = backend_decoder(self.tokenizer)
         self.model_name = runner.model_name
         kv_capacity = runner.num_blocks * runner.block_size
         self.max_model_len = min(runner.max_model_len, kv_capacity)
@@ -175,7 +177,7 @@ class LLMEngine:
             )
             for i in range(req.params.n)
         ]
-        state = RequestState(req, seqs, self.tokenizer)
+        state = RequestState(req, seqs, self.tokenizer, self._fast_decode)
         self._requests[req.request_id] = state
         for seq in seqs:
             self._seq_to_request[seq.seq_id] = state
@@ -255,6 +257,8 @@ class LLMEngine:
         for state in touched.values():
             if state.finished:
                 out = self._finish_request(state)
+            elif state.req.final_only:
+                continue
             else:
                 out = state.make_output()
             if out is not None:

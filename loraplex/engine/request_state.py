@@ -22,6 +22,7 @@ class PreparedRequest:
     params: SamplingParams
     adapter_id: str | None
     stream_deltas: bool = False
+    final_only: bool = False  # report nothing until finished (``LLM.generate`` reads no partials)
     arrival_time: float = field(default_factory=time.monotonic)
 
 
@@ -37,9 +38,12 @@ class _SeqTrack:
 class RequestState:
     """A live request: ``n`` sequences sharing one prompt and sampling params."""
 
-    def __init__(self, req: PreparedRequest, seqs: list[Sequence], tokenizer):
+    def __init__(self, req: PreparedRequest, seqs: list[Sequence], tokenizer, fast_decode=None):
         self.req = req
-        self.tracks = [_SeqTrack(s, IncrementalDetokenizer(tokenizer, req.prompt_token_ids, req.params)) for s in seqs]
+        self.tracks = [
+            _SeqTrack(s, IncrementalDetokenizer(tokenizer, req.prompt_token_ids, req.params, fast_decode))
+            for s in seqs
+        ]
         self.finished_time: float | None = None
 
     @property

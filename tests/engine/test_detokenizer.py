@@ -59,3 +59,47 @@ def test_earliest_stop_string_wins(tok):
     # both complete with the token "z": the one that starts first cuts the text
     _, detok = stream(tok, "q", "abc xyz", stop=["yz", "xyz"])
     assert detok.stop_string == "xyz" and detok.text == "abc "
+
+
+def _incremental_text(tok, prompt_ids, ids, fast_decode, **params) -> str:
+    detok = IncrementalDetokenizer(tok, prompt_ids, SamplingParams(**params), fast_decode)
+    for t in ids:
+        detok.add_token(t)
+    return detok.text
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_backend_decoder_gives_the_same_text_as_transformers(tok, skip_special_tokens):
+    import random
+
+    from loraplex.engine.detokenizer import backend_decoder
+
+    fast = backend_decoder(tok)
+    assert fast is not None  # the tiny tokenizer is a plain fast BPE tokenizer: the shortcut applies
+    rng = random.Random(7 + skip_special_tokens)
+    for _ in range(20):
+        # any ids: bytes that do not form valid UTF-8, special tokens, fillers
+        prompt = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 8))]
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 40))]
+        assert fast(ids, skip_special_tokens=skip_special_tokens) == tok.decode(
+            ids, skip_special_tokens=skip_special_tokens
+        )
+        args = dict(skip_special_tokens=skip_special_tokens)
+        assert _incremental_text(tok, prompt, ids, fast, **args) == _incremental_text(tok, prompt, ids, None, **args)
+
+
+def test_backend_decoder_not_used_where_transformers_cleans_up_the_text():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from loraplex.engine.detokenizer import backend_decoder
+
+    vocab = {"[UNK]": 0, "hello": 1, ",": 2, "world": 3, "!": 4}
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    cleaned = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", clean_up_tokenization_spaces=True)
+    ids = cleaned("hello , world !", add_special_tokens=False)["input_ids"]
+    assert cleaned.decode(ids) != backend.decode(ids)  # transformers post-processes: " ," -> ","
+    assert backend_decoder(cleaned) is None
+    plain = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", clean_up_tokenization_spaces=False)
+    assert backend_decoder(plain) is not None

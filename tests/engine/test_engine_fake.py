@@ -274,3 +274,19 @@ def test_async_cancelled_consumer_aborts_and_duplicate_id_is_refused():
         aengine.shutdown()
     assert stats["num_unfinished_requests"] == 0 and stats["num_requests_aborted"] == 1
     assert stats["num_blocks_free"] == stats["num_blocks_total"]
+
+
+def test_final_only_requests_report_nothing_until_finished():
+    """LLM.generate reads only finished outputs; its requests skip building partial ones."""
+    engine = make_engine()
+    partial_id = engine.add_request("partial", [5, 6, 7], greedy(max_tokens=6))
+    req = engine.prepare_request("final", [5, 6, 7], greedy(max_tokens=6))
+    req.final_only = True
+    engine.add_prepared(req)
+    seen: dict[str, list] = {"partial": [], "final": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen["partial"]) == 6 and partial_id == "partial"
+    assert len(seen["final"]) == 1 and seen["final"][0].finished
+    assert seen["final"][0].token_ids == seen["partial"][-1].token_ids == reference_output([5, 6, 7], 6)
