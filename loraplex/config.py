@@ -89,6 +89,10 @@ class Settings(BaseSettings):
     database_url: str | None = None  # default: sqlite under home
     blob_url: str | None = None  # default: directory under home; or s3://bucket/prefix
     registry_poll_seconds: float = 1.0
+    # the server deletes blobs no live version uses (crash leftovers) in a background thread:
+    # first min(60 s, interval) after start, then every interval; 0 disables
+    blob_gc_interval_seconds: float = 3600.0
+    blob_gc_min_age_seconds: float = 3600.0  # younger blobs stay: an upload stores its blob before its row
 
     # server
     host: str = "127.0.0.1"

@@ -6,6 +6,13 @@ already has it) -> version row. The row is written last, so no version is ever v
 its blob; when writing the row fails, a blob this upload created is removed again (unless a
 version row uses it by then). A crash between the two leaves at most an unreferenced blob.
 
+Blobs are shared by content, so a delete of the last other version using the same bytes may race
+an upload. Both go through the blob's database lock (``RegistryService.delete_blob_if_unused`` /
+``add_version(check_blob=...)``, see ``repository.lock_blob``): a deleter counts the live
+versions using the blob and deletes it holding the lock; the uploader checks that the blob is
+still in the store holding the same lock, before its row is written, and if it is gone stores it
+again and retries. Across threads and processes, a committed version row always has its blob.
+
 Resolve: registry -> local disk cache -> blob store. A fetch unpacks into a staging directory
 and the disk cache recomputes the content hash before the entry becomes visible; a mismatch is
 logged, audited (``blob.integrity_error``) and raised, and the bytes are not used. Concurrent
@@ -14,7 +21,8 @@ resolves of the same missing adapter share one fetch (single flight).
 In-use tracking: ``acquire``/``release`` count requests running on a content hash (and pin its
 disk copy). Deleting a version removes its row at once (new requests cannot resolve it) but its
 blob and disk copy only after the last release, and only if no other live version row (any
-tenant) uses the same blob. ``collect_garbage`` removes what a crash left behind.
+tenant) uses the same blob. ``collect_garbage`` removes what a crash left behind (the server runs
+it periodically, see ``blob_gc_interval_seconds``).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from pathlib import Path
 
 from loraplex.lora.peft_format import CONFIG_NAME, WEIGHTS_NAME, compute_content_hash, inspect_adapter_dir
 from loraplex.lora.spec import AdapterRef, LoRATargetSpec
-from loraplex.registry.errors import NotFound
+from loraplex.registry.errors import BlobMissing, NotFound
 from loraplex.registry.info import VersionInfo
 from loraplex.registry.names import validate_adapter_name, validate_tenant_name
 from loraplex.registry.service import RegistryService
@@ -44,6 +52,9 @@ log = logging.getLogger(__name__)
 
 ADAPTER_FILES = (CONFIG_NAME, WEIGHTS_NAME)
 SYSTEM_ACTOR = "system"
+# An upload whose blob a concurrent delete removed stores it again; a blob deleted this many
+# times in a row during one upload means something deletes blobs without the lock protocol.
+UPLOAD_BLOB_ATTEMPTS = 5
 
 
 class AdapterManager:
@@ -95,31 +106,37 @@ class AdapterManager:
         info = inspect_adapter_dir(adapter_dir, self.spec, self.max_lora_rank)
         key = content_key(info.content_hash)
         created_blob = False
-        if not self.blobs.exists(key):
-            self._put_blob(adapter_dir, key)
-            created_blob = True
         try:
-            result = self.registry.add_version(
-                tenant,
-                name,
-                sha256=info.content_hash,
-                base_model=self.spec.model_name,
-                rank=info.rank,
-                alpha=info.alpha,
-                targets=list(info.targets),
-                size_bytes=info.size_bytes,
-                blob_key=key,
-                uploader=uploader,
+            for _ in range(UPLOAD_BLOB_ATTEMPTS):
+                if not self.blobs.exists(key):
+                    self._put_blob(adapter_dir, key)
+                    created_blob = True
+                try:
+                    return self.registry.add_version(
+                        tenant,
+                        name,
+                        sha256=info.content_hash,
+                        base_model=self.spec.model_name,
+                        rank=info.rank,
+                        alpha=info.alpha,
+                        targets=list(info.targets),
+                        size_bytes=info.size_bytes,
+                        blob_key=key,
+                        uploader=uploader,
+                        # under the blob's lock: a delete that found no other user of these
+                        # bytes may have removed the blob since our exists()/put
+                        check_blob=lambda: self.blobs.exists(key),
+                    )
+                except BlobMissing:
+                    log.info("blob %s was deleted by a concurrent delete during an upload; storing it again", key)
+            raise BlobStoreError(
+                f"blob {key} in {self.blobs.describe()} was deleted {UPLOAD_BLOB_ATTEMPTS} times while "
+                "uploading it; try again"
             )
         except BaseException:
             if created_blob:
                 self._delete_blob_if_unused(info.content_hash, key)
             raise
-        if not created_blob and not self.blobs.exists(key):
-            # A delete of the last other version using these bytes removed the blob between our
-            # exists() and the row insert: store it again so the new row has its blob.
-            self._put_blob(adapter_dir, key)
-        return result
 
     def _put_blob(self, adapter_dir: str | Path, key: str) -> None:
         with tempfile.TemporaryFile() as archive:
@@ -279,32 +296,42 @@ class AdapterManager:
 
     def _delete_blob_if_unused(self, content_hash: str, blob_key: str) -> None:
         try:
-            if self.registry.versions_using_blob(blob_key) > 0:
-                return  # another live version (maybe another tenant's) has the same weights
-            self.blobs.delete(blob_key)
-            self.disk_cache.remove(content_hash)
-            log.info("deleted blob %s and its local copy", blob_key)
+            if self._delete_blob_unless_used(content_hash, blob_key):
+                log.info("deleted blob %s and its local copy", blob_key)
+            # else another live version (maybe another tenant's) has the same weights
         except Exception:  # noqa: BLE001 - an orphan blob is harmless; never mask the caller's error
             log.exception("could not delete blob %s", blob_key)
 
-    def collect_garbage(self, min_age_seconds: float = 3600.0) -> list[str]:
+    def _delete_blob_unless_used(self, content_hash: str, blob_key: str) -> bool:
+        """Delete the blob and its local copy when no live version uses it, counting and deleting
+        under the blob's database lock (so no upload can add a row using it in between)."""
+
+        def delete() -> None:
+            self.blobs.delete(blob_key)
+            self.disk_cache.remove(content_hash)
+
+        return self.registry.delete_blob_if_unused(blob_key, delete)
+
+    def collect_garbage(self, min_age_seconds: float = 3600.0, stop: threading.Event | None = None) -> list[str]:
         """Delete blobs that no live version uses: left by a crash between blob put and row
         insert, or by deletes deferred in a process that stopped before its requests finished.
         Blobs younger than ``min_age_seconds`` stay (an upload stores its blob before its row),
-        as do blobs this process is using. Returns the deleted keys."""
+        as do blobs this process is using. Each count and delete runs under the blob's lock, as
+        a version delete does, so an upload of the same bytes meanwhile keeps its blob. Stops
+        early once ``stop`` is set. Returns the deleted keys."""
         now = time.time()
         deleted = []
         for entry in list(self.blobs.list_blobs("sha256/")):
+            if stop is not None and stop.is_set():
+                break
             if now - entry.modified < min_age_seconds:
                 continue
             content_hash = entry.key.split("/", 1)[1]
             with self._lock:
                 if self._in_use.get(content_hash, 0) > 0 or content_hash in self._inflight:
                     continue
-            if self.registry.versions_using_blob(entry.key) > 0:
+            if not self._delete_blob_unless_used(content_hash, entry.key):
                 continue
-            self.blobs.delete(entry.key)
-            self.disk_cache.remove(content_hash)
             deleted.append(entry.key)
             log.info("garbage-collected unreferenced blob %s", entry.key)
         return deleted

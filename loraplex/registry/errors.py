@@ -31,3 +31,11 @@ class AlreadyExists(Conflict):
     """An object with that name already exists."""
 
     http_status = 409
+
+
+class BlobMissing(Conflict):
+    """A version row was about to be committed but its blob was no longer in the store (deleted
+    by a concurrent delete of the last other version using it): nothing was written. The
+    uploader stores the blob again and retries (``AdapterManager.upload`` does)."""
+
+    http_status = 409

@@ -5,9 +5,10 @@ Transactions belong to ``service.RegistryService``.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
 from loraplex.registry.models import (
@@ -162,6 +163,40 @@ def count_live_versions_with_blob(session: Session, blob_key: str) -> int:
         .select_from(AdapterVersion)
         .where(AdapterVersion.blob_key == blob_key, AdapterVersion.state == VERSION_READY)
     ) or 0
+
+
+def lock_blob(session: Session, blob_key: str) -> None:
+    """Take, until the transaction ends, the lock that serialises "count the live versions using
+    ``blob_key``, then delete the blob" against "add a version row using ``blob_key``", across
+    threads and processes sharing the database.
+
+    PostgreSQL: a transaction-level advisory lock keyed by the blob key (a 64-bit hash of it; a
+    collision only serialises two unrelated blobs). It is released after the commit is visible,
+    so a READ COMMITTED statement run after acquiring it sees every row its previous holder wrote.
+
+    SQLite (and any other backend): a write to the single ``registry_state`` row. On SQLite any
+    write takes the database's one write lock until commit (waiting up to the busy timeout), so
+    this serialises against every writer, the version insert included; elsewhere it is a row
+    lock on that row. Call it first in the transaction, before any read, so what the
+    transaction reads afterwards is current.
+    """
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(
+            text("SELECT pg_advisory_xact_lock(CAST(:lock_id AS BIGINT))"), {"lock_id": blob_lock_id(blob_key)}
+        )
+        return
+    session.execute(
+        update(RegistryState)
+        .where(RegistryState.id == REGISTRY_STATE_ID)
+        .values(change_counter=RegistryState.change_counter)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def blob_lock_id(blob_key: str) -> int:
+    """The signed 64-bit PostgreSQL advisory lock id of a blob key."""
+    digest = hashlib.sha256(b"loraplex.blob:" + blob_key.encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
 
 
 # ---- audit and state -----------------------------------------------------------------------

@@ -10,13 +10,22 @@ polls in other processes.
 Deleted versions stay as tombstones: their numbers are never reused, so ``name@3`` can never
 come to mean other weights. Deleting the active version is refused (activate another first, or
 delete the whole adapter).
+
+Blobs are shared by content (any tenant), so "no version row without its blob" needs one more
+lock: ``add_version`` and ``delete_blob_if_unused`` both take the blob's lock
+(``repository.lock_blob``: a PostgreSQL advisory lock, SQLite's write lock) first in their
+transaction. A deleter counts the live versions using the blob and deletes it while holding the
+lock; an uploader checks, under the same lock, that the blob is still there before its row is
+committed. So a row is either committed before the count (the blob stays) or its uploader sees
+the blob gone and stores it again. This needs READ COMMITTED on PostgreSQL (its default, which
+the engines here keep): each statement after the lock sees everything committed before it.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,7 +36,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from loraplex.registry import repository as repo
 from loraplex.registry.admin_key import SHA256_HEX, AdminKeyMixin
 from loraplex.registry.db import make_session_factory
-from loraplex.registry.errors import AlreadyExists, Conflict, InvalidName, NotFound, RegistryError
+from loraplex.registry.errors import AlreadyExists, BlobMissing, Conflict, InvalidName, NotFound, RegistryError
 from loraplex.registry.info import AdapterInfo, ApiKeyInfo, AuditEventInfo, TenantInfo, VersionInfo
 from loraplex.registry.keys import display_prefix, generate_secret, hash_secret, plausible_secret, secret_matches
 from loraplex.registry.models import VERSION_DELETED, Adapter, Tenant, utcnow
@@ -39,6 +48,7 @@ __all__ = [
     "NotFound",
     "AlreadyExists",
     "Conflict",
+    "BlobMissing",
     "InvalidName",
     "TenantInfo",
     "ApiKeyInfo",
@@ -181,18 +191,24 @@ class RegistryService(AdminKeyMixin):
         blob_key: str,
         uploader: str,
         activate_if_first: bool = True,
+        check_blob: Callable[[], bool] | None = None,
     ) -> tuple[VersionInfo, bool]:
         """Record a new immutable version (its blob must already be stored).
 
         Returns ``(version, True)``, or ``(existing, False)`` when a live version of this adapter
         has the same sha256. With ``activate_if_first`` the new version becomes active when the
         adapter has no active version.
+
+        ``check_blob`` (say, ``lambda: store.exists(blob_key)``) is called holding the blob's
+        lock, before the new row is written; when it returns False nothing is written and
+        ``BlobMissing`` is raised (a concurrent ``delete_blob_if_unused`` removed the blob: store
+        it again and retry). Keep it short: on SQLite it runs holding the write lock.
         """
         validate_adapter_name(name)
         fields = _version_fields(sha256, base_model, rank, alpha, targets, size_bytes, blob_key, uploader)
         for attempt in range(WRITE_ATTEMPTS):
             try:
-                return self._add_version_once(tenant, name, fields, activate_if_first)
+                return self._add_version_once(tenant, name, fields, activate_if_first, check_blob)
             except IntegrityError:
                 # another writer created the adapter or took the version number first; retry
                 if attempt == WRITE_ATTEMPTS - 1:
@@ -201,9 +217,17 @@ class RegistryService(AdminKeyMixin):
         raise AssertionError("unreachable")
 
     def _add_version_once(
-        self, tenant: str, name: str, fields: dict[str, Any], activate_if_first: bool
+        self,
+        tenant: str,
+        name: str,
+        fields: dict[str, Any],
+        activate_if_first: bool,
+        check_blob: Callable[[], bool] | None,
     ) -> tuple[VersionInfo, bool]:
         with self._transaction() as session:
+            # first, so that a blob delete cannot run between our check and our commit (and, on
+            # SQLite, so that everything read below is current: the write lock is ours)
+            repo.lock_blob(session, fields["blob_key"])
             tenant_row = self._require_tenant(session, tenant)
             adapter = repo.get_adapter(session, tenant_row, name, for_update=True)
             if adapter is None:
@@ -218,6 +242,8 @@ class RegistryService(AdminKeyMixin):
                 existing = repo.find_live_version_by_sha(session, adapter, fields["sha256"])
                 if existing is not None:
                     return VersionInfo.from_row(existing, tenant, name), False
+            if check_blob is not None and not check_blob():
+                raise BlobMissing(f"blob {fields['blob_key']} is no longer in the store; version row not written")
             number = repo.next_version_number(session, adapter)
             version = repo.add_version(session, adapter, number, **fields)
             detail = {"version": number, "sha256": fields["sha256"], "size_bytes": fields["size_bytes"]}
@@ -336,9 +362,31 @@ class RegistryService(AdminKeyMixin):
         row.deleted_at = utcnow()
 
     def versions_using_blob(self, blob_key: str) -> int:
-        """How many live versions (any tenant) use this blob; delete the blob only at zero."""
+        """How many live versions (any tenant) use this blob. Informational: to delete a blob
+        use ``delete_blob_if_unused``, which counts and deletes under the blob's lock."""
         with self._transaction() as session:
             return repo.count_live_versions_with_blob(session, blob_key)
+
+    def delete_blob_if_unused(self, blob_key: str, delete: Callable[[], None]) -> bool:
+        """Call ``delete()`` (which removes the blob ``blob_key`` from the store) when no live
+        version, of any tenant, uses it; return whether it was called. Exceptions from
+        ``delete`` propagate.
+
+        ``delete`` runs inside a transaction that holds the blob's lock, taken before the count;
+        ``add_version`` takes the same lock. So a version row using the blob is either committed
+        before the count (and the blob stays), or written after ``delete`` returned, by an
+        uploader whose ``check_blob`` then finds the blob gone. This holds across processes
+        sharing the database. Keep ``delete`` to the blob delete (and local cleanup): on SQLite
+        it runs holding the database's write lock.
+        """
+        if self.versions_using_blob(blob_key) > 0:
+            return False  # used now: keeping a blob is always safe, and this read takes no lock
+        with self._transaction() as session:
+            repo.lock_blob(session, blob_key)
+            if repo.count_live_versions_with_blob(session, blob_key) > 0:
+                return False
+            delete()
+            return True
 
     # ---- audit and change detection --------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 Parts not passed in are built at startup from ``settings`` (``components.build_components``),
 off the event loop, so ``/health`` answers while the model loads and ``/ready`` turns 200 when
-it is done.
+it is done. Once started, a background thread collects unreferenced blobs every
+``blob_gc_interval_seconds`` (``blob_gc.BlobGarbageCollector``; stopped at shutdown).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from starlette.staticfiles import StaticFiles
 from loraplex.config import Settings
 from loraplex.server import admin_routes, openai_routes
 from loraplex.server.auth import AdminAuth, TenantAuth
+from loraplex.server.blob_gc import BlobGarbageCollector
 from loraplex.server.context import AppContext
 from loraplex.server.errors import exception_handlers
 from loraplex.server.lifecycle import Lifecycle
@@ -100,12 +102,21 @@ def create_app(
         disk_cache = getattr(ctx.adapters, "disk_cache", None)
         if disk_cache is not None:
             ctx.metrics.disk_entries = lambda: disk_cache.stats()["entries"]
+        blob_gc = None
+        collect = getattr(ctx.adapters, "collect_garbage", None)
+        if collect is not None and settings.blob_gc_interval_seconds > 0:
+            blob_gc = BlobGarbageCollector(
+                collect, settings.blob_gc_interval_seconds, settings.blob_gc_min_age_seconds
+            ).start()
+        app.state.blob_gc = blob_gc
         lifecycle.started = True
         log.info("ready: serving %s", ctx.served_model_name)
         try:
             yield
         finally:
             lifecycle.started = False
+            if blob_gc is not None:
+                await run_in_threadpool(blob_gc.stop)
             shutdown = getattr(ctx.engine, "shutdown", None)
             if shutdown is not None:
                 await run_in_threadpool(shutdown)
