@@ -5,6 +5,11 @@ The model directory (config, bf16 safetensors, a byte-level tokenizer) and the r
 (real PEFT directories written by peft, ``init_lora_weights=False``) are made on the fly. Each
 configuration is run with two generation lengths (best of two each) after a warm-up; the difference
 isolates the decode steps from the prefill: ``decode step = (t_long - t_short) / (long - short)``.
+
+Every configuration runs eagerly and then with decode steps replayed from CUDA graphs
+(``cuda_graphs=True``; the same engine, its ``decode_graphs`` switched off for the eager rows).
+A failure of the graph path is reported and ends the graph rows; the eager rows go on. The
+greedy tokens of the two modes are compared (bf16 kernels with other grids may flip a near tie).
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ def _make_model_and_adapters(
     return model_dir, adapter_dirs
 
 
-def _timed_generate(llm, prompts, adapters, max_tokens: int) -> float:
+def _timed_generate(llm, prompts, adapters, max_tokens: int) -> tuple[float, list[list[int]]]:
     from loraplex import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -81,7 +86,7 @@ def _timed_generate(llm, prompts, adapters, max_tokens: int) -> float:
     got = sum(len(o.outputs[0].token_ids) for o in outs)
     if got != max_tokens * len(prompts):
         raise RuntimeError(f"expected {max_tokens * len(prompts)} generated tokens, got {got}")
-    return elapsed
+    return elapsed, [list(o.outputs[0].token_ids) for o in outs]
 
 
 def run_e2e(
@@ -118,34 +123,64 @@ def run_e2e(
             # every configuration reruns its prompts: cached prompt blocks would hide the prefill
             # in "tokens/s (whole run)"; the LoRA overhead is about computing, so compute it all
             enable_prefix_caching=False,
+            cuda_graphs=on_gpu,
         )
+        runner = llm.engine.runner
+        graphs = runner.decode_graphs  # None on CPU: the smoke run has eager rows only
         names = [f"a{i:03d}" for i in range(num_adapters)]
         for name, path in zip(names, adapter_dirs):
             llm.add_adapter(name, str(path))
         report.line(f"engine up and adapters registered in {time.perf_counter() - t0:.0f} s")
         gen = torch.Generator().manual_seed(1234)
-        results, rows = {}, []
+        results, rows, tokens_by_mode = {}, [], {}
+        modes = ["eager"] + (["graphs"] if graphs is not None else [])
         for batch, n_adapters in configs:
-            if time.time() > deadline:
-                report.line(f"time budget spent: batch {batch} with {n_adapters} adapters and later ones not run")
-                break
             prompts = torch.randint(4, shape["vocab_size"], (batch, prompt_len), generator=gen).tolist()
             adapters = [names[i % n_adapters] if n_adapters else None for i in range(batch)]
-            _timed_generate(llm, prompts, adapters, short)  # warm-up: compiles, loads adapters to slots
-            # best of two of each: host-side noise only ever adds time
-            t_short = min(_timed_generate(llm, prompts, adapters, short) for _ in range(2))
-            t_long = min(_timed_generate(llm, prompts, adapters, max_tokens) for _ in range(2))
-            step = (t_long - t_short) / (max_tokens - short)
-            results[(batch, n_adapters)] = step
-            base = results.get((batch, 0))
-            overhead = f"{(step / base - 1) * 100:+.1f}%" if base and n_adapters else "-"
-            rows.append([batch, n_adapters, f"{batch * max_tokens / t_long:.0f}", f"{step * 1e3:.2f}",
-                         f"{batch / step:.0f}", overhead])
-            print(f"  e2e batch {batch} adapters {n_adapters}: decode step {step * 1e3:.2f} ms", flush=True)
-        report.table(["batch", "distinct adapters", "tokens/s (whole run)", "decode step ms",
+            for mode in list(modes):
+                if time.time() > deadline:
+                    report.line(f"time budget spent: batch {batch} with {n_adapters} adapters ({mode}) and later not run")
+                    break
+                runner.decode_graphs = graphs if mode == "graphs" else None
+                try:
+                    step, t_long, outs = _measure(llm, prompts, adapters, short, max_tokens)
+                except Exception as exc:  # noqa: BLE001 - the graph path has never run before
+                    if mode != "graphs":
+                        raise
+                    report.line(f"CUDA-graph run FAILED at batch {batch}, {n_adapters} adapters: {exc!r}")
+                    report.failures.append("CUDA-graph decode raised")
+                    modes.remove("graphs")
+                    continue
+                tokens_by_mode[(batch, n_adapters, mode)] = outs
+                results[(batch, n_adapters, mode)] = step
+                base = results.get((batch, 0, mode))
+                overhead = f"{(step / base - 1) * 100:+.1f}%" if base and n_adapters else "-"
+                rows.append([batch, n_adapters, mode, f"{batch * max_tokens / t_long:.0f}", f"{step * 1e3:.2f}",
+                             f"{batch / step:.0f}", overhead])
+                print(f"  e2e batch {batch} adapters {n_adapters} {mode}: decode step {step * 1e3:.2f} ms", flush=True)
+        runner.decode_graphs = graphs
+        report.table(["batch", "distinct adapters", "decode", "tokens/s (whole run)", "decode step ms",
                       "decode tokens/s", "LoRA overhead vs base"], rows)
-    if on_gpu and (256, 64) in results and (256, 0) in results:
-        overhead = results[(256, 64)] / results[(256, 0)] - 1
-        ok = overhead <= OVERHEAD_TARGET
-        report.target(f"{'MET' if ok else 'MISSED'} LoRA step overhead at batch 256, 64 distinct rank-16 adapters: "
-                      f"{overhead * 100:+.1f}% (target <= {OVERHEAD_TARGET * 100:.0f}%)")
+        for (batch, n_adapters, mode), outs in tokens_by_mode.items():
+            if mode == "graphs" and (batch, n_adapters, "eager") in tokens_by_mode:
+                eager = tokens_by_mode[(batch, n_adapters, "eager")]
+                same = sum(a == b for a, b in zip(outs, eager))
+                report.line(f"- batch {batch}, {n_adapters} adapters: graph and eager greedy tokens identical "
+                            f"for {same} of {len(outs)} sequences")
+        report.line()
+    for mode in ("eager", "graphs"):
+        if on_gpu and (256, 64, mode) in results and (256, 0, mode) in results:
+            overhead = results[(256, 64, mode)] / results[(256, 0, mode)] - 1
+            ok = overhead <= OVERHEAD_TARGET
+            report.target(f"{'MET' if ok else 'MISSED'} LoRA step overhead ({mode}) at batch 256, 64 distinct rank-16 "
+                          f"adapters: {overhead * 100:+.1f}% (target <= {OVERHEAD_TARGET * 100:.0f}%)")
+
+
+def _measure(llm, prompts, adapters, short: int, max_tokens: int) -> tuple[float, float, list[list[int]]]:
+    """(decode step seconds, seconds of the long run, each prompt's generated tokens)."""
+    _timed_generate(llm, prompts, adapters, short)  # warm-up: compiles, captures, loads adapters to slots
+    # best of two of each: host-side noise only ever adds time
+    t_short = min(_timed_generate(llm, prompts, adapters, short)[0] for _ in range(2))
+    runs = [_timed_generate(llm, prompts, adapters, max_tokens) for _ in range(2)]
+    t_long = min(t for t, _ in runs)
+    return (t_long - t_short) / (max_tokens - short), t_long, runs[0][1]

@@ -42,6 +42,9 @@ class EngineConfig:
     # on, as in vLLM v1: requests that share a prefix (a chat template's system prompt, a
     # tenant's few-shot preamble) compute its full KV blocks once, even within one step
     enable_prefix_caching: bool = True
+    # CUDA only: replay decode steps (one token per sequence) from captured CUDA graphs; off by
+    # default until it has been measured on a GPU (see loraplex/engine/cuda_graphs.py)
+    cuda_graphs: bool = False
     # multi-LoRA
     max_loras: int = 8
     max_lora_rank: int = 64
@@ -79,6 +82,7 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    cuda_graphs: bool = False
     max_loras: int = 8
     max_lora_rank: int = 64
     max_cpu_lora_bytes: int = 2 * GiB

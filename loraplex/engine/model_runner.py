@@ -12,6 +12,9 @@ and bfloat16; CUDA bfloat16, float16 and float32.
 KV budget: ``kv_cache_bytes`` when given; else ``kv_cache_memory_fraction`` of the free device
 memory after the weights are loaded (CUDA), or of ``min(CPU_KV_CAP_BYTES, half the available
 RAM)`` on CPU. Never more blocks than ``max_num_seqs`` full-length sequences can use.
+
+With ``cuda_graphs`` on a GPU, steps of one token per sequence replay a captured forward
+(``cuda_graphs.DecodeGraphs``); every other step runs eagerly.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.config import GiB, EngineConfig
+from loraplex.engine.cuda_graphs import DecodeGraphs, cuda_capture
 from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from loraplex.engine.sampler import Sampler
 from loraplex.lora.spec import LoRATargetSpec
@@ -94,6 +98,13 @@ class ModelRunner:
         ]
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.lora_manager = None  # set by the engine (loraplex.lora LoRAManager)
+        # decode steps replayed from CUDA graphs (opt-in; see cuda_graphs); None = always eager
+        self.decode_graphs: DecodeGraphs | None = None
+        if config.cuda_graphs and self.device.type == "cuda":
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.kv_caches, self.block_size, self.max_model_len, config.max_num_seqs,
+                capture=cuda_capture(torch.cuda.graph_pool_handle()),
+            )
         logger.info(
             "model %s (%s, %d layers) on %s, dtype %s; KV cache: %d bytes per token, %d blocks of %d "
             "tokens = %d max concurrent tokens (%.1f MiB); max_model_len %d",
@@ -180,6 +191,8 @@ class ModelRunner:
             # each adapter's tokens contiguous, in slot order within a rank (see batch_order_key)
             self.lora_manager.place([item.adapter_id for item in scheduled])
             scheduled = sorted(scheduled, key=lambda item: self.lora_manager.batch_order_key(item.adapter_id))
+        if self.decode_graphs is not None and self.decode_graphs.can_run(scheduled):
+            return self._execute_graph(scheduled)
         batch = self.prepare_batch(scheduled)
         if self.lora_manager is not None:
             lora_ctx = self.lora_manager.step_context(batch.token_adapter_ids)
@@ -187,9 +200,20 @@ class ModelRunner:
         if not batch.sample_rows:
             return ModelRunnerOutput(sampled={})
         rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab] fp32
-        tokens = self.sampler(logits, batch.sample_seqs, self.eos_token_ids)
-        return ModelRunnerOutput(sampled={seq.seq_id: tok for seq, tok in zip(batch.sample_seqs, tokens)})
+        return self._sample(hidden[rows], batch.sample_seqs)
+
+    def _execute_graph(self, scheduled: list[ScheduledSeq]) -> ModelRunnerOutput:
+        token_slots, pool = None, None
+        if self.lora_manager is not None:
+            token_slots = self.lora_manager.step_slots([item.adapter_id for item in scheduled])
+            pool = self.lora_manager.pool
+        hidden = self.decode_graphs.run(scheduled, token_slots, pool)  # [num_seqs, hidden_size]
+        return self._sample(hidden, [item.seq for item in scheduled])
+
+    def _sample(self, hidden: torch.Tensor, seqs: list) -> ModelRunnerOutput:  # hidden: [num_sampled, H]
+        logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
+        tokens = self.sampler(logits, seqs, self.eos_token_ids)
+        return ModelRunnerOutput(sampled={seq.seq_id: tok for seq, tok in zip(seqs, tokens)})
 
     def release(self, seq_ids) -> None:
         """Drop per-sequence state. The runner keeps none today (seeded sampling derives its

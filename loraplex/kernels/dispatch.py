@@ -20,8 +20,10 @@ import torch
 from loraplex.kernels.lora_meta import LoRABatchMeta
 
 
-def _use_triton(t: torch.Tensor) -> bool:
+def uses_triton(t: torch.Tensor) -> bool:
+    """Whether kernels on ``t``'s device are the Triton ones (CUDA) or the torch twins (CPU)."""
     return t.is_cuda
+
 
 
 def write_kv_cache(
@@ -30,7 +32,7 @@ def write_kv_cache(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; slot < 0 = skip (padding)
 ) -> None:
-    if _use_triton(key):
+    if uses_triton(key):
         from loraplex.kernels.triton_attention import write_kv_cache_triton
 
         return write_kv_cache_triton(key, value, kv_cache, slot_mapping)
@@ -47,7 +49,7 @@ def plan_paged_attention(
 ) -> object | None:
     """The step's attention work planned once from the metadata, for every layer's
     ``paged_attention(..., plan=)``. ``None`` on CUDA: the Triton kernel needs no plan."""
-    if _use_triton(kv_cache):
+    if uses_triton(kv_cache):
         return None
     from loraplex.kernels.attention_cpu import plan_paged_attention as plan_cpu
 
@@ -73,7 +75,7 @@ def paged_attention(
     sequence of the same step fills (see ``BlockManager``), so a kernel that fuses the write
     into the attention has to finish every write before any read.
     """
-    if _use_triton(query):
+    if uses_triton(query):
         from loraplex.kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(
@@ -96,7 +98,7 @@ def lora_shrink(
     """``out[s, i, :r] = x[token_perm[i]] @ a_stack[s, slot, :r].T`` for every LoRA row ``i``
     (``slot = seg_slot`` of its segment, ``r = slot_rank[slot]``). Columns ``>= r`` and base-only
     rows are left unspecified; expand never reads them."""
-    if _use_triton(x):
+    if uses_triton(x):
         from loraplex.kernels.triton_lora import lora_shrink_triton
 
         return lora_shrink_triton(x, a_stack, meta, out)
@@ -116,7 +118,7 @@ def lora_expand(
 ) -> None:
     """``y[token_perm[i], off_s:off_s1] += scaling[s, slot] * shrunk[s, i, :r] @ b_stack[slot, off_s:off_s1, :r].T``
     for every LoRA row ``i`` and slice ``s``, all slices in one call."""
-    if _use_triton(y):
+    if uses_triton(y):
         from loraplex.kernels.triton_lora import lora_expand_triton
 
         return lora_expand_triton(shrunk, b_stack, scaling, slice_offsets, meta, y)
@@ -139,7 +141,7 @@ def lora_apply(
 
     On CUDA the two Triton kernels run through ``shrunk``; on CPU a fused twin keeps each
     batch's shrink result local (``shrunk`` may be None), which halves the small ops per projection."""
-    if _use_triton(y):
+    if uses_triton(y):
         lora_shrink(x, a_stack, meta, shrunk)
         lora_expand(shrunk, b_stack, scaling, slice_offsets, meta, y)
         return

@@ -12,13 +12,13 @@ from loraplex.lora.slots import SlotPool
 MAX_SLICES = 3  # qkv_proj
 
 
-def build_batch_meta(token_slots: list[int], slot_rank: torch.Tensor, slot_rank_host: list[int]) -> LoRABatchMeta:
-    """Group the flat batch's tokens by device slot (``-1`` = base model).
+def group_by_slot(token_slots: list[int]) -> tuple[list[int], list[int], list[int], int]:
+    """``(perm, seg_starts, seg_slot, max_seg_len)`` of a flat batch whose token ``t`` uses
+    device slot ``token_slots[t]`` (``-1`` = base model), as host lists.
 
-    ``token_perm`` is a stable sort of token indices by slot, base-model tokens first; only the
+    ``perm`` is a stable sort of token indices by slot, base-model tokens first; only the
     segments of real slots are listed, so base-only tokens never enter the LoRA kernels.
     """
-    device = slot_rank.device
     num_tokens = len(token_slots)
     perm = sorted(range(num_tokens), key=token_slots.__getitem__)  # stable
     seg_starts: list[int] = []
@@ -34,13 +34,20 @@ def build_batch_meta(token_slots: list[int], slot_rank: torch.Tensor, slot_rank_
     seg_starts.append(num_tokens)
     # with base tokens first, every listed segment ends where the next begins (or at the end)
     max_seg_len = max((seg_starts[g + 1] - seg_starts[g] for g in range(len(seg_slot))), default=0)
+    return perm, seg_starts, seg_slot, max_seg_len
+
+
+def build_batch_meta(token_slots: list[int], slot_rank: torch.Tensor, slot_rank_host: list[int]) -> LoRABatchMeta:
+    """The step's ``LoRABatchMeta``: tokens grouped by device slot (see ``group_by_slot``)."""
+    device = slot_rank.device
+    perm, seg_starts, seg_slot, max_seg_len = group_by_slot(token_slots)
     max_rank = max((slot_rank_host[s] for s in seg_slot), default=0)
     return LoRABatchMeta(
         token_perm=torch.tensor(perm, dtype=torch.int64, device=device),
         seg_starts=torch.tensor(seg_starts, dtype=torch.int32, device=device),
         seg_slot=torch.tensor(seg_slot, dtype=torch.int32, device=device),
         slot_rank=slot_rank,
-        num_tokens=num_tokens,
+        num_tokens=len(token_slots),
         num_segments=len(seg_slot),
         max_seg_len=max_seg_len,
         max_rank=max_rank,
@@ -54,14 +61,22 @@ class LoRAStepContext:
     """Built by ``LoRAManager.step_context`` for one step; the model calls ``apply`` after each
     packed projection. Holds the step's metadata and, on CUDA, one fp32 shrink buffer reused by every call."""
 
-    def __init__(self, pool: SlotPool, meta: LoRABatchMeta):
+    def __init__(
+        self,
+        pool: SlotPool,
+        meta: LoRABatchMeta,
+        *,
+        shrunk: torch.Tensor | None = None,  # [MAX_SLICES, num_tokens, r_max] fp32, e.g. a graph's
+        every_projection: bool = False,  # True under a CUDA graph: which kernels run is fixed
+    ):
         self.pool = pool
         self.meta = meta
         self.slots = sorted(set(meta.seg_slot_host))
+        self.every_projection = every_projection
         # [MAX_SLICES, num_tokens, r_max] fp32: shrink output, sliced per projection; only the
         # Triton kernels pass it between shrink and expand (the CPU path is fused)
-        self._shrunk = None
-        if pool.device.type == "cuda":
+        self._shrunk = shrunk
+        if shrunk is None and dispatch.uses_triton(pool.slot_rank):
             self._shrunk = torch.empty(
                 MAX_SLICES, meta.num_tokens, pool.max_rank, dtype=torch.float32, device=pool.device
             )
@@ -73,7 +88,9 @@ class LoRAStepContext:
         ``down_proj``); ``x [num_tokens, in]``, ``y [num_tokens, out_total]`` (all slices).
         """
         stack = self.pool.stacks[layer_idx].get(module)
-        if stack is None or not any(stack.active[s] for s in self.slots):
+        if stack is None:
+            return
+        if not self.every_projection and not any(stack.active[s] for s in self.slots):
             return  # no adapter of this step touches this projection in this layer
         num_slices = stack.a.shape[0]
         shrunk = None if self._shrunk is None else self._shrunk[:num_slices]  # [num_slices, num_tokens, r_max]

@@ -363,14 +363,20 @@ class LoRAManager:
     def step_context(self, token_adapter_ids: list[str | None]) -> LoRAStepContext | None:
         """The step's ``LoRAStepContext`` (None when no token uses an adapter) for adapters
         already placed by ``place``. ``token_adapter_ids``: one entry per token of the flat batch."""
-        if not self._last_step:
-            self._service_wanted()
+        token_slots = self.step_slots(token_adapter_ids)
+        if token_slots is None:
             return None
-        slot_of = {a: self.pool.slot_of(a) for a in self._last_step}
-        token_slots = [-1 if a is None else slot_of[a] for a in token_adapter_ids]
-        ctx = LoRAStepContext(self.pool, build_batch_meta(token_slots, self.pool.slot_rank, self.pool.slot_rank_host))
+        return LoRAStepContext(self.pool, build_batch_meta(token_slots, self.pool.slot_rank, self.pool.slot_rank_host))
+
+    def step_slots(self, token_adapter_ids: list[str | None]) -> list[int] | None:
+        """Each token's device slot (-1 = base model), or None when no token uses an adapter, for
+        adapters already placed by ``place``; a CUDA graph builds its own metadata from these."""
+        token_slots = None
+        if self._last_step:
+            slot_of = {a: self.pool.slot_of(a) for a in self._last_step}
+            token_slots = [-1 if a is None else slot_of[a] for a in token_adapter_ids]
         self._service_wanted()
-        return ctx
+        return token_slots
 
     def on_request_finished(self, adapter_id: str | None, prompt_tokens: int, gen_tokens: int) -> None:
         """A request ended (finished or aborted): release it and count its tokens."""

@@ -1,0 +1,195 @@
+"""CUDA graphs for decode steps: the model forward of a batch of one-token sequences is captured
+once per (batch bucket, LoRA segment class) and replayed with each step's inputs copied into
+static buffers.
+
+Why: a decode step of a small or medium model is bound by kernel launches and Python long before
+the GPU is busy (a few hundred launches per step, several microseconds each, and the LoRA
+kernels add eight per layer); a replay is one launch. Steps with prompt chunks stay eager: their
+shapes vary too much to bucket, and they are compute-bound anyway.
+
+Padding contract (what the kernels honour, kernels/README.md "CUDA graphs"): ``n`` decodes run
+in the graph of the smallest bucket ``B >= n``. Rows ``n..B-1`` are padding: slot -1 (no KV
+write), a sequence with no query token (attention returns at once and the split-KV merge
+leaves the row alone), the base model for LoRA. Grids come from host ints fixed per graph:
+attention's ``max_seq_len`` is ``max_model_len`` (each sequence still divides only its own
+length); LoRA's ``num_segments`` is ``min(B, max_loras)``, ``max_seg_len`` the segment class
+(the next power of two of the longest segment, at most ``B``) and ``max_rank`` the pool's; the
+unused segments are empty. Which projections get a LoRA delta must not depend on the step, so
+under a graph every projection with a slot stack runs the kernels (zero weights add nothing).
+
+The capture function is injected: ``cuda_capture`` on a GPU; the tests replay eagerly on CPU
+(Triton interpreter) to check the padding and metadata against the unpadded forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from loraplex.engine.outputs import ScheduledSeq
+from loraplex.kernels.lora_meta import LoRABatchMeta
+from loraplex.lora.context import MAX_SLICES, LoRAStepContext, group_by_slot
+from loraplex.lora.slots import SlotPool
+from loraplex.model.layers import AttentionMetadata
+
+# batch sizes with a graph of their own; a batch runs in the smallest bucket that holds it
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+# (callable running the forward) -> (object with .replay(), the output tensor each replay writes)
+CaptureFn = Callable[[Callable[[], torch.Tensor]], tuple[object, torch.Tensor]]
+
+
+def cuda_capture(pool_handle) -> CaptureFn:
+    """Capture on the current CUDA device into the shared memory pool ``pool_handle``."""
+
+    def capture(forward: Callable[[], torch.Tensor]) -> tuple[object, torch.Tensor]:
+        forward()  # warm-up outside the capture: compiles Triton variants, settles the allocator
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool_handle):
+            hidden = forward()
+        return graph, hidden
+
+    return capture
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass
+class _Graph:
+    graph: object  # .replay()
+    hidden: torch.Tensor  # [B, hidden_size], rewritten by every replay
+
+
+class DecodeGraphs:
+    """Captured decode forwards and the static buffers they read (see module doc)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        capture: CaptureFn,
+    ):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.buckets = [b for b in BATCH_BUCKETS if b < max_num_seqs] + [max_num_seqs]
+        self.max_batch = self.buckets[-1]
+        self.capture = capture
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        device = kv_caches[0].device
+        n, max_blocks = self.max_batch, -(-max_model_len // block_size)
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.zeros(n + 1, dtype=torch.int32, device=device)
+        self.token_perm = torch.arange(n, dtype=torch.int64, device=device)
+        self.seg_starts = torch.zeros(n + 1, dtype=torch.int32, device=device)
+        self.seg_slot = torch.zeros(n, dtype=torch.int32, device=device)
+        self._shrunk: torch.Tensor | None = None  # [MAX_SLICES, max_batch, r_max] fp32, at first LoRA use
+
+    # ---- which steps ---------------------------------------------------------------------
+    def can_run(self, scheduled: list[ScheduledSeq]) -> bool:
+        """A step of one token per sequence (decodes, or one-token prompts) that fits a bucket."""
+        return 0 < len(scheduled) <= self.max_batch and all(
+            item.num_tokens == 1 and item.needs_sample for item in scheduled
+        )
+
+    def bucket_for(self, num_seqs: int) -> int:
+        return next(b for b in self.buckets if b >= num_seqs)
+
+    # ---- one step ------------------------------------------------------------------------
+    def run(
+        self,
+        scheduled: list[ScheduledSeq],
+        token_slots: list[int] | None,  # per sequence (one token each); None = no adapter in the step
+        pool: SlotPool | None,
+    ) -> torch.Tensor:  # [num_seqs, hidden_size], in ``scheduled`` order
+        num_seqs = len(scheduled)
+        batch = self.bucket_for(num_seqs)
+        self._fill_inputs(scheduled, batch)
+        seg_class = 0
+        if token_slots is not None:
+            seg_class = self._fill_lora(token_slots, batch, pool)
+        key = (batch, seg_class)
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self._capture(batch, seg_class, pool)
+            self.graphs[key] = graph
+        graph.graph.replay()
+        return graph.hidden[:num_seqs]
+
+    def _fill_inputs(self, scheduled: list[ScheduledSeq], batch: int) -> None:
+        bs, n = self.block_size, len(scheduled)
+        positions = [item.start_pos for item in scheduled]
+        input_ids = [item.seq.token_at(pos) for item, pos in zip(scheduled, positions)]
+        slots = [item.block_table[pos // bs] * bs + pos % bs for item, pos in zip(scheduled, positions)]
+        tables = [item.block_table[: pos // bs + 1] for item, pos in zip(scheduled, positions)]
+        width = max(len(t) for t in tables)
+        padding = batch - n
+        self.input_ids[:batch].copy_(torch.tensor(input_ids + [0] * padding))
+        self.positions[:batch].copy_(torch.tensor(positions + [0] * padding))
+        self.slot_mapping[:batch].copy_(torch.tensor(slots + [-1] * padding))
+        self.block_tables[:n, :width].copy_(torch.tensor([t + [0] * (width - len(t)) for t in tables]))
+        self.seq_lens[:batch].copy_(torch.tensor([p + 1 for p in positions] + [0] * padding))
+        self.query_start_loc[: batch + 1].copy_(torch.tensor(list(range(n + 1)) + [n] * padding))
+
+    def _fill_lora(self, token_slots: list[int], batch: int, pool: SlotPool) -> int:
+        """Copy the step's segments into the static metadata; returns the segment class."""
+        perm, seg_starts, seg_slot, max_seg_len = group_by_slot(token_slots + [-1] * (batch - len(token_slots)))
+        num_segments = min(batch, pool.max_loras)
+        spare = num_segments - len(seg_slot)  # empty segments after the real ones
+        self.token_perm[:batch].copy_(torch.tensor(perm))
+        self.seg_starts[: num_segments + 1].copy_(torch.tensor(seg_starts + [batch] * spare))
+        self.seg_slot[:num_segments].copy_(torch.tensor(seg_slot + [0] * spare))
+        return min(batch, _next_pow2(max(1, max_seg_len)))
+
+    def _capture(self, batch: int, seg_class: int, pool: SlotPool | None) -> _Graph:
+        attn = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch],
+            block_tables=self.block_tables[:batch],
+            seq_lens=self.seq_lens[:batch],
+            query_start_loc=self.query_start_loc[: batch + 1],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,  # an upper bound: sizes the split-KV choice only
+        )
+        lora = None if seg_class == 0 else self._lora_context(batch, seg_class, pool)
+        input_ids, positions = self.input_ids[:batch], self.positions[:batch]
+
+        def forward() -> torch.Tensor:
+            return self.model(input_ids, positions, attn, self.kv_caches, lora=lora)
+
+        graph, hidden = self.capture(forward)
+        return _Graph(graph, hidden)
+
+    def _lora_context(self, batch: int, seg_class: int, pool: SlotPool) -> LoRAStepContext:
+        if self._shrunk is None:
+            self._shrunk = torch.empty(
+                MAX_SLICES, self.max_batch, pool.max_rank, dtype=torch.float32, device=self.input_ids.device
+            )
+        num_segments = min(batch, pool.max_loras)
+        meta = LoRABatchMeta(
+            token_perm=self.token_perm[:batch],
+            seg_starts=self.seg_starts[: num_segments + 1],
+            seg_slot=self.seg_slot[:num_segments],
+            slot_rank=pool.slot_rank,
+            num_tokens=batch,
+            num_segments=num_segments,
+            max_seg_len=seg_class,
+            max_rank=pool.max_rank,
+            # the Triton kernels read only the device tensors; these host lists stay empty
+            seg_starts_host=[],
+            seg_slot_host=[],
+            slot_rank_host=[],
+        )
+        return LoRAStepContext(pool, meta, shrunk=self._shrunk[:, :batch], every_projection=True)

@@ -1,0 +1,133 @@
+"""CUDA-graph decode steps (``loraplex.engine.cuda_graphs``), checked on CPU.
+
+The Triton kernels run under the interpreter (dispatch forced to them) and a stand-in capture
+replays the forward eagerly on the same static buffers, so what a graph depends on is all
+exercised: padding to a bucket (slot -1 rows, query-less sequences, base-model rows), the static
+attention metadata with ``max_model_len`` as the length bound (split-KV included), the static
+LoRA segments with empty spares and a fixed segment class, every projection run. Greedy outputs
+must equal PEFT's (an independent reference). What CPU cannot check is the capture itself: the
+replayed forward must read nothing back to the host and build no tensor from host data (both
+trapped here); ``kernels/gpu_check.py`` runs real graphs on a GPU.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.fixtures.peft_adapters import make_peft_adapter, peft_model_for
+from tests.kernels.test_no_host_sync import trap_host_reads
+from tests.lora.test_acceptance import reference
+
+from loraplex.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from loraplex.kernels import dispatch  # noqa: E402
+from loraplex.sampling_params import SamplingParams  # noqa: E402
+
+ADAPTERS = {
+    "qv_r2": dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]),
+    "mlp_r8": dict(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"]),
+    "all_r16": dict(r=16, lora_alpha=8, target_modules="all-linear"),
+}
+
+
+class EagerReplay:
+    """Stands in for ``torch.cuda.CUDAGraph``: a replay reruns the forward into the output
+    tensor returned at capture, as a real replay rewrites the graph's own output."""
+
+    def __init__(self, forward):
+        self.forward = forward
+        self.hidden = forward()
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.hidden.copy_(self.forward())
+        self.replays += 1
+
+
+def eager_capture(forward):
+    graph = EagerReplay(forward)
+    return graph, graph.hidden
+
+
+@pytest.fixture(scope="module")
+def graph_setup(tiny_llama_dir, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from loraplex.engine.llm import LLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    root = tmp_path_factory.mktemp("graph-adapters")
+    dirs = {n: make_peft_adapter(base, root / n, seed=40 + i, **kw) for i, (n, kw) in enumerate(ADAPTERS.items())}
+    llm = LLM(
+        model=str(tiny_llama_dir), dtype="float32", device="cpu", kv_cache_bytes=4 << 20,
+        max_loras=4, max_lora_rank=16, max_num_seqs=8, max_model_len=600,
+    )
+    for name, path in dirs.items():
+        llm.add_adapter(name, str(path))
+    runner = llm.engine.runner
+    runner.decode_graphs = DecodeGraphs(
+        runner.model, runner.kv_caches, runner.block_size, runner.max_model_len, 8, capture=eager_capture
+    )
+    return llm, peft_model_for(base, dirs)
+
+
+@pytest.fixture
+def triton_on_cpu(monkeypatch):
+    monkeypatch.setattr(dispatch, "uses_triton", lambda t: True)
+
+
+def test_buckets():
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.buckets = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256]
+    assert [graphs.bucket_for(n) for n in (1, 3, 8, 9, 25, 200, 256)] == [1, 4, 8, 16, 32, 224, 256]
+
+
+@pytest.mark.slow
+def test_graph_decode_steps_match_peft(graph_setup, triton_on_cpu):
+    llm, peft_model = graph_setup
+    graphs = llm.engine.runner.decode_graphs
+    rng = random.Random(5)
+    choices = [None, *ADAPTERS]
+    # 7 sequences (bucket 8, one padding row); different lengths shrink the batch through
+    # buckets 8, 4, 2, 1; an adapter with two sequences makes a segment of 2
+    which = [choices[i % len(choices)] for i in range(6)] + ["mlp_r8"]
+    prompts = [[rng.randrange(4, 260) for _ in range(rng.randrange(3, 12))] for _ in which]
+    lengths = [6, 2, 4, 3, 6, 1, 5]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outs = llm.generate(prompts, params, adapters=which)
+    mismatches = [
+        (a, p, o.token_ids, reference(peft_model, p, a, n))
+        for a, p, o, n in zip(which, prompts, outs, lengths)
+        if o.token_ids != reference(peft_model, p, a, n)
+    ]
+    assert not mismatches, mismatches
+    lora_keys = {key for key in graphs.graphs if key[1] > 0}
+    assert {b for b, _ in lora_keys} >= {8, 4}, graphs.graphs.keys()
+    assert max(c for _, c in lora_keys) == 2  # mlp_r8's two sequences
+    assert sum(g.graph.replays for g in graphs.graphs.values()) >= 4
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+    # the base model alone: graphs without LoRA kernels; and a context long enough to split KV
+    long_prompt = [rng.randrange(4, 260) for _ in range(520)]
+    base_prompts = [long_prompt, prompts[0]]
+    outs = llm.generate(base_prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [reference(peft_model, p, None, 3) for p in base_prompts]
+    assert (2, 0) in graphs.graphs
+
+
+@pytest.mark.slow
+def test_replayed_forward_reads_nothing_back_to_the_host(graph_setup, triton_on_cpu, monkeypatch):
+    llm, _ = graph_setup
+    graphs = llm.engine.runner.decode_graphs
+    llm.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                 adapters=["all_r16", None])
+    assert graphs.graphs
+    made = []
+    real_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: made.append(a) or real_tensor(*a, **k))
+    with trap_host_reads() as reads, torch.inference_mode():  # as ModelRunner.execute runs it
+        for graph in graphs.graphs.values():
+            graph.graph.replay()
+    assert reads == [] and made == []
