@@ -70,8 +70,13 @@ class AdapterManager:
         max_lora_rank: int,
         *,
         max_member_bytes: int = 2 << 30,
+        background_deletes: bool = False,
     ):
+        """``background_deletes``: a delete deferred to the last ``release`` runs in a thread of
+        its own instead of inside ``release`` (the server releases on its event loop, and the
+        delete takes a database lock and a blob store round trip)."""
         self.registry = registry
+        self.background_deletes = background_deletes
         self.blobs = blobs
         self.disk_cache = disk_cache
         self.spec = spec
@@ -267,7 +272,13 @@ class AdapterManager:
                 self._in_use.pop(content_hash, None)
             self.disk_cache.unpin(content_hash)
             blob_key = self._pending_delete.pop(content_hash, None) if last else None
-        if blob_key is not None:
+        if blob_key is None:
+            return
+        if self.background_deletes:
+            threading.Thread(
+                target=self._delete_blob_if_unused, args=(content_hash, blob_key), name="blob-delete", daemon=True
+            ).start()  # a process that exits first leaves an orphan for collect_garbage
+        else:
             self._delete_blob_if_unused(content_hash, blob_key)
 
     def in_use(self, content_hash: str) -> int:
@@ -356,7 +367,9 @@ class AdapterManager:
         return stats
 
 
-def build_adapter_manager(settings, registry: RegistryService, spec: LoRATargetSpec) -> AdapterManager:
+def build_adapter_manager(
+    settings, registry: RegistryService, spec: LoRATargetSpec, *, background_deletes: bool = False
+) -> AdapterManager:
     """The manager an entry point uses: blob store from ``settings.resolved_blob_url()``, disk
     cache under ``settings.home / "adapter-cache"`` within ``settings.max_disk_lora_bytes``.
     ``settings`` is a ``loraplex.config.Settings`` built by the caller."""
@@ -365,5 +378,6 @@ def build_adapter_manager(settings, registry: RegistryService, spec: LoRATargetS
     blobs = open_blob_store(settings.resolved_blob_url())
     disk_cache = AdapterManager.make_disk_cache(Path(settings.home) / "adapter-cache", settings.max_disk_lora_bytes)
     return AdapterManager(
-        registry, blobs, disk_cache, spec, settings.max_lora_rank, max_member_bytes=settings.max_upload_member_bytes
+        registry, blobs, disk_cache, spec, settings.max_lora_rank,
+        max_member_bytes=settings.max_upload_member_bytes, background_deletes=background_deletes,
     )

@@ -65,5 +65,6 @@ def build_components(settings: Settings, *, engine=None, registry=None, adapters
         from loraplex.registry.adapter_manager import build_adapter_manager
 
         spec = engine.engine.runner.lora_target_spec()
-        adapters = build_adapter_manager(settings, registry, spec)
+        # requests release adapters on the event loop: deferred blob deletes go to a thread
+        adapters = build_adapter_manager(settings, registry, spec, background_deletes=True)
     return Components(engine=engine, registry=registry, adapters=adapters)

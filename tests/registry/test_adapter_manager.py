@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 
 import pytest
 
 from loraplex.lora.errors import InvalidAdapterError
+from loraplex.registry.adapter_manager import AdapterManager
 from loraplex.lora.peft_format import compute_content_hash
 from loraplex.registry.errors import InvalidName, NotFound
 from loraplex.storage.archive import pack_files
@@ -259,6 +261,32 @@ def test_delete_in_use_version_waits_for_release(registry, blobs, adapters, tmp_
     manager.release(ref.content_hash)
     assert not blobs.exists(v1.blob_key) and manager.tier_of(v1.sha256) == "store"
     assert blobs.exists(v2.blob_key)
+
+
+def test_deferred_delete_in_the_background_does_not_block_release(registry, adapters, tmp_path):
+    """The server releases on its event loop: with background deletes, the last release returns
+    while the store delete is still held, and the blob goes once it proceeds."""
+    from tests.registry.test_blob_delete_race import PausingStore
+
+    spec, dirs = adapters
+    blobs = PausingStore(open_blob_store(str(tmp_path / "blobs")))
+    manager = AdapterManager(
+        registry, blobs, AdapterManager.make_disk_cache(tmp_path / "cache", 1 << 30), spec, 64,
+        background_deletes=True,
+    )
+    v1, _ = manager.upload("acme", "support", dirs["a"])
+    ref = manager.resolve("acme", "support", acquire=True)
+    manager.delete_adapter("acme", "support")
+    started = time.monotonic()
+    manager.release(ref.content_hash)
+    assert time.monotonic() - started < 0.5 and blobs.entered.wait(10)  # the delete waits, release did not
+    assert blobs.exists(v1.blob_key)
+    blobs.go.set()
+    deadline = time.monotonic() + 10
+    # the store delete, then the local copy
+    while (blobs.exists(v1.blob_key) or manager.tier_of(v1.sha256) != "store") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not blobs.exists(v1.blob_key) and manager.tier_of(v1.sha256) == "store"
 
 
 def test_delete_keeps_blob_shared_with_another_version(registry, adapters, tmp_path):
