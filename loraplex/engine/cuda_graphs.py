@@ -45,7 +45,13 @@ def cuda_capture(pool_handle) -> CaptureFn:
     """Capture on the current CUDA device into the shared memory pool ``pool_handle``."""
 
     def capture(forward: Callable[[], torch.Tensor]) -> tuple[object, torch.Tensor]:
-        forward()  # warm-up outside the capture: compiles Triton variants, settles the allocator
+        # warm-up outside the capture, on a side stream as torch's CUDA-graph notes advise:
+        # compiles and loads the Triton variants, creates cuBLAS state, settles the allocator
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool_handle):
