@@ -164,16 +164,20 @@ def test_body_too_large(server_factory):
 
 
 def test_concurrency_limit_per_tenant(server_factory):
-    srv = server_factory(FakeEngine(step_seconds=0.05), max_concurrent_requests_per_tenant=2)
+    engine = FakeEngine(step_seconds=0.05)
+    srv = server_factory(engine, max_concurrent_requests_per_tenant=2)
     acme = srv.make_tenant("acme")
     globex = srv.make_tenant("globex")
 
     async def run():
         async with httpx.AsyncClient(base_url=srv.url, timeout=20) as c:
-            body = {"model": "fake-model", "prompt": "ab", "max_tokens": 10}
+            body = {"model": "fake-model", "prompt": "ab", "max_tokens": 40}  # 2 s in flight each
             h = lambda k: {"Authorization": f"Bearer {k}"}  # noqa: E731
             slow = [asyncio.create_task(c.post("/v1/completions", json=body, headers=h(acme))) for _ in range(2)]
-            await asyncio.sleep(0.2)
+            for _ in range(400):  # until both run (a fixed sleep raced a loaded machine)
+                if len(engine.started) == 2:
+                    break
+                await asyncio.sleep(0.025)
             refused = await c.post("/v1/completions", json=body, headers=h(acme))
             other = await c.post("/v1/completions", json={**body, "max_tokens": 1}, headers=h(globex))
             return [await t for t in slow], refused, other
