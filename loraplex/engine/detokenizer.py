@@ -24,8 +24,8 @@ def backend_decoder(tokenizer) -> Callable[..., str] | None:
     calling it gives exactly ``tokenizer.decode``'s text; else None.
 
     Each generated token costs two decodes; through transformers' ``decode`` (argument
-    conversion, kwargs handling) that was about 9x the Rust call itself, a quarter of the host
-    time of a 256-sequence decode step. The shortcut is taken only where transformers' fast
+    conversion, kwargs handling) each took about 9x the Rust call itself (cProfile). The
+    shortcut is taken only where transformers' fast
     ``_decode`` is not overridden and does not post-process the text (its
     ``clean_up_tokenization_spaces`` is off, or ignored as for every BPE model)."""
     try:
