@@ -10,10 +10,14 @@ Every configuration runs eagerly and then with decode steps replayed from CUDA g
 (``cuda_graphs=True``; the same engine, its ``decode_graphs`` switched off for the eager rows).
 A failure of the graph path is reported and ends the graph rows; the eager rows go on. The
 greedy tokens of the two modes are compared (bf16 kernels with other grids may flip a near tie).
+The CPU smoke run (float32, tiny shapes) runs the graph rows of the batch-4 configurations
+through the Triton interpreter with an eager stand-in for the capture, so this code path is
+exercised before a GPU ever runs it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -105,7 +109,7 @@ def run_e2e(
     short = max(2, max_tokens // 4)
     num_adapters = max(n for _, n in configs)
     report.line(f"## End to end ({'Llama-3-8B layer shapes' if on_gpu else 'tiny shapes'}, {layers} layers, "
-                f"vocab {shape['vocab_size']}, bf16, prompt {prompt_len} tokens, "
+                f"vocab {shape['vocab_size']}, {'bf16' if on_gpu else 'fp32'}, prompt {prompt_len} tokens, "
                 f"rank-16 adapters on {targets} modules ({', '.join(TARGET_SETS[targets])}), greedy, ignore_eos)")
     report.line()
     with tempfile.TemporaryDirectory(prefix="loraplex-e2e-") as tmp:
@@ -117,7 +121,8 @@ def run_e2e(
         report.line(f"model + {num_adapters} PEFT adapters written in {time.perf_counter() - t0:.0f} s")
         t0 = time.perf_counter()
         llm = LLM(
-            model=str(model_dir), dtype="bfloat16", device=device, home=root / "home",
+            # the CPU smoke's graph rows run Triton under the interpreter, whose bf16 dot is wrong
+            model=str(model_dir), dtype="bfloat16" if on_gpu else "float32", device=device, home=root / "home",
             max_loras=num_adapters, max_lora_rank=16, max_num_seqs=256,
             max_num_batched_tokens=8192, max_model_len=prompt_len + max_tokens + 16,
             # every configuration reruns its prompts: cached prompt blocks would hide the prefill
@@ -126,7 +131,12 @@ def run_e2e(
             cuda_graphs=on_gpu,
         )
         runner = llm.engine.runner
-        graphs = runner.decode_graphs  # None on CPU: the smoke run has eager rows only
+        graphs = runner.decode_graphs
+        if not on_gpu:
+            from loraplex.engine.cuda_graphs import DecodeGraphs, eager_capture
+
+            graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, runner.max_model_len,
+                                  llm.engine.config.max_num_seqs, capture=eager_capture)
         names = [f"a{i:03d}" for i in range(num_adapters)]
         for name, path in zip(names, adapter_dirs):
             llm.add_adapter(name, str(path))
@@ -138,12 +148,15 @@ def run_e2e(
             prompts = torch.randint(4, shape["vocab_size"], (batch, prompt_len), generator=gen).tolist()
             adapters = [names[i % n_adapters] if n_adapters else None for i in range(batch)]
             for mode in list(modes):
+                if mode == "graphs" and not on_gpu and batch > 4:
+                    continue  # the interpreter is slow: the smoke run's graph rows are batch 4 only
                 if time.time() > deadline:
                     report.line(f"time budget spent: batch {batch} with {n_adapters} adapters ({mode}) and later not run")
                     break
                 runner.decode_graphs = graphs if mode == "graphs" else None
                 try:
-                    step, t_long, outs = _measure(llm, prompts, adapters, short, max_tokens)
+                    with _triton_on_cpu(mode == "graphs" and not on_gpu):
+                        step, t_long, outs = _measure(llm, prompts, adapters, short, max_tokens)
                 except Exception as exc:  # noqa: BLE001 - the graph path has never run before
                     if mode != "graphs":
                         raise
@@ -174,6 +187,22 @@ def run_e2e(
             ok = overhead <= OVERHEAD_TARGET
             report.target(f"{'MET' if ok else 'MISSED'} LoRA step overhead ({mode}) at batch 256, 64 distinct rank-16 "
                           f"adapters: {overhead * 100:+.1f}% (target <= {OVERHEAD_TARGET * 100:.0f}%)")
+
+
+@contextlib.contextmanager
+def _triton_on_cpu(enabled: bool):
+    """The CPU smoke's graph rows: dispatch to the Triton kernels (interpreter) for CPU tensors."""
+    if not enabled:
+        yield
+        return
+    from loraplex.kernels import dispatch
+
+    saved = dispatch.uses_triton
+    dispatch.uses_triton = lambda t: True
+    try:
+        yield
+    finally:
+        dispatch.uses_triton = saved
 
 
 def _measure(llm, prompts, adapters, short: int, max_tokens: int) -> tuple[float, float, list[list[int]]]:

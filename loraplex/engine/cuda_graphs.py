@@ -61,6 +61,27 @@ def cuda_capture(pool_handle) -> CaptureFn:
     return capture
 
 
+class EagerReplay:
+    """Stands in for ``torch.cuda.CUDAGraph`` without a GPU: ``replay`` reruns the forward into
+    the tensor returned at capture, as a real replay rewrites the graph's own output. With the
+    Triton kernels under the interpreter this runs the whole graph path on CPU (the tests, the
+    GPU check's CPU smoke run)."""
+
+    def __init__(self, forward: Callable[[], torch.Tensor]):
+        self.forward = forward
+        self.hidden = forward()
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.hidden.copy_(self.forward())
+        self.replays += 1
+
+
+def eager_capture(forward: Callable[[], torch.Tensor]) -> tuple[EagerReplay, torch.Tensor]:
+    graph = EagerReplay(forward)
+    return graph, graph.hidden
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 

@@ -21,7 +21,7 @@ from tests.fixtures.peft_adapters import make_peft_adapter, peft_model_for
 from tests.kernels.test_no_host_sync import trap_host_reads
 from tests.lora.test_acceptance import reference
 
-from loraplex.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from loraplex.engine.cuda_graphs import DecodeGraphs, eager_capture  # noqa: E402
 from loraplex.kernels import dispatch  # noqa: E402
 from loraplex.sampling_params import SamplingParams  # noqa: E402
 
@@ -30,25 +30,6 @@ ADAPTERS = {
     "mlp_r8": dict(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"]),
     "all_r16": dict(r=16, lora_alpha=8, target_modules="all-linear"),
 }
-
-
-class EagerReplay:
-    """Stands in for ``torch.cuda.CUDAGraph``: a replay reruns the forward into the output
-    tensor returned at capture, as a real replay rewrites the graph's own output."""
-
-    def __init__(self, forward):
-        self.forward = forward
-        self.hidden = forward()
-        self.replays = 0
-
-    def replay(self) -> None:
-        self.hidden.copy_(self.forward())
-        self.replays += 1
-
-
-def eager_capture(forward):
-    graph = EagerReplay(forward)
-    return graph, graph.hidden
 
 
 @pytest.fixture(scope="module")

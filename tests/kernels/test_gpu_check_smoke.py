@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
-        [sys.executable, str(REPO / "kernels" / "gpu_check.py"), "--cpu-smoke", "--skip-e2e"],
+        [sys.executable, str(REPO / "kernels" / "gpu_check.py"), "--cpu-smoke"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -27,3 +27,8 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
                  "bs16 kv write", "bs16 attention", "bs32 attention"):
         assert f"PASS {name}:" in results
     assert "copy bandwidth:" in results and "## Paged attention" in results
+    # the end-to-end part ran both decode modes (graphs: interpreter + eager stand-in capture),
+    # and the graph path gave the eager path's tokens (float32 on CPU)
+    assert "## End to end" in results and "end-to-end run FAILED" not in results
+    assert "| 4 | 2 | graphs |" in results and "| 4 | 2 | eager |" in results
+    assert "batch 4, 2 adapters: graph and eager greedy tokens identical for 4 of 4 sequences" in results
