@@ -15,6 +15,8 @@ Shapes (DESIGN.md contracts):
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from loraplex.kernels.lora_meta import LoRABatchMeta
@@ -136,12 +138,19 @@ def lora_apply(
     meta: LoRABatchMeta,
     y: torch.Tensor,  # [num_tokens, out_total] base output, original order; updated in place
     shrunk: torch.Tensor | None,  # [num_slices, num_tokens, r_max] fp32 scratch; CUDA only
+    *,
+    slot_rank: torch.Tensor | None = None,  # [max_loras] int32: this projection's ranks, else meta's
 ) -> None:
     """``lora_shrink`` then ``lora_expand``: the one call the model's LoRA context makes.
 
-    On CUDA the two Triton kernels run through ``shrunk``; on CPU a fused twin keeps each
-    batch's shrink result local (``shrunk`` may be None), which halves the small ops per projection."""
+    On CUDA the two Triton kernels run through ``shrunk``, reading no weights past
+    ``slot_rank`` (a projection's own ranks: 0 where a slot's adapter leaves it alone; rows
+    past them are zero, so the result is the same); on CPU a fused twin keeps each batch's
+    shrink result local (``shrunk`` may be None), which halves the small ops per projection."""
     if uses_triton(y):
+        if slot_rank is not None:
+            meta = copy.copy(meta)  # shallow: a few attribute copies, on every projection of a step
+            meta.slot_rank = slot_rank
         lora_shrink(x, a_stack, meta, shrunk)
         lora_expand(shrunk, b_stack, scaling, slice_offsets, meta, y)
         return

@@ -94,4 +94,6 @@ class LoRAStepContext:
             return  # no adapter of this step touches this projection in this layer
         num_slices = stack.a.shape[0]
         shrunk = None if self._shrunk is None else self._shrunk[:num_slices]  # [num_slices, num_tokens, r_max]
-        dispatch.lora_apply(x, stack.a, stack.b, stack.scaling, stack.slice_offsets, self.meta, y, shrunk)
+        dispatch.lora_apply(
+            x, stack.a, stack.b, stack.scaling, stack.slice_offsets, self.meta, y, shrunk, slot_rank=stack.rank
+        )

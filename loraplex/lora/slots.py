@@ -7,8 +7,11 @@ Per layer and packed module (slices as in ``PACKED_MODULES``)::
     b       [max_loras, out_total, r_max]         slices concatenated along out
     scaling [num_slices, max_loras]               fp32 (per module, so alpha_pattern is exact)
 
-plus ``slot_rank[max_loras]`` (int32, the real rank of each slot; 0 = empty). Rows and columns
-beyond a module's rank are zero; compute never reads past ``slot_rank``.
+plus ``slot_rank[max_loras]`` (int32, the real rank of each slot; 0 = empty) and, per stack,
+``rank[max_loras]`` (the rank of the slot's adapter in that projection; 0 where the adapter does
+not adapt it). Rows and columns beyond a module's rank are zero; the Triton kernels read no
+weights past the stack's ``rank`` (a projection an adapter leaves alone costs it nothing, also
+under a CUDA graph, which runs every projection's kernels).
 
 Eviction is LRU among slots that are neither pinned nor protected by the caller (the adapters
 of the step being prepared); slots whose adapter still has requests (``refs``) go last.
@@ -33,6 +36,7 @@ class LoRAStack:
     scaling: torch.Tensor  # [num_slices, max_loras] fp32
     slice_offsets: tuple[int, ...]  # num_slices + 1 offsets into out_total
     active: list[bool]  # per slot: the adapter there has weights for this projection
+    rank: torch.Tensor  # [max_loras] int32: the adapter's rank in this projection (0 = none)
 
 
 class SlotPool:
@@ -72,6 +76,7 @@ class SlotPool:
                     scaling=torch.zeros(len(names), max_loras, dtype=torch.float32, device=self.device),
                     slice_offsets=tuple(offsets),
                     active=[False] * max_loras,
+                    rank=torch.zeros(max_loras, dtype=torch.int32, device=self.device),
                 )
             self.stacks.append(layer)
 
@@ -126,17 +131,20 @@ class SlotPool:
                 st.b[slot].zero_()
                 scales = [0.0] * st.a.shape[0]
                 lora = weights.layers.get((layer_idx, packed))
+                module_rank = 0
                 if lora is not None:
                     for s, sl in enumerate(lora.slices):
                         if sl is None:
                             continue
                         r = sl.rank
+                        module_rank = max(module_rank, r)
                         o0, o1 = st.slice_offsets[s], st.slice_offsets[s + 1]
                         st.a[s, slot, :r].copy_(sl.a)  # [r, in]
                         st.b[slot, o0:o1, :r].copy_(sl.b)  # [out_s, r]
                         scales[s] = sl.scaling
                 st.scaling[:, slot] = torch.tensor(scales, dtype=torch.float32)
                 st.active[slot] = lora is not None
+                st.rank[slot] = module_rank
         self.adapter_in[slot] = weights.adapter_id
         self._slot_of[weights.adapter_id] = slot
         self.slot_rank_host[slot] = weights.rank
@@ -157,4 +165,5 @@ class SlotPool:
         for layer in self.stacks:
             for st in layer.values():
                 st.active[slot] = False
+                st.rank[slot] = 0
         return old

@@ -89,6 +89,10 @@ def test_graph_decode_steps_match_peft(graph_setup, triton_on_cpu):
     assert max(c for _, c in lora_keys) == 2  # mlp_r8's two sequences
     assert sum(g.graph.replays for g in graphs.graphs.values()) >= 4
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    # projections an adapter leaves alone have rank 0 in their stack: the kernels read nothing there
+    pool = llm.engine.lora_manager.pool
+    qv = pool.slot_of(llm.engine.resolve_adapter("qv_r2"))
+    assert [int(pool.stacks[0][m].rank[qv]) for m in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")] == [2, 0, 0, 0]
 
     # the base model alone: graphs without LoRA kernels; and a context long enough to split KV
     long_prompt = [rng.randrange(4, 260) for _ in range(520)]
