@@ -9,6 +9,7 @@ it is done. Once started, a background thread collects unreferenced blobs every
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 import logging
 from pathlib import Path
 
@@ -68,10 +69,12 @@ def create_app(
     adapters=None,
     admin_dir: Path | None = None,
     builder=None,
+    on_started: Callable[[], None] | None = None,
 ) -> Starlette:
     """The ASGI app. ``engine`` is an ``AsyncLLMEngine``, ``registry`` a ``RegistryService``,
     ``adapters`` an ``AdapterManager``; any left out is built by ``builder(settings)`` at startup
-    (default: ``components.build_components``)."""
+    (default: ``components.build_components``). ``on_started`` runs once everything is built,
+    before the first request (the entry point's process-wide settings)."""
     lifecycle = Lifecycle()
     ctx = AppContext(
         settings=settings,
@@ -109,6 +112,8 @@ def create_app(
                 collect, settings.blob_gc_interval_seconds, settings.blob_gc_min_age_seconds
             ).start()
         app.state.blob_gc = blob_gc
+        if on_started is not None:
+            on_started()
         lifecycle.started = True
         log.info("ready: serving %s", ctx.served_model_name)
         try:

@@ -11,6 +11,7 @@ first start.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 import types
@@ -78,6 +79,18 @@ def _configure_logging(level: str) -> None:
     access.propagate = False
 
 
+def freeze_startup_objects() -> None:
+    """Move every object alive once the server is up (torch, transformers, the model, the
+    registry) to the garbage collector's permanent generation, as vLLM does after start-up.
+
+    They are never garbage, yet each full collection scanned them all: ~314k objects, 145 ms on
+    the 2-core VM with SmolLM2 loaded, a pause of every stream whenever enough request objects
+    had outlived the young generations. After the freeze a full collection scans only what
+    requests created (0.0 ms right after start-up)."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -97,7 +110,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if setup.demo_key:
         print(f"loraplex: tenant 'demo' API key (shown once): {setup.demo_key}", flush=True)
         print(f"loraplex: OpenAI base URL for it: {base}/t/demo/v1", flush=True)
-    app = create_app(settings, registry=setup.registry)
+    app = create_app(settings, registry=setup.registry, on_started=freeze_startup_objects)
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -69,3 +69,34 @@ def test_stored_admin_key_guards_admin_routes(tmp_path):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_on_started_runs_once_after_the_parts_are_built(tmp_path):
+    from starlette.testclient import TestClient
+
+    settings = Settings(home=tmp_path / "home", admin_key="k")
+    setup = prepare_registry(settings, create_demo=False)
+    seen = []
+    app = create_app(settings, engine=FakeEngine(), registry=setup.registry,
+                     adapters=FakeAdapterManager(setup.registry, tmp_path),
+                     on_started=lambda: seen.append(app.state.ctx.lifecycle.started))
+    with TestClient(app) as client:
+        assert client.get("/ready").status_code == 200
+    assert seen == [False]  # once, before the server took requests
+
+
+def test_serve_freezes_the_objects_alive_after_start_up():
+    """``loraplex serve`` hands its start-up objects (model, torch, transformers) to the
+    permanent generation: full collections stop scanning them (vLLM does the same)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import gc, torch, transformers\n"
+        "from loraplex.server.cli import freeze_startup_objects\n"
+        "before = len(gc.get_objects())\n"
+        "freeze_startup_objects()\n"
+        "assert gc.get_freeze_count() >= before // 2 > 10000, (before, gc.get_freeze_count())\n"
+        "assert len(gc.get_objects()) < 1000\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
