@@ -92,11 +92,14 @@ def test_serve_freezes_the_objects_alive_after_start_up():
     import sys
 
     code = (
-        "import gc, torch, transformers\n"
+        # triton's nanobind bindings report objects still frozen at exit as leaks
+        "import gc, torch, transformers, triton\n"
         "from loraplex.server.cli import freeze_startup_objects\n"
         "before = len(gc.get_objects())\n"
         "freeze_startup_objects()\n"
         "assert gc.get_freeze_count() >= before // 2 > 10000, (before, gc.get_freeze_count())\n"
         "assert len(gc.get_objects()) < 1000\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "leaked" not in proc.stderr, proc.stderr[-2000:]
