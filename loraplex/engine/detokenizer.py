@@ -36,7 +36,8 @@ def backend_decoder(tokenizer) -> Callable[..., str] | None:
     backend = getattr(tokenizer, "_tokenizer", None)
     if not isinstance(tokenizer, PreTrainedTokenizerFast) or not isinstance(backend, Tokenizer):
         return None
-    if type(tokenizer)._decode is not PreTrainedTokenizerFast._decode:
+    base_decode = getattr(PreTrainedTokenizerFast, "_decode", None)  # other transformers versions
+    if base_decode is None or getattr(type(tokenizer), "_decode", None) is not base_decode:
         return None
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):
         bpe = type(backend.model).__name__ == "BPE"
