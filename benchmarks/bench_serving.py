@@ -66,6 +66,9 @@ streams added 0.7-1.5 s of client-side queueing before a request's first byte le
 runs on the same machine as the server: on a 2-core box it competes for the CPUs (about 0.05 of
 a core at 200 users), which inflates every latency a little.
 
+The client (users, percentiles) is in ``serving_client.py``, the server side (process, admin
+setup, metrics, access log, CPU meter) in ``serving_server.py``, both beside this script.
+
 Exit status: 0 when every request succeeded and KV was back to 0 after every run; 1 when a
 request failed (warm-up included); 2 when KV usage stayed above 0 at idle.
 """
@@ -77,440 +80,21 @@ import asyncio
 import json
 import math
 import os
-import secrets
 import shlex
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-TENANT = "bench"
-CHAT_PATH = "/t/{tenant}/v1/chat/completions"
 
 
-# --- statistics -------------------------------------------------------------------------------
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) of ``xs``, interpolated linearly between order
-    statistics: ``numpy.percentile(xs, q)`` with its default method. NaN for no data."""
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    pos = (len(s) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-@dataclass
-class Sample:
-    """One request as the client saw it. Times in seconds."""
-
-    model: str
-    ok: bool = False
-    error: str | None = None
-    ttft: float | None = None
-    itls: list[float] = field(default_factory=list)
-    e2e: float | None = None
-    output_tokens: int = 0
-    content_chunks: int = 0
-    finish_reason: str | None = None
-
-
-@dataclass
-class Summary:
-    ok: int
-    failed: int
-    wall_s: float
-    output_tokens: int
-    tok_per_s: float
-    req_per_s: float
-    tokens_per_chunk: float
-    ttft: dict[str, float]  # p50/p90/p99 (and mean, max), seconds
-    itl: dict[str, float]
-    e2e: dict[str, float]
-    errors: dict[str, int]  # first 80 characters of each error -> count
-
-
-def _dist(xs: list[float]) -> dict[str, float]:
-    out = {f"p{q}": percentile(xs, q) for q in (50, 90, 99)}
-    out["mean"] = sum(xs) / len(xs) if xs else math.nan
-    out["max"] = max(xs) if xs else math.nan
-    return out
-
-
-def summarize(samples: list[Sample], wall_s: float) -> Summary:
-    """Figures over the successful requests; failures are counted and grouped by message."""
-    good = [s for s in samples if s.ok]
-    errors: dict[str, int] = {}
-    for s in samples:
-        if not s.ok:
-            key = (s.error or "unknown")[:80]
-            errors[key] = errors.get(key, 0) + 1
-    tokens = sum(s.output_tokens for s in good)
-    chunks = sum(s.content_chunks for s in good)
-    return Summary(
-        ok=len(good),
-        failed=len(samples) - len(good),
-        wall_s=wall_s,
-        output_tokens=tokens,
-        tok_per_s=tokens / wall_s if wall_s > 0 else math.nan,
-        req_per_s=len(good) / wall_s if wall_s > 0 else math.nan,
-        tokens_per_chunk=tokens / chunks if chunks else math.nan,
-        ttft=_dist([s.ttft for s in good if s.ttft is not None]),
-        itl=_dist([g for s in good for g in s.itls]),
-        e2e=_dist([s.e2e for s in good if s.e2e is not None]),
-        errors=errors,
-    )
-
-
-# --- the load ---------------------------------------------------------------------------------
-
-
-def chat_body(model: str, prompt: str, max_tokens: int, extra: dict | None = None) -> dict:
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **(extra or {}),
-    }
-
-
-async def stream_one(client, path: str, model: str, prompt: str, max_tokens: int, extra: dict | None = None) -> Sample:
-    """One streaming chat request, timed; never raises for what the server does."""
-    import httpx
-
-    sample = Sample(model=model)
-    done = False
-    usage_tokens = None
-    t0 = time.perf_counter()
-    last = None
-    try:
-        async with client.stream("POST", path, json=chat_body(model, prompt, max_tokens, extra)) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                sample.error = f"HTTP {resp.status_code}: {text[:200]}"
-                return sample
-            async for line in resp.aiter_lines():
-                if not line or line.startswith(":"):  # blank separators, SSE comments
-                    continue
-                if not line.startswith("data: "):
-                    sample.error = f"not an SSE data line: {line[:80]!r}"
-                    return sample
-                data = line[6:]
-                if data == "[DONE]":
-                    sample.e2e = time.perf_counter() - t0
-                    done = True
-                    continue
-                if done:
-                    sample.error = "data after [DONE]"
-                    return sample
-                obj = json.loads(data)
-                if "error" in obj:
-                    sample.error = f"in-stream error: {json.dumps(obj['error'])[:200]}"
-                    return sample
-                if obj.get("usage"):
-                    usage_tokens = obj["usage"].get("completion_tokens")
-                for choice in obj.get("choices") or ():
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        now = time.perf_counter()
-                        if last is None:
-                            sample.ttft = now - t0
-                        else:
-                            sample.itls.append(now - last)
-                        last = now
-                        sample.content_chunks += 1
-                    if choice.get("finish_reason"):
-                        sample.finish_reason = choice["finish_reason"]
-    except httpx.ReadTimeout:
-        sample.error = "stream stalled (no byte within --stall-timeout)"
-        return sample
-    except (httpx.HTTPError, OSError, ValueError) as exc:
-        sample.error = f"broken stream: {type(exc).__name__}: {str(exc)[:160]}"
-        return sample
-    if not done:
-        sample.error = "stream ended without [DONE]"
-    elif usage_tokens is None:
-        sample.error = "no usage chunk"
-    elif usage_tokens < max_tokens:
-        sample.error = f"short output: {usage_tokens} < {max_tokens} tokens (finish {sample.finish_reason})"
-    elif sample.ttft is None:
-        sample.error = "no content chunk"
-    else:
-        sample.ok = True
-    sample.output_tokens = usage_tokens or 0
-    return sample
-
-
-@dataclass
-class LevelRun:
-    samples: list[Sample]
-    wall_s: float
-    health_s: list[float]  # /health answer times during the run
-
-
-async def run_level(base_url: str, key: str, models: list[str], prompts: list[str], concurrency: int,
-                    max_tokens: int, *, tenant: str = TENANT, stall_timeout: float = 120.0,
-                    health_probe: bool = True, extra_body: dict | None = None) -> LevelRun:
-    """Closed loop: ``concurrency`` clients, each sending the next request as soon as its previous
-    one is done, until all ``len(prompts)`` are sent. Request i uses ``prompts[i]`` and model
-    ``models[i % len(models)]``; ``extra_body`` is merged into every request body. Returns the
-    samples in request order and the wall time from the first send to the last answer."""
-    import httpx
-
-    path = CHAT_PATH.format(tenant=tenant)
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    timeout = httpx.Timeout(connect=60.0, read=stall_timeout, write=60.0, pool=None)
-    samples: list[Sample | None] = [None] * len(prompts)
-    next_index = 0
-    health: list[float] = []
-    stop = asyncio.Event()
-
-    async def client_loop(client) -> None:
-        nonlocal next_index
-        while next_index < len(prompts):
-            i = next_index
-            next_index += 1
-            samples[i] = await stream_one(client, path, models[i % len(models)], prompts[i], max_tokens, extra_body)
-
-    async def probe() -> None:
-        async with httpx.AsyncClient(base_url=base_url, timeout=60.0) as c:
-            while not stop.is_set():
-                t = time.perf_counter()
-                try:
-                    await c.get("/health")
-                    health.append(time.perf_counter() - t)
-                except httpx.HTTPError:
-                    health.append(math.inf)
-                try:
-                    await asyncio.wait_for(stop.wait(), 0.25)
-                except asyncio.TimeoutError:
-                    pass
-
-    # One client (one keep-alive connection) per user: a single pool shared by hundreds of
-    # streams spends seconds per request in its own bookkeeping under load (measured: 0.7-1.5 s
-    # between the call and the first header byte at 200 users), which would count as TTFT.
-    ssl_context = httpx.create_ssl_context()  # built once: each client would otherwise load CA files
-    users = min(concurrency, len(prompts))
-    clients = [httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=timeout,
-                                 limits=limits, verify=ssl_context) for _ in range(users)]
-    try:
-        probe_task = asyncio.ensure_future(probe()) if health_probe else None
-        start = time.perf_counter()
-        await asyncio.gather(*(client_loop(c) for c in clients))
-        wall = time.perf_counter() - start
-        stop.set()
-        if probe_task is not None:
-            await probe_task
-    finally:
-        await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
-    return LevelRun([s for s in samples if s is not None], wall, health)
-
-
-def make_prompts(n: int, tag: str) -> list[str]:
-    """``n`` distinct user messages: a request tag first (so no two share more than the chat
-    template's system prompt), then one of bench_engine.py's 64 instructions."""
-    from bench_engine import make_prompts as instructions
-
-    base = instructions(64)
-    return [f"Request {tag}-{i}. {base[i % len(base)]}" for i in range(n)]
-
-
-# --- the server -------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    url: str
-    log_path: Path
-    admin_key: str
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                print(f"! server did not exit {timeout:.0f}s after SIGTERM: killed", flush=True)
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        return self.proc.returncode
-
-
-def start_server(home: Path, model_dir: Path, served_name: str, extra: list[str], ready_timeout: float = 300) -> Server:
-    import httpx
-
-    port = free_port()
-    admin_key = "bench-admin-" + secrets.token_hex(8)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}  # only what we set
-    env.update(LORAPLEX_HOME=str(home), LORAPLEX_ADMIN_KEY=admin_key,
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(model_dir),
-           "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port), *extra]
-    home.mkdir(parents=True, exist_ok=True)
-    log_path = home / "server.log"
-    print("# server:", " ".join(shlex.quote(c) for c in cmd[1:]), flush=True)
-    with open(log_path, "ab") as log:  # a file, not a pipe: a full pipe would stall the server
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ready_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text(errors='replace')[-4000:]}")
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return Server(proc, url, log_path, admin_key)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    proc.kill()
-    raise RuntimeError(f"server not ready in {ready_timeout}s:\n{log_path.read_text(errors='replace')[-4000:]}")
-
-
-def setup_tenant(url: str, admin_key: str, adapter_dirs: list[Path], tenant: str = TENANT) -> tuple[str, list[str], str]:
-    """Create ``tenant`` (reused if it exists), a fresh key, and one adapter per directory
-    (``a0``, ``a1``, ...) over the admin API. Returns (key, adapter names, base model name)."""
-    import httpx
-
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {admin_key}"}, timeout=120) as admin:
-        r = admin.post("/admin/v1/tenants", json={"name": tenant})
-        if r.status_code not in (201, 409):
-            raise RuntimeError(f"create tenant: {r.status_code} {r.text}")
-        r = admin.post(f"/admin/v1/tenants/{tenant}/keys")
-        if r.status_code != 201:
-            raise RuntimeError(f"create key: {r.status_code} {r.text}")
-        key = r.json()["key"]
-        names = []
-        for i, d in enumerate(adapter_dirs):
-            name = f"a{i}"
-            files = {f: (f, (d / f).read_bytes(), "application/octet-stream")
-                     for f in ("adapter_config.json", "adapter_model.safetensors")}
-            r = admin.post(f"/admin/v1/tenants/{tenant}/adapters/{name}/versions", files=files)
-            if r.status_code not in (200, 201):
-                raise RuntimeError(f"upload {name}: {r.status_code} {r.text}")
-            names.append(name)
-    models = httpx.get(f"{url}/t/{tenant}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()
-    base = next(m["id"] for m in models["data"] if m.get("parent") is None)
-    return key, names, base
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {series without labels: value}, summed over label sets."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{", 1)[0]
-        try:
-            out[name] = out.get(name, 0.0) + float(value)
-        except ValueError:
-            pass
-    return out
-
-
-def idle_state(url: str, admin_key: str, timeout: float = 30.0) -> dict:
-    """Wait until nothing runs or waits, then: KV usage from /metrics, engine counters from
-    /admin/v1/status, and how long it took to get idle."""
-    import httpx
-
-    start = time.monotonic()
-    while True:
-        m = parse_metrics(httpx.get(url + "/metrics", timeout=30).text)
-        busy = m.get("vllm:num_requests_running", 0) + m.get("vllm:num_requests_waiting", 0)
-        if busy == 0 or time.monotonic() - start > timeout:
-            break
-        time.sleep(0.1)
-    status = httpx.get(url + "/admin/v1/status", headers={"Authorization": f"Bearer {admin_key}"}, timeout=30).json()
-    engine = status.get("engine") or {}
-    return {
-        "kv_cache_usage_perc": m.get("vllm:kv_cache_usage_perc", math.nan),
-        "num_requests_running": m.get("vllm:num_requests_running", math.nan),
-        "num_requests_waiting": m.get("vllm:num_requests_waiting", math.nan),
-        "idle_after_s": time.monotonic() - start,
-        "num_preemptions": engine.get("num_preemptions"),
-        "num_starvation_preemptions": engine.get("num_starvation_preemptions"),
-        "num_blocks_free": engine.get("num_blocks_free"),
-        "num_blocks_total": engine.get("num_blocks_total"),
-        "in_flight": status.get("in_flight"),
-    }
-
-
-def adapter_tiers(url: str, admin_key: str, tenant: str = TENANT) -> dict[str, int]:
-    import httpx
-
-    r = httpx.get(f"{url}/admin/v1/tenants/{tenant}/adapters", headers={"Authorization": f"Bearer {admin_key}"}, timeout=30)
-    counts: dict[str, int] = {}
-    for a in r.json().get("data", []):
-        tier = a.get("tier") or next((v.get("tier") for v in a.get("versions", []) if v.get("tier")), None) or "?"
-        counts[tier] = counts.get(tier, 0) + 1
-    return counts
-
-
-def _cpu_busy_s() -> float:
-    """Busy CPU seconds of the whole machine so far (/proc/stat; steal included); NaN off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
-    except (OSError, ValueError, IndexError):
-        return math.nan
-
-
-def _proc_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, all threads) of one process so far; NaN if unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return math.nan
-
-
-class CpuMeter:
-    """Cores used between start and stop by the server, by this client, and by everything else
-    on the machine (other processes, VM steal): a busy neighbour explains bad figures on a
-    2-core box."""
-
-    def __init__(self, server_pid: int):
-        self.server_pid = server_pid
-
-    def __enter__(self) -> "CpuMeter":
-        self._t = time.perf_counter()
-        self._busy, self._srv, self._me = _cpu_busy_s(), _proc_cpu_s(self.server_pid), _proc_cpu_s(os.getpid())
-        return self
-
-    def __exit__(self, *exc) -> None:
-        wall = time.perf_counter() - self._t
-        busy = _cpu_busy_s() - self._busy
-        srv, me = _proc_cpu_s(self.server_pid) - self._srv, _proc_cpu_s(os.getpid()) - self._me
-        self.server, self.client, self.other = srv / wall, me / wall, max(busy - srv - me, 0.0) / wall
-
+from serving_client import Summary, distribution, make_prompts, percentile, run_level, summarize  # noqa: E402 (beside this script)
+from serving_server import CpuMeter, TENANT, server_problems, access_records, adapter_tiers, idle_state, setup_tenant, start_server  # noqa: E402
 
 # --- adapters ---------------------------------------------------------------------------------
 
@@ -628,37 +212,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def access_records(log_path: Path, offset: int) -> tuple[list[dict], int]:
-    """The server's access-log records (one JSON line per request) written after ``offset``."""
-    with open(log_path, "rb") as f:
-        f.seek(offset)
-        data = f.read()
-    records = []
-    for line in data.decode(errors="replace").splitlines():
-        if line.startswith('{"event":"request"'):
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                pass
-    return records, offset + len(data)
-
-
-def _server_problems(log: str) -> list[str]:
-    """Log lines that point at trouble: tracebacks, errors, non-200 access lines."""
-    lines = []
-    for line in log.splitlines():
-        if line.startswith('{"event":"request"'):
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("status") != 200:
-                lines.append(line)
-        elif "Traceback" in line or " ERROR " in line or " CRITICAL " in line:
-            lines.append(line)
-    return lines
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     from loraplex.model.loader import resolve_model_dir
@@ -719,7 +272,7 @@ def main(argv=None) -> int:
                 server_ttft = [r["ttft_s"] for r in records if r.get("status") == 200 and r.get("ttft_s") is not None]
                 results.append({"workload": workload, "concurrency": c, "num_requests": n, "summary": summary,
                                 "idle": idle, "preemptions": now - preempt, "health_s": run.health_s,
-                                "server_ttft": _dist(server_ttft), "server_requests": len(records),
+                                "server_ttft": distribution(server_ttft), "server_requests": len(records),
                                 "cpu": {"server": cpu.server, "client": cpu.client, "other": cpu.other}})
                 preempt = now
                 print(f"   ok {summary.ok} failed {summary.failed}, {summary.tok_per_s:.1f} tok/s, "
@@ -733,7 +286,7 @@ def main(argv=None) -> int:
         print_tables(results)
     finally:
         code = server.stop()
-        problems = _server_problems(server.log())
+        problems = server_problems(server.log())
         print(f"# server exited with {code}; {len(problems)} suspicious log line(s) "
               f"(tracebacks, ERROR, non-200 requests) in {server.log_path}", flush=True)
         for line in problems[:20]:
