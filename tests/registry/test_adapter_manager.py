@@ -23,7 +23,6 @@ from loraplex.storage.base import (
 from loraplex.storage.s3 import S3BlobStore
 from tests.registry.adapter_manager_helpers import (
     CountingStore,
-    build_adapters,
     files_digest,
     make_manager,
 )
@@ -32,23 +31,11 @@ from tests.storage.flaky_proxy import FlakyProxy
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory):
-    return build_adapters(tmp_path_factory.mktemp("adapters"))
-
-
 @pytest.fixture(params=["local", "s3"])
 def blobs(request, tmp_path):
     if request.param == "local":
         return open_blob_store(str(tmp_path / "blobs"))
     return open_blob_store(request.getfixturevalue("s3_blob_url"))
-
-
-@pytest.fixture
-def registry(registry_service):
-    registry_service.create_tenant("acme")
-    registry_service.create_tenant("other")
-    return registry_service
 
 
 def test_upload_then_resolve_fetches_verified_files(registry, blobs, adapters, tmp_path):

@@ -24,24 +24,12 @@ import pytest
 from loraplex.lora.peft_format import compute_content_hash
 from loraplex.registry.errors import BlobMissing
 from loraplex.storage.base import content_key, open_blob_store
-from tests.registry.adapter_manager_helpers import CountingStore, build_adapters, make_manager
+from tests.registry.adapter_manager_helpers import CountingStore, make_manager
 from tests.registry.helpers import version_fields
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PAUSE_S = 1.0  # how long the deleter is held between its count and its delete
 TIMEOUT_S = 30.0  # nothing here may hang: every wait is bounded
-
-
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory):
-    return build_adapters(tmp_path_factory.mktemp("adapters"))
-
-
-@pytest.fixture
-def registry(registry_service):
-    registry_service.create_tenant("acme")
-    registry_service.create_tenant("other")
-    return registry_service
 
 
 class PausingStore(CountingStore):
