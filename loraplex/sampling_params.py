@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
+
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for each logit_bias value: [-100, 100]
 
 
 class InvalidRequestError(ValueError):
@@ -36,6 +39,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the chosen)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id -> bias in [-100, 100] added to that token's logit before sampling (OpenAI's
+    # logit_bias); ids are checked against the model's vocabulary when the engine takes the request
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,6 +51,8 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
+        if self.logit_bias is not None:  # normalised once: an empty bias is no bias
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "SamplingParams":
@@ -91,3 +99,35 @@ class SamplingParams:
             bad("stop", "stop must be a non-empty string or a list of them")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "stop_token_ids must be non-negative integers")
+        if self.logit_bias is not None:
+            _check_logit_bias(self.logit_bias)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_logit_bias(bias) -> None:
+    if not isinstance(bias, dict):
+        raise InvalidRequestError("logit_bias must be a mapping of token ids to biases", param="logit_bias")
+    for token, value in bias.items():
+        if not _is_int(token) or token < 0:
+            raise InvalidRequestError(f"logit_bias keys must be non-negative token ids, got {token!r}", param="logit_bias")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise InvalidRequestError(f"logit_bias[{token}] must be a number, got {value!r}", param="logit_bias")
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise InvalidRequestError(
+                f"logit_bias[{token}] must be in [-100, 100], got {value}", param="logit_bias"
+            )
+
+
+def check_token_ids_in_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids a request names must index the model's vocabulary (``logit_bias`` keys)."""
+    if params.logit_bias:
+        worst = max(params.logit_bias)
+        if worst >= vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias names token id {worst}, but the model's vocabulary has {vocab_size} tokens "
+                f"(ids 0..{vocab_size - 1})",
+                param="logit_bias",
+            )

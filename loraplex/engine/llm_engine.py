@@ -16,7 +16,7 @@ from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.request_state import PreparedRequest, RequestState
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sequence import Sequence, SequenceStatus
-from loraplex.sampling_params import InvalidRequestError, SamplingParams
+from loraplex.sampling_params import InvalidRequestError, SamplingParams, check_token_ids_in_vocab
 
 logger = logging.getLogger("loraplex.engine")
 
@@ -135,6 +135,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams", param="params")
         params.validate()
+        check_token_ids_in_vocab(params, self.vocab_size)
         text: str | None = None
         if isinstance(prompt, str):
             text = prompt

@@ -2,18 +2,25 @@
 
 Order of operations per row (as vLLM v1):
 
-1. ``min_tokens``: while fewer tokens were generated, EOS (unless ``ignore_eos``) and
+1. ``logit_bias``: each listed token's bias (in [-100, 100]) added to its logit (OpenAI's
+   ``logit_bias``; greedy rows too). Only rows with a bias cost anything: a batch without one
+   does no work here.
+2. ``min_tokens``: while fewer tokens were generated, EOS (unless ``ignore_eos``) and
    ``stop_token_ids`` get ``-inf``.
-2. Penalties: ``repetition_penalty`` over prompt + output tokens (positive logits divided,
+3. Penalties: ``repetition_penalty`` over prompt + output tokens (positive logits divided,
    negative multiplied); ``frequency_penalty * count`` and ``presence_penalty * (count > 0)``
    subtracted, counting output tokens only.
-3. Greedy rows (``temperature == 0``) take the argmax here.
-4. Other rows: divide by temperature, then ``min_p`` (drop tokens with probability below
+4. Greedy rows (``temperature == 0``) take the argmax here.
+5. Other rows: divide by temperature, then ``min_p`` (drop tokens with probability below
    ``min_p`` times the top one), ``top_k``, ``top_p`` (smallest set of top tokens whose mass
    reaches ``top_p``), then draw from the softmax.
 
 Logprobs (``params.logprobs = N``) are those of the raw model distribution, before any of the
 above, like vLLM's default ``raw_logprobs`` mode: the chosen token's logprob plus the top N.
+So neither penalties nor ``logit_bias`` show in them: with ``logit_bias`` a chosen token may
+carry a low logprob, and the top N are the model's own favourites (vLLM's default reports the
+same). One rule for every per-request logit change keeps logprobs comparable across requests
+that differ only in how they steer sampling.
 
 Seeds: a row with ``params.seed`` draws its noise from a generator seeded by
 ``(seed, sequence index, number of tokens generated so far)``, so the same seed gives the same
@@ -57,6 +64,7 @@ class Sampler:
         params = [s.params for s in seqs]
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        logits = apply_logit_bias(logits, seqs)
         logits = apply_min_tokens(logits, seqs, eos_token_ids)
         logits = apply_penalties(logits, seqs)
 
@@ -100,6 +108,39 @@ class Sampler:
                 gen.manual_seed(row_seed(p.seed, getattr(seq, "index", 0), len(seq.output_token_ids)))
                 noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: Seq["Sequence"]) -> torch.Tensor:
+    """Add each row's ``params.logit_bias`` to its logits, in place; one scatter for the batch.
+
+    Token ids were checked against the vocabulary when the engine took the request. The bias
+    of one request is turned into device tensors once and kept on its ``SamplingParams`` (read
+    once: changing ``logit_bias`` in place after the request started is not seen)."""
+    rows = [row for row, seq in enumerate(seqs) if seq.params.logit_bias]
+    if not rows:
+        return logits
+    ids, values, counts = [], [], []
+    for row in rows:
+        row_ids, row_values = _logit_bias_tensors(seqs[row].params, logits.device)
+        ids.append(row_ids)
+        values.append(row_values)
+        counts.append(row_ids.numel())
+    row_index = torch.repeat_interleave(
+        torch.tensor(rows, device=logits.device), torch.tensor(counts, device=logits.device)
+    )
+    logits.index_put_((row_index, torch.cat(ids)), torch.cat(values).to(logits.dtype), accumulate=True)
+    return logits
+
+
+def _logit_bias_tensors(params, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    bias = params.logit_bias
+    cached = params.__dict__.get("_logit_bias_tensors")
+    if cached is None or cached[0] is not bias or cached[1] != device:
+        ids = torch.tensor(list(bias.keys()), dtype=torch.long, device=device)
+        values = torch.tensor(list(bias.values()), dtype=torch.float32, device=device)
+        cached = (bias, device, ids, values)
+        params.__dict__["_logit_bias_tensors"] = cached
+    return cached[2], cached[3]
 
 
 def apply_min_tokens(logits: torch.Tensor, seqs: Seq["Sequence"], eos_token_ids) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.engine.sampler import Sampler, apply_penalties
+from loraplex.engine.sampler import Sampler, apply_logit_bias, apply_penalties
 from loraplex.engine.sequence import Sequence
 from loraplex.sampling_params import SamplingParams
 
@@ -144,3 +144,57 @@ def test_greedy_sees_penalised_logits():
     penalised = SamplingParams(temperature=0.0, presence_penalty=1.5)
     assert plain == 7
     assert Sampler()(logits.clone(), [seq(penalised, output=[7])])[0].token_id == 9
+
+
+def test_logit_bias_added_per_row_before_sampling():
+    logits = random_logits(3, seed=9)
+    biased = SamplingParams(temperature=0.0, logit_bias={3: 5.5, 17: -2.0, 40: 100})
+    rows = [seq(SamplingParams(temperature=0.0), seq_id=0), seq(biased, seq_id=1), seq(biased, seq_id=2)]
+    got = apply_logit_bias(logits.clone(), rows)
+    want = logits.clone()
+    for row in (1, 2):
+        want[row, 3] += 5.5
+        want[row, 17] -= 2.0
+        want[row, 40] += 100.0
+    torch.testing.assert_close(got, want)
+    # the greedy choice of the biased rows is the biased argmax; the plain row is untouched
+    tokens = Sampler()(logits.clone(), rows)
+    assert [t.token_id for t in tokens] == [logits[0].argmax().item(), 40, 40]
+
+
+def test_logit_bias_free_when_unused_and_drives_random_rows():
+    logits = random_logits(2, seed=10)
+    rows = [seq(SamplingParams(temperature=0.0), seq_id=i) for i in range(2)]
+    assert apply_logit_bias(logits, rows) is logits  # no row with a bias: nothing built
+    # -100 on every token but one: a temperature-1 draw can only pick that one
+    banned = {t: -100.0 for t in range(VOCAB) if t != 11}
+    draws = Sampler(seed=3)(logits[:1].expand(200, -1).clone(),
+                            [seq(SamplingParams(temperature=1.0, logit_bias=banned), seq_id=i) for i in range(200)])
+    assert {t.token_id for t in draws} == {11}
+
+
+def test_logprobs_ignore_logit_bias_like_penalties():
+    logits = random_logits(1, seed=11)
+    p = SamplingParams(temperature=0.0, logprobs=2, logit_bias={5: 100.0})
+    token = Sampler()(logits.clone(), [seq(p)])[0]
+    raw = torch.log_softmax(logits[0], -1)
+    assert token.token_id == 5
+    assert token.logprob == pytest.approx(raw[5].item(), abs=1e-6)  # the model's own logprob
+    assert list(token.top_logprobs) == raw.topk(2).indices.tolist()
+
+
+@pytest.mark.parametrize(
+    "bias",
+    [{-1: 1.0}, {"3": 1.0}, {True: 1.0}, {3: 100.5}, {3: -101}, {3: "x"}, {3: float("nan")}, {3: None}, [1, 2]],
+)
+def test_logit_bias_validation(bias):
+    from loraplex.sampling_params import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(logit_bias=bias)
+    assert info.value.param == "logit_bias"
+
+
+def test_logit_bias_normalised():
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert SamplingParams(logit_bias={3: 1}).logit_bias == {3: 1.0}
