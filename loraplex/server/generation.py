@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from starlette.concurrency import run_in_threadpool
 
+from loraplex.sampling_params import InvalidRequestError, check_token_ids_in_vocab
 from loraplex.server.context import AppContext
 from loraplex.server.errors import APIError, bad_request, model_not_found
 from loraplex.server.limits import check_generation_limits
@@ -54,6 +55,11 @@ async def resolve_target(ctx: AppContext, tenant: str, model: str) -> Target:
     return Target(model=model, adapter=ref, label=f"{tenant}/{name}", version=int(version) if version.isdigit() else None)
 
 
+def vocab_size(ctx: AppContext) -> int:
+    """The number of token ids the model knows (its embedding rows), else the tokenizer's."""
+    return getattr(getattr(ctx.engine, "engine", None), "vocab_size", None) or len(ctx.tokenizer)
+
+
 def tokenize_prompts(ctx: AppContext, req: GenerationRequest) -> list[list[int]]:
     """Token ids per prompt, as the offline engine would tokenize the same text."""
     tok = ctx.tokenizer
@@ -63,7 +69,7 @@ def tokenize_prompts(ctx: AppContext, req: GenerationRequest) -> list[list[int]]
         text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
         # the template already holds any BOS token
         return [list(tok(text, add_special_tokens=False)["input_ids"])]
-    vocab = getattr(getattr(ctx.engine, "engine", None), "vocab_size", None) or len(tok)
+    vocab = vocab_size(ctx)
     out = []
     for prompt in req.prompts:
         if isinstance(prompt, str):
@@ -201,7 +207,13 @@ def log_refused(kind: str, tenant: str | None, model: str | None, status: int, a
 
 
 def prepare(ctx: AppContext, req: GenerationRequest, prompt_ids: list[list[int]]) -> None:
-    """Check limits for every prompt; sets max_tokens where the request left it open."""
+    """Check limits for every prompt; sets max_tokens where the request left it open. Token ids
+    in the sampling options are checked here too, so a stream never starts with a request the
+    engine would refuse."""
+    try:
+        check_token_ids_in_vocab(req.params, vocab_size(ctx))
+    except InvalidRequestError as exc:
+        raise bad_request(exc.message, param=exc.param) from None
     s = ctx.settings
     effective = []
     for ids in prompt_ids:

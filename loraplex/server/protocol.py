@@ -1,17 +1,22 @@
 """Parsing and validating OpenAI request bodies into engine inputs.
 
-Unknown fields are ignored, as OpenAI does. A known field of the wrong type or out of range is a
-400 whose ``param`` names the field. vLLM's extra sampling fields (``top_k``, ``min_p``,
+Unknown fields are ignored, as OpenAI does, except those that would change the output and are
+not implemented (structured output, tools, ``suffix``, ``best_of`` != ``n``, vLLM's guided
+decoding and ``prompt_logprobs`` ...): refused_fields.py answers those with a 400. A known field
+of the wrong type or out of range is a 400 whose ``param`` names the field. vLLM's extra sampling fields (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ...) are accepted under
 vLLM's names so clients written for vLLM work unchanged.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 
-from loraplex.sampling_params import InvalidRequestError, SamplingParams
+from loraplex.sampling_params import LOGIT_BIAS_LIMIT, InvalidRequestError, SamplingParams
 from loraplex.server.errors import bad_request
+from loraplex.server.refused_fields import refuse_unsupported
 
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_TOP_LOGPROBS = 20
@@ -100,6 +105,33 @@ def _int_list(body, name) -> list[int]:
     return v
 
 
+_TOKEN_KEY = re.compile(r"[0-9]+")
+
+
+def _logit_bias(body) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias``: an object of token ids (JSON keys are strings; ints are taken
+    too) to a bias in [-100, 100]. Ids past the vocabulary are refused once the model is known."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise bad_request("`logit_bias` must be an object mapping token ids to biases", param="logit_bias")
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        if _is_int(key) and key >= 0:
+            token = key
+        elif isinstance(key, str) and _TOKEN_KEY.fullmatch(key):
+            token = int(key)
+        else:
+            raise bad_request(f"`logit_bias` keys must be token ids (non-negative integers), got {key!r}", param="logit_bias")
+        if not _is_number(value) or not math.isfinite(value):
+            raise bad_request(f"`logit_bias[{key}]` must be a number, got {value!r}", param="logit_bias")
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise bad_request(f"`logit_bias[{key}]` must be in [-100, 100], got {value}", param="logit_bias")
+        out[token] = float(value)
+    return out
+
+
 def _model(body) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -144,6 +176,7 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None) -> Sampl
         logprobs=logprobs,
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+        logit_bias=_logit_bias(body),
     )
     if kwargs["top_p"] == 0.0:
         raise bad_request("`top_p` must be > 0", param="top_p")
@@ -208,6 +241,7 @@ def parse_completion_request(body) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     model = _model(body)
+    refuse_unsupported(body, "completion")
     prompts = _prompts(body)
     max_tokens = _int(body, "max_tokens", None, lo=1)
     logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
@@ -232,6 +266,7 @@ def parse_chat_request(body) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     model = _model(body)
+    refuse_unsupported(body, "chat")
     messages = _messages(body)
     max_tokens = _int(body, "max_completion_tokens", None, lo=1)
     if max_tokens is None:

@@ -65,6 +65,7 @@ class FakeEngine:
         self.blocks_in_use: dict[str, int] = {}
         self.aborted: set[str] = set()
         self.started: list[tuple[str, str | None]] = []  # (request_id, adapter content hash)
+        self.params_seen: dict[str, object] = {}  # request_id -> the SamplingParams it ran with
         self.loaded: dict[str, tuple[str, bool]] = {}
         self.shut_down = False
 
@@ -79,6 +80,7 @@ class FakeEngine:
         adapter_id = adapter.content_hash if isinstance(adapter, AdapterRef) else adapter
         with self._lock:
             self.started.append((request_id, adapter_id))
+            self.params_seen[request_id] = params
             self.blocks_in_use[request_id] = self._blocks(len(prompt)) * params.n
         try:
             texts = [""] * params.n
