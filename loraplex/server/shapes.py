@@ -8,12 +8,47 @@ last chunk with empty ``choices`` carries the usage.
 
 from __future__ import annotations
 
+import functools
+import re
 import time
 import uuid
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback tokens
 
 
 def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the stand-in character of each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+def token_bytes(tokenizer, token_id: int, text: str) -> list[int]:
+    """The bytes a token stands for (chat logprobs' ``bytes``). ``text`` is the token decoded
+    alone; where that holds U+FFFD the token is part of a multi-byte character, and its own
+    bytes are read from the vocabulary (byte-level BPE, or SentencePiece's ``<0xNN>``), so the
+    bytes of consecutive entries join into the real text, as OpenAI documents."""
+    if "\ufffd" in text and tokenizer is not None and hasattr(tokenizer, "convert_ids_to_tokens"):
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and piece:
+            match = _BYTE_PIECE.fullmatch(piece)
+            if match:
+                return [int(match.group(1), 16)]
+            table = _byte_level_chars()
+            if all(c in table for c in piece):
+                return [table[c] for c in piece]
+    return list(text.encode("utf-8"))
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -69,7 +104,7 @@ class ResponseShaper:
     def chat_logprobs(self, entries: list[dict], top_n: int) -> dict:
         def item(token_id: int, logprob: float) -> dict:
             text = self._token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": text, "logprob": logprob, "bytes": token_bytes(self.tokenizer, token_id, text)}
 
         content = []
         for e in entries:
