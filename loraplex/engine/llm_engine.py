@@ -247,6 +247,11 @@ class LLMEngine:
             if state is None:
                 continue
             track = state.track(seq.seq_id)
+            if seq.status is SequenceStatus.FINISHED_STOPPED and not seq.params.include_stop_str_in_output:
+                # ended by EOS or one of stop_token_ids: that token stays in token_ids but its
+                # text is no part of the output (vLLM's rule, as for stop strings)
+                touched[state.request_id] = state
+                continue
             stop = track.detok.add_token(seq.output_token_ids[-1])
             if stop is not None:
                 if not seq.is_finished:
