@@ -121,8 +121,10 @@ def parse_config(data: bytes) -> LoRAConfigView:
     """Parse and check ``adapter_config.json``; raises ``InvalidAdapterError`` naming the field."""
     try:
         cfg = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _bad(f"not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:
+        # ValueError covers JSONDecodeError, UnicodeDecodeError and integers over Python's digit
+        # limit; RecursionError is nesting deeper than the interpreter's recursion limit
+        raise _bad(f"not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(cfg, dict):
         raise _bad("not a JSON object")
     for required in ("peft_type", "r", "lora_alpha", "target_modules"):

@@ -76,8 +76,8 @@ def parse_safetensors(buf: bytes | bytearray | memoryview, max_header_bytes: int
         raise _bad(f"header length {header_len} points past the end of the file ({len(view)} bytes)")
     try:
         header = json.loads(bytes(view[8 : 8 + header_len]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _bad(f"header is not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # as in adapter_config.parse_config
+        raise _bad(f"header is not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(header, dict):
         raise _bad("header is not a JSON object")
     data = view[8 + header_len :]

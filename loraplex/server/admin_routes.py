@@ -35,7 +35,7 @@ async def _json(request: Request, ctx: AppContext) -> dict:
         return {}
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the interpreter allows
         raise bad_request("Request body is not valid JSON.") from None
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object.")

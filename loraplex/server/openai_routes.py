@@ -29,7 +29,7 @@ async def _json_body(request: Request, ctx: AppContext):
     raw = await read_body(request, ctx.settings.max_body_bytes)
     try:
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the interpreter allows
         raise bad_request("Request body is not valid JSON.") from None
 
 

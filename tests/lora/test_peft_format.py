@@ -250,3 +250,23 @@ def _raw_case(d, kind):
 def test_rejects_malformed_safetensors(kind, match, lora_base, make_adapter, tmp_path):
     d = copy_adapter(make_adapter("m", seed=1), tmp_path / "m")
     _rejects(_raw_case(d, kind), lora_base.spec, match)
+
+
+# JSON that Python's parser refuses with something other than JSONDecodeError: nesting deeper than
+# the recursion limit (RecursionError) and an integer over 4300 digits (ValueError)
+_DEEP = b"[" * 100_000 + b"]" * 100_000
+_LONG_INT = b"1" + b"0" * 5000
+
+
+@pytest.mark.parametrize("where", ["config", "header"])
+@pytest.mark.parametrize("value", [_DEEP, _LONG_INT], ids=["deep", "long_int"])
+def test_rejects_json_the_parser_chokes_on(where, value, lora_base, make_adapter, tmp_path):
+    d = copy_adapter(make_adapter("deep", seed=1), tmp_path / "deep")
+    if where == "config":
+        (d / "adapter_config.json").write_bytes(b'{"peft_type": "LORA", "r": ' + value + b"}")
+        match = "adapter_config.json: not valid JSON"
+    else:
+        header = b'{"t": {"dtype": "F32", "shape": [' + value + b'], "data_offsets": [0, 0]}}'
+        write_safetensors_raw(d / "adapter_model.safetensors", header)
+        match = "header is not valid JSON"
+    _rejects(d, lora_base.spec, match)
