@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from loraplex.registry.names import parse_version
 from loraplex.server.context import AppContext
 from loraplex.server.errors import APIError, bad_request
 from loraplex.server.limits import read_body
@@ -40,6 +41,14 @@ async def _json(request: Request, ctx: AppContext) -> dict:
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object.")
     return body
+
+
+def _version(value: object) -> int:
+    """A version number from the body or the path, or a 400 naming ``version``."""
+    try:
+        return parse_version(value)
+    except ValueError as exc:  # InvalidName
+        raise bad_request(str(exc), param="version") from None
 
 
 def _not_found(what: str) -> APIError:
@@ -189,9 +198,7 @@ async def upload_version(request: Request) -> Response:
 async def activate(request: Request) -> Response:
     ctx = await _admin(request)
     p = request.path_params
-    version = (await _json(request, ctx)).get("version")
-    if isinstance(version, bool) or not isinstance(version, (int, str)):
-        raise bad_request("`version` must be a version number", param="version")
+    version = _version((await _json(request, ctx)).get("version"))
     info = await run_in_threadpool(ctx.registry.activate, p["tenant"], p["name"], version, ACTOR)
     return JSONResponse(info.to_dict())
 
@@ -206,7 +213,7 @@ async def load(request: Request) -> Response:
         raise bad_request("`tier` must be \"device\" or \"host\"", param="tier")
     if not isinstance(pin, bool):
         raise bad_request("`pin` must be a boolean", param="pin")
-    ref_name = p["name"] if body.get("version") is None else f"{p['name']}@{body['version']}"
+    ref_name = p["name"] if body.get("version") is None else f"{p['name']}@{_version(body['version'])}"
     ref = await run_in_threadpool(ctx.adapters.resolve, p["tenant"], ref_name)
     await ctx.engine.load_adapter(ref, tier=tier, pin=pin)
     ctx.adapter_display[ref.content_hash] = f"{p['tenant']}/{ref.name}"
@@ -246,10 +253,11 @@ async def delete_adapter(request: Request) -> Response:
 async def delete_version(request: Request) -> Response:
     ctx = await _admin(request)
     p = request.path_params
+    version = _version(p["version"])
     if hasattr(ctx.adapters, "delete_version"):
-        removed = await run_in_threadpool(ctx.adapters.delete_version, p["tenant"], p["name"], p["version"], ACTOR)
+        removed = await run_in_threadpool(ctx.adapters.delete_version, p["tenant"], p["name"], version, ACTOR)
     else:
-        removed = await run_in_threadpool(ctx.registry.delete_version, p["tenant"], p["name"], p["version"], ACTOR)
+        removed = await run_in_threadpool(ctx.registry.delete_version, p["tenant"], p["name"], version, ACTOR)
     return JSONResponse({"deleted": [v.to_dict() for v in removed or []]})
 
 

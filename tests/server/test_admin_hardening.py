@@ -3,17 +3,26 @@ naming the right ``param``, and refusals, deletes and uploads leave no state beh
 
 from __future__ import annotations
 
+import itertools
+
 import httpx
 import pytest
 
 from tests.server.test_errors_fake import _envelope
 
 DEEP = "[" * 100_000 + "]" * 100_000  # deeper than Python's recursion limit
+_tenant_ids = itertools.count()
+
+
+def _new_tenant(srv, prefix: str) -> tuple[str, str]:
+    """A fresh tenant of the module's server: (name, API key)."""
+    name = f"{prefix}{next(_tenant_ids)}"
+    return name, srv.make_tenant(name)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_deeply_nested_tenant_body_is_a_400(module_server, path):
-    key = module_server.make_tenant(f"nest{len(path)}")
+    _, key = _new_tenant(module_server, "nest")
     with module_server.tenant_client(key) as t:
         r = t.post(path, content='{"model": ' + DEEP + "}", headers={"content-type": "application/json"})
     _envelope(r, 400)
@@ -23,3 +32,36 @@ def test_deeply_nested_admin_body_is_a_400(module_server):
     with module_server.admin() as c:
         r = c.post("/admin/v1/tenants", content='{"name": ' + DEEP + "}", headers={"content-type": "application/json"})
     _envelope(r, 400)
+
+
+def _files(payload: bytes) -> dict:
+    return {
+        "adapter_config.json": ("adapter_config.json", b"{}", "application/json"),
+        "adapter_model.safetensors": ("adapter_model.safetensors", payload, "application/octet-stream"),
+    }
+
+
+@pytest.mark.parametrize(
+    "method, suffix, body",
+    [
+        ("PUT", "/active", {"version": "x"}),
+        ("PUT", "/active", {"version": -1}),
+        ("PUT", "/active", {"version": 0}),
+        ("PUT", "/active", {"version": "1e0"}),
+        ("DELETE", "/versions/x", None),
+        ("DELETE", "/versions/0", None),
+        ("POST", "/load", {"version": "../x"}),
+        ("POST", "/load", {"version": [1]}),
+    ],
+)
+def test_bad_version_names_the_version_param(module_server, method, suffix, body):
+    tenant, _ = _new_tenant(module_server, "ver")
+    base = f"/admin/v1/tenants/{tenant}/adapters/m"
+    with module_server.admin() as c:
+        for payload in (b"one", b"two"):
+            assert c.post(base + "/versions", files=_files(payload)).status_code == 201
+        r = c.request(method, base + suffix, json=body)
+        _envelope(r, 400, param="version")
+        info = c.get(base).json()
+    assert info["active_version"] == 1 and [v["version"] for v in info["versions"]] == [1, 2]
+    assert not {v["sha256"] for v in info["versions"]} & set(module_server.engine.loaded)
