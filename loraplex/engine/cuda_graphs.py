@@ -26,8 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
+from loraplex.engine.host_arrays import block_table_rows, to_tensor
 from loraplex.engine.outputs import ScheduledSeq
 from loraplex.kernels.lora_meta import LoRABatchMeta
 from loraplex.lora.context import MAX_SLICES, LoRAStepContext, group_by_slot
@@ -161,24 +163,24 @@ class DecodeGraphs:
         positions = [item.start_pos for item in scheduled]
         input_ids = [item.seq.token_at(pos) for item, pos in zip(scheduled, positions)]
         slots = [item.block_table[pos // bs] * bs + pos % bs for item, pos in zip(scheduled, positions)]
-        tables = [item.block_table[: pos // bs + 1] for item, pos in zip(scheduled, positions)]
-        width = max(len(t) for t in tables)
+        seq_lens = [p + 1 for p in positions]
         padding = batch - n
-        self.input_ids[:batch].copy_(torch.tensor(input_ids + [0] * padding))
-        self.positions[:batch].copy_(torch.tensor(positions + [0] * padding))
-        self.slot_mapping[:batch].copy_(torch.tensor(slots + [-1] * padding))
-        self.block_tables[:n, :width].copy_(torch.tensor([t + [0] * (width - len(t)) for t in tables]))
-        self.seq_lens[:batch].copy_(torch.tensor([p + 1 for p in positions] + [0] * padding))
-        self.query_start_loc[: batch + 1].copy_(torch.tensor(list(range(n + 1)) + [n] * padding))
+        self.input_ids[:batch].copy_(to_tensor(input_ids + [0] * padding, np.int64))
+        self.positions[:batch].copy_(to_tensor(positions + [0] * padding, np.int64))
+        self.slot_mapping[:batch].copy_(to_tensor(slots + [-1] * padding, np.int64))
+        tables = block_table_rows([item.block_table for item in scheduled], seq_lens, bs)
+        self.block_tables[:n, : tables.shape[1]].copy_(torch.from_numpy(tables))
+        self.seq_lens[:batch].copy_(to_tensor(seq_lens + [0] * padding, np.int32))
+        self.query_start_loc[: batch + 1].copy_(to_tensor(list(range(n + 1)) + [n] * padding, np.int32))
 
     def _fill_lora(self, token_slots: list[int], batch: int, pool: SlotPool) -> int:
         """Copy the step's segments into the static metadata; returns the segment class."""
         perm, seg_starts, seg_slot, max_seg_len = group_by_slot(token_slots + [-1] * (batch - len(token_slots)))
         num_segments = min(batch, pool.max_loras)
         spare = num_segments - len(seg_slot)  # empty segments after the real ones
-        self.token_perm[:batch].copy_(torch.tensor(perm))
-        self.seg_starts[: num_segments + 1].copy_(torch.tensor(seg_starts + [batch] * spare))
-        self.seg_slot[:num_segments].copy_(torch.tensor(seg_slot + [0] * spare))
+        self.token_perm[:batch].copy_(to_tensor(perm, np.int64))
+        self.seg_starts[: num_segments + 1].copy_(to_tensor(seg_starts + [batch] * spare, np.int32))
+        self.seg_slot[:num_segments].copy_(to_tensor(seg_slot + [0] * spare, np.int32))
         return min(batch, _next_pow2(max(1, max_seg_len)))
 
     def _capture(self, batch: int, seg_class: int, pool: SlotPool | None) -> _Graph:

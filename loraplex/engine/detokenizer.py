@@ -71,8 +71,8 @@ class IncrementalDetokenizer:
         self.stop_string: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
-        if self._fast_decode is not None:
-            return self._fast_decode(ids, skip_special_tokens=self.skip_special_tokens)
+        if self._fast_decode is not None:  # positional: a keyword costs ~0.4 us per Rust call
+            return self._fast_decode(ids, self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_token(self, token_id: int) -> str | None:

@@ -23,10 +23,12 @@ import logging
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from loraplex.config import GiB, EngineConfig
 from loraplex.engine.cuda_graphs import DecodeGraphs, cuda_capture
+from loraplex.engine.host_arrays import block_table_rows, to_tensor
 from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from loraplex.engine.sampler import Sampler
 from loraplex.lora.spec import LoRATargetSpec
@@ -233,36 +235,41 @@ class ModelRunner:
         for item in scheduled:
             start, n, table = item.start_pos, item.num_tokens, item.block_table
             end = start + n
-            input_ids.extend(item.seq.token_slice(start, end))
-            positions.extend(range(start, end))
-            pos = start
-            while pos < end:  # one block at a time: its slots are a contiguous range
-                block, offset = divmod(pos, bs)
-                run = min(bs - offset, end - pos)
-                first = table[block] * bs + offset
-                slots.extend(range(first, first + run))
-                pos += run
-            adapters.extend([item.adapter_id] * n)
+            if n == 1:  # a decode token: the common case at large batches
+                input_ids.append(item.seq.token_at(start))
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+                adapters.append(item.adapter_id)
+            else:
+                input_ids.extend(item.seq.token_slice(start, end))
+                positions.extend(range(start, end))
+                pos = start
+                while pos < end:  # one block at a time: its slots are a contiguous range
+                    block, offset = divmod(pos, bs)
+                    run = min(bs - offset, end - pos)
+                    first = table[block] * bs + offset
+                    slots.extend(range(first, first + run))
+                    pos += run
+                adapters.extend([item.adapter_id] * n)
             seq_lens.append(end)
             query_start.append(query_start[-1] + n)
-            tables.append(table[: math.ceil(end / bs)])
+            tables.append(table)
             if item.needs_sample:
                 sample_rows.append(query_start[-1] - 1)
                 sample_seqs.append(item.seq)
-        max_blocks = max(len(t) for t in tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        max_seq_len = max(seq_lens)
         dev = self.device
         attn = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            slot_mapping=to_tensor(slots, np.int64, dev),
+            block_tables=to_tensor(block_table_rows(tables, seq_lens, bs), np.int32, dev),
+            seq_lens=to_tensor(seq_lens, np.int32, dev),
+            query_start_loc=to_tensor(query_start, np.int32, dev),
             max_query_len=max(item.num_tokens for item in scheduled),
-            max_seq_len=max(seq_lens),
+            max_seq_len=max_seq_len,
         )
         return FlatBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            input_ids=to_tensor(input_ids, np.int64, dev),
+            positions=to_tensor(positions, np.int64, dev),
             attn=attn,
             token_adapter_ids=adapters,
             sample_rows=sample_rows,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
-from loraplex.engine.sequence import Sequence
+from loraplex.engine.sequence import FINISHED_STATUSES, Sequence
 from loraplex.sampling_params import SamplingParams
 
 
@@ -52,7 +52,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(t.seq.is_finished for t in self.tracks)
+        for t in self.tracks:
+            if not t.seq.is_finished:
+                return False
+        return True
 
     def track(self, seq_id: int) -> _SeqTrack | None:
         for t in self.tracks:
@@ -62,42 +65,53 @@ class RequestState:
 
     def make_output(self, delta: bool | None = None) -> RequestOutput | None:
         """The request's output now: cumulative, or (``delta``) only what is new since the last
-        call. Returns None for a delta with nothing new."""
+        call. Returns None for a delta with nothing new.
+
+        Called for every running request after every step (the host-side cost of a decode step
+        at large batches), so it reads each sequence's state once and builds nothing it
+        does not return."""
         delta = self.req.stream_deltas if delta is None else delta
-        finished = self.finished
-        if finished and self.finished_time is None:
-            self.finished_time = time.monotonic()  # same clock as arrival_time
         completions: list[CompletionOutput] = []
+        finished = True
+        first_token_time = None
+        num_preemptions = 0
         for t in self.tracks:
             seq = t.seq
-            text = t.detok.visible_text(seq.is_finished)
+            seq_finished = seq.status in FINISHED_STATUSES
+            finished = finished and seq_finished
+            if seq.first_token_time is not None and (first_token_time is None or seq.first_token_time < first_token_time):
+                first_token_time = seq.first_token_time
+            num_preemptions += seq.num_preemptions
+            text = t.detok.visible_text(seq_finished)
             logprobs = seq.output_logprobs if seq.params.logprobs is not None else None
+            finish_reason = seq.status.value if seq_finished else None
             if not delta:
                 completions.append(
-                    CompletionOutput(seq.index, text, list(seq.output_token_ids), seq.finish_reason, logprobs, seq.stop_reason)
+                    CompletionOutput(seq.index, text, list(seq.output_token_ids), finish_reason, logprobs, seq.stop_reason)
                 )
                 continue
-            new_text = text[t.sent_text_len :]
-            new_tokens = seq.output_token_ids[t.sent_tokens :]
-            report_finish = seq.is_finished and not t.finish_sent
-            if not new_text and not new_tokens and not report_finish:
+            num_tokens = len(seq.output_token_ids)
+            sent_text_len, sent_tokens = t.sent_text_len, t.sent_tokens
+            report_finish = seq_finished and not t.finish_sent
+            if len(text) == sent_text_len and num_tokens == sent_tokens and not report_finish:
                 continue
             completions.append(
                 CompletionOutput(
                     seq.index,
-                    new_text,
-                    list(new_tokens),
-                    seq.finish_reason,
-                    logprobs[t.sent_tokens :] if logprobs is not None else None,
+                    text[sent_text_len:],
+                    seq.output_token_ids[sent_tokens:],
+                    finish_reason,
+                    logprobs[sent_tokens:] if logprobs is not None else None,
                     seq.stop_reason,
                 )
             )
             t.sent_text_len = len(text)
-            t.sent_tokens = seq.num_output_tokens
-            t.finish_sent = seq.is_finished
+            t.sent_tokens = num_tokens
+            t.finish_sent = seq_finished
         if delta and not completions:
             return None
-        first_token = [t.seq.first_token_time for t in self.tracks if t.seq.first_token_time is not None]
+        if finished and self.finished_time is None:
+            self.finished_time = time.monotonic()  # same clock as arrival_time
         return RequestOutput(
             request_id=self.req.request_id,
             prompt=self.req.prompt,
@@ -107,8 +121,8 @@ class RequestState:
             adapter_id=self.req.adapter_id,
             metrics={
                 "arrival_time": self.req.arrival_time,
-                "first_token_time": min(first_token) if first_token else None,
+                "first_token_time": first_token_time,
                 "finished_time": self.finished_time,
-                "num_preemptions": sum(t.seq.num_preemptions for t in self.tracks),
+                "num_preemptions": num_preemptions,
             },
         )

@@ -24,11 +24,15 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (
-            SequenceStatus.FINISHED_STOPPED,
-            SequenceStatus.FINISHED_LENGTH,
-            SequenceStatus.FINISHED_ABORTED,
-        )
+        return self in FINISHED_STATUSES
+
+
+# A set, read directly by Sequence: an Enum's property costs about a microsecond per call
+# (enum.property is a Python-level descriptor), and the engine asks several times per
+# sequence per step.
+FINISHED_STATUSES = frozenset(
+    (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+)
 
 
 # finish_reason string (RequestOutput contract) -> status
@@ -96,11 +100,11 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in FINISHED_STATUSES
 
     @property
     def finish_reason(self) -> str | None:
-        return self.status.value if self.status.is_finished else None
+        return self.status.value if self.status in FINISHED_STATUSES else None
 
     def token_at(self, pos: int) -> int:
         n_prompt = len(self.prompt_token_ids)

@@ -1,0 +1,35 @@
+"""The per-step list-to-tensor helpers agree with building the same tensors with torch.tensor."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import torch
+
+from loraplex.engine.host_arrays import block_table_rows, to_tensor
+
+
+def test_block_table_rows_cut_each_table_at_its_length_and_pad_with_zero():
+    rng = random.Random(11)
+    block_size = 16
+    seq_lens = [rng.randint(1, 200) for _ in range(9)] + [block_size, block_size + 1]
+    # tables may hold more blocks than the sequence uses (allocated ahead); those must not show
+    tables = [rng.sample(range(1, 1000), math.ceil(n / block_size) + rng.randint(0, 3)) for n in seq_lens]
+    width = max(math.ceil(n / block_size) for n in seq_lens)
+    expected = torch.tensor(
+        [t[: math.ceil(n / block_size)] + [0] * (width - math.ceil(n / block_size)) for t, n in zip(tables, seq_lens)],
+        dtype=torch.int32,
+    )
+    got = torch.from_numpy(block_table_rows(tables, seq_lens, block_size))
+    assert got.dtype == torch.int32 and torch.equal(got, expected)
+    wide = block_table_rows(tables, seq_lens, block_size, width=width + 5)
+    assert wide.shape == (len(tables), width + 5) and not wide[:, width:].any()
+
+
+def test_to_tensor_keeps_values_and_dtype():
+    values = [3, -1, 2**40, 0]
+    t = to_tensor(values, np.int64)
+    assert t.dtype == torch.int64 and t.tolist() == values
+    assert to_tensor([[1, 2], [3, 4]], np.int32).dtype == torch.int32
