@@ -5,6 +5,7 @@ manager (uploads, blobs, in-use tracking) and the engine (device/host tiers)."""
 from __future__ import annotations
 
 import json
+import logging
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -18,6 +19,7 @@ from loraplex.server.limits import read_body
 from loraplex.server.uploads import new_staging_dir, remove_staging, stage_upload
 
 ACTOR = "admin"
+log = logging.getLogger("loraplex.server")
 
 
 def _ctx(request: Request) -> AppContext:
@@ -247,6 +249,7 @@ async def delete_adapter(request: Request) -> Response:
         removed = await run_in_threadpool(ctx.adapters.delete_adapter, p["tenant"], p["name"], ACTOR)
     else:
         removed = await run_in_threadpool(ctx.registry.delete_adapter, p["tenant"], p["name"], ACTOR)
+    await _drop_unused_from_engine(ctx, removed or [])
     return JSONResponse({"deleted": [v.to_dict() for v in removed or []]})
 
 
@@ -258,7 +261,21 @@ async def delete_version(request: Request) -> Response:
         removed = await run_in_threadpool(ctx.adapters.delete_version, p["tenant"], p["name"], version, ACTOR)
     else:
         removed = await run_in_threadpool(ctx.registry.delete_version, p["tenant"], p["name"], version, ACTOR)
+    await _drop_unused_from_engine(ctx, removed or [])
     return JSONResponse({"deleted": [v.to_dict() for v in removed or []]})
+
+
+async def _drop_unused_from_engine(ctx: AppContext, removed: list) -> None:
+    """Deleted weights that no live version of any tenant uses any more leave the engine's device
+    slots and host cache, pins included (else a pinned slot would stay taken until a restart).
+    Requests still running on them reload them from their local copy, which stays until the last
+    of them ends; weights another version still uses (same content hash) are left alone."""
+    for v in removed:
+        try:
+            if await run_in_threadpool(ctx.registry.versions_using_blob, v.blob_key) == 0:
+                await ctx.engine.unload_adapter(v.sha256)
+        except Exception:  # noqa: BLE001 - the delete itself is done; LRU eviction frees it later
+            log.exception("could not drop deleted adapter %s from the engine", v.sha256)
 
 
 # --- status and audit -------------------------------------------------------------------------

@@ -65,3 +65,25 @@ def test_bad_version_names_the_version_param(module_server, method, suffix, body
         info = c.get(base).json()
     assert info["active_version"] == 1 and [v["version"] for v in info["versions"]] == [1, 2]
     assert not {v["sha256"] for v in info["versions"]} & set(module_server.engine.loaded)
+
+
+def test_delete_drops_weights_no_live_version_uses_from_the_engine(module_server):
+    """A pinned adapter must not keep its device slot after its last version is deleted; weights
+    another tenant still serves (same bytes, same content hash) stay where they are."""
+    t1, _ = _new_tenant(module_server, "del")
+    t2, _ = _new_tenant(module_server, "del")
+    loaded = module_server.engine.loaded
+    with module_server.admin() as c:
+        shared = c.post(f"/admin/v1/tenants/{t1}/adapters/m/versions", files=_files(b"shared")).json()["sha256"]
+        assert c.post(f"/admin/v1/tenants/{t2}/adapters/m/versions", files=_files(b"shared")).json()["sha256"] == shared
+        own = c.post(f"/admin/v1/tenants/{t2}/adapters/m/versions", files=_files(b"own")).json()["sha256"]
+        assert c.post(f"/admin/v1/tenants/{t1}/adapters/m/load", json={"tier": "device", "pin": True}).status_code == 200
+        assert c.post(f"/admin/v1/tenants/{t2}/adapters/m/load", json={"version": 2, "tier": "host"}).status_code == 200
+        assert loaded[shared] == ("device", True) and loaded[own] == ("host", False)
+
+        assert c.delete(f"/admin/v1/tenants/{t1}/adapters/m").status_code == 200
+        assert loaded[shared] == ("device", True)  # t2's version 1 has the same weights
+        assert c.delete(f"/admin/v1/tenants/{t2}/adapters/m/versions/2").status_code == 200
+        assert own not in loaded
+        assert c.delete(f"/admin/v1/tenants/{t2}/adapters/m").status_code == 200
+        assert shared not in loaded
