@@ -5,6 +5,11 @@ code, never with ``extractall``: absolute paths, ``..`` components, links (symbo
 devices and other special members, and members larger than the cap are rejected, so no path can
 leave the staging directory. The PEFT directory is the staging root or its single sub-directory
 holding ``adapter_config.json``.
+
+Decompression bombs: besides the cap per member (``max_upload_member_bytes``), an archive unpacks
+to at most ``MAX_ARCHIVE_MEMBERS`` members and at most twice the member cap in all (room for the
+weights and whatever else a PEFT directory holds); the bytes are counted as they are written, not
+taken from the archive's own headers.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ CONFIG_FIELD = "adapter_config.json"
 WEIGHTS_FIELD = "adapter_model.safetensors"
 ARCHIVE_FIELD = "archive"
 _COPY_CHUNK = 1 << 20
+MAX_ARCHIVE_MEMBERS = 1000
 
 
 def new_staging_dir(root: Path) -> Path:
@@ -35,8 +41,31 @@ def too_large(what: str, limit: int) -> APIError:
     return APIError(413, f"{what} is larger than the limit of {limit} bytes.", param=ARCHIVE_FIELD, code="payload_too_large")
 
 
-def _copy_capped(src, dst_path: Path, limit: int, what: str) -> int:
-    """Copy a binary stream to a new file, refusing more than ``limit`` bytes."""
+class _ArchiveBudget:
+    """What an archive may still unpack: members and bytes in all (see the module docstring)."""
+
+    def __init__(self, member_limit: int):
+        self.total_limit = 2 * member_limit
+        self.members = 0
+        self.written = 0
+
+    def add_member(self, name: str) -> None:
+        self.members += 1
+        if self.members > MAX_ARCHIVE_MEMBERS:
+            raise bad_request(
+                f"archive has more than {MAX_ARCHIVE_MEMBERS} members (at {name!r})", param=ARCHIVE_FIELD
+            )
+
+    def spend(self, nbytes: int) -> None:
+        """Count bytes about to be written; a 413 once the archive's total would pass its cap."""
+        self.written += nbytes
+        if self.written > self.total_limit:
+            raise too_large("the archive's unpacked contents", self.total_limit)
+
+
+def _copy_capped(src, dst_path: Path, limit: int, what: str, budget: _ArchiveBudget | None = None) -> int:
+    """Copy a binary stream to a new file, refusing more than ``limit`` bytes (and, with
+    ``budget``, more than the archive has left)."""
     total = 0
     with open(dst_path, "xb") as dst:
         while True:
@@ -46,6 +75,8 @@ def _copy_capped(src, dst_path: Path, limit: int, what: str) -> int:
             total += len(chunk)
             if total > limit:
                 raise too_large(what, limit)
+            if budget is not None:
+                budget.spend(len(chunk))
             dst.write(chunk)
 
 
@@ -72,8 +103,10 @@ def _unpack_tar(fileobj, staging: Path, member_limit: int) -> None:
         archive = tarfile.open(fileobj=fileobj, mode="r:*")
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise bad_request(f"archive is not a readable tar file: {exc}", param=ARCHIVE_FIELD) from None
+    budget = _ArchiveBudget(member_limit)
     with archive:
         for member in archive:
+            budget.add_member(member.name)
             target = _safe_member_path(staging, member.name)
             if member.isdir():
                 target.mkdir(parents=True, exist_ok=True)
@@ -84,12 +117,14 @@ def _unpack_tar(fileobj, staging: Path, member_limit: int) -> None:
                 raise bad_request(f"archive member {member.name!r} is not a regular file", param=ARCHIVE_FIELD)
             if member.size > member_limit:
                 raise too_large(f"archive member {member.name!r}", member_limit)
+            if budget.written + member.size > budget.total_limit:  # refuse before decompressing it
+                raise too_large("the archive's unpacked contents", budget.total_limit)
             target.parent.mkdir(parents=True, exist_ok=True)
             src = archive.extractfile(member)
             if src is None:
                 raise bad_request(f"archive member {member.name!r} cannot be read", param=ARCHIVE_FIELD)
             try:
-                _copy_capped(src, target, member_limit, f"archive member {member.name!r}")
+                _copy_capped(src, target, member_limit, f"archive member {member.name!r}", budget)
             except FileExistsError:
                 raise bad_request(f"archive member {member.name!r} appears twice", param=ARCHIVE_FIELD) from None
 
@@ -99,8 +134,10 @@ def _unpack_zip(fileobj, staging: Path, member_limit: int) -> None:
         archive = zipfile.ZipFile(fileobj)
     except (zipfile.BadZipFile, OSError) as exc:
         raise bad_request(f"archive is not a readable zip file: {exc}", param=ARCHIVE_FIELD) from None
+    budget = _ArchiveBudget(member_limit)
     with archive:
         for info in archive.infolist():
+            budget.add_member(info.filename)
             target = _safe_member_path(staging, info.filename)
             mode = info.external_attr >> 16
             if stat.S_ISLNK(mode):
@@ -115,7 +152,7 @@ def _unpack_zip(fileobj, staging: Path, member_limit: int) -> None:
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
                 with archive.open(info) as src:  # the cap is enforced on the bytes, not the declared size
-                    _copy_capped(src, target, member_limit, f"archive member {info.filename!r}")
+                    _copy_capped(src, target, member_limit, f"archive member {info.filename!r}", budget)
             except FileExistsError:
                 raise bad_request(f"archive member {info.filename!r} appears twice", param=ARCHIVE_FIELD) from None
             except (zipfile.BadZipFile, NotImplementedError) as exc:

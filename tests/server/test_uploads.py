@@ -114,3 +114,31 @@ def test_not_an_archive(tmp_path):
     with pytest.raises(APIError) as err:
         unpack_archive(io.BytesIO(b"garbage" * 10), "a.tar.gz", tmp_path, 1 << 20)
     assert err.value.status == 400
+
+
+def _bytes_under(root) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("kind", ["tar", "zip"])
+def test_archive_total_is_capped(tmp_path, kind):
+    """A bomb of members each under the per-member cap: the total written stops at twice the cap
+    (room for the weights and everything else a PEFT directory holds)."""
+    members = [("adapter_config.json", CONFIG)] + [(f"junk{i}.bin", b"\x00" * 900) for i in range(5)]
+    archive = _tar([(n, d, "file") for n, d in members]) if kind == "tar" else _zip([(n, d, None) for n, d in members])
+    with pytest.raises(APIError) as err:
+        unpack_archive(archive, f"a.{kind}", tmp_path, 1000)
+    assert err.value.status == 413 and err.value.param == "archive"
+    assert _bytes_under(tmp_path) <= 2000
+
+
+@pytest.mark.parametrize("kind", ["tar", "zip"])
+def test_archive_member_count_is_capped(tmp_path, kind):
+    from loraplex.server.uploads import MAX_ARCHIVE_MEMBERS
+
+    members = [(f"d/f{i}", b"") for i in range(MAX_ARCHIVE_MEMBERS + 1)]
+    archive = _tar([(n, d, "file") for n, d in members]) if kind == "tar" else _zip([(n, d, None) for n, d in members])
+    with pytest.raises(APIError) as err:
+        unpack_archive(archive, f"a.{kind}", tmp_path, 1 << 20)
+    assert err.value.status == 400 and err.value.param == "archive" and "members" in err.value.message
+    assert sum(1 for p in tmp_path.rglob("*") if p.is_file()) <= MAX_ARCHIVE_MEMBERS
