@@ -21,6 +21,7 @@ import tempfile
 import zipfile
 from pathlib import Path, PurePosixPath
 
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from loraplex.server.errors import APIError, bad_request
@@ -179,9 +180,9 @@ def find_peft_dir(staging: Path) -> Path:
     raise bad_request(f"archive holds no `{CONFIG_FIELD}` at its root or in one top folder", param=ARCHIVE_FIELD)
 
 
-async def _field_to_file(value, target: Path, limit: int, field: str) -> None:
+def _field_to_file(value, target: Path, limit: int, field: str) -> None:
     if isinstance(value, UploadFile):
-        await value.seek(0)
+        value.file.seek(0)
         _copy_capped(value.file, target, limit, f"field `{field}`")
     elif isinstance(value, str):
         data = value.encode("utf-8")
@@ -193,12 +194,18 @@ async def _field_to_file(value, target: Path, limit: int, field: str) -> None:
 
 
 async def stage_upload(form, staging: Path, member_limit: int) -> Path:
-    """Write the upload in ``form`` (a parsed multipart form) into ``staging``; returns the PEFT dir."""
+    """Write the upload in ``form`` (a parsed multipart form) into ``staging``; returns the PEFT dir.
+    The copying and unpacking (seconds for a large archive) run in a worker thread, so the event
+    loop keeps serving every other request and stream meanwhile."""
+    return await run_in_threadpool(_stage_upload, form, staging, member_limit)
+
+
+def _stage_upload(form, staging: Path, member_limit: int) -> Path:
     archive = form.get(ARCHIVE_FIELD)
     if archive is not None:
         if not isinstance(archive, UploadFile):
             raise bad_request("field `archive` must be a file", param=ARCHIVE_FIELD)
-        await archive.seek(0)
+        archive.file.seek(0)
         return unpack_archive(archive.file, archive.filename or "", staging, member_limit)
     if form.get(CONFIG_FIELD) is None or form.get(WEIGHTS_FIELD) is None:
         missing = CONFIG_FIELD if form.get(CONFIG_FIELD) is None else WEIGHTS_FIELD
@@ -206,8 +213,8 @@ async def stage_upload(form, staging: Path, member_limit: int) -> Path:
             f"upload needs fields `{CONFIG_FIELD}` and `{WEIGHTS_FIELD}`, or one field `{ARCHIVE_FIELD}`",
             param=missing,
         )
-    await _field_to_file(form.get(CONFIG_FIELD), staging / CONFIG_FIELD, member_limit, CONFIG_FIELD)
-    await _field_to_file(form.get(WEIGHTS_FIELD), staging / WEIGHTS_FIELD, member_limit, WEIGHTS_FIELD)
+    _field_to_file(form.get(CONFIG_FIELD), staging / CONFIG_FIELD, member_limit, CONFIG_FIELD)
+    _field_to_file(form.get(WEIGHTS_FIELD), staging / WEIGHTS_FIELD, member_limit, WEIGHTS_FIELD)
     return staging
 
 

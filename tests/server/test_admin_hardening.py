@@ -4,6 +4,8 @@ naming the right ``param``, and refusals, deletes and uploads leave no state beh
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 
 import httpx
 import pytest
@@ -87,3 +89,37 @@ def test_delete_drops_weights_no_live_version_uses_from_the_engine(module_server
         assert own not in loaded
         assert c.delete(f"/admin/v1/tenants/{t2}/adapters/m").status_code == 200
         assert shared not in loaded
+
+
+def test_upload_is_staged_off_the_event_loop(module_server, monkeypatch):
+    """Writing an upload to disk (a large archive decompresses for seconds) must not stall every
+    other request and stream of the server."""
+    from loraplex.server import uploads
+
+    copy = uploads._copy_capped
+    copying = threading.Event()
+
+    def slow_copy(*args, **kwargs):
+        copying.set()
+        time.sleep(1.0)  # blocks whichever thread runs it
+        return copy(*args, **kwargs)
+
+    monkeypatch.setattr(uploads, "_copy_capped", slow_copy)
+    tenant, _ = _new_tenant(module_server, "slow")
+    result = {}
+
+    def upload():
+        with module_server.admin() as c:
+            result["r"] = c.post(f"/admin/v1/tenants/{tenant}/adapters/m/versions", files=_files(b"big"))
+
+    thread = threading.Thread(target=upload)
+    thread.start()
+    try:
+        assert copying.wait(5)
+        started = time.monotonic()
+        health = httpx.get(module_server.url + "/health", timeout=5)
+        waited = time.monotonic() - started
+    finally:
+        thread.join(10)
+    assert health.status_code == 200 and waited < 0.5, waited
+    assert result["r"].status_code == 201
