@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from loraplex.server.context import AppContext
-from loraplex.server.errors import bad_request, from_exception
+from loraplex.server.errors import bad_request, from_exception, model_not_found
 from loraplex.server.generation import RequestRun, log_refused, prepare, resolve_target, tokenize_prompts
 from loraplex.server.limits import read_body
 from loraplex.server.protocol import GenerationRequest, parse_chat_request, parse_completion_request
@@ -156,7 +156,7 @@ async def _stream_events(run: RequestRun, shaper: ResponseShaper):
         run.close(status)
 
 
-async def list_models(request: Request) -> Response:
+async def _model_cards(request: Request) -> list[dict]:
     ctx = _ctx(request)
     tenant = await ctx.tenant_auth.tenant_for(request, request.path_params.get("tenant"))
     adapters = await run_in_threadpool(ctx.registry.list_adapters, tenant)
@@ -168,7 +168,20 @@ async def list_models(request: Request) -> Response:
             continue
         data.append({"id": a.name, "object": "model", "created": created, "owned_by": tenant,
                      "root": a.name, "parent": ctx.served_model_name, "active_version": a.active_version})
-    return JSONResponse({"object": "list", "data": data})
+    return data
+
+
+async def list_models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": await _model_cards(request)})
+
+
+async def retrieve_model(request: Request) -> Response:
+    """``GET /models/{model}`` (the openai client's ``models.retrieve``): one entry of the list."""
+    model = request.path_params["model"]
+    for card in await _model_cards(request):
+        if card["id"] == model:
+            return JSONResponse(card)
+    raise model_not_found(model)
 
 
 def routes() -> list[Route]:
@@ -178,6 +191,7 @@ def routes() -> list[Route]:
             Route(prefix + "/completions", completions, methods=["POST"]),
             Route(prefix + "/chat/completions", chat_completions, methods=["POST"]),
             Route(prefix + "/models", list_models, methods=["GET"]),
+            Route(prefix + "/models/{model:path}", retrieve_model, methods=["GET"]),
         ]
     return out
 

@@ -86,7 +86,9 @@ class ResponseShaper:
         return items[:limit]
 
     def completion_logprobs(self, entries: list[dict], top_n: int, text_offset0: int) -> dict:
-        """Completions' ``logprobs`` object for the tokens of ``entries``."""
+        """Completions' ``logprobs`` object for the tokens of ``entries``. Each ``top_logprobs``
+        dict holds the ``top_n`` most likely tokens and always the sampled one, so up to
+        ``top_n + 1`` entries (OpenAI's rule; vLLM does the same)."""
         tokens, token_logprobs, top, offsets = [], [], [], []
         offset = text_offset0
         for e in entries:
@@ -94,8 +96,11 @@ class ResponseShaper:
             tokens.append(text)
             token_logprobs.append(e.get("logprob"))
             entry: dict[str, float] = {}
-            for t, lp in self._top_items(e, top_n):  # most likely first: a text shared by two tokens keeps the higher
+            items = self._top_items(e, top_n)
+            for t, lp in items:  # most likely first: a text shared by two tokens keeps the higher
                 entry.setdefault(self._token_text(t), lp)
+            if e.get("logprob") is not None and all(t != e["token_id"] for t, _ in items):
+                entry.setdefault(text, e["logprob"])
             top.append(entry)
             offsets.append(offset)
             offset += len(text)

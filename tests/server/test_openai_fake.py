@@ -125,6 +125,14 @@ def test_models_lists_only_own_adapters(setup):
     assert ids == ["fake-model", "sql"]
     other = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=other_key, max_retries=0)
     assert [m.id for m in other.models.list()] == ["fake-model", "secret-adapter"]
+    # models.retrieve: one entry of the same list; another tenant's adapter is not found
+    sql = client.models.retrieve("sql")
+    assert (sql.id, sql.object, sql.owned_by) == ("sql", "model", "acme")
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("secret-adapter")
+    assert info.value.code == "model_not_found"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{srv.url}/t/acme/v1", api_key=other_key, max_retries=0).models.retrieve("sql")
 
 
 def test_v1_prefix_uses_the_keys_tenant_and_hot_swap(setup):

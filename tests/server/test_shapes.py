@@ -28,3 +28,17 @@ def test_sentencepiece_byte_fallback_and_plain_tokens():
     assert token_bytes(SentencePieceLike(), 7, "\ufffd") == [0xE2]
     assert token_bytes(SentencePieceLike(), 8, " hi") == list(b" hi")  # whole text: as decoded
     assert token_bytes(None, 9, "\ufffd") == list("\ufffd".encode())  # nothing better known
+
+
+def test_completion_top_logprobs_always_hold_the_sampled_token():
+    tok = make_tiny_tokenizer()
+    a, b, c = (tok.convert_tokens_to_ids(ch) for ch in "abc")
+    entries = [
+        {"token_id": c, "logprob": -3.0, "top_logprobs": {a: -0.5, b: -1.0, c: -3.0}},  # sampled, not in the top 2
+        {"token_id": a, "logprob": -0.5, "top_logprobs": {a: -0.5, b: -1.0}},  # sampled is the best
+    ]
+    lp = ResponseShaper("completion", "m", tok).completion_logprobs(entries, 2, 0)
+    assert lp["top_logprobs"] == [{"a": -0.5, "b": -1.0, "c": -3.0}, {"a": -0.5, "b": -1.0}]
+    zero = ResponseShaper("completion", "m", tok).completion_logprobs(entries, 0, 0)
+    assert zero["top_logprobs"] == [{"c": -3.0}, {"a": -0.5}]  # logprobs=0: the sampled token alone
+    assert lp["tokens"] == ["c", "a"] and lp["token_logprobs"] == [-3.0, -0.5] and lp["text_offset"] == [0, 1]
