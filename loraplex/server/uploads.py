@@ -103,7 +103,10 @@ def _unpack_tar(fileobj, staging: Path, member_limit: int) -> None:
     try:
         archive = tarfile.open(fileobj=fileobj, mode="r:*")
     except (tarfile.TarError, EOFError, OSError) as exc:
-        raise bad_request(f"archive is not a readable tar file: {exc}", param=ARCHIVE_FIELD) from None
+        raise bad_request(
+            "archive is neither a zip file nor a readable tar file (.tar, .tar.gz, .tar.bz2, .tar.xz)",
+            param=ARCHIVE_FIELD,
+        ) from None
     budget = _ArchiveBudget(member_limit)
     with archive:
         for member in archive:
@@ -161,10 +164,11 @@ def _unpack_zip(fileobj, staging: Path, member_limit: int) -> None:
 
 
 def unpack_archive(fileobj, filename: str, staging: Path, member_limit: int) -> Path:
-    """Unpack into ``staging``; returns the PEFT directory inside it."""
+    """Unpack into ``staging``; returns the PEFT directory inside it. Zip or tar (plain, gzip,
+    bzip2, xz) is told by the bytes, not by ``filename`` (a ``.zip`` that is a tar unpacks)."""
     head = fileobj.read(4)
     fileobj.seek(0)
-    if head.startswith(b"PK") or filename.lower().endswith(".zip"):
+    if head.startswith(b"PK"):
         _unpack_zip(fileobj, staging, member_limit)
     else:
         _unpack_tar(fileobj, staging, member_limit)

@@ -142,3 +142,20 @@ def test_archive_member_count_is_capped(tmp_path, kind):
         unpack_archive(archive, f"a.{kind}", tmp_path, 1 << 20)
     assert err.value.status == 400 and err.value.param == "archive" and "members" in err.value.message
     assert sum(1 for p in tmp_path.rglob("*") if p.is_file()) <= MAX_ARCHIVE_MEMBERS
+
+
+@pytest.mark.parametrize("kind, filename", [("tar", "adapter.zip"), ("zip", "adapter.tar.gz"), ("tar", "adapter")])
+def test_archive_kind_comes_from_its_bytes_not_its_name(tmp_path, kind, filename):
+    members = [("adapter_config.json", CONFIG), ("adapter_model.safetensors", WEIGHTS)]
+    archive = _tar([(n, d, "file") for n, d in members]) if kind == "tar" else _zip([(n, d, None) for n, d in members])
+    peft = unpack_archive(archive, filename, tmp_path, 1 << 20)
+    assert (peft / "adapter_config.json").read_bytes() == CONFIG
+    assert (peft / "adapter_model.safetensors").read_bytes() == WEIGHTS
+
+
+@pytest.mark.parametrize("filename", ["a.zip", "a.tar.gz"])
+def test_neither_zip_nor_tar(tmp_path, filename):
+    with pytest.raises(APIError) as err:
+        unpack_archive(io.BytesIO(b"garbage" * 10), filename, tmp_path, 1 << 20)
+    assert err.value.status == 400 and err.value.param == "archive"
+    assert list(tmp_path.iterdir()) == []
