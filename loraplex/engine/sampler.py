@@ -125,8 +125,8 @@ def apply_logit_bias(logits: torch.Tensor, seqs: Seq["Sequence"]) -> torch.Tenso
         ids.append(row_ids)
         values.append(row_values)
         counts.append(row_ids.numel())
-    row_index = torch.repeat_interleave(
-        torch.tensor(rows, device=logits.device), torch.tensor(counts, device=logits.device)
+    row_index = torch.repeat_interleave(  # output_size: no device sync to learn the length
+        torch.tensor(rows, device=logits.device), torch.tensor(counts, device=logits.device), output_size=sum(counts)
     )
     logits.index_put_((row_index, torch.cat(ids)), torch.cat(values).to(logits.dtype), accumulate=True)
     return logits
