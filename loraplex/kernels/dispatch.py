@@ -15,7 +15,6 @@ Shapes (DESIGN.md contracts):
 
 from __future__ import annotations
 
-import copy
 
 import torch
 
@@ -96,6 +95,8 @@ def lora_shrink(
     a_stack: torch.Tensor,  # [num_slices, max_loras, r_max, in]
     meta: LoRABatchMeta,
     out: torch.Tensor,  # [num_slices, num_tokens, r_max] fp32, rows in permuted order
+    *,
+    slot_rank: torch.Tensor | None = None,  # [max_loras] int32: ranks to use instead of meta's
 ) -> None:
     """``out[s, i, :r] = x[token_perm[i]] @ a_stack[s, slot, :r].T`` for every LoRA row ``i``
     (``slot = seg_slot`` of its segment, ``r = slot_rank[slot]``). Columns ``>= r`` and base-only
@@ -103,7 +104,7 @@ def lora_shrink(
     if uses_triton(x):
         from loraplex.kernels.triton_lora import lora_shrink_triton
 
-        return lora_shrink_triton(x, a_stack, meta, out)
+        return lora_shrink_triton(x, a_stack, meta, out, slot_rank=slot_rank)
     # CPU: the reference (the engine's CPU path is the fused ``lora_apply``)
     from loraplex.kernels.lora_ref import lora_shrink_ref
 
@@ -117,13 +118,15 @@ def lora_expand(
     slice_offsets: tuple[int, ...],  # num_slices + 1 offsets into out_total
     meta: LoRABatchMeta,
     y: torch.Tensor,  # [num_tokens, out_total] base output, original order; updated in place
+    *,
+    slot_rank: torch.Tensor | None = None,  # [max_loras] int32: ranks to use instead of meta's
 ) -> None:
     """``y[token_perm[i], off_s:off_s1] += scaling[s, slot] * shrunk[s, i, :r] @ b_stack[slot, off_s:off_s1, :r].T``
     for every LoRA row ``i`` and slice ``s``, all slices in one call."""
     if uses_triton(y):
         from loraplex.kernels.triton_lora import lora_expand_triton
 
-        return lora_expand_triton(shrunk, b_stack, scaling, slice_offsets, meta, y)
+        return lora_expand_triton(shrunk, b_stack, scaling, slice_offsets, meta, y, slot_rank=slot_rank)
     from loraplex.kernels.lora_ref import lora_expand_ref
 
     return lora_expand_ref(shrunk, b_stack, scaling, slice_offsets, meta, y)
@@ -148,11 +151,8 @@ def lora_apply(
     past them are zero, so the result is the same); on CPU a fused twin keeps each batch's
     shrink result local (``shrunk`` may be None), which halves the small ops per projection."""
     if uses_triton(y):
-        if slot_rank is not None:
-            meta = copy.copy(meta)  # shallow: a few attribute copies, on every projection of a step
-            meta.slot_rank = slot_rank
-        lora_shrink(x, a_stack, meta, shrunk)
-        lora_expand(shrunk, b_stack, scaling, slice_offsets, meta, y)
+        lora_shrink(x, a_stack, meta, shrunk, slot_rank=slot_rank)
+        lora_expand(shrunk, b_stack, scaling, slice_offsets, meta, y, slot_rank=slot_rank)
         return
     from loraplex.kernels.lora_cpu import lora_apply_cpu
 

@@ -264,6 +264,7 @@ def lora_shrink_triton(
     out: torch.Tensor,  # [num_slices, num_tokens, r_max] fp32, permuted rows
     *,
     split_k: int | None = None,  # override the K split (tests, tuning); None = by work present
+    slot_rank: torch.Tensor | None = None,  # [max_loras] int32: ranks to use instead of meta's
 ) -> None:
     """``out[s, i, :r] = x[token_perm[i]] @ a_stack[s, slot, :r].T`` (see dispatch.lora_shrink)."""
     if meta.num_segments == 0 or meta.max_rank <= 0 or meta.max_seg_len == 0:
@@ -290,7 +291,7 @@ def lora_shrink_triton(
         meta.token_perm,
         meta.seg_starts,
         meta.seg_slot,
-        meta.slot_rank,
+        meta.slot_rank if slot_rank is None else slot_rank,
         in_features,
         tiles_per_seg,
         k_blocks_per_split,
@@ -312,6 +313,8 @@ def lora_expand_triton(
     slice_offsets: tuple[int, ...],  # num_slices + 1 offsets into out_total
     meta: LoRABatchMeta,
     y: torch.Tensor,  # [num_tokens, out_total], updated in place
+    *,
+    slot_rank: torch.Tensor | None = None,  # [max_loras] int32: ranks to use instead of meta's
 ) -> None:
     """``y[token_perm[i], slice s] += scaling[s, slot] * shrunk[s, i, :r] @ B_s[slot, :, :r].T``,
     every slice of a packed projection in one launch (see dispatch.lora_expand)."""
@@ -333,7 +336,7 @@ def lora_expand_triton(
         meta.token_perm,
         meta.seg_starts,
         meta.seg_slot,
-        meta.slot_rank,
+        meta.slot_rank if slot_rank is None else slot_rank,
         tiles_per_seg,
         *offsets,
         *shrunk.stride(),

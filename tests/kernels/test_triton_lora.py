@@ -163,3 +163,30 @@ def test_no_lora_segments_is_a_no_op():
     y = y0.clone()
     lora_expand_triton(out, torch.randn(2, 8, 8), torch.ones(1, 2), (0, 8), meta, y)
     assert torch.equal(y, y0)
+
+
+def test_projection_ranks_override_the_steps_ranks():
+    """``slot_rank=`` (a projection's own ranks, LoRAStack.rank) bounds what both kernels read:
+    weights past it are NaN here, and a slot with rank 0 for this projection adds nothing."""
+    case = CASES["ragged_short_qkv"]  # step ranks [3, 16, 8]
+    _, x, a_stack, b_stack, scaling, offsets, meta = _case_inputs(case, torch.float32, 9191)
+    projection_rank = [2, 0, 5]
+    for slot, rank in enumerate(projection_rank):
+        a_stack[:, slot, rank:] = float("nan")
+        b_stack[slot, :, rank:] = float("nan")
+    override = torch.tensor(projection_rank, dtype=torch.int32)
+    shrunk = nan_like(torch.empty(3, meta.num_tokens, case["r_max"]))
+    lora_shrink_triton(x, a_stack, meta, shrunk, slot_rank=override)
+    y0 = torch.randn(meta.num_tokens, offsets[-1], generator=torch.Generator().manual_seed(6))
+    y = y0.clone()
+    lora_expand_triton(shrunk, b_stack, scaling, offsets, meta, y, slot_rank=override)
+    expected = y0.clone()
+    for t, slot in enumerate(case["slots"]):
+        r = projection_rank[slot] if slot >= 0 else 0
+        for s in range(3):
+            o0, o1 = offsets[s], offsets[s + 1]
+            if r:
+                delta = x[t] @ a_stack[s, slot, :r].t() @ b_stack[slot, o0:o1, :r].t()
+                expected[t, o0:o1] += scaling[s, slot] * delta
+    assert not y.isnan().any()
+    assert rel_err(y, expected) < 1e-5
