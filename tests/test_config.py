@@ -1,0 +1,23 @@
+"""Settings carries every engine option, with the engine's default: an option added to
+EngineConfig alone would be unreachable from `loraplex serve` (flags are made from Settings)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from loraplex.config import EngineConfig, Settings
+
+
+def test_every_engine_option_is_a_setting_with_the_same_default(monkeypatch, tmp_path):
+    for name in list(os.environ):
+        if name.startswith("LORAPLEX_"):
+            monkeypatch.delenv(name)
+    settings = Settings()
+    engine_defaults = EngineConfig()
+    for f in dataclasses.fields(EngineConfig):
+        assert f.name in Settings.model_fields, f"EngineConfig.{f.name} has no Settings field"
+        assert getattr(settings, f.name) == getattr(engine_defaults, f.name), f.name
+    assert settings.engine_config() == engine_defaults
+    changed = Settings(home=tmp_path, max_loras=3, cuda_graphs=True).engine_config()
+    assert (changed.home, changed.max_loras, changed.cuda_graphs) == (tmp_path, 3, True)
