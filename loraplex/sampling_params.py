@@ -112,7 +112,9 @@ def _check_logit_bias(bias) -> None:
         raise InvalidRequestError("logit_bias must be a mapping of token ids to biases", param="logit_bias")
     for token, value in bias.items():
         if not _is_int(token) or token < 0:
-            raise InvalidRequestError(f"logit_bias keys must be non-negative token ids, got {token!r}", param="logit_bias")
+            raise InvalidRequestError(
+                f"logit_bias keys must be non-negative token ids, got {token!r}", param="logit_bias"
+            )
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
             raise InvalidRequestError(f"logit_bias[{token}] must be a number, got {value!r}", param="logit_bias")
         if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:

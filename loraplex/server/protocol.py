@@ -123,7 +123,9 @@ def _logit_bias(body) -> dict[int, float] | None:
         elif isinstance(key, str) and _TOKEN_KEY.fullmatch(key):
             token = int(key)
         else:
-            raise bad_request(f"`logit_bias` keys must be token ids (non-negative integers), got {key!r}", param="logit_bias")
+            raise bad_request(
+                f"`logit_bias` keys must be token ids (non-negative integers), got {key!r}", param="logit_bias"
+            )
         if not _is_number(value) or not math.isfinite(value):
             raise bad_request(f"`logit_bias[{key}]` must be a number, got {value!r}", param="logit_bias")
         if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
