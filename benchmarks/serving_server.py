@@ -18,7 +18,8 @@ from pathlib import Path
 
 from serving_client import TENANT
 
-from tests.e2e.server_process import REPO_ROOT, free_port
+from tests.e2e.server_process import REPO_ROOT
+from tests.fixtures.ports import free_port
 
 
 # --- the server -------------------------------------------------------------------------------

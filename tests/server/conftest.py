@@ -3,7 +3,6 @@ a real RegistryService on a throwaway SQLite database."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -16,15 +15,10 @@ from loraplex.config import Settings
 from loraplex.registry import db
 from loraplex.registry.service import RegistryService
 from loraplex.server.app import create_app
+from tests.fixtures.ports import free_port
 from tests.server.fakes import FakeAdapterManager, FakeEngine
 
 ADMIN_KEY = "test-admin-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -13,7 +13,7 @@ from loraplex.config import Settings
 from loraplex.server.app import create_app
 from loraplex.server.cli import settings_from_args
 from loraplex.server.components import prepare_registry
-from tests.server.conftest import free_port
+from tests.fixtures.ports import free_port
 from tests.server.fakes import FakeAdapterManager, FakeEngine
 
 

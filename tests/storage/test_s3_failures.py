@@ -13,7 +13,7 @@ import pytest
 
 from loraplex.storage.base import BlobStoreUnavailable, content_key
 from loraplex.storage.s3 import S3BlobStore
-from tests.fixtures.s3 import free_port
+from tests.fixtures.ports import free_port
 from tests.storage.flaky_proxy import FlakyProxy
 
 MiB = 1 << 20
