@@ -84,11 +84,11 @@ class LLM:
             req.adapter_id = engine.resolve_adapter(adapter)
             req.final_only = True  # only finished outputs are read below
             prepared.append(req)
-        for req in prepared:
-            engine.add_prepared(req)
         finals: dict[str, RequestOutput] = {}
         idle_steps = 0
         try:
+            for req in prepared:  # an adapter that fails to load refuses the whole call
+                engine.add_prepared(req)
             while engine.has_unfinished():
                 for out in engine.step():
                     if out.finished:

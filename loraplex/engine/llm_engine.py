@@ -178,12 +178,14 @@ class LLMEngine:
             )
             for i in range(req.params.n)
         ]
+        if req.adapter_id is not None and self.lora_manager is not None:
+            # start the device load before it is needed; first, so that an adapter whose files
+            # fail to load refuses the request before anything of it is recorded
+            self.lora_manager.prefetch(req.adapter_id)
         state = RequestState(req, seqs, self.tokenizer, self._fast_decode)
         self._requests[req.request_id] = state
         for seq in seqs:
             self._seq_to_request[seq.seq_id] = state
-        if req.adapter_id is not None and self.lora_manager is not None:
-            self.lora_manager.prefetch(req.adapter_id)  # start the device load before it is needed
         for seq in seqs:
             self.scheduler.add(seq)
 

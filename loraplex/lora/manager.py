@@ -189,6 +189,8 @@ class LoRAManager:
             self._path_memo[path] = (fp, adapter_id)
             self._host_put(weights)
         _check_hash(path, adapter_id, expected_hash)
+        # reload from the path named last: an older copy of the same bytes may be gone since
+        self._records[adapter_id].path = path
         return adapter_id
 
     def _known_id(self, path: str, fingerprint: tuple) -> str | None:
@@ -274,9 +276,22 @@ class LoRAManager:
         a free device slot or one whose adapter has no requests, else at least into host memory."""
         rec = self._records[adapter_id]
         rec.outstanding += 1
+        newly_queued = adapter_id not in self._queued
         self._queued.setdefault(adapter_id, None)
         self._sync_refs(adapter_id)
-        self._warm(adapter_id)
+        try:
+            self._warm(adapter_id)
+        except BaseException:
+            # the files failed to load (deleted, or changed since they were registered): the
+            # request is refused, so it must not stay counted (every load path checks before it
+            # changes a slot or the host cache)
+            rec.outstanding -= 1
+            if newly_queued:
+                self._queued.pop(adapter_id, None)
+            if rec.outstanding == 0:
+                self._wanted.pop(adapter_id, None)
+            self._sync_refs(adapter_id)
+            raise
 
     def _warm(self, adapter_id: str) -> None:
         if self.pool.slot_of(adapter_id) is not None:

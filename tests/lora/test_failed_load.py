@@ -1,0 +1,98 @@
+"""An adapter whose files fail when the engine (re)loads them at admission (deleted, or changed
+since they were registered) fails that request with ``InvalidAdapterError`` and leaves nothing
+behind: no queued request, no outstanding count, no KV block; the engine keeps serving."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from loraplex import LLM, SamplingParams
+from loraplex.engine.async_engine import AsyncLLMEngine
+from loraplex.lora.errors import InvalidAdapterError
+from loraplex.lora.spec import AdapterRef
+from tests.fixtures.peft_adapters import make_peft_adapter
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def world(tiny_llama_dir, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("failed-load")
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    good = make_peft_adapter(base, root / "good", seed=1, r=4)
+    other = make_peft_adapter(base, root / "other", seed=2, r=4)
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", home=root / "home", kv_cache_bytes=4 << 20,
+              max_loras=2, max_lora_rank=8, max_num_seqs=8)
+    reference = {
+        "base": llm.generate([[5, 6, 7]], PARAMS)[0].token_ids,
+        "good": llm.generate([[5, 6, 7]], PARAMS, adapters=[str(good)])[0].token_ids,
+    }
+    return llm, root, good, other, reference
+
+
+def _break(how: str, good, other, dst):
+    """A copy of ``good`` registered with the engine, then dropped from its tiers and broken."""
+    shutil.copytree(good, dst)
+    return dst, lambda: shutil.rmtree(dst) if how == "deleted" else shutil.copy(
+        other / "adapter_model.safetensors", dst / "adapter_model.safetensors"
+    )
+
+
+def _assert_clean(llm, adapter_id):
+    engine = llm.engine
+    stats = engine.stats()
+    assert engine.num_unfinished_requests == 0 and stats["num_requests_waiting"] == 0
+    assert stats["lora"]["adapters"][adapter_id]["outstanding_requests"] == 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("how", ["deleted", "changed"])
+def test_offline_request_on_broken_files_leaves_nothing(world, how, tmp_path):
+    llm, _, good, other, reference = world
+    path, breaks = _break(how, good, other, tmp_path / "x")
+    adapter_id = llm.add_adapter(f"x-{how}", str(path))
+    llm.engine.lora_manager.unload(adapter_id)  # next use reads the files again
+    breaks()
+    with pytest.raises(InvalidAdapterError):
+        # the good request ahead of it in the same call must not stay queued either
+        llm.generate([[5, 6, 7], [5, 6, 7]], PARAMS, adapters=[None, f"x-{how}"])
+    _assert_clean(llm, adapter_id)
+    assert llm.generate([[5, 6, 7]], PARAMS)[0].token_ids == reference["base"]
+    assert llm.generate([[5, 6, 7]], PARAMS, adapters=[str(good)])[0].token_ids == reference["good"]
+    llm.remove_adapter(f"x-{how}")
+
+
+def test_async_request_on_changed_files_leaves_nothing(world, tmp_path):
+    """The server's path: an ``AdapterRef`` with the content hash the engine already knows."""
+    llm, _, good, other, reference = world
+    path, breaks = _break("changed", good, other, tmp_path / "y")
+    adapter_id = llm.add_adapter("y", str(path))
+    llm.engine.lora_manager.unload(adapter_id)
+    breaks()
+    aengine = AsyncLLMEngine(llm.config, engine=llm.engine)
+
+    async def tokens(adapter):
+        out = []
+        async for delta in aengine.generate([5, 6, 7], PARAMS, adapter=adapter):
+            out += delta.outputs[0].token_ids
+        return out
+
+    import asyncio
+
+    async def main():
+        with pytest.raises(InvalidAdapterError):
+            await tokens(AdapterRef(name="y@1", path=str(path), content_hash=adapter_id))
+        return await tokens(None)
+
+    try:
+        base_tokens = asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    assert base_tokens == reference["base"]
+    _assert_clean(llm, adapter_id)
+    llm.remove_adapter("y")
