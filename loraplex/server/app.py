@@ -29,6 +29,7 @@ from loraplex.server.errors import exception_handlers
 from loraplex.server.lifecycle import Lifecycle
 from loraplex.server.limits import BodySizeLimitMiddleware, TenantConcurrencyLimiter
 from loraplex.server.metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
+from loraplex.server.uploads import sweep_stale_staging
 
 log = logging.getLogger("loraplex.server")
 DEFAULT_ADMIN_DIR = Path(__file__).resolve().parents[2] / "admin"
@@ -102,6 +103,7 @@ def create_app(
             ctx.served_model_name = ctx.engine.model_name
             ctx.metrics.model_name = ctx.served_model_name
         ctx.metrics.stats_source = ctx.engine_stats
+        await run_in_threadpool(sweep_stale_staging, ctx.staging_root)  # uploads a crash cut short
         disk_cache = getattr(ctx.adapters, "disk_cache", None)
         if disk_cache is not None:
             ctx.metrics.disk_entries = lambda: disk_cache.stats()["entries"]

@@ -14,10 +14,12 @@ taken from the archive's own headers.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import stat
 import tarfile
 import tempfile
+import time
 import zipfile
 from pathlib import Path, PurePosixPath
 
@@ -30,12 +32,37 @@ CONFIG_FIELD = "adapter_config.json"
 WEIGHTS_FIELD = "adapter_model.safetensors"
 ARCHIVE_FIELD = "archive"
 _COPY_CHUNK = 1 << 20
+STAGING_PREFIX = "upload-"
+STALE_STAGING_SECONDS = 3600
+log = logging.getLogger("loraplex.server")
 MAX_ARCHIVE_MEMBERS = 1000
 
 
 def new_staging_dir(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix="upload-", dir=root))
+    return Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=root))
+
+
+def sweep_stale_staging(root: Path, max_age_seconds: float = STALE_STAGING_SECONDS) -> list[Path]:
+    """Remove upload staging directories a crash left under ``root``: those whose newest file is
+    older than ``max_age_seconds`` (a younger one may be an upload of another process sharing
+    the home). Returns the directories removed."""
+    if not root.is_dir():
+        return []
+    cutoff = time.time() - max_age_seconds
+    removed = []
+    for d in root.iterdir():
+        if not d.name.startswith(STAGING_PREFIX) or not d.is_dir() or d.is_symlink():
+            continue
+        try:
+            newest = max([d.lstat().st_mtime] + [p.lstat().st_mtime for p in d.rglob("*")])
+        except OSError:
+            continue  # being removed by its owner right now
+        if newest < cutoff:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+            log.info("removed stale upload staging directory %s", d)
+    return removed
 
 
 def too_large(what: str, limit: int) -> APIError:

@@ -123,3 +123,23 @@ def test_upload_is_staged_off_the_event_loop(module_server, monkeypatch):
         thread.join(10)
     assert health.status_code == 200 and waited < 0.5, waited
     assert result["r"].status_code == 201
+
+
+def test_stale_upload_staging_is_swept_at_start(server_factory, tmp_path):
+    """Uploads a crash interrupted leave their staging directories; the next start removes those
+    older than an hour (younger ones may belong to another process sharing the home)."""
+    import os
+
+    staging = tmp_path / "s0" / "home" / "staging"
+    old, fresh = staging / "upload-old", staging / "upload-fresh"
+    for d in (old, fresh):
+        (d / "adapter").mkdir(parents=True)
+        (d / "adapter" / "adapter_model.safetensors").write_bytes(b"\x00" * 1024)
+    two_hours_ago = time.time() - 7200
+    for p in (old / "adapter" / "adapter_model.safetensors", old / "adapter", old):
+        os.utime(p, (two_hours_ago, two_hours_ago))
+    other = staging / "not-an-upload"
+    other.mkdir()
+    os.utime(other, (two_hours_ago, two_hours_ago))
+    server_factory()
+    assert not old.exists() and fresh.exists() and other.exists()
