@@ -65,8 +65,8 @@ def sweep_stale_staging(root: Path, max_age_seconds: float = STALE_STAGING_SECON
     return removed
 
 
-def too_large(what: str, limit: int) -> APIError:
-    return APIError(413, f"{what} is larger than the limit of {limit} bytes.", param=ARCHIVE_FIELD, code="payload_too_large")
+def too_large(what: str, limit: int, param: str = ARCHIVE_FIELD) -> APIError:
+    return APIError(413, f"{what} is larger than the limit of {limit} bytes.", param=param, code="payload_too_large")
 
 
 class _ArchiveBudget:
@@ -91,9 +91,11 @@ class _ArchiveBudget:
             raise too_large("the archive's unpacked contents", self.total_limit)
 
 
-def _copy_capped(src, dst_path: Path, limit: int, what: str, budget: _ArchiveBudget | None = None) -> int:
+def _copy_capped(
+    src, dst_path: Path, limit: int, what: str, budget: _ArchiveBudget | None = None, param: str = ARCHIVE_FIELD
+) -> int:
     """Copy a binary stream to a new file, refusing more than ``limit`` bytes (and, with
-    ``budget``, more than the archive has left)."""
+    ``budget``, more than the archive has left); a 413 names ``param``."""
     total = 0
     with open(dst_path, "xb") as dst:
         while True:
@@ -102,7 +104,7 @@ def _copy_capped(src, dst_path: Path, limit: int, what: str, budget: _ArchiveBud
                 return total
             total += len(chunk)
             if total > limit:
-                raise too_large(what, limit)
+                raise too_large(what, limit, param)
             if budget is not None:
                 budget.spend(len(chunk))
             dst.write(chunk)
@@ -214,11 +216,11 @@ def find_peft_dir(staging: Path) -> Path:
 def _field_to_file(value, target: Path, limit: int, field: str) -> None:
     if isinstance(value, UploadFile):
         value.file.seek(0)
-        _copy_capped(value.file, target, limit, f"field `{field}`")
+        _copy_capped(value.file, target, limit, f"field `{field}`", param=field)
     elif isinstance(value, str):
         data = value.encode("utf-8")
         if len(data) > limit:
-            raise too_large(f"field `{field}`", limit)
+            raise too_large(f"field `{field}`", limit, field)
         target.write_bytes(data)
     else:
         raise bad_request(f"field `{field}` is missing", param=field)
