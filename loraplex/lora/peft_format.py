@@ -51,6 +51,7 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 MAX_CONFIG_BYTES = 1024 * 1024
 HASH_VERSION = b"loraplex-adapter-v1\n"
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclass
@@ -247,12 +248,17 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
             raise InvalidAdapterError(
                 f"{names['B']!r} has shape {list(b.shape)}, base model needs [{out_f}, {rank}] (rank {rank})"
             )
+        scaling = cfg.scaling(rank, alpha)
+        if not abs(scaling) <= FLOAT32_MAX:  # slot scalings are float32 on every device
+            raise InvalidAdapterError(
+                f"module {key!r} has scaling {scaling:g} (lora_alpha {alpha:g}, rank {rank}), beyond float32"
+            )
         modules[(layer, mod)] = ModuleLoRA(
             layer=layer,
             module=mod,
             rank=rank,
             alpha=alpha,
-            scaling=cfg.scaling(rank, alpha),
+            scaling=scaling,
             a_name=names["A"],
             b_name=names["B"],
         )

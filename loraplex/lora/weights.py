@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.lora.errors import InvalidAdapterError
 from loraplex.lora.peft_format import AdapterInfo, ParsedAdapter
 from loraplex.lora.spec import PACKED_MODULES, LoRATargetSpec
 
@@ -67,10 +68,19 @@ class AdapterWeights:
                     if m is None:
                         slices.append(None)
                         continue
-                    a = parsed.tensors[m.a_name].to(dtype).contiguous()  # [rank, in]
-                    b = parsed.tensors[m.b_name].to(dtype).contiguous()  # [out_s, rank]
+                    a = _cast(parsed, m.a_name, dtype)  # [rank, in]
+                    b = _cast(parsed, m.b_name, dtype)  # [out_s, rank]
                     nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
                     slices.append(SliceLoRA(a=a, b=b, scaling=float(m.scaling)))
                 if any(s is not None for s in slices):
                     layers[(layer, packed)] = PackedLoRA(slices=tuple(slices))
         return cls(adapter_id=info.content_hash, info=info, layers=layers, nbytes=nbytes)
+
+
+def _cast(parsed: ParsedAdapter, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor in the engine's dtype. Values finite in the file but beyond that dtype's range
+    (|x| > 65504 in float16) would turn into Inf: refused, as NaN/Inf in the file are."""
+    t = parsed.tensors[name].to(dtype).contiguous()
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        raise InvalidAdapterError(f"tensor {name!r} has values beyond the range of {dtype} (the engine's dtype)")
+    return t

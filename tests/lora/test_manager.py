@@ -75,6 +75,27 @@ def test_hash_mismatch_loads_nothing(lora_base, make_adapter):
     assert m.resolve(AdapterRef(name="a", path=str(d), content_hash=good)) == good
 
 
+def test_weights_out_of_range_of_the_serving_dtype_load_nothing(lora_base, make_adapter, tmp_path):
+    """Finite in the file but infinite in float16 (|x| > 65504) is refused like an Inf weight."""
+    from tests.lora.adapter_edits import edit_tensors
+
+    def big(t):
+        k = sorted(k for k in t if "lora_B" in k)[0]
+        t[k] = t[k].clone()
+        t[k][0, 0] = 1e6
+
+    src = make_adapter("fp16", seed=1)
+    bad = edit_tensors(src, tmp_path / "big", big)
+    m = LoRAManager(lora_base.spec, EngineConfig(max_loras=2, max_lora_rank=8), "cpu", torch.float16)
+    good_id = m.register("good", src)
+    before = snapshot(m)
+    with pytest.raises(InvalidAdapterError, match="float16"):
+        m.register("big", bad)
+    assert same(before, snapshot(m)) and m.resolve("good") == good_id
+    # float32 holds it: the same file loads there
+    assert new_manager(lora_base.spec).register("big", bad)
+
+
 def test_unknown_name(lora_base):
     with pytest.raises(AdapterNotFoundError):
         new_manager(lora_base.spec).resolve("no-such-adapter")

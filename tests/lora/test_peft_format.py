@@ -139,6 +139,8 @@ def test_rejects_pickle_files(suffix, lora_base, make_adapter, tmp_path):
         (dict(target_modules=["q_proj", "v_proj", "fc1"]), "fc1"),
         (dict(layers_to_transform=[5]), "layer 5"),
         (dict(rank_pattern={"[": 2}), "regular expression"),
+        (dict(lora_alpha=1e300), "scaling"),  # alpha / r beyond float32, where slot scalings live
+        (dict(alpha_pattern={"v_proj": -1e300}), "scaling"),
     ],
 )
 def test_rejects_config(changes, match, lora_base, make_adapter, tmp_path):
