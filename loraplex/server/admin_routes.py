@@ -12,11 +12,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from loraplex.registry.errors import NotFound
 from loraplex.registry.names import parse_version
 from loraplex.server.context import AppContext
 from loraplex.server.errors import APIError, bad_request
 from loraplex.server.limits import read_body
 from loraplex.server.uploads import new_staging_dir, remove_staging, stage_upload
+from loraplex.storage.base import content_key
 
 ACTOR = "admin"
 log = logging.getLogger("loraplex.server")
@@ -216,8 +218,17 @@ async def load(request: Request) -> Response:
     if not isinstance(pin, bool):
         raise bad_request("`pin` must be a boolean", param="pin")
     ref_name = p["name"] if body.get("version") is None else f"{p['name']}@{_version(body['version'])}"
-    ref = await run_in_threadpool(ctx.adapters.resolve, p["tenant"], ref_name)
-    await ctx.engine.load_adapter(ref, tier=tier, pin=pin)
+    # acquired while the engine reads the files: neither eviction nor a delete removes them
+    ref = await run_in_threadpool(lambda: ctx.adapters.resolve(p["tenant"], ref_name, acquire=True))
+    try:
+        await ctx.engine.load_adapter(ref, tier=tier, pin=pin)
+        try:  # a delete that landed meanwhile found nothing to unload yet: drop what we loaded
+            await run_in_threadpool(ctx.registry.resolve, p["tenant"], ref.name)
+        except NotFound:
+            await _drop_unused_from_engine(ctx, [(ref.content_hash, content_key(ref.content_hash))])
+            raise
+    finally:
+        ctx.adapters.release(ref.content_hash)
     ctx.adapter_display[ref.content_hash] = f"{p['tenant']}/{ref.name}"
     await run_in_threadpool(
         ctx.registry.record_event, ACTOR, "adapter.load", p["tenant"], "adapter", ref.name,
@@ -249,7 +260,7 @@ async def delete_adapter(request: Request) -> Response:
         removed = await run_in_threadpool(ctx.adapters.delete_adapter, p["tenant"], p["name"], ACTOR)
     else:
         removed = await run_in_threadpool(ctx.registry.delete_adapter, p["tenant"], p["name"], ACTOR)
-    await _drop_unused_from_engine(ctx, removed or [])
+    await _drop_unused_from_engine(ctx, [(v.sha256, v.blob_key) for v in removed or []])
     return JSONResponse({"deleted": [v.to_dict() for v in removed or []]})
 
 
@@ -261,21 +272,21 @@ async def delete_version(request: Request) -> Response:
         removed = await run_in_threadpool(ctx.adapters.delete_version, p["tenant"], p["name"], version, ACTOR)
     else:
         removed = await run_in_threadpool(ctx.registry.delete_version, p["tenant"], p["name"], version, ACTOR)
-    await _drop_unused_from_engine(ctx, removed or [])
+    await _drop_unused_from_engine(ctx, [(v.sha256, v.blob_key) for v in removed or []])
     return JSONResponse({"deleted": [v.to_dict() for v in removed or []]})
 
 
-async def _drop_unused_from_engine(ctx: AppContext, removed: list) -> None:
+async def _drop_unused_from_engine(ctx: AppContext, removed: list[tuple[str, str]]) -> None:
     """Deleted weights that no live version of any tenant uses any more leave the engine's device
     slots and host cache, pins included (else a pinned slot would stay taken until a restart).
     Requests still running on them reload them from their local copy, which stays until the last
     of them ends; weights another version still uses (same content hash) are left alone."""
-    for v in removed:
+    for content_hash, blob_key in removed:  # (content hash, blob key) of each deleted version
         try:
-            if await run_in_threadpool(ctx.registry.versions_using_blob, v.blob_key) == 0:
-                await ctx.engine.unload_adapter(v.sha256)
+            if await run_in_threadpool(ctx.registry.versions_using_blob, blob_key) == 0:
+                await ctx.engine.unload_adapter(content_hash)
         except Exception:  # noqa: BLE001 - the delete itself is done; LRU eviction frees it later
-            log.exception("could not drop deleted adapter %s from the engine", v.sha256)
+            log.exception("could not drop deleted adapter %s from the engine", content_hash)
 
 
 # --- status and audit -------------------------------------------------------------------------

@@ -143,3 +143,23 @@ def test_stale_upload_staging_is_swept_at_start(server_factory, tmp_path):
     os.utime(other, (two_hours_ago, two_hours_ago))
     server_factory()
     assert not old.exists() and fresh.exists() and other.exists()
+
+
+def test_load_racing_a_delete_leaves_nothing_pinned(module_server, monkeypatch):
+    """A delete that lands while an admin load is reading the files (its own unload finding
+    nothing yet) must not leave the deleted weights pinned: the load answers 404 and drops them."""
+    tenant, _ = _new_tenant(module_server, "race")
+    engine = module_server.engine
+    load = engine.load_adapter
+
+    async def load_while_deleted(ref, tier="device", pin=False):
+        module_server.registry.delete_adapter(tenant, "m")  # the concurrent DELETE
+        await load(ref, tier=tier, pin=pin)
+
+    with module_server.admin() as c:
+        sha = c.post(f"/admin/v1/tenants/{tenant}/adapters/m/versions", files=_files(b"racy")).json()["sha256"]
+        monkeypatch.setattr(engine, "load_adapter", load_while_deleted)
+        r = c.post(f"/admin/v1/tenants/{tenant}/adapters/m/load", json={"tier": "device", "pin": True})
+    _envelope(r, 404, code="not_found")
+    assert sha not in engine.loaded
+    assert module_server.adapters.in_use.get(sha, 0) == 0
