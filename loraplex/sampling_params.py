@@ -37,6 +37,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the chosen)
+    # vLLM's prompt_logprobs: per prompt token (after the first), its logprob under the model,
+    # its rank, and the top N; computed in full (such a request takes nothing from the prefix cache)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # token id -> bias in [-100, 100] added to that token's logit before sampling (OpenAI's
@@ -95,6 +98,10 @@ class SamplingParams:
             bad("frequency_penalty", "frequency_penalty must be in [-2, 2]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad("logprobs", "logprobs must be an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            bad("prompt_logprobs", "prompt_logprobs must be an integer in [0, 20]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "stop must be a non-empty string or a list of them")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -86,7 +86,7 @@ class BlockManager:
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks matching ``seq``'s leading full blocks; at least one token is left to
         compute so the step that admits it can sample from real logits."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ from loraplex.model.loader import load_generation_eos, load_model, load_tokenize
 
 logger = logging.getLogger(__name__)
 
+PROMPT_LOGPROB_ROWS = 256  # prompt rows per logits block: 256 x a 128k vocab in fp32 is 128 MiB
 CPU_KV_CAP_BYTES = 1 * GiB  # CPU KV budget cap before the fraction (vLLM's CPU default is 4 GiB)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,6 +76,9 @@ class FlatBatch:
     token_adapter_ids: list[str | None]  # [T]
     sample_rows: list[int]  # flat row of each sampled sequence's last token
     sample_seqs: list  # the Sequence behind each sample row
+    # (seq, first target prompt position, its flat row - 1, count): rows whose logits give the
+    # logprobs of prompt tokens first .. first + count - 1 (each row predicts the next token)
+    prompt_logprob_rows: list[tuple] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -199,10 +203,13 @@ class ModelRunner:
         if self.lora_manager is not None:
             lora_ctx = self.lora_manager.step_context(batch.token_adapter_ids)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, lora=lora_ctx)
+        prompt_logprobs = self._prompt_logprobs(hidden, batch.prompt_logprob_rows) if batch.prompt_logprob_rows else {}
         if not batch.sample_rows:
-            return ModelRunnerOutput(sampled={})
+            return ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_logprobs)
         rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
-        return self._sample(hidden[rows], batch.sample_seqs)
+        out = self._sample(hidden[rows], batch.sample_seqs)
+        out.prompt_logprobs = prompt_logprobs
+        return out
 
     def _execute_graph(self, scheduled: list[ScheduledSeq]) -> ModelRunnerOutput:
         token_slots, pool = None, None
@@ -216,6 +223,34 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
         tokens = self.sampler(logits, seqs, self.eos_token_ids)
         return ModelRunnerOutput(sampled={seq.seq_id: tok for seq, tok in zip(seqs, tokens)})
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, specs: list[tuple]) -> dict[int, list[dict]]:
+        """Logprob, rank and top-N of prompt tokens under the model (raw log-softmax, as for
+        generated tokens), from the hidden rows before them; ``PROMPT_LOGPROB_ROWS`` rows at a
+        time, so a long chunk never holds its whole [rows, vocab] logits at once."""
+        out: dict[int, list[dict]] = {}
+        for seq, first, row0, count in specs:
+            top_n = seq.params.prompt_logprobs
+            entries: list[dict] = []
+            for lo in range(0, count, PROMPT_LOGPROB_ROWS):
+                hi = min(count, lo + PROMPT_LOGPROB_ROWS)
+                targets = seq.prompt_token_ids[first + lo : first + hi]
+                logprobs = torch.log_softmax(self.model.compute_logits(hidden[row0 + lo : row0 + hi]), dim=-1)
+                chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device).unsqueeze(1))  # [rows, 1]
+                ranks = (logprobs > chosen).sum(dim=1) + 1
+                top_ids = top_lps = None
+                if top_n:
+                    top = logprobs.topk(top_n, dim=-1)
+                    top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+                for i, (token, lp, rank) in enumerate(zip(targets, chosen.squeeze(1).tolist(), ranks.tolist())):
+                    entries.append({
+                        "token_id": token,
+                        "logprob": lp,
+                        "rank": rank,
+                        "top_logprobs": dict(zip(top_ids[i], top_lps[i])) if top_n else {},
+                    })
+            out[seq.seq_id] = entries
+        return out
 
     def release(self, seq_ids) -> None:
         """Drop per-sequence state. The runner keeps none today (seeded sampling derives its
@@ -232,6 +267,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sample_seqs: list = []
+        prompt_logprob_rows: list[tuple] = []
         for item in scheduled:
             start, n, table = item.start_pos, item.num_tokens, item.block_table
             end = start + n
@@ -251,6 +287,14 @@ class ModelRunner:
                     slots.extend(range(first, first + run))
                     pos += run
                 adapters.extend([item.adapter_id] * n)
+            if item.seq.needs_prompt_logprobs:
+                # targets: prompt positions start+1 .. end that are not computed yet (a chunk
+                # recomputed after preemption skips what it already reported)
+                seq = item.seq
+                first = max(start + 1, len(seq.prompt_logprobs) + 1)
+                last = min(end, seq.num_prompt_tokens - 1)
+                if first == len(seq.prompt_logprobs) + 1 and first <= last:
+                    prompt_logprob_rows.append((seq, first, query_start[-1] + first - 1 - start, last - first + 1))
             seq_lens.append(end)
             query_start.append(query_start[-1] + n)
             tables.append(table)
@@ -274,6 +318,7 @@ class ModelRunner:
             token_adapter_ids=adapters,
             sample_rows=sample_rows,
             sample_seqs=sample_seqs,
+            prompt_logprob_rows=prompt_logprob_rows,
         )
 
 

@@ -61,6 +61,8 @@ class ModelRunnerOutput:
     """Per scheduled sequence that ``needs_sample``: the token sampled for it."""
 
     sampled: dict[int, SampledToken]  # seq_id -> token
+    # seq_id -> the next prompt logprob entries of a sequence that asked for them, in order
+    prompt_logprobs: dict[int, list[dict]] = field(default_factory=dict)
 
 
 @dataclass
@@ -84,6 +86,10 @@ class RequestOutput:
     finished: bool
     adapter_id: str | None = None
     metrics: dict = field(default_factory=dict)  # arrival_time, first_token_time, finished_time
+    # with params.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # predicts it), else {"token_id", "logprob", "rank", "top_logprobs": {id: logprob}}; set once
+    # the whole prompt is computed (in the async API's deltas: on the first output after that)
+    prompt_logprobs: list[dict | None] | None = None
 
     # Convenience for the common n == 1 case (``out.text``, ``out.token_ids``, ``out.finish_reason``).
     @property

@@ -45,6 +45,7 @@ class RequestState:
             for s in seqs
         ]
         self.finished_time: float | None = None
+        self._prompt_logprobs_sent = False
 
     @property
     def request_id(self) -> str:
@@ -110,6 +111,12 @@ class RequestState:
             t.finish_sent = seq_finished
         if delta and not completions:
             return None
+        prompt_logprobs = None
+        if self.req.params.prompt_logprobs is not None and not (delta and self._prompt_logprobs_sent):
+            first = self.tracks[0].seq  # the request's sequences share the prompt; the first computes it
+            if not first.needs_prompt_logprobs:
+                prompt_logprobs = [None] + first.prompt_logprobs
+                self._prompt_logprobs_sent = delta
         if finished and self.finished_time is None:
             self.finished_time = time.monotonic()  # same clock as arrival_time
         return RequestOutput(
@@ -125,4 +132,5 @@ class RequestState:
                 "finished_time": self.finished_time,
                 "num_preemptions": num_preemptions,
             },
+            prompt_logprobs=prompt_logprobs,
         )

@@ -333,6 +333,10 @@ class Scheduler:
         Returns the sequences that got a new token (finished ones included)."""
         changed: list[Sequence] = []
         now = time.monotonic()
+        for seq_id, entries in runner_out.prompt_logprobs.items():
+            seq = self._seqs.get(seq_id)
+            if seq is not None:
+                seq.prompt_logprobs.extend(entries)
         for entry in sched_out.scheduled:
             seq = entry.seq
             if seq.status is not SequenceStatus.RUNNING:

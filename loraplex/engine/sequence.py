@@ -60,6 +60,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     # per generated token: {"token_id", "logprob", "top_logprobs"} when params.logprobs is set
     output_logprobs: list[dict] = field(default_factory=list)
+    # per prompt token from the second on: {"token_id", "logprob", "rank", "top_logprobs"}, when
+    # params.prompt_logprobs is set (the first sequence of a request only: they share the prompt)
+    prompt_logprobs: list[dict] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -101,6 +104,16 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status in FINISHED_STATUSES
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet. Such a sequence computes its
+        whole prompt: the KV of cached blocks is there, their logits are not."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.index == 0
+            and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+        )
 
     @property
     def finish_reason(self) -> str | None:

@@ -98,6 +98,8 @@ class RequestRun:
         self.completion_tokens = 0
         self.first_token_at: float | None = None
         self.finish_reasons: list[str] = []
+        # prompt index -> the engine's prompt logprobs ([None, {...}, ...]), once computed
+        self.prompt_logprobs: dict[int, list] = {}
         self._closed = False
         self._held: list[str] = []
 
@@ -142,6 +144,8 @@ class RequestRun:
         last_token_at: dict[int, float] = {}
         try:
             async for p_idx, out in _merge(gens):
+                if out.prompt_logprobs is not None:
+                    self.prompt_logprobs[p_idx] = out.prompt_logprobs
                 for comp in out.outputs:
                     choice = p_idx * n + comp.index
                     now = time.monotonic()

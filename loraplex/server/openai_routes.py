@@ -98,17 +98,34 @@ async def _collect(run: RequestRun, shaper: ResponseShaper) -> dict:
             finish[choice] = comp.finish_reason
     choices = []
     for i in range(n_choices):
-        prefix = _echo_text(run, i // req.params.n) if req.echo else ""
+        p_idx = i // req.params.n
+        prefix = _echo_text(run, p_idx) if req.echo else ""
         logprobs = None
-        if req.logprobs:
-            logprobs = (
-                shaper.chat_logprobs(entries[i], req.top_logprobs)
-                if req.kind == "chat"
-                else shaper.completion_logprobs(entries[i], req.top_logprobs, len(prefix))
-            )
-        choices.append({"index": i, "text": prefix + texts[i], "logprobs": logprobs, "finish_reason": finish[i]})
+        if req.logprobs and req.kind == "chat":
+            logprobs = shaper.chat_logprobs(entries[i], req.top_logprobs)
+        elif req.logprobs and req.echo:  # the prompt's tokens first, then the completion's
+            logprobs = shaper.completion_logprobs(_prompt_entries(run, shaper, p_idx) + entries[i], req.top_logprobs, 0)
+        elif req.logprobs:
+            logprobs = shaper.completion_logprobs(entries[i], req.top_logprobs, len(prefix))
+        choice = {"index": i, "text": prefix + texts[i], "logprobs": logprobs, "finish_reason": finish[i]}
+        if req.prompt_logprobs is not None and req.kind == "completion":
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(run, shaper, p_idx)
+        choices.append(choice)
     build = shaper.chat_response if req.kind == "chat" else shaper.completion_response
-    return build(choices, run.prompt_tokens, run.completion_tokens)
+    body = build(choices, run.prompt_tokens, run.completion_tokens)
+    if req.prompt_logprobs is not None and req.kind == "chat":  # vLLM: one prompt, at the top level
+        body["prompt_logprobs"] = _vllm_prompt_logprobs(run, shaper, 0)
+    return body
+
+
+def _prompt_entries(run: RequestRun, shaper: ResponseShaper, p_idx: int) -> list[dict]:
+    computed = run.prompt_logprobs.get(p_idx)
+    return shaper.prompt_entries(run.prompt_ids[p_idx], computed) if computed else []
+
+
+def _vllm_prompt_logprobs(run: RequestRun, shaper: ResponseShaper, p_idx: int) -> list | None:
+    computed = run.prompt_logprobs.get(p_idx)
+    return shaper.vllm_prompt_logprobs(computed, run.req.prompt_logprobs) if computed else None
 
 
 async def _stream_events(run: RequestRun, shaper: ResponseShaper):
@@ -119,12 +136,20 @@ async def _stream_events(run: RequestRun, shaper: ResponseShaper):
         if req.kind == "chat":  # first chunk of each choice announces the role
             for i in range(n_choices):
                 yield sse_event(shaper.chunk(i, "", None, role=True))
-        elif req.echo:
+        elif req.echo and not req.logprobs:
             for i in range(n_choices):
                 yield sse_event(shaper.chunk(i, _echo_text(run, i // req.params.n), None))
+        # echo with logprobs: each choice's echo chunk carries the prompt's logprobs, which come
+        # with the choice's first output
+        echo_pending = set(range(n_choices)) if req.echo and req.logprobs else set()
         offsets = [0] * n_choices
         try:
             async for p_idx, choice, comp in run.deltas():
+                if choice in echo_pending:
+                    echo_pending.discard(choice)
+                    prompt_part = shaper.completion_logprobs(_prompt_entries(run, shaper, p_idx), req.top_logprobs, 0)
+                    yield sse_event(shaper.chunk(choice, _echo_text(run, p_idx), None, prompt_part))
+                    offsets[choice] = sum(len(t) for t in prompt_part["tokens"])
                 if not comp.text and comp.finish_reason is None and not (req.logprobs and comp.logprobs):
                     continue  # text held back (a partial character or a possible stop string)
                 logprobs = None

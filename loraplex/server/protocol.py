@@ -36,6 +36,7 @@ class GenerationRequest:
     logprobs: bool = False  # report logprobs in the response
     top_logprobs: int = 0
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's field: report the prompt's logprobs (top N)
     max_tokens_given: bool = False  # False: max_tokens defaults to what the context leaves
     user: str | None = None
 
@@ -157,6 +158,14 @@ def _stream(body) -> tuple[bool, bool]:
     return stream, include_usage
 
 
+def _prompt_logprobs(body: dict, stream: bool) -> int | None:
+    """vLLM's ``prompt_logprobs`` (top N per prompt token); like vLLM, not with ``stream``."""
+    n = _int(body, "prompt_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if n is not None and stream:
+        raise bad_request("`prompt_logprobs` is not available with `stream`", param="prompt_logprobs")
+    return n
+
+
 def _sampling(body: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """The sampling fields common to both endpoints, checked for type here and for range by
     SamplingParams (its InvalidRequestError already names the field)."""
@@ -248,7 +257,12 @@ def parse_completion_request(body) -> GenerationRequest:
     max_tokens = _int(body, "max_tokens", None, lo=1)
     logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     stream, include_usage = _stream(body)
+    echo = _bool(body, "echo", False)
+    prompt_logprobs = _prompt_logprobs(body, stream)
     params = _sampling(body, max_tokens if max_tokens is not None else 16, logprobs)
+    # echo with logprobs lists the prompt tokens' logprobs before the completion's (OpenAI)
+    wanted = [n for n in (prompt_logprobs, logprobs if echo else None) if n is not None]
+    params.prompt_logprobs = max(wanted) if wanted else None
     return GenerationRequest(
         kind="completion",
         model=model,
@@ -258,7 +272,8 @@ def parse_completion_request(body) -> GenerationRequest:
         include_usage=include_usage,
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
-        echo=_bool(body, "echo", False),
+        echo=echo,
+        prompt_logprobs=prompt_logprobs,
         max_tokens_given=True,  # OpenAI's completions default is 16
         user=body.get("user") if isinstance(body.get("user"), str) else None,
     )
@@ -278,9 +293,12 @@ def parse_chat_request(body) -> GenerationRequest:
     if top_logprobs is not None and not want_logprobs:
         raise bad_request("`top_logprobs` requires `logprobs` to be true", param="top_logprobs")
     stream, include_usage = _stream(body)
+    prompt_logprobs = _prompt_logprobs(body, stream)
     params = _sampling(body, max_tokens, (top_logprobs or 0) if want_logprobs else None)
+    params.prompt_logprobs = prompt_logprobs
     return GenerationRequest(
         kind="chat",
+        prompt_logprobs=prompt_logprobs,
         model=model,
         params=params,
         messages=messages,

@@ -3,7 +3,7 @@
 OpenAI ignores fields it does not know, and so does loraplex (``metadata``, ``store``,
 ``service_tier``, ``parallel_tool_calls``, ``prediction``, vLLM's ``priority`` ... change nothing
 a client can see in the answer). A field that asks for a different output (structured output,
-tool calls, a suffix, prompt logprobs, beam search ...) is another matter: answering as if it had
+tool calls, a suffix, beam search ...) is another matter: answering as if it had
 not been sent would hand the client text it did not ask for, without a word. Such a field is
 refused with a 400 in the OpenAI envelope whose ``param`` names it, unless its value asks for
 nothing beyond what is served anyway (``response_format: {"type": "text"}``, ``tools`` with
@@ -65,10 +65,6 @@ def _stream_options(v, body) -> bool:
     return not isinstance(v, dict) or not v.get("continuous_usage_stats")
 
 
-def _echo_logprobs(v, body) -> bool:
-    return not (v is True and body.get("logprobs") is not None)
-
-
 # field -> (endpoints, accepted(value, body), why it is refused)
 REFUSED_FIELDS: dict[str, tuple[tuple[str, ...], object, str]] = {
     "response_format": (BOTH, _response_format, "structured output is not supported; only {\"type\": \"text\"}"),
@@ -83,7 +79,6 @@ REFUSED_FIELDS: dict[str, tuple[tuple[str, ...], object, str]] = {
     "audio": (("chat",), _unset, "audio output is not supported"),
     "web_search_options": (("chat",), _unset, "web search is not supported"),
     # vLLM's extra fields
-    "prompt_logprobs": (BOTH, _unset, "`prompt_logprobs` is not supported"),
     "guided_json": (BOTH, _unset, "guided decoding is not supported"),
     "guided_regex": (BOTH, _unset, "guided decoding is not supported"),
     "guided_choice": (BOTH, _unset, "guided decoding is not supported"),
@@ -118,10 +113,3 @@ def refuse_unsupported(body: dict, kind: str) -> None:
         if not ok:
             param = "stream_options.continuous_usage_stats" if name == "stream_options" else name
             raise bad_request(f"`{param}`: {why}.", param=param, code="unsupported_parameter")
-    if kind == "completion" and not _echo_logprobs(body.get("echo"), body):
-        # OpenAI answers echo + logprobs with the prompt tokens' logprobs too; this engine
-        # computes logprobs for generated tokens only
-        raise bad_request(
-            "`echo` with `logprobs`: logprobs of the prompt tokens are not supported.",
-            param="echo", code="unsupported_parameter",
-        )

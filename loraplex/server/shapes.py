@@ -101,10 +101,36 @@ class ResponseShaper:
                 entry.setdefault(self._token_text(t), lp)
             if e.get("logprob") is not None and all(t != e["token_id"] for t, _ in items):
                 entry.setdefault(text, e["logprob"])
-            top.append(entry)
+            # a prompt's first token: nothing predicts it, so no logprob and no alternatives
+            top.append(None if e.get("logprob") is None and e.get("top_logprobs") is None else entry)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    @staticmethod
+    def prompt_entries(prompt_ids: list[int], prompt_logprobs: list) -> list[dict]:
+        """The engine's prompt logprobs as logprob entries (the first token's without values),
+        for completions' ``echo`` with ``logprobs``."""
+        first = {"token_id": prompt_ids[0], "logprob": None, "top_logprobs": None}
+        return [first] + list(prompt_logprobs[1:]) if prompt_ids else []
+
+    def vllm_prompt_logprobs(self, prompt_logprobs: list, top_n: int) -> list:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or
+        ``{token_id: {"logprob", "rank", "decoded_token"}}`` holding the top ``top_n`` and the
+        prompt's own token."""
+        out: list = []
+        for e in prompt_logprobs:
+            if e is None:
+                out.append(None)
+                continue
+            items = {}
+            for rank, (token, lp) in enumerate(self._top_items(e, top_n), start=1):
+                items[str(token)] = {"logprob": lp, "rank": rank, "decoded_token": self._token_text(token)}
+            items[str(e["token_id"])] = {
+                "logprob": e["logprob"], "rank": e["rank"], "decoded_token": self._token_text(e["token_id"]),
+            }
+            out.append(items)
+        return out
 
     def chat_logprobs(self, entries: list[dict], top_n: int) -> dict:
         def item(token_id: int, logprob: float) -> dict:

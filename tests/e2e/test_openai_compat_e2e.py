@@ -34,9 +34,13 @@ def _tenant(srv: ServerProcess, name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
+def model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("compat-model") / "model", "llama", seed=7)
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("compat")
-    model_dir = make_tiny_model_dir(root / "model", "llama", seed=7)
     server = start_server(
         root / "home", model_dir, "--kv-cache-bytes", str(8 << 20), "--max-model-len", "512",
         "--max-concurrent-requests-per-tenant", str(MAX_CONCURRENT),
@@ -194,10 +198,6 @@ def test_completion_logprobs_shape_and_echo(client):
     echoed = "".join(c.choices[0].text for c in client.completions.create(
         model="base-model", prompt="abc", max_tokens=6, temperature=0, echo=True, logit_bias=LETTERS, stream=True))
     assert echoed == echo.choices[0].text
-    # OpenAI answers echo + logprobs with the prompt's logprobs too, which are not computed here
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(echo=True, **kw)
-    assert info.value.body["param"] == "echo" and info.value.body["code"] == "unsupported_parameter"
 
 
 def test_max_completion_tokens(client):
@@ -303,3 +303,65 @@ def test_models_list(srv, client):
     with pytest.raises(openai.NotFoundError) as info:
         client.models.retrieve("no-such-adapter")
     assert info.value.code == "model_not_found"
+
+
+def _reference_logprobs(model_dir, ids: list[int]):
+    """transformers' log-softmax after every position of ``ids``: [len(ids), vocab]."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_echo_with_logprobs_lists_the_prompt_tokens_first(client, model_dir):
+    prompt = "the cat"
+    ids = [4 + b for b in prompt.encode()]  # one token per byte
+    ref = _reference_logprobs(model_dir, ids)
+    kw = dict(model="base-model", prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=2)
+    r = client.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    n = len(ids)
+    assert r.choices[0].text.startswith(prompt) and len(lp.tokens) == n + 1
+    assert lp.tokens[:n] == list(prompt) and lp.text_offset == list(range(n + 1))
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+    for pos in range(1, n):
+        assert lp.token_logprobs[pos] == pytest.approx(float(ref[pos - 1, ids[pos]]), abs=2e-4)
+        # keyed by text: the top 2 (tokens of bytes >= 128 share the text U+FFFD, the higher
+        # kept) and the prompt's own token
+        top2 = ref[pos - 1].topk(2).values.tolist()
+        values = sorted(lp.top_logprobs[pos].values(), reverse=True)
+        assert values[0] == pytest.approx(top2[0], abs=2e-4)
+        assert all(any(v == pytest.approx(w, abs=2e-4) for w in top2 + [lp.token_logprobs[pos]]) for v in values)
+        assert lp.top_logprobs[pos][prompt[pos]] == lp.token_logprobs[pos]
+    generated = int(ref[n - 1].argmax())  # greedy: the model's most likely next token
+    assert lp.token_logprobs[n] == pytest.approx(float(ref[n - 1, generated]), abs=2e-4)
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw)]
+    assert chunks[0].text == prompt and chunks[0].logprobs.tokens == list(prompt)
+    streamed = [c.logprobs for c in chunks if c.logprobs]
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+
+
+def test_vllm_prompt_logprobs_field(client, model_dir):
+    prompt = "a dog"
+    ids = [4 + b for b in prompt.encode()]
+    ref = _reference_logprobs(model_dir, ids)
+    r = client.completions.create(model="base-model", prompt=prompt, max_tokens=2, extra_body={"prompt_logprobs": 1})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    for pos in range(1, len(ids)):
+        row, token = ref[pos - 1], ids[pos]
+        mine = got[pos][str(token)]
+        assert mine["logprob"] == pytest.approx(float(row[token]), abs=2e-4)
+        assert mine["rank"] == int((row > row[token]).sum()) + 1 and mine["decoded_token"] == prompt[pos]
+        best = str(int(row.argmax()))
+        assert got[pos][best]["rank"] == 1 and len(got[pos]) in (1, 2)
+    chat = client.chat.completions.create(model="base-model", messages=MESSAGES, max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as info:  # as in vLLM: not with stream
+        client.chat.completions.create(model="base-model", messages=MESSAGES, max_tokens=1, stream=True,
+                                       extra_body={"prompt_logprobs": 0})
+    assert info.value.body["param"] == "prompt_logprobs"

@@ -60,8 +60,6 @@ REFUSED = [
     ("completion", {"suffix": "tail"}, "suffix"),
     ("both", {"best_of": 3}, "best_of"),
     ("both", {"best_of": 2, "n": 1}, "best_of"),
-    ("both", {"prompt_logprobs": 1}, "prompt_logprobs"),
-    ("both", {"prompt_logprobs": 0}, "prompt_logprobs"),
     ("both", {"guided_json": {"type": "object"}}, "guided_json"),
     ("both", {"guided_regex": "[a-z]+"}, "guided_regex"),
     ("both", {"guided_choice": ["yes", "no"]}, "guided_choice"),
@@ -82,7 +80,6 @@ REFUSED = [
     ("completion", {"add_special_tokens": False}, "add_special_tokens"),
     ("chat", {"modalities": ["text", "audio"]}, "modalities"),
     ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
-    ("completion", {"echo": True, "logprobs": 2}, "echo"),
 ]
 
 
@@ -121,6 +118,8 @@ ACCEPTED = [
     ("chat", {"modalities": ["text"], "echo": False}),
     ("completion", {"add_special_tokens": True, "echo": True}),
     ("completion", {"echo": False, "logprobs": 2}),
+    ("completion", {"echo": True, "logprobs": 2}),  # the prompt's logprobs come first
+    ("both", {"prompt_logprobs": 1}),
     ("both", {"metadata": {"a": "b"}, "store": False, "service_tier": "auto", "priority": 0, "prediction": None,
               "user": "u", "frobnicate": [1]}),
 ]
