@@ -15,12 +15,14 @@ taken from the archive's own headers.
 from __future__ import annotations
 
 import logging
+import lzma
 import shutil
 import stat
 import tarfile
 import tempfile
 import time
 import zipfile
+import zlib
 from pathlib import Path, PurePosixPath
 
 from starlette.concurrency import run_in_threadpool
@@ -188,7 +190,7 @@ def _unpack_zip(fileobj, staging: Path, member_limit: int) -> None:
                     _copy_capped(src, target, member_limit, f"archive member {info.filename!r}", budget)
             except FileExistsError:
                 raise bad_request(f"archive member {info.filename!r} appears twice", param=ARCHIVE_FIELD) from None
-            except (zipfile.BadZipFile, NotImplementedError) as exc:
+            except (zipfile.BadZipFile, NotImplementedError, RuntimeError) as exc:  # RuntimeError: encrypted
                 raise bad_request(f"archive member {info.filename!r}: {exc}", param=ARCHIVE_FIELD) from None
 
 
@@ -197,10 +199,18 @@ def unpack_archive(fileobj, filename: str, staging: Path, member_limit: int) -> 
     bzip2, xz) is told by the bytes, not by ``filename`` (a ``.zip`` that is a tar unpacks)."""
     head = fileobj.read(4)
     fileobj.seek(0)
-    if head.startswith(b"PK"):
-        _unpack_zip(fileobj, staging, member_limit)
-    else:
-        _unpack_tar(fileobj, staging, member_limit)
+    try:
+        if head.startswith(b"PK"):
+            _unpack_zip(fileobj, staging, member_limit)
+        else:
+            _unpack_tar(fileobj, staging, member_limit)
+    except APIError:
+        raise
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, lzma.LZMAError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            raise  # the disk (ENOSPC, EIO, ...), not the archive: a server error
+        # gzip/bz2 decompression errors are OSErrors without an errno
+        raise bad_request(f"archive is truncated or corrupt ({str(exc)[:200]})", param=ARCHIVE_FIELD) from None
     return find_peft_dir(staging)
 
 

@@ -159,3 +159,42 @@ def test_neither_zip_nor_tar(tmp_path, filename):
         unpack_archive(io.BytesIO(b"garbage" * 10), filename, tmp_path, 1 << 20)
     assert err.value.status == 400 and err.value.param == "archive"
     assert list(tmp_path.iterdir()) == []
+
+
+def _truncated_tar(mode: str) -> io.BytesIO:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode=mode) as tar:
+        data = bytes(range(256)) * 400  # not too compressible: the cut lands inside the member
+        info = tarfile.TarInfo("adapter_model.safetensors")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return io.BytesIO(buf.getvalue()[: len(buf.getvalue()) // 2])
+
+
+def _encrypted_zip() -> io.BytesIO:
+    raw = bytearray(_zip([("adapter_config.json", CONFIG, None)]).getvalue())
+    raw[raw.find(b"PK\x03\x04") + 6] |= 1  # "encrypted" flag, local header and central directory
+    raw[raw.find(b"PK\x01\x02") + 8] |= 1
+    return io.BytesIO(bytes(raw))
+
+
+def _corrupt_deflate_zip() -> io.BytesIO:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("adapter_config.json", b"{}" * 5000)
+    raw = bytearray(buf.getvalue())
+    start = raw.find(b"PK\x03\x04") + 30 + len("adapter_config.json")
+    raw[start + 2 : start + 6] = b"\xff\xff\xff\xff"
+    return io.BytesIO(bytes(raw))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: _truncated_tar("w:gz"), lambda: _truncated_tar("w:bz2"), lambda: _truncated_tar("w:xz"),
+     lambda: _truncated_tar("w"), _encrypted_zip, _corrupt_deflate_zip],
+    ids=["tgz", "tbz2", "txz", "tar", "zip_encrypted", "zip_corrupt_deflate"],
+)
+def test_truncated_or_corrupt_archive_is_a_400(tmp_path, make):
+    with pytest.raises(APIError) as err:
+        unpack_archive(make(), "adapter", tmp_path, 1 << 20)
+    assert err.value.status == 400 and err.value.param == "archive"
