@@ -167,7 +167,7 @@ def _unpack_tar(fileobj, staging: Path, member_limit: int) -> None:
 def _unpack_zip(fileobj, staging: Path, member_limit: int) -> None:
     try:
         archive = zipfile.ZipFile(fileobj)
-    except (zipfile.BadZipFile, OSError) as exc:
+    except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError) as exc:
         raise bad_request(f"archive is not a readable zip file: {exc}", param=ARCHIVE_FIELD) from None
     budget = _ArchiveBudget(member_limit)
     with archive:
@@ -206,7 +206,8 @@ def unpack_archive(fileobj, filename: str, staging: Path, member_limit: int) -> 
             _unpack_tar(fileobj, staging, member_limit)
     except APIError:
         raise
-    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, lzma.LZMAError, OSError) as exc:
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, lzma.LZMAError, ValueError, OSError) as exc:
+        # ValueError: zipfile seeking to an offset a corrupt central directory made negative
         if isinstance(exc, OSError) and exc.errno is not None:
             raise  # the disk (ENOSPC, EIO, ...), not the archive: a server error
         # gzip/bz2 decompression errors are OSErrors without an errno

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import stat
+import struct
 import tarfile
 import zipfile
 
@@ -188,11 +189,30 @@ def _corrupt_deflate_zip() -> io.BytesIO:
     return io.BytesIO(bytes(raw))
 
 
+def _zip_central_directory_past_its_place() -> io.BytesIO:
+    """The end record claims the central directory starts 5000 bytes later than it does, so the
+    member offsets zipfile derives from it are negative."""
+    raw = bytearray(_zip([("adapter_config.json", CONFIG * 50, None)]).getvalue())
+    end = raw.rfind(b"PK\x05\x06")
+    (offset,) = struct.unpack("<I", raw[end + 16 : end + 20])
+    raw[end + 16 : end + 20] = struct.pack("<I", offset + 5000)
+    return io.BytesIO(bytes(raw))
+
+
+def _zip_from_the_future() -> io.BytesIO:
+    """The central directory says a zip version newer than zipfile knows ("version needed")."""
+    raw = bytearray(_zip([("adapter_config.json", CONFIG, None)]).getvalue())
+    cd = raw.find(b"PK\x01\x02")
+    raw[cd + 6 : cd + 8] = struct.pack("<H", 245)
+    return io.BytesIO(bytes(raw))
+
+
 @pytest.mark.parametrize(
     "make",
     [lambda: _truncated_tar("w:gz"), lambda: _truncated_tar("w:bz2"), lambda: _truncated_tar("w:xz"),
-     lambda: _truncated_tar("w"), _encrypted_zip, _corrupt_deflate_zip],
-    ids=["tgz", "tbz2", "txz", "tar", "zip_encrypted", "zip_corrupt_deflate"],
+     lambda: _truncated_tar("w"), _encrypted_zip, _corrupt_deflate_zip, _zip_central_directory_past_its_place,
+     _zip_from_the_future],
+    ids=["tgz", "tbz2", "txz", "tar", "zip_encrypted", "zip_corrupt_deflate", "zip_bad_offsets", "zip_version"],
 )
 def test_truncated_or_corrupt_archive_is_a_400(tmp_path, make):
     with pytest.raises(APIError) as err:
