@@ -243,9 +243,10 @@ async def unload(request: Request) -> Response:
     info = await _get_adapter(ctx, p["tenant"], p["name"])
     known = _lora_stats(ctx.engine_stats()).get("adapters") or {}
     unloaded = []
-    for v in info.versions:  # every version of the name the engine holds: drop from device and host
+    for v in info.versions:  # every version of the name: drop from device and host
+        # unconditionally: the stats may predate a load that just finished (unknown ids are a no-op)
+        await ctx.engine.unload_adapter(v.sha256)
         if v.sha256 in known:
-            await ctx.engine.unload_adapter(v.sha256)
             unloaded.append(v.version)
     await run_in_threadpool(
         ctx.registry.record_event, ACTOR, "adapter.unload", p["tenant"], "adapter", p["name"], {"versions": unloaded}

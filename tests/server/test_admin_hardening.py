@@ -163,3 +163,29 @@ def test_load_racing_a_delete_leaves_nothing_pinned(module_server, monkeypatch):
     _envelope(r, 404, code="not_found")
     assert sha not in engine.loaded
     assert module_server.adapters.in_use.get(sha, 0) == 0
+
+
+def test_unload_does_not_trust_stale_engine_stats(module_server, monkeypatch):
+    """The engine's stats lag its commands; an unload right after a load must still drop it."""
+    tenant, _ = _new_tenant(module_server, "stale")
+    engine = module_server.engine
+    with module_server.admin() as c:
+        sha = c.post(f"/admin/v1/tenants/{tenant}/adapters/m/versions", files=_files(b"stale")).json()["sha256"]
+        assert c.post(f"/admin/v1/tenants/{tenant}/adapters/m/load", json={"pin": True}).status_code == 200
+        stats = engine.stats
+        monkeypatch.setattr(engine, "stats", lambda: {**stats(), "lora": {"adapters": {}, "tiers": {}}})
+        assert c.post(f"/admin/v1/tenants/{tenant}/adapters/m/unload").status_code == 200
+    assert sha not in engine.loaded
+
+
+def test_activate_cannot_reach_another_tenants_versions(module_server):
+    t1, _ = _new_tenant(module_server, "iso")
+    t2, _ = _new_tenant(module_server, "iso")
+    with module_server.admin() as c:
+        assert c.post(f"/admin/v1/tenants/{t1}/adapters/m/versions", files=_files(b"t1")).status_code == 201
+        for payload in (b"t2a", b"t2b"):
+            assert c.post(f"/admin/v1/tenants/{t2}/adapters/m/versions", files=_files(payload)).status_code == 201
+        _envelope(c.put(f"/admin/v1/tenants/{t1}/adapters/m/active", json={"version": 2}), 404, code="not_found")
+        _envelope(c.put(f"/admin/v1/tenants/{t1}/adapters/m/active", json={"version": f"{t2}/m@2"}), 400, param="version")
+        assert c.get(f"/admin/v1/tenants/{t1}/adapters/m").json()["active_version"] == 1
+        assert c.get(f"/admin/v1/tenants/{t2}/adapters/m").json()["active_version"] == 1
