@@ -333,7 +333,10 @@ class LoRAManager:
         return adapter_id
 
     def unload(self, adapter_id: str) -> None:
-        """Drop from device and host (requests still using it reload it from disk)."""
+        """Drop from device and host, pins included. Requests still using it reload it from its
+        local copy: running ones when their next step places it; queued ones at once (into host
+        memory, or ``_wanted`` when there is no room), because the scheduler admits a waiting
+        request only once its adapter is ready, and nothing else would bring it back."""
         self._device_pinned.discard(adapter_id)
         self.pool.pinned.discard(adapter_id)
         slot = self.pool.slot_of(adapter_id)
@@ -341,6 +344,9 @@ class LoRAManager:
             self.pool.clear(slot)
         self.host.remove(adapter_id)
         self._wanted.pop(adapter_id, None)
+        rec = self._records.get(adapter_id)
+        if rec is not None and rec.outstanding > 0:
+            self._host_load(adapter_id)
 
     # ---- per step ------------------------------------------------------------------------
     def place(self, adapter_ids: list[str | None]) -> None:

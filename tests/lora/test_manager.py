@@ -182,10 +182,14 @@ def test_unregister_and_unload(lora_base, make_adapter):
     a = m.register("a", make_adapter("a", seed=1))
     m.prefetch(a)
     m.unload(a)
-    assert m.tier_of(a) == "disk"
-    m.prepare_step([a])  # a queued request still runs: reloaded from its directory
+    # a queued request still runs: reloaded from its directory into host memory at once, since
+    # the scheduler admits it only once its adapter is ready (test_unload_queued.py)
+    assert m.tier_of(a) == "host" and m.is_ready(a)
+    m.prepare_step([a])
     assert m.tier_of(a) == "device"
     m.on_request_finished(a, 1, 1)
+    m.unload(a)  # nothing uses it: gone from device and host
+    assert m.tier_of(a) == "disk"
     m.unregister("a")
     assert "a" not in m.registered() and m.tier_of(a) == "disk"
     with pytest.raises(AdapterNotFoundError):
