@@ -10,12 +10,13 @@ from __future__ import annotations
 import logging
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from loraplex.sampling_params import InvalidRequestError
 
 log = logging.getLogger("loraplex.server")
+CLIENT_CLOSED = 499  # nginx's status for "client closed the request": logs and metrics only
 
 # HTTP status -> OpenAI error "type"
 _ERROR_TYPES = {
@@ -85,6 +86,8 @@ def from_exception(exc: Exception, *, log_unknown: bool = True) -> APIError:
         return exc
     if isinstance(exc, InvalidRequestError):
         return APIError(400, exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, ClientDisconnect):  # gone while its body was read: nobody reads an answer
+        return APIError(CLIENT_CLOSED, "Client closed the request.", code="client_closed")
     # registry/storage errors carry their HTTP status; matched by attribute so this module does
     # not import the registry
     status = getattr(exc, "http_status", None)
@@ -125,6 +128,7 @@ def exception_handlers() -> dict:
 EXCEPTION_HANDLERS = {
     APIError: api_error_handler,
     InvalidRequestError: api_error_handler,
+    ClientDisconnect: api_error_handler,  # its own entry: the Exception entry logs a 500
     HTTPException: http_exception_handler,
     Exception: api_error_handler,
 }
