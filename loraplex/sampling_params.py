@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from loraplex.structured_output import StructuredOutputs
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for each logit_bias value: [-100, 100]
 
@@ -45,6 +49,8 @@ class SamplingParams:
     # token id -> bias in [-100, 100] added to that token's logit before sampling (OpenAI's
     # logit_bias); ids are checked against the model's vocabulary when the engine takes the request
     logit_bias: dict[int, float] | None = None
+    # keep the output to a JSON schema / regex / choice / grammar (loraplex.structured_output)
+    structured_outputs: "StructuredOutputs | None" = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -108,6 +114,12 @@ class SamplingParams:
             bad("stop_token_ids", "stop_token_ids must be non-negative integers")
         if self.logit_bias is not None:
             _check_logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            from loraplex.structured_output import StructuredOutputs
+
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                bad("structured_outputs", "structured_outputs must be a StructuredOutputs")
+            self.structured_outputs.validate()
 
 
 def _is_int(v) -> bool:

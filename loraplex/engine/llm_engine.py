@@ -12,6 +12,7 @@ from typing import Any
 from loraplex.config import EngineConfig
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.detokenizer import backend_decoder
+from loraplex.engine.grammar import GrammarFactory
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.request_state import PreparedRequest, RequestState
 from loraplex.engine.scheduler import Scheduler
@@ -83,6 +84,7 @@ class LLMEngine:
         spec = getattr(runner, "spec", None)
         # prompt ids must index the model's embedding table
         self.vocab_size = getattr(runner, "vocab_size", None) or getattr(spec, "vocab_size", None) or len(self.tokenizer)
+        self.grammars = GrammarFactory(self.tokenizer, self.vocab_size, set(runner.eos_token_ids))
         self._requests: dict[str, RequestState] = {}
         self._seq_to_request: dict[int, RequestState] = {}
         self._seq_ids = itertools.count()
@@ -161,7 +163,10 @@ class LLMEngine:
                 f"{self.config.max_num_batched_tokens} without chunked prefill",
                 param="prompt",
             )
-        return PreparedRequest(request_id, text, token_ids, params, adapter_id, stream_deltas)
+        req = PreparedRequest(request_id, text, token_ids, params, adapter_id, stream_deltas)
+        if params.structured_outputs is not None:
+            req.grammar = self.grammars.matcher(params.structured_outputs)
+        return req
 
     def add_prepared(self, req: PreparedRequest) -> None:
         if req.request_id in self._requests:
@@ -175,6 +180,7 @@ class LLMEngine:
                 adapter_id=req.adapter_id,
                 index=i,
                 arrival_time=req.arrival_time,
+                grammar=None if req.grammar is None else req.grammar if i == 0 else req.grammar.deep_copy(),
             )
             for i in range(req.params.n)
         ]

@@ -23,6 +23,7 @@ class PreparedRequest:
     adapter_id: str | None
     stream_deltas: bool = False
     final_only: bool = False  # report nothing until finished (``LLM.generate`` reads no partials)
+    grammar: object | None = None  # structured output: a fresh matcher, copied for each sequence
     arrival_time: float = field(default_factory=time.monotonic)
 
 

@@ -10,8 +10,10 @@ Order of operations per row (as vLLM v1):
 3. Penalties: ``repetition_penalty`` over prompt + output tokens (positive logits divided,
    negative multiplied); ``frequency_penalty * count`` and ``presence_penalty * (count > 0)``
    subtracted, counting output tokens only.
-4. Greedy rows (``temperature == 0``) take the argmax here.
-5. Other rows: divide by temperature, then ``min_p`` (drop tokens with probability below
+4. Structured output: tokens the sequence's grammar does not allow next get ``-inf``; the
+   sampled token then advances the grammar (``loraplex.structured_output``).
+5. Greedy rows (``temperature == 0``) take the argmax here.
+6. Other rows: divide by temperature, then ``min_p`` (drop tokens with probability below
    ``min_p`` times the top one), ``top_k``, ``top_p`` (smallest set of top tokens whose mass
    reaches ``top_p``), then draw from the softmax.
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence as Seq
 
+import numpy as np
 import torch
 
 from loraplex.engine.outputs import SampledToken
@@ -67,6 +70,9 @@ class Sampler:
         logits = apply_logit_bias(logits, seqs)
         logits = apply_min_tokens(logits, seqs, eos_token_ids)
         logits = apply_penalties(logits, seqs)
+        grammar_rows = [row for row, seq in enumerate(seqs) if getattr(seq, "grammar", None) is not None]
+        if grammar_rows:
+            logits = apply_grammars(logits, seqs, grammar_rows, eos_token_ids)
 
         greedy = [p.temperature == 0.0 for p in params]
         token_ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
@@ -84,6 +90,8 @@ class Sampler:
             token_ids[index] = chosen
 
         ids = token_ids.tolist()
+        for row in grammar_rows:
+            seqs[row].grammar.consume_token(ids[row])
         if raw_logprobs is None:
             return [SampledToken(token_id=t) for t in ids]
         return _with_logprobs(ids, raw_logprobs, params)
@@ -108,6 +116,26 @@ class Sampler:
                 gen.manual_seed(row_seed(p.seed, getattr(seq, "index", 0), len(seq.output_token_ids)))
                 noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
+
+
+def apply_grammars(
+    logits: torch.Tensor, seqs: Seq["Sequence"], rows: list[int], eos_token_ids: set[int] | frozenset[int]
+) -> torch.Tensor:
+    """Structured output: in each of ``rows``, ``-inf`` for every token its sequence's grammar
+    does not allow next (llguidance's bitmask, one bit per token). A matcher with nothing left
+    to allow (an error state) allows EOS, so the sequence ends instead of sampling garbage."""
+    vocab = logits.shape[1]
+    allowed = np.zeros((len(rows), vocab), dtype=bool)
+    for k, row in enumerate(rows):
+        bits = np.frombuffer(seqs[row].grammar.compute_bitmask(), dtype=np.uint8)
+        row_allowed = np.unpackbits(bits, bitorder="little")[:vocab]
+        allowed[k, : row_allowed.shape[0]] = row_allowed
+        if not allowed[k].any():
+            allowed[k, [t for t in eos_token_ids if t < vocab]] = True
+    index = torch.tensor(rows, device=logits.device)
+    mask = torch.from_numpy(allowed).to(logits.device)
+    logits[index] = logits[index].masked_fill(~mask, float("-inf"))
+    return logits
 
 
 def apply_logit_bias(logits: torch.Tensor, seqs: Seq["Sequence"]) -> torch.Tensor:

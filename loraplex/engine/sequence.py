@@ -63,6 +63,9 @@ class Sequence:
     # per prompt token from the second on: {"token_id", "logprob", "rank", "top_logprobs"}, when
     # params.prompt_logprobs is set (the first sequence of a request only: they share the prompt)
     prompt_logprobs: list[dict] = field(default_factory=list)
+    # structured output: this sequence's llguidance matcher, advanced by the sampler with each
+    # token it samples (None: unconstrained)
+    grammar: object | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

@@ -1,11 +1,12 @@
 """Parsing and validating OpenAI request bodies into engine inputs.
 
 Unknown fields are ignored, as OpenAI does, except those that would change the output and are
-not implemented (structured output, tools, ``suffix``, ``best_of`` != ``n``, vLLM's guided
-decoding and ``prompt_logprobs`` ...): refused_fields.py answers those with a 400. A known field
-of the wrong type or out of range is a 400 whose ``param`` names the field. vLLM's extra sampling fields (``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ...) are accepted under
-vLLM's names so clients written for vLLM work unchanged.
+not implemented (tools, ``suffix``, ``best_of`` != ``n``, beam search ...): refused_fields.py
+answers those with a 400. A known field of the wrong type or out of range is a 400 whose
+``param`` names the field. vLLM's extra fields (``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``prompt_logprobs``, ``structured_outputs``
+and ``guided_*`` ...) are accepted under vLLM's names so clients written for vLLM work unchanged;
+structured output fields are read by structured_fields.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from loraplex.sampling_params import LOGIT_BIAS_LIMIT, InvalidRequestError, SamplingParams
 from loraplex.server.errors import bad_request
 from loraplex.server.refused_fields import refuse_unsupported
+from loraplex.server.structured_fields import parse_structured_output
 
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_TOP_LOGPROBS = 20
@@ -260,6 +262,7 @@ def parse_completion_request(body) -> GenerationRequest:
     echo = _bool(body, "echo", False)
     prompt_logprobs = _prompt_logprobs(body, stream)
     params = _sampling(body, max_tokens if max_tokens is not None else 16, logprobs)
+    params.structured_outputs = parse_structured_output(body)
     # echo with logprobs lists the prompt tokens' logprobs before the completion's (OpenAI)
     wanted = [n for n in (prompt_logprobs, logprobs if echo else None) if n is not None]
     params.prompt_logprobs = max(wanted) if wanted else None
@@ -295,6 +298,7 @@ def parse_chat_request(body) -> GenerationRequest:
     stream, include_usage = _stream(body)
     prompt_logprobs = _prompt_logprobs(body, stream)
     params = _sampling(body, max_tokens, (top_logprobs or 0) if want_logprobs else None)
+    params.structured_outputs = parse_structured_output(body)
     params.prompt_logprobs = prompt_logprobs
     return GenerationRequest(
         kind="chat",

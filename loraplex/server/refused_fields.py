@@ -2,12 +2,12 @@
 
 OpenAI ignores fields it does not know, and so does loraplex (``metadata``, ``store``,
 ``service_tier``, ``parallel_tool_calls``, ``prediction``, vLLM's ``priority`` ... change nothing
-a client can see in the answer). A field that asks for a different output (structured output,
-tool calls, a suffix, beam search ...) is another matter: answering as if it had
-not been sent would hand the client text it did not ask for, without a word. Such a field is
-refused with a 400 in the OpenAI envelope whose ``param`` names it, unless its value asks for
-nothing beyond what is served anyway (``response_format: {"type": "text"}``, ``tools`` with
-``tool_choice: "none"``, ``best_of`` equal to ``n``, an empty list, ``null``, a vLLM default).
+a client can see in the answer). A field that asks for a different output (tool calls, a
+suffix, beam search ...) is another matter: answering as if it had not been sent would hand the
+client text it did not ask for, without a word. Such a field is refused with a 400 in the
+OpenAI envelope whose ``param`` names it, unless its value asks for nothing beyond what is
+served anyway (``tools`` with ``tool_choice: "none"``, ``best_of`` equal to ``n``, an empty
+list, ``null``, a vLLM default). Structured output is served (``structured_fields.py``).
 
 The README's tenant API section lists the same fields; keep the two in step.
 """
@@ -21,10 +21,6 @@ BOTH = ("completion", "chat")
 
 def _empty(v) -> bool:
     return v is None or v == "" or v == [] or v == {}
-
-
-def _response_format(v, body) -> bool:
-    return v is None or (isinstance(v, dict) and v.get("type") == "text")
 
 
 def _tools(v, body) -> bool:
@@ -67,7 +63,6 @@ def _stream_options(v, body) -> bool:
 
 # field -> (endpoints, accepted(value, body), why it is refused)
 REFUSED_FIELDS: dict[str, tuple[tuple[str, ...], object, str]] = {
-    "response_format": (BOTH, _response_format, "structured output is not supported; only {\"type\": \"text\"}"),
     "tool_choice": (("chat",), _tool_choice, "tool calls are not supported; only \"auto\" or \"none\""),
     "tools": (("chat",), _tools, "tool calls are not supported (send `tool_choice: \"none\"` to pass tools unused)"),
     "function_call": (("chat",), _tool_choice, "function calls are not supported"),
@@ -79,11 +74,6 @@ REFUSED_FIELDS: dict[str, tuple[tuple[str, ...], object, str]] = {
     "audio": (("chat",), _unset, "audio output is not supported"),
     "web_search_options": (("chat",), _unset, "web search is not supported"),
     # vLLM's extra fields
-    "guided_json": (BOTH, _unset, "guided decoding is not supported"),
-    "guided_regex": (BOTH, _unset, "guided decoding is not supported"),
-    "guided_choice": (BOTH, _unset, "guided decoding is not supported"),
-    "guided_grammar": (BOTH, _unset, "guided decoding is not supported"),
-    "structured_outputs": (BOTH, _unset, "structured output is not supported"),
     "use_beam_search": (BOTH, _falsy_or_null, "beam search is not supported"),
     "bad_words": (BOTH, _unset, "`bad_words` is not supported"),
     "allowed_token_ids": (BOTH, _unset, "`allowed_token_ids` is not supported"),

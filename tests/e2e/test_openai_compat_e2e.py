@@ -237,9 +237,8 @@ def test_logit_bias_through_the_client(client):
 
 @pytest.mark.parametrize(
     "extra,param",
-    [({"response_format": {"type": "json_object"}}, "response_format"),
-     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-     ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json")],
+    [({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+     ({"extra_body": {"use_beam_search": True}}, "use_beam_search")],
 )
 def test_refused_fields_raise_bad_request(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
@@ -365,3 +364,37 @@ def test_vllm_prompt_logprobs_field(client, model_dir):
         client.chat.completions.create(model="base-model", messages=MESSAGES, max_tokens=1, stream=True,
                                        extra_body={"prompt_logprobs": 0})
     assert info.value.body["param"] == "prompt_logprobs"
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 5}, "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "rank"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_through_the_client(client):
+    import json
+
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}}
+    r = client.chat.completions.create(model="base-model", messages=MESSAGES, max_tokens=120, temperature=1.0,
+                                       seed=2, n=2, response_format=fmt)
+    for choice in r.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="base-model", messages=MESSAGES, max_tokens=120, temperature=1.0, seed=2, response_format=fmt,
+        stream=True) if c.choices)
+    jsonschema.validate(json.loads(streamed), SCHEMA)
+    c = client.completions.create(model="base-model", prompt="pick", max_tokens=10, temperature=0,
+                                  extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert c.choices[0].text in ("red", "green", "blue")
+    c = client.completions.create(model="base-model", prompt="id", max_tokens=10, temperature=1.0,
+                                  extra_body={"structured_outputs": {"regex": "[xyz]{4}"}})
+    assert len(c.choices[0].text) == 4 and set(c.choices[0].text) <= set("xyz")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="base-model", prompt="x", max_tokens=2, extra_body={"guided_regex": "(x"})
+    assert info.value.body["param"] == "guided_regex"

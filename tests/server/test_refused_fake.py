@@ -1,5 +1,6 @@
-"""Fields that change the output: ``logit_bias`` is checked and passed on; fields loraplex does
-not implement are refused with a 400 naming them (never silently ignored); harmless ones pass."""
+"""Fields that change the output: ``logit_bias`` is checked and passed on (structured output:
+test_structured_fields_fake.py); fields loraplex does not implement are refused with a 400
+naming them (never silently ignored); harmless ones pass."""
 
 from __future__ import annotations
 
@@ -48,9 +49,6 @@ def test_logit_bias_reaches_the_engine(client, kind):
 
 
 REFUSED = [
-    ("both", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("both", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
-    ("both", {"response_format": "text"}, "response_format"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
     ("chat", {"tool_choice": "required"}, "tool_choice"),
@@ -60,11 +58,6 @@ REFUSED = [
     ("completion", {"suffix": "tail"}, "suffix"),
     ("both", {"best_of": 3}, "best_of"),
     ("both", {"best_of": 2, "n": 1}, "best_of"),
-    ("both", {"guided_json": {"type": "object"}}, "guided_json"),
-    ("both", {"guided_regex": "[a-z]+"}, "guided_regex"),
-    ("both", {"guided_choice": ["yes", "no"]}, "guided_choice"),
-    ("both", {"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
-    ("both", {"structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
     ("both", {"use_beam_search": True}, "use_beam_search"),
     ("both", {"bad_words": ["x"]}, "bad_words"),
     ("both", {"allowed_token_ids": [5, 6]}, "allowed_token_ids"),

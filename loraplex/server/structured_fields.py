@@ -1,0 +1,75 @@
+"""The request fields that ask for structured output, read into one ``StructuredOutputs``.
+
+OpenAI's ``response_format`` (``{"type": "json_object"}``, or ``{"type": "json_schema",
+"json_schema": {"name", "schema", "strict"}}``), vLLM's ``structured_outputs`` object (``json``,
+``json_object``, ``regex``, ``choice``, ``grammar``) and its older ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar``. At most one may ask for a constraint;
+the schema, regex or grammar is checked here, so a bad one is a 400 naming its field before any
+model work.
+"""
+
+from __future__ import annotations
+
+from loraplex.sampling_params import InvalidRequestError
+from loraplex.server.errors import bad_request
+from loraplex.structured_output import StructuredOutputs
+
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED_OUTPUTS_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _from_response_format(value) -> StructuredOutputs | None:
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad_request(
+            '`response_format` must be {"type": "text"}, {"type": "json_object"} or '
+            '{"type": "json_schema", "json_schema": {...}}',
+            param="response_format",
+        )
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return StructuredOutputs(json_object=True)
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request("`response_format.json_schema` must be an object", param="response_format.json_schema")
+    schema = spec.get("schema")
+    if schema is None:  # OpenAI lets the schema out: any JSON object then
+        return StructuredOutputs(json_object=True)
+    if not isinstance(schema, dict):
+        raise bad_request("`response_format.json_schema.schema` must be an object", param="response_format.json_schema.schema")
+    return StructuredOutputs(json=schema)
+
+
+def _from_structured_outputs(value) -> StructuredOutputs | None:
+    if not isinstance(value, dict):
+        raise bad_request("`structured_outputs` must be an object", param="structured_outputs")
+    given = {k: value[k] for k in STRUCTURED_OUTPUTS_KEYS if value.get(k) not in (None, False)}
+    return StructuredOutputs(**given) if given else None
+
+
+def parse_structured_output(body: dict) -> StructuredOutputs | None:
+    """The request's constraint, checked; None when it asks for none."""
+    found: list[tuple[str, StructuredOutputs]] = []
+    for field in ("response_format", "structured_outputs", *GUIDED_FIELDS):
+        value = body.get(field)
+        if value is None:
+            continue
+        try:
+            if field == "response_format":
+                spec = _from_response_format(value)
+            elif field == "structured_outputs":
+                spec = _from_structured_outputs(value)
+            else:
+                spec = StructuredOutputs(**{GUIDED_FIELDS[field]: value})
+            if spec is not None:
+                spec.check(param=field)
+        except InvalidRequestError as exc:
+            raise bad_request(exc.message, param=field) from None
+        if spec is not None:
+            found.append((field, spec))
+    if len(found) > 1:
+        raise bad_request(
+            f"`{found[1][0]}`: one structured output constraint per request (`{found[0][0]}` gives one already)",
+            param=found[1][0],
+        )
+    return found[0][1] if found else None

@@ -1,0 +1,96 @@
+"""Structured output: the generated text kept to a JSON schema, any JSON object, a regular
+expression, one of a list of strings, or a Lark grammar (vLLM's structured outputs).
+
+A request carries a ``StructuredOutputs`` in its ``SamplingParams``. The engine turns it into an
+llguidance matcher per sequence (``loraplex.engine.grammar``); at every step the sampler sets
+the logits of tokens the grammar does not allow next to ``-inf`` and advances the matcher with
+the sampled token. Once the grammar is complete only EOS is allowed, so the sequence ends with
+finish reason ``stop``; ``max_tokens`` can still cut it short (``length``), as in vLLM.
+
+llguidance is imported only when a request asks for structured output.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+from loraplex.sampling_params import InvalidRequestError
+
+# what Rust's regex::escape escapes: the metacharacters of llguidance's regex dialect
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+
+
+def escape_regex(text: str) -> str:
+    return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)
+
+
+@dataclass
+class StructuredOutputs:
+    """One constraint on the output (exactly one field set), with vLLM's names."""
+
+    json: dict | str | None = None  # a JSON schema (object or its text)
+    json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
+    regex: str | None = None  # the whole output matches it
+    choice: list[str] | None = None  # the output is exactly one of these
+    grammar: str | None = None  # a Lark grammar (llguidance's dialect)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, param: str = "structured_outputs") -> None:
+        def bad(message: str) -> None:
+            raise InvalidRequestError(message, param=param)
+
+        chosen = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(chosen) != 1:
+            bad(f"give exactly one of json, json_object, regex, choice, grammar (got {chosen or 'none'})")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            bad("json must be a JSON schema (an object)")
+        if isinstance(self.json, str):
+            try:
+                if not isinstance(json.loads(self.json), dict):
+                    bad("json must be a JSON schema (an object)")
+            except ValueError:
+                bad("json is not valid JSON")
+        if self.json_object not in (True, False):
+            bad("json_object must be a boolean")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            bad("regex must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            bad("choice must be a non-empty list of non-empty strings")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            bad("grammar must be a non-empty string")
+
+    def cache_key(self) -> str:
+        return json.dumps(
+            [self.json, self.json_object, self.regex, self.choice, self.grammar], sort_keys=True, default=str
+        )
+
+    def to_grammar(self, param: str = "structured_outputs") -> str:
+        """llguidance's grammar for this constraint; a schema that is not a JSON object raises."""
+        from llguidance import LLMatcher
+
+        try:
+            if self.json is not None:
+                return LLMatcher.grammar_from_json_schema(self.json)
+            if self.json_object:
+                return LLMatcher.grammar_from_json_schema({"type": "object"})
+            if self.regex is not None:
+                return LLMatcher.grammar_from_regex(self.regex)
+            if self.choice is not None:
+                return LLMatcher.grammar_from_regex("(" + "|".join(escape_regex(c) for c in self.choice) + ")")
+            return LLMatcher.grammar_from_lark(self.grammar)
+        except ValueError as exc:
+            raise InvalidRequestError(f"invalid structured output: {exc}", param=param) from None
+
+    def check(self, param: str = "structured_outputs") -> None:
+        """Raise ``InvalidRequestError`` naming ``param`` when the schema, regex or grammar is
+        not one llguidance can enforce (checked without a tokenizer, before any model work)."""
+        from llguidance import LLMatcher
+
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(self.to_grammar(param))
+        if is_error:
+            raise InvalidRequestError(f"invalid structured output: {messages[0].strip()}", param=param)

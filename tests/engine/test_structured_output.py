@@ -1,0 +1,116 @@
+"""Structured output through the engine: outputs checked by independent validators (json +
+jsonschema, re.fullmatch), and greedy choice decoding against a reference that applies the same
+constraint by hand to the transformers model's logits.
+
+The tiny model's tokenizer has one token per byte (id = 4 + byte, EOS = 1), so the allowed next
+tokens of a choice constraint are easy to list here without llguidance."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from loraplex.engine.llm import LLM
+from loraplex.sampling_params import InvalidRequestError, SamplingParams
+from loraplex.structured_output import StructuredOutputs, escape_regex
+from tests.engine.test_engine_exact import hf_greedy_all
+from tests.fixtures.tiny_models import EOS_ID
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir, tmp_path_factory):
+    return LLM(model=str(tiny_llama_dir), dtype="float32", device="cpu", home=tmp_path_factory.mktemp("home"))
+
+
+def _texts(outs) -> list[tuple[str, str]]:
+    return [(c.text, c.finish_reason) for o in outs for c in o.outputs]
+
+
+def test_json_schema_outputs_validate(llm):
+    params = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=200,
+                            structured_outputs=StructuredOutputs(json=SCHEMA))
+    outs = llm.generate(["person:", "another"], params)
+    for text, finish in _texts(outs):
+        assert finish == "stop", text  # the grammar completed, then EOS was the only choice
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_regex_and_json_object(llm):
+    pattern = r"[a-c]{3}-[0-9]{2}"
+    outs = llm.generate(["code:"] * 3, SamplingParams(temperature=1.0, seed=5, max_tokens=20,
+                                                       structured_outputs=StructuredOutputs(regex=pattern)))
+    assert all(re.fullmatch(pattern, t) and f == "stop" for t, f in _texts(outs))
+    # a random model writes long strings: a bias towards closing quotes and braces ends them
+    # (the grammar decides where they may go)
+    closing = {4 + ord('"'): 6.0, 4 + ord("}"): 6.0}
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=120, logit_bias=closing,
+                            structured_outputs=StructuredOutputs(json_object=True))
+    for text, finish in _texts(llm.generate(["{", "obj"], params)):
+        assert finish == "stop" and isinstance(json.loads(text), dict)
+
+
+def _reference_choice(model, prompt: list[int], choices: list[str]) -> str:
+    """Greedy over the transformers logits, each step restricted to the bytes that keep the
+    text a prefix of some choice (EOS once it is one)."""
+    text, ids = "", list(prompt)
+    with torch.no_grad():
+        while True:
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            allowed = {4 + ord(c[len(text)]) for c in choices if c.startswith(text) and len(c) > len(text)}
+            if text in choices:
+                allowed.add(EOS_ID)
+            best = max(allowed, key=lambda t: float(logits[t]))
+            if best == EOS_ID:
+                return text
+            text += chr(best - 4)
+            ids.append(best)
+
+
+def test_greedy_choice_matches_a_hand_constrained_reference(llm, tiny_llama_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    choices = ["alpha", "alps", "beta", "be", "gamma ray", "a+b (c)"]  # shared prefixes, metacharacters
+    prompts = [[4 + b for b in p.encode()] for p in ("pick:", "x", "the answer is")]
+    spec = StructuredOutputs(choice=choices)
+    constrained = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=spec))
+    for prompt, out in zip(prompts, constrained):
+        assert out.text == _reference_choice(model, prompt, choices) and out.finish_reason == "stop"
+    # unconstrained requests in the same batch are untouched
+    mixed = llm.generate(prompts[:2], [SamplingParams(temperature=0.0, max_tokens=6, structured_outputs=spec),
+                                       SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)])
+    assert mixed[1].token_ids == hf_greedy_all(tiny_llama_dir, [prompts[1]], 6)[0]
+
+
+def test_bad_constraints_are_refused(llm):
+    with pytest.raises(InvalidRequestError) as info:
+        StructuredOutputs(regex="a", choice=["b"])
+    assert info.value.param == "structured_outputs"
+    with pytest.raises(InvalidRequestError):
+        StructuredOutputs(json="[1, 2]")
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputs(regex="(unclosed")))
+    assert info.value.param == "structured_outputs" and "regex" in info.value.message
+    assert not llm.engine.has_unfinished()
+    with pytest.raises(InvalidRequestError):
+        StructuredOutputs(grammar="start: undefined_rule").check()
+    StructuredOutputs(grammar="start: \"yes\" | \"no\"").check()  # a valid one passes
+
+
+def test_escape_regex_keeps_every_choice_literal():
+    for text in ["a+b", "(x)", "1.5", "[y]", "q?", "a|b", "c*", "$^", "{2}", "back\\slash", "a-b ~ #&"]:
+        assert re.fullmatch(escape_regex(text), text)
