@@ -8,6 +8,7 @@ at app startup, off the event loop.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 
 from loraplex.config import Settings
@@ -61,6 +62,8 @@ def build_components(settings: Settings, *, engine=None, registry=None, adapters
         from loraplex.engine.async_engine import AsyncLLMEngine
 
         engine = AsyncLLMEngine(settings.engine_config())
+        # structured output's tokenizer (about half a second), off the engine thread
+        threading.Thread(target=engine.engine.grammars.warm, name="grammar-warm", daemon=True).start()
     if adapters is None:
         from loraplex.registry.adapter_manager import build_adapter_manager
 

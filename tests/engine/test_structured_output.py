@@ -114,3 +114,19 @@ def test_bad_constraints_are_refused(llm):
 def test_escape_regex_keeps_every_choice_literal():
     for text in ["a+b", "(x)", "1.5", "[y]", "q?", "a|b", "c*", "$^", "{2}", "back\\slash", "a-b ~ #&"]:
         assert re.fullmatch(escape_regex(text), text)
+
+
+def test_warm_builds_the_tokenizer_once(tiny_llama_dir, tmp_path):
+    import threading
+
+    engine = LLM(model=str(tiny_llama_dir), dtype="float32", device="cpu", home=tmp_path).engine
+    factory = engine.grammars
+    threads = [threading.Thread(target=factory.warm) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    built = factory._lltokenizer
+    assert built is not None
+    factory.matcher(StructuredOutputs(choice=["x"]))
+    assert factory._lltokenizer is built
