@@ -133,14 +133,17 @@ class AsyncLLMEngine:
         added = threading.Event()  # set on the engine thread once the request is in
 
         def add() -> None:
-            req = engine.prepare_request(request_id, prompt, params, None, stream_deltas=True)
+            req = engine.prepare_request(request_id, prompt, params, None, stream_deltas=True, grammar=grammar)
             req.adapter_id = engine.resolve_adapter(adapter, prepared)
             engine.add_prepared(req)
             self._streams[request_id] = stream
             added.set()
 
         try:
-            prepared = None
+            prepared = grammar = None
+            if getattr(params, "structured_outputs", None) is not None and hasattr(engine, "grammars"):
+                # compiling a grammar can take a while (a large schema): not on the engine thread
+                grammar = await asyncio.to_thread(engine.grammars.matcher, params.structured_outputs)
             if adapter is not None and getattr(engine, "lora_manager", None) is not None:
                 # a new adapter version is read and hashed here, not on the engine thread
                 prepared = await asyncio.to_thread(engine.lora_manager.read_ahead, adapter)

@@ -126,9 +126,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         adapter_id: str | None = None,
         stream_deltas: bool = False,
+        grammar=None,
     ) -> PreparedRequest:
         """Validate and tokenize; raises ``InvalidRequestError`` (with ``param``) and changes
-        nothing when the request is bad. ``adapter_id`` is an already resolved content hash."""
+        nothing when the request is bad. ``adapter_id`` is an already resolved content hash;
+        ``grammar`` a matcher for ``params.structured_outputs`` made ahead (else made here)."""
         if request_id is None:
             request_id = f"req-{next(self._request_ids)}"
         if request_id in self._requests:
@@ -165,7 +167,7 @@ class LLMEngine:
             )
         req = PreparedRequest(request_id, text, token_ids, params, adapter_id, stream_deltas)
         if params.structured_outputs is not None:
-            req.grammar = self.grammars.matcher(params.structured_outputs)
+            req.grammar = grammar if grammar is not None else self.grammars.matcher(params.structured_outputs)
         return req
 
     def add_prepared(self, req: PreparedRequest) -> None:
