@@ -13,11 +13,13 @@ from typing import Any
 
 from loraplex.lora.spec import LoRATargetSpec
 
-# architecture name in config.json -> whether q/k/v carry a bias by design
+# architecture name in config.json -> whether q/k/v carry a bias by design, and whether each
+# q and k head is RMS-normed before the rotary embedding (Qwen3's q_norm / k_norm)
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
-    "LlamaForCausalLM": {"qkv_bias": False},
-    "MistralForCausalLM": {"qkv_bias": False},
-    "Qwen2ForCausalLM": {"qkv_bias": True},
+    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
+    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -55,6 +57,7 @@ class ModelSpec:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over head_dim on every q and k head, before rotary (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str | None = None  # "bfloat16", "float32", ... as saved
@@ -104,6 +107,8 @@ class ModelSpec:
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
         attention_bias = bool(cfg.get("attention_bias", False))  # Llama: on q, k, v and o
+        if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
+            raise UnsupportedModelError(f"sliding-window attention is not supported ({arch})")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -122,6 +127,7 @@ class ModelSpec:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=SUPPORTED_ARCHITECTURES[arch]["qkv_bias"] or attention_bias,
             o_bias=attention_bias,
+            qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -136,7 +142,12 @@ class ModelSpec:
 
 
 def _arch_from_model_type(model_type: str | None) -> str:
-    known = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+    known = {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+    }
     return known.get(model_type or "", f"<model_type {model_type!r}>")
 
 

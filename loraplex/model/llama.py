@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a flat batch of tokens.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over a flat batch of tokens.
 
 Tokens of many sequences are concatenated without padding; prefill chunks and decodes share one
 forward. K/V go to the paged cache and attention reads it back, both only through
@@ -49,6 +49,11 @@ class DecoderLayer(nn.Module):
             2 * spec.intermediate_size, h, spec.mlp_bias, dtype, device
         )
         self.down_weight, self.down_bias = _linear_params(h, spec.intermediate_size, spec.mlp_bias, dtype, device)
+        if spec.qk_norm:  # [num_heads + num_kv_heads, head_dim]: q_norm's row per q head, k_norm's per k head
+            self.qk_norm = nn.Parameter(
+                torch.empty(spec.num_heads + spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device),
+                requires_grad=False,
+            )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -138,7 +143,10 @@ class LlamaForCausalLM(nn.Module):
             x = rms_norm(hidden, layer.input_layernorm, eps)  # [T, H]
             qkv = self._project(i, "qkv", x, lora)  # [T, q_size + 2 * kv_size]
             # q and k heads rotate in one pass; q and k stay views into the rotated [T, H + kvh, d]
-            qk = apply_rotary(qkv[:, :k_end].view(num_tokens, num_qk_heads, spec.head_dim), cos, sin)
+            qk = qkv[:, :k_end].view(num_tokens, num_qk_heads, spec.head_dim)
+            if spec.qk_norm:
+                qk = rms_norm(qk, layer.qk_norm, eps)
+            qk = apply_rotary(qk, cos, sin)
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = qkv[:, k_end:].view(num_tokens, spec.num_kv_heads, spec.head_dim)
             dispatch.write_kv_cache(k, v, kv_caches[i], attn.slot_mapping)

@@ -96,6 +96,9 @@ def load_model(
         if spec.qkv_bias:
             params[p + "qkv_bias"] = torch.cat([take(f"{attn}{m}_proj.bias") for m in "qkv"])
         params[p + "o_weight"] = take(attn + "o_proj.weight")
+        if spec.qk_norm:
+            q_norm, k_norm = take(attn + "q_norm.weight"), take(attn + "k_norm.weight")
+            params[p + "qk_norm"] = torch.cat([q_norm.expand(spec.num_heads, -1), k_norm.expand(spec.num_kv_heads, -1)])
         if spec.o_bias:
             params[p + "o_bias"] = take(attn + "o_proj.bias")
         params[p + "gate_up_weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])

@@ -23,6 +23,7 @@ VARIANTS = {
     "qwen2-bias": ("qwen2", {}),
     "tied": ("tied", {}),
     "mistral": ("mistral", {"num_key_value_heads": 1}),
+    "qwen3-qk-norm": ("qwen3", {}),
     "llama-mha": ("llama", {"num_key_value_heads": 4}),
     "rope-linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     "rope-llama3": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
