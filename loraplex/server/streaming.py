@@ -18,6 +18,11 @@ from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
+# A step can hand a stream a burst of ready chunks (n choices finishing, usage, [DONE]) that is
+# written without the event loop turning. A write that finds the client gone is reported to the
+# server (which then drops sends) only on the next turn, and asyncio logs "socket.send() raised
+# exception." from the fifth write to a lost connection: so yield to the loop every few chunks.
+YIELD_EVERY_CHUNKS = 4
 
 
 def sse_event(obj: dict) -> bytes:
@@ -52,8 +57,12 @@ class SSEResponse:
             raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
             raw_headers += [(k.encode(), v.encode()) for k, v in self.headers.items()]
             await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
+            sent = 0
             async for chunk in self.events:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                sent += 1
+                if sent % YIELD_EVERY_CHUNKS == 0:
+                    await asyncio.sleep(0)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         pump_task = asyncio.ensure_future(pump())
