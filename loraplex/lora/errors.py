@@ -14,6 +14,19 @@ class InvalidAdapterError(InvalidRequestError):
         super().__init__(message, param=param, code=code)
 
 
+class AdapterBusyError(InvalidAdapterError):
+    """A valid adapter that cannot be placed now: every device slot (or the host budget) is held
+    by running requests or pins. Transient: the server answers 409 with ``Retry-After`` (its
+    ``http_status``), not a 400, so an operator's script retries instead of giving up. Nothing is
+    loaded when this is raised."""
+
+    http_status = 409
+    retry_after_seconds = 1
+
+    def __init__(self, message: str, param: str | None = "tier", code: str | None = "adapter_busy"):
+        super().__init__(message, param=param, code=code)
+
+
 class AdapterNotFoundError(InvalidRequestError):
     """A request names an adapter that is neither registered nor a readable PEFT directory."""
 

@@ -33,7 +33,7 @@ import torch
 
 from loraplex.config import EngineConfig
 from loraplex.lora.context import LoRAStepContext, build_batch_meta
-from loraplex.lora.errors import AdapterHashMismatchError, AdapterNotFoundError, InvalidAdapterError
+from loraplex.lora.errors import AdapterBusyError, AdapterHashMismatchError, AdapterNotFoundError, InvalidAdapterError
 from loraplex.lora.host_cache import HostCache
 from loraplex.lora.peft_format import AdapterInfo, load_adapter_files, validate_adapter
 from loraplex.lora.slots import SlotPool
@@ -311,7 +311,7 @@ class LoRAManager:
         adapter_id = self.resolve(ref)
         if tier == "host":
             if adapter_id not in self.host and not self._host_put(self._weights_for(adapter_id)):
-                raise InvalidAdapterError("host cache is full of adapters in use; try again later", param="tier")
+                raise AdapterBusyError("host cache is full of adapters in use; try again later")
             if pin:
                 self.host.pinned.add(adapter_id)
             return adapter_id
@@ -325,7 +325,7 @@ class LoRAManager:
             if slot is None:
                 slot = self.pool.victim(protected=self._last_step)
             if slot is None:
-                raise InvalidAdapterError("every device slot is in use or pinned; try again later", param="tier")
+                raise AdapterBusyError("every device slot is in use or pinned; try again later")
             self._load_slot(adapter_id, slot)
         if pin:
             self._device_pinned.add(adapter_id)

@@ -84,8 +84,11 @@ def from_exception(exc: Exception, *, log_unknown: bool = True) -> APIError:
     """Map an exception raised below the server onto an APIError (unknown ones: 500, logged)."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, InvalidRequestError):
-        return APIError(400, exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, InvalidRequestError):  # a transient refusal says so (AdapterBusyError: 409)
+        status = getattr(exc, "http_status", 400)
+        retry = getattr(exc, "retry_after_seconds", None)
+        headers = {"Retry-After": str(retry)} if retry is not None else None
+        return APIError(status, exc.message, param=exc.param, code=exc.code, headers=headers)
     if isinstance(exc, ClientDisconnect):  # gone while its body was read: nobody reads an answer
         return APIError(CLIENT_CLOSED, "Client closed the request.", code="client_closed")
     # registry/storage errors carry their HTTP status; matched by attribute so this module does
