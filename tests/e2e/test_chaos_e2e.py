@@ -131,7 +131,8 @@ def _wait_idle(srv: ServerProcess, timeout: float = 5.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         idle = ss.idle_state(srv.url, ADMIN_KEY, timeout=timeout)
-        clean = (idle["num_requests_running"], idle["num_requests_waiting"], idle["kv_cache_usage_perc"], idle["in_flight"]) == (0, 0, 0, 0)
+        busy = [idle[k] for k in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "in_flight")]
+        clean = busy == [0, 0, 0, 0]
         if (clean and idle["num_blocks_free"] == idle["num_blocks_total"]) or time.monotonic() > deadline:
             return {**idle, "waited_s": timeout - (deadline - time.monotonic())}
         time.sleep(0.1)
@@ -166,7 +167,8 @@ def chaos(tmp_path_factory) -> Chaos:
         flat = [p for user in plan for p in user]
         chaos = Chaos(srv, root / "home", keys, plan, [Outcome()] * len(flat), shas=shas)
         # swap@3 is deleted during the chaos: its references are taken before
-        chaos.refs = asyncio.run(_references(srv, keys, [(k, p, "alpha:swap@3") for k in ("chat", "completion") for p in PROMPTS]))
+        v3 = [(kind, prompt, "alpha:swap@3") for kind in ("chat", "completion") for prompt in PROMPTS]
+        chaos.refs = asyncio.run(_references(srv, keys, v3))
         chaos.metrics_before = metric_samples(httpx.get(srv.url + "/metrics").text)
         log_offset = srv.log_path.stat().st_size
         start = time.monotonic()
@@ -243,7 +245,8 @@ def test_idle_and_clean_afterwards(chaos):
     # no adapter still counted as in use: by the server's gauges, by the engine's reference counts
     st = chaos.status
     assert (st["running_lora_adapters"], st["waiting_lora_adapters"]) == ([], []), st
-    assert {a: v["outstanding_requests"] for a, v in st["engine"]["lora"]["adapters"].items() if v["outstanding_requests"]} == {}
+    held = {a: v["outstanding_requests"] for a, v in st["engine"]["lora"]["adapters"].items() if v["outstanding_requests"]}
+    assert held == {}
     (info,) = [labels for name, labels, _ in chaos.metrics_after if name == "vllm:lora_requests_info"]
     assert info["running_lora_adapters"] == info["waiting_lora_adapters"] == "", info
     # nothing in a staging, trash or temp folder (files or folders), no partial file anywhere
