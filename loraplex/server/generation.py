@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
 from loraplex.sampling_params import InvalidRequestError, check_token_ids_in_vocab
@@ -66,7 +67,7 @@ def tokenize_prompts(ctx: AppContext, req: GenerationRequest) -> list[list[int]]
     if req.kind == "chat":
         if not getattr(tok, "chat_template", None):
             raise bad_request("This model has no chat template; use /completions.", param="messages")
-        text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+        text = render_chat(tok, req.messages, req.tools.tools)
         # the template already holds any BOS token
         return [list(tok(text, add_special_tokens=False)["input_ids"])]
     vocab = vocab_size(ctx)
@@ -79,6 +80,31 @@ def tokenize_prompts(ctx: AppContext, req: GenerationRequest) -> list[list[int]]
                 raise bad_request(f"prompt token ids must be < {vocab}", param="prompt")
             out.append(list(prompt))
     return out
+
+
+# what a chat template that cannot render a conversation raises: its own raise_exception (a
+# TemplateError), or a type or lookup error on a message shape it does not expect
+_TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
+
+
+def render_chat(tok, messages: list[dict], tools: list[dict] | None) -> str:
+    """The chat template over the messages, with the request's tools passed as ``tools`` (as
+    vLLM does; templates that know tools show them to the model). A template that cannot render
+    the conversation (say, one that refuses the role "tool") is a 400, naming ``tools`` when
+    the same messages render without them."""
+    kwargs = {"tools": tools} if tools else {}
+    try:
+        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+    except _TEMPLATE_ERRORS as exc:
+        param = "messages"
+        if tools:
+            try:
+                tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                param = "tools"
+            except _TEMPLATE_ERRORS:
+                pass
+        what = "these tools" if param == "tools" else "this conversation"
+        raise bad_request(f"The model's chat template cannot render {what}: {exc}", param=param) from None
 
 
 class RequestRun:

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from loraplex.server import tool_calls
 from loraplex.server.context import AppContext
 from loraplex.server.errors import bad_request, from_exception, model_not_found
 from loraplex.server.generation import RequestRun, log_refused, prepare, resolve_target, tokenize_prompts
@@ -108,6 +109,9 @@ async def _collect(run: RequestRun, shaper: ResponseShaper) -> dict:
         elif req.logprobs:
             logprobs = shaper.completion_logprobs(entries[i], req.top_logprobs, len(prefix))
         choice = {"index": i, "text": prefix + texts[i], "logprobs": logprobs, "finish_reason": finish[i]}
+        if req.kind == "chat" and req.tools.mode is not None:  # the output is a tool call's arguments
+            choice["message"], called = tool_calls.message(req.tools, texts[i])
+            choice["finish_reason"] = tool_calls.finish_reason(req.tools.mode, finish[i], called)
         if req.prompt_logprobs is not None and req.kind == "completion":
             choice["prompt_logprobs"] = _vllm_prompt_logprobs(run, shaper, p_idx)
         choices.append(choice)
@@ -133,7 +137,14 @@ async def _stream_events(run: RequestRun, shaper: ResponseShaper):
     status = CLIENT_CLOSED
     try:
         n_choices = len(run.prompt_ids) * req.params.n
-        if req.kind == "chat":  # first chunk of each choice announces the role
+        calls = None  # per choice, when the output is tool calls
+        if req.kind == "chat" and req.tools.mode is not None:
+            calls = [tool_calls.ToolCallStream(req.tools) for _ in range(n_choices)]
+            for i in range(n_choices):  # the role, then a named call's header (id, name)
+                yield sse_event(shaper.chunk(i, None, None, role=True))
+                for entry in calls[i].start():
+                    yield sse_event(shaper.chunk(i, None, None, tool_calls=[entry]))
+        elif req.kind == "chat":  # first chunk of each choice announces the role
             for i in range(n_choices):
                 yield sse_event(shaper.chunk(i, "", None, role=True))
         elif req.echo and not req.logprobs:
@@ -158,6 +169,10 @@ async def _stream_events(run: RequestRun, shaper: ResponseShaper):
                         logprobs = shaper.chat_logprobs(comp.logprobs, req.top_logprobs)
                     else:
                         logprobs = shaper.completion_logprobs(comp.logprobs, req.top_logprobs, offsets[choice])
+                if calls is not None:
+                    for event in _tool_call_chunks(shaper, calls[choice], choice, comp, logprobs, req.tools.mode):
+                        yield event
+                    continue
                 offsets[choice] += len(comp.text)
                 if req.kind == "chat" and comp.finish_reason is not None and comp.text:
                     # OpenAI sends the finish reason on a chunk of its own with an empty delta
@@ -179,6 +194,21 @@ async def _stream_events(run: RequestRun, shaper: ResponseShaper):
         status = 200
     finally:
         run.close(status)
+
+
+def _tool_call_chunks(shaper: ResponseShaper, stream: tool_calls.ToolCallStream, choice: int, comp, logprobs,
+                      mode: str):
+    """The chunks of one engine delta of a tool-call output: one per ``tool_calls`` entry (the
+    delta's logprobs ride on the first, or on an empty delta of their own), then the finish
+    reason on a chunk of its own."""
+    entries = stream.feed(comp.text)
+    for k, entry in enumerate(entries):
+        yield sse_event(shaper.chunk(choice, None, None, logprobs if k == 0 else None, tool_calls=[entry]))
+    if not entries and logprobs is not None:
+        yield sse_event(shaper.chunk(choice, None, None, logprobs))
+    if comp.finish_reason is not None:
+        reason = tool_calls.finish_reason(mode, comp.finish_reason, stream.called())
+        yield sse_event(shaper.chunk(choice, None, reason))
 
 
 async def _model_cards(request: Request) -> list[dict]:

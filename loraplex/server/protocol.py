@@ -1,12 +1,13 @@
 """Parsing and validating OpenAI request bodies into engine inputs.
 
 Unknown fields are ignored, as OpenAI does, except those that would change the output and are
-not implemented (tools, ``suffix``, ``best_of`` != ``n``, beam search ...): refused_fields.py
-answers those with a 400. A known field of the wrong type or out of range is a 400 whose
-``param`` names the field. vLLM's extra fields (``top_k``, ``min_p``, ``repetition_penalty``,
+not implemented (``"auto"`` tool choice, ``suffix``, ``best_of`` != ``n``, beam search ...):
+refused_fields.py answers those with a 400. A known field of the wrong type or out of range is
+a 400 whose ``param`` names the field. vLLM's extra fields (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``prompt_logprobs``, ``structured_outputs``
 and ``guided_*`` ...) are accepted under vLLM's names so clients written for vLLM work unchanged;
-structured output fields are read by structured_fields.py.
+structured output fields are read by structured_fields.py, tools and tool choice by
+tool_calls.py.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from loraplex.sampling_params import LOGIT_BIAS_LIMIT, InvalidRequestError, Samp
 from loraplex.server.errors import bad_request
 from loraplex.server.refused_fields import refuse_unsupported
 from loraplex.server.structured_fields import parse_structured_output
+from loraplex.server.tool_calls import ToolRequest, parse_tools, template_tool_calls
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
 
 
@@ -32,7 +34,8 @@ class GenerationRequest:
     model: str
     params: SamplingParams
     prompts: list[str | list[int]] = field(default_factory=list)  # completions
-    messages: list[dict] = field(default_factory=list)  # chat: [{"role", "content": str}]
+    messages: list[dict] = field(default_factory=list)  # chat: [{"role", "content": str, ...}], for the template
+    tools: ToolRequest = field(default_factory=ToolRequest)  # chat: tools for the template, tool choice
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False  # report logprobs in the response
@@ -230,7 +233,22 @@ def _messages(body) -> list[dict]:
             role = "system"
         if role not in CHAT_ROLES:
             raise bad_request(f"`{where}.role` must be one of {', '.join(CHAT_ROLES)}", param=f"{where}.role")
-        out.append({"role": role, "content": _content(m.get("content"), f"{where}.content")})
+        msg: dict = {"role": role}
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if calls:  # an earlier turn's tool calls; its content may be null
+            msg["content"] = "" if m.get("content") is None else _content(m["content"], f"{where}.content")
+            msg["tool_calls"] = template_tool_calls(calls, f"{where}.tool_calls")
+        else:
+            msg["content"] = _content(m.get("content"), f"{where}.content")
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise bad_request(f"`{where}.tool_call_id` must be a non-empty string (the id of the call answered)",
+                                  param=f"{where}.tool_call_id")
+            msg["tool_call_id"] = call_id
+        if isinstance(m.get("name"), str):  # vLLM passes a message's name on to the template
+            msg["name"] = m["name"]
+        out.append(msg)
     return out
 
 
@@ -298,10 +316,20 @@ def parse_chat_request(body) -> GenerationRequest:
     stream, include_usage = _stream(body)
     prompt_logprobs = _prompt_logprobs(body, stream)
     params = _sampling(body, max_tokens, (top_logprobs or 0) if want_logprobs else None)
+    tools = parse_tools(body)
     params.structured_outputs = parse_structured_output(body)
+    if tools.constraint is not None:
+        if params.structured_outputs is not None:
+            raise bad_request(
+                "`tool_choice`: one constraint per request; a named or \"required\" tool choice keeps the output to "
+                "the tools' arguments, so it cannot be sent with `response_format`, `structured_outputs` or `guided_*`",
+                param="tool_choice",
+            )
+        params.structured_outputs = tools.constraint
     params.prompt_logprobs = prompt_logprobs
     return GenerationRequest(
         kind="chat",
+        tools=tools,
         prompt_logprobs=prompt_logprobs,
         model=model,
         params=params,

@@ -1,13 +1,16 @@
 """Request fields loraplex does not implement, where ignoring them would change the output.
 
 OpenAI ignores fields it does not know, and so does loraplex (``metadata``, ``store``,
-``service_tier``, ``parallel_tool_calls``, ``prediction``, vLLM's ``priority`` ... change nothing
-a client can see in the answer). A field that asks for a different output (tool calls, a
-suffix, beam search ...) is another matter: answering as if it had not been sent would hand the
+``service_tier``, ``prediction``, vLLM's ``priority`` ... change nothing a client can see in the
+answer). A field that asks for a different output (``"auto"`` tool calls, a suffix, beam
+search ...) is another matter: answering as if it had not been sent would hand the
 client text it did not ask for, without a word. Such a field is refused with a 400 in the
 OpenAI envelope whose ``param`` names it, unless its value asks for nothing beyond what is
-served anyway (``tools`` with ``tool_choice: "none"``, ``best_of`` equal to ``n``, an empty
-list, ``null``, a vLLM default). Structured output is served (``structured_fields.py``).
+served anyway (``best_of`` equal to ``n``, an empty list, ``null``, a vLLM default). Structured
+output is served (``structured_fields.py``), and so are tools with ``tool_choice`` ``"none"``,
+``"required"`` or a named function (``tool_calls.py``); ``"auto"`` (the default when tools are
+sent) would need a parser for the model's own tool-call syntax and is refused, as vLLM refuses
+it when started without ``--enable-auto-tool-choice``.
 
 The README's tenant API section lists the same fields; keep the two in step.
 """
@@ -24,12 +27,17 @@ def _empty(v) -> bool:
 
 
 def _tools(v, body) -> bool:
-    return _empty(v) or body.get("tool_choice") == "none"
+    # tools without a tool_choice: OpenAI's default is then "auto"
+    return _empty(v) or body.get("tool_choice") is not None
 
 
 def _tool_choice(v, body) -> bool:
-    # "auto" (the default) and "none" ask for no tool call by themselves; "required" or a
-    # named function demand one
+    # "none", "required" and a named function are served (tool_calls.py checks them); "auto"
+    # only asks for nothing when there are no tools
+    return v != "auto" or _empty(body.get("tools"))
+
+
+def _function_call(v, body) -> bool:
     return v in (None, "auto", "none")
 
 
@@ -61,11 +69,18 @@ def _stream_options(v, body) -> bool:
     return not isinstance(v, dict) or not v.get("continuous_usage_stats")
 
 
+AUTO_TOOLS = (
+    '"auto" tool choice is not supported: it needs a parser for the model\'s own tool-call syntax (vLLM '
+    'answers the same without --enable-auto-tool-choice); send `tool_choice` "required" or '
+    '{"type": "function", "function": {"name": ...}} to have the output kept to the tools\' arguments, '
+    'or "none"'
+)
+
 # field -> (endpoints, accepted(value, body), why it is refused)
 REFUSED_FIELDS: dict[str, tuple[tuple[str, ...], object, str]] = {
-    "tool_choice": (("chat",), _tool_choice, "tool calls are not supported; only \"auto\" or \"none\""),
-    "tools": (("chat",), _tools, "tool calls are not supported (send `tool_choice: \"none\"` to pass tools unused)"),
-    "function_call": (("chat",), _tool_choice, "function calls are not supported"),
+    "tool_choice": (("chat",), _tool_choice, AUTO_TOOLS),
+    "tools": (("chat",), _tools, AUTO_TOOLS + " (tools without `tool_choice` mean \"auto\")"),
+    "function_call": (("chat",), _function_call, "function calls are not supported"),
     "functions": (("chat",), _functions, "function calls are not supported"),
     "suffix": (("completion",), _unset, "`suffix` (insertion) is not supported"),
     "best_of": (BOTH, _best_of, "`best_of` other than `n` is not supported"),

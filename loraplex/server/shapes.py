@@ -155,12 +155,13 @@ class ResponseShaper:
         return body
 
     def chat_response(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
-        """choices: [{"index", "text", "logprobs", "finish_reason"}] -> chat message shape."""
+        """choices: [{"index", "text", "logprobs", "finish_reason"}] -> chat message shape; a
+        choice's ready "message" (tool calls) is taken as it is."""
         body = self._head("chat.completion")
         body["choices"] = [
             {
                 "index": c["index"],
-                "message": {"role": "assistant", "content": c["text"]},
+                "message": c.get("message") or {"role": "assistant", "content": c["text"]},
                 "logprobs": c.get("logprobs"),
                 "finish_reason": c["finish_reason"],
             }
@@ -172,7 +173,9 @@ class ResponseShaper:
 
     # --- stream chunks ---------------------------------------------------------------------
 
-    def chunk(self, index: int, text: str | None, finish_reason: str | None, logprobs=None, role: bool = False) -> dict:
+    def chunk(self, index: int, text: str | None, finish_reason: str | None, logprobs=None, role: bool = False,
+              tool_calls: list[dict] | None = None) -> dict:
+        """One choice's chunk; chat deltas carry ``tool_calls`` entries when given."""
         if self.kind == "chat":
             body = self._head("chat.completion.chunk")
             delta: dict = {}
@@ -180,6 +183,8 @@ class ResponseShaper:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             body = self._head("text_completion")

@@ -37,9 +37,13 @@ class FakeTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(LETTERS[i - VOCAB_OFFSET] for i in ids if VOCAB_OFFSET <= i < VOCAB_OFFSET + len(LETTERS))
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
-        text = "".join(f"{m['role']} {m['content']} " for m in messages) + ("assistant " if add_generation_prompt else "")
-        return text
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, tools=None):
+        # tools and earlier tool calls are named in the prompt, so tests can see them reach it
+        text = "".join(f"tool {t['function']['name']} " for t in tools or [])
+        for m in messages:
+            calls = "".join(f"call {c['function']['name']} " for c in m.get("tool_calls", []))
+            text += f"{m['role']} {m['content']} {calls}"
+        return text + ("assistant " if add_generation_prompt else "")
 
 
 def fake_token(prompt_ids: list[int], adapter_id: str | None, seed, choice: int, k: int) -> int:
