@@ -12,14 +12,12 @@ from starlette.routing import Route
 
 from loraplex.server import tool_calls
 from loraplex.server.context import AppContext
-from loraplex.server.errors import bad_request, from_exception, model_not_found
+from loraplex.server.errors import CLIENT_CLOSED, bad_request, from_exception, model_not_found
 from loraplex.server.generation import RequestRun, log_refused, prepare, resolve_target, tokenize_prompts
 from loraplex.server.limits import read_body
 from loraplex.server.protocol import GenerationRequest, parse_chat_request, parse_completion_request
 from loraplex.server.shapes import ResponseShaper
 from loraplex.server.streaming import DONE, ClientDisconnected, SSEResponse, run_unless_disconnected, sse_event
-
-CLIENT_CLOSED = 499  # nginx's status for "client closed the request": logs only, never sent
 
 
 def _ctx(request: Request) -> AppContext:

@@ -1,13 +1,8 @@
 """OpenAI compatibility, seen through the official ``openai`` client against a real ``loraplex
-serve`` process (tiny random Llama, base model only): response and chunk shapes, n > 1 in
-streams, usage chunks, finish reasons, logprobs objects, seeds, logit_bias, structured output,
-tool calls, refused fields and the error classes the client raises.
-
-The tiny model's tokenizer has one token per byte (id = 4 + byte, 1 = EOS), so ``logit_bias``
-can pin the output to lowercase letters and make every check exact. Its chat template is
-swapped for one that also shows tools and earlier tool calls (``TOOLS_TEMPLATE``), which renders
-every conversation without them exactly as the fixture's own template does.
-"""
+serve`` process (the shared server of compat_server.py; base model only): response and chunk
+shapes, n > 1 in streams, usage chunks, finish reasons, logprobs objects (prompt logprobs
+included), seeds, logit_bias, refused fields and the error classes the client raises.
+Structured output and tool calls: test_openai_constraints_e2e.py."""
 
 from __future__ import annotations
 
@@ -18,65 +13,25 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.server_process import ServerProcess, start_server
-from tests.fixtures.tiny_models import CHAT_TEMPLATE, EOS_ID, make_tiny_model_dir
+from tests.e2e.compat_server import LETTERS, MAX_CONCURRENT, MESSAGES, TOKEN_A, tenant_client
+from tests.fixtures.tiny_models import EOS_ID
 
 pytestmark = pytest.mark.slow
 
-MAX_CONCURRENT = 4  # per tenant: the 429 test fills it
-LETTERS = {str(4 + b): 100 for b in range(ord("a"), ord("z") + 1)}  # output only lowercase letters
-TOKEN_A = 4 + ord("a")
-MESSAGES = [{"role": "user", "content": "say something"}]
+
+@pytest.fixture
+def model_dir(compat_model_dir):
+    return compat_model_dir
 
 
-def _tenant(srv: ServerProcess, name: str) -> str:
-    with srv.admin() as c:
-        assert c.post("/admin/v1/tenants", json={"name": name}).status_code == 201
-        return c.post(f"/admin/v1/tenants/{name}/keys").json()["key"]
+@pytest.fixture
+def srv(compat_srv):
+    return compat_srv
 
 
-TOOLS_TEMPLATE = (
-    "{% if tools %}<s>tools\n{% for tool in tools %}{{ tool['function']['name'] }}"
-    "{{ tool['function']['parameters'] | tojson }}\n{% endfor %}</s>\n{% endif %}"
-    "{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}"
-    "{% if message['tool_calls'] is defined %}{% for call in message['tool_calls'] %}"
-    "<call>{{ call['function'] | tojson }}</call>{% endfor %}{% endif %}</s>\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    path = make_tiny_model_dir(tmp_path_factory.mktemp("compat-model") / "model", "llama", seed=7)
-    (path / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
-    tok = AutoTokenizer.from_pretrained(str(path))
-    assert tok.chat_template == TOOLS_TEMPLATE
-    convo = [{"role": "system", "content": "be brief"}, *MESSAGES, {"role": "assistant", "content": "ok"}]
-    assert tok.apply_chat_template(convo, tokenize=False, add_generation_prompt=True) == tok.apply_chat_template(
-        convo, tokenize=False, add_generation_prompt=True, chat_template=CHAT_TEMPLATE)
-    return path
-
-
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory, model_dir):
-    root = tmp_path_factory.mktemp("compat")
-    server = start_server(
-        root / "home", model_dir, "--kv-cache-bytes", str(8 << 20), "--max-model-len", "512",
-        "--max-concurrent-requests-per-tenant", str(MAX_CONCURRENT),
-    )
-    yield server
-    server.stop()
-
-
-def _client(srv: ServerProcess, tenant: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{srv.url}/t/{tenant}/v1", api_key=_tenant(srv, tenant), max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def client(srv) -> openai.OpenAI:
-    return _client(srv, "compat")
+@pytest.fixture
+def client(compat_client):
+    return compat_client
 
 
 def test_non_stream_shapes(client):
@@ -290,7 +245,7 @@ def test_error_classes(srv, client):
 
 
 def test_rate_limit_error(srv):
-    busy = _client(srv, "busy")
+    busy = tenant_client(srv, "busy")
     held = [busy.completions.create(model="base-model", prompt="hold", max_tokens=400, stream=True,
                                     extra_body={"ignore_eos": True}) for _ in range(MAX_CONCURRENT)]
     try:
@@ -386,162 +341,3 @@ def test_vllm_prompt_logprobs_field(client, model_dir):
         client.chat.completions.create(model="base-model", messages=MESSAGES, max_tokens=1, stream=True,
                                        extra_body={"prompt_logprobs": 0})
     assert info.value.body["param"] == "prompt_logprobs"
-
-
-SCHEMA = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 5}, "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
-    "required": ["city", "rank"],
-    "additionalProperties": False,
-}
-
-
-def test_structured_output_through_the_client(client):
-    import json
-
-    import jsonschema
-
-    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}}
-    r = client.chat.completions.create(model="base-model", messages=MESSAGES, max_tokens=120, temperature=1.0,
-                                       seed=2, n=2, response_format=fmt)
-    for choice in r.choices:
-        assert choice.finish_reason == "stop"
-        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="base-model", messages=MESSAGES, max_tokens=120, temperature=1.0, seed=2, response_format=fmt,
-        stream=True) if c.choices)
-    jsonschema.validate(json.loads(streamed), SCHEMA)
-    c = client.completions.create(model="base-model", prompt="pick", max_tokens=10, temperature=0,
-                                  extra_body={"guided_choice": ["red", "green", "blue"]})
-    assert c.choices[0].text in ("red", "green", "blue")
-    c = client.completions.create(model="base-model", prompt="id", max_tokens=10, temperature=1.0,
-                                  extra_body={"structured_outputs": {"regex": "[xyz]{4}"}})
-    assert len(c.choices[0].text) == 4 and set(c.choices[0].text) <= set("xyz")
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="base-model", prompt="x", max_tokens=2, extra_body={"guided_regex": "(x"})
-    assert info.value.body["param"] == "guided_regex"
-
-
-# --- tool calls -------------------------------------------------------------------------------
-
-PLACE = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 3}, "n": {"type": "integer", "minimum": 1, "maximum": 9}},
-    "required": ["city", "n"],
-    "additionalProperties": False,
-}
-PICK = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"],
-        "additionalProperties": False}
-TOOLS = [
-    {"type": "function", "function": {"name": "place", "description": "a place", "parameters": PLACE}},
-    {"type": "function", "function": {"name": "pick", "parameters": PICK}},
-]
-SCHEMAS = {"place": PLACE, "pick": PICK}
-# JSON allows whitespace between any two tokens, and a random model takes it: keep its calls short
-NO_SPACE = {str(4 + b): -100 for b in b" \t\n\r"}
-
-
-def _calls(completion) -> list:
-    """Per choice: its calls (name, arguments), content and finish reason, ids left out."""
-    return [
-        ([(c.function.name, c.function.arguments) for c in ch.message.tool_calls or []], ch.message.content,
-         ch.finish_reason)
-        for ch in sorted(completion.choices, key=lambda ch: ch.index)
-    ]
-
-
-def _streamed(client, **kw):
-    """The same request streamed, accumulated by the openai client's own stream helper."""
-    with client.chat.completions.stream(**kw) as stream:
-        return stream.get_final_completion()
-
-
-def _rendered_len(model_dir, messages, tools) -> int:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    return len(tok(text, add_special_tokens=False)["input_ids"])
-
-
-def test_named_tool_choice_through_the_client(client, model_dir):
-    import json
-
-    import jsonschema
-
-    kw = dict(model="base-model", messages=MESSAGES, tools=TOOLS, max_tokens=60, temperature=1.0, seed=1, n=3,
-              tool_choice={"type": "function", "function": {"name": "place"}}, logit_bias=NO_SPACE)
-    r = client.chat.completions.create(**kw)
-    assert r.usage.prompt_tokens == _rendered_len(model_dir, MESSAGES, TOOLS)  # the tools were shown
-    for choice in r.choices:
-        msg = choice.message
-        assert choice.finish_reason == "stop" and msg.role == "assistant" and msg.content is None  # as OpenAI
-        (call,) = msg.tool_calls
-        assert call.type == "function" and call.id.startswith("call_") and call.function.name == "place"
-        jsonschema.validate(json.loads(call.function.arguments), PLACE)
-    assert len({c.message.tool_calls[0].function.arguments for c in r.choices}) > 1  # sampled, not fixed
-    assert _calls(_streamed(client, **kw)) == _calls(r)
-    # the stream's shape: a call's first delta names it, later ones carry pieces of the arguments
-    chunks = [c for c in client.chat.completions.create(stream=True, **{**kw, "n": 1}) if c.choices]
-    deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices[0].delta.tool_calls]
-    first, *rest = [d for (d,) in deltas]
-    assert first.id.startswith("call_") and first.type == "function" and first.index == 0
-    assert first.function.name == "place" and first.function.arguments == ""
-    assert rest and all(d.id is None and d.function.name is None and d.index == 0 for d in rest)
-    assert "".join(d.function.arguments for d in rest) == r.choices[0].message.tool_calls[0].function.arguments
-    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
-
-
-def test_required_tool_choice_through_the_client(client):
-    import json
-
-    import jsonschema
-
-    kw = dict(model="base-model", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=140,
-              temperature=1.0, seed=11, n=4, logit_bias=NO_SPACE)
-    r = client.chat.completions.create(**kw)
-    names = set()
-    for choice in r.choices:
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None  # as OpenAI and vLLM
-        assert choice.message.tool_calls and len({c.id for c in choice.message.tool_calls}) == len(
-            choice.message.tool_calls)
-        for call in choice.message.tool_calls:
-            assert call.type == "function" and call.function.name in SCHEMAS
-            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-            names.add(call.function.name)
-    assert names == set(SCHEMAS)  # any of the tools
-    assert max(len(c.message.tool_calls) for c in r.choices) > 1  # several calls in one answer
-    assert _calls(_streamed(client, **kw)) == _calls(r)
-    one = client.chat.completions.create(**kw, parallel_tool_calls=False)
-    assert all(c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1 for c in one.choices)
-
-
-def test_tool_conversation_follow_up(client, model_dir):
-    first = client.chat.completions.create(
-        model="base-model", messages=MESSAGES, tools=TOOLS, max_tokens=60, seed=1, logit_bias=NO_SPACE,
-        tool_choice={"type": "function", "function": {"name": "pick"}})
-    (call,) = first.choices[0].message.tool_calls
-    history = [
-        *MESSAGES,
-        first.choices[0].message.model_dump(exclude_none=True),  # content null: left out
-        {"role": "tool", "tool_call_id": call.id, "content": "blue it is"},
-    ]
-    r = client.chat.completions.create(model="base-model", messages=history, tools=TOOLS, tool_choice="none",
-                                       max_tokens=3, logit_bias=LETTERS)
-    assert r.choices[0].message.tool_calls is None and len(r.choices[0].message.content) == 3
-    # what the template got: arguments as an object, content "" (vLLM's), the tool's answer
-    rendered = [
-        *MESSAGES,
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": call.id, "type": "function", "function": {"name": "pick", "arguments": json_loads(call)}}]},
-        {"role": "tool", "content": "blue it is", "tool_call_id": call.id},
-    ]
-    assert r.usage.prompt_tokens == _rendered_len(model_dir, rendered, TOOLS)
-    again = client.chat.completions.create(model="base-model", messages=history, max_tokens=2)  # no tools now
-    assert again.usage.prompt_tokens == _rendered_len(model_dir, rendered, None)
-
-
-def json_loads(call):
-    import json
-
-    return json.loads(call.function.arguments)
