@@ -10,6 +10,11 @@ the server drives it (one asyncio consumer per request), and each decode step's 
 split into the model forward (timed around ``runner.model``) and the rest (host: from one
 step's start to the next, so delivering the outputs to the streams counts). Prints the median
 per step over the decode steps of each configuration. No target: a figure to track.
+
+``--cpu-time``: the engine alone (``LLMEngine.step``, no asyncio delivery), measured as the
+engine thread's CPU time per decode step minus the forward's, 10th percentile and median over
+150 steps: on a shared VM whose speed drifts, wall-clock medians of two versions can differ by
+2x between runs, while the low percentiles of thread CPU time repeat within a few percent.
 """
 
 from __future__ import annotations
@@ -25,12 +30,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 
+CPU_TIME_STEPS = 150  # decode steps measured per configuration with --cpu-time
+
+
 def _parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, nargs="+", default=[64, 256], help="concurrent streams")
     p.add_argument("--context", type=int, nargs="+", default=[32, 1000], help="prompt tokens per stream")
     p.add_argument("--adapters", type=int, nargs="+", default=[0, 32], help="distinct adapters (round-robin)")
     p.add_argument("--max-tokens", type=int, default=24, help="tokens generated per stream")
+    p.add_argument("--cpu-time", action="store_true", help="engine only, thread CPU time (see module doc)")
     return p.parse_args()
 
 
@@ -65,6 +74,31 @@ def _run(aengine, prompts: list[list[int]], adapters: list[str | None], max_toke
     asyncio.run(main())
 
 
+def _cpu_time_rows(engine, prompts: list[list[int]], adapters: list[str | None], forward_cpu: list[float]) -> str:
+    """One row of the ``--cpu-time`` table: host CPU per decode step, p10 and median."""
+    from loraplex import SamplingParams
+
+    steps = CPU_TIME_STEPS
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(None, prompt, params, adapter=adapters[i], stream_deltas=True)
+    while engine.has_unfinished() and not all(len(s.output_token_ids) for s in engine.scheduler.running):
+        engine.step()  # prefill until every stream decodes
+    engine.step()
+    host = []
+    for _ in range(steps):
+        n = len(forward_cpu)
+        start = time.thread_time()
+        engine.step()
+        host.append(time.thread_time() - start - sum(forward_cpu[n:]))
+    while engine.has_unfinished():
+        engine.step()
+    host.sort()
+    batch = len(prompts)
+    p10, p50 = host[len(host) // 10], host[len(host) // 2]
+    return f"{p10 * 1e3:.2f} | {p50 * 1e3:.2f} | {p10 / batch * 1e6:.1f} |"
+
+
 def main() -> int:
     args = _parse_args()
     import torch
@@ -78,6 +112,8 @@ def main() -> int:
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="loraplex-bench-host-"))
     max_context = max(args.context)
+    if args.cpu_time:
+        args.max_tokens = CPU_TIME_STEPS + 8
     model_dir = make_tiny_model_dir(
         root / "model", "llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_context + args.max_tokens + 16,
@@ -91,6 +127,31 @@ def main() -> int:
         max_num_batched_tokens=max(args.batch) * max_context, max_model_len=max_context + args.max_tokens + 16,
         kv_cache_bytes=1 << 30, max_loras=max(1, max_adapters), max_lora_rank=8, enable_prefix_caching=False,
     )
+    if args.cpu_time:
+        from loraplex.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(config)
+        model, forward_cpu = engine.runner.model, []
+        forward = model.forward
+
+        def timed_forward(*a, **k):
+            start = time.thread_time()
+            out = forward(*a, **k)
+            forward_cpu.append(time.thread_time() - start)
+            return out
+
+        model.forward = timed_forward
+        print(f"# torch {torch.__version__}, 1 thread; tiny Llama; engine thread CPU time per decode step minus the forward's")
+        print("| streams | context | adapters | host ms p10 | host ms median | host us per stream (p10) |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+        for batch in args.batch:
+            for context in args.context:
+                for n_adapters in args.adapters:
+                    prompts = [[4 + (i * 7 + j) % 250 for j in range(context)] for i in range(batch)]
+                    adapters = [adapter_dirs[i % n_adapters] if n_adapters else None for i in range(batch)]
+                    row = _cpu_time_rows(engine, prompts, adapters, forward_cpu)
+                    print(f"| {batch} | {context} | {n_adapters} | {row}", flush=True)
+        return 0
     aengine = AsyncLLMEngine(config)
     runner, engine = aengine.engine.runner, aengine.engine
     forward_times: list[float] = []
