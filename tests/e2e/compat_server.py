@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import openai
+import pytest
 
 from tests.e2e.server_process import ServerProcess, start_server
 from tests.fixtures.tiny_models import CHAT_TEMPLATE, make_tiny_model_dir
@@ -58,3 +59,19 @@ def start_compat_server(root: Path, model_dir: Path) -> ServerProcess:
 
 def tenant_client(srv: ServerProcess, tenant: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{srv.url}/t/{tenant}/v1", api_key=make_tenant(srv, tenant), max_retries=0, timeout=60)
+
+
+# short names for the conftest's session fixtures, imported by the two modules
+@pytest.fixture
+def model_dir(compat_model_dir):
+    return compat_model_dir
+
+
+@pytest.fixture
+def srv(compat_srv):
+    return compat_srv
+
+
+@pytest.fixture
+def client(compat_client):
+    return compat_client

@@ -13,25 +13,11 @@ import httpx
 import openai
 import pytest
 
+from tests.e2e.compat_server import client, model_dir, srv  # noqa: F401 (fixtures)
 from tests.e2e.compat_server import LETTERS, MAX_CONCURRENT, MESSAGES, TOKEN_A, tenant_client
 from tests.fixtures.tiny_models import EOS_ID
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def model_dir(compat_model_dir):
-    return compat_model_dir
-
-
-@pytest.fixture
-def srv(compat_srv):
-    return compat_srv
-
-
-@pytest.fixture
-def client(compat_client):
-    return compat_client
 
 
 def test_non_stream_shapes(client):

@@ -11,24 +11,10 @@ import jsonschema
 import openai
 import pytest
 
+from tests.e2e.compat_server import client, model_dir, srv  # noqa: F401 (fixtures)
 from tests.e2e.compat_server import LETTERS, MESSAGES
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def model_dir(compat_model_dir):
-    return compat_model_dir
-
-
-@pytest.fixture
-def srv(compat_srv):
-    return compat_srv
-
-
-@pytest.fixture
-def client(compat_client):
-    return compat_client
 
 
 SCHEMA = {
