@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
+import numpy as np
+
 from loraplex.sampling_params import InvalidRequestError
 from loraplex.structured_output import StructuredOutputs
 
@@ -26,6 +28,7 @@ class GrammarFactory:
         self._eos_token_ids = sorted(eos_token_ids)
         self._lltokenizer = None
         self._lock = threading.Lock()  # warm() in a thread and the first request may meet
+        self._executor = None  # llguidance's thread pool for the per-step masks
         self._grammars: OrderedDict[str, str] = OrderedDict()
 
     def warm(self) -> None:
@@ -74,3 +77,19 @@ class GrammarFactory:
                 f"invalid structured output: {matcher.get_error().strip()}", param="structured_outputs"
             )
         return matcher
+
+    def allowed_tokens(self, matchers: list) -> np.ndarray:  # [len(matchers), vocab_size] bool
+        """The tokens each matcher allows next, computed for all of them in parallel on
+        llguidance's threads (one mask costs tens of microseconds: 256 structured streams would
+        add milliseconds per step one by one). Every matcher here was made by this factory, so
+        its mask has exactly ``ceil(vocab_size / 32)`` 32-bit words, the buffer's row size."""
+        from llguidance import LLExecutor
+
+        if self._executor is None:
+            self._executor = LLExecutor()
+        words = (self.vocab_size + 31) // 32
+        masks = np.zeros((len(matchers), words), dtype=np.int32)
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(matchers)], masks.ctypes.data, words * 4, len(matchers)
+        )
+        return np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size].astype(bool)

@@ -85,6 +85,8 @@ class LLMEngine:
         # prompt ids must index the model's embedding table
         self.vocab_size = getattr(runner, "vocab_size", None) or getattr(spec, "vocab_size", None) or len(self.tokenizer)
         self.grammars = GrammarFactory(self.tokenizer, self.vocab_size, set(runner.eos_token_ids))
+        if getattr(runner, "sampler", None) is not None:
+            runner.sampler.grammar_masks = self.grammars.allowed_tokens
         self._requests: dict[str, RequestState] = {}
         self._seq_to_request: dict[int, RequestState] = {}
         self._seq_ids = itertools.count()

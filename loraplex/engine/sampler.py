@@ -60,6 +60,9 @@ class Sampler:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        # structured output: (matchers) -> [n, vocab] bool allowed tokens, computed in parallel
+        # (the engine's GrammarFactory.allowed_tokens); None computes them one by one
+        self.grammar_masks = None
 
     def __call__(
         self, logits: torch.Tensor, seqs: Seq["Sequence"], eos_token_ids: set[int] | frozenset[int] = frozenset()
@@ -72,7 +75,7 @@ class Sampler:
         logits = apply_penalties(logits, seqs)
         grammar_rows = [row for row, seq in enumerate(seqs) if getattr(seq, "grammar", None) is not None]
         if grammar_rows:
-            logits = apply_grammars(logits, seqs, grammar_rows, eos_token_ids)
+            logits = apply_grammars(logits, seqs, grammar_rows, eos_token_ids, self.grammar_masks)
 
         greedy = [p.temperature == 0.0 for p in params]
         token_ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
@@ -118,20 +121,36 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
+def serial_allowed_tokens(matchers: list, vocab: int) -> np.ndarray:  # [len(matchers), vocab] bool
+    """Each matcher's allowed next tokens, one after another (a sampler without the engine's
+    ``GrammarFactory.allowed_tokens``, which computes them in parallel)."""
+    allowed = np.zeros((len(matchers), vocab), dtype=bool)
+    for k, matcher in enumerate(matchers):
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")[:vocab]
+        allowed[k, : bits.shape[0]] = bits
+    return allowed
+
+
 def apply_grammars(
-    logits: torch.Tensor, seqs: Seq["Sequence"], rows: list[int], eos_token_ids: set[int] | frozenset[int]
+    logits: torch.Tensor,
+    seqs: Seq["Sequence"],
+    rows: list[int],
+    eos_token_ids: set[int] | frozenset[int],
+    allowed_tokens=None,  # (matchers) -> [n, vocab] bool; None: serial_allowed_tokens
 ) -> torch.Tensor:
     """Structured output: in each of ``rows``, ``-inf`` for every token its sequence's grammar
     does not allow next (llguidance's bitmask, one bit per token). A matcher with nothing left
     to allow (an error state) allows EOS, so the sequence ends instead of sampling garbage."""
     vocab = logits.shape[1]
-    allowed = np.zeros((len(rows), vocab), dtype=bool)
-    for k, row in enumerate(rows):
-        bits = np.frombuffer(seqs[row].grammar.compute_bitmask(), dtype=np.uint8)
-        row_allowed = np.unpackbits(bits, bitorder="little")[:vocab]
-        allowed[k, : row_allowed.shape[0]] = row_allowed
-        if not allowed[k].any():
-            allowed[k, [t for t in eos_token_ids if t < vocab]] = True
+    matchers = [seqs[row].grammar for row in rows]
+    if allowed_tokens is None:
+        allowed = serial_allowed_tokens(matchers, vocab)
+    else:
+        allowed = np.zeros((len(rows), vocab), dtype=bool)
+        computed = allowed_tokens(matchers)
+        allowed[:, : computed.shape[1]] = computed[:, :vocab]
+    for k in np.flatnonzero(~allowed.any(axis=1)):
+        allowed[k, [t for t in eos_token_ids if t < vocab]] = True
     index = torch.tensor(rows, device=logits.device)
     mask = torch.from_numpy(allowed).to(logits.device)
     logits[index] = logits[index].masked_fill(~mask, float("-inf"))

@@ -130,3 +130,24 @@ def test_warm_builds_the_tokenizer_once(tiny_llama_dir, tmp_path):
     assert built is not None
     factory.matcher(StructuredOutputs(choice=["x"]))
     assert factory._lltokenizer is built
+
+
+def test_parallel_masks_equal_serial_ones(llm):
+    """GrammarFactory.allowed_tokens (llguidance's threads, into one buffer) gives every matcher
+    the same allowed set as asking each one alone, at several points of their grammars."""
+    from loraplex.engine.sampler import serial_allowed_tokens
+
+    factory = llm.engine.grammars
+    specs = [StructuredOutputs(json=SCHEMA), StructuredOutputs(regex=r"[a-c]{3}-[0-9]{2}"),
+             StructuredOutputs(choice=["yes", "no"]), StructuredOutputs(json_object=True)]
+    matchers = [factory.matcher(spec) for spec in specs]
+    for prefix in ('{"name": "ab', "abc-1", "y", '{"k"'):
+        parallel = factory.allowed_tokens(matchers)
+        assert parallel.shape == (len(matchers), factory.vocab_size)
+        assert (parallel == serial_allowed_tokens(matchers, factory.vocab_size)).all()
+        assert parallel.any(axis=1).all()
+        for m in matchers:  # advance each along what it allows, where the prefix fits
+            for ch in prefix:
+                token = 4 + ord(ch)
+                if serial_allowed_tokens([m], factory.vocab_size)[0, token]:
+                    m.consume_token(token)
