@@ -100,14 +100,16 @@ class FakeEngine:
                     tok = fake_token(prompt, adapter_id, params.seed, c, k)
                     text = self.tokenizer.decode([tok])
                     texts[c] += text
-                    finish = None
-                    if any(s in texts[c] for s in params.stop):
-                        finish, text = "stop", ""
+                    finish = stop_reason = None
+                    hit = [s for s in params.stop if s in texts[c]]
+                    if hit:  # the engine's stop_reason: the stop string
+                        finish, text, stop_reason = "stop", "", hit[0]
                     elif k == params.max_tokens - 1:
                         finish = "length"
                     done[c] = finish is not None
                     lp = [{"token_id": tok, "logprob": -0.5, "top_logprobs": {tok: -0.5, VOCAB_OFFSET: -1.5}}]
-                    outs.append(CompletionOutput(c, text, [tok], finish, lp if params.logprobs is not None else None))
+                    outs.append(CompletionOutput(c, text, [tok], finish, lp if params.logprobs is not None else None,
+                                                 stop_reason))
                 with self._lock:
                     self.blocks_in_use[request_id] = self._blocks(len(prompt) + k + 1) * params.n
                 finished = all(done)
