@@ -17,6 +17,7 @@ from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.request_state import PreparedRequest, RequestState
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.lora.errors import AdapterLoadFailedError
 from loraplex.sampling_params import InvalidRequestError, SamplingParams, check_token_ids_in_vocab
 
 logger = logging.getLogger("loraplex.engine")
@@ -251,7 +252,10 @@ class LLMEngine:
             if sched_out.released_seq_ids:
                 self.runner.release(sched_out.released_seq_ids)
             return []
-        run_out = self.runner.execute(sched_out)
+        try:
+            run_out = self.runner.execute(sched_out)
+        except AdapterLoadFailedError as exc:
+            return self._drop_adapter(exc)
         changed = self.scheduler.update(sched_out, run_out)
         touched: dict[str, RequestState] = {}
         for seq in changed:
@@ -281,6 +285,16 @@ class LLMEngine:
                 out = state.make_output()
             if out is not None:
                 outputs.append(out)
+        return outputs
+
+    def _drop_adapter(self, exc: AdapterLoadFailedError) -> list[RequestOutput]:
+        """A step's adapter could not be loaded (before anything of the step ran): its requests
+        end with finish reason ``abort``; the rest of the step runs again next step (their blocks
+        were allocated and nothing was computed, so scheduling them again is a no-op for the
+        block manager, and ``free`` unregisters the aborted ones' uncomputed blocks)."""
+        logger.error("%s; aborting its requests", exc)
+        victims = [rid for rid, state in self._requests.items() if state.req.adapter_id == exc.adapter_id]
+        outputs = [out for out in (self.abort(rid) for rid in victims) if out is not None]
         return outputs
 
     def reset_prefix_cache(self) -> None:

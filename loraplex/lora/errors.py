@@ -36,3 +36,14 @@ class AdapterNotFoundError(InvalidRequestError):
 
 class AdapterHashMismatchError(InvalidAdapterError):
     """The weights on disk do not hash to the content hash the caller (the registry) expected."""
+
+
+class AdapterLoadFailedError(RuntimeError):
+    """A step's adapter could not be put in a device slot (its weights were neither in host
+    memory nor readable from disk any more). Raised by ``LoRAManager.place`` before anything of
+    the step ran; the engine aborts that adapter's requests and goes on with the others."""
+
+    def __init__(self, adapter_id: str, reason: str):
+        super().__init__(f"adapter {adapter_id[:12]} could not be loaded: {reason}")
+        self.adapter_id = adapter_id
+

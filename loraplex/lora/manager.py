@@ -33,7 +33,8 @@ import torch
 
 from loraplex.config import EngineConfig
 from loraplex.lora.context import LoRAStepContext, build_batch_meta
-from loraplex.lora.errors import AdapterBusyError, AdapterHashMismatchError, AdapterNotFoundError, InvalidAdapterError
+from loraplex.lora.errors import AdapterBusyError, AdapterHashMismatchError, AdapterLoadFailedError
+from loraplex.lora.errors import AdapterNotFoundError, InvalidAdapterError
 from loraplex.lora.host_cache import HostCache
 from loraplex.lora.peft_format import AdapterInfo, load_adapter_files, validate_adapter
 from loraplex.lora.slots import SlotPool
@@ -364,7 +365,10 @@ class LoRAManager:
                         f"{len(step)} adapters in one step do not fit {self.pool.max_loras} device slots "
                         f"({len(self._device_pinned)} pinned): the scheduler must not allow this"
                     )
-                self._load_slot(adapter_id, slot)
+                try:
+                    self._load_slot(adapter_id, slot)  # reads the weights before it changes the slot
+                except Exception as exc:  # noqa: BLE001 - the engine drops this adapter's requests
+                    raise AdapterLoadFailedError(adapter_id, str(exc)) from exc
         self.pool.touch(step)
 
     def batch_order_key(self, adapter_id: str | None) -> tuple[int, int]:

@@ -96,3 +96,39 @@ def test_async_request_on_changed_files_leaves_nothing(world, tmp_path):
     assert base_tokens == reference["base"]
     _assert_clean(llm, adapter_id)
     llm.remove_adapter("y")
+
+
+def test_adapter_lost_mid_run_aborts_only_its_requests(world, tmp_path):
+    """The weights of an adapter with running requests leave device and host and its files go:
+    the next step cannot place it. Its requests end ("abort", blocks freed); a base request and
+    another adapter's request in the same batch finish with their reference outputs; the engine
+    keeps serving."""
+    llm, root, good, other, reference = world
+    engine, manager = llm.engine, llm.engine.lora_manager
+    doomed = tmp_path / "doomed"  # other weights than good's: another adapter id, another path
+    shutil.copytree(other, doomed)
+    long = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    rids = [engine.add_request(None, [5, 6, 7], long, adapter=str(doomed)),
+            engine.add_request(None, [5, 6, 7], PARAMS),
+            engine.add_request(None, [5, 6, 7], PARAMS, adapter=str(good))]
+    finals = {}
+    for out in engine.step() + engine.step():  # all three running, the doomed adapter in a slot
+        if out.finished:
+            finals[out.request_id] = out
+    doomed_id = engine._requests[rids[0]].req.adapter_id
+    slot = manager.pool.slot_of(doomed_id)
+    assert slot is not None
+    manager.pool.clear(slot)
+    manager.host.remove(doomed_id)
+    shutil.rmtree(doomed)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals[rids[0]].finish_reason == "abort"
+    assert finals[rids[1]].token_ids == reference["base"]
+    assert finals[rids[2]].token_ids == reference["good"]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks or engine.config.enable_prefix_caching
+    stats = engine.stats()
+    assert stats["num_seqs_running"] == 0 and stats["num_seqs_waiting"] == 0 and stats["kv_cache_usage"] == 0
+    assert llm.generate([[5, 6, 7]], PARAMS, adapters=[str(good)])[0].token_ids == reference["good"]
