@@ -108,7 +108,9 @@ def test_download_stall_times_out_and_resumes(moto_server, s3_bucket):
         proxy.mode, proxy.cut_budget = "stall", 1
         started = time.monotonic()
         assert b"".join(store.get(key)) == data  # the read timed out, a ranged GET finished it
-        assert time.monotonic() - started < 3.0 and proxy.gets == 2
+        # well before the stall would have ended; a loaded machine may time out the resumed GET
+        # too (0.5 s read timeout), which only adds a GET
+        assert time.monotonic() - started < 3.0 and proxy.gets >= 2
         proxy.mode, proxy.cut_budget = "stall", None
         started = time.monotonic()
         with pytest.raises(BlobStoreUnavailable, match="download broke"):
