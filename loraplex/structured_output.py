@@ -34,6 +34,9 @@ class StructuredOutputs:
     regex: str | None = None  # the whole output matches it
     choice: list[str] | None = None  # the output is exactly one of these
     grammar: str | None = None  # a Lark grammar (llguidance's dialect)
+    # JSON without whitespace between tokens (vLLM's option of the same name): small models
+    # otherwise spend tokens on newlines and indentation the grammar allows anywhere
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -42,7 +45,9 @@ class StructuredOutputs:
         def bad(message: str) -> None:
             raise InvalidRequestError(message, param=param)
 
-        chosen = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        chosen = [
+            f.name for f in fields(self) if f.name != "disable_any_whitespace" and getattr(self, f.name) not in (None, False)
+        ]
         if len(chosen) != 1:
             bad(f"give exactly one of json, json_object, regex, choice, grammar (got {chosen or 'none'})")
         if self.json is not None and not isinstance(self.json, (dict, str)):
@@ -55,6 +60,8 @@ class StructuredOutputs:
                 bad("json is not valid JSON")
         if self.json_object not in (True, False):
             bad("json_object must be a boolean")
+        if self.disable_any_whitespace not in (True, False):
+            bad("disable_any_whitespace must be a boolean")
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             bad("regex must be a non-empty string")
         if self.choice is not None and (
@@ -66,18 +73,21 @@ class StructuredOutputs:
 
     def cache_key(self) -> str:
         return json.dumps(
-            [self.json, self.json_object, self.regex, self.choice, self.grammar], sort_keys=True, default=str
+            [self.json, self.json_object, self.regex, self.choice, self.grammar, self.disable_any_whitespace],
+            sort_keys=True,
+            default=str,
         )
 
     def to_grammar(self, param: str = "structured_outputs") -> str:
         """llguidance's grammar for this constraint; a schema that is not a JSON object raises."""
         from llguidance import LLMatcher
 
+        options = {"whitespace_flexible": not self.disable_any_whitespace}
         try:
             if self.json is not None:
-                return LLMatcher.grammar_from_json_schema(self.json)
+                return LLMatcher.grammar_from_json_schema(self.json, defaults=options)
             if self.json_object:
-                return LLMatcher.grammar_from_json_schema({"type": "object"})
+                return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
             if self.regex is not None:
                 return LLMatcher.grammar_from_regex(self.regex)
             if self.choice is not None:

@@ -3,7 +3,8 @@
 OpenAI's ``response_format`` (``{"type": "json_object"}``, or ``{"type": "json_schema",
 "json_schema": {"name", "schema", "strict"}}``), vLLM's ``structured_outputs`` object (``json``,
 ``json_object``, ``regex``, ``choice``, ``grammar``) and its older ``guided_json``,
-``guided_regex``, ``guided_choice``, ``guided_grammar``. At most one may ask for a constraint;
+``guided_regex``, ``guided_choice``, ``guided_grammar``. At most one may ask for a constraint
+(``structured_outputs.disable_any_whitespace`` applies to whichever does);
 the schema, regex or grammar is checked here, so a bad one is a 400 naming its field before any
 model work.
 """
@@ -72,4 +73,15 @@ def parse_structured_output(body: dict) -> StructuredOutputs | None:
             f"`{found[1][0]}`: one structured output constraint per request (`{found[0][0]}` gives one already)",
             param=found[1][0],
         )
-    return found[0][1] if found else None
+    if not found:
+        return None
+    spec = found[0][1]
+    # vLLM's structured_outputs.disable_any_whitespace, whichever field gave the constraint
+    options = body.get("structured_outputs")
+    compact = options.get("disable_any_whitespace") if isinstance(options, dict) else None
+    if compact is not None:
+        if not isinstance(compact, bool):
+            raise bad_request("`structured_outputs.disable_any_whitespace` must be a boolean",
+                              param="structured_outputs.disable_any_whitespace")
+        spec.disable_any_whitespace = compact
+    return spec

@@ -151,3 +151,20 @@ def test_parallel_masks_equal_serial_ones(llm):
                 token = 4 + ord(ch)
                 if serial_allowed_tokens([m], factory.vocab_size)[0, token]:
                     m.consume_token(token)
+
+
+def test_disable_any_whitespace_gives_compact_json(llm):
+    """vLLM's disable_any_whitespace: no whitespace between JSON tokens; without it the random
+    model puts some in (so the option is what removes it)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+
+    def texts(compact: bool) -> list[str]:
+        spec = StructuredOutputs(json=schema, disable_any_whitespace=compact)
+        params = SamplingParams(temperature=1.0, seed=9, n=4, max_tokens=80, structured_outputs=spec)
+        return [t for t, f in _texts(llm.generate(["j"], params)) if f == "stop"]
+
+    compact, loose = texts(True), texts(False)
+    assert compact and all(not any(ch in t for ch in " \t\n\r") for t in compact)
+    assert all(t == json.dumps(json.loads(t), separators=(",", ":"), ensure_ascii=False) for t in compact)
+    assert any(any(ch in t for ch in " \t\n\r") for t in loose)

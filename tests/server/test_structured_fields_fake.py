@@ -32,6 +32,11 @@ ACCEPTED = [
     ({"guided_grammar": 'start: "a" | "b"'}, StructuredOutputs(grammar='start: "a" | "b"')),
     ({"structured_outputs": {"choice": ["a", "b"], "json_object": False}}, StructuredOutputs(choice=["a", "b"])),
     ({"structured_outputs": {}}, None),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"disable_any_whitespace": True}},
+     StructuredOutputs(json_object=True, disable_any_whitespace=True)),
+    ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+     StructuredOutputs(json=SCHEMA, disable_any_whitespace=True)),
+    ({"structured_outputs": {"disable_any_whitespace": True}}, None),
 ]
 
 
@@ -59,6 +64,8 @@ REFUSED = [
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": "regex"}, "structured_outputs"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"guided_json": SCHEMA, "structured_outputs": {"disable_any_whitespace": "yes"}},
+     "structured_outputs.disable_any_whitespace"),
 ]
 
 
