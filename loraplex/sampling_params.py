@@ -49,6 +49,8 @@ class SamplingParams:
     # token id -> bias in [-100, 100] added to that token's logit before sampling (OpenAI's
     # logit_bias); ids are checked against the model's vocabulary when the engine takes the request
     logit_bias: dict[int, float] | None = None
+    # vLLM's allowed_token_ids: sample only among these ids (greedy too)
+    allowed_token_ids: list[int] | None = None
     # keep the output to a JSON schema / regex / choice / grammar (loraplex.structured_output)
     structured_outputs: "StructuredOutputs | None" = None
 
@@ -114,6 +116,12 @@ class SamplingParams:
             bad("stop_token_ids", "stop_token_ids must be non-negative integers")
         if self.logit_bias is not None:
             _check_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, list)
+            or not self.allowed_token_ids
+            or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)
+        ):
+            bad("allowed_token_ids", "allowed_token_ids must be a non-empty list of non-negative token ids")
         if self.structured_outputs is not None:
             from loraplex.structured_output import StructuredOutputs
 
@@ -143,7 +151,14 @@ def _check_logit_bias(bias) -> None:
 
 
 def check_token_ids_in_vocab(params: SamplingParams, vocab_size: int) -> None:
-    """Token ids a request names must index the model's vocabulary (``logit_bias`` keys)."""
+    """Token ids a request names must index the model's vocabulary (``logit_bias`` keys,
+    ``allowed_token_ids``)."""
+    if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab_size:
+        raise InvalidRequestError(
+            f"allowed_token_ids names token id {max(params.allowed_token_ids)}, but the model's vocabulary "
+            f"has {vocab_size} tokens (ids 0..{vocab_size - 1})",
+            param="allowed_token_ids",
+        )
     if params.logit_bias:
         worst = max(params.logit_bias)
         if worst >= vocab_size:

@@ -10,7 +10,7 @@ Order of operations per row (as vLLM v1):
 3. Penalties: ``repetition_penalty`` over prompt + output tokens (positive logits divided,
    negative multiplied); ``frequency_penalty * count`` and ``presence_penalty * (count > 0)``
    subtracted, counting output tokens only.
-4. Structured output: tokens the sequence's grammar does not allow next get ``-inf``; the
+4. ``allowed_token_ids`` (vLLM's): every other token gets ``-inf``. Structured output: tokens the sequence's grammar does not allow next get ``-inf``; the
    sampled token then advances the grammar (``loraplex.structured_output``).
 5. Greedy rows (``temperature == 0``) take the argmax here.
 6. Other rows: divide by temperature, then ``min_p`` (drop tokens with probability below
@@ -73,6 +73,7 @@ class Sampler:
         logits = apply_logit_bias(logits, seqs)
         logits = apply_min_tokens(logits, seqs, eos_token_ids)
         logits = apply_penalties(logits, seqs)
+        logits = apply_allowed_token_ids(logits, seqs)
         grammar_rows = [row for row, seq in enumerate(seqs) if getattr(seq, "grammar", None) is not None]
         if grammar_rows:
             logits = apply_grammars(logits, seqs, grammar_rows, eos_token_ids, self.grammar_masks)
@@ -119,6 +120,17 @@ class Sampler:
                 gen.manual_seed(row_seed(p.seed, getattr(seq, "index", 0), len(seq.output_token_ids)))
                 noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, seqs: Seq["Sequence"]) -> torch.Tensor:
+    """vLLM's ``allowed_token_ids``: ``-inf`` for every other token of that row (in place)."""
+    rows = [row for row, seq in enumerate(seqs) if seq.params.allowed_token_ids]
+    for row in rows:
+        ids = torch.tensor(seqs[row].params.allowed_token_ids, dtype=torch.long, device=logits.device)
+        kept = logits[row, ids]
+        logits[row] = float("-inf")
+        logits[row, ids] = kept
+    return logits
 
 
 def serial_allowed_tokens(matchers: list, vocab: int) -> np.ndarray:  # [len(matchers), vocab] bool

@@ -193,6 +193,7 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None) -> Sampl
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
         logit_bias=_logit_bias(body),
+        allowed_token_ids=_int_list(body, "allowed_token_ids") if body.get("allowed_token_ids") is not None else None,
     )
     if kwargs["top_p"] == 0.0:
         raise bad_request("`top_p` must be > 0", param="top_p")

@@ -91,7 +91,6 @@ REFUSED_FIELDS: dict[str, tuple[tuple[str, ...], object, str]] = {
     # vLLM's extra fields
     "use_beam_search": (BOTH, _falsy_or_null, "beam search is not supported"),
     "bad_words": (BOTH, _unset, "`bad_words` is not supported"),
-    "allowed_token_ids": (BOTH, _unset, "`allowed_token_ids` is not supported"),
     "logits_processors": (BOTH, _unset, "custom logits processors are not supported"),
     "truncate_prompt_tokens": (BOTH, _unset, "`truncate_prompt_tokens` is not supported"),
     "prompt_embeds": (("completion",), _unset, "prompt embeddings are not supported"),

@@ -79,3 +79,25 @@ def test_token_ids_outside_the_vocabulary_are_refused(llm):
     assert not llm.engine.has_unfinished()  # the good prompt of the rejected batch never started
     ok = llm.generate("x", SamplingParams(temperature=0.0, max_tokens=2, logit_bias={vocab - 1: 100.0}))[0]
     assert ok.token_ids == [vocab - 1] * 2
+
+
+def test_allowed_token_ids_restrict_greedy_to_the_set(llm, hf_model):
+    """vLLM's allowed_token_ids: greedy picks the model's best among the set, every step (the
+    reference restricts transformers' logits by hand); other requests in the batch are untouched."""
+    prompt = list(range(30, 52))
+    allowed = [40, 41, 97, 150, 151]
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(MAX_TOKENS):
+            logits = hf_model(torch.tensor([ids])).logits[0, -1]
+            ids.append(max(allowed, key=lambda t: float(logits[t])))
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, allowed_token_ids=allowed),
+              SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)]
+    outs = llm.generate([prompt, prompt], params)
+    assert outs[0].token_ids == ids[len(prompt):]
+    assert outs[1].token_ids == reference_greedy(hf_model, prompt, {}, MAX_TOKENS)
+    sampled = llm.generate(prompt, SamplingParams(temperature=1.0, seed=4, max_tokens=8, allowed_token_ids=allowed))[0]
+    assert set(sampled.token_ids) <= set(allowed)
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate(prompt, SamplingParams(allowed_token_ids=[llm.engine.vocab_size]))
+    assert info.value.param == "allowed_token_ids"

@@ -60,7 +60,6 @@ REFUSED = [
     ("both", {"best_of": 2, "n": 1}, "best_of"),
     ("both", {"use_beam_search": True}, "use_beam_search"),
     ("both", {"bad_words": ["x"]}, "bad_words"),
-    ("both", {"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
     ("both", {"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
     ("both", {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
     ("both", {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
@@ -128,3 +127,14 @@ def test_harmless_fields_pass(client, kind, patch):
     path, body = ENDPOINTS[kind]
     r = c.post(path, json={**body, **patch})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_allowed_token_ids_reach_the_engine_or_are_refused(client, kind):
+    srv, c = client
+    path, body = ENDPOINTS[kind]
+    r = c.post(path, json={**body, "allowed_token_ids": [5, 6, 33]})
+    assert r.status_code == 200, r.text
+    assert srv.engine.params_seen[srv.engine.started[-1][0]].allowed_token_ids == [5, 6, 33]
+    for bad in ([], [5, -1], "5", [FAKE_VOCAB]):
+        _envelope(c.post(path, json={**body, "allowed_token_ids": bad}), 400, param="allowed_token_ids")
