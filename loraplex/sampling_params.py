@@ -51,6 +51,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's allowed_token_ids: sample only among these ids (greedy too)
     allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words: never generate these strings (as tokenized alone and after a space)
+    bad_words: list[str] | None = None
+    # bad_words as token id sequences, filled in by the engine with its tokenizer
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
     # keep the output to a JSON schema / regex / choice / grammar (loraplex.structured_output)
     structured_outputs: "StructuredOutputs | None" = None
 
@@ -122,6 +126,10 @@ class SamplingParams:
             or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)
         ):
             bad("allowed_token_ids", "allowed_token_ids must be a non-empty list of non-negative token ids")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip() for w in self.bad_words)
+        ):
+            bad("bad_words", "bad_words must be a list of non-empty strings")
         if self.structured_outputs is not None:
             from loraplex.structured_output import StructuredOutputs
 

@@ -15,6 +15,7 @@ from loraplex.engine.detokenizer import backend_decoder
 from loraplex.engine.grammar import GrammarFactory
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.request_state import PreparedRequest, RequestState
+from loraplex.engine.sampler import bad_words_token_ids
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.lora.errors import AdapterLoadFailedError
@@ -143,6 +144,8 @@ class LLMEngine:
             raise InvalidRequestError("params must be a SamplingParams", param="params")
         params.validate()
         check_token_ids_in_vocab(params, self.vocab_size)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         text: str | None = None
         if isinstance(prompt, str):
             text = prompt

@@ -10,7 +10,8 @@ Order of operations per row (as vLLM v1):
 3. Penalties: ``repetition_penalty`` over prompt + output tokens (positive logits divided,
    negative multiplied); ``frequency_penalty * count`` and ``presence_penalty * (count > 0)``
    subtracted, counting output tokens only.
-4. ``allowed_token_ids`` (vLLM's): every other token gets ``-inf``. Structured output: tokens the sequence's grammar does not allow next get ``-inf``; the
+4. ``allowed_token_ids`` (vLLM's): every other token gets ``-inf``; ``bad_words``: the token
+   that would complete a bad word gets ``-inf``. Structured output: tokens the sequence's grammar does not allow next get ``-inf``; the
    sampled token then advances the grammar (``loraplex.structured_output``).
 5. Greedy rows (``temperature == 0``) take the argmax here.
 6. Other rows: divide by temperature, then ``min_p`` (drop tokens with probability below
@@ -74,6 +75,7 @@ class Sampler:
         logits = apply_min_tokens(logits, seqs, eos_token_ids)
         logits = apply_penalties(logits, seqs)
         logits = apply_allowed_token_ids(logits, seqs)
+        logits = apply_bad_words(logits, seqs)
         grammar_rows = [row for row, seq in enumerate(seqs) if getattr(seq, "grammar", None) is not None]
         if grammar_rows:
             logits = apply_grammars(logits, seqs, grammar_rows, eos_token_ids, self.grammar_masks)
@@ -130,6 +132,34 @@ def apply_allowed_token_ids(logits: torch.Tensor, seqs: Seq["Sequence"]) -> torc
         kept = logits[row, ids]
         logits[row] = float("-inf")
         logits[row, ids] = kept
+    return logits
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's rule: each word as tokenized alone and, where that differs, after a space (how it
+    appears inside a text), without special tokens."""
+    sequences: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        for ids in (plain, spaced):
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
+
+
+def apply_bad_words(logits: torch.Tensor, seqs: Seq["Sequence"]) -> torch.Tensor:
+    """vLLM's ``bad_words``: ``-inf`` for the token that would complete one of a row's bad
+    token sequences after the tokens it generated so far (a one-token word: always)."""
+    for row, seq in enumerate(seqs):
+        sequences = seq.params.bad_words_token_ids
+        if not sequences:
+            continue
+        out = seq.output_token_ids
+        for ids in sequences:
+            prefix = ids[:-1]
+            if not prefix or (len(out) >= len(prefix) and out[len(out) - len(prefix) :] == prefix):
+                logits[row, ids[-1]] = float("-inf")
     return logits
 
 

@@ -102,6 +102,15 @@ def _stop(body) -> list[str]:
     return stop
 
 
+def _bad_words(body) -> list[str] | None:
+    words = body.get("bad_words")
+    if words is None or words == []:
+        return None
+    if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+        raise bad_request("`bad_words` must be a list of non-empty strings", param="bad_words")
+    return words
+
+
 def _int_list(body, name) -> list[int]:
     v = body.get(name)
     if v is None:
@@ -194,6 +203,7 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None) -> Sampl
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
         logit_bias=_logit_bias(body),
         allowed_token_ids=_int_list(body, "allowed_token_ids") if body.get("allowed_token_ids") is not None else None,
+        bad_words=_bad_words(body),
     )
     if kwargs["top_p"] == 0.0:
         raise bad_request("`top_p` must be > 0", param="top_p")

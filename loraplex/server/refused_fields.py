@@ -90,7 +90,6 @@ REFUSED_FIELDS: dict[str, tuple[tuple[str, ...], object, str]] = {
     "web_search_options": (("chat",), _unset, "web search is not supported"),
     # vLLM's extra fields
     "use_beam_search": (BOTH, _falsy_or_null, "beam search is not supported"),
-    "bad_words": (BOTH, _unset, "`bad_words` is not supported"),
     "logits_processors": (BOTH, _unset, "custom logits processors are not supported"),
     "truncate_prompt_tokens": (BOTH, _unset, "`truncate_prompt_tokens` is not supported"),
     "prompt_embeds": (("completion",), _unset, "prompt embeddings are not supported"),

@@ -101,3 +101,39 @@ def test_allowed_token_ids_restrict_greedy_to_the_set(llm, hf_model):
     with pytest.raises(InvalidRequestError) as info:
         llm.generate(prompt, SamplingParams(allowed_token_ids=[llm.engine.vocab_size]))
     assert info.value.param == "allowed_token_ids"
+
+
+LETTERS_ONLY = {4 + b: 100.0 for b in range(ord("a"), ord("z") + 1)}  # byte tokenizer: id = 4 + byte
+
+
+def _reference_without(model, prompt: list[int], banned: list[list[int]], steps: int) -> list[int]:
+    """Greedy over transformers' logits (+ LETTERS_ONLY), each step banning the last token of
+    every sequence in ``banned`` whose other tokens end the output so far (vLLM's bad_words)."""
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].clone()
+            for token, value in LETTERS_ONLY.items():
+                logits[token] += value
+            for ids in banned:
+                if len(ids) == 1 or out[len(out) - len(ids) + 1 :] == ids[:-1]:
+                    logits[ids[-1]] = float("-inf")
+            out.append(int(logits.argmax()))
+    return out
+
+
+def test_bad_words_are_never_completed(llm, hf_model):
+    prompt = list(range(60, 84))
+    steps = 10
+    plain = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=steps, logit_bias=LETTERS_ONLY))[0]
+    text = plain.text
+    assert len(text) == steps and text.isalpha()
+    words = [text[2:4], text[5]]  # a two-letter word the model writes, and a one-letter one
+    params = SamplingParams(temperature=0.0, max_tokens=steps, logit_bias=LETTERS_ONLY, bad_words=words)
+    out = llm.generate(prompt, params)[0]
+    assert all(w not in out.text for w in words)
+    banned = [[4 + ord(ch) for ch in w] for w in words]  # " w" variants start with a space: never generated here
+    assert out.token_ids == _reference_without(hf_model, prompt, banned, steps)
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(bad_words=["ok", " "])
+    assert info.value.param == "bad_words"

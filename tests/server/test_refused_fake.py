@@ -59,7 +59,6 @@ REFUSED = [
     ("both", {"best_of": 3}, "best_of"),
     ("both", {"best_of": 2, "n": 1}, "best_of"),
     ("both", {"use_beam_search": True}, "use_beam_search"),
-    ("both", {"bad_words": ["x"]}, "bad_words"),
     ("both", {"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
     ("both", {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
     ("both", {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
@@ -108,6 +107,7 @@ ACCEPTED = [
     ("both", {"best_of": None}),
     ("both", {"prompt_logprobs": None, "guided_json": None, "structured_outputs": None}),
     ("both", {"use_beam_search": False, "bad_words": [], "return_tokens_as_token_ids": False}),
+    ("both", {"bad_words": ["x", "no way"]}),
     ("both", {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}}),
     ("chat", {"add_generation_prompt": True, "continue_final_message": False, "add_special_tokens": False}),
     ("chat", {"modalities": ["text"], "echo": False}),
@@ -138,3 +138,14 @@ def test_allowed_token_ids_reach_the_engine_or_are_refused(client, kind):
     assert srv.engine.params_seen[srv.engine.started[-1][0]].allowed_token_ids == [5, 6, 33]
     for bad in ([], [5, -1], "5", [FAKE_VOCAB]):
         _envelope(c.post(path, json={**body, "allowed_token_ids": bad}), 400, param="allowed_token_ids")
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_bad_words_reach_the_engine_or_are_refused(client, kind):
+    srv, c = client
+    path, body = ENDPOINTS[kind]
+    r = c.post(path, json={**body, "bad_words": ["darn", "no way"]})
+    assert r.status_code == 200, r.text
+    assert srv.engine.params_seen[srv.engine.started[-1][0]].bad_words == ["darn", "no way"]
+    for bad in ("darn", [""], ["ok", 5], [" "]):
+        _envelope(c.post(path, json={**body, "bad_words": bad}), 400, param="bad_words")
