@@ -18,7 +18,7 @@ from pathlib import Path
 
 from serving_client import TENANT
 
-from tests.e2e.server_process import REPO_ROOT
+from tests.e2e.server_process import REPO_ROOT, wait_ready
 from tests.fixtures.ports import free_port
 
 
@@ -48,8 +48,6 @@ class Server:
 
 
 def start_server(home: Path, model_dir: Path, served_name: str, extra: list[str], ready_timeout: float = 300) -> Server:
-    import httpx
-
     port = free_port()
     admin_key = "bench-admin-" + secrets.token_hex(8)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}  # only what we set
@@ -63,18 +61,8 @@ def start_server(home: Path, model_dir: Path, served_name: str, extra: list[str]
     with open(log_path, "ab") as log:  # a file, not a pipe: a full pipe would stall the server
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ready_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text(errors='replace')[-4000:]}")
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return Server(proc, url, log_path, admin_key)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    proc.kill()
-    raise RuntimeError(f"server not ready in {ready_timeout}s:\n{log_path.read_text(errors='replace')[-4000:]}")
+    wait_ready(proc, url, log_path, ready_timeout)
+    return Server(proc, url, log_path, admin_key)
 
 
 def setup_tenant(url: str, admin_key: str, adapter_dirs: list[Path], tenant: str = TENANT) -> tuple[str, list[str], str]:

@@ -71,13 +71,6 @@ class StructuredOutputs:
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
             bad("grammar must be a non-empty string")
 
-    def cache_key(self) -> str:
-        return json.dumps(
-            [self.json, self.json_object, self.regex, self.choice, self.grammar, self.disable_any_whitespace],
-            sort_keys=True,
-            default=str,
-        )
-
     def to_grammar(self, param: str = "structured_outputs") -> str:
         """llguidance's grammar for this constraint; a schema that is not a JSON object raises."""
         from llguidance import LLMatcher

@@ -141,7 +141,7 @@ class AsyncLLMEngine:
 
         try:
             prepared = grammar = None
-            if getattr(params, "structured_outputs", None) is not None and hasattr(engine, "grammars"):
+            if params.structured_outputs is not None:
                 # compiling a grammar can take a while (a large schema): not on the engine thread
                 grammar = await asyncio.to_thread(engine.grammars.matcher, params.structured_outputs)
             if adapter is not None and getattr(engine, "lora_manager", None) is not None:

@@ -2,22 +2,19 @@
 
 The llguidance tokenizer is built from the model's tokenizer on first use (0.44 s for
 SmolLM2's 49k vocabulary) and kept: ``loraplex serve`` builds it in a background thread at
-start (``warm``), so the first structured request does not hold up the engine thread; the grammar of a constraint is compiled once and cached, and every
-sequence gets its own matcher, advanced by the sampler with each token it samples.
+start (``warm``), so the first structured request does not hold up the engine thread. Every
+sequence gets its own matcher (the async engine makes it in a worker thread), advanced by the
+sampler with each token it samples.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 
 import numpy as np
 
 from loraplex.sampling_params import InvalidRequestError
 from loraplex.structured_output import StructuredOutputs
-
-GRAMMAR_CACHE_SIZE = 256
-
 
 class GrammarFactory:
     """Makes llguidance matchers for one tokenizer and vocabulary size."""
@@ -29,7 +26,6 @@ class GrammarFactory:
         self._lltokenizer = None
         self._lock = threading.Lock()  # warm() in a thread and the first request may meet
         self._executor = None  # llguidance's thread pool for the per-step masks
-        self._grammars: OrderedDict[str, str] = OrderedDict()
 
     def warm(self) -> None:
         """Build the llguidance tokenizer now (a thread at server start); errors wait for a
@@ -54,24 +50,12 @@ class GrammarFactory:
                     ) from None
             return self._lltokenizer
 
-    def _grammar(self, spec: StructuredOutputs) -> str:
-        key = spec.cache_key()
-        grammar = self._grammars.get(key)
-        if grammar is None:
-            grammar = spec.to_grammar()
-            self._grammars[key] = grammar
-            if len(self._grammars) > GRAMMAR_CACHE_SIZE:
-                self._grammars.popitem(last=False)
-        else:
-            self._grammars.move_to_end(key)
-        return grammar
-
     def matcher(self, spec: StructuredOutputs):
         """A fresh matcher at the start of the output; a grammar llguidance refuses raises
         ``InvalidRequestError`` (param ``structured_outputs``)."""
         from llguidance import LLMatcher
 
-        matcher = LLMatcher(self._llguidance_tokenizer(), self._grammar(spec), log_level=0)
+        matcher = LLMatcher(self._llguidance_tokenizer(), spec.to_grammar(), log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(
                 f"invalid structured output: {matcher.get_error().strip()}", param="structured_outputs"

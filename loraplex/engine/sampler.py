@@ -76,7 +76,7 @@ class Sampler:
         logits = apply_penalties(logits, seqs)
         logits = apply_allowed_token_ids(logits, seqs)
         logits = apply_bad_words(logits, seqs)
-        grammar_rows = [row for row, seq in enumerate(seqs) if getattr(seq, "grammar", None) is not None]
+        grammar_rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
         if grammar_rows:
             logits = apply_grammars(logits, seqs, grammar_rows, eos_token_ids, self.grammar_masks)
 
@@ -128,7 +128,7 @@ def apply_allowed_token_ids(logits: torch.Tensor, seqs: Seq["Sequence"]) -> torc
     """vLLM's ``allowed_token_ids``: ``-inf`` for every other token of that row (in place)."""
     rows = [row for row, seq in enumerate(seqs) if seq.params.allowed_token_ids]
     for row in rows:
-        ids = torch.tensor(seqs[row].params.allowed_token_ids, dtype=torch.long, device=logits.device)
+        ids = _cached_ids(seqs[row].params, "allowed_token_ids", logits.device)
         kept = logits[row, ids]
         logits[row] = float("-inf")
         logits[row, ids] = kept
@@ -163,6 +163,17 @@ def apply_bad_words(logits: torch.Tensor, seqs: Seq["Sequence"]) -> torch.Tensor
     return logits
 
 
+def _cached_ids(params, name: str, device: torch.device) -> torch.Tensor:
+    """``params.<name>`` (a list of token ids) as a device tensor, made once per request."""
+    ids = getattr(params, name)
+    key = f"_{name}_tensor"
+    cached = params.__dict__.get(key)
+    if cached is None or cached[0] is not ids or cached[1].device != device:
+        cached = (ids, torch.tensor(ids, dtype=torch.long, device=device))
+        params.__dict__[key] = cached
+    return cached[1]
+
+
 def serial_allowed_tokens(matchers: list, vocab: int) -> np.ndarray:  # [len(matchers), vocab] bool
     """Each matcher's allowed next tokens, one after another (a sampler without the engine's
     ``GrammarFactory.allowed_tokens``, which computes them in parallel)."""
@@ -188,9 +199,11 @@ def apply_grammars(
     if allowed_tokens is None:
         allowed = serial_allowed_tokens(matchers, vocab)
     else:
-        allowed = np.zeros((len(rows), vocab), dtype=bool)
-        computed = allowed_tokens(matchers)
-        allowed[:, : computed.shape[1]] = computed[:, :vocab]
+        allowed = allowed_tokens(matchers)  # a fresh array, ours to change
+        if allowed.shape[1] != vocab:
+            padded = np.zeros((len(rows), vocab), dtype=bool)
+            padded[:, : min(vocab, allowed.shape[1])] = allowed[:, :vocab]
+            allowed = padded
     for k in np.flatnonzero(~allowed.any(axis=1)):
         allowed[k, [t for t in eos_token_ids if t < vocab]] = True
     index = torch.tensor(rows, device=logits.device)

@@ -22,14 +22,10 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def is_finished(self) -> bool:
-        return self in FINISHED_STATUSES
 
-
-# A set, read directly by Sequence: an Enum's property costs about a microsecond per call
-# (enum.property is a Python-level descriptor), and the engine asks several times per
-# sequence per step.
+# A set, read directly by Sequence (not an Enum property: enum.property is a Python-level
+# descriptor costing about a microsecond per call, and the engine asks several times per
+# sequence per step).
 FINISHED_STATUSES = frozenset(
     (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
 )

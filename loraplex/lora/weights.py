@@ -80,7 +80,10 @@ class AdapterWeights:
 def _cast(parsed: ParsedAdapter, name: str, dtype: torch.dtype) -> torch.Tensor:
     """The tensor in the engine's dtype. Values finite in the file but beyond that dtype's range
     (|x| > 65504 in float16) would turn into Inf: refused, as NaN/Inf in the file are."""
-    t = parsed.tensors[name].to(dtype).contiguous()
-    if t.numel() and not bool(torch.isfinite(t).all()):
+    src = parsed.tensors[name]
+    t = src.to(dtype).contiguous()
+    # the file's values were checked finite when parsed: only a narrowing cast can overflow
+    narrowing = src.dtype != dtype and torch.finfo(src.dtype).max > torch.finfo(dtype).max
+    if narrowing and t.numel() and not bool(torch.isfinite(t).all()):
         raise InvalidAdapterError(f"tensor {name!r} has values beyond the range of {dtype} (the engine's dtype)")
     return t

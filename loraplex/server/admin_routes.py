@@ -4,7 +4,6 @@ manager (uploads, blobs, in-use tracking) and the engine (device/host tiers)."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 from starlette.concurrency import run_in_threadpool
@@ -16,7 +15,7 @@ from loraplex.registry.errors import NotFound
 from loraplex.registry.names import parse_version
 from loraplex.server.context import AppContext
 from loraplex.server.errors import APIError, bad_request
-from loraplex.server.limits import read_body
+from loraplex.server.limits import parse_json, read_body
 from loraplex.server.uploads import new_staging_dir, remove_staging, stage_upload
 from loraplex.storage.base import content_key
 
@@ -38,10 +37,7 @@ async def _json(request: Request, ctx: AppContext) -> dict:
     raw = await read_body(request, ctx.settings.max_body_bytes)
     if not raw:
         return {}
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):  # RecursionError: nested deeper than the interpreter allows
-        raise bad_request("Request body is not valid JSON.") from None
+    body = parse_json(raw)
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object.")
     return body

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
-from loraplex.sampling_params import InvalidRequestError, check_token_ids_in_vocab
+from loraplex.sampling_params import check_token_ids_in_vocab
 from loraplex.server.context import AppContext
 from loraplex.server.errors import APIError, bad_request, model_not_found
 from loraplex.server.limits import check_generation_limits
@@ -240,10 +240,7 @@ def prepare(ctx: AppContext, req: GenerationRequest, prompt_ids: list[list[int]]
     """Check limits for every prompt; sets max_tokens where the request left it open. Token ids
     in the sampling options are checked here too, so a stream never starts with a request the
     engine would refuse."""
-    try:
-        check_token_ids_in_vocab(req.params, vocab_size(ctx))
-    except InvalidRequestError as exc:
-        raise bad_request(exc.message, param=exc.param) from None
+    check_token_ids_in_vocab(req.params, vocab_size(ctx))  # an InvalidRequestError is a 400 naming the field
     s = ctx.settings
     effective = []
     for ids in prompt_ids:

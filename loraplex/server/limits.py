@@ -4,6 +4,7 @@ per tenant (429 with Retry-After)."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import defaultdict
 
@@ -119,3 +120,17 @@ class BodySizeLimitMiddleware:
             return message
 
         await self.app(scope, counting_receive, send)
+
+
+def parse_json(raw: bytes):
+    """A request body's JSON; anything unparseable (nested deeper than the interpreter allows
+    included: RecursionError) is a 400."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        raise bad_request("Request body is not valid JSON.") from None
+
+
+async def read_json(request: Request, max_bytes: int):
+    """``read_body`` then ``parse_json``."""
+    return parse_json(await read_body(request, max_bytes))

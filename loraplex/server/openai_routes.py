@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 from starlette.concurrency import run_in_threadpool
@@ -12,9 +11,9 @@ from starlette.routing import Route
 
 from loraplex.server import tool_calls
 from loraplex.server.context import AppContext
-from loraplex.server.errors import CLIENT_CLOSED, bad_request, from_exception, model_not_found
+from loraplex.server.errors import CLIENT_CLOSED, from_exception, model_not_found
 from loraplex.server.generation import RequestRun, log_refused, prepare, resolve_target, tokenize_prompts
-from loraplex.server.limits import read_body
+from loraplex.server.limits import read_json
 from loraplex.server.protocol import GenerationRequest, parse_chat_request, parse_completion_request
 from loraplex.server.shapes import ResponseShaper
 from loraplex.server.streaming import DONE, ClientDisconnected, SSEResponse, run_unless_disconnected, sse_event
@@ -22,14 +21,6 @@ from loraplex.server.streaming import DONE, ClientDisconnected, SSEResponse, run
 
 def _ctx(request: Request) -> AppContext:
     return request.app.state.ctx
-
-
-async def _json_body(request: Request, ctx: AppContext):
-    raw = await read_body(request, ctx.settings.max_body_bytes)
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):  # RecursionError: nested deeper than the interpreter allows
-        raise bad_request("Request body is not valid JSON.") from None
 
 
 async def completions(request: Request) -> Response:
@@ -47,7 +38,7 @@ async def _generate(request: Request, parse) -> Response:
     tenant = model = None
     try:
         tenant = await ctx.tenant_auth.tenant_for(request, request.path_params.get("tenant"))
-        req: GenerationRequest = parse(await _json_body(request, ctx))
+        req: GenerationRequest = parse(await read_json(request, ctx.settings.max_body_bytes))
         model = req.model
         target = await resolve_target(ctx, tenant, req.model)  # holds the adapter version from here
         try:

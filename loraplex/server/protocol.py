@@ -12,11 +12,10 @@ tool_calls.py.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 
-from loraplex.sampling_params import LOGIT_BIAS_LIMIT, InvalidRequestError, SamplingParams
+from loraplex.sampling_params import InvalidRequestError, SamplingParams
 from loraplex.server.errors import bad_request
 from loraplex.server.refused_fields import refuse_unsupported
 from loraplex.server.structured_fields import parse_structured_output
@@ -103,12 +102,8 @@ def _stop(body) -> list[str]:
 
 
 def _bad_words(body) -> list[str] | None:
-    words = body.get("bad_words")
-    if words is None or words == []:
-        return None
-    if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
-        raise bad_request("`bad_words` must be a list of non-empty strings", param="bad_words")
-    return words
+    words = body.get("bad_words")  # checked by SamplingParams
+    return None if words is None or words == [] else words
 
 
 def _int_list(body, name) -> list[int]:
@@ -125,7 +120,8 @@ _TOKEN_KEY = re.compile(r"[0-9]+")
 
 def _logit_bias(body) -> dict[int, float] | None:
     """OpenAI's ``logit_bias``: an object of token ids (JSON keys are strings; ints are taken
-    too) to a bias in [-100, 100]. Ids past the vocabulary are refused once the model is known."""
+    too) to a bias; the values' range is SamplingParams's check. Ids past the vocabulary are
+    refused once the model is known."""
     raw = body.get("logit_bias")
     if raw is None:
         return None
@@ -141,11 +137,7 @@ def _logit_bias(body) -> dict[int, float] | None:
             raise bad_request(
                 f"`logit_bias` keys must be token ids (non-negative integers), got {key!r}", param="logit_bias"
             )
-        if not _is_number(value) or not math.isfinite(value):
-            raise bad_request(f"`logit_bias[{key}]` must be a number, got {value!r}", param="logit_bias")
-        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
-            raise bad_request(f"`logit_bias[{key}]` must be in [-100, 100], got {value}", param="logit_bias")
-        out[token] = float(value)
+        out[token] = value
     return out
 
 

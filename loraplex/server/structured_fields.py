@@ -50,6 +50,13 @@ def _from_structured_outputs(value) -> StructuredOutputs | None:
 
 def parse_structured_output(body: dict) -> StructuredOutputs | None:
     """The request's constraint, checked; None when it asks for none."""
+    # vLLM's structured_outputs.disable_any_whitespace, whichever field gives the constraint:
+    # read first, so the grammar checked here is the one the engine compiles
+    options = body.get("structured_outputs")
+    compact = options.get("disable_any_whitespace") if isinstance(options, dict) else None
+    if compact is not None and not isinstance(compact, bool):
+        raise bad_request("`structured_outputs.disable_any_whitespace` must be a boolean",
+                          param="structured_outputs.disable_any_whitespace")
     found: list[tuple[str, StructuredOutputs]] = []
     for field in ("response_format", "structured_outputs", *GUIDED_FIELDS):
         value = body.get(field)
@@ -63,6 +70,7 @@ def parse_structured_output(body: dict) -> StructuredOutputs | None:
             else:
                 spec = StructuredOutputs(**{GUIDED_FIELDS[field]: value})
             if spec is not None:
+                spec.disable_any_whitespace = bool(compact)
                 spec.check(param=field)
         except InvalidRequestError as exc:
             raise bad_request(exc.message, param=field) from None
@@ -73,15 +81,4 @@ def parse_structured_output(body: dict) -> StructuredOutputs | None:
             f"`{found[1][0]}`: one structured output constraint per request (`{found[0][0]}` gives one already)",
             param=found[1][0],
         )
-    if not found:
-        return None
-    spec = found[0][1]
-    # vLLM's structured_outputs.disable_any_whitespace, whichever field gave the constraint
-    options = body.get("structured_outputs")
-    compact = options.get("disable_any_whitespace") if isinstance(options, dict) else None
-    if compact is not None:
-        if not isinstance(compact, bool):
-            raise bad_request("`structured_outputs.disable_any_whitespace` must be a boolean",
-                              param="structured_outputs.disable_any_whitespace")
-        spec.disable_any_whitespace = compact
-    return spec
+    return found[0][1] if found else None

@@ -22,7 +22,6 @@ error as one last event of the same shape, as LoRAX does.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
@@ -31,9 +30,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from loraplex.server.context import AppContext
-from loraplex.server.errors import CLIENT_CLOSED, APIError, bad_request, from_exception
+from loraplex.server.errors import CLIENT_CLOSED, APIError, from_exception
 from loraplex.server.generation import RequestRun, log_refused, prepare, resolve_target, tokenize_prompts
-from loraplex.server.limits import read_body
+from loraplex.server.limits import read_json
 from loraplex.server.shapes import ResponseShaper
 from loraplex.server.streaming import ClientDisconnected, SSEResponse, run_unless_disconnected, sse_event
 from loraplex.server.tgi_protocol import TGIRequest, parse_generate_request
@@ -136,14 +135,6 @@ class TokenShaper:
         return out
 
 
-async def _json_body(request: Request, ctx: AppContext):
-    raw = await read_body(request, ctx.settings.max_body_bytes)
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):
-        raise bad_request("Request body is not valid JSON.") from None
-
-
 def _prepare(ctx: AppContext, treq: TGIRequest, prompt_ids: list[list[int]]) -> None:
     """The shared limits, a context overflow told in LoRAX's words."""
     try:
@@ -160,7 +151,7 @@ async def _admit(request: Request, ctx: AppContext, stream: bool | None, arrival
     tenant = model = None
     try:
         tenant = await ctx.tenant_auth.tenant_for(request, request.path_params.get("tenant"))
-        treq, stream = parse_generate_request(await _json_body(request, ctx), ctx.served_model_name, stream=stream)
+        treq, stream = parse_generate_request(await read_json(request, ctx.settings.max_body_bytes), ctx.served_model_name, stream=stream)
         model = treq.gen.model
         target = await resolve_target(ctx, tenant, model)  # holds the adapter version from here
         try:

@@ -133,7 +133,7 @@ def _safe_member_path(staging: Path, name: str) -> Path:
 def _unpack_tar(fileobj, staging: Path, member_limit: int) -> None:
     try:
         archive = tarfile.open(fileobj=fileobj, mode="r:*")
-    except (tarfile.TarError, EOFError, OSError) as exc:
+    except (tarfile.TarError, EOFError, OSError):
         raise bad_request(
             "archive is neither a zip file nor a readable tar file (.tar, .tar.gz, .tar.bz2, .tar.xz)",
             param=ARCHIVE_FIELD,

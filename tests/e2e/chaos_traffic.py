@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from tests.e2e.compat_server import LETTERS
 from tests.e2e.server_process import REPO_ROOT
 
-LETTERS = {str(4 + b): 100 for b in range(ord("a"), ord("z") + 1)}
 PROMPTS = ("tell me a story", "SELECT * FROM users", "hello there", "one two three")
 MAX_REF = 20  # tokens of a reference; checked requests ask for at most this many
 STOPS = (None, None, "e", ["q", "z"], "th")

@@ -66,15 +66,22 @@ def start_server(home: Path, model_dir: Path, *extra: str, ready_timeout: float 
     with open(log_path, "wb") as log:  # a file, not a pipe: a full pipe would stall the server
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ready_timeout
+    wait_ready(proc, url, log_path, ready_timeout)
+    return ServerProcess(proc, url, log_path)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout: float) -> None:
+    """Until ``url``/ready answers 200; the log's tail in the error if the process exits or
+    ``timeout`` seconds pass (then it is killed)."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text(errors='replace')[-4000:]}")
         try:
             if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return ServerProcess(proc, url, log_path)
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.25)
     proc.kill()
-    raise RuntimeError(f"server not ready in {ready_timeout}s:\n{log_path.read_text()}")
+    raise RuntimeError(f"server not ready in {timeout}s:\n{log_path.read_text(errors='replace')[-4000:]}")

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from tests.server.test_admin_fake import _files
 from tests.server.test_errors_fake import _envelope
 
 DEEP = "[" * 100_000 + "]" * 100_000  # deeper than Python's recursion limit
@@ -34,13 +35,6 @@ def test_deeply_nested_admin_body_is_a_400(module_server):
     with module_server.admin() as c:
         r = c.post("/admin/v1/tenants", content='{"name": ' + DEEP + "}", headers={"content-type": "application/json"})
     _envelope(r, 400)
-
-
-def _files(payload: bytes) -> dict:
-    return {
-        "adapter_config.json": ("adapter_config.json", b"{}", "application/json"),
-        "adapter_model.safetensors": ("adapter_model.safetensors", payload, "application/octet-stream"),
-    }
 
 
 @pytest.mark.parametrize(
