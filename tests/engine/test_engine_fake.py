@@ -248,11 +248,13 @@ def test_async_abort_by_id_ends_stream_with_abort():
 
 
 def test_async_cancelled_consumer_aborts_and_duplicate_id_is_refused():
-    engine = make_engine(num_blocks=500, max_model_len=2000)
+    # far more tokens than the engine thread can make before the consumer is cancelled (1900
+    # fake tokens were sometimes all made first on a loaded CI machine: nothing left to abort)
+    engine = make_engine(num_blocks=5000, max_model_len=20000)
     aengine = AsyncLLMEngine(engine.config, engine=engine)
 
     async def consume(request_id):
-        async for _ in aengine.generate([7, 8], greedy(max_tokens=1900), request_id=request_id):
+        async for _ in aengine.generate([7, 8], greedy(max_tokens=19000), request_id=request_id):
             await asyncio.sleep(0)
 
     async def main():
