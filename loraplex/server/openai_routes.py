@@ -10,10 +10,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from loraplex.server import tool_calls
+from loraplex.server.admission import Admission, admit
 from loraplex.server.context import AppContext
 from loraplex.server.errors import CLIENT_CLOSED, from_exception, model_not_found
-from loraplex.server.generation import RequestRun, log_refused, prepare, resolve_target, tokenize_prompts
-from loraplex.server.limits import read_json
+from loraplex.server.generation import RequestRun
 from loraplex.server.protocol import GenerationRequest, parse_chat_request, parse_completion_request
 from loraplex.server.shapes import ResponseShaper
 from loraplex.server.streaming import DONE, ClientDisconnected, SSEResponse, run_unless_disconnected, sse_event
@@ -23,37 +23,32 @@ def _ctx(request: Request) -> AppContext:
     return request.app.state.ctx
 
 
+class _OpenAIAdmission(Admission):
+    """Completions or chat: the OpenAI body, tokenized as ``generation.tokenize_prompts`` does."""
+
+    def __init__(self, endpoint: str, parse):
+        self.endpoint = endpoint
+        self._parse = parse
+
+    def parse(self, ctx: AppContext, body) -> GenerationRequest:
+        return self._parse(body)
+
+
 async def completions(request: Request) -> Response:
-    return await _generate(request, parse_completion_request)
+    return await _generate(request, _OpenAIAdmission("completion", parse_completion_request))
 
 
 async def chat_completions(request: Request) -> Response:
-    return await _generate(request, parse_chat_request)
+    return await _generate(request, _OpenAIAdmission("chat", parse_chat_request))
 
 
-async def _generate(request: Request, parse) -> Response:
+async def _generate(request: Request, steps: Admission) -> Response:
     arrival = time.monotonic()
     ctx = _ctx(request)
-    kind = "chat" if parse is parse_chat_request else "completion"
-    tenant = model = None
-    try:
-        tenant = await ctx.tenant_auth.tenant_for(request, request.path_params.get("tenant"))
-        req: GenerationRequest = parse(await read_json(request, ctx.settings.max_body_bytes))
-        model = req.model
-        target = await resolve_target(ctx, tenant, req.model)  # holds the adapter version from here
-        try:
-            prompt_ids = tokenize_prompts(ctx, req)
-            prepare(ctx, req, prompt_ids)
-        except BaseException:
-            if target.adapter is not None:
-                ctx.adapters.release(target.adapter.content_hash)
-            raise
-        shaper = ResponseShaper(req.kind, req.model, ctx.tokenizer, include_usage=req.include_usage)
-        run = RequestRun(ctx, tenant, target, req, prompt_ids, shaper.id, arrival)
-        run.admit()  # on refusal (503/429) it has released everything
-    except Exception as exc:
-        log_refused(kind, tenant, model, from_exception(exc, log_unknown=False).status, arrival)
-        raise
+    run = await admit(request, ctx, steps, arrival)
+    req = run.req
+    shaper = ResponseShaper(req.kind, req.model, ctx.tokenizer, include_usage=req.include_usage,
+                            response_id=run.request_id)
     if req.stream:
         return SSEResponse(_stream_events(run, shaper), on_close=lambda: run.close(CLIENT_CLOSED))
     try:

@@ -62,12 +62,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 class ResponseShaper:
     """Builds the bodies of one response (all chunks share id, created and model)."""
 
-    def __init__(self, kind: str, model: str, tokenizer, include_usage: bool = False):
+    def __init__(self, kind: str, model: str, tokenizer, include_usage: bool = False, response_id: str | None = None):
         self.kind = kind
         self.model = model
         self.tokenizer = tokenizer
         self.include_usage = include_usage
-        self.id = new_id(kind)
+        self.id = response_id or new_id(kind)
         self.created = int(time.time())
 
     def _head(self, obj: str) -> dict:

@@ -29,10 +29,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from loraplex.server.admission import Admission, admit
 from loraplex.server.context import AppContext
 from loraplex.server.errors import CLIENT_CLOSED, APIError, from_exception
-from loraplex.server.generation import RequestRun, log_refused, prepare, resolve_target, tokenize_prompts
-from loraplex.server.limits import read_json
+from loraplex.server.generation import RequestRun, prepare, tokenize_prompts
+from loraplex.server.protocol import GenerationRequest
 from loraplex.server.shapes import ResponseShaper
 from loraplex.server.streaming import ClientDisconnected, SSEResponse, run_unless_disconnected, sse_event
 from loraplex.server.tgi_protocol import TGIRequest, parse_generate_request
@@ -135,43 +136,53 @@ class TokenShaper:
         return out
 
 
-def _prepare(ctx: AppContext, treq: TGIRequest, prompt_ids: list[list[int]]) -> None:
-    """The shared limits, a context overflow told in LoRAX's words."""
-    try:
-        prepare(ctx, treq.gen, prompt_ids)
-    except APIError as err:
-        if err.code == "context_length_exceeded" and err.param == "max_tokens":
-            err.message = (f"`inputs` tokens + `max_new_tokens` must be <= {ctx.max_model_len}. Given: "
-                           f"{len(prompt_ids[0])} `inputs` tokens and {treq.gen.params.max_tokens} `max_new_tokens`")
-        raise
+class _GenerateAdmission(Admission):
+    """LoRAX's generate body; the prompt kept to its last ``truncate`` tokens, a context overflow
+    told in LoRAX's words, refusals logged with LoRAX's statuses."""
+
+    endpoint = ENDPOINT
+
+    def __init__(self, stream: bool | None):
+        self.stream = stream  # None: the body's ``stream`` decides
+        self.treq: TGIRequest | None = None
+
+    def parse(self, ctx: AppContext, body) -> GenerationRequest:
+        self.treq, self.stream = parse_generate_request(body, ctx.served_model_name, stream=self.stream)
+        return self.treq.gen
+
+    def prompt_ids(self, ctx: AppContext, req: GenerationRequest) -> list[list[int]]:
+        prompt_ids = tokenize_prompts(ctx, req)
+        if self.treq.truncate is not None:  # LoRAX keeps the prompt's last `truncate` tokens
+            prompt_ids = [ids[-self.treq.truncate:] for ids in prompt_ids]
+        try:
+            prepare(ctx, req, prompt_ids)
+        except APIError as err:
+            if err.code == "context_length_exceeded" and err.param == "max_tokens":
+                err.message = (f"`inputs` tokens + `max_new_tokens` must be <= {ctx.max_model_len}. Given: "
+                               f"{len(prompt_ids[0])} `inputs` tokens and {req.params.max_tokens} `max_new_tokens`")
+            raise
+        return prompt_ids
+
+    def request_id(self, req: GenerationRequest) -> str:
+        return f"gen-{uuid.uuid4().hex}"
+
+    def refused_status(self, err: APIError) -> int:
+        return http_status(err)
 
 
 async def _admit(request: Request, ctx: AppContext, stream: bool | None, arrival: float):
-    """Authenticate, parse, resolve and admit: ``(run, request, stream)``; raises on refusal."""
-    tenant = model = None
+    """Authenticate, parse, resolve and admit: ``(run, request, stream)``; raises an APIError
+    (in LoRAX's words) on refusal."""
+    steps = _GenerateAdmission(stream)
     try:
-        tenant = await ctx.tenant_auth.tenant_for(request, request.path_params.get("tenant"))
-        treq, stream = parse_generate_request(await read_json(request, ctx.settings.max_body_bytes), ctx.served_model_name, stream=stream)
-        model = treq.gen.model
-        target = await resolve_target(ctx, tenant, model)  # holds the adapter version from here
-        try:
-            prompt_ids = tokenize_prompts(ctx, treq.gen)
-            if treq.truncate is not None:  # LoRAX keeps the prompt's last `truncate` tokens
-                prompt_ids = [ids[-treq.truncate:] for ids in prompt_ids]
-            _prepare(ctx, treq, prompt_ids)
-        except BaseException:
-            if target.adapter is not None:
-                ctx.adapters.release(target.adapter.content_hash)
-            raise
-        run = RequestRun(ctx, tenant, target, treq.gen, prompt_ids, f"gen-{uuid.uuid4().hex}", arrival)
-        run.admit()  # on refusal (503/429) it has released everything
+        run = await admit(request, ctx, steps, arrival)
     except Exception as exc:
         err = from_exception(exc)
-        log_refused(ENDPOINT, tenant, model, http_status(err), arrival)
         if err.code == "model_not_found":
+            model = steps.treq.gen.model
             err.message, err.param = f"Adapter `{model}` does not exist or you do not have access to it.", None
         raise err from None
-    return run, treq, stream
+    return run, steps.treq, steps.stream
 
 
 async def _serve(request: Request, stream: bool | None, compat: bool = False) -> Response:

@@ -1,0 +1,75 @@
+"""The one admission path of every generating route (OpenAI completions and chat, LoRAX
+generate): authenticate, parse, resolve ``model``, tokenize and check limits, take the slots.
+
+The steps and the order are shared; what differs per route (how the body is read, how its
+prompts become token ids, the request id, the status a refusal is logged with) comes from an
+``Admission``. Whatever step refuses the request, everything taken before it is given back and
+the refusal gets its access line.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+
+from loraplex.server.context import AppContext
+from loraplex.server.errors import APIError, from_exception
+from loraplex.server.generation import RequestRun, Target, log_refused, prepare, resolve_target, tokenize_prompts
+from loraplex.server.limits import read_json
+from loraplex.server.protocol import GenerationRequest
+from loraplex.server.shapes import new_id
+
+
+async def authenticate(ctx: AppContext, request: Request) -> str:
+    """The caller's tenant: the key's, which must match ``/t/{tenant}`` where the path names one."""
+    return await ctx.tenant_auth.tenant_for(request, request.path_params.get("tenant"))
+
+
+def release_target(ctx: AppContext, target: Target) -> None:
+    """Give back the adapter version ``resolve_target`` acquired (nothing for the base model)."""
+    if target.adapter is not None:
+        ctx.adapters.release(target.adapter.content_hash)
+
+
+class Admission:
+    """One route's own admission steps; ``admit`` runs them between the shared ones."""
+
+    endpoint = "completion"  # the access log's ``endpoint`` of a refused request
+
+    def parse(self, ctx: AppContext, body) -> GenerationRequest:
+        raise NotImplementedError
+
+    def prompt_ids(self, ctx: AppContext, req: GenerationRequest) -> list[list[int]]:
+        """Token ids per prompt, limits checked (``prepare`` may set ``max_tokens``)."""
+        ids = tokenize_prompts(ctx, req)
+        prepare(ctx, req, ids)
+        return ids
+
+    def request_id(self, req: GenerationRequest) -> str:
+        return new_id(req.kind)
+
+    def refused_status(self, err: APIError) -> int:
+        return err.status
+
+
+async def admit(request: Request, ctx: AppContext, steps: Admission, arrival: float) -> RequestRun:
+    """The admitted run, holding the adapter version, a drain slot and a tenant slot until its
+    ``close``. A refusal is raised as it came (an unknown exception is left for the caller to
+    log), after its access line is written and whatever was taken is given back."""
+    tenant = model = None
+    try:
+        tenant = await authenticate(ctx, request)
+        req = steps.parse(ctx, await read_json(request, ctx.settings.max_body_bytes))
+        model = req.model
+        target = await resolve_target(ctx, tenant, model)  # holds the adapter version from here
+        try:
+            prompt_ids = steps.prompt_ids(ctx, req)
+        except BaseException:
+            release_target(ctx, target)
+            raise
+        run = RequestRun(ctx, tenant, target, req, prompt_ids, steps.request_id(req), arrival)
+        run.admit()  # on refusal (503/429) it has released everything
+    except Exception as exc:
+        status = steps.refused_status(from_exception(exc, log_unknown=False))
+        log_refused(steps.endpoint, tenant, model, status, arrival)
+        raise
+    return run
