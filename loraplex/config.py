@@ -108,6 +108,9 @@ class Settings(BaseSettings):
     max_concurrent_requests_per_tenant: int = 256
     shutdown_grace_seconds: float = 30.0
     max_upload_member_bytes: int = 2 * GiB
+    # vLLM's --trust-request-chat-template: render a `chat_template` sent with a chat request
+    # (a template is code the server runs, sandboxed; off, such a request is a 400)
+    trust_request_chat_template: bool = False
 
     def engine_config(self) -> EngineConfig:
         names = EngineConfig.option_names()

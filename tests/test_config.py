@@ -21,3 +21,20 @@ def test_every_engine_option_is_a_setting_with_the_same_default(monkeypatch, tmp
     assert settings.engine_config() == engine_defaults
     changed = Settings(home=tmp_path, max_loras=3, cuda_graphs=True).engine_config()
     assert (changed.home, changed.max_loras, changed.cuda_graphs) == (tmp_path, 3, True)
+
+
+def test_trust_request_chat_template_is_off_unless_asked(monkeypatch):
+    """vLLM's --trust-request-chat-template: the same flag on `loraplex serve`, and the env
+    setting; off by default (a request's chat template is then a 400)."""
+    from loraplex.cli import build_parser
+    from loraplex.server.cli import settings_from_args
+
+    monkeypatch.delenv("LORAPLEX_TRUST_REQUEST_CHAT_TEMPLATE", raising=False)
+    assert Settings().trust_request_chat_template is False
+    assert settings_from_args(build_parser().parse_args(["serve"])).trust_request_chat_template is False
+    on = build_parser().parse_args(["serve", "--trust-request-chat-template"])
+    assert settings_from_args(on).trust_request_chat_template is True
+    monkeypatch.setenv("LORAPLEX_TRUST_REQUEST_CHAT_TEMPLATE", "true")
+    assert Settings().trust_request_chat_template is True
+    off = build_parser().parse_args(["serve", "--no-trust-request-chat-template"])
+    assert settings_from_args(off).trust_request_chat_template is False  # a flag wins over the env

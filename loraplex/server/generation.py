@@ -22,6 +22,7 @@ from loraplex.sampling_params import check_token_ids_in_vocab
 from loraplex.server.context import AppContext
 from loraplex.server.errors import APIError, bad_request, model_not_found
 from loraplex.server.limits import check_generation_limits
+from loraplex.server.prompt_fields import PromptOptions
 from loraplex.server.protocol import GenerationRequest
 
 access_log = logging.getLogger("loraplex.access")
@@ -62,49 +63,99 @@ def vocab_size(ctx: AppContext) -> int:
 
 
 def tokenize_prompts(ctx: AppContext, req: GenerationRequest) -> list[list[int]]:
-    """Token ids per prompt, as the offline engine would tokenize the same text."""
+    """Token ids per prompt, as the offline engine would tokenize the same text, then cut to the
+    request's ``truncate_prompt_tokens``."""
     tok = ctx.tokenizer
+    opts = req.prompt_options
+    add_special = opts.special_tokens_for(req.kind)
     if req.kind == "chat":
-        if not getattr(tok, "chat_template", None):
+        if opts.chat_template is not None and not ctx.settings.trust_request_chat_template:
+            # vLLM refuses it the same way (its _validate_chat_template): a template is code the
+            # server runs, so the operator opts in
+            raise bad_request(
+                "`chat_template`: a chat template sent with the request is refused unless the server runs "
+                "with --trust-request-chat-template (LORAPLEX_TRUST_REQUEST_CHAT_TEMPLATE), as vLLM does.",
+                param="chat_template",
+            )
+        if opts.chat_template is None and not getattr(tok, "chat_template", None):
             raise bad_request("This model has no chat template; use /completions.", param="messages")
-        text = render_chat(tok, req.messages, req.tools.tools)
-        # the template already holds any BOS token
-        return [list(tok(text, add_special_tokens=False)["input_ids"])]
-    vocab = vocab_size(ctx)
-    out = []
-    for prompt in req.prompts:
-        if isinstance(prompt, str):
-            out.append(list(tok(prompt)["input_ids"]))
-        else:
-            if any(t >= vocab for t in prompt):
-                raise bad_request(f"prompt token ids must be < {vocab}", param="prompt")
-            out.append(list(prompt))
-    return out
+        text = render_chat(tok, req.messages, req.tools.tools, opts)
+        # the template holds its own special tokens (BOS ...); add_special_tokens adds the
+        # tokenizer's on top, as vLLM does
+        out = [list(tok(text, add_special_tokens=add_special)["input_ids"])]
+    else:
+        vocab = vocab_size(ctx)
+        out = []
+        for prompt in req.prompts:
+            if isinstance(prompt, str):
+                out.append(list(tok(prompt, add_special_tokens=add_special)["input_ids"]))
+            else:  # token ids are the prompt as given: no special tokens added (vLLM)
+                if any(t >= vocab for t in prompt):
+                    raise bad_request(f"prompt token ids must be < {vocab}", param="prompt")
+                out.append(list(prompt))
+    return truncate_prompts(out, opts.truncate_prompt_tokens, ctx.max_model_len)
+
+
+def truncate_prompts(prompts: list[list[int]], keep: int | None, max_model_len: int) -> list[list[int]]:
+    """vLLM's ``truncate_prompt_tokens``: keep each prompt's last ``keep`` tokens (left
+    truncation, vllm-project/vllm#3144); -1 means the context length; more than the context
+    length is a 400 (vLLM's _validate_truncation_size)."""
+    if keep is None:
+        return prompts
+    if keep == -1:
+        keep = max_model_len
+    if keep > max_model_len:
+        raise bad_request(
+            f"`truncate_prompt_tokens` ({keep}) is greater than the model's context length ({max_model_len}); "
+            "select a smaller truncation size.",
+            param="truncate_prompt_tokens",
+        )
+    return [ids[-keep:] for ids in prompts]
 
 
 # what a chat template that cannot render a conversation raises: its own raise_exception (a
-# TemplateError), or a type or lookup error on a message shape it does not expect
+# TemplateError, which also covers a request template's syntax errors and the sandbox's
+# SecurityError), or a type or lookup error on a message shape it does not expect
 _TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
 
 
-def render_chat(tok, messages: list[dict], tools: list[dict] | None) -> str:
+def render_chat(tok, messages: list[dict], tools: list[dict] | None, opts: PromptOptions | None = None) -> str:
     """The chat template over the messages, with the request's tools passed as ``tools`` (as
-    vLLM does; templates that know tools show them to the model). A template that cannot render
-    the conversation (say, one that refuses the role "tool") is a 400, naming ``tools`` when
-    the same messages render without them."""
-    kwargs = {"tools": tools} if tools else {}
+    vLLM does; templates that know tools show them to the model), and the request's template
+    options (``opts``). A template that cannot render the conversation (say, one that refuses
+    the role "tool") is a 400, naming ``chat_template`` for the request's own template,
+    ``continue_final_message`` when that is what failed, and ``tools`` when the same messages
+    render without them."""
+    opts = opts or PromptOptions()
+    kwargs = dict(opts.chat_template_kwargs)
+    if opts.chat_template is not None:
+        # rendered by transformers in its ImmutableSandboxedEnvironment, like the model's own
+        kwargs["chat_template"] = opts.chat_template
+    if opts.continue_final_message:
+        kwargs["continue_final_message"] = True
+    if tools:
+        kwargs["tools"] = tools
     try:
-        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        return tok.apply_chat_template(
+            messages, add_generation_prompt=opts.add_generation_prompt, tokenize=False, **kwargs
+        )
     except _TEMPLATE_ERRORS as exc:
         param = "messages"
-        if tools:
+        if opts.chat_template is not None:
+            param = "chat_template"
+        elif opts.continue_final_message and "continue_final_message" in str(exc):
+            param = "continue_final_message"
+        elif tools:
+            kwargs.pop("tools")
             try:
-                tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                tok.apply_chat_template(messages, add_generation_prompt=opts.add_generation_prompt, tokenize=False,
+                                        **kwargs)
                 param = "tools"
             except _TEMPLATE_ERRORS:
                 pass
         what = "these tools" if param == "tools" else "this conversation"
-        raise bad_request(f"The model's chat template cannot render {what}: {exc}", param=param) from None
+        whose = "The request's chat template" if param == "chat_template" else "The model's chat template"
+        raise bad_request(f"{whose} cannot render {what}: {exc}", param=param) from None
 
 
 class RequestRun:

@@ -48,7 +48,7 @@ async def _generate(request: Request, steps: Admission) -> Response:
     run = await admit(request, ctx, steps, arrival)
     req = run.req
     shaper = ResponseShaper(req.kind, req.model, ctx.tokenizer, include_usage=req.include_usage,
-                            response_id=run.request_id)
+                            response_id=run.request_id, tokens_as_ids=req.return_tokens_as_token_ids)
     if req.stream:
         return SSEResponse(_stream_events(run, shaper), on_close=lambda: run.close(CLIENT_CLOSED))
     try:
@@ -121,6 +121,8 @@ async def _stream_events(run: RequestRun, shaper: ResponseShaper):
     status = CLIENT_CLOSED
     try:
         n_choices = len(run.prompt_ids) * req.params.n
+        if req.continuous_usage:
+            shaper.track_usage([len(run.prompt_ids[i // req.params.n]) for i in range(n_choices)])
         calls = None  # per choice, when the output is tool calls
         if req.kind == "chat" and req.tools.mode is not None:
             calls = [tool_calls.ToolCallStream(req.tools) for _ in range(n_choices)]
@@ -142,9 +144,11 @@ async def _stream_events(run: RequestRun, shaper: ResponseShaper):
             async for p_idx, choice, comp in run.deltas():
                 if choice in echo_pending:
                     echo_pending.discard(choice)
-                    prompt_part = shaper.completion_logprobs(_prompt_entries(run, shaper, p_idx), req.top_logprobs, 0)
+                    prompt_entries = _prompt_entries(run, shaper, p_idx)
+                    prompt_part = shaper.completion_logprobs(prompt_entries, req.top_logprobs, 0)
                     yield sse_event(shaper.chunk(choice, _echo_text(run, p_idx), None, prompt_part))
-                    offsets[choice] = sum(len(t) for t in prompt_part["tokens"])
+                    offsets[choice] = shaper.text_length(prompt_entries)
+                shaper.count_tokens(choice, len(comp.token_ids))  # continuous usage: cumulative per choice
                 if not comp.text and comp.finish_reason is None and not (req.logprobs and comp.logprobs):
                     continue  # text held back (a partial character or a possible stop string)
                 logprobs = None

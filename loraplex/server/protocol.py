@@ -7,7 +7,8 @@ a 400 whose ``param`` names the field. vLLM's extra fields (``top_k``, ``min_p``
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``prompt_logprobs``, ``structured_outputs``
 and ``guided_*`` ...) are accepted under vLLM's names so clients written for vLLM work unchanged;
 structured output fields are read by structured_fields.py, tools and tool choice by
-tool_calls.py.
+tool_calls.py, the prompt-side fields (chat template options, ``truncate_prompt_tokens``,
+``add_special_tokens``) by prompt_fields.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 
 from loraplex.sampling_params import InvalidRequestError, SamplingParams
 from loraplex.server.errors import bad_request
+from loraplex.server.prompt_fields import PromptOptions, parse_prompt_options
 from loraplex.server.refused_fields import refuse_unsupported
 from loraplex.server.structured_fields import parse_structured_output
 from loraplex.server.tool_calls import ToolRequest, parse_tools, template_tool_calls
@@ -37,12 +39,15 @@ class GenerationRequest:
     tools: ToolRequest = field(default_factory=ToolRequest)  # chat: tools for the template, tool choice
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     logprobs: bool = False  # report logprobs in the response
     top_logprobs: int = 0
     echo: bool = False
     prompt_logprobs: int | None = None  # vLLM's field: report the prompt's logprobs (top N)
     max_tokens_given: bool = False  # False: max_tokens defaults to what the context leaves
     user: str | None = None
+    prompt_options: PromptOptions = field(default_factory=PromptOptions)  # template, truncation, special tokens
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
 
 
 # --- typed field readers ----------------------------------------------------------------------
@@ -148,20 +153,28 @@ def _model(body) -> str:
     return model
 
 
-def _stream(body) -> tuple[bool, bool]:
+def _stream(body) -> tuple[bool, bool, bool]:
+    """``stream``, and whether usage comes at the end and on every chunk.
+
+    vLLM's ``continuous_usage_stats`` puts usage on every chunk only when usage is included at
+    all; vLLM's ``stream_options.include_usage`` defaults to true, so ``{"continuous_usage_stats":
+    true}`` alone turns on both, and an explicit ``include_usage: false`` turns off both."""
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if opts is not None:
         if not isinstance(opts, dict):
             raise bad_request("`stream_options` must be an object", param="stream_options")
+        for name in ("include_usage", "continuous_usage_stats"):
+            if opts.get(name) is not None and not isinstance(opts[name], bool):
+                raise bad_request(f"`stream_options.{name}` must be a boolean", param=f"stream_options.{name}")
+        continuous = bool(opts.get("continuous_usage_stats"))
         iu = opts.get("include_usage")
-        if iu is not None and not isinstance(iu, bool):
-            raise bad_request("`stream_options.include_usage` must be a boolean", param="stream_options.include_usage")
-        include_usage = bool(iu)
+        include_usage = bool(iu) or (iu is None and continuous)
+        continuous = continuous and include_usage
         if not stream and include_usage:
             raise bad_request("`stream_options` is only allowed when `stream` is true", param="stream_options")
-    return stream, include_usage
+    return stream, include_usage, continuous
 
 
 def _prompt_logprobs(body: dict, stream: bool) -> int | None:
@@ -279,7 +292,7 @@ def parse_completion_request(body) -> GenerationRequest:
     prompts = _prompts(body)
     max_tokens = _int(body, "max_tokens", None, lo=1)
     logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous_usage = _stream(body)
     echo = _bool(body, "echo", False)
     prompt_logprobs = _prompt_logprobs(body, stream)
     params = _sampling(body, max_tokens if max_tokens is not None else 16, logprobs)
@@ -294,10 +307,13 @@ def parse_completion_request(body) -> GenerationRequest:
         prompts=prompts,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
+        return_tokens_as_token_ids=bool(_bool(body, "return_tokens_as_token_ids", False)),
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
         echo=echo,
         prompt_logprobs=prompt_logprobs,
+        prompt_options=parse_prompt_options(body, "completion"),
         max_tokens_given=True,  # OpenAI's completions default is 16
         user=body.get("user") if isinstance(body.get("user"), str) else None,
     )
@@ -316,7 +332,7 @@ def parse_chat_request(body) -> GenerationRequest:
     top_logprobs = _int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     if top_logprobs is not None and not want_logprobs:
         raise bad_request("`top_logprobs` requires `logprobs` to be true", param="top_logprobs")
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous_usage = _stream(body)
     prompt_logprobs = _prompt_logprobs(body, stream)
     params = _sampling(body, max_tokens, (top_logprobs or 0) if want_logprobs else None)
     tools = parse_tools(body)
@@ -337,8 +353,11 @@ def parse_chat_request(body) -> GenerationRequest:
         model=model,
         params=params,
         messages=messages,
+        prompt_options=parse_prompt_options(body, "chat", messages),
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
+        return_tokens_as_token_ids=bool(_bool(body, "return_tokens_as_token_ids", False)),
         logprobs=want_logprobs,
         top_logprobs=top_logprobs or 0,
         max_tokens_given=max_tokens is not None,

@@ -7,7 +7,8 @@ search ...) is another matter: answering as if it had not been sent would hand t
 client text it did not ask for, without a word. Such a field is refused with a 400 in the
 OpenAI envelope whose ``param`` names it, unless its value asks for nothing beyond what is
 served anyway (``best_of`` equal to ``n``, an empty list, ``null``, a vLLM default). Structured
-output is served (``structured_fields.py``), and so are tools with ``tool_choice`` ``"none"``,
+output is served (``structured_fields.py``), vLLM's prompt-side fields (chat template options,
+truncation, special tokens: ``prompt_fields.py``), and so are tools with ``tool_choice`` ``"none"``,
 ``"required"`` or a named function (``tool_calls.py``); ``"auto"`` (the default when tools are
 sent) would need a parser for the model's own tool-call syntax and is refused, as vLLM refuses
 it when started without ``--enable-auto-tool-choice``.
@@ -53,20 +54,12 @@ def _falsy_or_null(v, body) -> bool:
     return v is None or v is False
 
 
-def _true_or_null(v, body) -> bool:
-    return v is None or v is True
-
-
 def _text_only(v, body) -> bool:
     return v is None or v == ["text"]
 
 
 def _unset(v, body) -> bool:
     return _empty(v)
-
-
-def _stream_options(v, body) -> bool:
-    return not isinstance(v, dict) or not v.get("continuous_usage_stats")
 
 
 AUTO_TOOLS = (
@@ -91,15 +84,7 @@ REFUSED_FIELDS: dict[str, tuple[tuple[str, ...], object, str]] = {
     # vLLM's extra fields
     "use_beam_search": (BOTH, _falsy_or_null, "beam search is not supported"),
     "logits_processors": (BOTH, _unset, "custom logits processors are not supported"),
-    "truncate_prompt_tokens": (BOTH, _unset, "`truncate_prompt_tokens` is not supported"),
     "prompt_embeds": (("completion",), _unset, "prompt embeddings are not supported"),
-    "return_tokens_as_token_ids": (BOTH, _falsy_or_null, "`return_tokens_as_token_ids` is not supported"),
-    "add_generation_prompt": (("chat",), _true_or_null, "`add_generation_prompt: false` is not supported"),
-    "continue_final_message": (("chat",), _falsy_or_null, "`continue_final_message` is not supported"),
-    "chat_template": (("chat",), _unset, "a request-supplied chat template is not supported"),
-    "chat_template_kwargs": (("chat",), _unset, "`chat_template_kwargs` are not supported"),
-    "add_special_tokens": (BOTH, None, "`add_special_tokens` other than the default is not supported"),
-    "stream_options": (BOTH, _stream_options, "`stream_options.continuous_usage_stats` is not supported"),
 }
 
 
@@ -108,11 +93,5 @@ def refuse_unsupported(body: dict, kind: str) -> None:
     for name, (kinds, accepted, why) in REFUSED_FIELDS.items():
         if kind not in kinds or name not in body:
             continue
-        value = body[name]
-        if name == "add_special_tokens":  # vLLM's defaults: chat False (the template has them), completions True
-            ok = value is None or value is (kind == "completion")
-        else:
-            ok = accepted(value, body)
-        if not ok:
-            param = "stream_options.continuous_usage_stats" if name == "stream_options" else name
-            raise bad_request(f"`{param}`: {why}.", param=param, code="unsupported_parameter")
+        if not accepted(body[name], body):
+            raise bad_request(f"`{name}`: {why}.", param=name, code="unsupported_parameter")

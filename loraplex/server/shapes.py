@@ -3,7 +3,13 @@
 Ids are ``cmpl-<hex>`` / ``chatcmpl-<hex>``; ``object`` is ``text_completion``,
 ``chat.completion`` or ``chat.completion.chunk``. Streams end with ``data: [DONE]`` (see
 streaming.py); with ``stream_options.include_usage`` every chunk carries ``"usage": null`` and a
-last chunk with empty ``choices`` carries the usage.
+last chunk with empty ``choices`` carries the usage. With vLLM's ``continuous_usage_stats`` each
+chunk's ``usage`` is its choice's so far instead (see ``track_usage``).
+
+vLLM's ``return_tokens_as_token_ids`` writes each logprob token as ``"token_id:<id>"`` (vLLM's
+form), so tokens that are not valid text on their own stay identifiable. Chat's ``bytes`` stay the
+token's own bytes and completions' ``text_offset`` stays the offset in the text, where vLLM takes
+both from the ``"token_id:<id>"`` string for some entries.
 """
 
 from __future__ import annotations
@@ -62,21 +68,45 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 class ResponseShaper:
     """Builds the bodies of one response (all chunks share id, created and model)."""
 
-    def __init__(self, kind: str, model: str, tokenizer, include_usage: bool = False, response_id: str | None = None):
+    def __init__(self, kind: str, model: str, tokenizer, include_usage: bool = False, response_id: str | None = None,
+                 tokens_as_ids: bool = False):
         self.kind = kind
         self.model = model
         self.tokenizer = tokenizer
         self.include_usage = include_usage
+        self.tokens_as_ids = tokens_as_ids
         self.id = response_id or new_id(kind)
         self.created = int(time.time())
+        # continuous usage: per choice [prompt tokens, completion tokens so far]; None when off
+        self._choice_usage: list[list[int]] | None = None
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    # --- usage on every chunk (vLLM's continuous_usage_stats) -------------------------------
+
+    def track_usage(self, prompt_tokens_per_choice: list[int]) -> None:
+        """From now on every choice chunk carries its choice's usage: the prompt's tokens and
+        the tokens generated so far (vLLM's shape: cumulative, per choice; the role chunk
+        reports 0). The last chunk still carries the whole request's usage."""
+        self._choice_usage = [[p, 0] for p in prompt_tokens_per_choice]
+
+    def count_tokens(self, index: int, n: int) -> None:
+        if self._choice_usage is not None:
+            self._choice_usage[index][1] += n
 
     # --- logprobs --------------------------------------------------------------------------
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    def _token_label(self, token_id: int) -> str:
+        """A token as the logprobs name it: its text, or vLLM's ``"token_id:<id>"``."""
+        return f"token_id:{token_id}" if self.tokens_as_ids else self._token_text(token_id)
+
+    def text_length(self, entries: list[dict]) -> int:
+        """The length of the text the entries' tokens decode to, one by one (text offsets)."""
+        return sum(len(self._token_text(e["token_id"])) for e in entries)
 
     @staticmethod
     def _top_items(entry: dict, limit: int) -> list[tuple[int, float]]:
@@ -93,14 +123,15 @@ class ResponseShaper:
         offset = text_offset0
         for e in entries:
             text = self._token_text(e["token_id"])
-            tokens.append(text)
+            label = self._token_label(e["token_id"])
+            tokens.append(label)
             token_logprobs.append(e.get("logprob"))
             entry: dict[str, float] = {}
             items = self._top_items(e, top_n)
             for t, lp in items:  # most likely first: a text shared by two tokens keeps the higher
-                entry.setdefault(self._token_text(t), lp)
+                entry.setdefault(self._token_label(t), lp)
             if e.get("logprob") is not None and all(t != e["token_id"] for t, _ in items):
-                entry.setdefault(text, e["logprob"])
+                entry.setdefault(label, e["logprob"])
             # a prompt's first token: nothing predicts it, so no logprob and no alternatives
             top.append(None if e.get("logprob") is None and e.get("top_logprobs") is None else entry)
             offsets.append(offset)
@@ -135,7 +166,8 @@ class ResponseShaper:
     def chat_logprobs(self, entries: list[dict], top_n: int) -> dict:
         def item(token_id: int, logprob: float) -> dict:
             text = self._token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": token_bytes(self.tokenizer, token_id, text)}
+            return {"token": self._token_label(token_id), "logprob": logprob,
+                    "bytes": token_bytes(self.tokenizer, token_id, text)}
 
         content = []
         for e in entries:
@@ -190,7 +222,9 @@ class ResponseShaper:
             body = self._head("text_completion")
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         body["choices"] = [choice]
-        if self.include_usage:
+        if self._choice_usage is not None:
+            body["usage"] = usage(*self._choice_usage[index])
+        elif self.include_usage:
             body["usage"] = None
         return body
 

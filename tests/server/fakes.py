@@ -70,6 +70,7 @@ class FakeEngine:
         self.aborted: set[str] = set()
         self.started: list[tuple[str, str | None]] = []  # (request_id, adapter content hash)
         self.params_seen: dict[str, object] = {}  # request_id -> the SamplingParams it ran with
+        self.prompts_seen: dict[str, list[int]] = {}  # request_id -> the prompt token ids it ran with
         self.loaded: dict[str, tuple[str, bool]] = {}
         self.shut_down = False
 
@@ -85,6 +86,7 @@ class FakeEngine:
         with self._lock:
             self.started.append((request_id, adapter_id))
             self.params_seen[request_id] = params
+            self.prompts_seen[request_id] = list(prompt)
             self.blocks_in_use[request_id] = self._blocks(len(prompt)) * params.n
         try:
             texts = [""] * params.n

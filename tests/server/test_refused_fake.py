@@ -1,6 +1,7 @@
 """Fields that change the output: ``logit_bias`` is checked and passed on (structured output:
 test_structured_fields_fake.py); fields loraplex does not implement are refused with a 400
-naming them (never silently ignored); harmless ones pass."""
+naming them (never silently ignored); harmless ones pass. vLLM's prompt-side fields, once refused
+here, are served: test_prompt_fields_fake.py."""
 
 from __future__ import annotations
 
@@ -59,16 +60,7 @@ REFUSED = [
     ("both", {"best_of": 3}, "best_of"),
     ("both", {"best_of": 2, "n": 1}, "best_of"),
     ("both", {"use_beam_search": True}, "use_beam_search"),
-    ("both", {"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
-    ("both", {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
-    ("both", {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
     ("chat", {"echo": True}, "echo"),
-    ("chat", {"add_generation_prompt": False}, "add_generation_prompt"),
-    ("chat", {"continue_final_message": True}, "continue_final_message"),
-    ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),
-    ("chat", {"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
-    ("chat", {"add_special_tokens": True}, "add_special_tokens"),
-    ("completion", {"add_special_tokens": False}, "add_special_tokens"),
     ("chat", {"modalities": ["text", "audio"]}, "modalities"),
     ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
 ]
