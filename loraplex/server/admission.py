@@ -9,10 +9,11 @@ the refusal gets its access line.
 
 from __future__ import annotations
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from loraplex.server.context import AppContext
-from loraplex.server.errors import APIError, from_exception
+from loraplex.server.errors import APIError, from_exception, model_not_found
 from loraplex.server.generation import RequestRun, Target, log_refused, prepare, resolve_target, tokenize_prompts
 from loraplex.server.limits import read_json
 from loraplex.server.protocol import GenerationRequest
@@ -22,6 +23,21 @@ from loraplex.server.shapes import new_id
 async def authenticate(ctx: AppContext, request: Request) -> str:
     """The caller's tenant: the key's, which must match ``/t/{tenant}`` where the path names one."""
     return await ctx.tenant_auth.tenant_for(request, request.path_params.get("tenant"))
+
+
+async def check_model(ctx: AppContext, tenant: str, model: str) -> None:
+    """404 ``model_not_found`` (as ``resolve_target`` answers) unless ``model`` is the base
+    model or names one of the tenant's adapters (``name`` with an active version, or
+    ``name@N``). A registry lookup only: no version is pinned, no file fetched or loaded, for
+    routes that need the name checked but run nothing on the adapter (the tokenizer routes)."""
+    if model == ctx.served_model_name:
+        return
+    try:
+        await run_in_threadpool(ctx.registry.resolve, tenant, model)
+    except Exception as exc:
+        if getattr(exc, "http_status", None) in (400, 404):  # no such name, or one that could never be one
+            raise model_not_found(model) from None
+        raise
 
 
 def release_target(ctx: AppContext, target: Target) -> None:

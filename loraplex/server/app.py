@@ -21,7 +21,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from loraplex.config import Settings
-from loraplex.server import admin_routes, openai_routes, tgi_routes
+from loraplex.server import admin_routes, openai_routes, tgi_info, tgi_routes, tokenizer_routes
 from loraplex.server.auth import AdminAuth, TenantAuth
 from loraplex.server.blob_gc import BlobGarbageCollector
 from loraplex.server.context import AppContext
@@ -134,6 +134,8 @@ def create_app(
         Route("/metrics", metrics, methods=["GET"]),
         *openai_routes.routes(),
         *tgi_routes.routes(),  # LoRAX's native API: /generate, /generate_stream, POST /
+        *tgi_info.routes(),  # LoRAX's GET /info
+        *tokenizer_routes.routes(),  # vLLM's /tokenize, /detokenize (LoRAX's /tokenize too)
         *admin_routes.routes(),
     ]
     admin_dir = admin_dir or DEFAULT_ADMIN_DIR

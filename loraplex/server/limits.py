@@ -33,6 +33,13 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
+def max_prompt_len(max_model_len: int, max_prompt_tokens: int | None) -> int:
+    """The longest prompt admitted: ``max_prompt_tokens`` when set, never more than the
+    context leaves for one generated token."""
+    cap = max_prompt_tokens if max_prompt_tokens is not None else max_model_len - 1
+    return min(cap, max_model_len - 1)
+
+
 def check_generation_limits(
     *, prompt_len: int, max_tokens: int | None, n: int, max_model_len: int, max_prompt_tokens: int | None, max_n: int
 ) -> int:
@@ -41,8 +48,7 @@ def check_generation_limits(
         raise bad_request(f"`n` must be <= {max_n}, got {n}", param="n")
     if prompt_len == 0:
         raise bad_request("The prompt is empty.", param="prompt")
-    prompt_cap = max_prompt_tokens if max_prompt_tokens is not None else max_model_len - 1
-    prompt_cap = min(prompt_cap, max_model_len - 1)
+    prompt_cap = max_prompt_len(max_model_len, max_prompt_tokens)
     if prompt_len > prompt_cap:
         raise APIError(
             400,

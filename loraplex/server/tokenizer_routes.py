@@ -1,0 +1,139 @@
+"""vLLM's tokenizer routes, per tenant: ``POST /tokenize`` and ``POST /detokenize``.
+
+Paths: at the root as vLLM serves them (the key decides the tenant), under ``/t/{tenant}``, and
+under ``/v1`` and ``/t/{tenant}/v1`` as SGLang also serves them, so a client whose base URL ends
+in ``/v1`` finds them too. Shapes are vLLM's (``TokenizeCompletionRequest``,
+``TokenizeChatRequest``, ``DetokenizeRequest`` in vllm/entrypoints/openai/protocol.py):
+
+- ``{"model"?, "prompt": str, "add_special_tokens"?: true, "return_token_strs"?: false}`` or
+  ``{"model"?, "messages": [...], "tools"?, "add_special_tokens"?: false, ...}`` (rendered with
+  the chat template exactly as chat completions render it) -> ``{"count", "max_model_len",
+  "tokens", "token_strs"}`` (``token_strs`` null unless asked).
+- ``{"model"?, "tokens": [int]}`` -> ``{"prompt": str}`` (special tokens kept, as vLLM decodes).
+
+``model``, when sent, must be the base model or one of the caller's adapters: the same 404 as
+chat completions otherwise. The adapter is only looked up (every adapter shares the base
+model's tokenizer): nothing is pinned, fetched or loaded. Left out, it is the base model (vLLM).
+
+``POST /tokenize`` is LoRAX's (TGI's) route too: a body with ``inputs`` is LoRAX's request and
+gets LoRAX's answer and error shape (tgi_info.py). Everything else gets vLLM's, in the OpenAI
+error envelope.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from loraplex.sampling_params import SamplingParams
+from loraplex.server import tgi_info
+from loraplex.server.admission import authenticate, check_model
+from loraplex.server.context import AppContext
+from loraplex.server.errors import bad_request
+from loraplex.server.generation import tokenize_prompts, vocab_size
+from loraplex.server.limits import read_json
+from loraplex.server.protocol import GenerationRequest, _bool, _is_int, _messages
+from loraplex.server.refused_fields import refuse_unsupported
+from loraplex.server.tool_calls import parse_tools
+
+# the chat template's own options: served as chat completions serve them (refused_fields.py
+# until they are served there)
+TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+                   "add_special_tokens")
+
+
+def _model(body: dict, served_model: str) -> str:
+    model = body.get("model")
+    if model is None:
+        return served_model
+    if not isinstance(model, str) or not model:
+        raise bad_request("`model` must be a non-empty string", param="model")
+    return model
+
+
+def _object(body) -> dict:
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    return body
+
+
+def parse_tokenize_request(body, served_model: str) -> tuple[GenerationRequest, bool, bool]:
+    """``(request, add_special_tokens, return_token_strs)``: the prompt as the completions or
+    chat request that would run it."""
+    body = _object(body)
+    model = _model(body, served_model)
+    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
+    if has_prompt and has_messages:
+        raise bad_request("Only one of `prompt` or `messages` should be provided.", param="messages")
+    if not has_prompt and not has_messages:
+        raise bad_request("`prompt` (a string) or `messages` (a chat) is required", param="prompt")
+    token_strs = _bool(body, "return_token_strs", False)
+    params = SamplingParams()
+    if has_prompt:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            raise bad_request("`prompt` must be a string", param="prompt")
+        add_special = _bool(body, "add_special_tokens", True)
+        return GenerationRequest(kind="completion", model=model, params=params, prompts=[prompt]), add_special, token_strs
+    messages = _messages(body)
+    refuse_unsupported({k: body[k] for k in TEMPLATE_FIELDS if k in body}, "chat")
+    # tools reach the template; tool_choice asks for nothing here (nothing is generated)
+    tools = parse_tools({"tools": body.get("tools")})
+    return GenerationRequest(kind="chat", model=model, params=params, messages=messages, tools=tools), False, token_strs
+
+
+def parse_detokenize_request(body, served_model: str) -> tuple[str, list[int]]:
+    body = _object(body)
+    model = _model(body, served_model)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) and t >= 0 for t in tokens):
+        raise bad_request("`tokens` must be a list of non-negative integers (token ids)", param="tokens")
+    return model, tokens
+
+
+def prompt_ids(ctx: AppContext, req: GenerationRequest, add_special_tokens: bool) -> list[int]:
+    """The token ids the request's prompt becomes, as completions or chat completions make them."""
+    if req.kind == "chat":
+        return tokenize_prompts(ctx, req)[0]
+    return list(ctx.tokenizer(req.prompts[0], add_special_tokens=add_special_tokens)["input_ids"])
+
+
+async def tokenize(request: Request) -> Response:
+    ctx: AppContext = request.app.state.ctx
+    body = await read_json(request, ctx.settings.max_body_bytes)
+    if isinstance(body, dict) and "inputs" in body:  # LoRAX's TokenizeRequest
+        return await tgi_info.tokenize(request, ctx, body)
+    tenant = await authenticate(ctx, request)
+    req, add_special, token_strs = parse_tokenize_request(body, ctx.served_model_name)
+    await check_model(ctx, tenant, req.model)
+    ids = prompt_ids(ctx, req, add_special)
+    return JSONResponse({
+        "count": len(ids),
+        "max_model_len": ctx.max_model_len,
+        "tokens": ids,
+        "token_strs": list(ctx.tokenizer.convert_ids_to_tokens(ids)) if token_strs else None,
+    })
+
+
+async def detokenize(request: Request) -> Response:
+    ctx: AppContext = request.app.state.ctx
+    tenant = await authenticate(ctx, request)
+    model, tokens = parse_detokenize_request(await read_json(request, ctx.settings.max_body_bytes),
+                                             ctx.served_model_name)
+    await check_model(ctx, tenant, model)
+    # ids past what the tokenizer knows would decode to nothing, silently
+    limit = min(vocab_size(ctx), len(ctx.tokenizer))
+    if any(t >= limit for t in tokens):
+        raise bad_request(f"`tokens`: token ids must be < {limit} (the vocabulary)", param="tokens")
+    return JSONResponse({"prompt": ctx.tokenizer.decode(tokens)})
+
+
+def routes() -> list[Route]:
+    out = []
+    for prefix in ("", "/t/{tenant}", "/v1", "/t/{tenant}/v1"):
+        out += [
+            Route(prefix + "/tokenize", tokenize, methods=["POST"]),
+            Route(prefix + "/detokenize", detokenize, methods=["POST"]),
+        ]
+    return out
