@@ -158,6 +158,35 @@ def test_errors_raise_the_clients_exceptions(lx, kwargs, error):
             list(client.generate_stream(PROMPT, **kwargs))
 
 
+def test_info_and_tokenize_on_the_real_server(lx, compat_model_dir):
+    """LoRAX's /info against the server's flags (--max-model-len 512, 4 per tenant) and the
+    engine's real dtype and device; LoRAX's and vLLM's /tokenize against the model's own
+    tokenizer, and vLLM's chat form against the prompt a chat completion runs. (lorax-client
+    0.6.3 has no call for /info or /tokenize: plain HTTP.)"""
+    from transformers import AutoTokenizer
+
+    from tests.e2e.compat_server import MAX_CONCURRENT, MESSAGES
+
+    srv, _, oai, key = lx
+    tok = AutoTokenizer.from_pretrained(str(compat_model_dir))
+    with srv.client(key) as http:
+        info = http.get("/t/lorax/info").json()
+        assert (info["model_id"], info["max_total_tokens"], info["max_input_length"]) == ("base-model", 512, 511)
+        assert info["max_concurrent_requests"] == MAX_CONCURRENT
+        assert info["model_dtype"] == "torch.float32" and info["model_device_type"] in ("cpu", "cuda")
+        lorax = http.post("/t/lorax/tokenize", json={"inputs": PROMPT}).json()
+        ids = tok(PROMPT)["input_ids"]
+        assert [t["id"] for t in lorax] == ids and [t["text"] for t in lorax] == tok.convert_ids_to_tokens(ids)
+        assert "".join(PROMPT[t["start"]:t["stop"]] for t in lorax) == PROMPT  # one token per byte, ASCII
+        vllm = http.post("/t/lorax/tokenize", json={"model": "tuned", "prompt": PROMPT}).json()
+        assert vllm["tokens"] == ids and vllm["max_model_len"] == 512
+        assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": tok.decode(ids)}
+        chat = http.post("/tokenize", json={"model": "tuned", "messages": MESSAGES}).json()
+    ref = oai.chat.completions.create(model="tuned", messages=MESSAGES, max_tokens=1)
+    assert chat["count"] == ref.usage.prompt_tokens
+    assert chat["tokens"] == tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)["input_ids"]
+
+
 def test_bad_key(lx):
     srv = lx[0]
     with pytest.raises(UnknownError, match="401"):
