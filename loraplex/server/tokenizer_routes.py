@@ -6,9 +6,11 @@ in ``/v1`` finds them too. Shapes are vLLM's (``TokenizeCompletionRequest``,
 ``TokenizeChatRequest``, ``DetokenizeRequest`` in vllm/entrypoints/openai/protocol.py):
 
 - ``{"model"?, "prompt": str, "add_special_tokens"?: true, "return_token_strs"?: false}`` or
-  ``{"model"?, "messages": [...], "tools"?, "add_special_tokens"?: false, ...}`` (rendered with
-  the chat template exactly as chat completions render it) -> ``{"count", "max_model_len",
-  "tokens", "token_strs"}`` (``token_strs`` null unless asked).
+  ``{"model"?, "messages": [...], "tools"?, "add_generation_prompt"?, "continue_final_message"?,
+  "chat_template"?, "chat_template_kwargs"?, "add_special_tokens"?: false, ...}`` -> ``{"count",
+  "max_model_len", "tokens", "token_strs"}`` (``token_strs`` null unless asked). The ids are those
+  completions or chat completions would run for the same prompt and prompt fields
+  (prompt_fields.py; ``truncate_prompt_tokens`` too, which vLLM's tokenize request lacks).
 - ``{"model"?, "tokens": [int]}`` -> ``{"prompt": str}`` (special tokens kept, as vLLM decodes).
 
 ``model``, when sent, must be the base model or one of the caller's adapters: the same 404 as
@@ -33,14 +35,9 @@ from loraplex.server.context import AppContext
 from loraplex.server.errors import bad_request
 from loraplex.server.generation import tokenize_prompts, vocab_size
 from loraplex.server.limits import read_json
+from loraplex.server.prompt_fields import parse_prompt_options
 from loraplex.server.protocol import GenerationRequest, _bool, _is_int, _messages
-from loraplex.server.refused_fields import refuse_unsupported
 from loraplex.server.tool_calls import parse_tools
-
-# the chat template's own options: served as chat completions serve them (refused_fields.py
-# until they are served there)
-TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
-                   "add_special_tokens")
 
 
 def _model(body: dict, served_model: str) -> str:
@@ -58,9 +55,9 @@ def _object(body) -> dict:
     return body
 
 
-def parse_tokenize_request(body, served_model: str) -> tuple[GenerationRequest, bool, bool]:
-    """``(request, add_special_tokens, return_token_strs)``: the prompt as the completions or
-    chat request that would run it."""
+def parse_tokenize_request(body, served_model: str) -> tuple[GenerationRequest, bool]:
+    """``(request, return_token_strs)``: the prompt as the completions or chat request that
+    would run it."""
     body = _object(body)
     model = _model(body, served_model)
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
@@ -74,13 +71,13 @@ def parse_tokenize_request(body, served_model: str) -> tuple[GenerationRequest, 
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise bad_request("`prompt` must be a string", param="prompt")
-        add_special = _bool(body, "add_special_tokens", True)
-        return GenerationRequest(kind="completion", model=model, params=params, prompts=[prompt]), add_special, token_strs
+        return GenerationRequest(kind="completion", model=model, params=params, prompts=[prompt],
+                                 prompt_options=parse_prompt_options(body, "completion")), token_strs
     messages = _messages(body)
-    refuse_unsupported({k: body[k] for k in TEMPLATE_FIELDS if k in body}, "chat")
     # tools reach the template; tool_choice asks for nothing here (nothing is generated)
     tools = parse_tools({"tools": body.get("tools")})
-    return GenerationRequest(kind="chat", model=model, params=params, messages=messages, tools=tools), False, token_strs
+    return GenerationRequest(kind="chat", model=model, params=params, messages=messages, tools=tools,
+                             prompt_options=parse_prompt_options(body, "chat", messages)), token_strs
 
 
 def parse_detokenize_request(body, served_model: str) -> tuple[str, list[int]]:
@@ -92,22 +89,15 @@ def parse_detokenize_request(body, served_model: str) -> tuple[str, list[int]]:
     return model, tokens
 
 
-def prompt_ids(ctx: AppContext, req: GenerationRequest, add_special_tokens: bool) -> list[int]:
-    """The token ids the request's prompt becomes, as completions or chat completions make them."""
-    if req.kind == "chat":
-        return tokenize_prompts(ctx, req)[0]
-    return list(ctx.tokenizer(req.prompts[0], add_special_tokens=add_special_tokens)["input_ids"])
-
-
 async def tokenize(request: Request) -> Response:
     ctx: AppContext = request.app.state.ctx
     body = await read_json(request, ctx.settings.max_body_bytes)
     if isinstance(body, dict) and "inputs" in body:  # LoRAX's TokenizeRequest
         return await tgi_info.tokenize(request, ctx, body)
     tenant = await authenticate(ctx, request)
-    req, add_special, token_strs = parse_tokenize_request(body, ctx.served_model_name)
+    req, token_strs = parse_tokenize_request(body, ctx.served_model_name)
     await check_model(ctx, tenant, req.model)
-    ids = prompt_ids(ctx, req, add_special)
+    ids = tokenize_prompts(ctx, req)[0]
     return JSONResponse({
         "count": len(ids),
         "max_model_len": ctx.max_model_len,

@@ -13,7 +13,7 @@ import pytest
 from tokenizers import processors
 
 import loraplex
-from tests.fixtures.tiny_models import BOS_ID, VOCAB_SIZE, make_tiny_tokenizer
+from tests.fixtures.tiny_models import BOS_ID, CHAT_TEMPLATE, VOCAB_SIZE, make_tiny_tokenizer
 from tests.server.conftest import start_server
 from tests.server.fakes import FakeEngine
 
@@ -26,6 +26,7 @@ MAX_PER_TENANT = 7
 
 def _tokenizer():
     tok = make_tiny_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE + "{% if note is defined %}({{ note }}){% endif %}"  # for chat_template_kwargs
     tok._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS_ID)])
     return tok
 
@@ -71,6 +72,12 @@ def test_tokenize_prompt_matches_the_tokenizer(world, path, add_special):
     assert r.json() == {"count": len(want), "max_model_len": MAX_MODEL_LEN, "tokens": want, "token_strs": None}
 
 
+def test_truncate_prompt_tokens_as_completions_take_it(world):
+    srv, client, _ = world
+    r = client.post("/tokenize", json={"prompt": TEXT, "truncate_prompt_tokens": 3})
+    assert r.json()["tokens"] == srv.engine.tokenizer(TEXT)["input_ids"][-3:]
+
+
 def test_token_strs_when_asked(world):
     srv, client, _ = world
     tok = srv.engine.tokenizer
@@ -79,20 +86,33 @@ def test_token_strs_when_asked(world):
     assert r["token_strs"][0] == "<s>"
 
 
-@pytest.mark.parametrize("add_special", [None, False, True])
-def test_tokenize_chat_matches_apply_chat_template(world, add_special):
+CONTINUED = [*CHAT, {"role": "assistant", "content": "well"}]
+
+
+@pytest.mark.parametrize("fields, messages, reference", [
+    ({}, CHAT, dict(add_generation_prompt=True)),
+    ({"add_special_tokens": False}, CHAT, dict(add_generation_prompt=True)),
+    ({"add_generation_prompt": False}, CHAT, dict(add_generation_prompt=False)),
+    ({"chat_template_kwargs": {"note": "x"}}, CHAT, dict(add_generation_prompt=True, note="x")),
+    ({"add_generation_prompt": False, "continue_final_message": True}, CONTINUED,
+     dict(add_generation_prompt=False, continue_final_message=True)),
+])
+def test_tokenize_chat_matches_apply_chat_template(world, fields, messages, reference):
     srv, client, _ = world
     tok = srv.engine.tokenizer
-    body = {"model": "fake-model", "messages": CHAT}
-    if add_special is not None:
-        body["add_special_tokens"] = add_special
-    r = client.post("/tokenize", json=body)
-    if add_special:  # the chat default (false) is all that chat completions serve so far
-        assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens"
-        return
+    r = client.post("/tokenize", json={"model": "fake-model", "messages": messages, **fields})
     assert r.status_code == 200, r.text
-    want = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)["input_ids"]
+    want = tok.apply_chat_template(messages, tokenize=True, **reference)["input_ids"]  # no special tokens added
     assert r.json()["tokens"] == want and r.json()["count"] == len(want)
+
+
+def test_tokenize_chat_with_special_tokens_adds_them_on_top(world):
+    srv, client, _ = world
+    tok = srv.engine.tokenizer
+    r = client.post("/tokenize", json={"messages": CHAT, "add_special_tokens": True})
+    text = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    assert r.json()["tokens"] == tok(text, add_special_tokens=True)["input_ids"]
+    assert r.json()["tokens"][:2] == [BOS_ID, BOS_ID]  # the tokenizer's, then the template's own
 
 
 def test_tokenize_chat_is_what_chat_completions_run(world):
@@ -175,6 +195,9 @@ def test_a_key_is_required(world):
     ("/tokenize", {"messages": []}, "messages"),
     ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ("/tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ("/tokenize", {"messages": CHAT, "chat_template": "{{ 1 }}"}, "chat_template"),  # not trusted here
+    ("/tokenize", {"messages": CONTINUED, "continue_final_message": True}, "continue_final_message"),
+    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
 ])
 def test_bad_fields_are_400(world, path, body, param):
     _, client, _ = world
