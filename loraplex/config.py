@@ -111,6 +111,11 @@ class Settings(BaseSettings):
     # vLLM's --trust-request-chat-template: render a `chat_template` sent with a chat request
     # (a template is code the server runs, sandboxed; off, such a request is a 400)
     trust_request_chat_template: bool = False
+    # chat output parsers, vLLM's names: tool_choice "auto" is served only with a tool-call
+    # parser (hermes, llama3_json); a reasoning parser (qwen3, deepseek_r1) moves <think>
+    # text to the message's reasoning field. Checked at start (loraplex/server/app.py).
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def engine_config(self) -> EngineConfig:
         names = EngineConfig.option_names()

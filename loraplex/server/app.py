@@ -29,6 +29,8 @@ from loraplex.server.errors import exception_handlers
 from loraplex.server.lifecycle import Lifecycle
 from loraplex.server.limits import BodySizeLimitMiddleware, TenantConcurrencyLimiter
 from loraplex.server.metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
+from loraplex.server.reasoning_parsers import get_reasoning_parser
+from loraplex.server.tool_parsers import get_tool_parser
 from loraplex.server.uploads import sweep_stale_staging
 
 log = logging.getLogger("loraplex.server")
@@ -75,7 +77,10 @@ def create_app(
     """The ASGI app. ``engine`` is an ``AsyncLLMEngine``, ``registry`` a ``RegistryService``,
     ``adapters`` an ``AdapterManager``; any left out is built by ``builder(settings)`` at startup
     (default: ``components.build_components``). ``on_started`` runs once everything is built,
-    before the first request (the entry point's process-wide settings)."""
+    before the first request (the entry point's process-wide settings). An unknown
+    ``tool_call_parser`` or ``reasoning_parser`` is a ValueError naming the known ones."""
+    tool_parser = get_tool_parser(settings.tool_call_parser)
+    reasoning_parser = get_reasoning_parser(settings.reasoning_parser)
     lifecycle = Lifecycle()
     ctx = AppContext(
         settings=settings,
@@ -89,6 +94,8 @@ def create_app(
         tenant_auth=TenantAuth(lambda secret: ctx.registry.authenticate(secret), settings.registry_poll_seconds),
         admin_auth=AdminAuth(settings.admin_key, lambda secret: ctx.registry.check_admin_key(secret)),
         staging_root=settings.home / "staging",
+        tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser,
     )
 
     @contextlib.asynccontextmanager

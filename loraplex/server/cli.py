@@ -20,9 +20,13 @@ import typing
 from pathlib import Path
 
 from loraplex.config import Settings
+from loraplex.server.reasoning_parsers import REASONING_PARSERS
+from loraplex.server.tool_parsers import TOOL_PARSERS
 
 # Settings fields that are not flags: secrets go through the environment only.
 NOT_FLAGS = {"admin_key"}
+# flags with a fixed set of values: argparse names them on a wrong one
+CHOICES = {"tool_call_parser": list(TOOL_PARSERS), "reasoning_parser": list(REASONING_PARSERS)}
 
 
 def _flag_type(annotation):
@@ -55,7 +59,7 @@ def add_parser(subparsers) -> None:
         if is_bool:
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=f"(env {env})")
         else:
-            p.add_argument(flag, dest=name, type=kind, default=None, help=f"(env {env})")
+            p.add_argument(flag, dest=name, type=kind, default=None, choices=CHOICES.get(name), help=f"(env {env})")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_serve)
 

@@ -29,6 +29,8 @@ class AppContext:
     tenant_auth: TenantAuth
     admin_auth: AdminAuth
     staging_root: Path
+    tool_parser: Any = None  # tool_parsers.ToolCallParser, from --tool-call-parser
+    reasoning_parser: Any = None  # reasoning_parsers.ReasoningParser, from --reasoning-parser
     # content hash -> display name ("tenant/name@version"), for status and logs
     adapter_display: dict[str, str] = field(default_factory=dict)
 

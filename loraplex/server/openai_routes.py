@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from loraplex.server import tool_calls
+from loraplex.server import chat_output, tool_calls
 from loraplex.server.admission import Admission, admit
 from loraplex.server.context import AppContext
 from loraplex.server.errors import CLIENT_CLOSED, from_exception, model_not_found
@@ -75,6 +75,7 @@ async def _collect(run: RequestRun, shaper: ResponseShaper) -> dict:
     texts = [""] * n_choices
     entries: list[list[dict]] = [[] for _ in range(n_choices)]
     finish: list[str | None] = [None] * n_choices
+    parsed = chat_output.outputs_for(run)  # reasoning / "auto" tool calls read out of the text
     async for p_idx, choice, comp in run.deltas():
         texts[choice] += comp.text
         if comp.logprobs:
@@ -96,6 +97,8 @@ async def _collect(run: RequestRun, shaper: ResponseShaper) -> dict:
         if req.kind == "chat" and req.tools.mode is not None:  # the output is a tool call's arguments
             choice["message"], called = tool_calls.message(req.tools, texts[i])
             choice["finish_reason"] = tool_calls.finish_reason(req.tools.mode, finish[i], called)
+        elif parsed is not None:
+            choice["message"], choice["finish_reason"] = parsed().message(texts[i], finish[i])
         if req.prompt_logprobs is not None and req.kind == "completion":
             choice["prompt_logprobs"] = _vllm_prompt_logprobs(run, shaper, p_idx)
         choices.append(choice)
@@ -124,6 +127,9 @@ async def _stream_events(run: RequestRun, shaper: ResponseShaper):
         if req.continuous_usage:
             shaper.track_usage([len(run.prompt_ids[i // req.params.n]) for i in range(n_choices)])
         calls = None  # per choice, when the output is tool calls
+        parsed = None  # per choice, when the parsers read the text (reasoning, "auto" tool calls)
+        if req.kind == "chat" and req.tools.mode is None and (maker := chat_output.outputs_for(run)) is not None:
+            parsed = [maker() for _ in range(n_choices)]
         if req.kind == "chat" and req.tools.mode is not None:
             calls = [tool_calls.ToolCallStream(req.tools) for _ in range(n_choices)]
             for i in range(n_choices):  # the role, then a named call's header (id, name)
@@ -160,6 +166,10 @@ async def _stream_events(run: RequestRun, shaper: ResponseShaper):
                 if calls is not None:
                     for event in _tool_call_chunks(shaper, calls[choice], choice, comp, logprobs, req.tools.mode):
                         yield event
+                    continue
+                if parsed is not None:
+                    for chunk in chat_output.stream_chunks(shaper, parsed[choice], choice, comp, logprobs):
+                        yield sse_event(chunk)
                     continue
                 offsets[choice] += len(comp.text)
                 if req.kind == "chat" and comp.finish_reason is not None and comp.text:

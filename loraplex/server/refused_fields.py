@@ -9,9 +9,10 @@ OpenAI envelope whose ``param`` names it, unless its value asks for nothing beyo
 served anyway (``best_of`` equal to ``n``, an empty list, ``null``, a vLLM default). Structured
 output is served (``structured_fields.py``), vLLM's prompt-side fields (chat template options,
 truncation, special tokens: ``prompt_fields.py``), and so are tools with ``tool_choice`` ``"none"``,
-``"required"`` or a named function (``tool_calls.py``); ``"auto"`` (the default when tools are
-sent) would need a parser for the model's own tool-call syntax and is refused, as vLLM refuses
-it when started without ``--enable-auto-tool-choice``.
+``"required"`` or a named function (``tool_calls.py``), and ``"auto"`` (the default when tools
+are sent) when the server runs with ``--tool-call-parser``; without one, chat_output.py refuses
+``"auto"`` with ``AUTO_TOOLS`` (it needs the server's option, which this table cannot see), as
+vLLM refuses it when started without ``--enable-auto-tool-choice``.
 
 The README's tenant API section lists the same fields; keep the two in step.
 """
@@ -25,17 +26,6 @@ BOTH = ("completion", "chat")
 
 def _empty(v) -> bool:
     return v is None or v == "" or v == [] or v == {}
-
-
-def _tools(v, body) -> bool:
-    # tools without a tool_choice: OpenAI's default is then "auto"
-    return _empty(v) or body.get("tool_choice") is not None
-
-
-def _tool_choice(v, body) -> bool:
-    # "none", "required" and a named function are served (tool_calls.py checks them); "auto"
-    # only asks for nothing when there are no tools
-    return v != "auto" or _empty(body.get("tools"))
 
 
 def _function_call(v, body) -> bool:
@@ -62,17 +52,17 @@ def _unset(v, body) -> bool:
     return _empty(v)
 
 
+# "auto" (tools without tool_choice mean "auto") on a server started without a tool-call parser
 AUTO_TOOLS = (
-    '"auto" tool choice is not supported: it needs a parser for the model\'s own tool-call syntax (vLLM '
-    'answers the same without --enable-auto-tool-choice); send `tool_choice` "required" or '
+    '"auto" tool choice is not supported by this server: it needs a parser for the model\'s own tool-call '
+    'syntax, which the operator chooses with `loraplex serve --tool-call-parser NAME` (hermes, llama3_json; '
+    'vLLM answers the same without --enable-auto-tool-choice); send `tool_choice` "required" or '
     '{"type": "function", "function": {"name": ...}} to have the output kept to the tools\' arguments, '
-    'or "none"'
+    'or "none" (tools sent without `tool_choice` mean "auto")'
 )
 
 # field -> (endpoints, accepted(value, body), why it is refused)
 REFUSED_FIELDS: dict[str, tuple[tuple[str, ...], object, str]] = {
-    "tool_choice": (("chat",), _tool_choice, AUTO_TOOLS),
-    "tools": (("chat",), _tools, AUTO_TOOLS + " (tools without `tool_choice` mean \"auto\")"),
     "function_call": (("chat",), _function_call, "function calls are not supported"),
     "functions": (("chat",), _functions, "function calls are not supported"),
     "suffix": (("completion",), _unset, "`suffix` (insertion) is not supported"),

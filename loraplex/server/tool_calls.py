@@ -10,9 +10,8 @@ model-specific parser, as vLLM serves them without ``--enable-auto-tool-choice``
   item.
 - ``tool_choice: "none"``: no call; the tools are still shown to the model (vLLM >= 0.10 does the
   same unless started with ``--exclude-tools-when-tool-choice-none``).
-- ``"auto"`` (also the default when ``tools`` are sent) would need a parser for the model's own
-  tool-call syntax; refused_fields.py answers it with a 400, as vLLM does without
-  ``--enable-auto-tool-choice``.
+- ``"auto"`` (also the default when ``tools`` are sent): read by the server's
+  ``--tool-call-parser`` (tool_parsers.py, chat_output.py); a 400 without one, as in vLLM.
 
 The tools go to the chat template (``apply_chat_template(..., tools=...)``), so a template that
 knows tools shows them to the model.
@@ -50,6 +49,7 @@ class ToolRequest:
     tools: list[dict] | None = None  # for the chat template; None when none were sent
     mode: str | None = None  # "named" | "required"; None: no tool call is asked for
     name: str | None = None  # the named tool
+    auto: str | None = None  # "auto" asked for: the field that asked ("tool_choice", or "tools")
     constraint: StructuredOutputs | None = None
 
 
@@ -141,7 +141,7 @@ def required_schema(tools: list[dict], parallel: bool = True) -> dict:
 def parse_tools(body: dict) -> ToolRequest:
     """The request's tools and tool choice, checked; the constraint of a named or required
     choice is checked with llguidance here (a schema it cannot enforce is a 400 naming
-    ``tools``). ``"auto"`` with tools never gets here (refused_fields.py)."""
+    ``tools``). ``"auto"`` with tools is only marked (``auto``); chat_output.py reads it."""
     tools = _check_tools(body.get("tools"))
     choice = body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
@@ -149,6 +149,7 @@ def parse_tools(body: dict) -> ToolRequest:
         raise bad_request("`parallel_tool_calls` must be a boolean", param="parallel_tool_calls")
     req = ToolRequest(tools=tools or None)
     if choice is None or choice in ("none", "auto"):  # "auto" without tools asks for nothing
+        req.auto = ("tool_choice" if choice else "tools") if tools and choice != "none" else None
         return req
     if choice == "required":
         if not tools:

@@ -1,0 +1,166 @@
+"""Reads one tool call written as a JSON object (``{"name": ..., "arguments": {...}}``) as it
+arrives, character by character, for the model-specific parsers of ``tool_parsers.py``.
+
+It reports the call's name once its string is complete and then the text of its arguments value
+(the model's own text, held back until the name is known should the arguments come first), so
+the pieces of a streamed call join into exactly the ``arguments`` of the same output read whole.
+It is not a JSON validator: ``check`` parses the whole object once it is complete.
+"""
+
+from __future__ import annotations
+
+import json
+
+_WS = " \t\n\r"
+
+
+class CallObjectReader:
+    """One call object. ``feed`` takes its characters from the opening ``{`` and returns the
+    events of that piece: ``("call", name)`` once, then ``("args", text)`` pieces; ``done``
+    turns true at the closing ``}`` (the rest of a fed piece is not consumed: ``feed`` returns
+    how many characters it took as ``consumed``)."""
+
+    def __init__(self, args_keys: tuple[str, ...]):
+        self.args_keys = args_keys
+        self.name: str | None = None
+        self.arguments = ""  # the text of the arguments value(s) read so far
+        self.done = False
+        self.consumed = 0
+        self._raw: list[str] = []
+        self._depth = 0
+        self._in_str = self._esc = False
+        self._slot = "key"  # at the object's level: "key" | "colon" | "value" | "in_value" | "after"
+        self._key = None
+        self._cap: list[str] | None = None  # a key, or the name's string, being read
+        self._cap_is_key = False
+        self._args: str | None = None  # None | "nested" | "string" | "scalar": reading arguments
+        self._args_depth = 0
+        self._held = ""
+        self._out: list[tuple] = []
+
+    def feed(self, text: str) -> list[tuple]:
+        self._out, self.consumed = [], 0
+        for ch in text:
+            if self.done:
+                break
+            self.consumed += 1
+            self._raw.append(ch)
+            self._char(ch)
+        return self._out
+
+    def check(self) -> bool:
+        """Whether the complete object is a call: JSON, a string ``name``, exactly one of the
+        arguments keys, and the read text agreeing with the parse."""
+        if not self.done or self.name is None:
+            return False
+        try:
+            obj = json.loads("".join(self._raw))
+        except ValueError:
+            return False
+        keys = [k for k in self.args_keys if isinstance(obj, dict) and k in obj]
+        if not isinstance(obj, dict) or obj.get("name") != self.name or len(keys) != 1:
+            return False
+        try:
+            return json.loads(self.arguments) == obj[keys[0]]
+        except ValueError:
+            return False
+
+    # --- one character ------------------------------------------------------------------------
+
+    def _arg(self, ch: str) -> None:
+        self.arguments += ch
+        if self.name is None:
+            self._held += ch
+        elif self._out and self._out[-1][0] == "args":
+            self._out[-1] = ("args", self._out[-1][1] + ch)
+        else:
+            self._out.append(("args", ch))
+
+    def _end_args(self) -> None:
+        self._args, self._slot = None, "after"
+
+    def _end_capture(self) -> None:
+        try:
+            value = json.loads("".join(self._cap))
+        except ValueError:
+            value = None
+        self._cap = None
+        if self._cap_is_key:
+            self._key, self._slot = value, "colon"
+            return
+        self._slot = "after"
+        if isinstance(value, str) and self.name is None:
+            self.name = value
+            self._out.append(("call", value))
+            if self._held:
+                self._out.append(("args", self._held))
+                self._held = ""
+
+    def _char(self, ch: str) -> None:
+        if self._in_str:
+            if self._args:
+                self._arg(ch)
+            if self._cap is not None:
+                self._cap.append(ch)
+            if self._esc:
+                self._esc = False
+            elif ch == "\\":
+                self._esc = True
+            elif ch == '"':
+                self._in_str = False
+                if self._cap is not None:
+                    self._end_capture()
+                elif self._args == "string":
+                    self._end_args()
+            return
+        if self._args == "scalar":  # a number or literal ends at the first character not its own
+            if ch in _WS or ch in ",}]":
+                self._end_args()
+            else:
+                self._arg(ch)
+                return
+        at_top = self._depth == 1 and not self._args
+        if ch == '"':
+            self._in_str = True
+            if self._args:
+                self._arg(ch)
+            elif at_top and self._slot == "key":
+                self._cap, self._cap_is_key = ['"'], True
+            elif at_top and self._slot == "value":
+                self._slot = "in_value"
+                if self._key == "name":
+                    self._cap, self._cap_is_key = ['"'], False
+                elif self._key in self.args_keys:
+                    self._args = "string"
+                    self._arg(ch)
+            return
+        if ch in "{[":
+            if self._args:
+                self._arg(ch)
+            elif at_top and self._slot == "value":
+                self._slot = "in_value"
+                if self._key in self.args_keys:
+                    self._args, self._args_depth = "nested", self._depth
+                    self._arg(ch)
+            self._depth += 1
+            return
+        if ch in "}]":
+            if self._args:
+                self._arg(ch)
+            self._depth -= 1
+            if self._args == "nested" and self._depth == self._args_depth:
+                self._end_args()
+            if self._depth <= 0:
+                self.done = True
+            return
+        if self._args:
+            self._arg(ch)
+        elif at_top and ch == ":" and self._slot == "colon":
+            self._slot = "value"
+        elif at_top and ch == ",":
+            self._slot = "key"
+        elif at_top and ch not in _WS and self._slot == "value":
+            self._slot = "in_value"
+            if self._key in self.args_keys:
+                self._args = "scalar"
+                self._arg(ch)
