@@ -38,3 +38,16 @@ def test_trust_request_chat_template_is_off_unless_asked(monkeypatch):
     assert Settings().trust_request_chat_template is True
     off = build_parser().parse_args(["serve", "--no-trust-request-chat-template"])
     assert settings_from_args(off).trust_request_chat_template is False  # a flag wins over the env
+
+
+def test_output_parsers_are_settings_off_by_default(monkeypatch):
+    """``--tool-call-parser`` / ``--reasoning-parser`` (vLLM's names): none unless asked for,
+    read from the environment like every setting (the names are checked when the app starts)."""
+    for name in list(os.environ):
+        if name.startswith("LORAPLEX_"):
+            monkeypatch.delenv(name)
+    assert (Settings().tool_call_parser, Settings().reasoning_parser) == (None, None)
+    monkeypatch.setenv("LORAPLEX_TOOL_CALL_PARSER", "hermes")
+    monkeypatch.setenv("LORAPLEX_REASONING_PARSER", "qwen3")
+    assert (Settings().tool_call_parser, Settings().reasoning_parser) == ("hermes", "qwen3")
+    assert "tool_call_parser" not in EngineConfig.option_names()  # the server's, not the engine's
