@@ -24,7 +24,7 @@ from loraplex.server.tool_calls import new_call_id, tool_call
 from loraplex.server.tool_parsers import ToolCallParser, ToolCallStreamer
 
 REASONING_FIELDS = ("reasoning", "reasoning_content")
-PROMPT_TAIL_TOKENS = 8  # enough for "<think>\n\n</think>\n\n" in any tokenizer
+PROMPT_TAIL_TOKENS = 32  # enough for "<think>\n\n</think>\n\n", even one token per character
 
 
 def check_request(ctx, req) -> None:

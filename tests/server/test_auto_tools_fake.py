@@ -245,3 +245,38 @@ def test_parser_flags_and_startup_check(tmp_path, capsys):
         create_app(Settings(home=tmp_path, tool_call_parser="mistral"))
     with pytest.raises(ValueError, match="known: deepseek_r1, qwen3"):
         create_app(Settings(home=tmp_path, reasoning_parser="r1"))
+
+
+class Qwen3StyleTokenizer(FakeTokenizer):
+    """One token per character (any character), and a template that, as Qwen3's, writes an
+    empty think block after the assistant header when ``enable_thinking`` is false."""
+
+    def __len__(self) -> int:
+        return 0x110000 + 3
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": [ord(c) + 3 for c in text]}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i - 3) for i in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, tools=None, **kwargs):
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        text += "<|im_start|>assistant\n"
+        return text + ("<think>\n\n</think>\n\n" if kwargs.get("enable_thinking") is False else "")
+
+
+def test_a_prompt_that_closes_the_think_block_makes_the_output_content(server_factory):
+    """Qwen3 with ``enable_thinking: false``: the template closes the think block in the prompt,
+    so nothing the model writes is reasoning (vLLM reads the prompt's end the same way)."""
+    text = ["<think>Not reasoning</think>", "answer"]
+    engine = ScriptedEngine(text, text, max_model_len=1024)
+    engine.tokenizer = Qwen3StyleTokenizer()
+    srv = server_factory(engine, reasoning_parser="qwen3")
+    with srv.tenant_client(srv.make_tenant("think")) as c:
+        body = {"model": "fake-model", "messages": USER}
+        msg = c.post(PATH, json=body).json()["choices"][0]["message"]
+        assert (msg["reasoning"], msg["content"]) == ("Not reasoning", "answer")
+        off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+        msg = c.post(PATH, json=off).json()["choices"][0]["message"]
+        assert (msg["reasoning"], msg["content"]) == (None, "<think>Not reasoning</think>answer")
