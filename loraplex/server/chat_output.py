@@ -44,8 +44,10 @@ class ChoiceOutput:
     """One choice's text read by the parsers: ``feed``/``finish`` return deltas (dicts with
     ``content``, ``reasoning`` or one ``tool_calls`` entry); ``message`` reads a whole text."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None, prompt_tail: str = ""):
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None, prompt_tail: str = "",
+                 max_calls: int | None = None):
         self._with_reasoning = reasoning is not None
+        self._max_calls = max_calls  # parallel_tool_calls false: 1 (vLLM drops the later calls, #26233)
         self._split = reasoning.splitter(prompt_tail) if reasoning is not None else None
         self._tools = ToolCallStreamer(tools) if tools is not None else None
         self.content_text = ""  # the content part, before tool calls are read out of it
@@ -83,6 +85,8 @@ class ChoiceOutput:
     def _tool_deltas(self, events: list[tuple]) -> list[dict]:
         out: list[dict] = []
         for ev in events:
+            if ev[0] != "content" and self._max_calls is not None and ev[1] >= self._max_calls:
+                continue
             if ev[0] == "content":
                 _add(out, "content", ev[1])
             elif ev[0] == "call":
@@ -100,7 +104,7 @@ class ChoiceOutput:
         calls = []
         if self._tools is not None and self._tools.valid and self._tools.calls:
             content = "".join(d.get("content", "") for d in deltas) or None
-            calls = [tool_call(name, args) for name, args in self._tools.calls]
+            calls = [tool_call(name, args) for name, args in self._tools.calls[:self._max_calls]]
         else:
             content = self.content_text
         if reasoning is not None and not content:
@@ -135,7 +139,8 @@ def outputs_for(run) -> Callable[[], ChoiceOutput] | None:
     if tools is None and reasoning is None:
         return None
     tail = _prompt_tail(ctx.tokenizer, run.prompt_ids[0]) if reasoning is not None else ""
-    return lambda: ChoiceOutput(reasoning, tools, tail)
+    max_calls = None if req.tools.parallel else 1
+    return lambda: ChoiceOutput(reasoning, tools, tail, max_calls)
 
 
 def _prompt_tail(tokenizer, prompt_ids: list[int]) -> str:

@@ -50,6 +50,7 @@ class ToolRequest:
     mode: str | None = None  # "named" | "required"; None: no tool call is asked for
     name: str | None = None  # the named tool
     auto: str | None = None  # "auto" asked for: the field that asked ("tool_choice", or "tools")
+    parallel: bool = True  # OpenAI's parallel_tool_calls
     constraint: StructuredOutputs | None = None
 
 
@@ -147,7 +148,7 @@ def parse_tools(body: dict) -> ToolRequest:
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise bad_request("`parallel_tool_calls` must be a boolean", param="parallel_tool_calls")
-    req = ToolRequest(tools=tools or None)
+    req = ToolRequest(tools=tools or None, parallel=parallel is not False)
     if choice is None or choice in ("none", "auto"):  # "auto" without tools asks for nothing
         req.auto = ("tool_choice" if choice else "tools") if tools and choice != "none" else None
         return req

@@ -124,6 +124,15 @@ def test_length_stays_length_and_n_choices_each_read(serve):
         assert _join(chunks, i) == _whole(r.json()["choices"][i])
 
 
+def test_parallel_tool_calls_false_answers_the_first_call(serve):
+    two = [CALL_TEXT, CALL_TEXT.replace("Oslo", "Rome")]
+    srv, c = serve(two, two, tool_call_parser="hermes")
+    body = {**CHAT, "parallel_tool_calls": False}
+    choice = c.post(PATH, json=body).json()["choices"][0]
+    assert _whole(choice) == (None, None, [("get_weather", '{"city": "Oslo"}')], ["tool_calls"])
+    assert _join(_sse(c.post(PATH, json={**body, "stream": True}))) == _whole(choice)
+
+
 def test_without_a_parser_auto_is_a_400_naming_the_flag(serve):
     srv, c = serve()
     for body, param in (({**CHAT}, "tools"), ({**CHAT, "tool_choice": "auto"}, "tool_choice")):

@@ -231,3 +231,12 @@ def test_reasoning_then_tool_calls():
     assert calls_of(msg) == [("get_weather", {"city": "Oslo"})] and reason == "tool_calls"
     for pieces in splits(text):
         assert joined(stream(ChoiceOutput(QWEN3, HERMES), pieces)) == expected(msg)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    """vLLM (vllm-project/vllm#26233) answers only the first call, streamed or not."""
+    msg, reason = ChoiceOutput(None, HERMES, max_calls=1).message(QWEN_TWO, "stop")
+    assert calls_of(msg) == [("get_current_temperature", {"location": "San Francisco, CA, USA"})]
+    assert reason == "tool_calls" and msg["content"] is None
+    for pieces in splits(QWEN_TWO):
+        assert joined(stream(ChoiceOutput(None, HERMES, max_calls=1), pieces)) == expected(msg)
