@@ -21,7 +21,7 @@ reasoning and content of the same output read whole.
 
 from __future__ import annotations
 
-from loraplex.server.tool_parsers import _overlap
+from loraplex.server.tool_parsers import partial_marker_len
 
 THINK, END_THINK = "<think>", "</think>"
 _WS = " \t\n\r"
@@ -61,7 +61,7 @@ class ReasoningSplitter:
                         out.append(("reasoning", self.buf[:i]))
                     self.buf, self.state = self.buf[i + len(END_THINK):], "content"
                     continue
-                keep = 0 if final else _overlap(self.buf, END_THINK)
+                keep = 0 if final else partial_marker_len(self.buf, END_THINK)
                 if len(self.buf) > keep:
                     out.append(("reasoning", self.buf[:len(self.buf) - keep]))
                     self.buf = self.buf[len(self.buf) - keep:]

@@ -40,7 +40,7 @@ from loraplex.server.call_reader import CallObjectReader
 _WS = " \t\n\r"
 
 
-def _overlap(text: str, marker: str) -> int:
+def partial_marker_len(text: str, marker: str) -> int:
     """The length of the longest end of ``text`` that begins ``marker`` (shorter than it)."""
     for k in range(min(len(text), len(marker) - 1), 0, -1):
         if text.endswith(marker[:k]):
@@ -107,7 +107,7 @@ class _HermesScanner(_Scanner):
                     out.append(("start",))
                     self.buf, self.state = self.buf[i + len(self.START):], "open"
                     continue
-                keep = 0 if final else _overlap(self.buf, self.START)
+                keep = 0 if final else partial_marker_len(self.buf, self.START)
                 if len(self.buf) > keep:
                     out.append(("text", self.buf[:len(self.buf) - keep]))
                     self.buf = self.buf[len(self.buf) - keep:]
@@ -139,7 +139,7 @@ class _HermesScanner(_Scanner):
             if i >= 0:
                 self.buf, self.state = self.buf[i + len(self.END):], "text"
                 continue
-            self.buf = self.buf[len(self.buf) - _overlap(self.buf, self.END):]
+            self.buf = self.buf[len(self.buf) - partial_marker_len(self.buf, self.END):]
             return out
 
 

@@ -96,7 +96,8 @@ def test_auto_call_whole_and_streamed(serve):
 
 
 @pytest.mark.parametrize("parser,pieces,content,calls", [
-    ("hermes", ["The weather is ", "nice. <tool", "box> is not a tag"], "The weather is nice. <toolbox> is not a tag", []),
+    ("hermes", ["The weather is ", "nice. <tool", "box> is not a tag"],
+     "The weather is nice. <toolbox> is not a tag", []),
     # a call that does not parse (here, no name ever comes, so the stream never announced it)
     ("hermes", ['Sure. <tool_call>{"function": "get_wea', 'ther"}</tool_call>'],
      'Sure. <tool_call>{"function": "get_weather"}</tool_call>', []),
