@@ -19,7 +19,6 @@ from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
 from loraplex.sampling_params import check_token_ids_in_vocab
-from loraplex.server.chat_output import check_request as check_output_parsers
 from loraplex.server.context import AppContext
 from loraplex.server.errors import APIError, bad_request, model_not_found
 from loraplex.server.limits import check_generation_limits
@@ -291,8 +290,7 @@ def log_refused(kind: str, tenant: str | None, model: str | None, status: int, a
 def prepare(ctx: AppContext, req: GenerationRequest, prompt_ids: list[list[int]]) -> None:
     """Check limits for every prompt; sets max_tokens where the request left it open. Token ids
     in the sampling options are checked here too, so a stream never starts with a request the
-    engine would refuse. ``"auto"`` tool choice needs the server's tool-call parser."""
-    check_output_parsers(ctx, req)
+    engine would refuse."""
     check_token_ids_in_vocab(req.params, vocab_size(ctx))  # an InvalidRequestError is a 400 naming the field
     s = ctx.settings
     effective = []

@@ -31,7 +31,9 @@ class _OpenAIAdmission(Admission):
         self._parse = parse
 
     def parse(self, ctx: AppContext, body) -> GenerationRequest:
-        return self._parse(body)
+        req = self._parse(body)
+        chat_output.check_request(ctx, req)  # "auto" tool choice needs the server's tool-call parser
+        return req
 
 
 async def completions(request: Request) -> Response:
