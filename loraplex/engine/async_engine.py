@@ -52,9 +52,10 @@ class _Stream:
 
 
 def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
-    """On the caller's loop: hand a step's deltas to their streams."""
+    """On the caller's loop: hand a step's deltas to their streams (a request that could not run
+    gets its error instead)."""
     for stream, item in items:
-        stream.queue.put_nowait(item)
+        stream.queue.put_nowait(item if item.error is None else item.error)
 
 
 def _resolve_future(fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
@@ -90,6 +91,8 @@ class AsyncLLMEngine:
         self._dead: BaseException | None = None
         self._stats: dict = self.engine.stats()
         self._stats_time = time.monotonic()
+        if self.engine.lora_manager is not None:  # host misses are read off the engine thread
+            self.engine.lora_manager.start_background_reads(on_done=self._wakeup.set)
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
         self._thread.start()
 
@@ -276,6 +279,8 @@ class AsyncLLMEngine:
 
     def _fail_all(self, cause: BaseException | None) -> None:
         error = EngineDeadError("the engine stopped" if cause is None else f"the engine failed: {cause!r}")
+        if self.engine.lora_manager is not None:  # the engine may be driven offline after this
+            self.engine.lora_manager.stop_background_reads()
         with self._lock:
             self._stopped = True
             pending = list(self._commands)

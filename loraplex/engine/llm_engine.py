@@ -249,12 +249,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batched model step; returns the outputs of requests that progressed
         (cumulative, or deltas for requests added with ``stream_deltas``)."""
+        failed: list[RequestOutput] = []
+        if self.lora_manager is not None:  # adapters read in the background since the last step
+            for exc in self.lora_manager.collect_reads():
+                failed += self._drop_adapter(exc)
         sched_out = self.scheduler.schedule()
-        self.last_step_was_empty = sched_out.is_empty
+        self.last_step_was_empty = sched_out.is_empty and not failed
         if sched_out.is_empty:
             if sched_out.released_seq_ids:
                 self.runner.release(sched_out.released_seq_ids)
-            return []
+            return failed
         try:
             run_out = self.runner.execute(sched_out)
         except AdapterLoadFailedError as exc:
@@ -278,7 +282,7 @@ class LLMEngine:
                 else:  # the same token also hit max_tokens / eos: the stop string wins
                     seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
             touched[state.request_id] = state
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput] = failed
         for state in touched.values():
             if state.finished:
                 out = self._finish_request(state)
@@ -296,8 +300,15 @@ class LLMEngine:
         were allocated and nothing was computed, so scheduling them again is a no-op for the
         block manager, and ``free`` unregisters the aborted ones' uncomputed blocks)."""
         logger.error("%s; aborting its requests", exc)
-        victims = [rid for rid, state in self._requests.items() if state.req.adapter_id == exc.adapter_id]
-        outputs = [out for out in (self.abort(rid) for rid in victims) if out is not None]
+        victims = [state for state in self._requests.values() if state.req.adapter_id == exc.adapter_id]
+        outputs = []
+        for state in victims:
+            never_ran = not any(t.seq.output_token_ids for t in state.tracks)  # the caller saw nothing
+            out = self.abort(state.request_id)
+            if out is not None:
+                if never_ran and exc.__cause__ is not None:
+                    out.error = exc.__cause__
+                outputs.append(out)
         return outputs
 
     def reset_prefix_cache(self) -> None:

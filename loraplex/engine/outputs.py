@@ -90,6 +90,10 @@ class RequestOutput:
     # predicts it), else {"token_id", "logprob", "rank", "top_logprobs": {id: logprob}}; set once
     # the whole prompt is computed (in the async API's deltas: on the first output after that)
     prompt_logprobs: list[dict | None] | None = None
+    # set on the final output of a request that ended before it ran because its adapter could not
+    # be read (what the read raised); the async API raises it to the caller, as it would have at
+    # admission had the adapter been read then
+    error: BaseException | None = None
 
     # Convenience for the common n == 1 case (``out.text``, ``out.token_ids``, ``out.finish_reason``).
     @property

@@ -26,7 +26,8 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -36,35 +37,12 @@ from loraplex.lora.context import LoRAStepContext, build_batch_meta
 from loraplex.lora.errors import AdapterBusyError, AdapterHashMismatchError, AdapterLoadFailedError
 from loraplex.lora.errors import AdapterNotFoundError, InvalidAdapterError
 from loraplex.lora.host_cache import HostCache
-from loraplex.lora.peft_format import AdapterInfo, load_adapter_files, validate_adapter
+from loraplex.lora.host_loader import HostLoader
+from loraplex.lora.peft_format import load_adapter_files, validate_adapter
+from loraplex.lora.records import AdapterRecord, PreparedAdapter, check_hash, files_fingerprint, host_nbytes
 from loraplex.lora.slots import SlotPool
 from loraplex.lora.spec import AdapterRef, LoRATargetSpec
 from loraplex.lora.weights import AdapterWeights
-
-
-@dataclass
-class AdapterStats:
-    """Per-adapter counters (``LoRAManager.stats``)."""
-
-    loads: int = 0  # copies into a device slot
-    evictions: int = 0  # removals from a device slot to make room
-    host_loads: int = 0  # reads from disk into host memory
-    host_evictions: int = 0
-    load_seconds: float = 0.0  # disk reads + device copies
-    requests: int = 0  # finished requests
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-
-
-@dataclass
-class AdapterRecord:
-    adapter_id: str
-    path: str  # local PEFT directory to (re)load from
-    info: AdapterInfo
-    display_name: str
-    names: set[str] = field(default_factory=set)
-    outstanding: int = 0  # queued or running requests
-    stats: AdapterStats = field(default_factory=AdapterStats)
 
 
 class LoRAManager:
@@ -84,10 +62,12 @@ class LoRAManager:
         self._records: dict[str, AdapterRecord] = {}
         self._names: dict[str, str] = {}  # registered name -> adapter id
         self._path_memo: dict[str, tuple[tuple, str]] = {}  # path -> (file fingerprint, adapter id)
-        self._wanted: "OrderedDict[str, None]" = OrderedDict()  # queued, not in host for lack of room
+        # adapters with requests, not in host memory: no room yet, or being read (``loader``)
+        self._wanted: "OrderedDict[str, None]" = OrderedDict()
         self._last_step: set[str] = set()
         self._queued: "OrderedDict[str, None]" = OrderedDict()  # adapters with requests, by first arrival
         self._device_pinned: set[str] = set()
+        self.loader: HostLoader | None = None  # set: host misses are read off the engine thread
 
     # ---- AdapterGate ---------------------------------------------------------------------
     def is_ready(self, adapter_id: str) -> bool:
@@ -96,6 +76,43 @@ class LoRAManager:
 
     def num_reserved_slots(self, running: set[str]) -> int:
         return sum(1 for a in self._device_pinned if a not in running)
+
+    # ---- background reads ----------------------------------------------------------------
+    def start_background_reads(self, on_done: Callable[[], None]) -> None:
+        """From now on an adapter with requests that is in neither tier is read on a worker
+        thread (``on_done`` wakes the engine loop when a read ends) and its requests wait for it,
+        instead of every running request waiting while the engine thread reads it."""
+        if self.loader is None:
+            self.loader = HostLoader(lambda path, adapter_id: self._parse(path, adapter_id), on_done)
+
+    def stop_background_reads(self) -> None:
+        """Back to reading on the calling thread; reads in flight are dropped (their adapters stay
+        wanted, so the next step reads them here)."""
+        if self.loader is not None:
+            self.loader.close()
+            self.loader = None
+
+    def collect_reads(self) -> list[AdapterLoadFailedError]:
+        """On the engine thread, before scheduling: file the reads that ended into host memory
+        (and free slots). A read that failed is returned, so the engine fails that adapter's
+        requests (nothing of it was kept)."""
+        if self.loader is None:
+            return []
+        failed = []
+        for done in self.loader.take_finished():
+            rec = self._records[done.adapter_id]
+            if done.error is not None:
+                self._wanted.pop(done.adapter_id, None)
+                error = AdapterLoadFailedError(done.adapter_id, str(done.error))
+                error.__cause__ = done.error
+                failed.append(error)
+                continue
+            rec.stats.host_loads += 1
+            rec.stats.load_seconds += done.seconds
+            if rec.outstanding > 0 and not self.is_ready(done.adapter_id):
+                self._host_put(done.weights)  # no room after all: stays wanted, read again later
+        self._service_wanted()
+        return failed
 
     # ---- names and references ------------------------------------------------------------
     def resolve(self, adapter: None | str | AdapterRef, prepared: PreparedAdapter | None = None) -> str | None:
@@ -131,12 +148,12 @@ class LoRAManager:
         else:
             return None
         path = os.path.abspath(path)
-        fingerprint = _fingerprint(path)
+        fingerprint = files_fingerprint(path)
         if self._known_id(path, fingerprint) is not None:
             return None
         started = time.perf_counter()
         weights = self._parse(path)
-        _check_hash(path, weights.adapter_id, expected)
+        check_hash(path, weights.adapter_id, expected)
         return PreparedAdapter(path, fingerprint, weights, time.perf_counter() - started)
 
     def register(self, name: str, path: str | os.PathLike) -> str:
@@ -170,7 +187,7 @@ class LoRAManager:
         self, path: str, display: str, expected_hash: str | None = None, prepared: PreparedAdapter | None = None
     ) -> str:
         path = os.path.abspath(path)
-        fp = _fingerprint(path)
+        fp = files_fingerprint(path)
         adapter_id = self._known_id(path, fp)
         if adapter_id is None:
             t0 = time.perf_counter()
@@ -180,7 +197,7 @@ class LoRAManager:
                 weights = self._read(path)  # every check runs before any state changes
                 read_seconds = time.perf_counter() - t0
             adapter_id = weights.adapter_id
-            _check_hash(path, adapter_id, expected_hash)
+            check_hash(path, adapter_id, expected_hash)
             rec = self._records.get(adapter_id)
             if rec is None:
                 rec = self._records[adapter_id] = AdapterRecord(adapter_id, path, weights.info, display)
@@ -189,7 +206,7 @@ class LoRAManager:
             rec.path = path
             self._path_memo[path] = (fp, adapter_id)
             self._host_put(weights)
-        _check_hash(path, adapter_id, expected_hash)
+        check_hash(path, adapter_id, expected_hash)
         # reload from the path named last: an older copy of the same bytes may be gone since
         self._records[adapter_id].path = path
         return adapter_id
@@ -238,10 +255,15 @@ class LoRAManager:
         """Disk -> host for an adapter with requests; when there is no room now, it is queued
         (``_wanted``) without reading the files."""
         rec = self._records[adapter_id]
-        nbytes = _host_nbytes(rec.info, self.spec, self.dtype)
-        if not self.host.can_fit(nbytes, self._host_protected):
+        nbytes = host_nbytes(rec.info, self.spec, self.dtype)
+        in_flight = 0 if self.loader is None else self.loader.reserved_bytes
+        if not self.host.can_fit(nbytes + in_flight, self._host_protected):
             if rec.outstanding > 0:
                 self._wanted[adapter_id] = None
+            return False
+        if self.loader is not None:  # lands in ``collect_reads``; its requests wait until then
+            self._wanted[adapter_id] = None
+            self.loader.submit(adapter_id, rec.path, nbytes)
             return False
         return self._host_put(self._read(rec.path, expected_id=adapter_id))
 
@@ -296,6 +318,10 @@ class LoRAManager:
 
     def _warm(self, adapter_id: str) -> None:
         if self.pool.slot_of(adapter_id) is not None:
+            return
+        if self.loader is not None and adapter_id not in self.host:
+            if not self.loader.is_reading(adapter_id):
+                self._host_load(adapter_id)  # a free slot is filled when the read lands
             return
         slot = self.pool.free_slot()
         if slot is None:
@@ -424,8 +450,10 @@ class LoRAManager:
             if rec is None or rec.outstanding == 0 or self.is_ready(adapter_id):
                 self._wanted.pop(adapter_id, None)
                 continue
-            if not self._host_load(adapter_id):
-                break
+            if self.loader is not None and self.loader.is_reading(adapter_id):
+                continue
+            if not self._host_load(adapter_id) and not (self.loader and self.loader.is_reading(adapter_id)):
+                break  # no room: the oldest waits first
         # queued adapters (oldest first) into free or idle slots: later steps find them loaded
         for adapter_id in list(self._queued):
             if self.pool.slot_of(adapter_id) is not None or adapter_id not in self.host:
@@ -463,37 +491,5 @@ class LoRAManager:
             "slots": {"max_loras": self.pool.max_loras, "used": len(resident), "pinned": len(self._device_pinned)},
             "host_bytes": self.host.used_bytes,
             "host_budget_bytes": self.host.budget_bytes,
+            "host_reads_in_flight": 0 if self.loader is None else self.loader.num_reading,
         }
-
-
-@dataclass
-class PreparedAdapter:
-    """Adapter files read and validated ahead of ``resolve`` (see ``LoRAManager.read_ahead``)."""
-
-    path: str  # absolute
-    fingerprint: tuple  # of the files when they were read; resolve reads again if it changed
-    weights: AdapterWeights
-    read_seconds: float
-
-
-def _host_nbytes(info: AdapterInfo, spec: LoRATargetSpec, dtype: torch.dtype) -> int:
-    """Bytes ``AdapterWeights`` of this adapter take in host memory (without reading it)."""
-    elem = torch.empty(0, dtype=dtype).element_size()
-    return elem * sum(m.rank * sum(spec.module_shapes[m.module]) for m in info.modules.values())
-
-
-def _check_hash(path: str, adapter_id: str, expected: str | None) -> None:
-    if expected is not None and expected != adapter_id:
-        raise AdapterHashMismatchError(f"adapter at {path!r} hashes to {adapter_id}, expected {expected}")
-
-
-def _fingerprint(path: str) -> tuple:
-    """(mtime_ns, size) of the adapter files, so an unchanged directory is not re-hashed."""
-    out = []
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
-        try:
-            st = os.stat(os.path.join(path, name))
-            out.append((st.st_mtime_ns, st.st_size))
-        except OSError:
-            out.append(None)
-    return tuple(out)
