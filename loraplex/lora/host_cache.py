@@ -4,6 +4,10 @@ Entries pinned here, or reported protected by the caller (an adapter with waitin
 has no device slot yet), are never evicted. An insertion that cannot make room by evicting
 evicts nothing and is refused (the caller retries later); the one exception is an adapter
 larger than the whole budget arriving at an empty cache, which is stored alone.
+
+A read in flight (``HostLoader``) holds a reservation: its bytes are made free when the read
+starts and count against the budget until its weights are ``put``, so nothing that lands or is
+stored meanwhile can take them and the read is never wasted.
 """
 
 from __future__ import annotations
@@ -21,7 +25,12 @@ class HostCache:
         self.budget_bytes = budget_bytes
         self._entries: "OrderedDict[str, AdapterWeights]" = OrderedDict()  # oldest first
         self.pinned: set[str] = set()
-        self.used_bytes = 0
+        self.used_bytes = 0  # of stored entries
+        self._reserved: dict[str, int] = {}  # adapter id -> bytes held for its read in flight
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(self._reserved.values())
 
     def __contains__(self, adapter_id: str) -> bool:
         return adapter_id in self._entries
@@ -41,17 +50,45 @@ class HostCache:
     def can_fit(self, nbytes: int, is_protected: Callable[[str], bool] = lambda _: False) -> bool:
         """Whether ``put`` of an adapter of ``nbytes`` would succeed now."""
         evictable = sum(w.nbytes for a, w in self._entries.items() if a not in self.pinned and not is_protected(a))
-        if evictable == self.used_bytes:  # everything could go: the oversized-alone rule applies
+        if evictable == self.used_bytes and not self._reserved:  # the oversized-alone rule applies
             return True
-        return self.used_bytes - evictable + nbytes <= self.budget_bytes
+        return self.used_bytes + self.reserved_bytes - evictable + nbytes <= self.budget_bytes
 
     def put(self, weights: AdapterWeights, is_protected: Callable[[str], bool] = lambda _: False) -> tuple[bool, list[str]]:
-        """Store ``weights``; returns (stored, ids evicted to make room)."""
+        """Store ``weights`` (into its reservation, if it has one); returns (stored, ids evicted
+        to make room)."""
         aid = weights.adapter_id
+        self._reserved.pop(aid, None)
         if aid in self._entries:
             self._entries.move_to_end(aid)
             return True, []
-        need = self.used_bytes + weights.nbytes - self.budget_bytes
+        victims = self._make_room(weights.nbytes, is_protected)
+        if victims is None:
+            return False, []
+        self._entries[aid] = weights
+        self.used_bytes += weights.nbytes
+        return True, victims
+
+    def reserve(self, adapter_id: str, nbytes: int, is_protected: Callable[[str], bool] = lambda _: False
+                ) -> tuple[bool, list[str]]:
+        """Hold ``nbytes`` for a read of ``adapter_id`` that will ``put`` it; returns (reserved,
+        ids evicted to make room)."""
+        if adapter_id in self._reserved or adapter_id in self._entries:
+            return True, []
+        victims = self._make_room(nbytes, is_protected)
+        if victims is None:
+            return False, []
+        self._reserved[adapter_id] = nbytes
+        return True, victims
+
+    def cancel(self, adapter_id: str) -> None:
+        """Give back a reservation whose read will not be stored (failed, or dropped)."""
+        self._reserved.pop(adapter_id, None)
+
+    def _make_room(self, nbytes: int, is_protected: Callable[[str], bool]) -> list[str] | None:
+        """Evict LRU entries (never pinned or protected ones) until ``nbytes`` fit; the ids
+        evicted, or None (and nothing evicted) when they cannot fit."""
+        need = self.used_bytes + self.reserved_bytes + nbytes - self.budget_bytes
         victims: list[str] = []
         if need > 0:
             freed = 0
@@ -62,13 +99,11 @@ class HostCache:
                     continue
                 victims.append(other)
                 freed += w.nbytes
-            if freed < need and not (len(victims) == len(self._entries)):
-                return False, []
+            if freed < need and not (len(victims) == len(self._entries) and not self._reserved):
+                return None
         for other in victims:
             self.remove(other)
-        self._entries[aid] = weights
-        self.used_bytes += weights.nbytes
-        return True, victims
+        return victims
 
     def remove(self, adapter_id: str) -> bool:
         w = self._entries.pop(adapter_id, None)

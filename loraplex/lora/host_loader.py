@@ -41,7 +41,7 @@ class HostLoader:
         self._read = read
         self._on_done = on_done
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="loraplex-adapter-read")
-        self._pending: dict[str, tuple[Future, int]] = {}  # adapter id -> (read, host bytes it will take)
+        self._pending: dict[str, Future] = {}  # adapter id -> its read
         self._closed = threading.Event()
 
     def is_reading(self, adapter_id: str) -> bool:
@@ -51,16 +51,11 @@ class HostLoader:
     def num_reading(self) -> int:
         return len(self._pending)
 
-    @property
-    def reserved_bytes(self) -> int:
-        """Host bytes the reads in flight will need once they land."""
-        return sum(nbytes for _, nbytes in self._pending.values())
-
-    def submit(self, adapter_id: str, path: str, nbytes: int) -> None:
+    def submit(self, adapter_id: str, path: str) -> None:
         if adapter_id in self._pending:
             return
         future = self._pool.submit(self._timed_read, path, adapter_id)
-        self._pending[adapter_id] = (future, nbytes)
+        self._pending[adapter_id] = future
         future.add_done_callback(lambda _: None if self._closed.is_set() else self._on_done())
 
     def _timed_read(self, path: str, adapter_id: str) -> tuple[AdapterWeights, float]:
@@ -71,7 +66,7 @@ class HostLoader:
     def take_finished(self) -> list[FinishedRead]:
         """The reads that ended since the last call (in submission order)."""
         out = []
-        for adapter_id, (future, _) in list(self._pending.items()):
+        for adapter_id, future in list(self._pending.items()):
             if not future.done():
                 continue
             del self._pending[adapter_id]
@@ -84,11 +79,14 @@ class HostLoader:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every read in flight has ended (for tests and tools); False on timeout."""
-        _, not_done = wait([future for future, _ in self._pending.values()], timeout)
+        _, not_done = wait(list(self._pending.values()), timeout)
         return not not_done
 
-    def close(self) -> None:
-        """Forget the reads in flight (their results are dropped) and stop the workers."""
+    def close(self) -> list[str]:
+        """Forget the reads in flight (their results are dropped) and stop the workers; returns
+        the ids of the reads dropped."""
         self._closed.set()
+        dropped = list(self._pending)
         self._pending.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        return dropped

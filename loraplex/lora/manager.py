@@ -89,7 +89,8 @@ class LoRAManager:
         """Back to reading on the calling thread; reads in flight are dropped (their adapters stay
         wanted, so the next step reads them here)."""
         if self.loader is not None:
-            self.loader.close()
+            for adapter_id in self.loader.close():
+                self.host.cancel(adapter_id)
             self.loader = None
 
     def collect_reads(self) -> list[AdapterLoadFailedError]:
@@ -102,6 +103,7 @@ class LoRAManager:
         for done in self.loader.take_finished():
             rec = self._records[done.adapter_id]
             if done.error is not None:
+                self.host.cancel(done.adapter_id)
                 self._wanted.pop(done.adapter_id, None)
                 error = AdapterLoadFailedError(done.adapter_id, str(done.error))
                 error.__cause__ = done.error
@@ -109,8 +111,7 @@ class LoRAManager:
                 continue
             rec.stats.host_loads += 1
             rec.stats.load_seconds += done.seconds
-            if rec.outstanding > 0 and not self.is_ready(done.adapter_id):
-                self._host_put(done.weights)  # no room after all: stays wanted, read again later
+            self._host_put(done.weights)  # into its reservation; LRU-evictable once nobody waits for it
         self._service_wanted()
         return failed
 
@@ -240,11 +241,14 @@ class LoRAManager:
         rec = self._records.get(adapter_id)
         return rec is not None and rec.outstanding > 0 and self.pool.slot_of(adapter_id) is None
 
-    def _host_put(self, weights: AdapterWeights) -> bool:
-        stored, evicted = self.host.put(weights, self._host_protected)
+    def _count_evictions(self, evicted: list[str]) -> None:
         for other in evicted:
             if other in self._records:
                 self._records[other].stats.host_evictions += 1
+
+    def _host_put(self, weights: AdapterWeights) -> bool:
+        stored, evicted = self.host.put(weights, self._host_protected)
+        self._count_evictions(evicted)
         if stored:
             self._wanted.pop(weights.adapter_id, None)
         elif self._records[weights.adapter_id].outstanding > 0:
@@ -256,14 +260,17 @@ class LoRAManager:
         (``_wanted``) without reading the files."""
         rec = self._records[adapter_id]
         nbytes = host_nbytes(rec.info, self.spec, self.dtype)
-        in_flight = 0 if self.loader is None else self.loader.reserved_bytes
-        if not self.host.can_fit(nbytes + in_flight, self._host_protected):
+        if self.loader is not None:  # lands in ``collect_reads``, into room held for it meanwhile
+            reserved, evicted = self.host.reserve(adapter_id, nbytes, self._host_protected)
+            self._count_evictions(evicted)
+            if reserved:
+                self.loader.submit(adapter_id, rec.path)
             if rec.outstanding > 0:
                 self._wanted[adapter_id] = None
             return False
-        if self.loader is not None:  # lands in ``collect_reads``; its requests wait until then
-            self._wanted[adapter_id] = None
-            self.loader.submit(adapter_id, rec.path, nbytes)
+        if not self.host.can_fit(nbytes, self._host_protected):
+            if rec.outstanding > 0:
+                self._wanted[adapter_id] = None
             return False
         return self._host_put(self._read(rec.path, expected_id=adapter_id))
 
