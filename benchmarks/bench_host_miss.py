@@ -138,7 +138,7 @@ def main() -> int:
 
 
 def _llama8b_read_seconds(repeats: int) -> list[float]:
-    """Seconds ``LoRAManager._parse`` takes for a rank-16 adapter on every projection of a
+    """Seconds ``AdapterCatalog.parse`` takes for a rank-16 adapter on every projection of a
     Llama-3-8B (84 MB in bfloat16), read from a temporary directory."""
     import json
     import tempfile
@@ -170,7 +170,7 @@ def _llama8b_read_seconds(repeats: int) -> list[float]:
         out = []
         for _ in range(repeats):
             started = time.perf_counter()
-            manager._parse(tmp)
+            manager.catalog.parse(tmp)
             out.append(time.perf_counter() - started)
     return out
 

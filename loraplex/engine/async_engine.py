@@ -188,7 +188,10 @@ class AsyncLLMEngine:
 
     async def load_adapter(self, ref, tier: str = "device", pin: bool = False):
         manager = self._lora()
-        return await self._call(lambda: manager.load(ref, tier, pin))
+        # a new version (an operator warming it before a swap) is read and hashed here, not on
+        # the engine thread, which would stall every stream for as long
+        prepared = await asyncio.to_thread(manager.read_ahead, ref)
+        return await self._call(lambda: manager.load(ref, tier, pin, prepared))
 
     async def unload_adapter(self, adapter_id: str):
         manager = self._lora()

@@ -32,7 +32,7 @@ class FinishedRead:
 
 class HostLoader:
     """Reads adapter files on worker threads. ``read(path, adapter_id)`` must not touch shared
-    state (``LoRAManager._parse`` reads only the manager's fixed configuration). Not thread-safe
+    state (``AdapterCatalog.parse`` reads only fixed configuration). Not thread-safe
     itself: ``submit`` / ``take_finished`` / ``is_reading`` belong to one thread (the engine's);
     ``on_done`` is called on a worker when a read ends, to wake that thread."""
 

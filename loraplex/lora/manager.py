@@ -28,18 +28,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
 from loraplex.config import EngineConfig
 from loraplex.lora.context import LoRAStepContext, build_batch_meta
-from loraplex.lora.errors import AdapterBusyError, AdapterHashMismatchError, AdapterLoadFailedError
-from loraplex.lora.errors import AdapterNotFoundError, InvalidAdapterError
+from loraplex.lora.catalog import AdapterCatalog
+from loraplex.lora.errors import AdapterBusyError, AdapterLoadFailedError, InvalidAdapterError
 from loraplex.lora.host_cache import HostCache
 from loraplex.lora.host_loader import HostLoader
-from loraplex.lora.peft_format import load_adapter_files, validate_adapter
-from loraplex.lora.records import AdapterRecord, PreparedAdapter, check_hash, files_fingerprint, host_nbytes
+from loraplex.lora.records import PreparedAdapter, host_nbytes
 from loraplex.lora.slots import SlotPool
 from loraplex.lora.spec import AdapterRef, LoRATargetSpec
 from loraplex.lora.weights import AdapterWeights
@@ -59,9 +57,8 @@ class LoRAManager:
         pool_dtype = torch.float32 if self.device.type == "cpu" else dtype
         self.pool = SlotPool(spec, config.max_loras, config.max_lora_rank, self.device, pool_dtype)
         self.host = HostCache(config.max_cpu_lora_bytes)
-        self._records: dict[str, AdapterRecord] = {}
-        self._names: dict[str, str] = {}  # registered name -> adapter id
-        self._path_memo: dict[str, tuple[tuple, str]] = {}  # path -> (file fingerprint, adapter id)
+        self.catalog = AdapterCatalog(spec, config.max_lora_rank, dtype)
+        self._records = self.catalog.records  # the same dict: adapter id -> AdapterRecord
         # adapters with requests, not in host memory: no room yet, or being read (``loader``)
         self._wanted: "OrderedDict[str, None]" = OrderedDict()
         self._last_step: set[str] = set()
@@ -83,7 +80,7 @@ class LoRAManager:
         thread (``on_done`` wakes the engine loop when a read ends) and its requests wait for it,
         instead of every running request waiting while the engine thread reads it."""
         if self.loader is None:
-            self.loader = HostLoader(lambda path, adapter_id: self._parse(path, adapter_id), on_done)
+            self.loader = HostLoader(lambda path, adapter_id: self.catalog.parse(path, adapter_id), on_done)
 
     def stop_background_reads(self) -> None:
         """Back to reading on the calling thread; reads in flight are dropped (their adapters stay
@@ -101,7 +98,6 @@ class LoRAManager:
             return []
         failed = []
         for done in self.loader.take_finished():
-            rec = self._records[done.adapter_id]
             if done.error is not None:
                 self.host.cancel(done.adapter_id)
                 self._wanted.pop(done.adapter_id, None)
@@ -109,134 +105,41 @@ class LoRAManager:
                 error.__cause__ = done.error
                 failed.append(error)
                 continue
-            rec.stats.host_loads += 1
-            rec.stats.load_seconds += done.seconds
+            self.catalog.count_read(done.adapter_id, done.seconds)
             self._host_put(done.weights)  # into its reservation; LRU-evictable once nobody waits for it
         self._service_wanted()
         return failed
 
-    # ---- names and references ------------------------------------------------------------
+    # ---- names and references (AdapterCatalog) -------------------------------------------
     def resolve(self, adapter: None | str | AdapterRef, prepared: PreparedAdapter | None = None) -> str | None:
-        """Adapter id for a request's adapter: None (base model), a registered name, a PEFT
-        directory path, or an ``AdapterRef`` (its ``content_hash`` is verified when given).
-        ``prepared`` (from ``read_ahead``) replaces reading the files when it still matches them."""
-        if adapter is None:
-            return None
-        if isinstance(adapter, AdapterRef):
-            if adapter.content_hash is not None and adapter.content_hash in self._records:
-                return adapter.content_hash
-            return self._ensure_known(adapter.path, adapter.name, adapter.content_hash, prepared)
-        if isinstance(adapter, str):
-            if adapter in self._names:
-                return self._names[adapter]
-            if os.path.isdir(adapter):
-                return self._ensure_known(adapter, Path(adapter).name, prepared=prepared)
-            raise AdapterNotFoundError(f"adapter {adapter!r} is neither a registered name nor a PEFT directory")
-        raise InvalidAdapterError(f"adapter must be None, a name, a path or an AdapterRef, not {type(adapter).__name__}")
+        """Adapter id for a request's adapter (``AdapterCatalog.resolve``); weights read now go
+        to host memory."""
+        adapter_id, weights = self.catalog.resolve(adapter, prepared)
+        if weights is not None:
+            self._host_put(weights)
+        return adapter_id
 
     def read_ahead(self, adapter: None | str | AdapterRef) -> PreparedAdapter | None:
-        """Read and validate the files ``resolve`` would read, without touching any state, so a
-        caller can do it off the engine thread (reading and hashing a large adapter takes
-        seconds that would otherwise stall every running request). None when ``resolve`` needs
-        no files (base model, a registered name, a version already known). Raises what
-        ``resolve`` would for a bad adapter."""
-        if isinstance(adapter, AdapterRef):
-            if adapter.content_hash is not None and adapter.content_hash in self._records:
-                return None
-            path, expected = adapter.path, adapter.content_hash
-        elif isinstance(adapter, str) and adapter not in self._names and os.path.isdir(adapter):
-            path, expected = adapter, None
-        else:
-            return None
-        path = os.path.abspath(path)
-        fingerprint = files_fingerprint(path)
-        if self._known_id(path, fingerprint) is not None:
-            return None
-        started = time.perf_counter()
-        weights = self._parse(path)
-        check_hash(path, weights.adapter_id, expected)
-        return PreparedAdapter(path, fingerprint, weights, time.perf_counter() - started)
+        """``AdapterCatalog.read_ahead``: the file work of ``resolve``, for any thread."""
+        return self.catalog.read_ahead(adapter)
 
     def register(self, name: str, path: str | os.PathLike) -> str:
-        """Point ``name`` at the adapter in ``path`` (validated first; a rejected adapter leaves
-        the previous registration in place). Returns the adapter id."""
-        adapter_id = self._ensure_known(str(path), name)
-        old = self._names.get(name)
-        if old is not None and old != adapter_id and old in self._records:
-            self._records[old].names.discard(name)
-        self._names[name] = adapter_id
-        rec = self._records[adapter_id]
-        rec.names.add(name)
-        rec.display_name = name
+        """Point ``name`` at the adapter in ``path`` (a rejected adapter leaves the previous
+        registration in place). Returns the adapter id."""
+        adapter_id, weights = self.catalog.register(name, path)
+        if weights is not None:
+            self._host_put(weights)
         return adapter_id
 
     def unregister(self, name: str) -> None:
-        adapter_id = self._names.pop(name, None)
-        if adapter_id is None:
-            raise AdapterNotFoundError(f"adapter {name!r} is not registered")
-        rec = self._records.get(adapter_id)
-        if rec is not None:
-            rec.names.discard(name)
-            if not rec.names and rec.outstanding == 0:
-                self.unload(adapter_id)
+        rec = self.catalog.unregister(name)
+        if rec is not None and not rec.names and rec.outstanding == 0:
+            self.unload(rec.adapter_id)
 
     def registered(self) -> dict[str, str]:
-        return dict(self._names)
+        return dict(self.catalog.names)
 
     # ---- loading -------------------------------------------------------------------------
-    def _ensure_known(
-        self, path: str, display: str, expected_hash: str | None = None, prepared: PreparedAdapter | None = None
-    ) -> str:
-        path = os.path.abspath(path)
-        fp = files_fingerprint(path)
-        adapter_id = self._known_id(path, fp)
-        if adapter_id is None:
-            t0 = time.perf_counter()
-            if prepared is not None and prepared.path == path and prepared.fingerprint == fp:
-                weights, read_seconds = prepared.weights, prepared.read_seconds
-            else:
-                weights = self._read(path)  # every check runs before any state changes
-                read_seconds = time.perf_counter() - t0
-            adapter_id = weights.adapter_id
-            check_hash(path, adapter_id, expected_hash)
-            rec = self._records.get(adapter_id)
-            if rec is None:
-                rec = self._records[adapter_id] = AdapterRecord(adapter_id, path, weights.info, display)
-                rec.stats.host_loads += 1
-                rec.stats.load_seconds += read_seconds
-            rec.path = path
-            self._path_memo[path] = (fp, adapter_id)
-            self._host_put(weights)
-        check_hash(path, adapter_id, expected_hash)
-        # reload from the path named last: an older copy of the same bytes may be gone since
-        self._records[adapter_id].path = path
-        return adapter_id
-
-    def _known_id(self, path: str, fingerprint: tuple) -> str | None:
-        """The id already loaded from ``path`` when its files are unchanged, else None."""
-        memo = self._path_memo.get(path)
-        if memo is not None and memo[0] == fingerprint and memo[1] in self._records:
-            return memo[1]
-        return None
-
-    def _parse(self, path: str, expected_id: str | None = None) -> AdapterWeights:
-        """Files -> validated weights. Reads only the manager's fixed configuration, so
-        ``read_ahead`` may run it on another thread."""
-        parsed = load_adapter_files(path)
-        info = validate_adapter(parsed, self.spec, self.max_lora_rank)
-        if expected_id is not None and info.content_hash != expected_id:
-            raise AdapterHashMismatchError(f"adapter files at {path!r} changed since they were loaded")
-        return AdapterWeights.build(parsed, info, self.spec, self.dtype)
-
-    def _read(self, path: str, expected_id: str | None = None) -> AdapterWeights:
-        t0 = time.perf_counter()
-        weights = self._parse(path, expected_id)
-        rec = self._records.get(weights.adapter_id)
-        if rec is not None:
-            rec.stats.host_loads += 1
-            rec.stats.load_seconds += time.perf_counter() - t0
-        return weights
-
     def _host_protected(self, adapter_id: str) -> bool:
         rec = self._records.get(adapter_id)
         return rec is not None and rec.outstanding > 0 and self.pool.slot_of(adapter_id) is None
@@ -272,13 +175,13 @@ class LoRAManager:
             if rec.outstanding > 0:
                 self._wanted[adapter_id] = None
             return False
-        return self._host_put(self._read(rec.path, expected_id=adapter_id))
+        return self._host_put(self.catalog.read(rec.path, expected_id=adapter_id))
 
     def _weights_for(self, adapter_id: str) -> AdapterWeights:
         w = self.host.get(adapter_id)
         if w is None:
             rec = self._records[adapter_id]
-            w = self._read(rec.path, expected_id=adapter_id)
+            w = self.catalog.read(rec.path, expected_id=adapter_id)
             self._host_put(w)
         return w
 
@@ -338,11 +241,13 @@ class LoRAManager:
         elif adapter_id not in self.host:
             self._host_load(adapter_id)
 
-    def load(self, ref: str | AdapterRef, tier: str = "device", pin: bool = False) -> str:
-        """Admin warm-up: put the adapter in ``tier`` ("device" or "host"), pinned if asked."""
+    def load(self, ref: str | AdapterRef, tier: str = "device", pin: bool = False,
+             prepared: PreparedAdapter | None = None) -> str:
+        """Admin warm-up: put the adapter in ``tier`` ("device" or "host"), pinned if asked.
+        ``prepared``: ``read_ahead`` of ``ref``, so a new version is not read here."""
         if tier not in ("device", "host"):
             raise InvalidAdapterError(f"tier must be 'device' or 'host', not {tier!r}", param="tier")
-        adapter_id = self.resolve(ref)
+        adapter_id = self.resolve(ref, prepared)
         if tier == "host":
             if adapter_id not in self.host and not self._host_put(self._weights_for(adapter_id)):
                 raise AdapterBusyError("host cache is full of adapters in use; try again later")

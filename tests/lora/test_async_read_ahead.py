@@ -30,7 +30,7 @@ def test_new_adapter_is_read_off_the_engine_thread(tiny_llama_dir, loraplex_home
     fresh_llm = LLM(model=str(tiny_llama_dir), dtype="float32", home=loraplex_home, kv_cache_bytes=8 << 20,
                     max_loras=2, max_lora_rank=8, max_num_seqs=8)
     manager = fresh_llm.engine.lora_manager
-    parse = manager._parse
+    parse = manager.catalog.parse
     reading_threads: list[str] = []
     steps_during_read: list[int] = []
 
@@ -41,7 +41,7 @@ def test_new_adapter_is_read_off_the_engine_thread(tiny_llama_dir, loraplex_home
         steps_during_read.append(fresh_llm.engine.scheduler.stats.num_steps - before)
         return parse(path, expected_id)
 
-    monkeypatch.setattr(manager, "_parse", slow_parse)
+    monkeypatch.setattr(manager.catalog, "parse", slow_parse)
     aengine = AsyncLLMEngine(fresh_llm.config, engine=fresh_llm.engine)
 
     async def run(prompt, adapter_ref, max_tokens):

@@ -24,11 +24,11 @@ WORKER = "loraplex-adapter-read"
 
 
 class GatedParse:
-    """Wraps ``LoRAManager._parse``: records the reading thread, and holds reads of the adapter
+    """Wraps ``AdapterCatalog.parse``: records the reading thread, and holds reads of the adapter
     ids in ``gated`` until ``release`` is set."""
 
     def __init__(self, manager, gated: set[str] = frozenset()):
-        self.parse = manager._parse
+        self.parse = manager.catalog.parse
         self.gated = set(gated)
         self.release = threading.Event()
         self.entered = threading.Event()
@@ -56,7 +56,7 @@ def test_manager_reads_host_misses_in_the_background(lora_base, make_adapter, mo
     woke = threading.Event()
     m.start_background_reads(on_done=woke.set)
     gate = GatedParse(m)
-    monkeypatch.setattr(m, "_parse", gate)
+    monkeypatch.setattr(m.catalog, "parse", gate)
     host_loads = m.stats()["adapters"][a]["host_loads"]
 
     for _ in range(3):  # three requests for a: one read
@@ -128,7 +128,7 @@ def test_engine_keeps_decoding_while_an_evicted_adapter_is_read(world, tiny_llam
     slow = llm.add_adapter("slow", str(dirs["slow"]))
     manager.unload(slow)  # known, in neither tier: the next request must read it again
     gate = GatedParse(manager, gated={slow})
-    monkeypatch.setattr(manager, "_parse", gate)
+    monkeypatch.setattr(manager.catalog, "parse", gate)
     aengine = AsyncLLMEngine(llm.config, engine=engine)
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -192,3 +192,52 @@ def test_failed_background_read_fails_only_its_waiting_requests(world, tiny_llam
     assert stats["num_unfinished_requests"] == 0 and stats["lora"]["adapters"][doomed]["outstanding_requests"] == 0
     assert stats["lora"]["host_reads_in_flight"] == 0 and not manager._wanted and manager.loader is None
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks or engine.config.enable_prefix_caching
+
+
+def test_admin_load_of_a_new_version_reads_off_the_engine_thread(world, tiny_llama_dir, loraplex_home,
+                                                                  monkeypatch):
+    """An operator warming a new version before a swap (``POST .../load``): its files are read
+    and hashed while the engine keeps decoding, then it sits in a device slot."""
+    from loraplex.lora.spec import AdapterRef
+
+    dirs, expected, prompt = world
+    llm = _llm(tiny_llama_dir, loraplex_home)
+    engine, manager = llm.engine, llm.engine.lora_manager
+    gate = GatedParse(manager)
+    parse = gate.parse
+
+    def slow(path, expected_id=None):
+        gate.threads.append(threading.current_thread().name)
+        gate.entered.set()
+        assert gate.release.wait(30)
+        return parse(path, expected_id)
+
+    monkeypatch.setattr(manager.catalog, "parse", slow)
+    aengine = AsyncLLMEngine(llm.config, engine=engine)
+
+    async def base():
+        tokens = []
+        async for delta in aengine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)):
+            tokens += delta.outputs[0].token_ids
+        return tokens
+
+    async def main():
+        base_task = asyncio.create_task(base())
+        await asyncio.sleep(0.05)
+        load = asyncio.create_task(aengine.load_adapter(AdapterRef("slow@2", str(dirs["slow"])), tier="device"))
+        assert await asyncio.to_thread(gate.entered.wait, 30)
+        before = engine.scheduler.stats.num_steps
+        await asyncio.sleep(0.3)
+        steps = engine.scheduler.stats.num_steps - before
+        gate.release.set()
+        return await load, steps, await base_task
+
+    try:
+        adapter_id, steps, base_tokens = asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    assert steps > 0 and len(base_tokens) == 300 and base_tokens[:6] == expected[None]
+    assert gate.threads and "loraplex-engine" not in gate.threads
+    assert manager.tier_of(adapter_id) == "device"
+    assert llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                        adapters=[AdapterRef("slow@2", str(dirs["slow"]), adapter_id)])[0].token_ids == expected["slow"]

@@ -212,7 +212,7 @@ def test_read_ahead_reads_without_state_then_resolve_uses_it(lora_base, make_ada
         raise AssertionError("resolve read the files again")
 
     with monkeypatch.context() as patch:
-        patch.setattr(m, "_read", no_read)
+        patch.setattr(m.catalog, "read", no_read)
         adapter_id = m.resolve(str(fresh), prepared)
     assert adapter_id == prepared.weights.adapter_id and m.read_ahead(str(fresh)) is None
 
