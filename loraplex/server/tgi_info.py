@@ -31,6 +31,7 @@ from loraplex.server.context import AppContext
 from loraplex.server.errors import APIError, bad_request, from_exception
 from loraplex.server.limits import max_prompt_len
 from loraplex.server.protocol import _bool, _int
+from loraplex.server.tgi_protocol import parameters
 from loraplex.server.tgi_routes import error_response
 
 
@@ -79,12 +80,7 @@ def parse_tokenize_request(body: dict) -> tuple[str, bool, int | None]:
     if not isinstance(inputs, str):
         raise bad_request("`inputs` must be a string", param="inputs")
     add_special = _bool(body, "add_special_tokens", True)
-    params = body.get("parameters")
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
-        raise bad_request("`parameters` must be an object", param="parameters")
-    truncate = _int(params, "truncate", None)
+    truncate = _int(parameters(body), "truncate", None)
     if truncate is not None and truncate < 1:
         raise bad_request("`truncate` must be strictly positive", param="truncate")
     return inputs, add_special, truncate

@@ -123,6 +123,16 @@ def _structured(p: dict) -> StructuredOutputs | None:
     return spec
 
 
+def parameters(body: dict) -> dict:
+    """The request's ``parameters`` object ({} when absent)."""
+    p = body.get("parameters")
+    if p is None:
+        return {}
+    if not isinstance(p, dict):
+        raise bad_request("`parameters` must be an object", param="parameters")
+    return p
+
+
 def _positive(p: dict, name: str, message: str):
     v = _num(p, name, None)
     if v is not None and v <= 0:
@@ -141,11 +151,7 @@ def parse_generate_request(body, served_model: str, *, stream: bool | None) -> t
         raise bad_request("`inputs` cannot be empty", param="inputs")
     if stream is None:
         stream = _bool(body, "stream", False)
-    p = body.get("parameters")
-    if p is None:
-        p = {}
-    if not isinstance(p, dict):
-        raise bad_request("`parameters` must be an object", param="parameters")
+    p = parameters(body)
     _refuse_unsupported(p, stream)
 
     adapter_id = p.get("adapter_id")
