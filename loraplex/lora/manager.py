@@ -106,7 +106,10 @@ class LoRAManager:
                 failed.append(error)
                 continue
             self.catalog.count_read(done.adapter_id, done.seconds)
-            self._host_put(done.weights)  # into its reservation; LRU-evictable once nobody waits for it
+            if self._records[done.adapter_id].outstanding > 0:
+                self._host_put(done.weights)  # into its reservation
+            else:  # nobody waits for it any more (aborted, or unloaded meanwhile): not kept
+                self.host.cancel(done.adapter_id)
         self._service_wanted()
         return failed
 

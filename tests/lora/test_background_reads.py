@@ -103,6 +103,44 @@ def test_manager_failed_background_read_keeps_nothing(lora_base, make_adapter, t
     m.stop_background_reads()
 
 
+def test_read_nobody_waits_for_any_more_is_not_kept(lora_base, make_adapter, monkeypatch):
+    m = new_manager(lora_base.spec, max_loras=1)
+    a = m.register("a", make_adapter("a", seed=1))
+    m.unload(a)
+    woke = threading.Event()
+    m.start_background_reads(on_done=woke.set)
+    gate = GatedParse(m, gated={a})
+    monkeypatch.setattr(m.catalog, "parse", gate)
+    m.prefetch(a)
+    assert gate.entered.wait(30) and m.host.reserved_bytes > 0
+    m.on_request_finished(a, 1, 0)  # its only request was aborted while the read ran
+    gate.release.set()
+    _wait_read(m, woke)
+    assert m.collect_reads() == []
+    assert m.tier_of(a) == "disk" and m.host.reserved_bytes == 0 and not m._wanted
+    m.stop_background_reads()
+
+
+def test_host_cache_reservation_holds_room_until_its_put(lora_base, make_adapter):
+    """Room reserved for a read in flight is taken by nothing else; the read's put lands in it
+    without evicting; a cancelled reservation gives the room back."""
+    from loraplex.lora.host_cache import HostCache
+
+    m = new_manager(lora_base.spec)
+    w = [m.catalog.parse(str(make_adapter(n, seed=i))) for i, n in enumerate("abc")]
+    size = w[0].nbytes
+    assert all(x.nbytes == size for x in w)
+    cache = HostCache(2 * size)
+    assert cache.put(w[0])[0]
+    assert cache.reserve(w[1].adapter_id, size, lambda _: True) == (True, [])
+    assert cache.put(w[2], lambda _: True) == (False, [])  # a is protected, b's room is held
+    assert not cache.can_fit(size, lambda _: True)
+    assert cache.put(w[1], lambda _: True) == (True, []) and cache.reserved_bytes == 0
+    assert cache.reserve(w[2].adapter_id, size, lambda _: False) == (True, [w[0].adapter_id])  # LRU makes room
+    cache.cancel(w[2].adapter_id)
+    assert cache.reserved_bytes == 0 and cache.can_fit(size)
+
+
 @pytest.fixture(scope="module")
 def world(tiny_llama_dir, tmp_path_factory):
     from transformers import AutoModelForCausalLM
