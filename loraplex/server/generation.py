@@ -120,12 +120,12 @@ _TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, IndexError, 
 
 
 def render_chat(tok, messages: list[dict], tools: list[dict] | None, opts: PromptOptions | None = None) -> str:
-    """The chat template over the messages, with the request's tools passed as ``tools`` (as
-    vLLM does; templates that know tools show them to the model), and the request's template
-    options (``opts``). A template that cannot render the conversation (say, one that refuses
-    the role "tool") is a 400, naming ``chat_template`` for the request's own template,
-    ``continue_final_message`` when that is what failed, and ``tools`` when the same messages
-    render without them."""
+    """The chat template over the messages, with the request's tools passed as ``tools`` and its
+    ``documents`` as ``documents`` (as vLLM does; templates that know them show them to the
+    model), and the request's template options (``opts``). A template that cannot render the
+    conversation (say, one that refuses the role "tool") is a 400, naming ``chat_template`` for
+    the request's own template, ``continue_final_message`` when that is what failed, and
+    ``tools`` or ``documents`` when the same messages render without it."""
     opts = opts or PromptOptions()
     kwargs = dict(opts.chat_template_kwargs)
     if opts.chat_template is not None:
@@ -135,25 +135,32 @@ def render_chat(tok, messages: list[dict], tools: list[dict] | None, opts: Promp
         kwargs["continue_final_message"] = True
     if tools:
         kwargs["tools"] = tools
+    if opts.documents is not None:
+        kwargs["documents"] = opts.documents
+
+    def render(**kw) -> str:
+        return tok.apply_chat_template(messages, add_generation_prompt=opts.add_generation_prompt, tokenize=False,
+                                       **kw)
+
     try:
-        return tok.apply_chat_template(
-            messages, add_generation_prompt=opts.add_generation_prompt, tokenize=False, **kwargs
-        )
+        return render(**kwargs)
     except _TEMPLATE_ERRORS as exc:
         param = "messages"
         if opts.chat_template is not None:
             param = "chat_template"
         elif opts.continue_final_message and "continue_final_message" in str(exc):
             param = "continue_final_message"
-        elif tools:
-            kwargs.pop("tools")
-            try:
-                tok.apply_chat_template(messages, add_generation_prompt=opts.add_generation_prompt, tokenize=False,
-                                        **kwargs)
-                param = "tools"
-            except _TEMPLATE_ERRORS:
-                pass
-        what = "these tools" if param == "tools" else "this conversation"
+        else:
+            for extra in ("tools", "documents"):
+                if extra not in kwargs:
+                    continue
+                try:
+                    render(**{k: v for k, v in kwargs.items() if k != extra})
+                except _TEMPLATE_ERRORS:
+                    continue
+                param = extra
+                break
+        what = f"these {param}" if param in ("tools", "documents") else "this conversation"
         whose = "The request's chat template" if param == "chat_template" else "The model's chat template"
         raise bad_request(f"{whose} cannot render {what}: {exc}", param=param) from None
 

@@ -2,7 +2,8 @@
 prompt becomes the token ids the engine runs.
 
 Chat: ``chat_template_kwargs`` (extra variables for the template, e.g. Qwen3's
-``{"enable_thinking": false}``), ``add_generation_prompt`` (default true),
+``{"enable_thinking": false}``), ``documents`` (RAG documents for templates that render them, such
+as Command-R's or Granite's), ``add_generation_prompt`` (default true),
 ``continue_final_message`` (default false), ``chat_template`` (a template of the request's own,
 refused unless the server trusts request templates; checked in generation.py, which knows the
 settings). Both endpoints: ``truncate_prompt_tokens`` and ``add_special_tokens``. The meanings are
@@ -52,6 +53,7 @@ class PromptOptions:
     # chat only
     chat_template: str | None = None  # the request's own template
     chat_template_kwargs: dict = field(default_factory=dict)
+    documents: list[dict[str, str]] | None = None  # reaches the template as ``documents``
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
@@ -91,11 +93,34 @@ def _chat_template_kwargs(body: dict) -> dict:
     if clash:
         raise bad_request(
             f"`chat_template_kwargs` cannot set {', '.join(repr(k) for k in clash)}: loraplex passes that to the chat "
-            "template itself (send the request field of that name, where there is one: `tools`, "
+            "template itself (send the request field of that name, where there is one: `tools`, `documents`, "
             "`add_generation_prompt`, `continue_final_message`, `chat_template`)",
             param="chat_template_kwargs",
         )
     return dict(kwargs)
+
+
+def _documents(body: dict) -> list[dict[str, str]] | None:
+    """vLLM's ``documents``: ``list[dict[str, str]]`` (its pydantic type), handed to
+    ``apply_chat_template(documents=...)`` as sent. vLLM only recommends the keys ``title`` and
+    ``text``, so any keys are taken; values must be strings (pydantic does not turn numbers into
+    strings either). An empty list is passed on as one, as vLLM does: a template may tell it from
+    none."""
+    docs = body.get("documents")
+    if docs is None:
+        return None
+    if not isinstance(docs, list):
+        raise bad_request("`documents` must be a list of objects (e.g. {\"title\": ..., \"text\": ...})",
+                          param="documents")
+    for i, doc in enumerate(docs):
+        if not isinstance(doc, dict):
+            raise bad_request(f"`documents[{i}]` must be an object of strings, got {type(doc).__name__}",
+                              param="documents")
+        bad = next((k for k, v in doc.items() if not isinstance(v, str)), None)
+        if bad is not None:
+            raise bad_request(f"`documents[{i}].{bad}` must be a string, got {type(doc[bad]).__name__}",
+                              param="documents")
+    return [dict(doc) for doc in docs]
 
 
 def parse_prompt_options(body: dict, kind: str, messages: list[dict] | None = None) -> PromptOptions:
@@ -112,6 +137,7 @@ def parse_prompt_options(body: dict, kind: str, messages: list[dict] | None = No
         raise bad_request("`chat_template` must be a non-empty string (a Jinja template)", param="chat_template")
     opts.chat_template = template
     opts.chat_template_kwargs = _chat_template_kwargs(body)
+    opts.documents = _documents(body)
     add_generation_prompt = _optional_bool(body, "add_generation_prompt")
     opts.add_generation_prompt = True if add_generation_prompt is None else add_generation_prompt
     opts.continue_final_message = bool(_optional_bool(body, "continue_final_message"))

@@ -6,11 +6,12 @@ in ``/v1`` finds them too. Shapes are vLLM's (``TokenizeCompletionRequest``,
 ``TokenizeChatRequest``, ``DetokenizeRequest`` in vllm/entrypoints/openai/protocol.py):
 
 - ``{"model"?, "prompt": str, "add_special_tokens"?: true, "return_token_strs"?: false}`` or
-  ``{"model"?, "messages": [...], "tools"?, "add_generation_prompt"?, "continue_final_message"?,
-  "chat_template"?, "chat_template_kwargs"?, "add_special_tokens"?: false, ...}`` -> ``{"count",
-  "max_model_len", "tokens", "token_strs"}`` (``token_strs`` null unless asked). The ids are those
-  completions or chat completions would run for the same prompt and prompt fields
-  (prompt_fields.py; ``truncate_prompt_tokens`` too, which vLLM's tokenize request lacks).
+  ``{"model"?, "messages": [...], "tools"?, "documents"?, "add_generation_prompt"?,
+  "continue_final_message"?, "chat_template"?, "chat_template_kwargs"?, "add_special_tokens"?:
+  false, ...}`` -> ``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs`` null
+  unless asked). The ids are those completions or chat completions would run for the same prompt
+  and prompt fields (prompt_fields.py; ``truncate_prompt_tokens`` and ``documents`` too, which
+  vLLM's tokenize request lacks).
 - ``{"model"?, "tokens": [int]}`` -> ``{"prompt": str}`` (special tokens kept, as vLLM decodes).
 
 ``model``, when sent, must be the base model or one of the caller's adapters: the same 404 as
