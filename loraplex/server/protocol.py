@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, field
 
 from loraplex.sampling_params import InvalidRequestError, SamplingParams
+from loraplex.server.chat_output import REASONING_FIELDS
 from loraplex.server.errors import bad_request
 from loraplex.server.prompt_fields import PromptOptions, parse_prompt_options
 from loraplex.server.refused_fields import refuse_unsupported
@@ -251,11 +252,16 @@ def _messages(body) -> list[dict]:
             raise bad_request(f"`{where}.role` must be one of {', '.join(CHAT_ROLES)}", param=f"{where}.role")
         msg: dict = {"role": role}
         calls = m.get("tool_calls") if role == "assistant" else None
-        if calls:  # an earlier turn's tool calls; its content may be null
-            msg["content"] = "" if m.get("content") is None else _content(m["content"], f"{where}.content")
-            msg["tool_calls"] = template_tool_calls(calls, f"{where}.tool_calls")
+        reasoning = _reasoning(m, where) if role == "assistant" else None
+        if (calls or reasoning is not None) and m.get("content") is None:
+            # an earlier turn of only tool calls or only reasoning: its content is null (chat_output.py)
+            msg["content"] = ""
         else:
             msg["content"] = _content(m.get("content"), f"{where}.content")
+        if calls:
+            msg["tool_calls"] = template_tool_calls(calls, f"{where}.tool_calls")
+        if reasoning is not None:  # under both names, as vLLM hands it to the template (vllm-project/vllm#33635)
+            msg["reasoning"] = msg["reasoning_content"] = reasoning
         if role == "tool":
             call_id = m.get("tool_call_id")
             if not isinstance(call_id, str) or not call_id:
@@ -266,6 +272,26 @@ def _messages(body) -> list[dict]:
             msg["name"] = m["name"]
         out.append(msg)
     return out
+
+
+def _reasoning(m: dict, where: str) -> str | None:
+    """An earlier assistant turn's reasoning, as the response gave it (reasoning_parsers.py):
+    ``reasoning`` (vLLM's name since vllm-project/vllm#27752) or ``reasoning_content`` (the older
+    name, which Qwen3's template reads, and what DeepSeek's API and the Vercel AI SDK send back).
+    Either is taken (vLLM reads only ``reasoning``, vllm-project/vllm#38488); both with different
+    text is a 400 rather than one of them lost."""
+    values = {}
+    for key in REASONING_FIELDS:  # the names an answer gives it under
+        value = m.get(key)
+        if value is not None and not isinstance(value, str):
+            raise bad_request(f"`{where}.{key}` must be a string or null, got {type(value).__name__}",
+                              param=f"{where}.{key}")
+        if value is not None:
+            values[key] = value
+    if len(set(values.values())) > 1:
+        raise bad_request(f"`{where}.reasoning` and `{where}.reasoning_content` are two names for the same text; "
+                          "they differ here (send one, or both the same)", param=f"{where}.reasoning_content")
+    return next(iter(values.values()), None)
 
 
 def _content(content, where: str) -> str:
