@@ -24,14 +24,14 @@ THINKING_TEMPLATE = (
 MAX_MODEL_LEN = 256
 
 
-def bos_tokenizer():
+def bos_tokenizer(template: str = THINKING_TEMPLATE):
     """The tiny tokenizer with a BOS post-processor: ``add_special_tokens=True`` puts ``<s>``
-    (id 0) first, as Llama's tokenizer does."""
+    (id 0) first, as Llama's tokenizer does; ``template`` is its chat template."""
     from tokenizers import processors
 
     tok = make_tiny_tokenizer()
     tok._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    tok.chat_template = THINKING_TEMPLATE
+    tok.chat_template = template
     return tok
 
 
@@ -60,9 +60,9 @@ class Tenant:
         return err
 
 
-def start_tenant(tmp_path, name: str, **settings) -> Tenant:
+def start_tenant(tmp_path, name: str, template: str = THINKING_TEMPLATE, **settings) -> Tenant:
     engine = FakeEngine(max_model_len=MAX_MODEL_LEN)
-    engine.tokenizer = bos_tokenizer()
+    engine.tokenizer = bos_tokenizer(template)
     srv = start_server(tmp_path, engine, **settings)
     key = srv.make_tenant(name)
     files = {

@@ -198,6 +198,10 @@ def test_a_key_is_required(world):
     ("/tokenize", {"messages": CHAT, "chat_template": "{{ 1 }}"}, "chat_template"),  # not trusted here
     ("/tokenize", {"messages": CONTINUED, "continue_final_message": True}, "continue_final_message"),
     ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ("/tokenize", {"messages": CHAT, "documents": [{"text": 1}]}, "documents"),
+    ("/tokenize", {"messages": CHAT, "documents": {"text": "x"}}, "documents"),
+    ("/tokenize", {"messages": [{"role": "assistant", "content": "a", "reasoning_content": 1}]},
+     "messages[0].reasoning_content"),
 ])
 def test_bad_fields_are_400(world, path, body, param):
     _, client, _ = world
