@@ -137,12 +137,14 @@ class ModelRunner:
         return self.spec.lora_target_spec()
 
     def _resolve_max_model_len(self) -> int:
-        limit = self.spec.max_position_embeddings
+        limit = self.spec.max_context_len
         wanted = self.config.max_model_len
         if wanted is None:
             return limit
         if not 0 < wanted <= limit:
-            raise ValueError(f"max_model_len={wanted} must be in [1, {limit}] (the model's max_position_embeddings)")
+            why = "its sliding window" if limit == self.spec.sliding_window else (
+                "its YaRN-scaled context" if self.spec.rope.rope_type == "yarn" else "its max_position_embeddings")
+            raise ValueError(f"max_model_len={wanted} must be in [1, {limit}] (the model's context: {why})")
         return wanted
 
     def _collect_eos_ids(self) -> set[int]:

@@ -21,7 +21,7 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class UnsupportedModelError(ValueError):
@@ -61,6 +61,9 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str | None = None  # "bfloat16", "float32", ... as saved
+    # Mistral's sliding-window attention span, when it is shorter than the positions: loraplex
+    # attends to the whole context, which is the same only up to the window (max_context_len)
+    sliding_window: int | None = None
 
     @property
     def q_size(self) -> int:
@@ -69,6 +72,18 @@ class ModelSpec:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest context served: ``max_position_embeddings``, or with YaRN the original
+        context times its factor (as vLLM derives it), and never past a sliding window (beyond
+        it full attention would answer otherwise than the model)."""
+        limit = self.max_position_embeddings
+        if self.rope.rope_type == "yarn":
+            limit = int(self.rope.scaling["original_max_position_embeddings"] * self.rope.scaling["factor"])
+        if self.sliding_window is not None:
+            limit = min(limit, self.sliding_window)
+        return limit
 
     def kv_bytes_per_token(self, element_bytes: int) -> int:
         """KV-cache bytes one token occupies across all layers (K and V)."""
@@ -109,6 +124,8 @@ class ModelSpec:
         attention_bias = bool(cfg.get("attention_bias", False))  # Llama: on q, k, v and o
         if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
             raise UnsupportedModelError(f"sliding-window attention is not supported ({arch})")
+        window = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None  # Qwen2's needs the flag
+        max_positions = int(cfg.get("max_position_embeddings", 2048))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -122,7 +139,7 @@ class ModelSpec:
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_positions,
             rope=parse_rope(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=SUPPORTED_ARCHITECTURES[arch]["qkv_bias"] or attention_bias,
@@ -132,6 +149,7 @@ class ModelSpec:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            sliding_window=int(window) if window is not None and int(window) < max_positions else None,
         )
 
     @classmethod
@@ -149,6 +167,17 @@ def _arch_from_model_type(model_type: str | None) -> str:
         "qwen3": "Qwen3ForCausalLM",
     }
     return known.get(model_type or "", f"<model_type {model_type!r}>")
+
+
+def _yarn_scaling(cfg: dict[str, Any], params: dict[str, Any], scaling: dict[str, float]) -> dict[str, float]:
+    """YaRN's keys with transformers' defaults filled in: the original context, the factor
+    (when absent, the context ratio, as DeepSeek-V3's configs expect) and ``truncate`` (a bool
+    in the config, kept as 1.0 / 0.0 with the numbers)."""
+    original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") \
+        or cfg.get("max_position_embeddings", 2048)
+    factor = scaling.get("factor") or cfg.get("max_position_embeddings", 2048) / original
+    return {"original_max_position_embeddings": original, "factor": factor,
+            "truncate": 0.0 if params.get("truncate", True) is False else 1.0}
 
 
 def parse_rope(cfg: dict[str, Any]) -> RopeConfig:
@@ -172,6 +201,8 @@ def parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
     scaling = {k: v for k, v in params.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if rope_type == "yarn":
+        scaling.update(_yarn_scaling(cfg, params, scaling))
     if rope_type == "linear" and "factor" not in scaling:
         raise UnsupportedModelError("linear rope scaling needs a 'factor'")
     if rope_type == "llama3":

