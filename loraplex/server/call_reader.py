@@ -1,17 +1,26 @@
-"""Reads one tool call written as a JSON object (``{"name": ..., "arguments": {...}}``) as it
-arrives, character by character, for the model-specific parsers of ``tool_parsers.py``.
+"""Reads tool calls written as JSON as they arrive, character by character: one call object
+(``{"name": ..., "arguments": {...}}``) for the model-specific parsers of ``tool_parsers.py``,
+and an array of them (``[{"name": ..., "parameters": {...}}, ...]``) for ``tool_choice:
+"required"`` (``tool_calls.py``), each of its items read as one call object.
 
-It reports the call's name once its string is complete and then the text of its arguments value
+A call's name is reported once its string is complete and then the text of its arguments value
 (the model's own text, held back until the name is known should the arguments come first), so
 the pieces of a streamed call join into exactly the ``arguments`` of the same output read whole.
-It is not a JSON validator: ``check`` parses the whole object once it is complete.
+The object reader is not a JSON validator: each object is parsed once, when it is complete.
 """
 
 from __future__ import annotations
 
 import json
 
-_WS = " \t\n\r"
+_WS = " \t\n\r"  # JSON's whitespace
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 class CallObjectReader:
@@ -25,6 +34,7 @@ class CallObjectReader:
         self.name: str | None = None
         self.arguments = ""  # the text of the arguments value(s) read so far
         self.done = False
+        self.value = None  # the complete object parsed (None until then, or when it is not JSON)
         self.consumed = 0
         self._raw: list[str] = []
         self._depth = 0
@@ -53,10 +63,7 @@ class CallObjectReader:
         arguments keys, and the read text agreeing with the parse."""
         if not self.done or self.name is None:
             return False
-        try:
-            obj = json.loads("".join(self._raw))
-        except ValueError:
-            return False
+        obj = self.value
         keys = [k for k in self.args_keys if isinstance(obj, dict) and k in obj]
         if not isinstance(obj, dict) or obj.get("name") != self.name or len(keys) != 1:
             return False
@@ -80,10 +87,7 @@ class CallObjectReader:
         self._args, self._slot = None, "after"
 
     def _end_capture(self) -> None:
-        try:
-            value = json.loads("".join(self._cap))
-        except ValueError:
-            value = None
+        value = _loads("".join(self._cap))
         self._cap = None
         if self._cap_is_key:
             self._key, self._slot = value, "colon"
@@ -152,6 +156,7 @@ class CallObjectReader:
                 self._end_args()
             if self._depth <= 0:
                 self.done = True
+                self.value = _loads("".join(self._raw))
             return
         if self._args:
             self._arg(ch)
@@ -164,3 +169,58 @@ class CallObjectReader:
             if self._key in self.args_keys:
                 self._args = "scalar"
                 self._arg(ch)
+
+
+class CallArrayReader:
+    """A JSON array of call objects, each item read by a ``CallObjectReader``: ``feed`` returns
+    the events of a piece with the item's index, ``("call", index, name)`` and ``("args", index,
+    text)``. ``complete`` tells, without reading the text again, whether all of it is what
+    ``json.loads`` reads as a non-empty array of objects, each with a string ``name`` and one of
+    the arguments keys."""
+
+    def __init__(self, args_keys: tuple[str, ...]):
+        self.args_keys = args_keys
+        self.calls: list[CallObjectReader] = []
+        # between items: "start" (before "[") | "first" (after "[") | "next" (after ",")
+        # | "after" (after an item) | "closed" (after "]"); "item" while one is read
+        self._state = "start"
+        self._sound = True  # all read so far begins such an array
+
+    @property
+    def complete(self) -> bool:
+        return self._sound and self._state == "closed" and bool(self.calls)
+
+    def feed(self, text: str) -> list[tuple]:
+        out: list[tuple] = []
+        i = 0
+        while i < len(text):
+            if self._state == "item":
+                item, index = self.calls[-1], len(self.calls) - 1
+                out.extend((kind, index, value) for kind, value in item.feed(text[i:]))
+                i += item.consumed
+                if item.done:
+                    self._state = "after"
+                    self._sound = self._sound and self._is_call(item.value)
+                continue
+            self._between(text[i])
+            i += 1
+        return out
+
+    def _is_call(self, obj) -> bool:
+        return isinstance(obj, dict) and isinstance(obj.get("name"), str) and any(k in obj for k in self.args_keys)
+
+    def _between(self, ch: str) -> None:
+        # an item is read at any "{" once the array is open, as the stream of a malformed array
+        # goes on; only "complete" minds the commas
+        if ch in _WS:
+            return
+        state = self._state
+        if ch == "{" and state in ("first", "next", "after"):
+            self._sound = self._sound and state != "after"
+            self.calls.append(CallObjectReader(self.args_keys))
+            self.calls[-1].feed(ch)
+            self._state = "item"
+        elif (ch, state) in ((",", "after"), ("[", "start"), ("]", "first"), ("]", "after")):
+            self._state = {",": "next", "[": "first", "]": "closed"}[ch]
+        else:
+            self._sound = False

@@ -28,14 +28,16 @@ from __future__ import annotations
 import copy
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loraplex.sampling_params import InvalidRequestError
+from loraplex.server.call_reader import CallArrayReader
 from loraplex.server.errors import bad_request
 from loraplex.structured_output import StructuredOutputs
 
 NAMED_USAGE = 'give {"type": "function", "function": {"name": "<one of the tools>"}}'
 EMPTY_PARAMETERS = {"type": "object"}  # a tool without parameters takes any JSON object
+REQUIRED_ARGS = ("parameters",)  # the arguments key of a "required" item (vLLM's)
 
 
 def new_call_id() -> str:
@@ -218,173 +220,19 @@ def template_tool_calls(raw, where: str) -> list[dict]:
 # --- reading the output -----------------------------------------------------------------------
 
 
-_WS = " \t\n\r"
-
-
-class RequiredCallsReader:
-    """Reads the output of ``tool_choice: "required"`` (``[{"name": ..., "parameters": ...},
-    ...]``) as it arrives, character by character, and reports the calls: ``feed`` returns
-    ``("call", index, name)`` when an item's name is complete and ``("args", index, text)`` for
-    each new piece of the text of its ``parameters`` value (held back until the name is known,
-    should the parameters come first). ``calls`` holds ``[name, arguments text]`` per item."""
-
-    def __init__(self) -> None:
-        self.calls: list[list] = []
-        self._stack: list[str] = []
-        self._in_str = False
-        self._esc = False
-        self._item = -1
-        self._slot = "key"  # in an item: "key" | "colon" | "value" | "in_value" | "after"
-        self._key: str | None = None
-        self._raw: list[str] | None = None  # an item's key, or its name value, being read
-        self._raw_is_key = False
-        self._params = False  # reading the parameters value
-        self._params_scalar = False  # ... which is a number / true / false / null at item level
-        self._name: str | None = None
-        self._held: list[str] = []  # parameters text read before the name
-        self._out: list[tuple] = []
-
-    # the events of one feed
-    def feed(self, text: str) -> list[tuple]:
-        self._out = []
-        for ch in text:
-            self._char(ch)
-        return self._out
-
-    def _emit_args(self, piece: str) -> None:
-        self.calls[self._item][1] += piece
-        if self._name is None:
-            self._held.append(piece)
-        elif self._out and self._out[-1][0] == "args" and self._out[-1][1] == self._item:
-            self._out[-1] = ("args", self._item, self._out[-1][2] + piece)
-        else:
-            self._out.append(("args", self._item, piece))
-
-    def _set_name(self, name: str) -> None:
-        if self._name is not None:
-            return
-        self._name = name
-        self.calls[self._item][0] = name
-        self._out.append(("call", self._item, name))
-        if self._held:
-            held, self._held = "".join(self._held), []
-            self._out.append(("args", self._item, held))
-
-    def _end_params(self) -> None:
-        self._params = self._params_scalar = False
-        self._slot = "after"
-
-    def _char(self, ch: str) -> None:
-        depth = len(self._stack)
-        if self._in_str:
-            if self._params:
-                self._emit_args(ch)
-            if self._raw is not None:
-                self._raw.append(ch)
-            if self._esc:
-                self._esc = False
-            elif ch == "\\":
-                self._esc = True
-            elif ch == '"':
-                self._in_str = False
-                if self._raw is not None:
-                    value = json.loads("".join(self._raw))
-                    self._raw = None
-                    if self._raw_is_key:
-                        self._key, self._slot = value, "colon"
-                    else:  # the item's name
-                        if isinstance(value, str):
-                            self._set_name(value)
-                        self._slot = "after"
-                elif self._params and depth == 2:  # a string as the whole parameters value
-                    self._end_params()
-            return
-        if self._params_scalar:  # a number or literal ends at the first character not its own
-            if ch in _WS or ch in ",}]":
-                self._end_params()
-            else:
-                self._emit_args(ch)
-                return
-        if ch == '"':
-            self._in_str = True
-            if depth == 2 and self._slot == "key":
-                self._raw, self._raw_is_key = ['"'], True
-            elif depth == 2 and self._slot == "value":
-                self._slot = "in_value"
-                if self._key == "name":
-                    self._raw, self._raw_is_key = ['"'], False
-                elif self._key == "parameters":
-                    self._params = True
-                    self._emit_args(ch)
-            elif self._params:
-                self._emit_args(ch)
-            return
-        if ch in "[{":
-            if depth == 1 and ch == "{":  # a new item
-                self._item += 1
-                self.calls.append([None, ""])
-                self._name, self._held, self._key, self._slot = None, [], None, "key"
-            elif depth == 2 and self._slot == "value":
-                self._slot = "in_value"
-                self._params = self._key == "parameters"
-            if self._params:
-                self._emit_args(ch)
-            self._stack.append(ch)
-            return
-        if ch in "]}":
-            if self._params:
-                self._emit_args(ch)
-            if self._stack:
-                self._stack.pop()
-            if self._params and len(self._stack) == 2:  # the parameters object or array closed
-                self._end_params()
-            elif depth == 2:  # an item closed
-                self._slot = "after"
-            return
-        if self._params:
-            self._emit_args(ch)
-            return
-        if depth != 2:
-            return
-        if ch == ":" and self._slot == "colon":
-            self._slot = "value"
-        elif ch == ",":
-            self._slot = "key"
-        elif ch not in _WS and self._slot == "value":  # a number or literal as the value
-            self._slot = "in_value"
-            if self._key == "parameters":
-                self._params = self._params_scalar = True
-                self._emit_args(ch)
-
-
 def required_calls(text: str) -> list[tuple[str, str]] | None:
     """The calls of a whole "required" output, ``[(name, arguments text)]``; None when the text
     is not a complete array of ``{"name", "parameters"}`` items (cut short by ``max_tokens``
     or a stop string)."""
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(items, list) or not items:
-        return None
-    if not all(isinstance(it, dict) and isinstance(it.get("name"), str) and "parameters" in it for it in items):
-        return None
-    reader = RequiredCallsReader()
+    reader = CallArrayReader(REQUIRED_ARGS)
     reader.feed(text)
-    calls = [(name, args) for name, args in reader.calls]
+    if not reader.complete:
+        return None
     # the reader keeps the model's own text; fall back to re-serialising should it ever disagree
-    if len(calls) != len(items) or any(
-        name != it["name"] or _loads(args) != it["parameters"] for (name, args), it in zip(calls, items)
-    ):
-        calls = [(it["name"], json.dumps(it["parameters"], ensure_ascii=False)) for it in items]
-    return calls
-
-
-def _loads(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return object()
+    if all(call.check() for call in reader.calls):
+        return [(call.name, call.arguments) for call in reader.calls]
+    items = [call.value for call in reader.calls]
+    return [(it["name"], json.dumps(it["parameters"], ensure_ascii=False)) for it in items]
 
 
 def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict:
@@ -418,8 +266,7 @@ class ToolCallStream:
     streams them and its client accumulates them."""
 
     req: ToolRequest
-    text: str = ""
-    _reader: RequiredCallsReader | None = None
+    _reader: CallArrayReader = field(default_factory=lambda: CallArrayReader(REQUIRED_ARGS))
     _started: bool = False
 
     def start(self) -> list[dict]:
@@ -430,21 +277,19 @@ class ToolCallStream:
         return []
 
     def feed(self, text: str) -> list[dict]:
-        self.text += text
         if not text:
             return []
         if self.req.mode == "named":
             return [*self.start(), {"index": 0, "function": {"arguments": text}}]
-        if self._reader is None:
-            self._reader = RequiredCallsReader()
         return [
             _header(index, value) if kind == "call" else {"index": index, "function": {"arguments": value}}
             for kind, index, value in self._reader.feed(text)
         ]
 
     def called(self) -> bool:
-        """Whether the whole output made its calls (a "required" array complete)."""
-        return self.req.mode == "named" or required_calls(self.text) is not None
+        """Whether the whole output made its calls (a "required" array complete); the reader
+        keeps the answer as it goes, so asking costs nothing."""
+        return self.req.mode == "named" or self._reader.complete
 
 
 def _header(index: int, name: str) -> dict:

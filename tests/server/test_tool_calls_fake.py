@@ -14,7 +14,8 @@ import random
 import jinja2
 import pytest
 
-from loraplex.server.tool_calls import RequiredCallsReader, ToolCallStream, ToolRequest, required_calls
+from loraplex.server.call_reader import CallArrayReader
+from loraplex.server.tool_calls import ToolCallStream, ToolRequest, required_calls
 from loraplex.structured_output import StructuredOutputs
 from tests.server.fakes import FakeEngine, FakeTokenizer, expected_text
 from tests.server.test_errors_fake import _envelope
@@ -361,10 +362,40 @@ def test_incomplete_required_outputs_are_no_calls(text):
     assert not stream.called()
 
 
+def _is_array_of_calls(text: str) -> bool:
+    """The reference: what json.loads makes of the whole text."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(items, list) and bool(items) and all(
+        isinstance(it, dict) and isinstance(it.get("name"), str) and "parameters" in it for it in items)
+
+
+def test_called_agrees_with_parsing_the_whole_output():
+    """called() keeps its answer as the stream goes instead of parsing the output again: it
+    must still say what parsing the whole text says, for every prefix and for texts broken
+    between the items (commas, brackets, what comes after the array)."""
+    rng = random.Random(0)
+    texts = [*OUTPUTS, '[{"name":"f","parameters":{}},]', '[{"name":"f","parameters":{}} {"name":"g","parameters":1}]',
+             '[{"name":"f","parameters":{}}] x', '[,{"name":"f","parameters":{}}]', '[[], {"name":"f","parameters":2}]',
+             '[{"name":"f","parameters":{}}]]', '[{"name":"f","parameters":{}}}]', '[{"name":1,"parameters":{}}]',
+             '[{"name":"f","parameters":{]}]', ' \n[{"name":"f","parameters":{}}]\t ']
+    for whole in texts:
+        for text in {whole[:k] for k in range(len(whole) + 1)} | {whole}:
+            stream = ToolCallStream(ToolRequest(mode="required"))
+            i = 0
+            while i < len(text):
+                j = i + rng.randint(1, 5)
+                stream.feed(text[i:j])
+                i = j
+            assert stream.called() == _is_array_of_calls(text) == (required_calls(text) is not None), text
+
+
 def test_reader_reports_names_before_arguments():
-    reader = RequiredCallsReader()
+    reader = CallArrayReader(("parameters",))
     events = reader.feed('[{"name": "f", "parameters": {"a"')
     assert events == [("call", 0, "f"), ("args", 0, '{"a"')]
     assert reader.feed(': 1}}, {"parameters": [2') == [("args", 0, ": 1}")]  # held until the name
     assert reader.feed('], "name": "g"}]') == [("call", 1, "g"), ("args", 1, "[2]")]
-    assert reader.calls == [["f", '{"a": 1}'], ["g", "[2]"]]
+    assert [[c.name, c.arguments] for c in reader.calls] == [["f", '{"a": 1}'], ["g", "[2]"]]
