@@ -45,11 +45,9 @@ class StructuredOutputs:
         def bad(message: str) -> None:
             raise InvalidRequestError(message, param=param)
 
-        chosen = [
-            f.name for f in fields(self) if f.name != "disable_any_whitespace" and getattr(self, f.name) not in (None, False)
-        ]
+        chosen = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(chosen) != 1:
-            bad(f"give exactly one of json, json_object, regex, choice, grammar (got {chosen or 'none'})")
+            bad(f"give exactly one of {', '.join(KINDS)} (got {chosen or 'none'})")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             bad("json must be a JSON schema (an object)")
         if isinstance(self.json, str):
@@ -97,3 +95,7 @@ class StructuredOutputs:
         is_error, messages = LLMatcher.validate_grammar_with_warnings(self.to_grammar(param))
         if is_error:
             raise InvalidRequestError(f"invalid structured output: {messages[0].strip()}", param=param)
+
+
+# the kinds of constraint (vLLM's names): StructuredOutputs' fields, of which one is set
+KINDS = tuple(f.name for f in fields(StructuredOutputs) if f.name != "disable_any_whitespace")

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from loraplex.sampling_params import InvalidRequestError, SamplingParams
 from loraplex.server.errors import bad_request
 from loraplex.server.protocol import MAX_TOP_LOGPROBS, GenerationRequest, _bool, _int, _num, _stop
+from loraplex.server.structured_fields import checked_constraint
 from loraplex.structured_output import StructuredOutputs
 
 ADAPTER_SOURCES_SERVED = (None, "local")
@@ -114,13 +115,8 @@ def _structured(p: dict) -> StructuredOutputs | None:
                           param="grammar")
     if not found:
         return None
-    field, kwargs = found[0]
-    try:
-        spec = StructuredOutputs(**kwargs)
-        spec.check(param=field)
-    except InvalidRequestError as exc:
-        raise bad_request(exc.message, param=field) from None
-    return spec
+    field, spec = found[0]
+    return checked_constraint(field, **spec)
 
 
 def parameters(body: dict) -> dict:

@@ -30,9 +30,9 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from loraplex.sampling_params import InvalidRequestError
 from loraplex.server.call_reader import CallArrayReader
 from loraplex.server.errors import bad_request
+from loraplex.server.structured_fields import checked_constraint
 from loraplex.structured_output import StructuredOutputs
 
 NAMED_USAGE = 'give {"type": "function", "function": {"name": "<one of the tools>"}}'
@@ -173,11 +173,7 @@ def parse_tools(body: dict) -> ToolRequest:
     else:
         raise bad_request(f"`tool_choice` must be \"none\", \"auto\", \"required\" or a named function: {NAMED_USAGE}",
                           param="tool_choice")
-    try:
-        req.constraint = StructuredOutputs(json=schema)
-        req.constraint.check(param="tools")
-    except InvalidRequestError as exc:
-        raise bad_request(exc.message, param="tools") from None
+    req.constraint = checked_constraint("tools", json=schema)
     return req
 
 
