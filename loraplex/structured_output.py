@@ -13,6 +13,8 @@ llguidance is imported only when a request asks for structured output.
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, fields
 
 from loraplex.sampling_params import InvalidRequestError
@@ -89,13 +91,62 @@ class StructuredOutputs:
 
     def check(self, param: str = "structured_outputs") -> None:
         """Raise ``InvalidRequestError`` naming ``param`` when the schema, regex or grammar is
-        not one llguidance can enforce (checked without a tokenizer, before any model work)."""
+        not one llguidance can enforce (checked without a tokenizer, before any model work).
+        The verdict is kept by the constraint's content (``VERDICTS``): agents send the same
+        tool schemas with every request, and compiling one takes about a millisecond of the
+        event loop."""
+        error = VERDICTS.get(self.cache_key(), self._verdict)
+        if error is not None:
+            raise InvalidRequestError(error, param=param)
+
+    def cache_key(self) -> str | None:
+        """The constraint's content as JSON text; None when it is not JSON (a value not sent
+        as JSON). Object keys keep their order: llguidance's grammar, and its first error,
+        follow it (an agent sends its schemas the same way each time)."""
+        try:
+            return json.dumps([getattr(self, f.name) for f in fields(self)], ensure_ascii=False,
+                              separators=(",", ":"))
+        except (TypeError, ValueError):
+            return None
+
+    def _verdict(self) -> str | None:
+        """llguidance's verdict: None when the grammar compiles, else the refusal's message."""
         from llguidance import LLMatcher
 
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(self.to_grammar(param))
-        if is_error:
-            raise InvalidRequestError(f"invalid structured output: {messages[0].strip()}", param=param)
+        try:
+            grammar = self.to_grammar()
+        except InvalidRequestError as exc:
+            return exc.message
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+        return f"invalid structured output: {messages[0].strip()}" if is_error else None
 
 
+class VerdictCache:
+    """The verdicts of ``StructuredOutputs.check`` by key, the most recently used ``size`` of
+    them. Safe across threads; two threads asking for a new key at once may both compute it
+    (the same verdict)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._verdicts: OrderedDict[str, str | None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str | None, compute) -> str | None:
+        if key is None:
+            return compute()
+        with self._lock:
+            if key in self._verdicts:
+                self._verdicts.move_to_end(key)
+                return self._verdicts[key]
+        verdict = compute()  # outside the lock: a millisecond no other thread need wait for
+        with self._lock:
+            self._verdicts[key] = verdict
+            while len(self._verdicts) > self.size:
+                self._verdicts.popitem(last=False)
+        return verdict
+
+
+# check()'s verdicts: an agent's tool schemas, one entry per set of tools it calls with
+VERDICTS = VerdictCache(1024)
 # the kinds of constraint (vLLM's names): StructuredOutputs' fields, of which one is set
 KINDS = tuple(f.name for f in fields(StructuredOutputs) if f.name != "disable_any_whitespace")

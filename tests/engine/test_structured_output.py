@@ -168,3 +168,67 @@ def test_disable_any_whitespace_gives_compact_json(llm):
     assert compact and all(not any(ch in t for ch in " \t\n\r") for t in compact)
     assert all(t == json.dumps(json.loads(t), separators=(",", ":"), ensure_ascii=False) for t in compact)
     assert any(any(ch in t for ch in " \t\n\r") for t in loose)
+
+
+# --- check()'s verdicts, kept -----------------------------------------------------------------
+
+
+class _CountingMatcher:
+    """llguidance's LLMatcher, counting the grammar checks made through it."""
+
+    def __init__(self):
+        import llguidance
+
+        self.real, self.checks = llguidance.LLMatcher, 0
+
+    def validate_grammar_with_warnings(self, grammar):
+        self.checks += 1
+        return self.real.validate_grammar_with_warnings(grammar)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.fixture
+def matcher(monkeypatch):
+    import llguidance
+
+    from loraplex import structured_output
+
+    counting = _CountingMatcher()
+    monkeypatch.setattr(llguidance, "LLMatcher", counting)
+    monkeypatch.setattr(structured_output, "VERDICTS", structured_output.VerdictCache(3))
+    return counting
+
+
+def test_a_repeated_constraint_is_checked_once(matcher):
+    for _ in range(3):  # a new but equal schema each time, as each request parses its own body
+        StructuredOutputs(json=json.loads(json.dumps(SCHEMA))).check(param="tools")
+    assert matcher.checks == 1
+    StructuredOutputs(json=SCHEMA, disable_any_whitespace=True).check()  # another grammar
+    StructuredOutputs(json=json.dumps(SCHEMA)).check()  # the schema as text is another input
+    assert matcher.checks == 3
+
+
+def test_a_bad_constraint_is_refused_every_time(matcher):
+    from llguidance import LLMatcher
+
+    grammar = "start: undefined_rule"
+    is_error, messages = matcher.real.validate_grammar_with_warnings(LLMatcher.grammar_from_lark(grammar))
+    assert is_error
+    for param in ("structured_outputs", "tools", "structured_outputs"):  # the param is the caller's
+        with pytest.raises(InvalidRequestError) as info:
+            StructuredOutputs(grammar=grammar).check(param=param)
+        assert (info.value.message, info.value.param) == (f"invalid structured output: {messages[0].strip()}", param)
+    assert matcher.checks == 1
+
+
+def test_verdicts_are_bounded_least_recently_used_first(matcher):
+    a, b, c, d = (StructuredOutputs(choice=[x]) for x in "abcd")
+    for constraint in (a, b, c, a, d):  # a used again, so d evicts b (size 3)
+        constraint.check()
+    assert matcher.checks == 4
+    a.check(), c.check(), d.check()
+    assert matcher.checks == 4
+    b.check()
+    assert matcher.checks == 5

@@ -78,3 +78,23 @@ def test_bad_constraint_is_a_400_naming_its_field(client, kind, patch, param):
     for stream in (False, True):  # refused before a stream starts
         _envelope(c.post(path, json={**body, **patch, "stream": stream}), 400, param=param)
     assert len(srv.engine.started) == before
+
+
+def test_a_bad_schema_is_refused_naming_each_field_that_sends_it(client):
+    """check()'s verdicts are kept by constraint, not by field: the same bad schema sent again,
+    through the same field or another, is refused each time naming the field that sent it."""
+    srv, c = client
+    path, body = ENDPOINTS["chat"]
+    bad = {"type": "string", "minLength": 5, "maxLength": 2}  # llguidance: no string fits
+    sends = [
+        ({"guided_json": bad}, "guided_json"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bad}}}, "response_format"),
+        ({"structured_outputs": {"json": bad}}, "structured_outputs"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": bad}}],
+          "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools"),
+        ({"guided_json": bad}, "guided_json"),
+    ]
+    before = len(srv.engine.started)
+    messages = {_envelope(c.post(path, json={**body, **patch}), 400, param=param)["message"] for patch, param in sends}
+    assert len(messages) == 1 and "invalid structured output" in messages.pop()
+    assert len(srv.engine.started) == before
