@@ -78,7 +78,10 @@ async def admit(request: Request, ctx: AppContext, steps: Admission, arrival: fl
         model = req.model
         target = await resolve_target(ctx, tenant, model)  # holds the adapter version from here
         try:
-            prompt_ids = steps.prompt_ids(ctx, req)
+            if req.has_text:  # off the event loop, which every open stream's chunks wait for
+                prompt_ids = await ctx.run_tokenizer(steps.prompt_ids, ctx, req)
+            else:  # token ids: nothing to wait behind a long prompt's tokenizing for
+                prompt_ids = steps.prompt_ids(ctx, req)
         except BaseException:
             release_target(ctx, target)
             raise

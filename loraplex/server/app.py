@@ -129,6 +129,7 @@ def create_app(
             yield
         finally:
             lifecycle.started = False
+            ctx.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
             if blob_gc is not None:
                 await run_in_threadpool(blob_gc.stop)
             shutdown = getattr(ctx.engine, "shutdown", None)

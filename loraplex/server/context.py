@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,9 @@ class AppContext:
     reasoning_parser: Any = None  # reasoning_parsers.ReasoningParser, from --reasoning-parser
     # content hash -> display name ("tenant/name@version"), for status and logs
     adapter_display: dict[str, str] = field(default_factory=dict)
+    # where prompts are rendered and tokenized (``run_tokenizer``); threads start on first use
+    tokenizer_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="loraplex-tokenize"))
 
     @property
     def tokenizer(self):
@@ -41,6 +47,14 @@ class AppContext:
     @property
     def max_model_len(self) -> int:
         return int(self.engine.max_model_len)
+
+    async def run_tokenizer(self, fn, *args):
+        """``fn(*args)`` (chat rendering, tokenizing, decoding) on the tokenizer thread. Encoding a
+        35k-token prompt takes about 100 ms here; on the event loop that would hold every open
+        stream's next chunk as long, while the fast tokenizer lets go of the GIL. One thread: a
+        fast tokenizer used from several threads at once can fail with "Already borrowed"
+        (huggingface/tokenizers#537), and one queue keeps requests in arrival order."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, functools.partial(fn, *args))
 
     def engine_stats(self) -> dict:
         return self.engine.stats() if self.engine is not None else {}

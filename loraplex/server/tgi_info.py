@@ -102,7 +102,7 @@ async def tokenize(request: Request, ctx: AppContext, body: dict) -> Response:
         await authenticate(ctx, request)
         inputs, add_special, truncate = parse_tokenize_request(body)
         try:
-            tokens = simple_tokens(ctx.tokenizer, inputs, add_special, truncate)
+            tokens = await ctx.run_tokenizer(simple_tokens, ctx.tokenizer, inputs, add_special, truncate)
         except NotImplementedError:  # a slow (Python) tokenizer has no offsets
             return JSONResponse({"error": "No fast tokenizer or tokenizer.json for this model",
                                  "error_type": "no fast tokenizer"}, status_code=404)

@@ -98,7 +98,7 @@ async def tokenize(request: Request) -> Response:
     tenant = await authenticate(ctx, request)
     req, token_strs = parse_tokenize_request(body, ctx.served_model_name)
     await check_model(ctx, tenant, req.model)
-    ids = tokenize_prompts(ctx, req)[0]
+    ids = (await ctx.run_tokenizer(tokenize_prompts, ctx, req))[0]
     return JSONResponse({
         "count": len(ids),
         "max_model_len": ctx.max_model_len,
@@ -117,7 +117,7 @@ async def detokenize(request: Request) -> Response:
     limit = min(vocab_size(ctx), len(ctx.tokenizer))
     if any(t >= limit for t in tokens):
         raise bad_request(f"`tokens`: token ids must be < {limit} (the vocabulary)", param="tokens")
-    return JSONResponse({"prompt": ctx.tokenizer.decode(tokens)})
+    return JSONResponse({"prompt": await ctx.run_tokenizer(ctx.tokenizer.decode, tokens)})
 
 
 def routes() -> list[Route]:
