@@ -7,19 +7,22 @@ published models use, and transformers 5's ``rope_parameters`` dict.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from loraplex.lora.spec import LoRATargetSpec
 
-# architecture name in config.json -> whether q/k/v carry a bias by design, and whether each
-# q and k head is RMS-normed before the rotary embedding (Qwen3's q_norm / k_norm)
+# architecture name in config.json -> whether q/k/v carry a bias by design, whether each
+# q and k head is RMS-normed before the rotary embedding (Qwen3's q_norm / k_norm), and whether
+# the config's scalar multipliers apply (Granite's; see ``parse_multipliers``)
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
-    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
-    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False, "multipliers": False},
+    "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False, "multipliers": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False, "multipliers": False},
+    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "multipliers": False},
+    "GraniteForCausalLM": {"qkv_bias": False, "qk_norm": False, "multipliers": True},
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -58,6 +61,11 @@ class ModelSpec:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over head_dim on every q and k head, before rotary (Qwen3)
+    # Granite's scalar multipliers; these defaults leave a Llama unchanged
+    embedding_multiplier: float = 1.0  # the token embeddings are multiplied by it
+    attention_multiplier: float | None = None  # the softmax scale; None = head_dim ** -0.5
+    residual_multiplier: float = 1.0  # each sub-layer's output is multiplied by it before the residual add
+    logits_scaling: float = 1.0  # the logits are divided by it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str | None = None  # "bfloat16", "float32", ... as saved
@@ -84,6 +92,11 @@ class ModelSpec:
         if self.sliding_window is not None:
             limit = min(limit, self.sliding_window)
         return limit
+
+    @property
+    def softmax_scale(self) -> float:
+        """What attention multiplies q·k by before the softmax."""
+        return self.head_dim**-0.5 if self.attention_multiplier is None else self.attention_multiplier
 
     def kv_bytes_per_token(self, element_bytes: int) -> int:
         """KV-cache bytes one token occupies across all layers (K and V)."""
@@ -146,6 +159,7 @@ class ModelSpec:
             o_bias=attention_bias,
             qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            **(parse_multipliers(cfg, arch) if SUPPORTED_ARCHITECTURES[arch]["multipliers"] else {}),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
@@ -165,6 +179,7 @@ def _arch_from_model_type(model_type: str | None) -> str:
         "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
+        "granite": "GraniteForCausalLM",
     }
     return known.get(model_type or "", f"<model_type {model_type!r}>")
 
@@ -178,6 +193,26 @@ def _yarn_scaling(cfg: dict[str, Any], params: dict[str, Any], scaling: dict[str
     factor = scaling.get("factor") or cfg.get("max_position_embeddings", 2048) / original
     return {"original_max_position_embeddings": original, "factor": factor,
             "truncate": 0.0 if params.get("truncate", True) is False else 1.0}
+
+
+# Granite config key -> ModelSpec field. A key the config leaves out takes transformers'
+# GraniteConfig default, 1.0: for attention_multiplier that is a softmax scale of 1, not
+# 1/sqrt(head_dim) (transformers' GraniteAttention sets ``scaling = config.attention_multiplier``).
+GRANITE_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
+
+
+def parse_multipliers(cfg: dict[str, Any], arch: str) -> dict[str, float]:
+    """Granite's four multipliers as ``ModelSpec`` fields; a value that is not a finite number,
+    or a ``logits_scaling`` of 0 (the logits would all be inf or NaN), is refused."""
+    out: dict[str, float] = {}
+    for key in GRANITE_MULTIPLIERS:
+        value = cfg.get(key, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise UnsupportedModelError(f"{arch}: {key} must be a finite number, got {value!r}")
+        out[key] = float(value)
+    if out["logits_scaling"] == 0.0:
+        raise UnsupportedModelError(f"{arch}: logits_scaling 0 would divide the logits by zero")
+    return out
 
 
 def parse_rope(cfg: dict[str, Any]) -> RopeConfig:

@@ -1,9 +1,16 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over a flat batch of tokens.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Granite, SmolLM2) over a flat batch of tokens.
 
 Tokens of many sequences are concatenated without padding; prefill chunks and decodes share one
 forward. K/V go to the paged cache and attention reads it back, both only through
 ``loraplex.kernels.dispatch``. Projections are packed: ``qkv_proj`` (q, k, v along out) and
 ``gate_up_proj`` (gate, up), so a step runs four matmuls per layer.
+
+Granite's multipliers (``ModelSpec``) are applied where transformers' ``GraniteForCausalLM`` and
+vLLM's ``granite.py`` apply them: the embeddings are scaled, the softmax scale is
+``attention_multiplier``, each sub-layer's output is scaled before its residual add, and
+``compute_logits`` divides by ``logits_scaling``, so sampling and logprobs see Granite's logits.
+A multiplier of 1 costs nothing: the multiply is skipped (the spec is fixed, so a captured CUDA
+graph holds the same ops every replay).
 """
 
 from __future__ import annotations
@@ -75,7 +82,7 @@ class LlamaForCausalLM(nn.Module):
                 torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device), requires_grad=False
             )
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, max_positions, dtype, device)
-        self.scale = spec.head_dim**-0.5
+        self.scale = spec.softmax_scale
         # CPU only: per layer {"qkv", "o", "gate_up", "down"} -> PrepackedLinear (see cpu_linear)
         self.prepacked: list[dict[str, PrepackedLinear]] | None = None
         self.prepacked_head: PrepackedLinear | None = None
@@ -134,6 +141,9 @@ class LlamaForCausalLM(nn.Module):
         num_tokens = input_ids.shape[0]
         eps = spec.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed_tokens)  # [T, H]
+        if spec.embedding_multiplier != 1.0:
+            hidden *= spec.embedding_multiplier  # in the model dtype, as transformers' Granite
+        residual_multiplier = spec.residual_multiplier
         cos, sin = self.rotary.lookup(positions)  # [T, 1, head_dim] each
         k_end = spec.q_size + spec.kv_size
         num_qk_heads = spec.num_heads + spec.num_kv_heads
@@ -162,6 +172,8 @@ class LlamaForCausalLM(nn.Module):
                 plan=plan,
             ).reshape(num_tokens, spec.q_size)  # [T, q_size]
             o = self._project(i, "o", attn_out, lora)  # [T, H]
+            if residual_multiplier != 1.0:
+                o *= residual_multiplier  # rounded before the add, as in transformers' Granite
             hidden += o  # hidden is this forward's own tensor (the embedding gather's output)
             # MLP block (SwiGLU)
             x = rms_norm(hidden, layer.post_attention_layernorm, eps)
@@ -169,11 +181,18 @@ class LlamaForCausalLM(nn.Module):
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate).mul_(up)  # [T, intermediate]
             down = self._project(i, "down", act, lora)  # [T, H]
+            if residual_multiplier != 1.0:
+                down *= residual_multiplier
             hidden += down
         return rms_norm(hidden, self.norm, eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, vocab] fp32
         if self.prepacked_head is not None:
-            return self.prepacked_head(hidden)
-        return F.linear(hidden, self.lm_head_weight).float()
+            logits = self.prepacked_head(hidden)
+        else:
+            logits = F.linear(hidden, self.lm_head_weight).float()
+        if self.spec.logits_scaling != 1.0:
+            # divided (not multiplied by the inverse) as transformers does; in fp32, after the head
+            logits = logits.div_(self.spec.logits_scaling)
+        return logits
