@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from loraplex.model.config import ModelSpec
 from loraplex.model.loader import load_model
-from tests.fixtures.tiny_models import make_tiny_model_dir
+from tests.fixtures.tiny_models import GRANITE_MULTIPLIERS, make_tiny_model_dir
 from tests.model.helpers import chunk_metadata, new_kv_caches, relative_error
 
 LLAMA3_ROPE = {
@@ -34,6 +34,10 @@ VARIANTS = {
     "rope-yarn-mscale": ("llama", {"rope_scaling": {
         "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "mscale": 1.0,
         "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2, "truncate": False}}),
+    "granite": ("granite", {}),  # tests.fixtures.tiny_models.GRANITE_MULTIPLIERS
+    "granite-tied": ("granite", {"tie_word_embeddings": True}),  # embedding_multiplier not on the head
+    # all 1: the softmax scale is then 1, not 1/sqrt(head_dim)
+    "granite-unit": ("granite", {k: 1.0 for k in GRANITE_MULTIPLIERS}),
 }
 BLOCK_SIZE = 16
 
