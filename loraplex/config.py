@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -111,6 +112,11 @@ class Settings(BaseSettings):
     # vLLM's --trust-request-chat-template: render a `chat_template` sent with a chat request
     # (a template is code the server runs, sandboxed; off, such a request is a 400)
     trust_request_chat_template: bool = False
+    # who shares prefix-cache blocks: "tenant" (each tenant its own; a cache hit is measurably
+    # faster, so shared blocks would let a tenant time whether another sent a prompt) or "shared"
+    # (every tenant's identical prefixes, a higher hit rate for operators who trust all tenants);
+    # a request's vLLM `cache_salt` narrows either further
+    prefix_cache_scope: Literal["tenant", "shared"] = "tenant"
     # chat output parsers, vLLM's names: tool_choice "auto" is served only with a tool-call
     # parser (hermes, llama3_json); a reasoning parser (qwen3, deepseek_r1) moves <think>
     # text to the message's reasoning field. Checked at start (loraplex/server/app.py).

@@ -123,6 +123,7 @@ class AsyncLLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         adapter=None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its deltas: each ``CompletionOutput`` holds the text and
         token ids new since the previous yield (only completions with news are included),
@@ -136,7 +137,8 @@ class AsyncLLMEngine:
         added = threading.Event()  # set on the engine thread once the request is in
 
         def add() -> None:
-            req = engine.prepare_request(request_id, prompt, params, None, stream_deltas=True, grammar=grammar)
+            req = engine.prepare_request(request_id, prompt, params, None, stream_deltas=True, grammar=grammar,
+                                         cache_salt=cache_salt)
             req.adapter_id = engine.resolve_adapter(adapter, prepared)
             engine.add_prepared(req)
             self._streams[request_id] = stream

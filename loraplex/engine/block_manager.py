@@ -3,10 +3,12 @@
 A sequence's KV lives in fixed-size blocks listed in ``seq.block_table``; the KV of token ``p``
 is in slot ``block_table[p // block_size] * block_size + p % block_size``.
 
-Prefix caching: every full block gets a hash chained over all tokens before it and the
-adapter's content hash (``h_i = sha256(h_{i-1} || tokens of block i)``, ``h_{-1} =
-sha256(adapter_id)``), so two sequences share a block only when the adapter and every earlier
-token are the same. A new sequence whose leading full blocks are already cached takes them by
+Prefix caching: every full block gets a hash chained over all tokens before it, the
+adapter's content hash and the request's cache salt (``h_i = sha256(h_{i-1} || tokens of block
+i)``, ``h_{-1} = sha256(adapter_id || cache_salt)``), so two sequences share a block only when
+the adapter, the salt and every earlier token are the same. The salt keeps users apart (vLLM's
+``cache_salt``): a hit is faster than a miss, and without it anyone could time whether another
+user's prompt is cached. A new sequence whose leading full blocks are already cached takes them by
 reference count instead of recomputing them. Cached blocks that no sequence uses stay
 "evictable": they count as free, and are reused (LRU) only when the free list is empty.
 
@@ -26,8 +28,11 @@ from collections import OrderedDict, deque
 from loraplex.engine.sequence import Sequence
 
 
-def _root_hash(adapter_id: str | None) -> bytes:
-    return hashlib.sha256(b"loraplex-kv|" + (adapter_id or "").encode()).digest()
+def _root_hash(adapter_id: str | None, cache_salt: str | None) -> bytes:
+    digest = hashlib.sha256(b"loraplex-kv|" + (adapter_id or "").encode())
+    if cache_salt is not None:
+        digest.update(b"|salt|" + cache_salt.encode())
+    return digest.digest()
 
 
 def _chain_hash(parent: bytes, tokens: list[int]) -> bytes:
@@ -77,7 +82,7 @@ class BlockManager:
         """The chain hashes of ``seq``'s first ``num_blocks`` full blocks (at least), computed
         once per sequence: a waiting sequence is looked up every step it stays blocked."""
         hashes = seq.block_hashes
-        parent = hashes[-1] if hashes else _root_hash(seq.adapter_id)
+        parent = hashes[-1] if hashes else _root_hash(seq.adapter_id, seq.cache_salt)
         for i in range(len(hashes), num_blocks):
             parent = _chain_hash(parent, seq.token_slice(i * self.block_size, (i + 1) * self.block_size))
             hashes.append(parent)

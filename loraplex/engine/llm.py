@@ -14,15 +14,29 @@ from loraplex.sampling_params import InvalidRequestError, SamplingParams
 _MAX_IDLE_STEPS = 1000
 
 
-def _normalize_prompts(prompts) -> list[str | list[int]]:
-    """str | list[str] | list[int] | list[list[int]] -> a list of single prompts."""
-    if isinstance(prompts, str):
-        return [prompts]
+def _normalize_prompts(prompts) -> list[tuple[str | list[int], str | None]]:
+    """str | list[int] | a prompt dict, or a list of those -> [(prompt, cache_salt)]. A prompt dict
+    is vLLM's: ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``, with an optional
+    ``"cache_salt"``."""
+    if isinstance(prompts, (str, dict)):
+        return [_one_prompt(prompts)]
     if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]
+        return [(list(prompts), None)]
     if isinstance(prompts, SequenceABC):
-        return [p if isinstance(p, str) else list(p) for p in prompts]
-    raise TypeError("prompts must be a string, a list of strings, a list of token ids or a list of those")
+        return [_one_prompt(p) for p in prompts]
+    raise TypeError("prompts must be a string, token ids, a prompt dict, or a list of those")
+
+
+def _one_prompt(p) -> tuple[str | list[int], str | None]:
+    if isinstance(p, str):
+        return p, None
+    if isinstance(p, dict):
+        unknown = set(p) - {"prompt", "prompt_token_ids", "cache_salt"}
+        if unknown or ("prompt" in p) == ("prompt_token_ids" in p):
+            raise TypeError('a prompt dict has "prompt" or "prompt_token_ids", and may have "cache_salt"')
+        text = p.get("prompt")
+        return (text if text is not None else list(p["prompt_token_ids"])), p.get("cache_salt")
+    return list(p), None
 
 
 class LLM:
@@ -79,8 +93,8 @@ class LLM:
             raise InvalidRequestError("adapters must have one entry per prompt", param="adapters")
         engine = self.engine
         prepared = []
-        for prompt, p, adapter in zip(items, params_list, adapter_list):
-            req = engine.prepare_request(None, prompt, p)
+        for (prompt, salt), p, adapter in zip(items, params_list, adapter_list):
+            req = engine.prepare_request(None, prompt, p, cache_salt=salt)
             req.adapter_id = engine.resolve_adapter(adapter)
             req.final_only = True  # only finished outputs are read below
             prepared.append(req)

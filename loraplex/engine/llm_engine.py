@@ -131,10 +131,12 @@ class LLMEngine:
         adapter_id: str | None = None,
         stream_deltas: bool = False,
         grammar=None,
+        cache_salt: str | None = None,
     ) -> PreparedRequest:
         """Validate and tokenize; raises ``InvalidRequestError`` (with ``param``) and changes
         nothing when the request is bad. ``adapter_id`` is an already resolved content hash;
-        ``grammar`` a matcher for ``params.structured_outputs`` made ahead (else made here)."""
+        ``grammar`` a matcher for ``params.structured_outputs`` made ahead (else made here);
+        ``cache_salt``: only requests with the same salt share prefix-cache blocks."""
         if request_id is None:
             request_id = f"req-{next(self._request_ids)}"
         if request_id in self._requests:
@@ -171,7 +173,9 @@ class LLMEngine:
                 f"{self.config.max_num_batched_tokens} without chunked prefill",
                 param="prompt",
             )
-        req = PreparedRequest(request_id, text, token_ids, params, adapter_id, stream_deltas)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
+        req = PreparedRequest(request_id, text, token_ids, params, adapter_id, stream_deltas, cache_salt=cache_salt)
         if params.structured_outputs is not None:
             req.grammar = grammar if grammar is not None else self.grammars.matcher(params.structured_outputs)
         return req
@@ -186,6 +190,7 @@ class LLMEngine:
                 prompt_token_ids=list(req.prompt_token_ids),
                 params=req.params,
                 adapter_id=req.adapter_id,
+                cache_salt=req.cache_salt,
                 index=i,
                 arrival_time=req.arrival_time,
                 grammar=None if req.grammar is None else req.grammar if i == 0 else req.grammar.deep_copy(),
@@ -210,10 +215,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         adapter=None,
         stream_deltas: bool = False,
+        cache_salt: str | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. ``adapter``: None, a registered name,
         a PEFT directory or an ``AdapterRef``. Bad requests raise ``InvalidRequestError``."""
-        req = self.prepare_request(request_id, prompt, params, None, stream_deltas)
+        req = self.prepare_request(request_id, prompt, params, None, stream_deltas, cache_salt=cache_salt)
         req.adapter_id = self.resolve_adapter(adapter)
         self.add_prepared(req)
         return req.request_id

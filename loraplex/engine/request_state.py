@@ -24,6 +24,7 @@ class PreparedRequest:
     stream_deltas: bool = False
     final_only: bool = False  # report nothing until finished (``LLM.generate`` reads no partials)
     grammar: object | None = None  # structured output: a fresh matcher, copied for each sequence
+    cache_salt: str | None = None  # prefix-cache isolation (vLLM's ``cache_salt``)
     arrival_time: float = field(default_factory=time.monotonic)
 
 

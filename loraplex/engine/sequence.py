@@ -53,6 +53,7 @@ class Sequence:
     params: SamplingParams
     adapter_id: str | None = None
     index: int = 0  # position among the request's n sequences
+    cache_salt: str | None = None  # prefix-cache blocks are shared only with the same salt
     output_token_ids: list[int] = field(default_factory=list)
     # per generated token: {"token_id", "logprob", "top_logprobs"} when params.logprobs is set
     output_logprobs: list[dict] = field(default_factory=list)

@@ -26,7 +26,8 @@ from loraplex.server.tool_parsers import TOOL_PARSERS
 # Settings fields that are not flags: secrets go through the environment only.
 NOT_FLAGS = {"admin_key"}
 # flags with a fixed set of values: argparse names them on a wrong one
-CHOICES = {"tool_call_parser": list(TOOL_PARSERS), "reasoning_parser": list(REASONING_PARSERS)}
+CHOICES = {"tool_call_parser": list(TOOL_PARSERS), "reasoning_parser": list(REASONING_PARSERS),
+           "prefix_cache_scope": ["tenant", "shared"]}
 
 
 def _flag_type(annotation):

@@ -165,6 +165,16 @@ def render_chat(tok, messages: list[dict], tools: list[dict] | None, opts: Promp
         raise bad_request(f"{whose} cannot render {what}: {exc}", param=param) from None
 
 
+def cache_salt(scope: str, tenant: str, request_salt: str | None) -> str | None:
+    """The engine's prefix-cache salt: per tenant (scope "tenant", the default), so no tenant can
+    time whether another's prompt is cached (vLLM's CVE-2025-46570), and the request's own
+    ``cache_salt`` within that. JSON keeps the parts apart: no salt a client sends can spell
+    another tenant's."""
+    if scope == "shared":
+        return request_salt
+    return json.dumps(["tenant", tenant, request_salt])
+
+
 class RequestRun:
     """One admitted generation request. ``close`` gives everything back exactly once."""
 
@@ -221,8 +231,9 @@ class RequestRun:
         """Yields ``(prompt_index, choice_index, CompletionOutput delta)`` from all prompts."""
         engine = self.ctx.engine
         n = self.req.params.n
+        salt = cache_salt(self.ctx.settings.prefix_cache_scope, self.tenant, self.req.prompt_options.cache_salt)
         gens = [
-            engine.generate(ids, self.req.params, request_id=rid, adapter=self.target.adapter)
+            engine.generate(ids, self.req.params, request_id=rid, adapter=self.target.adapter, cache_salt=salt)
             for ids, rid in zip(self.prompt_ids, self.engine_ids)
         ]
         last_token_at: dict[int, float] = {}

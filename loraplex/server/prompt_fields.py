@@ -50,6 +50,7 @@ class PromptOptions:
 
     add_special_tokens: bool | None = None  # None: vLLM's default, true for completions, false for chat
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: the context length
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only with the same salt
     # chat only
     chat_template: str | None = None  # the request's own template
     chat_template_kwargs: dict = field(default_factory=dict)
@@ -123,12 +124,20 @@ def _documents(body: dict) -> list[dict[str, str]] | None:
     return [dict(doc) for doc in docs]
 
 
+def _cache_salt(body: dict) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad_request("`cache_salt` must be a non-empty string", param="cache_salt")
+    return salt
+
+
 def parse_prompt_options(body: dict, kind: str, messages: list[dict] | None = None) -> PromptOptions:
     """The prompt-side fields of a completions (``kind`` "completion") or chat request, checked;
     ``messages`` are the chat's parsed messages."""
     opts = PromptOptions(
         add_special_tokens=_optional_bool(body, "add_special_tokens"),
         truncate_prompt_tokens=_truncate_prompt_tokens(body),
+        cache_salt=_cache_salt(body),
     )
     if kind != "chat":  # vLLM's CompletionRequest has none of the template fields
         return opts

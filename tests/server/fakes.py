@@ -71,13 +71,14 @@ class FakeEngine:
         self.started: list[tuple[str, str | None]] = []  # (request_id, adapter content hash)
         self.params_seen: dict[str, object] = {}  # request_id -> the SamplingParams it ran with
         self.prompts_seen: dict[str, list[int]] = {}  # request_id -> the prompt token ids it ran with
+        self.salts_seen: dict[str, str | None] = {}  # request_id -> the prefix-cache salt it ran with
         self.loaded: dict[str, tuple[str, bool]] = {}
         self.shut_down = False
 
     def _blocks(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
 
-    async def generate(self, prompt, params, request_id=None, adapter=None):
+    async def generate(self, prompt, params, request_id=None, adapter=None, cache_salt=None):
         if isinstance(prompt, str):
             prompt = self.tokenizer(prompt)["input_ids"]
         if not prompt:
@@ -87,6 +88,7 @@ class FakeEngine:
             self.started.append((request_id, adapter_id))
             self.params_seen[request_id] = params
             self.prompts_seen[request_id] = list(prompt)
+            self.salts_seen[request_id] = cache_salt
             self.blocks_in_use[request_id] = self._blocks(len(prompt)) * params.n
         try:
             texts = [""] * params.n
