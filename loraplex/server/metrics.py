@@ -55,8 +55,8 @@ def lora_stats(stats: dict) -> dict:
 
 
 def adapter_totals(stats: dict) -> dict:
-    """Loads, evictions and load seconds summed over the engine's per-adapter counters."""
-    totals = {"loads": 0.0, "evictions": 0.0, "load_seconds": 0.0}
+    """Loads, evictions, host loads and load seconds summed over the engine's per-adapter counters."""
+    totals = {"loads": 0.0, "evictions": 0.0, "host_loads": 0.0, "load_seconds": 0.0}
     adapters = lora_stats(stats).get("adapters") or {}
     for entry in adapters.values() if isinstance(adapters, dict) else ():
         for key in totals:
@@ -262,8 +262,14 @@ class _EngineCollector:
         for name, doc, key in (
             ("loraplex_adapter_loads", "Adapter loads into a device slot.", "loads"),
             ("loraplex_adapter_evictions", "Adapter evictions from a device slot.", "evictions"),
+            # reads from disk into host memory: the first of each version, then every host miss
+            ("loraplex_adapter_host_loads", "Adapter reads from disk into host memory.", "host_loads"),
             ("loraplex_adapter_load_seconds", "Seconds spent loading adapters (disk reads and device copies).", "load_seconds"),
         ):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], totals[key])
             yield c
+        reading = GaugeMetricFamily("loraplex_adapter_host_reads_in_flight",
+                                    "Adapters being read from disk into host memory off the engine thread.")
+        reading.add_metric([], _num(lora_stats(stats), "host_reads_in_flight"))
+        yield reading

@@ -196,6 +196,21 @@ def test_engine_keeps_decoding_while_an_evicted_adapter_is_read(world, tiny_llam
     assert slow_tokens == [expected["slow"]] * 3 and base_tokens[:6] == expected[None] and len(base_tokens) == 400
     assert gate.threads == [gate.threads[0]] and gate.threads[0].startswith(WORKER)  # one read, not on the engine
     assert engine.stats()["lora"]["adapters"][slow]["outstanding_requests"] == 0
+    # /metrics: the registration's read and the host miss's; nothing in flight any more
+    assert _metric(engine, "loraplex_adapter_host_loads_total") == 2
+    assert _metric(engine, "loraplex_adapter_host_reads_in_flight") == 0
+
+
+def _metric(engine, name: str) -> float:
+    import re
+
+    from loraplex.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m", 2)
+    metrics.stats_source = engine.stats
+    text = metrics.render()
+    text = text.decode() if isinstance(text, bytes) else text
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
 def test_failed_background_read_fails_only_its_waiting_requests(world, tiny_llama_dir, loraplex_home, tmp_path):
