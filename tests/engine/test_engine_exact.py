@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from loraplex.engine.async_engine import AsyncLLMEngine
 from loraplex.engine.llm import LLM
 from loraplex.sampling_params import InvalidRequestError, SamplingParams
+from tests.model.helpers import assert_sampled_logprobs
 
 PROMPT_LENGTHS = (1, 2, 3, 7, 15, 16, 17, 31, 48, 64, 90, 128, 160, 200, 255, 300)
 MAX_TOKENS = 10
@@ -183,16 +184,6 @@ def test_logprobs_through_engine_match_transformers(tiny_llama_dir, loraplex_hom
     llm = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=64)
     prompt = list(range(4, 40))
     out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5, min_tokens=5, logprobs=3))[0]
-    entries = out.outputs[0].logprobs
-    assert len(entries) == len(out.token_ids) == 5
+    assert len(out.token_ids) == 5
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logp = model(torch.tensor([prompt + out.token_ids])).logits[0].log_softmax(-1)
-    for i, (token, entry) in enumerate(zip(out.token_ids, entries)):
-        row = logp[len(prompt) - 1 + i]
-        assert entry["token_id"] == token
-        assert entry["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
-        top = row.topk(3)
-        assert set(entry["top_logprobs"]) == set(top.indices.tolist())
-        for tid, lp in entry["top_logprobs"].items():
-            assert lp == pytest.approx(row[tid].item(), abs=1e-4)
+    assert_sampled_logprobs(model, prompt, out, 3)

@@ -7,6 +7,29 @@ import torch
 from loraplex.model.layers import AttentionMetadata
 
 
+def assert_sampled_logprobs(hf_model, prompt: list[int], out, top_n: int, ordered: bool = False) -> None:
+    """Each generated token's logprob and top-``top_n`` entries (``out`` is a CompletionOutput
+    or RequestOutput of greedy decoding) against the log-softmax of ``hf_model``'s logits over
+    prompt + output; ``ordered``: the top entries also come best first."""
+    import pytest
+
+    token_ids = out.token_ids
+    entries = out.outputs[0].logprobs if hasattr(out, "outputs") else out.logprobs
+    assert len(entries) == len(token_ids)
+    with torch.no_grad():
+        logp = hf_model(torch.tensor([prompt + token_ids])).logits[0].log_softmax(-1)
+    for i, (token, entry) in enumerate(zip(token_ids, entries)):
+        row = logp[len(prompt) - 1 + i]
+        assert entry["token_id"] == token
+        assert entry["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+        top = row.topk(top_n)
+        assert set(entry["top_logprobs"]) == set(top.indices.tolist())
+        if ordered:
+            assert list(entry["top_logprobs"]) == top.indices.tolist()
+        for tid, lp in entry["top_logprobs"].items():
+            assert lp == pytest.approx(row[tid].item(), abs=1e-4)
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max |expected|."""
     return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()

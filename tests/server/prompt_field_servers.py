@@ -73,3 +73,14 @@ def start_tenant(tmp_path, name: str, template: str = THINKING_TEMPLATE, **setti
         r = c.post(f"/admin/v1/tenants/{name}/adapters/sql/versions", files=files)
     assert r.status_code in (200, 201), r.text
     return Tenant(srv, srv.tenant_client(key), r.json()["sha256"])
+
+
+def serve_tenant(tmp_path_factory, name: str, **kwargs):
+    """For module fixtures (``yield from serve_tenant(...)``): ``start_tenant`` in a fresh
+    directory, closed and stopped after the module."""
+    tenant = start_tenant(tmp_path_factory.mktemp(name), name, **kwargs)
+    try:
+        yield tenant
+    finally:
+        tenant.client.close()
+        tenant.srv.stop()

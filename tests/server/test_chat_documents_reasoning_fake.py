@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server.prompt_field_servers import bos_tokenizer, start_tenant
+from tests.server.prompt_field_servers import bos_tokenizer, serve_tenant
 
 PATH = "/v1/chat/completions"
 
@@ -33,10 +33,7 @@ QUESTION = {"role": "user", "content": "why tides?"}
 
 @pytest.fixture(scope="module")
 def rag(tmp_path_factory):
-    t = start_tenant(tmp_path_factory.mktemp("rag"), "initech", template=RAG_TEMPLATE)
-    yield t
-    t.client.close()
-    t.srv.stop()
+    yield from serve_tenant(tmp_path_factory, "initech", template=RAG_TEMPLATE)
 
 
 def reference_ids(messages, **template_args) -> list[int]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.fixtures.tiny_models import BOS_ID
-from tests.server.prompt_field_servers import Tenant, bos_tokenizer, start_tenant
+from tests.server.prompt_field_servers import Tenant, bos_tokenizer, serve_tenant
 
 PATH = "/v1/chat/completions"
 USER = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is two and two"}]
@@ -18,18 +18,12 @@ PREFILL = [*USER, {"role": "assistant", "content": "The answer is"}]
 
 @pytest.fixture(scope="module")
 def trusted(tmp_path_factory):
-    t = start_tenant(tmp_path_factory.mktemp("trusted"), "acme", trust_request_chat_template=True)
-    yield t
-    t.client.close()
-    t.srv.stop()
+    yield from serve_tenant(tmp_path_factory, "acme", trust_request_chat_template=True)
 
 
 @pytest.fixture(scope="module")
 def untrusted(tmp_path_factory):
-    t = start_tenant(tmp_path_factory.mktemp("untrusted"), "globex")
-    yield t
-    t.client.close()
-    t.srv.stop()
+    yield from serve_tenant(tmp_path_factory, "globex")
 
 
 def reference_ids(messages, add_special_tokens=False, **template_args) -> list[int]:

@@ -11,7 +11,7 @@ import pytest
 
 from tests.fixtures.tiny_models import BOS_ID
 from tests.server.fakes import VOCAB_OFFSET, fake_token
-from tests.server.prompt_field_servers import MAX_MODEL_LEN, bos_tokenizer, start_tenant
+from tests.server.prompt_field_servers import MAX_MODEL_LEN, bos_tokenizer, serve_tenant
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 USER = [{"role": "user", "content": "hello there"}]
@@ -19,10 +19,7 @@ USER = [{"role": "user", "content": "hello there"}]
 
 @pytest.fixture(scope="module")
 def t(tmp_path_factory):
-    tenant = start_tenant(tmp_path_factory.mktemp("prompt-fields"), "acme")
-    yield tenant
-    tenant.client.close()
-    tenant.srv.stop()
+    yield from serve_tenant(tmp_path_factory, "acme")
 
 
 def byte_ids(text: str) -> list[int]:
