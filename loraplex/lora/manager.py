@@ -1,6 +1,6 @@
 """LoRAManager: adapter names and references -> content hashes, and the device/host tiers.
 
-Tiers (DESIGN.md): device slots (``max_loras``) <- host cache (``max_cpu_lora_bytes``) <- the
+Tiers (DESIGN.md): device slots (``max_loras``) <- host cache (``host_budget_bytes``) <- the
 adapter's local PEFT directory. Everything is keyed by content hash (the adapter id), so a name
 re-pointed at new weights can never be served from the old weights' slot.
 
@@ -37,7 +37,7 @@ from loraplex.lora.catalog import AdapterCatalog
 from loraplex.lora.errors import AdapterBusyError, AdapterLoadFailedError, InvalidAdapterError
 from loraplex.lora.host_cache import HostCache
 from loraplex.lora.host_loader import HostLoader
-from loraplex.lora.records import PreparedAdapter, host_nbytes
+from loraplex.lora.records import PreparedAdapter, host_budget_bytes, host_nbytes
 from loraplex.lora.slots import SlotPool
 from loraplex.lora.spec import AdapterRef, LoRATargetSpec
 from loraplex.lora.weights import AdapterWeights
@@ -56,7 +56,7 @@ class LoRAManager:
         # fp32; host copies stay in the engine dtype and are converted when a slot is filled
         pool_dtype = torch.float32 if self.device.type == "cpu" else dtype
         self.pool = SlotPool(spec, config.max_loras, config.max_lora_rank, self.device, pool_dtype)
-        self.host = HostCache(config.max_cpu_lora_bytes)
+        self.host = HostCache(host_budget_bytes(config, spec, dtype))
         self.catalog = AdapterCatalog(spec, config.max_lora_rank, dtype)
         self._records = self.catalog.records  # the same dict: adapter id -> AdapterRecord
         # adapters with requests, not in host memory: no room yet, or being read (``loader``)

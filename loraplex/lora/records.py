@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loraplex.config import DEFAULT_MAX_CPU_LORA_BYTES, EngineConfig
 from loraplex.lora.errors import AdapterHashMismatchError
 from loraplex.lora.peft_format import AdapterInfo
 from loraplex.lora.spec import LoRATargetSpec
@@ -54,6 +55,24 @@ def host_nbytes(info: AdapterInfo, spec: LoRATargetSpec, dtype: torch.dtype) -> 
     """Bytes ``AdapterWeights`` of this adapter take in host memory (without reading it)."""
     elem = torch.empty(0, dtype=dtype).element_size()
     return elem * sum(m.rank * sum(spec.module_shapes[m.module]) for m in info.modules.values())
+
+
+def max_adapter_host_nbytes(spec: LoRATargetSpec, rank: int, dtype: torch.dtype) -> int:
+    """``host_nbytes`` of the largest adapter an engine serves: ``rank`` on every targetable
+    projection of every layer."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return elem * rank * spec.num_layers * sum(sum(shape) for shape in spec.module_shapes.values())
+
+
+def host_budget_bytes(config: EngineConfig, spec: LoRATargetSpec, dtype: torch.dtype) -> int:
+    """The host cache's byte budget. vLLM's ``max_cpu_loras`` counts adapters; loraplex budgets
+    bytes, since adapters differ in size, so a count becomes room for that many of the largest
+    adapters this engine serves (any mix of smaller ones fits too, usually more of them)."""
+    if config.max_cpu_loras is not None:
+        return config.max_cpu_loras * max_adapter_host_nbytes(spec, config.max_lora_rank, dtype)
+    if config.max_cpu_lora_bytes is not None:
+        return config.max_cpu_lora_bytes
+    return DEFAULT_MAX_CPU_LORA_BYTES
 
 
 def check_hash(path: str, adapter_id: str, expected: str | None) -> None:
