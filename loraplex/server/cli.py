@@ -2,10 +2,11 @@
 settings say.
 
 Every ``Settings`` field is a flag (``--max-loras 16`` for ``LORAPLEX_MAX_LORAS``); a flag wins over
-the environment. The admin key is read from ``LORAPLEX_ADMIN_KEY`` only (a flag would show it in
-the process list); without it one is generated at the first start, stored hashed and printed once.
-On the embedded default database a ``demo`` tenant and its key are created (and printed) at the
-first start.
+the environment. A ``vllm serve`` command line runs too: vLLM's flags that mean the same are taken,
+the others are refused with what to use instead (loraplex/server/vllm_flags.py). The admin key is
+read from ``LORAPLEX_ADMIN_KEY`` only (a flag would show it in the process list); without it one is
+generated at the first start, stored hashed and printed once. On the embedded default database a
+``demo`` tenant and its key are created (and printed) at the first start.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import typing
 from pathlib import Path
 
 from loraplex.config import Settings
+from loraplex.server import vllm_flags
 from loraplex.server.reasoning_parsers import REASONING_PARSERS
 from loraplex.server.tool_parsers import TOOL_PARSERS
 
@@ -60,18 +62,38 @@ def add_parser(subparsers) -> None:
         if is_bool:
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=f"(env {env})")
         else:
-            p.add_argument(flag, dest=name, type=kind, default=None, choices=CHOICES.get(name), help=f"(env {env})")
+            options = {"type": kind, "choices": CHOICES.get(name), **vllm_flags.SETTINGS_FLAG_OPTIONS.get(name, {})}
+            p.add_argument(flag, dest=name, default=None, help=f"(env {env})", **options)
+    vllm_flags.add_vllm_flags(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_serve)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings from the environment and the flags; raises ``VllmFlagError`` for a vLLM flag
+    loraplex refuses, pydantic's ``ValidationError`` for values no setting takes."""
     overrides = {
         name: getattr(args, name)
         for name in Settings.model_fields
         if name not in NOT_FLAGS and getattr(args, name, None) is not None
     }
-    return Settings(**overrides)
+    settings = Settings(**vllm_flags.translate(args, overrides))
+    vllm_flags.check(args, settings)
+    return settings
+
+
+def _settings_or_error(args: argparse.Namespace) -> Settings | None:
+    """``settings_from_args``, or None after printing why not (as argparse prints its errors)."""
+    from pydantic import ValidationError
+
+    try:
+        return settings_from_args(args)
+    except vllm_flags.VllmFlagError as exc:
+        message = str(exc)
+    except ValidationError as exc:
+        message = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
+    print(f"loraplex serve: error: {message}", file=sys.stderr)
+    return None
 
 
 def _configure_logging(level: str) -> None:
@@ -106,8 +128,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from loraplex.server.components import prepare_registry
     from loraplex.server.lifecycle import DrainingServer
 
+    settings = _settings_or_error(args)
+    if settings is None:
+        return 2
     _configure_logging(args.log_level)
-    settings = settings_from_args(args)
     embedded = settings.database_url is None
     setup = prepare_registry(settings, create_demo=embedded)
     base = f"http://{settings.host}:{settings.port}"
