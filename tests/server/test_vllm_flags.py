@@ -1,0 +1,139 @@
+"""A ``vllm serve`` command line on ``loraplex serve``: the Settings it gives against what each vLLM
+flag means, and each flag loraplex refuses naming what to use instead."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from pydantic import ValidationError
+
+from loraplex.cli import build_parser, main
+from loraplex.config import Settings
+from loraplex.server.cli import settings_from_args
+from loraplex.server.vllm_flags import VllmFlagError
+
+
+@pytest.fixture(autouse=True)
+def _no_loraplex_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("LORAPLEX_"):
+            monkeypatch.delenv(name)
+
+
+def settings(*argv: str) -> Settings:
+    return settings_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_a_typical_vllm_lora_command_line_runs_with_its_meaning():
+    s = settings(
+        "meta-llama/Llama-3.1-8B-Instruct", "--enable-lora", "--max-loras", "4", "--max-lora-rank", "32",
+        "--max-cpu-loras", "16", "--served-model-name", "llama", "--host", "0.0.0.0", "--port", "8080",
+        "--dtype", "bfloat16", "--seed", "7", "--max-model-len", "8192", "--max-num-seqs", "64",
+        "--enable-prefix-caching", "--enforce-eager", "--tensor-parallel-size", "1",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    )
+    assert s.model == "meta-llama/Llama-3.1-8B-Instruct"
+    assert (s.max_loras, s.max_lora_rank, s.max_cpu_loras, s.max_cpu_lora_bytes) == (4, 32, 16, None)
+    assert (s.served_model_name, s.host, s.port, s.dtype, s.seed) == ("llama", "0.0.0.0", 8080, "bfloat16", 7)
+    assert (s.max_model_len, s.max_num_seqs, s.enable_prefix_caching) == (8192, 64, True)
+    assert s.cuda_graphs is False and s.tool_call_parser == "hermes"
+    engine = s.engine_config()
+    assert (engine.model, engine.max_cpu_loras, engine.max_lora_rank) == (s.model, 16, 32)
+
+
+def test_the_positional_model_is_the_model_flag():
+    assert settings("org/m").model == "org/m"
+    assert settings("--port", "1", "org/m", "--max-loras", "2").model == "org/m"  # anywhere among flags
+    assert settings("org/m", "--model", "org/m").model == "org/m"
+    with pytest.raises(VllmFlagError, match=r"two models given: 'org/a' \(positional\) and --model 'org/b'"):
+        settings("org/a", "--model", "org/b")
+
+
+def test_enable_lora_changes_nothing():
+    assert settings("m", "--enable-lora") == settings("m")
+
+
+def test_auto_tool_choice_needs_a_parser_as_in_vllm(monkeypatch):
+    with pytest.raises(VllmFlagError, match="^--enable-auto-tool-choice requires --tool-call-parser$"):
+        settings("m", "--enable-auto-tool-choice")
+    assert settings("m", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json").tool_call_parser == "llama3_json"
+    monkeypatch.setenv("LORAPLEX_TOOL_CALL_PARSER", "hermes")  # a parser from the environment is a parser
+    assert settings("m", "--enable-auto-tool-choice").tool_call_parser == "hermes"
+
+
+def test_enforce_eager_turns_cuda_graphs_off(monkeypatch):
+    monkeypatch.setenv("LORAPLEX_CUDA_GRAPHS", "true")
+    assert settings("m").cuda_graphs is True
+    assert settings("m", "--enforce-eager").cuda_graphs is False  # the flag wins over the environment
+    with pytest.raises(VllmFlagError, match="--enforce-eager .* --cuda-graphs"):
+        settings("m", "--enforce-eager", "--cuda-graphs")
+
+
+def test_vllm_dtype_names_and_max_model_len_suffixes():
+    assert [settings("--dtype", d).dtype for d in ("half", "float", "float16", "bfloat16", "float32", "auto")] == [
+        "float16", "float32", "float16", "bfloat16", "float32", "auto"]
+    # vLLM's human-readable lengths: lower case powers of 1000, upper case powers of 1024
+    lens = {"4096": 4096, "32k": 32_000, "25.6k": 25_600, "32K": 32_768, "1M": 1 << 20, "1m": 1_000_000}
+    for text, want in lens.items():
+        assert settings("--max-model-len", text).max_model_len == want, text
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-model-len", "1.5K"])
+
+
+def test_one_served_model_name_only():
+    assert settings("m", "--served-model-name", "llama").served_model_name == "llama"
+    with pytest.raises(VllmFlagError, match=r"one name, not 2 \(a, b\)"):
+        settings("m", "--served-model-name", "a", "b")
+
+
+# each refused vLLM flag, a value, and what its message must point to
+REFUSED = [
+    (["--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization", "--kv-cache-memory-fraction"),
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size", "one replica per GPU"),
+    (["-tp", "4"], "--tensor-parallel-size", "--device cuda:N"),
+    (["--lora-modules", "sql=/a", "chat=/b"], "--lora-modules", "loraplex adapters upload"),
+    (["--api-key", "secret"], "--api-key", "loraplex tenants create-key"),
+    (["--quantization", "awq"], "--quantization", "--dtype"),
+    (["-q", "fp8"], "--quantization", "--dtype"),
+]
+
+
+@pytest.mark.parametrize("argv,flag,instead", REFUSED, ids=[r[0][0] for r in REFUSED])
+def test_each_refused_flag_names_what_to_use_instead(argv, flag, instead):
+    with pytest.raises(VllmFlagError) as caught:
+        settings("m", *argv)
+    message = str(caught.value)
+    assert f"{flag}: " in message and instead in message
+    assert "secret" not in message  # an API key is not echoed back
+
+
+def test_every_refused_flag_is_named_at_once_and_serve_exits_2(capsys):
+    argv = ["serve", "m", "--gpu-memory-utilization", "0.8", "--api-key", "k", "-q", "awq"]
+    assert main(argv) == 2  # before anything is built or logged
+    err = capsys.readouterr().err
+    assert err.startswith("loraplex serve: error: ")
+    assert all(f"\n  {flag}: " in err for flag in ("--gpu-memory-utilization", "--api-key", "--quantization"))
+
+
+def test_host_cache_count_against_max_loras_and_bytes(capsys):
+    with pytest.raises(ValidationError, match=r"max_cpu_loras \(2\) must be >= max_loras \(4\)"):
+        settings("m", "--max-loras", "4", "--max-cpu-loras", "2")  # vLLM's rule and words
+    assert settings("m", "--max-loras", "4", "--max-cpu-loras", "4").max_cpu_loras == 4
+    with pytest.raises(ValidationError, match="both size the host cache: give one"):
+        settings("m", "--max-cpu-loras", "16", "--max-cpu-lora-bytes", str(1 << 30))
+    assert main(["serve", "m", "--max-cpu-loras", "1"]) == 2  # default max_loras is 8
+    assert "max_cpu_loras (1) must be >= max_loras (8)" in capsys.readouterr().err
+
+
+def test_a_byte_budget_from_the_environment_and_a_count_flag_are_refused_too(monkeypatch):
+    monkeypatch.setenv("LORAPLEX_MAX_CPU_LORA_BYTES", str(4 << 30))
+    assert settings("m").max_cpu_lora_bytes == 4 << 30
+    with pytest.raises(ValidationError, match="give one"):
+        settings("m", "--max-cpu-loras", "8")
+
+
+def test_unknown_flags_are_still_argparse_errors(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--no-such-flag"])
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
