@@ -24,7 +24,8 @@ MiB = 1 << 20
 DEFAULT_MAX_CPU_LORA_BYTES = 2 * GiB  # host cache budget when neither option below sizes it
 
 
-def check_host_cache_options(max_cpu_loras: int | None, max_cpu_lora_bytes: int | None, max_loras: int) -> None:
+def check_host_cache_options(max_cpu_loras: int | None, max_cpu_lora_bytes: int | None,
+                             max_loras: int) -> None:
     """The host cache is sized one way: a byte budget (``max_cpu_lora_bytes``) or vLLM's count
     (``max_cpu_loras``), which vLLM requires to be at least ``max_loras`` (its wording)."""
     if max_cpu_loras is None:

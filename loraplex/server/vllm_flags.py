@@ -96,8 +96,9 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                        help='needs --tool-call-parser (which alone turns tool_choice "auto" on)')
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (--no-cuda-graphs)")
     for dest, (flags, options, _) in REFUSED.items():
-        group.add_argument(*flags, dest=f"vllm_{dest}", default=None, help="refused: says what to use instead",
-                           **options)
+        hint = "1 is taken; more is refused" if dest == "tensor_parallel_size" else "refused"
+        group.add_argument(*flags, dest=f"vllm_{dest}", default=None, metavar=dest.split("_")[-1].upper(),
+                           help=f"{hint} (the error says what to use instead)", **options)
 
 
 def translate(args: argparse.Namespace, overrides: dict) -> dict:

@@ -57,7 +57,8 @@ def test_enable_lora_changes_nothing():
 def test_auto_tool_choice_needs_a_parser_as_in_vllm(monkeypatch):
     with pytest.raises(VllmFlagError, match="^--enable-auto-tool-choice requires --tool-call-parser$"):
         settings("m", "--enable-auto-tool-choice")
-    assert settings("m", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json").tool_call_parser == "llama3_json"
+    with_parser = settings("m", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
+    assert with_parser.tool_call_parser == "llama3_json"
     monkeypatch.setenv("LORAPLEX_TOOL_CALL_PARSER", "hermes")  # a parser from the environment is a parser
     assert settings("m", "--enable-auto-tool-choice").tool_call_parser == "hermes"
 
