@@ -135,6 +135,9 @@ class Settings(BaseSettings):
     max_upload_member_bytes: int = 2 * GiB
     # vLLM's --trust-request-chat-template: render a `chat_template` sent with a chat request
     # (a template is code the server runs, sandboxed; off, such a request is a 400)
+    # vLLM's --chat-template: the server's chat template (a file path or the Jinja itself) in
+    # place of the tokenizer's; checked at start (loraplex/server/chat_template.py)
+    chat_template: str | None = None
     trust_request_chat_template: bool = False
     # who shares prefix-cache blocks: "tenant" (each tenant its own; a cache hit is measurably
     # faster, so shared blocks would let a tenant time whether another sent a prompt) or "shared"

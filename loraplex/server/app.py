@@ -24,6 +24,7 @@ from loraplex.config import Settings
 from loraplex.server import admin_routes, openai_routes, tgi_info, tgi_routes, tokenizer_routes
 from loraplex.server.auth import AdminAuth, TenantAuth
 from loraplex.server.blob_gc import BlobGarbageCollector
+from loraplex.server.chat_template import load_chat_template
 from loraplex.server.context import AppContext
 from loraplex.server.errors import exception_handlers
 from loraplex.server.lifecycle import Lifecycle
@@ -78,8 +79,10 @@ def create_app(
     ``adapters`` an ``AdapterManager``; any left out is built by ``builder(settings)`` at startup
     (default: ``components.build_components``). ``on_started`` runs once everything is built,
     before the first request (the entry point's process-wide settings). An unknown
-    ``tool_call_parser`` or ``reasoning_parser`` is a ValueError naming the known ones."""
+    ``tool_call_parser`` or ``reasoning_parser``, or a ``chat_template`` that is neither a file
+    nor a template that compiles, is a ValueError."""
     tool_parser = get_tool_parser(settings.tool_call_parser)
+    chat_template = load_chat_template(settings.chat_template) if settings.chat_template else None
     reasoning_parser = get_reasoning_parser(settings.reasoning_parser)
     lifecycle = Lifecycle()
     ctx = AppContext(
@@ -106,6 +109,8 @@ def create_app(
                 from loraplex.server.components import build_components as build
             parts = await run_in_threadpool(build, settings, engine=ctx.engine, registry=ctx.registry, adapters=ctx.adapters)
             ctx.engine, ctx.registry, ctx.adapters = parts.engine, parts.registry, parts.adapters
+        if chat_template is not None:  # every chat render and /tokenize reads it from here
+            ctx.tokenizer.chat_template = chat_template
         if not settings.served_model_name and getattr(ctx.engine, "model_name", None):
             ctx.served_model_name = ctx.engine.model_name
             ctx.metrics.model_name = ctx.served_model_name

@@ -8,8 +8,10 @@ are made from ``Settings`` (loraplex/server/cli.py). This module adds the rest:
 * taken as in vLLM: the model as a positional argument (``vllm serve MODEL``), ``--enable-lora``
   (LoRA is always on), ``--enable-auto-tool-choice`` (needs a tool-call parser, as in vLLM; in
   loraplex the parser alone turns ``"auto"`` on), ``--enforce-eager`` (no CUDA graphs),
-  ``--tensor-parallel-size 1``, ``--dtype half`` / ``float``, ``--max-model-len 32k``, and one
-  ``--served-model-name``;
+  ``--tensor-parallel-size 1``, ``--dtype half`` / ``float``, ``--max-model-len 32k`` (and
+  ``--max-num-batched-tokens``), one ``--served-model-name``, ``--chat-template`` (a setting,
+  loraplex/server/chat_template.py), and ``--trust-remote-code`` / ``--disable-log-requests`` /
+  ``--disable-log-stats``, which ask for nothing loraplex does otherwise;
 * refused, with what to use instead: ``--gpu-memory-utilization``, ``--tensor-parallel-size`` above
   1, ``--lora-modules``, ``--api-key``, ``--quantization``, several served model names.
 """
@@ -83,6 +85,7 @@ def human_readable_int(text: str) -> int:
 SETTINGS_FLAG_OPTIONS: dict[str, dict] = {
     "served_model_name": {"nargs": "+"},  # vLLM takes several; loraplex one (more are refused)
     "max_model_len": {"type": human_readable_int},
+    "max_num_batched_tokens": {"type": human_readable_int},
 }
 
 
@@ -95,6 +98,10 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='needs --tool-call-parser (which alone turns tool_choice "auto" on)')
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (--no-cuda-graphs)")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted: loraplex runs its own model code, never code from a model directory")
+    group.add_argument("--disable-log-requests", "--disable-log-stats", action="store_true",
+                       help="accepted: loraplex logs no prompts (one access line of counts per request)")
     for dest, (flags, options, _) in REFUSED.items():
         hint = "1 is taken; more is refused" if dest == "tensor_parallel_size" else "refused"
         group.add_argument(*flags, dest=f"vllm_{dest}", default=None, metavar=dest.split("_")[-1].upper(),
