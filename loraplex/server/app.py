@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+import loraplex
 from loraplex.config import Settings
 from loraplex.server import admin_routes, openai_routes, tgi_info, tgi_routes, tokenizer_routes
 from loraplex.server.auth import AdminAuth, TenantAuth
@@ -40,6 +41,11 @@ DEFAULT_ADMIN_DIR = Path(__file__).resolve().parents[2] / "admin"
 
 async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
+
+
+async def version(request: Request) -> Response:
+    """vLLM's ``GET /version`` (deployment tooling reads it), with loraplex's version."""
+    return JSONResponse({"version": loraplex.__version__})
 
 
 async def ready(request: Request) -> Response:
@@ -144,6 +150,7 @@ def create_app(
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         *openai_routes.routes(),
         *tgi_routes.routes(),  # LoRAX's native API: /generate, /generate_stream, POST /

@@ -8,6 +8,8 @@ import tarfile
 import httpx
 import pytest
 
+import loraplex
+
 
 def _files(payload: bytes) -> dict:
     return {
@@ -104,6 +106,7 @@ def test_status_health_ready_metrics(fake_server):
         assert t.post("/v1/completions", json={"model": "fake-model", "prompt": "abc", "max_tokens": 3}).status_code == 200
     with httpx.Client(base_url=fake_server.url) as c:
         assert c.get("/health").json() == {"status": "ok"}
+        assert c.get("/version").json() == {"version": loraplex.__version__}
         assert c.get("/ready").status_code == 200
         text = c.get("/metrics").text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
