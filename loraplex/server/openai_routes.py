@@ -37,14 +37,16 @@ class _OpenAIAdmission(Admission):
 
 
 async def completions(request: Request) -> Response:
-    return await _generate(request, _OpenAIAdmission("completion", parse_completion_request))
+    return await generate(request, _OpenAIAdmission("completion", parse_completion_request))
 
 
 async def chat_completions(request: Request) -> Response:
-    return await _generate(request, _OpenAIAdmission("chat", parse_chat_request))
+    return await generate(request, _OpenAIAdmission("chat", parse_chat_request))
 
 
-async def _generate(request: Request, steps: Admission) -> Response:
+async def generate(request: Request, steps: Admission, answer=None, events=None) -> Response:
+    """Admit, run, answer: the chat or completions body, or ``answer(run, shaper, body)`` made of
+    it; a stream of ``events(run, shaper)`` (SSE bytes), the chat or completions chunks by default."""
     arrival = time.monotonic()
     ctx = _ctx(request)
     run = await admit(request, ctx, steps, arrival)
@@ -52,9 +54,9 @@ async def _generate(request: Request, steps: Admission) -> Response:
     shaper = ResponseShaper(req.kind, req.model, ctx.tokenizer, include_usage=req.include_usage,
                             response_id=run.request_id, tokens_as_ids=req.return_tokens_as_token_ids)
     if req.stream:
-        return SSEResponse(_stream_events(run, shaper), on_close=lambda: run.close(CLIENT_CLOSED))
+        return SSEResponse((events or _stream_events)(run, shaper), on_close=lambda: run.close(CLIENT_CLOSED))
     try:
-        body = await run_unless_disconnected(request, _collect(run, shaper))
+        body = await run_unless_disconnected(request, collect(run, shaper))
     except ClientDisconnected:
         run.close(CLIENT_CLOSED)
         return Response(status_code=CLIENT_CLOSED)
@@ -63,7 +65,7 @@ async def _generate(request: Request, steps: Admission) -> Response:
         run.close(err.status if err else CLIENT_CLOSED)
         raise
     run.close(200)
-    return JSONResponse(body)
+    return JSONResponse(answer(run, shaper, body) if answer is not None else body)
 
 
 def _echo_text(run: RequestRun, p_idx: int) -> str:
@@ -71,7 +73,7 @@ def _echo_text(run: RequestRun, p_idx: int) -> str:
     return prompt if isinstance(prompt, str) else run.ctx.tokenizer.decode(prompt)
 
 
-async def _collect(run: RequestRun, shaper: ResponseShaper) -> dict:
+async def collect(run: RequestRun, shaper: ResponseShaper) -> dict:
     req = run.req
     n_choices = len(run.prompt_ids) * req.params.n
     texts = [""] * n_choices
@@ -125,63 +127,9 @@ async def _stream_events(run: RequestRun, shaper: ResponseShaper):
     req = run.req
     status = CLIENT_CLOSED
     try:
-        n_choices = len(run.prompt_ids) * req.params.n
-        if req.continuous_usage:
-            shaper.track_usage([len(run.prompt_ids[i // req.params.n]) for i in range(n_choices)])
-        calls = None  # per choice, when the output is tool calls
-        parsed = None  # per choice, when the parsers read the text (reasoning, "auto" tool calls)
-        if req.kind == "chat" and req.tools.mode is None and (maker := chat_output.outputs_for(run)) is not None:
-            parsed = [maker() for _ in range(n_choices)]
-        if req.kind == "chat" and req.tools.mode is not None:
-            calls = [tool_calls.ToolCallStream(req.tools) for _ in range(n_choices)]
-            for i in range(n_choices):  # the role, then a named call's header (id, name)
-                yield sse_event(shaper.chunk(i, None, None, role=True))
-                for entry in calls[i].start():
-                    yield sse_event(shaper.chunk(i, None, None, tool_calls=[entry]))
-        elif req.kind == "chat":  # first chunk of each choice announces the role
-            for i in range(n_choices):
-                yield sse_event(shaper.chunk(i, "", None, role=True))
-        elif req.echo and not req.logprobs:
-            for i in range(n_choices):
-                yield sse_event(shaper.chunk(i, _echo_text(run, i // req.params.n), None))
-        # echo with logprobs: each choice's echo chunk carries the prompt's logprobs, which come
-        # with the choice's first output
-        echo_pending = set(range(n_choices)) if req.echo and req.logprobs else set()
-        offsets = [0] * n_choices
         try:
-            async for p_idx, choice, comp in run.deltas():
-                if choice in echo_pending:
-                    echo_pending.discard(choice)
-                    prompt_entries = _prompt_entries(run, shaper, p_idx)
-                    prompt_part = shaper.completion_logprobs(prompt_entries, req.top_logprobs, 0)
-                    yield sse_event(shaper.chunk(choice, _echo_text(run, p_idx), None, prompt_part))
-                    offsets[choice] = shaper.text_length(prompt_entries)
-                shaper.count_tokens(choice, len(comp.token_ids))  # continuous usage: cumulative per choice
-                if not comp.text and comp.finish_reason is None and not (req.logprobs and comp.logprobs):
-                    continue  # text held back (a partial character or a possible stop string)
-                logprobs = None
-                if req.logprobs and comp.logprobs:
-                    if req.kind == "chat":
-                        logprobs = shaper.chat_logprobs(comp.logprobs, req.top_logprobs)
-                    else:
-                        logprobs = shaper.completion_logprobs(comp.logprobs, req.top_logprobs, offsets[choice])
-                if calls is not None:
-                    for event in _tool_call_chunks(shaper, calls[choice], choice, comp, logprobs, req.tools.mode):
-                        yield event
-                    continue
-                if parsed is not None:
-                    for chunk in chat_output.stream_chunks(shaper, parsed[choice], choice, comp, logprobs):
-                        yield sse_event(chunk)
-                    continue
-                offsets[choice] += len(comp.text)
-                if req.kind == "chat" and comp.finish_reason is not None and comp.text:
-                    # OpenAI sends the finish reason on a chunk of its own with an empty delta
-                    yield sse_event(shaper.chunk(choice, comp.text, None, logprobs))
-                    yield sse_event(shaper.chunk(choice, None, comp.finish_reason))
-                elif req.kind == "chat" and comp.finish_reason is not None:
-                    yield sse_event(shaper.chunk(choice, None, comp.finish_reason, logprobs))
-                else:
-                    yield sse_event(shaper.chunk(choice, comp.text, comp.finish_reason, logprobs))
+            async for chunk in chunks(run, shaper):
+                yield sse_event(chunk)
         except Exception as exc:  # headers are out: report in-band, as vLLM does
             err = from_exception(exc)
             status = err.status
@@ -196,6 +144,68 @@ async def _stream_events(run: RequestRun, shaper: ResponseShaper):
         run.close(status)
 
 
+async def chunks(run: RequestRun, shaper: ResponseShaper):
+    """The stream's chunks (dicts) up to each choice's finish reason, without the usage chunk;
+    an engine failure is raised. The Responses API reads a chat stream from here too."""
+    req = run.req
+    n_choices = len(run.prompt_ids) * req.params.n
+    if req.continuous_usage:
+        shaper.track_usage([len(run.prompt_ids[i // req.params.n]) for i in range(n_choices)])
+    calls = None  # per choice, when the output is tool calls
+    parsed = None  # per choice, when the parsers read the text (reasoning, "auto" tool calls)
+    if req.kind == "chat" and req.tools.mode is None and (maker := chat_output.outputs_for(run)) is not None:
+        parsed = [maker() for _ in range(n_choices)]
+    if req.kind == "chat" and req.tools.mode is not None:
+        calls = [tool_calls.ToolCallStream(req.tools) for _ in range(n_choices)]
+        for i in range(n_choices):  # the role, then a named call's header (id, name)
+            yield shaper.chunk(i, None, None, role=True)
+            for entry in calls[i].start():
+                yield shaper.chunk(i, None, None, tool_calls=[entry])
+    elif req.kind == "chat":  # first chunk of each choice announces the role
+        for i in range(n_choices):
+            yield shaper.chunk(i, "", None, role=True)
+    elif req.echo and not req.logprobs:
+        for i in range(n_choices):
+            yield shaper.chunk(i, _echo_text(run, i // req.params.n), None)
+    # echo with logprobs: each choice's echo chunk carries the prompt's logprobs, which come
+    # with the choice's first output
+    echo_pending = set(range(n_choices)) if req.echo and req.logprobs else set()
+    offsets = [0] * n_choices
+    async for p_idx, choice, comp in run.deltas():
+        if choice in echo_pending:
+            echo_pending.discard(choice)
+            prompt_entries = _prompt_entries(run, shaper, p_idx)
+            prompt_part = shaper.completion_logprobs(prompt_entries, req.top_logprobs, 0)
+            yield shaper.chunk(choice, _echo_text(run, p_idx), None, prompt_part)
+            offsets[choice] = shaper.text_length(prompt_entries)
+        shaper.count_tokens(choice, len(comp.token_ids))  # continuous usage: cumulative per choice
+        if not comp.text and comp.finish_reason is None and not (req.logprobs and comp.logprobs):
+            continue  # text held back (a partial character or a possible stop string)
+        logprobs = None
+        if req.logprobs and comp.logprobs:
+            if req.kind == "chat":
+                logprobs = shaper.chat_logprobs(comp.logprobs, req.top_logprobs)
+            else:
+                logprobs = shaper.completion_logprobs(comp.logprobs, req.top_logprobs, offsets[choice])
+        if calls is not None:
+            for chunk in _tool_call_chunks(shaper, calls[choice], choice, comp, logprobs, req.tools.mode):
+                yield chunk
+            continue
+        if parsed is not None:
+            for chunk in chat_output.stream_chunks(shaper, parsed[choice], choice, comp, logprobs):
+                yield chunk
+            continue
+        offsets[choice] += len(comp.text)
+        if req.kind == "chat" and comp.finish_reason is not None and comp.text:
+            # OpenAI sends the finish reason on a chunk of its own with an empty delta
+            yield shaper.chunk(choice, comp.text, None, logprobs)
+            yield shaper.chunk(choice, None, comp.finish_reason)
+        elif req.kind == "chat" and comp.finish_reason is not None:
+            yield shaper.chunk(choice, None, comp.finish_reason, logprobs)
+        else:
+            yield shaper.chunk(choice, comp.text, comp.finish_reason, logprobs)
+
+
 def _tool_call_chunks(shaper: ResponseShaper, stream: tool_calls.ToolCallStream, choice: int, comp, logprobs,
                       mode: str):
     """The chunks of one engine delta of a tool-call output: one per ``tool_calls`` entry (the
@@ -203,12 +213,12 @@ def _tool_call_chunks(shaper: ResponseShaper, stream: tool_calls.ToolCallStream,
     reason on a chunk of its own."""
     entries = stream.feed(comp.text)
     for k, entry in enumerate(entries):
-        yield sse_event(shaper.chunk(choice, None, None, logprobs if k == 0 else None, tool_calls=[entry]))
+        yield shaper.chunk(choice, None, None, logprobs if k == 0 else None, tool_calls=[entry])
     if not entries and logprobs is not None:
-        yield sse_event(shaper.chunk(choice, None, None, logprobs))
+        yield shaper.chunk(choice, None, None, logprobs)
     if comp.finish_reason is not None:
         reason = tool_calls.finish_reason(mode, comp.finish_reason, stream.called())
-        yield sse_event(shaper.chunk(choice, None, reason))
+        yield shaper.chunk(choice, None, reason)
 
 
 async def _model_cards(request: Request) -> list[dict]:
