@@ -22,7 +22,7 @@ from starlette.staticfiles import StaticFiles
 
 import loraplex
 from loraplex.config import Settings
-from loraplex.server import admin_routes, openai_routes, tgi_info, tgi_routes, tokenizer_routes
+from loraplex.server import admin_routes, openai_routes, responses_routes, tgi_info, tgi_routes, tokenizer_routes
 from loraplex.server.auth import AdminAuth, TenantAuth
 from loraplex.server.blob_gc import BlobGarbageCollector
 from loraplex.server.chat_template import load_chat_template
@@ -153,6 +153,7 @@ def create_app(
         Route("/version", version, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         *openai_routes.routes(),
+        *responses_routes.routes(),  # OpenAI's Responses API, stateless
         *tgi_routes.routes(),  # LoRAX's native API: /generate, /generate_stream, POST /
         *tgi_info.routes(),  # LoRAX's GET /info
         *tokenizer_routes.routes(),  # vLLM's /tokenize, /detokenize (LoRAX's /tokenize too)

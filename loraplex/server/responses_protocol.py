@@ -1,0 +1,268 @@
+"""OpenAI's Responses API request (``POST /v1/responses``), read as the chat completions request
+it asks for, so the chat path (template, admission, constraints, tool and reasoning parsers)
+runs it unchanged.
+
+Stateless: ``store`` is accepted and nothing is stored; what needs a stored response or a
+server-side tool (``previous_response_id``, ``conversation``, ``background``, built-in tools,
+images, files ...) is a 400 naming the field. The mapping:
+
+- ``instructions`` -> a system message first; ``input`` (a string: one user message; or a list
+  of items) -> ``messages``: a message item (``{"role", "content"}``, content a string or
+  ``input_text`` / ``output_text`` parts) is a message; ``function_call`` items join the
+  assistant message before them as ``tool_calls`` (``arguments`` as the template takes them);
+  a ``function_call_output`` item is a ``tool`` message; a ``reasoning`` item (as a response
+  gave it) is the next assistant turn's ``reasoning``.
+- ``max_output_tokens`` -> ``max_completion_tokens``; ``temperature``, ``top_p``, ``user``,
+  ``parallel_tool_calls`` as they are; ``tools`` (flat ``{"type": "function", "name", ...}``)
+  -> chat's nested shape; ``tool_choice`` ``{"type": "function", "name"}`` -> chat's named
+  choice; ``text.format`` -> ``response_format``.
+
+An error the chat path raises names chat's field; ``responses_param`` turns it into the
+Responses field the client sent (``messages[...]`` -> ``input``, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from loraplex.server.errors import APIError, bad_request
+from loraplex.server.protocol import GenerationRequest, parse_chat_request
+
+MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = {"input_text", "output_text"}  # output_text: an earlier answer's message sent back
+SAMPLING_FIELDS = ("temperature", "top_p", "user", "parallel_tool_calls")
+
+# field -> (accepted(value), why it is refused); each a 400 naming the field, nothing started
+_STATELESS = "this server is stateless (nothing is stored; send the whole conversation as `input`)"
+REFUSED_FIELDS = {
+    "previous_response_id": (lambda v: v is None, _STATELESS),
+    "conversation": (lambda v: v is None, _STATELESS),
+    "background": (lambda v: v in (None, False), "background responses are not supported"),
+    "prompt": (lambda v: v is None, "stored prompt templates are not supported"),
+    "include": (lambda v: v in (None, []), "`include` (extra output data) is not supported"),
+    "top_logprobs": (lambda v: v in (None, 0), "logprobs are not supported on /responses"),
+    "max_tool_calls": (lambda v: v is None, "`max_tool_calls` (built-in tools) is not supported"),
+    "truncation": (lambda v: v in (None, "disabled"), '`truncation` other than "disabled" is not supported'),
+    "reasoning": (lambda v: v in (None, {}) or (isinstance(v, dict) and all(x is None for x in v.values())),
+                  "reasoning options (`effort`, `summary`) are not supported; the server's --reasoning-parser "
+                  "decides what is reasoning"),
+}
+
+# chat's field names in errors -> the Responses field that sent them
+_PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+           "response_format": "text.format", "response_format.json_schema": "text.format",
+           "response_format.json_schema.schema": "text.format.schema", "chat_template": "input",
+           "prompt": "input"}
+
+
+@dataclass
+class ResponsesRequest(GenerationRequest):
+    """A chat request, plus what the response object echoes back."""
+
+    echo_fields: dict = field(default_factory=dict)
+
+
+def responses_param(param: str | None) -> str | None:
+    if param is None:
+        return None
+    if param == "messages" or param.startswith("messages["):
+        return "input"
+    return _PARAMS.get(param, param)
+
+
+def renamed(exc: APIError) -> APIError:
+    """``exc`` naming the Responses field (and its message too) instead of chat's."""
+    param = responses_param(exc.param)
+    message = exc.message
+    if exc.param and param != exc.param:
+        message = message.replace(f"`{exc.param}`", f"`{param}`")
+    return APIError(exc.status, message, param=param, code=exc.code, type=exc.type, headers=exc.headers)
+
+
+def parse_responses_request(body) -> ResponsesRequest:
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    for name, (accepted, why) in REFUSED_FIELDS.items():
+        if name in body and not accepted(body[name]):
+            raise bad_request(f"`{name}`: {why}.", param=name, code="unsupported_parameter")
+    chat: dict = {"model": body.get("model"), "messages": _messages(body)}
+    for name in SAMPLING_FIELDS:
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if body.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = body["max_output_tokens"]
+    if body.get("stream") is not None:
+        chat["stream"] = body["stream"]
+    tools = _tools(body.get("tools"))
+    if tools:
+        chat["tools"] = tools
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    fmt = _text_format(body.get("text"))
+    if fmt is not None:
+        chat["response_format"] = fmt
+    metadata = body.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise bad_request("`metadata` must be an object of string values", param="metadata")
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise bad_request("`store` must be a boolean", param="store")
+    try:
+        req = parse_chat_request(chat)
+    except APIError as exc:
+        raise renamed(exc) from None
+    echo = {  # the request's settings, as OpenAI's response object repeats them
+        "instructions": body.get("instructions"), "metadata": metadata or {},
+        "max_output_tokens": body.get("max_output_tokens"), "tool_choice": body.get("tool_choice") or "auto",
+        "tools": body.get("tools") or [], "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
+        "temperature": req.params.temperature, "top_p": req.params.top_p,
+        "parallel_tool_calls": req.tools.parallel, "user": req.user, "store": bool(store),
+    }
+    return ResponsesRequest(**{f.name: getattr(req, f.name) for f in fields(GenerationRequest)}, echo_fields=echo)
+
+
+# --- input ------------------------------------------------------------------------------------
+
+
+def _messages(body: dict) -> list[dict]:
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad_request("`instructions` must be a string", param="instructions")
+    out = [{"role": "system", "content": instructions}] if instructions else []
+    raw = body.get("input")
+    if isinstance(raw, str):
+        return out + [{"role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("`input` must be a string or a non-empty list of items", param="input")
+    reasoning = None  # a reasoning item waits for the assistant turn it belongs to
+    for i, item in enumerate(raw):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"`{where}` must be an object", param=where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            msg = _message(item, where)
+            if msg["role"] == "assistant" and reasoning is not None:
+                msg["reasoning"], reasoning = reasoning, None
+            out.append(msg)
+        elif kind == "function_call":
+            call = _function_call(item, where)
+            last = out[-1] if out and out[-1]["role"] == "assistant" and reasoning is None else None
+            if last is None:
+                last = {"role": "assistant", "content": None}
+                if reasoning is not None:
+                    last["reasoning"], reasoning = reasoning, None
+                out.append(last)
+            last.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            out.append(_function_output(item, where))
+        elif kind == "reasoning":
+            reasoning = (reasoning or "") + _reasoning_text(item, where)
+        else:
+            raise bad_request(f"`{where}.type` {kind!r} is not supported (served: message, function_call, "
+                              "function_call_output, reasoning)", param=f"{where}.type", code="unsupported_parameter")
+    if reasoning is not None:  # reasoning with no answer after it: an assistant turn of its own
+        out.append({"role": "assistant", "content": None, "reasoning": reasoning})
+    return out
+
+
+def _message(item: dict, where: str) -> dict:
+    role = item.get("role")
+    if role not in MESSAGE_ROLES:
+        raise bad_request(f"`{where}.role` must be one of {', '.join(MESSAGE_ROLES)}", param=f"{where}.role")
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if not isinstance(content, list):
+        raise bad_request(f"`{where}.content` must be a string or a list of text parts", param=f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS:
+            raise bad_request(f"`{at}`: only text parts (input_text, output_text) are served; images, files and "
+                              f"audio are not (got {kind!r})", param=at, code="unsupported_parameter")
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"`{at}.text` must be a string", param=f"{at}.text")
+        texts.append(part["text"])
+    return {"role": role, "content": "".join(texts)}
+
+
+def _function_call(item: dict, where: str) -> dict:
+    for key in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(key), str) or (key != "arguments" and not item[key]):
+            raise bad_request(f"`{where}.{key}` must be a {'non-empty ' if key != 'arguments' else ''}string",
+                              param=f"{where}.{key}")
+    return {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
+
+
+def _function_output(item: dict, where: str) -> dict:
+    call_id, output = item.get("call_id"), item.get("output")
+    if not isinstance(call_id, str) or not call_id:
+        raise bad_request(f"`{where}.call_id` must be a non-empty string", param=f"{where}.call_id")
+    if isinstance(output, list):  # the newer form: content parts, text only here
+        output = _message({"role": "user", "content": output}, where)["content"]
+    if not isinstance(output, str):
+        raise bad_request(f"`{where}.output` must be a string", param=f"{where}.output")
+    return {"role": "tool", "tool_call_id": call_id, "content": output}
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    content = item.get("content") or []
+    if not isinstance(content, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                for p in content):
+        raise bad_request(f"`{where}.content` must be a list of reasoning_text parts", param=f"{where}.content")
+    return "".join(p["text"] for p in content)
+
+
+# --- tools and text format ---------------------------------------------------------------------
+
+
+def _tools(raw) -> list[dict]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise bad_request("`tools` must be a list of function tools", param="tools")
+    out = []
+    for i, tool in enumerate(raw):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise bad_request(f"`tools[{i}]`: only function tools are served ({kind!r} is a built-in tool this "
+                              "server does not run)", param="tools", code="unsupported_parameter")
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(choice):
+    if isinstance(choice, str):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    raise bad_request('`tool_choice` must be "none", "auto", "required" or {"type": "function", "name": ...}; '
+                      "built-in tools are not served", param="tool_choice", code="unsupported_parameter")
+
+
+def _text_format(text) -> dict | None:
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise bad_request("`text` must be an object", param="text")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise bad_request("`text.format.schema` must be a JSON schema (an object)", param="text.format.schema")
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": schema,
+                                                       "strict": fmt.get("strict")}}
+    raise bad_request('`text.format` must be {"type": "text"}, {"type": "json_object"} or '
+                      '{"type": "json_schema", "name", "schema", "strict"}', param="text.format")
+

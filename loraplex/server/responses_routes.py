@@ -1,0 +1,87 @@
+"""OpenAI's Responses API, stateless: ``POST /t/{tenant}/v1/responses`` and ``POST
+/v1/responses`` (the key's tenant).
+
+The request is read as a chat request (responses_protocol.py) and runs the chat path whole:
+the same admission, chat template, constraints and tool / reasoning parsers. The chat answer
+(whole, or its stream's chunks) is then shaped as a ``response`` object or its semantic events
+(responses_shapes.py), so a streamed answer's deltas join into the whole answer's items.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from loraplex.sampling_params import InvalidRequestError
+from loraplex.server import chat_output
+from loraplex.server.admission import Admission
+from loraplex.server.context import AppContext
+from loraplex.server.errors import CLIENT_CLOSED, APIError, from_exception
+from loraplex.server.generation import RequestRun
+from loraplex.server.openai_routes import chunks, generate
+from loraplex.server.protocol import GenerationRequest
+from loraplex.server.responses_protocol import parse_responses_request, renamed
+from loraplex.server.responses_shapes import EventStream, new_item_id, output_items, response_object, sse, status_of, usage
+from loraplex.server.shapes import ResponseShaper
+
+
+class _ResponsesAdmission(Admission):
+    """A Responses body, admitted as the chat request it maps to; errors name its own fields."""
+
+    endpoint = "responses"
+
+    def parse(self, ctx: AppContext, body) -> GenerationRequest:
+        req = parse_responses_request(body)
+        try:
+            chat_output.check_request(ctx, req)  # "auto" tool choice needs the server's tool-call parser
+        except APIError as exc:
+            raise renamed(exc) from None
+        return req
+
+    def prompt_ids(self, ctx: AppContext, req: GenerationRequest) -> list[list[int]]:
+        try:
+            return super().prompt_ids(ctx, req)
+        except (APIError, InvalidRequestError) as exc:
+            raise renamed(from_exception(exc, log_unknown=False)) from None
+
+    def request_id(self, req: GenerationRequest) -> str:
+        return new_item_id("resp")
+
+
+def _answer(run: RequestRun, shaper: ResponseShaper, chat: dict) -> dict:
+    (choice,) = chat["choices"]
+    items = output_items(choice["message"], choice["finish_reason"])
+    return response_object(run.request_id, shaper.created, run.req.model, run.req.echo_fields,
+                           status_of(choice["finish_reason"]), items, usage(run.prompt_tokens, run.completion_tokens))
+
+
+async def _events(run: RequestRun, shaper: ResponseShaper):
+    stream = EventStream(run.request_id, shaper.created, run.req.model, run.req.echo_fields)
+    status = CLIENT_CLOSED
+    try:
+        for event in stream.start():
+            yield sse(event)
+        try:
+            async for chunk in chunks(run, shaper):
+                for event in stream.feed(chunk):
+                    yield sse(event)
+        except Exception as exc:  # headers are out: report in-band
+            err = from_exception(exc)
+            status = err.status
+            for event in stream.failed(err.message):
+                yield sse(event)
+            return
+        for event in stream.finish(run.prompt_tokens, run.completion_tokens):
+            yield sse(event)
+        status = 200
+    finally:
+        run.close(status)
+
+
+async def create_response(request: Request) -> Response:
+    return await generate(request, _ResponsesAdmission(), answer=_answer, events=_events)
+
+
+def routes() -> list[Route]:
+    return [Route(prefix + "/responses", create_response, methods=["POST"]) for prefix in ("/v1", "/t/{tenant}/v1")]
