@@ -281,7 +281,7 @@ class RequestRun:
             "event": "request",
             "request_id": self.request_id,
             "tenant": self.tenant,
-            "endpoint": self.req.kind,
+            "endpoint": self.req.endpoint,
             "stream": self.req.stream,
             "adapter": self.target.label.split("/", 1)[1] if self.target.label else None,
             "version": self.target.version,

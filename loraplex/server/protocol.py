@@ -51,6 +51,11 @@ class GenerationRequest:
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
 
     @property
+    def endpoint(self) -> str:
+        """The access log's ``endpoint``."""
+        return self.kind
+
+    @property
     def has_text(self) -> bool:
         """Whether the tokenizer must run (a chat, or a text prompt; token-id prompts need none)."""
         return self.kind == "chat" or any(isinstance(p, str) for p in self.prompts)

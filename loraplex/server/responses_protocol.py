@@ -61,6 +61,10 @@ class ResponsesRequest(GenerationRequest):
 
     echo_fields: dict = field(default_factory=dict)
 
+    @property
+    def endpoint(self) -> str:
+        return "responses"
+
 
 def responses_param(param: str | None) -> str | None:
     if param is None:
@@ -76,6 +80,8 @@ def renamed(exc: APIError) -> APIError:
     message = exc.message
     if exc.param and param != exc.param:
         message = message.replace(f"`{exc.param}`", f"`{param}`")
+    if exc.param == "max_tokens":  # the context-length message names it without backticks
+        message = message.replace("max_tokens", "`max_output_tokens`")
     return APIError(exc.status, message, param=param, code=exc.code, type=exc.type, headers=exc.headers)
 
 
@@ -114,7 +120,8 @@ def parse_responses_request(body) -> ResponsesRequest:
     echo = {  # the request's settings, as OpenAI's response object repeats them
         "instructions": body.get("instructions"), "metadata": metadata or {},
         "max_output_tokens": body.get("max_output_tokens"), "tool_choice": body.get("tool_choice") or "auto",
-        "tools": body.get("tools") or [], "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
+        "tools": body.get("tools") or [],
+        "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
         "temperature": req.params.temperature, "top_p": req.params.top_p,
         "parallel_tool_calls": req.tools.parallel, "user": req.user, "store": bool(store),
     }
@@ -140,6 +147,10 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(item, dict):
             raise bad_request(f"`{where}` must be an object", param=where)
         kind = item.get("type", "message")
+        if reasoning is not None and kind in ("message", "function_call_output") and item.get("role") != "assistant":
+            # reasoning with no answer after it: an assistant turn of its own
+            out.append({"role": "assistant", "content": None, "reasoning": reasoning})
+            reasoning = None
         if kind == "message":
             msg = _message(item, where)
             if msg["role"] == "assistant" and reasoning is not None:

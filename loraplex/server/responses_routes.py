@@ -22,7 +22,8 @@ from loraplex.server.generation import RequestRun
 from loraplex.server.openai_routes import chunks, generate
 from loraplex.server.protocol import GenerationRequest
 from loraplex.server.responses_protocol import parse_responses_request, renamed
-from loraplex.server.responses_shapes import EventStream, new_item_id, output_items, response_object, sse, status_of, usage
+from loraplex.server.responses_shapes import (EventStream, new_item_id, output_items, response_object, sse,
+                                              status_of, usage)
 from loraplex.server.shapes import ResponseShaper
 
 

@@ -238,3 +238,47 @@ def test_sampling_fields_reach_the_engine_and_the_tenant_path(server_factory):
             {"role": "user", "content": "hi"}]})
         assert refused.status_code == chat.status_code == 401 and refused.json() == chat.json()
         assert len(srv.engine.started) == before
+
+
+class _FailingEngine(ScriptedEngine):
+    """Writes its first piece, then fails."""
+
+    async def generate(self, prompt, params, request_id=None, adapter=None, cache_salt=None):
+        async for out in super().generate(prompt, params, request_id, adapter, cache_salt):
+            yield out
+            raise RuntimeError("the engine broke")
+
+
+def test_an_engine_failure_mid_stream_is_response_failed(server_factory):
+    srv = server_factory(_FailingEngine(ANSWER))
+    client = _client(srv, "fail")
+    events = list(client.responses.create(model="fake-model", input="Oslo?", stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    last = events[-1]
+    assert last.type == "response.failed" and last.response.status == "failed"
+    assert last.response.error.code == "server_error" and last.response.error.message
+    assert [(i.type, i.status) for i in last.response.output] == [("message", "incomplete")]
+    assert srv.app.state.ctx.limiter.in_flight() == 0  # the tenant slot given back
+
+
+def test_input_items_as_chat_messages():
+    """Parallel calls sent back are one assistant turn with two tool_calls, each answered by a
+    tool message; a reasoning item with no answer after it is an assistant turn of its own."""
+    from loraplex.server.responses_protocol import parse_responses_request
+
+    call = {"type": "function_call", "name": "get_weather"}
+    items = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "Oslo and Rome?"},
+             {**call, "call_id": "c1", "arguments": '{"city": "Oslo"}'},
+             {**call, "call_id": "c2", "arguments": '{"city": "Rome"}'},
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+             {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "rain"}]},
+             {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+             {"role": "user", "content": "and Paris?"}]
+    req = parse_responses_request({"model": "m", "instructions": "sys", "input": items})
+    assert [(m["role"], m["content"]) for m in req.messages] == [
+        ("system", "sys"), ("system", "be brief"), ("user", "Oslo and Rome?"), ("assistant", ""),
+        ("tool", "sunny"), ("tool", "rain"), ("assistant", ""), ("user", "and Paris?")]
+    assert [(c["id"], c["function"]["arguments"]) for c in req.messages[3]["tool_calls"]] == [
+        ("c1", {"city": "Oslo"}), ("c2", {"city": "Rome"})]
+    assert [m.get("tool_call_id") for m in req.messages[4:6]] == ["c1", "c2"]
+    assert req.messages[6]["reasoning"] == "hm" and "tool_calls" not in req.messages[6]
