@@ -18,6 +18,7 @@ exercised before a GPU ever runs it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import tempfile
 import time
 from pathlib import Path
@@ -181,6 +182,13 @@ def run_e2e(
                 report.line(f"- batch {batch}, {n_adapters} adapters: graph and eager greedy tokens identical "
                             f"for {same} of {len(outs)} sequences")
         report.line()
+        del llm, runner, graphs
+        gc.collect()
+        if on_gpu:
+            torch.cuda.empty_cache()  # the host-miss engines size their own KV caches
+        from host_miss_bench import run_host_miss
+
+        run_host_miss(report, on_gpu, model_dir, adapter_dirs[:8], prompt_len, root, deadline)
     for mode in ("eager", "graphs"):
         if on_gpu and (256, 64, mode) in results and (256, 0, mode) in results:
             overhead = results[(256, 64, mode)] / results[(256, 0, mode)] - 1

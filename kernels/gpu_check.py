@@ -8,7 +8,9 @@
    kernels against the base matmul (bench_kernels.py)
 3. end to end: a random-weight Llama with Llama-3-8B layer shapes and fewer layers, batch 64 and
    256 with 0, 16, 64 and 128 distinct rank-16 adapters, tokens/s and LoRA overhead, each eager
-   and with decode steps replayed from CUDA graphs (e2e_bench.py)
+   and with decode steps replayed from CUDA graphs (e2e_bench.py); then what host misses cost
+   the streams already decoding, adapters read on the engine thread against in the background
+   (host_miss_bench.py)
 
 Prints as it goes and writes ``$OUT/results.md`` when ``OUT`` is set. Exit status 1 when a
 correctness check fails (timings never fail the run; targets are reported MET / MISSED).
