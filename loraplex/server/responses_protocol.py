@@ -30,7 +30,14 @@ from loraplex.server.protocol import GenerationRequest, parse_chat_request
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = {"input_text", "output_text"}  # output_text: an earlier answer's message sent back
-SAMPLING_FIELDS = ("temperature", "top_p", "user", "parallel_tool_calls")
+# OpenAI's, then vLLM's extra fields, which mean on /responses what they mean on chat (and are
+# checked there): passed on as they came, never dropped
+SAMPLING_FIELDS = (
+    "temperature", "top_p", "user", "parallel_tool_calls",
+    "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos", "skip_special_tokens",
+    "include_stop_str_in_output", "allowed_token_ids", "bad_words", "cache_salt", "chat_template_kwargs",
+)
 
 # field -> (accepted(value), why it is refused); each a 400 naming the field, nothing started
 _STATELESS = "this server is stateless (nothing is stored; send the whole conversation as `input`)"

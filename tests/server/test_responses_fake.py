@@ -231,6 +231,18 @@ def test_sampling_fields_reach_the_engine_and_the_tenant_path(server_factory):
         body = r.json()
         assert (body["temperature"], body["top_p"], body["parallel_tool_calls"], body["store"]) == (0.3, 0.5, False,
                                                                                                   False)
+        # vLLM's extra sampling fields mean what they mean on chat (and are checked there)
+        r = c.post("/t/paths/v1/responses", json={"model": "fake-model", "input": "hi", "top_k": 7, "seed": 11,
+                                                   "min_p": 0.1, "stop": ["zz"], "repetition_penalty": 1.2,
+                                                   "cache_salt": "s1"})
+        assert r.status_code == 200, r.text
+        rid = srv.engine.started[-1][0]
+        params = srv.engine.params_seen[rid]
+        assert (params.top_k, params.seed, params.min_p, params.stop, params.repetition_penalty) == (
+            7, 11, 0.1, ["zz"], 1.2)
+        assert srv.engine.salts_seen[rid] == '["tenant", "paths", "s1"]'
+        bad = c.post("/t/paths/v1/responses", json={"model": "fake-model", "input": "hi", "top_k": "many"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k"
         # another tenant's path: refused as chat completions refuse it, before any model work
         before = len(srv.engine.started)
         refused = c.post("/t/other/v1/responses", json={"model": "fake-model", "input": "hi"})
