@@ -1,4 +1,5 @@
-"""Offline batch API: ``LLM(model=..., **engine options).generate(prompts, params)``."""
+"""Offline batch API: ``LLM(model=..., **engine options).generate(prompts, params)``, and
+``chat(conversations, params)`` through the model's chat template (vLLM's ``LLM.chat``)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,33 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         """Drop every unused prefix-cache block, so the next ``generate`` starts cold."""
         self.engine.reset_prefix_cache()
+
+    def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, adapters=None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a
+        list of them, rendered with the chat template (``chat_template`` replaces the tokenizer's)
+        and generated as ``generate`` does; ``adapters`` one entry per conversation. The
+        template writes the special tokens, so none are added on top (as the server's chat)."""
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message needs add_generation_prompt=False",
+                                      param="continue_final_message")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template: pass chat_template, or use generate",
+                                      param="chat_template")
+        kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
+        prompts = []
+        for conversation in conversations:
+            text = tok.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, **kwargs)
+            prompts.append(list(tok(text, add_special_tokens=False)["input_ids"]))
+        return self.generate(prompts, params, adapters)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, adapters=None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order.
