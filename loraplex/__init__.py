@@ -1,8 +1,9 @@
 """loraplex: multi-LoRA serving over one base model."""
 
+from loraplex.lora.spec import LoRARequest
 from loraplex.sampling_params import InvalidRequestError, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "InvalidRequestError", "AsyncLLMEngine"]
+__all__ = ["LLM", "SamplingParams", "InvalidRequestError", "AsyncLLMEngine", "LoRARequest"]
 __version__ = "0.1.0"
 
 

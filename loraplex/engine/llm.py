@@ -40,6 +40,13 @@ def _one_prompt(p) -> tuple[str | list[int], str | None]:
     return list(p), None
 
 
+def _adapters_of(lora_request, count: int) -> list:
+    """vLLM's ``lora_request`` (one for every prompt, or a list with None for the base model) ->
+    ``adapters``."""
+    requests = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * count
+    return [None if r is None else r.adapter for r in requests]
+
+
 class LLM:
     """Generate for a batch of prompts with one engine (vLLM's ``LLM`` interface).
 
@@ -76,7 +83,7 @@ class LLM:
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, adapters=None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, lora_request=None) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a
         list of them, rendered with the chat template (``chat_template`` replaces the tokenizer's)
         and generated as ``generate`` does; ``adapters`` one entry per conversation. The
@@ -98,15 +105,21 @@ class LLM:
                                            add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message, **kwargs)
             prompts.append(list(tok(text, add_special_tokens=False)["input_ids"]))
-        return self.generate(prompts, params, adapters)
+        return self.generate(prompts, params, adapters, lora_request=lora_request)
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, adapters=None) -> list[RequestOutput]:
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, adapters=None,
+                 lora_request=None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order.
 
         ``params``: one ``SamplingParams`` for all, or one per prompt. ``adapters``: None, or one
         entry per prompt (None = base model, a registered name, or a PEFT directory path).
+        ``lora_request``: vLLM's form of the same, one ``LoRARequest`` for all or one per prompt.
         A bad prompt raises before anything runs.
         """
+        if lora_request is not None:
+            if adapters is not None:
+                raise InvalidRequestError("give adapters or lora_request, not both", param="lora_request")
+            adapters = _adapters_of(lora_request, len(_normalize_prompts(prompts)))
         items = _normalize_prompts(prompts)
         if params is None:
             params_list = [SamplingParams()] * len(items)

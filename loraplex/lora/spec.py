@@ -40,3 +40,19 @@ class AdapterRef:
     name: str
     path: str
     content_hash: str | None = None
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's offline ``LoRARequest(lora_name, lora_int_id, lora_path)``, so vLLM scripts run on
+    ``LLM.generate(..., lora_request=...)``. The adapter is ``lora_path`` (a PEFT directory), or
+    ``lora_name`` when that is a name registered with ``LLM.add_adapter``. ``lora_int_id`` is
+    accepted and unused: loraplex tells adapters apart by the content hash of their files."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
+
+    @property
+    def adapter(self) -> str:
+        return self.lora_path or self.lora_name

@@ -48,3 +48,27 @@ def test_template_options_and_errors(tiny_llama_dir, loraplex_home):
     with pytest.raises(InvalidRequestError, match="no chat template"):
         llm.chat(CHAT, PARAMS)
     assert llm.engine.num_unfinished_requests == 0
+
+
+def test_vllm_lora_request_names_the_adapter(tiny_llama_dir, loraplex_home, tmp_path):
+    """``lora_request=LoRARequest(name, id, path)`` runs exactly what ``adapters=[path]`` runs."""
+    from transformers import AutoModelForCausalLM
+
+    from loraplex import LoRARequest
+    from tests.fixtures.peft_adapters import make_peft_adapter
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir))
+    path = str(make_peft_adapter(base, tmp_path / "sql", seed=3, r=4, lora_alpha=8))
+    llm = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=64)
+    prompts = [[5, 6, 7], [8, 9, 10]]
+    expected = llm.generate(prompts, PARAMS, adapters=[path, None])
+    got = llm.generate(prompts, PARAMS, lora_request=[LoRARequest("sql", 1, path), None])
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert expected[0].token_ids != expected[1].token_ids or expected[0].adapter_id != expected[1].adapter_id
+    every = llm.generate(prompts, PARAMS, lora_request=LoRARequest("sql", 1, path))
+    assert [o.adapter_id for o in every] == [expected[0].adapter_id] * 2
+    llm.add_adapter("sql", path)
+    assert llm.chat(CHAT, PARAMS, chat_template=TEMPLATE, lora_request=LoRARequest("sql", 1))[0].adapter_id == \
+        expected[0].adapter_id
+    with pytest.raises(InvalidRequestError, match="not both"):
+        llm.generate(prompts, PARAMS, adapters=[None, None], lora_request=LoRARequest("sql", 1, path))
