@@ -40,6 +40,15 @@ def _one_prompt(p) -> tuple[str | list[int], str | None]:
     return list(p), None
 
 
+def _vllm_params(params, sampling_params):
+    """``params``, or vLLM's keyword for it (``generate(prompts, sampling_params=...)``)."""
+    if sampling_params is None:
+        return params
+    if params is not None:
+        raise InvalidRequestError("give params or sampling_params, not both", param="sampling_params")
+    return sampling_params
+
+
 def _adapters_of(lora_request, count: int) -> list:
     """vLLM's ``lora_request`` (one for every prompt, or a list with None for the base model) ->
     ``adapters``."""
@@ -83,11 +92,14 @@ class LLM:
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, adapters=None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None, lora_request=None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, lora_request=None, sampling_params=None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a
         list of them, rendered with the chat template (``chat_template`` replaces the tokenizer's)
         and generated as ``generate`` does; ``adapters`` one entry per conversation. The
-        template writes the special tokens, so none are added on top (as the server's chat)."""
+        template writes the special tokens, so none are added on top (as the server's chat).
+        ``sampling_params`` and ``use_tqdm`` are vLLM's keywords (see ``generate``)."""
+        params = _vllm_params(params, sampling_params)
         if continue_final_message and add_generation_prompt:
             raise InvalidRequestError("continue_final_message needs add_generation_prompt=False",
                                       param="continue_final_message")
@@ -108,14 +120,16 @@ class LLM:
         return self.generate(prompts, params, adapters, lora_request=lora_request)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, adapters=None,
-                 lora_request=None) -> list[RequestOutput]:
+                 lora_request=None, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order.
 
         ``params``: one ``SamplingParams`` for all, or one per prompt. ``adapters``: None, or one
         entry per prompt (None = base model, a registered name, or a PEFT directory path).
         ``lora_request``: vLLM's form of the same, one ``LoRARequest`` for all or one per prompt.
-        A bad prompt raises before anything runs.
+        ``sampling_params`` is vLLM's name for ``params``; ``use_tqdm`` (vLLM's progress bar) is
+        accepted and shows nothing. A bad prompt raises before anything runs.
         """
+        params = _vllm_params(params, sampling_params)
         if lora_request is not None:
             if adapters is not None:
                 raise InvalidRequestError("give adapters or lora_request, not both", param="lora_request")

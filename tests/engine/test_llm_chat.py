@@ -72,3 +72,13 @@ def test_vllm_lora_request_names_the_adapter(tiny_llama_dir, loraplex_home, tmp_
         expected[0].adapter_id
     with pytest.raises(InvalidRequestError, match="not both"):
         llm.generate(prompts, PARAMS, adapters=[None, None], lora_request=LoRARequest("sql", 1, path))
+
+
+def test_vllm_keywords_sampling_params_and_use_tqdm(tiny_llama_dir, loraplex_home):
+    llm = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=64)
+    expected = llm.generate([[5, 6, 7]], PARAMS)[0].token_ids
+    assert llm.generate([[5, 6, 7]], sampling_params=PARAMS, use_tqdm=False)[0].token_ids == expected
+    assert llm.chat(CHAT, sampling_params=PARAMS, chat_template=TEMPLATE, use_tqdm=True)[0].token_ids == \
+        llm.chat(CHAT, PARAMS, chat_template=TEMPLATE)[0].token_ids
+    with pytest.raises(InvalidRequestError, match="not both"):
+        llm.generate([[5, 6, 7]], PARAMS, sampling_params=PARAMS)
