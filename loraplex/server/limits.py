@@ -5,6 +5,7 @@ per tenant (429 with Retry-After)."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import defaultdict
 
@@ -128,13 +129,24 @@ class BodySizeLimitMiddleware:
         await self.app(scope, counting_receive, send)
 
 
+# a \uD800-\uDFFF escape: JSON lets one stand alone, but no UTF-8 text can hold it
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def parse_json(raw: bytes):
     """A request body's JSON; anything unparseable (nested deeper than the interpreter allows
-    included: RecursionError) is a 400."""
+    included: RecursionError) is a 400, and so is a string holding a lone surrogate escape
+    (``"\\ud800"``): the tokenizer, the registry and the answer's own JSON would each fail on it
+    with a 500."""
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
+        if _SURROGATE_ESCAPE.search(raw):  # escaped pairs (emoji from ensure_ascii clients) are fine
+            json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise bad_request("Request body holds a lone UTF-16 surrogate (\\uD800-\\uDFFF), which is not text.") from None
     except (ValueError, RecursionError):
         raise bad_request("Request body is not valid JSON.") from None
+    return body
 
 
 async def read_json(request: Request, max_bytes: int):
