@@ -31,7 +31,9 @@ from loraplex.engine.sequence import Sequence
 def _root_hash(adapter_id: str | None, cache_salt: str | None) -> bytes:
     digest = hashlib.sha256(b"loraplex-kv|" + (adapter_id or "").encode())
     if cache_salt is not None:
-        digest.update(b"|salt|" + cache_salt.encode())
+        # surrogatepass: any str is a salt (the offline API takes what it is given); one that is not
+        # UTF-8 text would otherwise raise inside the scheduler and stop the engine loop
+        digest.update(b"|salt|" + cache_salt.encode("utf-8", "surrogatepass"))
     return digest.digest()
 
 

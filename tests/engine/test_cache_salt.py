@@ -51,3 +51,13 @@ def test_prompt_dicts_and_bad_salts(tiny_llama_dir, loraplex_home):
         with pytest.raises(InvalidRequestError, match="cache_salt"):
             llm.generate({"prompt_token_ids": [5, 6], "cache_salt": salt}, PARAMS)
     assert llm.engine.num_unfinished_requests == 0
+
+
+def test_a_salt_that_is_not_utf8_text_keeps_the_engine_running(tiny_llama_dir, loraplex_home):
+    """A lone surrogate in a salt (a str the offline API or an AsyncLLMEngine caller passes on)
+    raised UnicodeEncodeError inside the scheduler, which stops the async engine's loop."""
+    llm = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=64, enable_prefix_caching=True)
+    prompt = list(range(5, 45))
+    outs = [llm.generate({"prompt_token_ids": prompt, "cache_salt": salt}, PARAMS)[0].token_ids
+            for salt in ("\ud800", "\ud801", "\ud800")]
+    assert outs[0] == outs[1] == outs[2] and llm.engine.stats()["prefix_cache_hits"] == 32  # only the same salt hit
