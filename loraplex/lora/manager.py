@@ -88,6 +88,10 @@ class LoRAManager:
         if self.loader is not None:
             for adapter_id in self.loader.close():
                 self.host.cancel(adapter_id)
+                # a request that came while the read ran did not queue it again (``_warm``)
+                rec = self._records.get(adapter_id)
+                if rec is not None and rec.outstanding > 0:
+                    self._wanted[adapter_id] = None
             self.loader = None
 
     def collect_reads(self) -> list[AdapterLoadFailedError]:

@@ -121,6 +121,27 @@ def test_read_nobody_waits_for_any_more_is_not_kept(lora_base, make_adapter, mon
     m.stop_background_reads()
 
 
+def test_reads_dropped_by_stop_stay_wanted(lora_base, make_adapter, monkeypatch):
+    """A request that arrives while its adapter is read does not queue the adapter again (the
+    read will bring it). When ``stop_background_reads`` drops that read (the async engine
+    stopped; the engine may be driven offline after), the adapter must be queued for the
+    engine thread's own read, or its request waits for ever."""
+    m = new_manager(lora_base.spec, max_loras=1)
+    a = m.register("a", make_adapter("a", seed=1))
+    m.unload(a)
+    m.start_background_reads(on_done=lambda: None)
+    gate = GatedParse(m, gated={a})
+    monkeypatch.setattr(m.catalog, "parse", gate)
+    m.prefetch(a)
+    assert gate.entered.wait(30)
+    m.on_request_finished(a, 1, 0)  # aborted while read...
+    m.prefetch(a)  # ...and asked for again before the read landed
+    m.stop_background_reads()
+    gate.release.set()
+    m.prepare_step([])  # the next step (no loader now) reads it here
+    assert m.is_ready(a) and m.host.reserved_bytes == 0
+
+
 def test_host_cache_reservation_holds_room_until_its_put(lora_base, make_adapter):
     """Room reserved for a read in flight is taken by nothing else; the read's put lands in it
     without evicting; a cancelled reservation gives the room back."""
