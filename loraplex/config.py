@@ -39,6 +39,20 @@ def check_host_cache_options(max_cpu_loras: int | None, max_cpu_lora_bytes: int 
         raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
 
 
+# options below 1 make no engine: 0 batched tokens or sequences admits nothing, so every request
+# waits for ever; 0 slots or rank serves no adapter; block_size 0 divides by zero
+POSITIVE_OPTIONS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank",
+                    "max_model_len")
+
+
+def check_positive_options(values: dict) -> None:
+    """Refuse (ValueError, naming each) an option of ``POSITIVE_OPTIONS`` set below 1."""
+    bad = [f"{name}={values[name]}" for name in POSITIVE_OPTIONS
+           if isinstance(values.get(name), int) and values[name] < 1]
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: must be at least 1")
+
+
 @dataclass
 class EngineConfig:
     """Engine options. Defaults are what ``LLM(...)`` and ``loraplex serve`` print at start."""
@@ -75,6 +89,7 @@ class EngineConfig:
     home: Path = dataclasses.field(default_factory=lambda: Path("~/.loraplex").expanduser())
 
     def __post_init__(self) -> None:
+        check_positive_options(dataclasses.asdict(self))
         check_host_cache_options(self.max_cpu_loras, self.max_cpu_lora_bytes, self.max_loras)
 
     def replace(self, **changes) -> "EngineConfig":
@@ -153,6 +168,7 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _one_host_cache_size(self) -> "Settings":
         # checked here too, so `loraplex serve` refuses at start rather than when the engine is built
+        check_positive_options({name: getattr(self, name) for name in POSITIVE_OPTIONS})
         check_host_cache_options(self.max_cpu_loras, self.max_cpu_lora_bytes, self.max_loras)
         return self
 

@@ -138,3 +138,13 @@ def test_unknown_flags_are_still_argparse_errors(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "m", "--no-such-flag"])
     assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--max-num-batched-tokens", "--max-num-seqs", "--max-loras", "--max-lora-rank",
+                                  "--block-size", "--max-model-len"])
+def test_a_size_below_one_stops_serve_at_start(capsys, flag):
+    """Taken before: ``--max-num-batched-tokens 0`` served, and every request waited for ever (no
+    step could admit one); ``--block-size 0`` failed in the engine with ZeroDivisionError, and
+    ``--max-num-seqs 0`` as a KV cache "too small"."""
+    assert main(["serve", "m", flag, "0"]) == 2
+    assert f"{flag[2:].replace('-', '_')}=0: must be at least 1" in capsys.readouterr().err
