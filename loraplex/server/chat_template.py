@@ -3,7 +3,6 @@ without one, or one whose template a team replaced), as a file path or the templ
 
 from __future__ import annotations
 
-import codecs
 from pathlib import Path
 
 from jinja2 import TemplateSyntaxError
@@ -21,7 +20,7 @@ def load_chat_template(value: str) -> str:
     if path.is_file():
         text = path.read_text(encoding="utf-8")
     elif any(c in value for c in JINJA_CHARS):
-        text = codecs.decode(value, "unicode_escape") if "\\" in value else value
+        text = _decode_escapes(value) if "\\" in value else value
     else:
         raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template")
     try:
@@ -29,3 +28,13 @@ def load_chat_template(value: str) -> str:
     except TemplateSyntaxError as exc:
         raise ValueError(f"--chat-template: the template does not compile: {exc}") from None
     return text
+
+
+def _decode_escapes(value: str) -> str:
+    """``\\n``, ``\\t``, ``\\u00e9``... decoded, other text kept. vLLM's ``codecs.decode(value,
+    "unicode_escape")`` reads the str's UTF-8 bytes as Latin-1, so "é" came out as "Ã©" once the
+    template held any backslash; characters past Latin-1 are turned into ``\\uXXXX`` escapes first."""
+    try:
+        return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as exc:  # a lone backslash at the end, a short \x or \u escape
+        raise ValueError(f"--chat-template: a backslash escape does not decode: {exc.reason}") from None

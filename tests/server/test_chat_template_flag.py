@@ -35,6 +35,15 @@ def test_load_from_a_file_or_inline(tmp_path):
         load_chat_template("{% for m in messages %}{{ m }}")
 
 
+def test_inline_template_keeps_text_past_ascii():
+    """The single-line form with any escape decoded "é" as "Ã©" and "✓" as three Latin-1
+    characters (vLLM's ``codecs.decode(value, "unicode_escape")`` does the same); a lone
+    backslash at the end was a raw codec error rather than the flag's."""
+    assert load_chat_template('{{ "é ✓ 😀" }}\\n{{ "\\u00e9" }}') == '{{ "é ✓ 😀" }}\n{{ "é" }}'
+    with pytest.raises(ValueError, match="^--chat-template: a backslash escape"):
+        load_chat_template("{{ x }}\\")
+
+
 def test_a_bad_template_stops_the_server_at_start(tmp_path):
     with pytest.raises(ValueError, match="does not compile"):
         create_app(Settings(home=tmp_path, chat_template="{{ messages"))
