@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from loraplex import LLM, SamplingParams
-from loraplex.engine.async_engine import AsyncLLMEngine
+from loraplex.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from loraplex.lora.errors import AdapterLoadFailedError, InvalidAdapterError
 from tests.fixtures.peft_adapters import make_peft_adapter, peft_model_for
 from tests.lora.test_acceptance import reference
@@ -315,3 +315,47 @@ def test_admin_load_of_a_new_version_reads_off_the_engine_thread(world, tiny_lla
     assert manager.tier_of(adapter_id) == "device"
     assert llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
                         adapters=[AdapterRef("slow@2", str(dirs["slow"]), adapter_id)])[0].token_ids == expected["slow"]
+
+
+def test_shutdown_mid_read_then_a_second_async_engine(world, tiny_llama_dir, loraplex_home, monkeypatch):
+    """The async engine stops while a read is held: the waiting request ends with
+    EngineDeadError, the read and its reservation are dropped; a second AsyncLLMEngine on the
+    same engine reads in the background again and serves the adapter's exact output."""
+    dirs, expected, prompt = world
+    llm = _llm(tiny_llama_dir, loraplex_home)
+    engine, manager = llm.engine, llm.engine.lora_manager
+    slow = llm.add_adapter("slow", str(dirs["slow"]))
+    manager.unload(slow)
+    gate = GatedParse(manager, gated={slow})
+    monkeypatch.setattr(manager.catalog, "parse", gate)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = AsyncLLMEngine(llm.config, engine=engine)
+
+    async def run(aengine):
+        tokens = []
+        async for delta in aengine.generate(prompt, greedy, adapter="slow"):
+            tokens += delta.outputs[0].token_ids
+        return tokens
+
+    async def main1():
+        task = asyncio.create_task(run(first))
+        assert await asyncio.to_thread(gate.entered.wait, 30)
+        await asyncio.to_thread(first.shutdown)
+        try:
+            await task
+        except EngineDeadError:
+            return "dead"
+
+    assert asyncio.run(main1()) == "dead"
+    assert manager.loader is None and manager.host.reserved_bytes == 0
+    assert engine.stats()["lora"]["adapters"][slow]["outstanding_requests"] == 0
+    gate.release.set()
+    gate.gated.clear()
+    gate.threads.clear()
+    second = AsyncLLMEngine(llm.config, engine=engine)
+    try:
+        assert asyncio.run(asyncio.wait_for(run(second), 30)) == expected["slow"]
+    finally:
+        second.shutdown()
+    assert gate.threads and all(t.startswith(WORKER) for t in gate.threads)
+    assert engine.stats()["num_unfinished_requests"] == 0 and manager.host.reserved_bytes == 0
