@@ -171,8 +171,10 @@ class LoRAManager:
         rec = self._records[adapter_id]
         nbytes = host_nbytes(rec.info, self.spec, self.dtype)
         if self.loader is not None:  # lands in ``collect_reads``, into room held for it meanwhile
-            reserved, evicted = self.host.reserve(adapter_id, nbytes, self._host_protected)
-            self._count_evictions(evicted)
+            reserved = False
+            if not self._waits_behind(adapter_id):
+                reserved, evicted = self.host.reserve(adapter_id, nbytes, self._host_protected)
+                self._count_evictions(evicted)
             if reserved:
                 self.loader.submit(adapter_id, rec.path)
             if rec.outstanding > 0:
@@ -183,6 +185,19 @@ class LoRAManager:
                 self._wanted[adapter_id] = None
             return False
         return self._host_put(self.catalog.read(rec.path, expected_id=adapter_id))
+
+    def _waits_behind(self, adapter_id: str) -> bool:
+        """Whether an adapter queued before ``adapter_id`` (or any, if it is not queued) still
+        waits for host room: room that frees up is then that one's. Taking it first would let
+        steady traffic to small adapters keep a large one out for ever."""
+        for other in self._wanted:
+            if other == adapter_id:
+                return False
+            if not self.loader.is_reading(other) and not self.is_ready(other):
+                rec = self._records.get(other)
+                if rec is not None and rec.outstanding > 0:
+                    return True
+        return False
 
     def _weights_for(self, adapter_id: str) -> AdapterWeights:
         w = self.host.get(adapter_id)

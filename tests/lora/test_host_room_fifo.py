@@ -1,0 +1,48 @@
+"""Adapters waiting for host room are served in arrival order. A large adapter that found the
+host cache full of adapters in use waited in ``_wanted``, but every new request for a small
+adapter reserved whatever room freed up first (``_warm`` -> ``_host_load``), so under steady
+traffic to small adapters the large one never got in: its requests waited for ever."""
+
+from __future__ import annotations
+
+import threading
+
+from tests.lora.test_manager import new_manager
+
+
+def test_a_large_adapter_waiting_for_host_room_is_not_overtaken(lora_base, make_adapter):
+    probe = new_manager(lora_base.spec)
+    unit = probe.host.get(probe.register("p", make_adapter("p", seed=9, r=2))).nbytes
+    m = new_manager(lora_base.spec, max_loras=1, max_cpu_lora_bytes=5 * unit)
+    small = [m.register(f"s{i}", make_adapter(f"s{i}", seed=i, r=2)) for i in range(8)]
+    big = m.register("big", make_adapter("big", seed=20, r=8))
+    for a in [*small, big]:
+        m.unload(a)
+    woke = threading.Event()
+    m.start_background_reads(on_done=woke.set)
+
+    def settle():
+        assert m.loader.wait(30)
+        m.collect_reads()
+
+    m.prefetch(small[0])  # read, then into the free slot: running
+    settle()
+    for a in small[1:3]:  # queued behind it, in host memory (protected: requests, no slot)
+        m.prefetch(a)
+    settle()
+    m.prefetch(big)  # 4 units: no room now
+    settle()
+    assert not m.is_ready(big)
+    for nxt in range(3, 8):  # steady traffic: the slot's adapter finishes, another small one arrives
+        running = m.pool.adapter_in[0]
+        m.on_request_finished(running, 1, 1)
+        m.prefetch(small[nxt])
+        settle()
+        m.prepare_step([m.pool.adapter_in[0]])
+        settle()
+        if m.is_ready(big):
+            break
+        budget = m.host.used_bytes + m.host.reserved_bytes
+        assert budget <= m.host.budget_bytes
+    assert m.is_ready(big), "the large adapter was overtaken by every small one"
+    m.stop_background_reads()
