@@ -17,9 +17,11 @@ _WS = " \t\n\r"  # JSON's whitespace
 
 
 def _loads(text: str):
+    """The JSON value of ``text``, None when it is none; a model's output nested deeper than
+    the interpreter's recursion limit (RecursionError) is none either, not a server error."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
@@ -69,7 +71,7 @@ class CallObjectReader:
             return False
         try:
             return json.loads(self.arguments) == obj[keys[0]]
-        except ValueError:
+        except (ValueError, RecursionError):
             return False
 
     # --- one character ------------------------------------------------------------------------

@@ -200,7 +200,7 @@ def template_tool_calls(raw, where: str) -> list[dict]:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
-            except ValueError:
+            except (ValueError, RecursionError):  # nested deeper than json can read: not JSON here
                 arguments = {}
         elif arguments is not None and not isinstance(arguments, dict):
             raise bad_request(f"`{at}.function.arguments` must be a string of JSON", param=where)

@@ -1,0 +1,66 @@
+"""Adversarial text where the server reads JSON it did not write: a model's tool-call output and
+the tool calls a client sends back. JSON nested deeper than the interpreter's recursion limit
+makes ``json.loads`` raise RecursionError, not ValueError; such text is text that is not a
+call (output) or arguments that are no JSON object (input, read as ``{}`` as vLLM does), never
+a 500 or a stream cut short."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.server.call_reader import CallObjectReader
+from loraplex.server.tool_calls import template_tool_calls
+from tests.server.scripted_engine import ScriptedEngine
+from tests.server.test_auto_tools_fake import CHAT, PATH, _join, _sse, _whole
+
+DEEP = "[" * 50_000 + "]" * 50_000  # far past sys.getrecursionlimit()
+
+
+def test_deep_arguments_read_as_no_call_and_no_object():
+    reader = CallObjectReader(("arguments",))
+    reader.feed('{"name": "f", "arguments": ' + DEEP + "}")
+    assert reader.done and not reader.check()
+    (call,) = template_tool_calls([{"id": "c", "type": "function", "function": {"name": "f", "arguments": DEEP}}],
+                                  "messages[1].tool_calls")
+    assert call["function"]["arguments"] == {}
+
+
+@pytest.fixture
+def serve(server_factory):
+    def make(**settings):
+        srv = server_factory(ScriptedEngine(max_model_len=10**6), **settings)
+        return srv, srv.tenant_client(srv.make_tenant("deep"))
+    return make
+
+
+def test_deep_tool_call_arguments_sent_back_are_served(serve):
+    srv, c = serve()
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP}}
+    srv.engine.push("ok")
+    r = c.post(PATH, json={"model": "fake-model", "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"}]})
+    assert r.status_code == 200, r.text
+    srv.engine.push("ok")
+    r = c.post("/v1/responses", json={"model": "fake-model", "input": [
+        {"role": "user", "content": "x"}, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": DEEP},
+        {"type": "function_call_output", "call_id": "c1", "output": "done"}]})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": ' + DEEP + "}</tool_call>"),
+    ("llama3_json", '{"name": "f", "parameters": ' + DEEP + "}"),
+])
+def test_deep_call_output_is_content_whole_and_a_finished_stream(serve, parser, text):
+    """The whole answer: not a call, so the text is the content. The stream announced the call
+    before its arguments could be read (documented: it cannot be taken back), and must still
+    finish."""
+    srv, c = serve(tool_call_parser=parser)
+    srv.engine.push(text[:40], text[40:])
+    r = c.post(PATH, json=CHAT)
+    assert r.status_code == 200, r.text
+    assert _whole(r.json()["choices"][0]) == (text, None, [], ["stop"])
+    srv.engine.push(text[:40], text[40:])
+    content, _, calls, reasons = _join(_sse(c.post(PATH, json={**CHAT, "stream": True})))
+    assert reasons == ["tool_calls"] and [name for name, _ in calls] == ["f"]
