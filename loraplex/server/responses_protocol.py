@@ -15,7 +15,9 @@ images, files ...) is a 400 naming the field. The mapping:
 - ``max_output_tokens`` -> ``max_completion_tokens``; ``temperature``, ``top_p``, ``user``,
   ``parallel_tool_calls`` as they are; ``tools`` (flat ``{"type": "function", "name", ...}``)
   -> chat's nested shape; ``tool_choice`` ``{"type": "function", "name"}`` -> chat's named
-  choice; ``text.format`` -> ``response_format``.
+  choice; ``text.format`` -> ``response_format``; vLLM's sampling and prompt-side fields as
+  they came. Chat's own spellings (``messages``, ``max_tokens``, ``response_format`` ...) and
+  what one response cannot hold (``n``, ``logprobs``) are 400s, not dropped.
 
 An error the chat path raises names chat's field; ``responses_param`` turns it into the
 Responses field the client sent (``messages[...]`` -> ``input``, ...).
@@ -36,7 +38,10 @@ SAMPLING_FIELDS = (
     "temperature", "top_p", "user", "parallel_tool_calls",
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos", "skip_special_tokens",
-    "include_stop_str_in_output", "allowed_token_ids", "bad_words", "cache_salt", "chat_template_kwargs",
+    "include_stop_str_in_output", "allowed_token_ids", "bad_words", "cache_salt",
+    # vLLM's prompt-side fields (prompt_fields.py): they change the prompt the same way here
+    "chat_template_kwargs", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "truncate_prompt_tokens", "add_special_tokens",
 )
 
 # field -> (accepted(value), why it is refused); each a 400 naming the field, nothing started
@@ -54,12 +59,26 @@ REFUSED_FIELDS = {
                   "reasoning options (`effort`, `summary`) are not supported; the server's --reasoning-parser "
                   "decides what is reasoning"),
 }
+# chat completions' fields that /responses spells otherwise or does not serve: each changes the
+# output, so a chat body sent here (or a client mixing the two APIs) is told, not answered as if
+# the field had not been sent
+_ONE_CONSTRAINT = "not read on /responses: send `text.format` (a JSON schema or a JSON object)"
+REFUSED_FIELDS.update({
+    "messages": (lambda v: v is None, "not read on /responses: send the conversation as `input`"),
+    "max_tokens": (lambda v: v is None, "not read on /responses: send `max_output_tokens`"),
+    "max_completion_tokens": (lambda v: v is None, "not read on /responses: send `max_output_tokens`"),
+    "response_format": (lambda v: v is None, _ONE_CONSTRAINT),
+    "structured_outputs": (lambda v: v is None, _ONE_CONSTRAINT),
+    **{f"guided_{kind}": (lambda v: v is None, _ONE_CONSTRAINT) for kind in ("json", "regex", "choice", "grammar")},
+    "n": (lambda v: v in (None, 1), "one output per response (`n` other than 1 is not served on /responses)"),
+    "logprobs": (lambda v: v in (None, False), "logprobs are not supported on /responses"),
+    "prompt_logprobs": (lambda v: v is None, "logprobs are not supported on /responses"),
+})
 
 # chat's field names in errors -> the Responses field that sent them
 _PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
            "response_format": "text.format", "response_format.json_schema": "text.format",
-           "response_format.json_schema.schema": "text.format.schema", "chat_template": "input",
-           "prompt": "input"}
+           "response_format.json_schema.schema": "text.format.schema", "prompt": "input"}
 
 
 @dataclass
