@@ -192,6 +192,7 @@ class RequestRun:
         self.completion_tokens = 0
         self.first_token_at: float | None = None
         self.finish_reasons: list[str] = []
+        self.output_texts: list[str] = []  # each choice's whole text, once a whole answer is collected
         # prompt index -> the engine's prompt logprobs ([None, {...}, ...]), once computed
         self.prompt_logprobs: dict[int, list] = {}
         self._closed = False

@@ -86,6 +86,7 @@ async def collect(run: RequestRun, shaper: ResponseShaper) -> dict:
             entries[choice].extend(comp.logprobs)
         if comp.finish_reason is not None:
             finish[choice] = comp.finish_reason
+    run.output_texts = texts
     choices = []
     for i in range(n_choices):
         p_idx = i // req.params.n

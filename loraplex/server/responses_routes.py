@@ -22,8 +22,8 @@ from loraplex.server.generation import RequestRun
 from loraplex.server.openai_routes import chunks, generate
 from loraplex.server.protocol import GenerationRequest
 from loraplex.server.responses_protocol import parse_responses_request, renamed
-from loraplex.server.responses_shapes import (EventStream, new_item_id, output_items, response_object, sse,
-                                              status_of, usage)
+from loraplex.server.responses_shapes import (EventStream, new_item_id, output_items, replay_items,
+                                              response_object, sse, status_of, usage)
 from loraplex.server.shapes import ResponseShaper
 
 
@@ -52,7 +52,14 @@ class _ResponsesAdmission(Admission):
 
 def _answer(run: RequestRun, shaper: ResponseShaper, chat: dict) -> dict:
     (choice,) = chat["choices"]
-    items = output_items(choice["message"], choice["finish_reason"])
+    maker = chat_output.outputs_for(run)
+    if choice["message"].get("tool_calls") and maker is not None:
+        # "auto" calls with text around them: chat joins all the text into one content, which
+        # would put text written after a call before it; the items follow the output instead,
+        # read as its stream is (the same deltas), so both answers hold the same items
+        items = replay_items(maker(), run.output_texts[0], choice["finish_reason"])
+    else:
+        items = output_items(choice["message"], choice["finish_reason"])
     return response_object(run.request_id, shaper.created, run.req.model, run.req.echo_fields,
                            status_of(choice["finish_reason"]), items, usage(run.prompt_tokens, run.completion_tokens))
 

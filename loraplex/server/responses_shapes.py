@@ -7,7 +7,8 @@ Output items, in order: a ``reasoning`` item (``content: [{"type": "reasoning_te
 with one ``output_text`` part; one ``function_call`` item per tool call (``call_id`` is the chat
 tool call's id, ``id`` an ``fc_`` id of its own). A message item is left out when the answer is
 only tool calls (with nothing but whitespace around them) or only reasoning, as chat's
-``content`` is then null. Finishing on ``max_output_tokens`` makes the response ``incomplete``
+``content`` is then null. Text a model writes after or between its ``"auto"`` calls is a
+message item of its own where it came (``replay_items``), as the stream gives it. Finishing on ``max_output_tokens`` makes the response ``incomplete``
 (``incomplete_details.reason: "max_output_tokens"``) and its last item ``incomplete``.
 
 A stream (``EventStream``) opens an item when its first text comes and closes it when another
@@ -80,6 +81,18 @@ def output_items(message: dict, finish_reason: str | None) -> list[dict]:
     if finish_reason == "length":
         items[-1]["status"] = "incomplete"
     return items
+
+
+def replay_items(reader, text: str, finish_reason: str | None) -> list[dict]:
+    """The output items of a whole text read by ``reader`` (a chat_output.ChoiceOutput): its
+    deltas fed to an ``EventStream`` as a stream's chunks would be, so the items are the ones a
+    stream of the same output makes."""
+    stream = EventStream("", 0, "", {})
+    for delta in reader.feed(text) + reader.finish():
+        stream.feed({"choices": [{"delta": delta, "finish_reason": None}]})
+    stream.finish_reason = finish_reason
+    stream.finish(0, 0)
+    return stream.items
 
 
 def status_of(finish_reason: str | None) -> str:
