@@ -24,6 +24,7 @@ from loraplex.server.errors import APIError, bad_request, model_not_found
 from loraplex.server.limits import check_generation_limits
 from loraplex.server.prompt_fields import PromptOptions
 from loraplex.server.protocol import GenerationRequest
+from loraplex.server.template_guard import render_limited
 
 access_log = logging.getLogger("loraplex.access")
 
@@ -79,7 +80,7 @@ def tokenize_prompts(ctx: AppContext, req: GenerationRequest) -> list[list[int]]
             )
         if opts.chat_template is None and not getattr(tok, "chat_template", None):
             raise bad_request("This model has no chat template; use /completions.", param="messages")
-        text = render_chat(tok, req.messages, req.tools.tools, opts)
+        text = render_chat(tok, req.messages, req.tools.tools, opts, max_model_len=ctx.max_model_len)
         # the template holds its own special tokens (BOS ...); add_special_tokens adds the
         # tokenizer's on top, as vLLM does
         out = [list(tok(text, add_special_tokens=add_special)["input_ids"])]
@@ -119,13 +120,15 @@ def truncate_prompts(prompts: list[list[int]], keep: int | None, max_model_len: 
 _TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
 
 
-def render_chat(tok, messages: list[dict], tools: list[dict] | None, opts: PromptOptions | None = None) -> str:
+def render_chat(tok, messages: list[dict], tools: list[dict] | None, opts: PromptOptions | None = None,
+                max_model_len: int | None = None) -> str:
     """The chat template over the messages, with the request's tools passed as ``tools`` and its
     ``documents`` as ``documents`` (as vLLM does; templates that know them show them to the
     model), and the request's template options (``opts``). A template that cannot render the
     conversation (say, one that refuses the role "tool") is a 400, naming ``chat_template`` for
     the request's own template, ``continue_final_message`` when that is what failed, and
-    ``tools`` or ``documents`` when the same messages render without it."""
+    ``tools`` or ``documents`` when the same messages render without it. The request's own
+    template renders within template_guard.py's limits (``max_model_len`` sizes its text)."""
     opts = opts or PromptOptions()
     kwargs = dict(opts.chat_template_kwargs)
     if opts.chat_template is not None:
@@ -139,8 +142,12 @@ def render_chat(tok, messages: list[dict], tools: list[dict] | None, opts: Promp
         kwargs["documents"] = opts.documents
 
     def render(**kw) -> str:
-        return tok.apply_chat_template(messages, add_generation_prompt=opts.add_generation_prompt, tokenize=False,
-                                       **kw)
+        def run() -> str:
+            return tok.apply_chat_template(messages, add_generation_prompt=opts.add_generation_prompt,
+                                           tokenize=False, **kw)
+        if "chat_template" in kw:
+            return render_limited(run, max_model_len or 1 << 20)
+        return run()
 
     try:
         return render(**kwargs)
