@@ -34,7 +34,9 @@ class CallObjectReader:
     def __init__(self, args_keys: tuple[str, ...]):
         self.args_keys = args_keys
         self.name: str | None = None
-        self.arguments = ""  # the text of the arguments value(s) read so far
+        # the text of the arguments value(s) read so far, as pieces: ``+=`` on a str attribute
+        # copies it whole each time, quadratic in a model's (possibly enormous) arguments
+        self._arguments: list[str] = []
         self.done = False
         self.value = None  # the complete object parsed (None until then, or when it is not JSON)
         self.consumed = 0
@@ -47,8 +49,13 @@ class CallObjectReader:
         self._cap_is_key = False
         self._args: str | None = None  # None | "nested" | "string" | "scalar": reading arguments
         self._args_depth = 0
-        self._held = ""
+        self._held: list[str] = []  # arguments read before the name
         self._out: list[tuple] = []
+        self._piece: list[str] = []  # arguments of this feed not yet in ``_out``
+
+    @property
+    def arguments(self) -> str:
+        return "".join(self._arguments)
 
     def feed(self, text: str) -> list[tuple]:
         self._out, self.consumed = [], 0
@@ -58,7 +65,13 @@ class CallObjectReader:
             self.consumed += 1
             self._raw.append(ch)
             self._char(ch)
+        self._flush()
         return self._out
+
+    def _flush(self) -> None:
+        if self._piece:
+            self._out.append(("args", "".join(self._piece)))
+            self._piece = []
 
     def check(self) -> bool:
         """Whether the complete object is a call: JSON, a string ``name``, exactly one of the
@@ -77,13 +90,8 @@ class CallObjectReader:
     # --- one character ------------------------------------------------------------------------
 
     def _arg(self, ch: str) -> None:
-        self.arguments += ch
-        if self.name is None:
-            self._held += ch
-        elif self._out and self._out[-1][0] == "args":
-            self._out[-1] = ("args", self._out[-1][1] + ch)
-        else:
-            self._out.append(("args", ch))
+        self._arguments.append(ch)
+        (self._held if self.name is None else self._piece).append(ch)
 
     def _end_args(self) -> None:
         self._args, self._slot = None, "after"
@@ -97,10 +105,11 @@ class CallObjectReader:
         self._slot = "after"
         if isinstance(value, str) and self.name is None:
             self.name = value
+            self._flush()
             self._out.append(("call", value))
             if self._held:
-                self._out.append(("args", self._held))
-                self._held = ""
+                self._out.append(("args", "".join(self._held)))
+                self._held = []
 
     def _char(self, ch: str) -> None:
         if self._in_str:

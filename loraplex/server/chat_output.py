@@ -50,11 +50,15 @@ class ChoiceOutput:
         self._max_calls = max_calls  # parallel_tool_calls false: 1 (vLLM drops the later calls, #26233)
         self._split = reasoning.splitter(prompt_tail) if reasoning is not None else None
         self._tools = ToolCallStreamer(tools) if tools is not None else None
-        self.content_text = ""  # the content part, before tool calls are read out of it
+        self._content: list[str] = []  # the content part, before tool calls are read out of it
+
+    @property
+    def content_text(self) -> str:
+        return "".join(self._content)
 
     @property
     def called(self) -> bool:
-        return bool(self._tools and self._tools.calls)
+        return bool(self._tools and self._tools.has_calls)
 
     def feed(self, text: str) -> list[dict]:
         parts = self._split.feed(text) if self._split else [("content", text)]
@@ -73,7 +77,7 @@ class ChoiceOutput:
             if kind == "reasoning":
                 _add(out, "reasoning", text)
                 continue
-            self.content_text += text
+            self._content.append(text)
             if self._tools is None:
                 _add(out, "content", text)
             else:

@@ -76,17 +76,17 @@ def _echo_text(run: RequestRun, p_idx: int) -> str:
 async def collect(run: RequestRun, shaper: ResponseShaper) -> dict:
     req = run.req
     n_choices = len(run.prompt_ids) * req.params.n
-    texts = [""] * n_choices
+    pieces: list[list[str]] = [[] for _ in range(n_choices)]  # joined once: += would copy each time
     entries: list[list[dict]] = [[] for _ in range(n_choices)]
     finish: list[str | None] = [None] * n_choices
     parsed = chat_output.outputs_for(run)  # reasoning / "auto" tool calls read out of the text
     async for p_idx, choice, comp in run.deltas():
-        texts[choice] += comp.text
+        pieces[choice].append(comp.text)
         if comp.logprobs:
             entries[choice].extend(comp.logprobs)
         if comp.finish_reason is not None:
             finish[choice] = comp.finish_reason
-    run.output_texts = texts
+    run.output_texts = texts = ["".join(p) for p in pieces]
     choices = []
     for i in range(n_choices):
         p_idx = i // req.params.n

@@ -110,7 +110,7 @@ class EventStream:
         self.created = created
         self.items: list[dict] = []  # closed items, in output order
         self._open: dict | None = None  # the item being streamed
-        self._text = ""  # the open item's text (message, reasoning) or arguments (call)
+        self._text: list[str] = []  # the open item's text (message, reasoning) or arguments (call), in pieces
         self._held = ""  # message text that is so far only whitespace
         self._seq = 0
         self.finish_reason: str | None = None
@@ -158,7 +158,7 @@ class EventStream:
 
     def _open_item(self, item: dict) -> list[dict]:
         out = self._close("completed")
-        self._open, self._text = item, ""
+        self._open, self._text = item, []
         index = len(self.items)
         out.append(self._event("response.output_item.added", output_index=index, item=json.loads(json.dumps(item))))
         if item["type"] == "message":
@@ -173,7 +173,7 @@ class EventStream:
         out = []
         if kind == "reasoning" and (self._open is None or self._open["type"] != "reasoning"):
             out += self._open_item(reasoning_item("", "in_progress"))  # messages and calls open elsewhere
-        self._text += text
+        self._text.append(text)
         where = {"item_id": self._open["id"], "output_index": len(self.items)}
         if kind == "message":
             out.append(self._event("response.output_text.delta", **where, content_index=0, delta=text, logprobs=[]))
@@ -188,21 +188,22 @@ class EventStream:
         if item is None:
             return []
         self._open = None
+        text = "".join(self._text)
         where = {"item_id": item["id"], "output_index": len(self.items)}
         out = []
         if item["type"] == "message":
-            out.append(self._event("response.output_text.done", **where, content_index=0, text=self._text,
+            out.append(self._event("response.output_text.done", **where, content_index=0, text=text,
                                    logprobs=[]))
-            item["content"] = [text_part(self._text)]
-            out.append(self._event("response.content_part.done", **where, content_index=0, part=text_part(self._text)))
+            item["content"] = [text_part(text)]
+            out.append(self._event("response.content_part.done", **where, content_index=0, part=text_part(text)))
         elif item["type"] == "reasoning":
-            out.append(self._event("response.reasoning_text.done", **where, content_index=0, text=self._text))
-            item["content"] = [{"type": "reasoning_text", "text": self._text}]
+            out.append(self._event("response.reasoning_text.done", **where, content_index=0, text=text))
+            item["content"] = [{"type": "reasoning_text", "text": text}]
             out.append(self._event("response.content_part.done", **where, content_index=0, part=item["content"][0]))
         else:
-            item["arguments"] = self._text
+            item["arguments"] = text
             out.append(self._event("response.function_call_arguments.done", **where, name=item["name"],
-                                   arguments=self._text))
+                                   arguments=text))
         item["status"] = status
         out.append(self._event("response.output_item.done", output_index=where["output_index"], item=item))
         self.items.append(item)

@@ -229,9 +229,13 @@ class ToolCallStreamer:
 
     def __init__(self, parser: ToolCallParser):
         self._scan = parser.scanner()
-        self.text = ""
-        self.calls: list[list[str]] = []
-        self._pending = ""  # text outside calls not sent yet
+        # the output and each call's arguments as pieces (a str grown by ``+=`` is copied whole
+        # each time: quadratic in a long output)
+        self._text: list[str] = []
+        self._length = 0
+        self._calls: list[tuple[str, list[str]]] = []
+        self._pending: list[str] = []  # text outside calls not sent yet
+        self._pending_text = False  # whether it holds more than whitespace
         self._released = False
         self._sent = 0  # characters of ``text`` sent as content before any call region
         self._started = False
@@ -240,34 +244,45 @@ class ToolCallStreamer:
     def valid(self) -> bool:
         return self._scan.valid
 
+    @property
+    def calls(self) -> list[list[str]]:
+        return [[name, "".join(args)] for name, args in self._calls]
+
+    @property
+    def has_calls(self) -> bool:
+        return bool(self._calls)
+
     def feed(self, text: str) -> list[tuple]:
-        self.text += text
+        self._text.append(text)
+        self._length += len(text)
         return self._handle(self._scan.feed(text))
 
     def finish(self) -> list[tuple]:
         out = self._handle(self._scan.finish())
-        if not self.calls and len(self.text) > self._sent:  # no call: the output is content
-            out.append(("content", self.text[self._sent:]))
-            self._sent, self._pending = len(self.text), ""
+        if not self._calls and self._length > self._sent:  # no call: the output is content
+            out.append(("content", "".join(self._text)[self._sent:]))
+            self._sent, self._pending, self._pending_text = self._length, [], False
         return out
 
     def _handle(self, events: list[tuple]) -> list[tuple]:
         out = []
         for ev in events:
             if ev[0] == "text":
-                self._pending += ev[1]
-                holding = self._started and not self.calls
-                if not holding and (self._released or self._pending.strip(_WS)):
-                    out.append(("content", self._pending))
+                self._pending.append(ev[1])
+                self._pending_text = self._pending_text or bool(ev[1].strip(_WS))
+                holding = self._started and not self._calls
+                if not holding and (self._released or self._pending_text):
+                    text = "".join(self._pending)
+                    out.append(("content", text))
                     if not self._started:
-                        self._sent += len(self._pending)
-                    self._pending, self._released = "", True
+                        self._sent += len(text)
+                    self._pending, self._pending_text, self._released = [], False, True
             elif ev[0] == "start":
                 self._started = True
             elif ev[0] == "call":
-                self.calls.append([ev[1], ""])
-                out.append(("call", len(self.calls) - 1, ev[1]))
-            elif self.calls:  # "args" (none come before a name)
-                self.calls[-1][1] += ev[1]
-                out.append(("args", len(self.calls) - 1, ev[1]))
+                self._calls.append((ev[1], []))
+                out.append(("call", len(self._calls) - 1, ev[1]))
+            elif self._calls:  # "args" (none come before a name)
+                self._calls[-1][1].append(ev[1])
+                out.append(("args", len(self._calls) - 1, ev[1]))
         return out
