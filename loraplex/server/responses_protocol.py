@@ -194,7 +194,9 @@ def _messages(body: dict) -> list[dict]:
         elif kind == "function_call_output":
             out.append(_function_output(item, where))
         elif kind == "reasoning":
-            reasoning = (reasoning or "") + _reasoning_text(item, where)
+            text = _reasoning_text(item, where)
+            if text:  # one with no text (OpenAI's encrypted or summary-only items) carries nothing to render
+                reasoning = (reasoning or "") + text
         else:
             raise bad_request(f"`{where}.type` {kind!r} is not supported (served: message, function_call, "
                               "function_call_output, reasoning)", param=f"{where}.type", code="unsupported_parameter")

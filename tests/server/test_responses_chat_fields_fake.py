@@ -74,3 +74,18 @@ def test_prompt_fields_reach_the_prompt_as_on_chat(tenant):
 ])
 def test_bad_prompt_fields_name_themselves(tenant, patch, param):
     tenant.refused(PATH, {"input": "hi", "max_output_tokens": 2, **patch}, param)
+
+
+def test_a_reasoning_item_without_text_adds_no_turn():
+    """OpenAI's reasoning items sent back carry only a summary or encrypted content: nothing to
+    render, so no empty assistant turn appears between the user's (it did, changing the prompt)."""
+    from loraplex.server.responses_protocol import parse_responses_request
+
+    empty = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "thought"}],
+             "encrypted_content": "gAAA"}
+    items = [{"role": "user", "content": "a"}, empty, {"role": "user", "content": "b"}]
+    req = parse_responses_request({"model": "m", "input": items})
+    assert [(m["role"], m["content"]) for m in req.messages] == [("user", "a"), ("user", "b")]
+    items = [{"role": "user", "content": "a"}, empty,
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]
+    assert "reasoning" not in parse_responses_request({"model": "m", "input": items}).messages[1]
