@@ -34,6 +34,10 @@ class ReasoningSplitter:
     def __init__(self, state: str):
         self.state = state  # "detect" | "lead" | "reasoning" | "content"
         self.buf = ""
+        # the output's leading whitespace, set aside while a <think> may still come: kept in
+        # buf, every piece would scan all of it again (a model writing newlines for thousands
+        # of tokens took minutes)
+        self._lead: list[str] = []
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         self.buf += text
@@ -48,10 +52,15 @@ class ReasoningSplitter:
             if self.state in ("detect", "lead"):  # a <think> at the start?
                 rest = self.buf.lstrip(_WS)
                 if rest.startswith(THINK):
-                    self.buf, self.state = rest[len(THINK):], "reasoning"
+                    self.buf, self.state, self._lead = rest[len(THINK):], "reasoning", []
                     continue
                 if not final and THINK.startswith(rest):  # nothing yet, or a part of the tag
+                    if not rest:
+                        self._lead.append(self.buf)
+                        self.buf = ""
                     return out
+                self.buf = "".join(self._lead) + self.buf
+                self._lead = []
                 self.state = "content" if self.state == "detect" else "reasoning"
                 continue
             if self.state == "reasoning":

@@ -111,7 +111,7 @@ class EventStream:
         self.items: list[dict] = []  # closed items, in output order
         self._open: dict | None = None  # the item being streamed
         self._text: list[str] = []  # the open item's text (message, reasoning) or arguments (call), in pieces
-        self._held = ""  # message text that is so far only whitespace
+        self._held: list[str] = []  # message text that is so far only whitespace, in pieces
         self._seq = 0
         self.finish_reason: str | None = None
 
@@ -150,10 +150,10 @@ class EventStream:
     def _content(self, text: str) -> list[dict]:
         if self._open is not None and self._open["type"] == "message":
             return self._append("message", text)
-        self._held += text
-        if not self._held.strip():
+        self._held.append(text)
+        if not text.strip():
             return []
-        held, self._held = self._held, ""
+        held, self._held = "".join(self._held), []
         return self._open_item(message_item("", "in_progress")) + self._append("message", held)
 
     def _open_item(self, item: dict) -> list[dict]:
@@ -223,8 +223,8 @@ class EventStream:
         if not has_message and not has_call and (self._held or not has_reasoning):
             out += self._open_item(message_item("", "in_progress"))  # whitespace, or an empty answer
             if self._held:
-                out += self._append("message", self._held)
-        self._held = ""
+                out += self._append("message", "".join(self._held))
+        self._held = []
         status = status_of(self.finish_reason)
         out += self._close(status)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"

@@ -149,22 +149,28 @@ class _Llama3JsonScanner(_Scanner):
     def __init__(self) -> None:
         super().__init__()
         self.state = "lead"
+        self._lead: list[str] = []  # leading whitespace set aside (kept in buf, each piece rescans it)
 
     def _run(self, final: bool) -> list[tuple]:
         out: list[tuple] = []
         while True:
             if self.state == "lead":  # calls only when the output starts with one
                 rest = self.buf.lstrip(_WS)
-                lead = self.buf[:len(self.buf) - len(rest)]
+                if not rest and not final:
+                    self._lead.append(self.buf)
+                    self.buf = ""
+                    return out
+                lead = "".join(self._lead) + self.buf[:len(self.buf) - len(rest)]
                 if rest.startswith(self.TAG) or rest.startswith("{"):
                     if lead:
                         out.append(("text", lead))
                     out.append(("start",))
                     self.buf = rest[len(self.TAG):] if rest.startswith(self.TAG) else rest
-                    self.state = "between"
+                    self.state, self._lead = "between", []
                     continue
-                if not final and (not rest or self.TAG.startswith(rest)):
+                if not final and self.TAG.startswith(rest):
                     return out
+                self.buf, self._lead = lead + rest, []
                 self.state = "text"
                 continue
             if self.state == "text":

@@ -92,3 +92,33 @@ def test_enormous_outputs_are_read_in_linear_time():
         events.feed({"choices": [{"delta": {"content": "abcd"}, "finish_reason": None}]})
     assert events.finish(1, n // 4)[-1]["response"]["output"][0]["content"][0]["text"] == "abcd" * (n // 4)
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("reasoning,tools", [("qwen3", None), ("deepseek_r1", "hermes"), (None, "llama3_json")])
+def test_a_model_writing_only_newlines_is_read_in_linear_time(reasoning, tools):
+    """A degenerate adapter that writes newlines until ``max_tokens``: while a ``<think>`` or a
+    call could still start the output, the parsers held the whitespace and scanned all of it
+    again at every piece (100k characters: about 12 s of the event loop); the content is the
+    same, read in a fraction of a second."""
+    import time
+
+    from loraplex.server.chat_output import ChoiceOutput
+    from loraplex.server.reasoning_parsers import get_reasoning_parser
+    from loraplex.server.responses_shapes import EventStream
+    from loraplex.server.tool_parsers import get_tool_parser
+
+    n = 100_000
+    start = time.monotonic()
+    out = ChoiceOutput(get_reasoning_parser(reasoning), get_tool_parser(tools))
+    events = EventStream("resp_1", 0, "m", {})
+    joined = []
+    for _ in range(n // 4):
+        for delta in out.feed("\n\n\n\n"):
+            joined.append(delta.get("content") or delta.get("reasoning"))
+            events.feed({"choices": [{"delta": delta, "finish_reason": None}]})
+    for delta in out.finish():
+        joined.append(delta.get("content") or delta.get("reasoning"))
+        events.feed({"choices": [{"delta": delta, "finish_reason": None}]})
+    events.finish(1, n // 4)
+    assert "".join(joined) == "\n" * n and len(events.items) == 1
+    assert time.monotonic() - start < 3
