@@ -36,7 +36,8 @@ def test_chat_only_fields_are_refused_not_dropped(tenant, patch, param):
     assert err["code"] == UNSUPPORTED and f"`{param}`" in err["message"]
 
 
-@pytest.mark.parametrize("patch", [{"n": 1}, {"logprobs": False}, {"max_tokens": None}, {"stream_options": None}])
+@pytest.mark.parametrize("patch", [{"n": 1}, {"logprobs": False}, {"max_tokens": None}, {"stream_options": None},
+                                   {"response_format": {"type": "text"}}, {"structured_outputs": {}}])
 def test_their_defaults_pass(tenant, patch):
     r = tenant.client.post(PATH, json={"model": "sql", "input": "hi", "max_output_tokens": 2, **patch})
     assert r.status_code == 200, r.text
