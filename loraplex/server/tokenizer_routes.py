@@ -98,13 +98,15 @@ async def tokenize(request: Request) -> Response:
     tenant = await authenticate(ctx, request)
     req, token_strs = parse_tokenize_request(body, ctx.served_model_name)
     await check_model(ctx, tenant, req.model)
-    ids = (await ctx.run_tokenizer(tokenize_prompts, ctx, req))[0]
-    return JSONResponse({
-        "count": len(ids),
-        "max_model_len": ctx.max_model_len,
-        "tokens": ids,
-        "token_strs": list(ctx.tokenizer.convert_ids_to_tokens(ids)) if token_strs else None,
-    })
+    ids, strs = await ctx.run_tokenizer(_tokens_and_strs, ctx, req, token_strs)
+    return JSONResponse({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "token_strs": strs})
+
+
+def _tokens_and_strs(ctx: AppContext, req: GenerationRequest, token_strs: bool) -> tuple[list[int], list | None]:
+    """On the tokenizer thread, both: the pieces of a long prompt take as long to look up as its
+    ids, and on the event loop that would hold every open stream."""
+    ids = tokenize_prompts(ctx, req)[0]
+    return ids, list(ctx.tokenizer.convert_ids_to_tokens(ids)) if token_strs else None
 
 
 async def detokenize(request: Request) -> Response:

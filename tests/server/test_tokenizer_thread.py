@@ -48,6 +48,10 @@ class RecordingTokenizer:
         self._note()
         return self.inner.decode(*args, **kwargs)
 
+    def convert_ids_to_tokens(self, *args, **kwargs):
+        self._note()
+        return self.inner.convert_ids_to_tokens(*args, **kwargs)
+
     def __len__(self):
         return len(self.inner)
 
@@ -75,6 +79,7 @@ def test_every_route_tokenizes_on_the_tokenizer_thread(world):
                                                     "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
         assert c.post("/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 2}}).status_code == 200
         assert c.post("/tokenize", json={"model": model, "prompt": "hello"}).status_code == 200
+        assert c.post("/tokenize", json={"prompt": "hello", "return_token_strs": True}).json()["token_strs"]
         assert c.post("/tokenize", json={"model": model, "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
         assert c.post("/tokenize", json={"inputs": "hello"}).status_code == 200  # LoRAX's
         assert c.post("/detokenize", json={"model": model, "tokens": [5, 6, 7]}).status_code == 200
