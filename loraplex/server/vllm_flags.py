@@ -9,8 +9,8 @@ are made from ``Settings`` (loraplex/server/cli.py). This module adds the rest:
   (LoRA is always on), ``--enable-auto-tool-choice`` (needs a tool-call parser, as in vLLM; in
   loraplex the parser alone turns ``"auto"`` on), ``--enforce-eager`` (no CUDA graphs),
   ``--tensor-parallel-size 1``, ``--dtype half`` / ``float``, ``--max-model-len 32k`` (and
-  ``--max-num-batched-tokens``), one ``--served-model-name``, ``--chat-template`` (a setting,
-  loraplex/server/chat_template.py), and ``--trust-remote-code`` / ``--disable-log-requests`` /
+  ``--max-num-batched-tokens``) or ``auto``, one ``--served-model-name``, ``--chat-template`` (a
+  setting, loraplex/server/chat_template.py), and ``--trust-remote-code`` / ``--disable-log-requests`` /
   ``--disable-log-stats``, which ask for nothing loraplex does otherwise;
 * refused, with what to use instead: ``--gpu-memory-utilization``, ``--tensor-parallel-size`` above
   1, ``--lora-modules``, ``--api-key``, ``--quantization``, several served model names.
@@ -81,10 +81,22 @@ def human_readable_int(text: str) -> int:
     return int(number) * 1024 ** ("KMG".index(suffix) + 1)
 
 
+AUTO = "auto"
+
+
+def model_len(text: str) -> int | str:
+    """``--max-model-len``: ``human_readable_int``, or vLLM's ``auto`` / ``-1`` (the longest
+    context the KV cache holds), which is what loraplex does when the flag is left out: the
+    model's context, lowered to the KV cache's capacity at start."""
+    if text.strip().lower() in (AUTO, "-1"):
+        return AUTO
+    return human_readable_int(text)
+
+
 # argparse options for some Settings flags, so that they take what vLLM's take
 SETTINGS_FLAG_OPTIONS: dict[str, dict] = {
     "served_model_name": {"nargs": "+"},  # vLLM takes several; loraplex one (more are refused)
-    "max_model_len": {"type": human_readable_int},
+    "max_model_len": {"type": model_len},
     "max_num_batched_tokens": {"type": human_readable_int},
 }
 
@@ -129,6 +141,8 @@ def translate(args: argparse.Namespace, overrides: dict) -> dict:
                 "adapters are named when they are uploaded (`loraplex adapters upload --name NAME`)"
             )
         out["served_model_name"] = names[0]
+    if out.get("max_model_len") == AUTO:
+        out["max_model_len"] = None  # over LORAPLEX_MAX_MODEL_LEN too: the flag wins
     if "dtype" in out:
         out["dtype"] = DTYPE_ALIASES.get(out["dtype"], out["dtype"])
     if getattr(args, "enforce_eager", False):

@@ -148,3 +148,13 @@ def test_a_size_below_one_stops_serve_at_start(capsys, flag):
     ``--max-num-seqs 0`` as a KV cache "too small"."""
     assert main(["serve", "m", flag, "0"]) == 2
     assert f"{flag[2:].replace('-', '_')}=0: must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["auto", "-1"])
+def test_max_model_len_auto_is_the_default(monkeypatch, value):
+    """vLLM's ``--max-model-len auto`` (or -1): the longest context the KV cache holds, which is
+    loraplex's default. It was an argparse error ("invalid integer"), and -1 failed in the engine."""
+    assert settings("m", "--max-model-len", value).max_model_len is None
+    monkeypatch.setenv("LORAPLEX_MAX_MODEL_LEN", "2048")
+    assert settings("m").max_model_len == 2048
+    assert settings("m", "--max-model-len", value).max_model_len is None  # the flag wins
