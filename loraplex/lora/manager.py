@@ -105,6 +105,8 @@ class LoRAManager:
             if done.error is not None:
                 self.host.cancel(done.adapter_id)
                 self._wanted.pop(done.adapter_id, None)
+                if self.is_ready(done.adapter_id):  # loaded meanwhile (an operator's load): serving
+                    continue
                 error = AdapterLoadFailedError(done.adapter_id, str(done.error))
                 error.__cause__ = done.error
                 failed.append(error)

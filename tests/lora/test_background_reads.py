@@ -142,6 +142,34 @@ def test_reads_dropped_by_stop_stay_wanted(lora_base, make_adapter, monkeypatch)
     assert m.is_ready(a) and m.host.reserved_bytes == 0
 
 
+def test_failed_read_of_an_adapter_loaded_meanwhile_fails_nothing(lora_base, make_adapter, monkeypatch):
+    """An operator's load (``load`` reads on the engine thread) put the adapter in a slot while
+    its background read was still running; that read then failing aborted every request of an
+    adapter that was loaded and serving."""
+    m = new_manager(lora_base.spec, max_loras=1)
+    a = m.register("a", make_adapter("a", seed=1))
+    m.unload(a)
+    m.start_background_reads(on_done=lambda: None)
+    parse, entered, release = m.catalog.parse, threading.Event(), threading.Event()
+
+    def worker_fails(path, expected_id=None):
+        if threading.current_thread().name.startswith(WORKER):
+            entered.set()
+            assert release.wait(30)
+            raise OSError("flaky disk")
+        return parse(path, expected_id)
+
+    monkeypatch.setattr(m.catalog, "parse", worker_fails)
+    m.prefetch(a)
+    assert entered.wait(30)
+    m.load("a", tier="device")
+    release.set()
+    assert m.loader.wait(30)
+    assert m.collect_reads() == []
+    assert m.tier_of(a) == "device" and m.host.reserved_bytes == 0 and not m._wanted
+    m.stop_background_reads()
+
+
 def test_host_cache_reservation_holds_room_until_its_put(lora_base, make_adapter):
     """Room reserved for a read in flight is taken by nothing else; the read's put lands in it
     without evicting; a cancelled reservation gives the room back."""
