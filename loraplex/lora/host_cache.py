@@ -54,6 +54,12 @@ class HostCache:
             return True
         return self.used_bytes + self.reserved_bytes - evictable + nbytes <= self.budget_bytes
 
+    def could_fit(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` fit once everything not pinned here is gone (entries in use are
+        released in time; pinned ones only by an operator)."""
+        pinned = sum(w.nbytes for a, w in self._entries.items() if a in self.pinned)
+        return pinned == 0 or pinned + nbytes <= self.budget_bytes
+
     def put(self, weights: AdapterWeights, is_protected: Callable[[str], bool] = lambda _: False) -> tuple[bool, list[str]]:
         """Store ``weights`` (into its reservation, if it has one); returns (stored, ids evicted
         to make room)."""

@@ -197,7 +197,9 @@ class LoRAManager:
                 return False
             if not self.loader.is_reading(other) and not self.is_ready(other):
                 rec = self._records.get(other)
-                if rec is not None and rec.outstanding > 0:
+                # one that host pins leave no room for would hold everyone behind it for ever
+                if rec is not None and rec.outstanding > 0 and self.host.could_fit(
+                        host_nbytes(rec.info, self.spec, self.dtype)):
                     return True
         return False
 

@@ -46,3 +46,24 @@ def test_a_large_adapter_waiting_for_host_room_is_not_overtaken(lora_base, make_
         assert budget <= m.host.budget_bytes
     assert m.is_ready(big), "the large adapter was overtaken by every small one"
     m.stop_background_reads()
+
+
+def test_an_adapter_host_pins_leave_no_room_for_holds_nobody_up(lora_base, make_adapter):
+    """First come first served, but not behind an adapter that can never get in: host entries
+    an operator pinned leave it too little of the budget."""
+    probe = new_manager(lora_base.spec)
+    unit = probe.host.get(probe.register("p", make_adapter("p", seed=9, r=2))).nbytes
+    m = new_manager(lora_base.spec, max_loras=2, max_cpu_lora_bytes=5 * unit)
+    pinned = m.register("pinned", make_adapter("pinned", seed=30, r=4))  # 2 units
+    m.load("pinned", tier="host", pin=True)
+    big = m.register("big", make_adapter("big", seed=20, r=8))  # 4 units: never with the pinned 2
+    small = m.register("s", make_adapter("s", seed=1, r=2))
+    for a in (big, small):
+        m.unload(a)
+    m.start_background_reads(on_done=lambda: None)
+    m.prefetch(big)
+    m.prefetch(small)
+    assert m.loader.wait(30)
+    m.collect_reads()
+    assert m.is_ready(small) and not m.is_ready(big) and m.tier_of(pinned) == "host"
+    m.stop_background_reads()
