@@ -188,6 +188,15 @@ class LoRAManager:
             return False
         return self._host_put(self.catalog.read(rec.path, expected_id=adapter_id))
 
+    def _check_could_fit(self, adapter_id: str) -> None:
+        """Refuse a request (409, transient) for an adapter that host pins leave no room to be
+        read into: it would wait for as long as they stay."""
+        nbytes = host_nbytes(self._records[adapter_id].info, self.spec, self.dtype)
+        if not self.host.could_fit(nbytes):
+            raise AdapterBusyError(
+                f"adapter needs {nbytes} bytes of host memory; adapters pinned there leave too little of "
+                f"the {self.host.budget_bytes}-byte budget: unpin one, or try again later", param="model")
+
     def _waits_behind(self, adapter_id: str) -> bool:
         """Whether an adapter queued before ``adapter_id`` (or any, if it is not queued) still
         waits for host room: room that frees up is then that one's. Taking it first would let
@@ -257,6 +266,7 @@ class LoRAManager:
             return
         if self.loader is not None and adapter_id not in self.host:
             if not self.loader.is_reading(adapter_id):
+                self._check_could_fit(adapter_id)
                 self._host_load(adapter_id)  # a free slot is filled when the read lands
             return
         slot = self.pool.free_slot()

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
+from loraplex.lora.errors import AdapterBusyError
 from tests.lora.test_manager import new_manager
 
 
@@ -50,20 +53,38 @@ def test_a_large_adapter_waiting_for_host_room_is_not_overtaken(lora_base, make_
 
 def test_an_adapter_host_pins_leave_no_room_for_holds_nobody_up(lora_base, make_adapter):
     """First come first served, but not behind an adapter that can never get in: host entries
-    an operator pinned leave it too little of the budget."""
+    an operator pinned leave it too little of the budget. A new request for such an adapter is
+    refused (409, transient) rather than left waiting for as long as the pins stay; one queued
+    before the pin waits, without holding later ones up."""
     probe = new_manager(lora_base.spec)
     unit = probe.host.get(probe.register("p", make_adapter("p", seed=9, r=2))).nbytes
-    m = new_manager(lora_base.spec, max_loras=2, max_cpu_lora_bytes=5 * unit)
-    pinned = m.register("pinned", make_adapter("pinned", seed=30, r=4))  # 2 units
-    m.load("pinned", tier="host", pin=True)
-    big = m.register("big", make_adapter("big", seed=20, r=8))  # 4 units: never with the pinned 2
+    m = new_manager(lora_base.spec, max_loras=1, max_cpu_lora_bytes=5 * unit)
+    run = m.register("run", make_adapter("run", seed=31, r=2))
+    pin = m.register("pin", make_adapter("pin", seed=30, r=4))  # 2 units
+    big = m.register("big", make_adapter("big", seed=20, r=8))  # 4 units: never beside a pinned 2
     small = m.register("s", make_adapter("s", seed=1, r=2))
-    for a in (big, small):
+    for a in (run, pin, big, small):
         m.unload(a)
     m.start_background_reads(on_done=lambda: None)
-    m.prefetch(big)
-    m.prefetch(small)
-    assert m.loader.wait(30)
-    m.collect_reads()
-    assert m.is_ready(small) and not m.is_ready(big) and m.tier_of(pinned) == "host"
+
+    def settle():
+        assert m.loader.wait(30)
+        m.collect_reads()
+
+    m.prefetch(run)  # takes the one slot and keeps it
+    settle()
+    m.prefetch(pin)  # waits for the slot in host memory: 2 of 5 units, protected
+    settle()
+    m.prefetch(run)
+    m.prefetch(big)  # 1 + 2 + 4 > 5 with nothing to evict: waits for room
+    settle()
+    assert not m.is_ready(big) and big in m._wanted
+    m.host.pinned.add(pin)  # an operator pins it: big can never get in now
+    m.prefetch(small)  # not held up behind big
+    settle()
+    assert m.is_ready(small) and not m.is_ready(big)
+    m.on_request_finished(big, 1, 0)
+    with pytest.raises(AdapterBusyError, match="pinned"):  # a new request for it is refused
+        m.prefetch(big)
+    assert m.stats()["adapters"][big]["outstanding_requests"] == 0 and big not in m._wanted
     m.stop_background_reads()
