@@ -79,6 +79,10 @@ class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
         self.config = config
         self.engine = engine if engine is not None else LLMEngine(config)
+        driver = getattr(self.engine, "driver", None)
+        if driver is not None and driver.is_running:
+            raise RuntimeError("this LLMEngine is already driven by a running AsyncLLMEngine: shut that one down first")
+        self.engine.driver = self
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
@@ -286,6 +290,8 @@ class AsyncLLMEngine:
         error = EngineDeadError("the engine stopped" if cause is None else f"the engine failed: {cause!r}")
         if self.engine.lora_manager is not None:  # the engine may be driven offline after this
             self.engine.lora_manager.stop_background_reads()
+        if self.engine.driver is self:
+            self.engine.driver = None
         with self._lock:
             self._stopped = True
             pending = list(self._commands)

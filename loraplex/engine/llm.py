@@ -147,6 +147,8 @@ class LLM:
         if len(adapter_list) != len(items):
             raise InvalidRequestError("adapters must have one entry per prompt", param="adapters")
         engine = self.engine
+        if getattr(engine.driver, "is_running", False):
+            raise RuntimeError("this LLM's engine is driven by a running AsyncLLMEngine: shut that one down first")
         prepared = []
         for (prompt, salt), p, adapter in zip(items, params_list, adapter_list):
             req = engine.prepare_request(None, prompt, p, cache_salt=salt)

@@ -94,6 +94,9 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.last_step_was_empty = False  # nothing could run (e.g. every adapter still loading)
+        # the AsyncLLMEngine whose thread steps this engine, while it runs: nothing else may step
+        # it meanwhile (the engine and the LoRA manager have no locks)
+        self.driver = None
         self.num_requests_finished = 0
         self.num_requests_aborted = 0
         self._log_start()
