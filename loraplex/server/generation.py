@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
+from loraplex.lora.errors import InvalidAdapterError
 from loraplex.sampling_params import check_token_ids_in_vocab
 from loraplex.server.context import AppContext
 from loraplex.server.errors import APIError, bad_request, model_not_found
@@ -263,12 +264,23 @@ class RequestRun:
                     if comp.finish_reason is not None:
                         self.finish_reasons.append(comp.finish_reason)
                     yield p_idx, choice, comp
+        except InvalidAdapterError as exc:
+            raise self._without_local_path(exc) from None
         finally:
             for rid in self.engine_ids:  # idempotent for finished requests; frees blocks of others
                 try:
                     engine.abort(rid)
                 except Exception:  # pragma: no cover - abort must not mask the real outcome
                     pass
+
+    def _without_local_path(self, exc: InvalidAdapterError) -> InvalidAdapterError:
+        """The engine's adapter error with the server's own directory left out: a tenant learns
+        what is wrong with the adapter, not where the server keeps its files (the log has both)."""
+        path = getattr(self.target.adapter, "path", None)
+        if not path or path not in str(exc):
+            return exc
+        access_log.warning("adapter %s failed to load: %s", self.target.label, exc)
+        return type(exc)(str(exc).replace(path, "<adapter files>"), param=exc.param, code=exc.code)
 
     def close(self, status: int) -> None:
         if self._closed:
