@@ -3,6 +3,7 @@ a real RegistryService on a throwaway SQLite database."""
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +37,18 @@ class RunningServer:
 
     def tenant_client(self, key: str) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+
+    def upload(self, tenant: str, name: str, payload: bytes = b"w", config: bytes = b'{"r": 4}') -> dict:
+        """Upload a version of ``tenant``'s adapter ``name`` (the fake adapter manager takes any
+        bytes); returns the version (``sha256``, ``version``, ...)."""
+        files = {
+            "adapter_config.json": ("adapter_config.json", io.BytesIO(config), "application/json"),
+            "adapter_model.safetensors": ("adapter_model.safetensors", io.BytesIO(payload), "application/octet-stream"),
+        }
+        with self.admin() as c:
+            r = c.post(f"/admin/v1/tenants/{tenant}/adapters/{name}/versions", files=files)
+        assert r.status_code in (200, 201), r.text
+        return r.json()
 
     def make_tenant(self, name: str) -> str:
         self.registry.create_tenant(name)

@@ -4,7 +4,6 @@ tokenizer, so what the server hands the engine can be compared with transformers
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 import httpx
@@ -65,14 +64,8 @@ def start_tenant(tmp_path, name: str, template: str = THINKING_TEMPLATE, **setti
     engine.tokenizer = bos_tokenizer(template)
     srv = start_server(tmp_path, engine, **settings)
     key = srv.make_tenant(name)
-    files = {
-        "adapter_config.json": ("adapter_config.json", io.BytesIO(b"{}"), "application/json"),
-        "adapter_model.safetensors": ("adapter_model.safetensors", io.BytesIO(name.encode()), "application/octet-stream"),
-    }
-    with srv.admin() as c:
-        r = c.post(f"/admin/v1/tenants/{name}/adapters/sql/versions", files=files)
-    assert r.status_code in (200, 201), r.text
-    return Tenant(srv, srv.tenant_client(key), r.json()["sha256"])
+    sha = srv.upload(name, "sql", name.encode(), config=b"{}")["sha256"]
+    return Tenant(srv, srv.tenant_client(key), sha)
 
 
 def serve_tenant(tmp_path_factory, name: str, **kwargs):

@@ -4,7 +4,6 @@ tenant's 400 leaves the local directory out; the operator's log keeps it."""
 
 from __future__ import annotations
 
-import io
 import logging
 
 from loraplex.lora.errors import AdapterHashMismatchError
@@ -24,12 +23,7 @@ class BrokenFilesEngine(FakeEngine):
 def test_the_tenant_sees_no_server_path(server_factory, caplog):
     srv = server_factory(BrokenFilesEngine())
     key = srv.make_tenant("acme")
-    files = {
-        "adapter_config.json": ("adapter_config.json", io.BytesIO(b'{"r": 4}'), "application/json"),
-        "adapter_model.safetensors": ("adapter_model.safetensors", io.BytesIO(b"v1"), "application/octet-stream"),
-    }
-    with srv.admin() as c:
-        assert c.post("/admin/v1/tenants/acme/adapters/sql/versions", files=files).status_code in (200, 201)
+    srv.upload("acme", "sql", b"v1")
     with caplog.at_level(logging.WARNING, logger="loraplex.access"), srv.tenant_client(key) as c:
         r = c.post("/v1/completions", json={"model": "sql", "prompt": [5, 6], "max_tokens": 2})
         streamed = c.post("/v1/completions", json={"model": "sql", "prompt": [5, 6], "max_tokens": 2, "stream": True})

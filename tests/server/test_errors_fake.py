@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import io
 
 import httpx
 import pytest
@@ -12,13 +11,7 @@ from tests.server.fakes import FakeEngine
 
 
 def _upload(srv, tenant, name, payload=b"w"):
-    files = {
-        "adapter_config.json": ("adapter_config.json", io.BytesIO(b"{}"), "application/json"),
-        "adapter_model.safetensors": ("adapter_model.safetensors", io.BytesIO(payload), "application/octet-stream"),
-    }
-    with srv.admin() as c:
-        r = c.post(f"/admin/v1/tenants/{tenant}/adapters/{name}/versions", files=files)
-    assert r.status_code in (200, 201), r.text
+    srv.upload(tenant, name, payload, config=b"{}")
 
 
 def _envelope(r: httpx.Response, status: int, code=None, param=None) -> dict:

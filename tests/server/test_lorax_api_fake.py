@@ -5,7 +5,6 @@ lorax-client package: tests/e2e/test_lorax_api_e2e.py."""
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import time
@@ -23,12 +22,7 @@ MAX_MODEL_LEN = 128  # the fake engine's
 def world(module_server):
     srv = module_server
     key = srv.make_tenant("lx")
-    files = {
-        "adapter_config.json": ("adapter_config.json", io.BytesIO(b'{"r": 4}'), "application/json"),
-        "adapter_model.safetensors": ("adapter_model.safetensors", io.BytesIO(b"lx-v1"), "application/octet-stream"),
-    }
-    with srv.admin() as c:
-        version = c.post("/admin/v1/tenants/lx/adapters/sql/versions", files=files).json()
+    version = srv.upload("lx", "sql", b"lx-v1")
     with srv.tenant_client(key) as client:
         yield srv, client, version["sha256"]
 

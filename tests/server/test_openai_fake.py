@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 
 import openai
@@ -12,14 +11,7 @@ from tests.server.fakes import expected_text
 
 
 def _upload(srv, tenant: str, name: str, payload: bytes) -> dict:
-    files = {
-        "adapter_config.json": ("adapter_config.json", io.BytesIO(b'{"r": 4}'), "application/json"),
-        "adapter_model.safetensors": ("adapter_model.safetensors", io.BytesIO(payload), "application/octet-stream"),
-    }
-    with srv.admin() as c:
-        r = c.post(f"/admin/v1/tenants/{tenant}/adapters/{name}/versions", files=files)
-    assert r.status_code in (200, 201), r.text
-    return r.json()
+    return srv.upload(tenant, name, payload)
 
 
 @pytest.fixture

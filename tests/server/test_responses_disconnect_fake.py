@@ -4,7 +4,6 @@ frees its KV blocks and gives back its tenant and drain slots and its adapter pi
 
 from __future__ import annotations
 
-import io
 import json
 
 import pytest
@@ -24,10 +23,7 @@ def _serve(server_factory, **settings):
     engine = FakeEngine(step_seconds=0.05, max_model_len=4096)
     srv = server_factory(engine, **settings)
     key = srv.make_tenant("acme")
-    files = {"adapter_config.json": ("adapter_config.json", io.BytesIO(b"{}"), "application/json"),
-             "adapter_model.safetensors": ("adapter_model.safetensors", io.BytesIO(b"w"), "application/octet-stream")}
-    with srv.admin() as c:
-        sha = c.post("/admin/v1/tenants/acme/adapters/sql/versions", files=files).json()["sha256"]
+    sha = srv.upload("acme", "sql", config=b"{}")["sha256"]
     return srv, key, sha
 
 

@@ -5,7 +5,6 @@ engine request, no tenant or drain slot, no adapter version held. Harmless field
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 
@@ -67,12 +66,7 @@ REFUSED = [
 def world(module_server):
     srv = module_server
     key = srv.make_tenant("rsp")
-    files = {
-        "adapter_config.json": ("adapter_config.json", io.BytesIO(b'{"r": 4}'), "application/json"),
-        "adapter_model.safetensors": ("adapter_model.safetensors", io.BytesIO(b"rsp-v1"), "application/octet-stream"),
-    }
-    with srv.admin() as c:
-        sha = c.post("/admin/v1/tenants/rsp/adapters/sql/versions", files=files).json()["sha256"]
+    sha = srv.upload("rsp", "sql", b"rsp-v1")["sha256"]
     with srv.tenant_client(key) as client:
         yield srv, client, sha
 

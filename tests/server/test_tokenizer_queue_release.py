@@ -5,7 +5,6 @@ version, tenant slot, drain count) and the server answers the next request."""
 
 from __future__ import annotations
 
-import io
 import threading
 import time
 
@@ -32,12 +31,7 @@ def world(tmp_path):
     tok = engine.tokenizer = RaisingTokenizer()
     srv = start_server(tmp_path, engine)
     key = srv.make_tenant("tq")
-    files = {
-        "adapter_config.json": ("adapter_config.json", io.BytesIO(b'{"r": 4}'), "application/json"),
-        "adapter_model.safetensors": ("adapter_model.safetensors", io.BytesIO(b"tq-v1"), "application/octet-stream"),
-    }
-    with srv.admin() as c:
-        assert c.post("/admin/v1/tenants/tq/adapters/ad/versions", files=files).status_code in (200, 201)
+    srv.upload("tq", "ad", b"tq-v1")
     yield srv, key, tok
     tok.release.set()
     srv.stop()

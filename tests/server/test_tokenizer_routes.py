@@ -6,7 +6,6 @@ the settings the server was started with, and offsets worked out by hand from UT
 
 from __future__ import annotations
 
-import io
 
 import httpx
 import pytest
@@ -39,12 +38,7 @@ def world(tmp_path_factory):
                        max_concurrent_requests_per_tenant=MAX_PER_TENANT)
     key = srv.make_tenant("tk")
     other = srv.make_tenant("tk-other")
-    files = {
-        "adapter_config.json": ("adapter_config.json", io.BytesIO(b'{"r": 4}'), "application/json"),
-        "adapter_model.safetensors": ("adapter_model.safetensors", io.BytesIO(b"tk-v1"), "application/octet-stream"),
-    }
-    with srv.admin() as c:
-        assert c.post("/admin/v1/tenants/tk/adapters/sql/versions", files=files).status_code in (200, 201)
+    srv.upload("tk", "sql", b"tk-v1")
     with srv.tenant_client(key) as client, srv.tenant_client(other) as other_client:
         yield srv, client, other_client
     srv.stop()
