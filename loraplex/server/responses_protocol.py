@@ -133,9 +133,7 @@ def parse_responses_request(body) -> ResponsesRequest:
     fmt = _text_format(body.get("text"))
     if fmt is not None:
         chat["response_format"] = fmt
-    metadata = body.get("metadata")
-    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
-        raise bad_request("`metadata` must be an object of string values", param="metadata")
+    metadata = _metadata(body.get("metadata"))
     store = body.get("store")
     if store is not None and not isinstance(store, bool):
         raise bad_request("`store` must be a boolean", param="store")
@@ -192,7 +190,12 @@ def _messages(body: dict) -> list[dict]:
                 out.append(last)
             last.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
-            out.append(_function_output(item, where))
+            output = _function_output(item, where)
+            called = {c["id"] for m in out for c in m.get("tool_calls", ())}
+            if output["tool_call_id"] not in called:  # stateless: the call must come with its output (OpenAI's 400)
+                raise bad_request(f"`{where}.call_id`: no function_call item with call_id "
+                                  f"{output['tool_call_id']!r} comes before this output", param=f"{where}.call_id")
+            out.append(output)
         elif kind == "reasoning":
             text = _reasoning_text(item, where)
             if text:  # one with no text (OpenAI's encrypted or summary-only items) carries nothing to render
@@ -283,6 +286,17 @@ def _tool_choice(choice):
                       "built-in tools are not served", param="tool_choice", code="unsupported_parameter")
 
 
+def _metadata(metadata):
+    """OpenAI's limits: at most 16 pairs, keys up to 64 characters, string values up to 512."""
+    if metadata is None:
+        return None
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise bad_request("`metadata` must be an object of string values", param="metadata")
+    if len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
+        raise bad_request("`metadata`: at most 16 pairs, keys up to 64 characters, values up to 512", param="metadata")
+    return metadata
+
+
 def _text_format(text) -> dict | None:
     if text is None:
         return None
@@ -297,10 +311,12 @@ def _text_format(text) -> dict | None:
     if kind == "json_object":
         return {"type": "json_object"}
     if kind == "json_schema":
-        schema = fmt.get("schema")
+        schema, name = fmt.get("schema"), fmt.get("name")
+        if not isinstance(name, str) or not name:  # OpenAI requires it (chat's json_schema.name too)
+            raise bad_request("`text.format.name` must be a non-empty string", param="text.format.name")
         if not isinstance(schema, dict):
             raise bad_request("`text.format.schema` must be a JSON schema (an object)", param="text.format.schema")
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": schema,
+        return {"type": "json_schema", "json_schema": {"name": name, "schema": schema,
                                                        "strict": fmt.get("strict")}}
     raise bad_request('`text.format` must be {"type": "text"}, {"type": "json_object"} or '
                       '{"type": "json_schema", "name", "schema", "strict"}', param="text.format")

@@ -57,6 +57,14 @@ REFUSED = [
     ({"text": {"format": {"type": "regex", "pattern": "a+"}}}, "text.format", None),
     ({"text": "json"}, "text", None),
     ({"metadata": {"n": 1}}, "metadata", None),
+    # OpenAI's limits and requirements
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", None),
+    ({"metadata": {"k" * 65: "v"}}, "metadata", None),
+    ({"metadata": {"k": "v" * 513}}, "metadata", None),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name", None),
+    # stateless: an output needs its call in the same input
+    ({"input": [{"role": "user", "content": "hi"},
+                {"type": "function_call_output", "call_id": "c9", "output": "x"}]}, "input[1].call_id", None),
     ({"store": "yes"}, "store", None),
     ({"model": None}, "model", None),
 ]
