@@ -136,7 +136,7 @@ class AdapterCatalog:
             adapter_id = weights.adapter_id
             check_hash(path, adapter_id, expected_hash)
             if adapter_id not in self.records:
-                self.records[adapter_id] = AdapterRecord(adapter_id, path, weights.info, display)
+                self.records[adapter_id] = AdapterRecord(adapter_id, path, weights.info, display, weights.nbytes)
                 self.count_read(adapter_id, read_seconds)
             self._path_memo[path] = (fp, adapter_id)
         check_hash(path, adapter_id, expected_hash)

@@ -37,7 +37,7 @@ from loraplex.lora.catalog import AdapterCatalog
 from loraplex.lora.errors import AdapterBusyError, AdapterLoadFailedError, InvalidAdapterError
 from loraplex.lora.host_cache import HostCache
 from loraplex.lora.host_loader import HostLoader
-from loraplex.lora.records import PreparedAdapter, host_budget_bytes, host_nbytes
+from loraplex.lora.records import PreparedAdapter, host_budget_bytes
 from loraplex.lora.slots import SlotPool
 from loraplex.lora.spec import AdapterRef, LoRATargetSpec
 from loraplex.lora.weights import AdapterWeights
@@ -171,7 +171,7 @@ class LoRAManager:
         """Disk -> host for an adapter with requests; when there is no room now, it is queued
         (``_wanted``) without reading the files."""
         rec = self._records[adapter_id]
-        nbytes = host_nbytes(rec.info, self.spec, self.dtype)
+        nbytes = rec.host_bytes
         if self.loader is not None:  # lands in ``collect_reads``, into room held for it meanwhile
             reserved = False
             if not self._waits_behind(adapter_id):
@@ -191,7 +191,7 @@ class LoRAManager:
     def _check_could_fit(self, adapter_id: str) -> None:
         """Refuse a request (409, transient) for an adapter that host pins leave no room to be
         read into: it would wait for as long as they stay."""
-        nbytes = host_nbytes(self._records[adapter_id].info, self.spec, self.dtype)
+        nbytes = self._records[adapter_id].host_bytes
         if not self.host.could_fit(nbytes):
             raise AdapterBusyError(
                 f"adapter needs {nbytes} bytes of host memory; adapters pinned there leave too little of "
@@ -207,8 +207,7 @@ class LoRAManager:
             if not self.loader.is_reading(other) and not self.is_ready(other):
                 rec = self._records.get(other)
                 # one that host pins leave no room for would hold everyone behind it for ever
-                if rec is not None and rec.outstanding > 0 and self.host.could_fit(
-                        host_nbytes(rec.info, self.spec, self.dtype)):
+                if rec is not None and rec.outstanding > 0 and self.host.could_fit(rec.host_bytes):
                     return True
         return False
 

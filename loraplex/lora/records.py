@@ -35,6 +35,7 @@ class AdapterRecord:
     path: str  # local PEFT directory to (re)load from
     info: AdapterInfo
     display_name: str
+    host_bytes: int  # what its AdapterWeights take in host memory (reservations, fit checks)
     names: set[str] = field(default_factory=set)
     outstanding: int = 0  # queued or running requests
     stats: AdapterStats = field(default_factory=AdapterStats)
