@@ -39,6 +39,15 @@ def check_host_cache_options(max_cpu_loras: int | None, max_cpu_lora_bytes: int 
         raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
 
 
+# how the scheduler orders waiting requests and picks preemption victims (engine/admission_order.py)
+SCHEDULING_POLICIES = ("fair", "fcfs", "priority")
+
+
+def check_scheduling_policy(policy: str) -> None:
+    if policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, not {policy!r}")
+
+
 # options below 1 make no engine: 0 batched tokens or sequences admits nothing, so every request
 # waits for ever; 0 slots or rank serves no adapter; block_size 0 divides by zero
 POSITIVE_OPTIONS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank",
@@ -85,11 +94,15 @@ class EngineConfig:
     max_cpu_lora_bytes: int | None = None
     max_cpu_loras: int | None = None
     lora_starvation_steps: int = 64  # bound: oldest waiting request's adapter gets a slot within N steps
+    # "fair": priority, then the tenant with the fewest running sequences, then arrival;
+    # "fcfs": arrival only (vLLM's default); "priority": priority, then arrival (vLLM's)
+    scheduling_policy: str = "fair"
     # where converted models (GGUF -> safetensors) are cached
     home: Path = dataclasses.field(default_factory=lambda: Path("~/.loraplex").expanduser())
 
     def __post_init__(self) -> None:
         check_positive_options(dataclasses.asdict(self))
+        check_scheduling_policy(self.scheduling_policy)
         check_host_cache_options(self.max_cpu_loras, self.max_cpu_lora_bytes, self.max_loras)
 
     def replace(self, **changes) -> "EngineConfig":
@@ -128,6 +141,7 @@ class Settings(BaseSettings):
     max_cpu_loras: int | None = None
     max_disk_lora_bytes: int = 20 * GiB
     lora_starvation_steps: int = 64
+    scheduling_policy: Literal["fair", "fcfs", "priority"] = "fair"  # see EngineConfig
 
     # registry and storage
     database_url: str | None = None  # default: sqlite under home

@@ -128,12 +128,15 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         adapter=None,
         cache_salt: str | None = None,
+        priority: int = 0,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its deltas: each ``CompletionOutput`` holds the text and
         token ids new since the previous yield (only completions with news are included),
         ``finish_reason`` set on a completion's last delta; the last yield has ``finished``.
         A bad request raises ``InvalidRequestError`` before anything is yielded. Closing the
-        generator or cancelling the consuming task aborts the request."""
+        generator or cancelling the consuming task aborts the request. ``priority`` and
+        ``tenant``: see ``LLMEngine.prepare_request``."""
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         stream = _Stream(asyncio.get_running_loop())
         engine = self.engine
@@ -142,7 +145,7 @@ class AsyncLLMEngine:
 
         def add() -> None:
             req = engine.prepare_request(request_id, prompt, params, None, stream_deltas=True, grammar=grammar,
-                                         cache_salt=cache_salt)
+                                         cache_salt=cache_salt, priority=priority, tenant=tenant)
             req.adapter_id = engine.resolve_adapter(adapter, prepared)
             engine.add_prepared(req)
             self._streams[request_id] = stream

@@ -120,14 +120,16 @@ class LLM:
         return self.generate(prompts, params, adapters, lora_request=lora_request)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, adapters=None,
-                 lora_request=None, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+                 lora_request=None, sampling_params=None, use_tqdm: bool = False,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order.
 
         ``params``: one ``SamplingParams`` for all, or one per prompt. ``adapters``: None, or one
         entry per prompt (None = base model, a registered name, or a PEFT directory path).
         ``lora_request``: vLLM's form of the same, one ``LoRARequest`` for all or one per prompt.
         ``sampling_params`` is vLLM's name for ``params``; ``use_tqdm`` (vLLM's progress bar) is
-        accepted and shows nothing. A bad prompt raises before anything runs.
+        accepted and shows nothing. ``priority``: vLLM's, one int per prompt, lower first (not
+        with ``scheduling_policy="fcfs"``). A bad prompt raises before anything runs.
         """
         params = _vllm_params(params, sampling_params)
         if lora_request is not None:
@@ -146,12 +148,15 @@ class LLM:
         adapter_list = [None] * len(items) if adapters is None else list(adapters)
         if len(adapter_list) != len(items):
             raise InvalidRequestError("adapters must have one entry per prompt", param="adapters")
+        priorities = [0] * len(items) if priority is None else list(priority)
+        if len(priorities) != len(items):
+            raise InvalidRequestError("priority must have one entry per prompt", param="priority")
         engine = self.engine
         if getattr(engine.driver, "is_running", False):
             raise RuntimeError("this LLM's engine is driven by a running AsyncLLMEngine: shut that one down first")
         prepared = []
-        for (prompt, salt), p, adapter in zip(items, params_list, adapter_list):
-            req = engine.prepare_request(None, prompt, p, cache_salt=salt)
+        for (prompt, salt), p, adapter, prio in zip(items, params_list, adapter_list, priorities):
+            req = engine.prepare_request(None, prompt, p, cache_salt=salt, priority=prio)
             req.adapter_id = engine.resolve_adapter(adapter)
             req.final_only = True  # only finished outputs are read below
             prepared.append(req)

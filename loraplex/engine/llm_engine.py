@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 from loraplex.config import EngineConfig
+from loraplex.engine.admission_order import check_priority
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.detokenizer import backend_decoder
 from loraplex.engine.grammar import GrammarFactory
@@ -140,11 +141,14 @@ class LLMEngine:
         stream_deltas: bool = False,
         grammar=None,
         cache_salt: str | None = None,
+        priority: int = 0,
+        tenant: str | None = None,
     ) -> PreparedRequest:
         """Validate and tokenize; raises ``InvalidRequestError`` (with ``param``) and changes
         nothing when the request is bad. ``adapter_id`` is an already resolved content hash;
         ``grammar`` a matcher for ``params.structured_outputs`` made ahead (else made here);
-        ``cache_salt``: only requests with the same salt share prefix-cache blocks."""
+        ``cache_salt``: only requests with the same salt share prefix-cache blocks.
+        ``priority`` (lower first) and ``tenant`` order admission under the scheduling policy."""
         if request_id is None:
             request_id = f"req-{next(self._request_ids)}"
         if request_id in self._requests:
@@ -183,7 +187,9 @@ class LLMEngine:
             )
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
-        req = PreparedRequest(request_id, text, token_ids, params, adapter_id, stream_deltas, cache_salt=cache_salt)
+        check_priority(priority, self.config.scheduling_policy)
+        req = PreparedRequest(request_id, text, token_ids, params, adapter_id, stream_deltas, cache_salt=cache_salt,
+                              tenant=tenant, priority=priority)
         if params.structured_outputs is not None:
             req.grammar = grammar if grammar is not None else self.grammars.matcher(params.structured_outputs)
         return req
@@ -199,6 +205,8 @@ class LLMEngine:
                 params=req.params,
                 adapter_id=req.adapter_id,
                 cache_salt=req.cache_salt,
+                tenant=req.tenant,
+                priority=req.priority,
                 index=i,
                 arrival_time=req.arrival_time,
                 grammar=None if req.grammar is None else req.grammar if i == 0 else req.grammar.deep_copy(),
@@ -224,10 +232,13 @@ class LLMEngine:
         adapter=None,
         stream_deltas: bool = False,
         cache_salt: str | None = None,
+        priority: int = 0,
+        tenant: str | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. ``adapter``: None, a registered name,
         a PEFT directory or an ``AdapterRef``. Bad requests raise ``InvalidRequestError``."""
-        req = self.prepare_request(request_id, prompt, params, None, stream_deltas, cache_salt=cache_salt)
+        req = self.prepare_request(request_id, prompt, params, None, stream_deltas, cache_salt=cache_salt,
+                                   priority=priority, tenant=tenant)
         req.adapter_id = self.resolve_adapter(adapter)
         self.add_prepared(req)
         return req.request_id

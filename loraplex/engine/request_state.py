@@ -25,6 +25,8 @@ class PreparedRequest:
     final_only: bool = False  # report nothing until finished (``LLM.generate`` reads no partials)
     grammar: object | None = None  # structured output: a fresh matcher, copied for each sequence
     cache_salt: str | None = None  # prefix-cache isolation (vLLM's ``cache_salt``)
+    tenant: str | None = None  # for the scheduler's fair share (admission_order.py)
+    priority: int = 0  # lower first, under the "fair" and "priority" policies
     arrival_time: float = field(default_factory=time.monotonic)
 
 

@@ -6,25 +6,28 @@ Each ``schedule()`` builds one step under two budgets, ``max_num_batched_tokens`
 
 1. Running sequences, decodes first, then unfinished prompt chunks. A prompt longer than the
    remaining token budget is cut (chunked prefill) and continues next step. When a running
-   sequence needs a KV block and none is free, the most recently admitted running sequence is
-   preempted (its blocks freed, requeued at the front of the waiting queue, recomputed later
-   from prompt + generated-so-far; its output is the same as without preemption).
-2. Waiting sequences in FCFS (arrival) order, while budget, KV blocks and adapter slots allow.
-   The first sequence that cannot get KV blocks stops admission (strict FCFS for memory).
-   A sequence whose adapter cannot get a slot, or is not loaded yet, is skipped without holding
-   up the ones behind it.
+   sequence needs a KV block and none is free, a running sequence is preempted (its blocks
+   freed, requeued by its arrival time, recomputed later from prompt + generated-so-far; its
+   output is the same as without preemption). The policy (admission_order.py) picks it: the
+   most recently admitted under ``fcfs``; under ``fair`` (the default) the newest of the tenant
+   holding the most running sequences.
+2. Waiting sequences in the policy's order (``fcfs``: arrival; ``priority``: priority, then
+   arrival; ``fair``: priority, then the tenant with the fewest running sequences, then
+   arrival), while budget, KV blocks and adapter slots allow. The first sequence that cannot
+   get KV blocks stops admission (strict order for memory). A sequence whose adapter cannot
+   get a slot, or is not loaded yet, is skipped without holding up the ones behind it.
 
 Adapter slots: the distinct adapters of the RUNNING sequences never exceed
 ``max_loras - gate.num_reserved_slots(running)``, so the runner can always place a step's
 adapters in device slots.
 
-Starvation bound: let S be the oldest waiting sequence whose adapter is ready (in host memory)
-but cannot get a slot. From the step S is picked, no sequence of any other adapter is admitted
+Starvation bound: let S be the first waiting sequence (in the policy's order) whose adapter is
+ready (in host memory) but cannot get a slot. From the step S is picked, no sequence of any other adapter is admitted
 (base-model sequences still are: they take no slot), so the running adapters drain; if S's
 adapter still has no slot ``config.lora_starvation_steps`` steps later, every running sequence
 of the adapter with the fewest running sequences is preempted (recomputed later) in that step.
 So S's adapter gets a slot, and S is admitted, at most ``lora_starvation_steps`` steps after S
-is picked, provided S fits in the free KV blocks and the token budget (FCFS for memory) and that
+is picked, provided S fits in the free KV blocks and the token budget (order for memory) and that
 explicitly pinned adapters do not hold every slot.
 """
 
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 from typing import Iterable, Protocol
 
 from loraplex.config import EngineConfig
+from loraplex.engine.admission_order import admission_order, preemption_victim
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledSeq
 from loraplex.engine.sequence import FINISH_STATUS, Sequence, SequenceStatus
@@ -148,7 +152,7 @@ class Scheduler:
             if not self._may_cut(seq.num_uncomputed_tokens, num_tokens):
                 continue
             while not self.block_manager.can_append(seq, num_tokens):
-                victim = self.running[-1]
+                victim = preemption_victim(self.running, self.config.scheduling_policy)
                 budget += self._unschedule(scheduled, victim)
                 self._preempt(victim)
                 num_preempted_for_kv += 1
@@ -182,7 +186,9 @@ class Scheduler:
     def _admit(self, scheduled: dict[int, ScheduledSeq], budget: int) -> int:
         adapters = self.running_adapters()
         admitted: list[Sequence] = []
-        for seq in list(self.waiting):
+        if budget <= 0 or len(self.running) >= self.config.max_num_seqs or not self.waiting:
+            return budget  # ordering thousands of waiting sequences for nothing costs a step time
+        for seq in admission_order(self.waiting, self.running, self.config.scheduling_policy):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if not self._adapter_admissible(seq, adapters):
@@ -234,7 +240,7 @@ class Scheduler:
 
     # ---- starvation ------------------------------------------------------------------------
     def _check_starvation(self) -> None:
-        """Keep or pick S: the oldest waiting sequence whose ready adapter cannot get a slot."""
+        """Keep or pick S: the first waiting sequence whose ready adapter cannot get a slot."""
         starving = self._starving
         if starving is not None:
             still_waiting = starving.status is SequenceStatus.WAITING and starving.seq_id in self._seqs
@@ -243,10 +249,10 @@ class Scheduler:
                 return
             self._starving = None
         adapters = self.running_adapters()
-        for seq in self.waiting:  # arrival order
+        # only sequences that would need a new slot can starve: order just those
+        candidates = [s for s in self.waiting if s.adapter_id is not None and s.adapter_id not in adapters]
+        for seq in admission_order(candidates, self.running, self.config.scheduling_policy):
             adapter = seq.adapter_id
-            if adapter is None or adapter in adapters:
-                continue
             if self.adapter_gate is not None and not self.adapter_gate.is_ready(adapter):
                 continue
             if not self._fits_slots(adapters | {adapter}):

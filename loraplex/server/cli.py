@@ -20,7 +20,7 @@ import types
 import typing
 from pathlib import Path
 
-from loraplex.config import Settings
+from loraplex.config import SCHEDULING_POLICIES, Settings
 from loraplex.server import vllm_flags
 from loraplex.server.reasoning_parsers import REASONING_PARSERS
 from loraplex.server.tool_parsers import TOOL_PARSERS
@@ -29,7 +29,7 @@ from loraplex.server.tool_parsers import TOOL_PARSERS
 NOT_FLAGS = {"admin_key"}
 # flags with a fixed set of values: argparse names them on a wrong one
 CHOICES = {"tool_call_parser": list(TOOL_PARSERS), "reasoning_parser": list(REASONING_PARSERS),
-           "prefix_cache_scope": ["tenant", "shared"]}
+           "prefix_cache_scope": ["tenant", "shared"], "scheduling_policy": list(SCHEDULING_POLICIES)}
 
 
 def _flag_type(annotation):

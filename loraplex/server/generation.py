@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
+from loraplex.engine.admission_order import check_priority
 from loraplex.lora.errors import InvalidAdapterError
 from loraplex.sampling_params import check_token_ids_in_vocab
 from loraplex.server.context import AppContext
@@ -242,7 +243,8 @@ class RequestRun:
         n = self.req.params.n
         salt = cache_salt(self.ctx.settings.prefix_cache_scope, self.tenant, self.req.prompt_options.cache_salt)
         gens = [
-            engine.generate(ids, self.req.params, request_id=rid, adapter=self.target.adapter, cache_salt=salt)
+            engine.generate(ids, self.req.params, request_id=rid, adapter=self.target.adapter, cache_salt=salt,
+                            priority=self.req.priority, tenant=self.tenant)
             for ids, rid in zip(self.prompt_ids, self.engine_ids)
         ]
         last_token_at: dict[int, float] = {}
@@ -331,6 +333,7 @@ def prepare(ctx: AppContext, req: GenerationRequest, prompt_ids: list[list[int]]
     engine would refuse."""
     check_token_ids_in_vocab(req.params, vocab_size(ctx))  # an InvalidRequestError is a 400 naming the field
     s = ctx.settings
+    check_priority(req.priority, s.scheduling_policy)
     effective = []
     for ids in prompt_ids:
         effective.append(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from loraplex.engine.admission_order import PRIORITY_LIMIT
 from loraplex.sampling_params import InvalidRequestError, SamplingParams
 from loraplex.server.chat_output import REASONING_FIELDS
 from loraplex.server.errors import bad_request
@@ -49,6 +50,7 @@ class GenerationRequest:
     user: str | None = None
     prompt_options: PromptOptions = field(default_factory=PromptOptions)  # template, truncation, special tokens
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
+    priority: int = 0  # vLLM's: lower is admitted first (not under --scheduling-policy fcfs)
 
     @property
     def endpoint(self) -> str:
@@ -317,6 +319,11 @@ def _content(content, where: str) -> str:
     raise bad_request(f"`{where}` must be a string or a list of text parts", param=where)
 
 
+def _priority(body: dict) -> int:
+    """vLLM's request ``priority``; whether the policy uses it is checked with the limits."""
+    return _int(body, "priority", 0, lo=-PRIORITY_LIMIT + 1, hi=PRIORITY_LIMIT - 1)
+
+
 # --- the two endpoints ------------------------------------------------------------------------
 
 
@@ -350,6 +357,7 @@ def parse_completion_request(body) -> GenerationRequest:
         echo=echo,
         prompt_logprobs=prompt_logprobs,
         prompt_options=parse_prompt_options(body, "completion"),
+        priority=_priority(body),
         max_tokens_given=True,  # OpenAI's completions default is 16
         user=body.get("user") if isinstance(body.get("user"), str) else None,
     )
@@ -397,5 +405,6 @@ def parse_chat_request(body) -> GenerationRequest:
         logprobs=want_logprobs,
         top_logprobs=top_logprobs or 0,
         max_tokens_given=max_tokens is not None,
+        priority=_priority(body),
         user=body.get("user") if isinstance(body.get("user"), str) else None,
     )

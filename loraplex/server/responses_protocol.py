@@ -38,7 +38,7 @@ SAMPLING_FIELDS = (
     "temperature", "top_p", "user", "parallel_tool_calls",
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos", "skip_special_tokens",
-    "include_stop_str_in_output", "allowed_token_ids", "bad_words", "cache_salt",
+    "include_stop_str_in_output", "allowed_token_ids", "bad_words", "cache_salt", "priority",
     # vLLM's prompt-side fields (prompt_fields.py): they change the prompt the same way here
     "chat_template_kwargs", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
     "truncate_prompt_tokens", "add_special_tokens",

@@ -94,7 +94,8 @@ class Harness:
         self.seqs: list[Sequence] = []
         self.time = 0.0
 
-    def add(self, prompt: list[int], adapter_id: str | None = None, **params) -> Sequence:
+    def add(self, prompt: list[int], adapter_id: str | None = None, tenant: str | None = None, priority: int = 0,
+            **params) -> Sequence:
         params.setdefault("max_tokens", 8)
         params.setdefault("ignore_eos", True)
         seq_id = next(self._ids)
@@ -105,6 +106,8 @@ class Harness:
             prompt_token_ids=list(prompt),
             params=SamplingParams(temperature=0.0, **params),
             adapter_id=adapter_id,
+            tenant=tenant,
+            priority=priority,
             arrival_time=self.time,
         )
         self.scheduler.add(seq)

@@ -72,13 +72,15 @@ class FakeEngine:
         self.params_seen: dict[str, object] = {}  # request_id -> the SamplingParams it ran with
         self.prompts_seen: dict[str, list[int]] = {}  # request_id -> the prompt token ids it ran with
         self.salts_seen: dict[str, str | None] = {}  # request_id -> the prefix-cache salt it ran with
+        self.scheduling_seen: dict[str, tuple[int, str | None]] = {}  # request_id -> (priority, tenant)
         self.loaded: dict[str, tuple[str, bool]] = {}
         self.shut_down = False
 
     def _blocks(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
 
-    async def generate(self, prompt, params, request_id=None, adapter=None, cache_salt=None):
+    async def generate(self, prompt, params, request_id=None, adapter=None, cache_salt=None, priority=0,
+                       tenant=None):
         if isinstance(prompt, str):
             prompt = self.tokenizer(prompt)["input_ids"]
         if not prompt:
@@ -89,6 +91,7 @@ class FakeEngine:
             self.params_seen[request_id] = params
             self.prompts_seen[request_id] = list(prompt)
             self.salts_seen[request_id] = cache_salt
+            self.scheduling_seen[request_id] = (priority, tenant)
             self.blocks_in_use[request_id] = self._blocks(len(prompt)) * params.n
         try:
             texts = [""] * params.n

@@ -22,7 +22,8 @@ class ScriptedEngine(FakeEngine):
     def push(self, *pieces: str) -> None:
         self.scripts.append(list(pieces))
 
-    async def generate(self, prompt, params, request_id=None, adapter=None, cache_salt=None):
+    async def generate(self, prompt, params, request_id=None, adapter=None, cache_salt=None, priority=0,
+                       tenant=None):
         pieces = self.scripts.pop(0)
         with self._lock:
             self.started.append((request_id, None))

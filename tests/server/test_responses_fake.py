@@ -255,7 +255,8 @@ def test_sampling_fields_reach_the_engine_and_the_tenant_path(server_factory):
 class _FailingEngine(ScriptedEngine):
     """Writes its first piece, then fails."""
 
-    async def generate(self, prompt, params, request_id=None, adapter=None, cache_salt=None):
+    async def generate(self, prompt, params, request_id=None, adapter=None, cache_salt=None, priority=0,
+                       tenant=None):
         async for out in super().generate(prompt, params, request_id, adapter, cache_salt):
             yield out
             raise RuntimeError("the engine broke")

@@ -1,0 +1,85 @@
+"""In which order waiting sequences are offered admission, and which running sequence gives way
+when KV memory runs out, under each scheduling policy. Pure Python, no torch.
+
+- ``fcfs``: arrival order; the most recently admitted sequence is preempted first (vLLM's
+  default).
+- ``priority``: lower ``priority`` first, then arrival (vLLM's ``--scheduling-policy priority``);
+  the victim is the sequence with the highest priority value, the latest admitted among equals.
+- ``fair`` (loraplex's default): priority first, then the tenant with the fewest running
+  sequences, then arrival. One tenant's burst of requests queues behind its own earlier ones,
+  not in front of every other tenant's: a tenant with nothing running is offered the next
+  admission. Within a tenant, requests keep their arrival order. The victim is the newest
+  sequence of the tenant holding the most running sequences (lowest priority first).
+
+Sequences without a tenant (offline use) form one group, so ``fair`` is ``priority`` for them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+from typing import Iterable, Iterator
+
+from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.sampling_params import InvalidRequestError
+
+def admission_order(waiting: Iterable[Sequence], running: Iterable[Sequence], policy: str) -> Iterator[Sequence]:
+    """Yield the waiting sequences best first. Lazy: after each yield, a sequence the caller
+    admitted (status RUNNING) counts toward its tenant's running load for the ones after it."""
+    waiting = list(waiting)
+    if policy == "fcfs":
+        yield from waiting
+        return
+    by_tenant: dict[str | None, list[Sequence]] = {}
+    for seq in waiting:  # arrival order, kept within each group by the stable sort below
+        by_tenant.setdefault(seq.tenant if policy == "fair" else None, []).append(seq)
+    load = Counter(s.tenant for s in running) if policy == "fair" else Counter()
+    tiebreak = itertools.count()
+    heap = []
+    queues = {}
+    for tenant, seqs in by_tenant.items():
+        seqs.sort(key=lambda s: s.priority)
+        queues[tenant] = iter(seqs)
+        heap.append(_entry(next(queues[tenant]), load[tenant], tiebreak, tenant))
+    heapq.heapify(heap)
+    while heap:
+        *_, seq, tenant = heapq.heappop(heap)
+        yield seq
+        if seq.status is SequenceStatus.RUNNING:
+            load[tenant] += 1
+        following = next(queues[tenant], None)
+        if following is not None:
+            heapq.heappush(heap, _entry(following, load[tenant], tiebreak, tenant))
+
+
+def _entry(head: Sequence, load: int, tiebreak, tenant):
+    return (head.priority, load, head.arrival_time, next(tiebreak), head, tenant)
+
+
+def preemption_victim(running: list[Sequence], policy: str) -> Sequence:
+    """The running sequence to preempt when a running one needs a KV block and none is free.
+    ``running`` is in admission order."""
+    if policy == "fcfs":
+        return running[-1]
+    if policy == "priority":
+        return max(enumerate(running), key=lambda item: (item[1].priority, item[0]))[1]
+    load = Counter(s.tenant for s in running)
+    return max(enumerate(running), key=lambda item: (item[1].priority, load[item[1].tenant], item[0]))[1]
+
+
+PRIORITY_LIMIT = 1 << 31  # |priority| below this: an int any client library can send
+
+
+def check_priority(priority, policy: str) -> None:
+    """Refuse a priority that is not a bounded int, or a non-zero one the policy ignores
+    (vLLM refuses those under ``fcfs`` too: a client relying on it would be misled)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise InvalidRequestError("priority must be an integer", param="priority")
+    if not -PRIORITY_LIMIT < priority < PRIORITY_LIMIT:
+        raise InvalidRequestError(f"priority must be between {-PRIORITY_LIMIT + 1} and {PRIORITY_LIMIT - 1}",
+                                  param="priority")
+    if priority != 0 and policy == "fcfs":
+        raise InvalidRequestError(
+            "priority is not used by this server's scheduling policy (fcfs): start it with "
+            "--scheduling-policy fair or priority, or send priority 0", param="priority")
