@@ -223,7 +223,7 @@ class RequestRun:
         except BaseException:
             self._release()
             raise
-        ctx.metrics.request_started(self.target.label)
+        ctx.metrics.request_started(self.target.label, self.tenant)
 
     def _release(self) -> None:
         ctx = self.ctx
@@ -259,7 +259,7 @@ class RequestRun:
                         self.completion_tokens += len(comp.token_ids)
                         if self.first_token_at is None:
                             self.first_token_at = now
-                            self.ctx.metrics.first_token(self.target.label, now - self.arrival)
+                            self.ctx.metrics.first_token(self.target.label, now - self.arrival, self.tenant)
                         elif choice in last_token_at:
                             self.ctx.metrics.itl.labels(self.ctx.metrics.model_name).observe(now - last_token_at[choice])
                         last_token_at[choice] = now
@@ -298,6 +298,7 @@ class RequestRun:
             gen_tokens=self.completion_tokens,
             e2e=now - self.arrival if status == 200 else None,
             finish_reason=finish if status == 200 else None,
+            tenant=self.tenant,
         )
         record = {
             "event": "request",

@@ -17,6 +17,13 @@ loraplex's own: ``loraplex_adapters{tier}``, ``loraplex_adapter_loads_total``,
 version or hash); past ``max_adapter_labels`` distinct values new adapters are counted under
 ``__other__`` so the series count stays bounded.
 
+Per tenant (base model and adapters together; what a fair share or a bill is about):
+``loraplex_tenant_requests_in_flight{tenant,state}`` (waiting / running, as the server sees
+them: waiting until the first token),
+``loraplex_tenant_requests_total{tenant}``, ``loraplex_tenant_tokens_total{tenant,kind}``
+(prompt / generation) and ``loraplex_tenant_time_to_first_token_seconds{tenant}``; tenant labels
+are bounded the same way (``max_adapter_labels``, then ``__other__``).
+
 Running/waiting LoRA adapters are seen from the server: a request is waiting until its first
 token arrives, running after.
 """
@@ -80,6 +87,8 @@ class ServerMetrics:
         self._adapter_labels: set[str] = set()
         self._waiting: Multiset[str] = Multiset()
         self._running: Multiset[str] = Multiset()
+        self._tenant_labels: set[str] = set()
+        self._tenant_state: dict[str, Multiset[str]] = {"waiting": Multiset(), "running": Multiset()}
         labels = ["model_name"]
         reg = self.registry
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels, registry=reg, buckets=_TTFT_BUCKETS)
@@ -91,6 +100,10 @@ class ServerMetrics:
         self.adapter_requests = Counter("loraplex_adapter_requests", "Requests per adapter.", ["adapter"], registry=reg)
         self.adapter_tokens = Counter("loraplex_adapter_tokens", "Tokens per adapter.", ["adapter", "kind"], registry=reg)
         self.http_requests = Counter("loraplex_http_requests", "HTTP requests by route and status.", ["route", "status"], registry=reg)
+        self.tenant_requests = Counter("loraplex_tenant_requests", "Finished requests per tenant.", ["tenant"], registry=reg)
+        self.tenant_tokens = Counter("loraplex_tenant_tokens", "Tokens per tenant.", ["tenant", "kind"], registry=reg)
+        self.tenant_ttft = Histogram("loraplex_tenant_time_to_first_token_seconds", "Time to first token per tenant.",
+                                     ["tenant"], registry=reg, buckets=_TTFT_BUCKETS)
         reg.register(_EngineCollector(self))
 
     # --- called by the routes --------------------------------------------------------------
@@ -98,29 +111,56 @@ class ServerMetrics:
     def adapter_label(self, adapter: str | None) -> str:
         if adapter is None:
             return "base"
+        return self._bounded(adapter, self._adapter_labels)
+
+    def tenant_label(self, tenant: str) -> str:
+        return self._bounded(tenant, self._tenant_labels)
+
+    def _bounded(self, value: str, known: set[str]) -> str:
         with self._lock:
-            if adapter in self._adapter_labels:
-                return adapter
-            if len(self._adapter_labels) < self.max_adapter_labels:
-                self._adapter_labels.add(adapter)
-                return adapter
+            if value in known:
+                return value
+            if len(known) < self.max_adapter_labels:
+                known.add(value)
+                return value
         return OTHER_LABEL
 
-    def request_started(self, adapter: str | None) -> None:
-        if adapter is not None:
-            with self._lock:
+    def request_started(self, adapter: str | None, tenant: str | None = None) -> None:
+        with self._lock:
+            if adapter is not None:
                 self._waiting[adapter] += 1
+        if tenant is not None:
+            self._move_tenant(self.tenant_label(tenant), None, "waiting")
 
-    def first_token(self, adapter: str | None, ttft: float) -> None:
+    def first_token(self, adapter: str | None, ttft: float, tenant: str | None = None) -> None:
         self.ttft.labels(self.model_name).observe(ttft)
         if adapter is not None:
             with self._lock:
                 self._waiting[adapter] -= 1
                 self._running[adapter] += 1
+        if tenant is not None:
+            label = self.tenant_label(tenant)
+            self.tenant_ttft.labels(label).observe(ttft)
+            self._move_tenant(label, "waiting", "running")
+
+    def _move_tenant(self, label: str, source: str | None, target: str | None) -> None:
+        with self._lock:
+            if source is not None:
+                bucket = self._tenant_state[source]
+                bucket[label] -= 1
+                if bucket[label] <= 0:
+                    del bucket[label]
+            if target is not None:
+                self._tenant_state[target][label] += 1
+
+    def tenant_states(self) -> dict[str, dict[str, int]]:
+        """{state: {tenant label: requests}} for the tenants with requests in flight."""
+        with self._lock:
+            return {state: dict(counts) for state, counts in self._tenant_state.items()}
 
     def request_finished(
         self, adapter: str | None, *, got_first_token: bool, prompt_tokens: int, gen_tokens: int,
-        e2e: float | None, finish_reason: str | None,
+        e2e: float | None, finish_reason: str | None, tenant: str | None = None,
     ) -> None:
         if adapter is not None:
             with self._lock:
@@ -128,6 +168,12 @@ class ServerMetrics:
                 bucket[adapter] -= 1
                 if bucket[adapter] <= 0:
                     del bucket[adapter]
+        if tenant is not None:
+            who = self.tenant_label(tenant)
+            self._move_tenant(who, "running" if got_first_token else "waiting", None)
+            self.tenant_requests.labels(who).inc()
+            self.tenant_tokens.labels(who, "prompt").inc(prompt_tokens)
+            self.tenant_tokens.labels(who, "generation").inc(gen_tokens)
         label = self.adapter_label(adapter)
         self.adapter_requests.labels(label).inc()
         self.adapter_tokens.labels(label, "prompt").inc(prompt_tokens)
@@ -269,6 +315,13 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], totals[key])
             yield c
+        per_tenant = GaugeMetricFamily("loraplex_tenant_requests_in_flight",
+                                       "Requests in flight per tenant: waiting (no token yet) or running.",
+                                       labels=["tenant", "state"])
+        for state, counts in m.tenant_states().items():
+            for tenant, count in sorted(counts.items()):
+                per_tenant.add_metric([tenant, state], count)
+        yield per_tenant
         reading = GaugeMetricFamily("loraplex_adapter_host_reads_in_flight",
                                     "Adapters being read from disk into host memory off the engine thread.")
         reading.add_metric([], _num(lora_stats(stats), "host_reads_in_flight"))
