@@ -22,13 +22,14 @@ Adapter slots: the distinct adapters of the RUNNING sequences never exceed
 adapters in device slots.
 
 Starvation bound: let S be the first waiting sequence (in the policy's order) whose adapter is
-ready (in host memory) but cannot get a slot. From the step S is picked, no sequence of any other adapter is admitted
-(base-model sequences still are: they take no slot), so the running adapters drain; if S's
-adapter still has no slot ``config.lora_starvation_steps`` steps later, every running sequence
-of the adapter with the fewest running sequences is preempted (recomputed later) in that step.
-So S's adapter gets a slot, and S is admitted, at most ``lora_starvation_steps`` steps after S
-is picked, provided S fits in the free KV blocks and the token budget (order for memory) and that
-explicitly pinned adapters do not hold every slot.
+ready (in host memory) but cannot get a slot. From the step S is picked, no sequence of any
+other adapter is admitted (base-model sequences still are: they take no slot), so the running
+adapters drain; if S's adapter still has no slot ``config.lora_starvation_steps`` steps
+later, every running sequence of the adapter with the fewest running sequences is preempted
+(recomputed later) in that step. So S's adapter gets a slot, and S is admitted, at most
+``lora_starvation_steps`` steps after S is picked, provided S fits in the free KV blocks and
+the token budget (strict order for memory) and that explicitly pinned adapters do not hold
+every slot.
 """
 
 from __future__ import annotations
