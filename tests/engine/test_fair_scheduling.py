@@ -171,3 +171,36 @@ def test_unknown_policy_is_refused():
     with pytest.raises(ValueError):
         Settings(scheduling_policy="lifo")
     assert EngineConfig().scheduling_policy == Settings().scheduling_policy == "fair"
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_engine_admits_another_tenant_ahead_of_a_burst(tiny_llama_dir, loraplex_home, policy):
+    """Through the real engine: tenant a's four 60-token prompts fill the 64-token step budget
+    for four steps; b's short request, added after the first step, gets its first token in
+    the next step under fair and not before the burst's last prompt under fcfs. Tokens are exact."""
+    from tests.engine.test_engine_exact import hf_greedy_all, tight_llm
+
+    llm = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=64, scheduling_policy=policy)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=3, min_tokens=3)
+    burst = [[7 + i] + list(range(20, 79)) for i in range(4)]
+    ids = [engine.add_request(None, p, params, tenant="a") for p in burst]
+    engine.step()
+    quiet = [5, 6, 7, 8]
+    ids.append(engine.add_request(None, quiet, params, tenant="b"))
+    first_token_step: dict[str, int] = {}
+    finals = {}
+    step = 1
+    while engine.has_unfinished():
+        step += 1
+        for out in engine.step():
+            if out.outputs[0].token_ids and out.request_id not in first_token_step:
+                first_token_step[out.request_id] = step
+            if out.finished:
+                finals[out.request_id] = out.token_ids
+    burst_firsts = [first_token_step[i] for i in ids[:4]]
+    if policy == "fair":
+        assert first_token_step[ids[4]] == 2
+    else:
+        assert first_token_step[ids[4]] >= max(burst_firsts) >= 4  # behind the last prompt of the burst
+    assert [finals[i] for i in ids] == hf_greedy_all(tiny_llama_dir, burst + [quiet], 3)
