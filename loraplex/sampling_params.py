@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
+    from loraplex.reasoning_boundary import ReasoningBoundary
     from loraplex.structured_output import StructuredOutputs
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for each logit_bias value: [-100, 100]
@@ -57,6 +58,9 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
     # keep the output to a JSON schema / regex / choice / grammar (loraplex.structured_output)
     structured_outputs: "StructuredOutputs | None" = None
+    # a reasoning model's end-of-reasoning tokens: structured_outputs holds only after them
+    # (loraplex.reasoning_boundary); None: from the first token
+    reasoning_boundary: "ReasoningBoundary | None" = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -136,6 +140,13 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 bad("structured_outputs", "structured_outputs must be a StructuredOutputs")
             self.structured_outputs.validate()
+        if self.reasoning_boundary is not None:
+            from loraplex.reasoning_boundary import ReasoningBoundary
+
+            if not isinstance(self.reasoning_boundary, ReasoningBoundary):
+                bad("reasoning_boundary", "reasoning_boundary must be a ReasoningBoundary")
+            if self.structured_outputs is None:
+                bad("reasoning_boundary", "reasoning_boundary says where structured_outputs starts; give one with it")
 
 
 def _is_int(v) -> bool:
@@ -160,12 +171,18 @@ def _check_logit_bias(bias) -> None:
 
 def check_token_ids_in_vocab(params: SamplingParams, vocab_size: int) -> None:
     """Token ids a request names must index the model's vocabulary (``logit_bias`` keys,
-    ``allowed_token_ids``)."""
+    ``allowed_token_ids``, ``reasoning_boundary``)."""
     if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab_size:
         raise InvalidRequestError(
             f"allowed_token_ids names token id {max(params.allowed_token_ids)}, but the model's vocabulary "
             f"has {vocab_size} tokens (ids 0..{vocab_size - 1})",
             param="allowed_token_ids",
+        )
+    if params.reasoning_boundary is not None and max(params.reasoning_boundary.token_ids()) >= vocab_size:
+        raise InvalidRequestError(
+            f"reasoning_boundary names token id {max(params.reasoning_boundary.token_ids())}, but the model's "
+            f"vocabulary has {vocab_size} tokens (ids 0..{vocab_size - 1})",
+            param="reasoning_boundary",
         )
     if params.logit_bias:
         worst = max(params.logit_bias)

@@ -15,6 +15,7 @@ from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.detokenizer import backend_decoder
 from loraplex.engine.grammar import GrammarFactory
 from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.reasoning_gate import ReasoningGate
 from loraplex.engine.request_state import PreparedRequest, RequestState
 from loraplex.engine.sampler import bad_words_token_ids
 from loraplex.engine.scheduler import Scheduler
@@ -210,6 +211,8 @@ class LLMEngine:
                 index=i,
                 arrival_time=req.arrival_time,
                 grammar=None if req.grammar is None else req.grammar if i == 0 else req.grammar.deep_copy(),
+                reasoning_gate=(ReasoningGate(req.params.reasoning_boundary)
+                                if req.grammar is not None and req.params.reasoning_boundary is not None else None),
             )
             for i in range(req.params.n)
         ]

@@ -12,7 +12,9 @@ Order of operations per row (as vLLM v1):
    subtracted, counting output tokens only.
 4. ``allowed_token_ids`` (vLLM's): every other token gets ``-inf``; ``bad_words``: the token
    that would complete a bad word gets ``-inf``. Structured output: tokens the sequence's grammar does not allow next get ``-inf``; the
-   sampled token then advances the grammar (``loraplex.structured_output``).
+   sampled token then advances the grammar (``loraplex.structured_output``). With a
+   ``reasoning_boundary`` the grammar holds only once the reasoning has ended
+   (``loraplex.engine.reasoning_gate``): reasoning tokens are left as they are.
 5. Greedy rows (``temperature == 0``) take the argmax here.
 6. Other rows: divide by temperature, then ``min_p`` (drop tokens with probability below
    ``min_p`` times the top one), ``top_k``, ``top_p`` (smallest set of top tokens whose mass
@@ -77,8 +79,9 @@ class Sampler:
         logits = apply_allowed_token_ids(logits, seqs)
         logits = apply_bad_words(logits, seqs)
         grammar_rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
-        if grammar_rows:
-            logits = apply_grammars(logits, seqs, grammar_rows, eos_token_ids, self.grammar_masks)
+        masked_rows = [row for row in grammar_rows if seqs[row].reasoning_gate is None or seqs[row].reasoning_gate.masks]
+        if masked_rows:
+            logits = apply_grammars(logits, seqs, masked_rows, eos_token_ids, self.grammar_masks)
 
         greedy = [p.temperature == 0.0 for p in params]
         token_ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
@@ -97,7 +100,11 @@ class Sampler:
 
         ids = token_ids.tolist()
         for row in grammar_rows:
-            seqs[row].grammar.consume_token(ids[row])
+            gate = seqs[row].reasoning_gate
+            if gate is None:
+                seqs[row].grammar.consume_token(ids[row])
+            else:
+                gate.advance(ids[row], seqs[row].grammar)
         if raw_logprobs is None:
             return [SampledToken(token_id=t) for t in ids]
         return _with_logprobs(ids, raw_logprobs, params)
@@ -193,7 +200,9 @@ def apply_grammars(
 ) -> torch.Tensor:
     """Structured output: in each of ``rows``, ``-inf`` for every token its sequence's grammar
     does not allow next (llguidance's bitmask, one bit per token). A matcher with nothing left
-    to allow (an error state) allows EOS, so the sequence ends instead of sampling garbage."""
+    to allow (an error state) allows EOS, so the sequence ends instead of sampling garbage.
+    A sequence whose first tokens may open its reasoning (reasoning_gate.py) also allows the
+    opening marker's next token."""
     vocab = logits.shape[1]
     matchers = [seqs[row].grammar for row in rows]
     if allowed_tokens is None:
@@ -204,6 +213,12 @@ def apply_grammars(
             padded = np.zeros((len(rows), vocab), dtype=bool)
             padded[:, : min(vocab, allowed.shape[1])] = allowed[:, :vocab]
             allowed = padded
+    for k, row in enumerate(rows):
+        gate = seqs[row].reasoning_gate
+        if gate is not None and gate.opening_token() is not None:  # the output may open its reasoning
+            if not gate.grammar_open:
+                allowed[k] = False
+            allowed[k, gate.opening_token()] = True
     for k in np.flatnonzero(~allowed.any(axis=1)):
         allowed[k, [t for t in eos_token_ids if t < vocab]] = True
     index = torch.tensor(rows, device=logits.device)

@@ -65,6 +65,9 @@ class Sequence:
     # structured output: this sequence's llguidance matcher, advanced by the sampler with each
     # token it samples (None: unconstrained)
     grammar: object | None = None
+    # structured output after reasoning: a reasoning_gate.ReasoningGate that says whether the
+    # grammar holds yet (None: it holds from the first token)
+    reasoning_gate: object | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
