@@ -79,7 +79,8 @@ class Sampler:
         logits = apply_allowed_token_ids(logits, seqs)
         logits = apply_bad_words(logits, seqs)
         grammar_rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
-        masked_rows = [row for row in grammar_rows if seqs[row].reasoning_gate is None or seqs[row].reasoning_gate.masks]
+        # rows still reasoning are left free (their grammar starts after it)
+        masked_rows = [r for r in grammar_rows if seqs[r].reasoning_gate is None or seqs[r].reasoning_gate.masks]
         if masked_rows:
             logits = apply_grammars(logits, seqs, masked_rows, eos_token_ids, self.grammar_masks)
 

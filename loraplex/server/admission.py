@@ -17,6 +17,7 @@ from loraplex.server.errors import APIError, from_exception, model_not_found
 from loraplex.server.generation import RequestRun, Target, log_refused, prepare, resolve_target, tokenize_prompts
 from loraplex.server.limits import read_json
 from loraplex.server.protocol import GenerationRequest
+from loraplex.server.reasoned_constraints import set_boundary
 from loraplex.server.shapes import new_id
 
 
@@ -55,9 +56,11 @@ class Admission:
         raise NotImplementedError
 
     def prompt_ids(self, ctx: AppContext, req: GenerationRequest) -> list[list[int]]:
-        """Token ids per prompt, limits checked (``prepare`` may set ``max_tokens``)."""
+        """Token ids per prompt, limits checked (``prepare`` may set ``max_tokens``); a
+        constrained chat request gets its reasoning boundary (reasoned_constraints.py)."""
         ids = tokenize_prompts(ctx, req)
         prepare(ctx, req, ids)
+        set_boundary(ctx, req, ids)  # a constraint after the reasoning, with a reasoning parser
         return ids
 
     def request_id(self, req: GenerationRequest) -> str:

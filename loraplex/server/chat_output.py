@@ -8,9 +8,11 @@ vllm-project/vllm#33402) and that DeepSeek's API, LiteLLM and the Vercel AI SDK 
 reads.
 
 A request whose output is kept to a constraint (``response_format``, ``structured_outputs``,
-``guided_*``, a named or ``"required"`` tool choice) is not parsed: the constraint holds from the
-first token, so the model writes no reasoning, and its text is the answer (vLLM lets a model
-reason before the constraint starts; that needs the engine to switch grammars mid-output).
+``guided_*``) is read for reasoning only, when the server has a reasoning parser: the engine
+holds the constraint after the reasoning ends (reasoned_constraints.py), and the content is the
+constrained answer. Without one, the constraint holds from the first token and the text is the
+answer. A named or ``"required"`` tool choice is read by tool_calls.py (and
+reasoned_constraints.py for its reasoning).
 """
 
 from __future__ import annotations
@@ -134,20 +136,30 @@ def _add(out: list[dict], field: str, text: str) -> None:
 
 def outputs_for(run) -> Callable[[], ChoiceOutput] | None:
     """A maker of per-choice readers for this request, or None when its text is the answer as
-    it is (completions, no parser set, a constrained output)."""
+    it is (completions, no parser set, an output constrained from its first token, a tool
+    choice)."""
     req, ctx = run.req, run.ctx
-    if req.kind != "chat" or req.params.structured_outputs is not None:
+    if req.kind != "chat":
         return None
-    tools = ctx.tool_parser if req.tools.auto else None
     reasoning = ctx.reasoning_parser
+    if req.params.structured_outputs is not None:
+        # the constraint holds after the reasoning (a tool choice's calls are read elsewhere),
+        # or from the first token: then the text is the answer as it is
+        if req.params.reasoning_boundary is None or req.tools.mode is not None:
+            return None
+        tools = None
+    else:
+        tools = ctx.tool_parser if req.tools.auto else None
     if tools is None and reasoning is None:
         return None
-    tail = _prompt_tail(ctx.tokenizer, run.prompt_ids[0]) if reasoning is not None else ""
+    tail = prompt_tail(ctx.tokenizer, run.prompt_ids[0]) if reasoning is not None else ""
     max_calls = None if req.tools.parallel else 1
     return lambda: ChoiceOutput(reasoning, tools, tail, max_calls)
 
 
-def _prompt_tail(tokenizer, prompt_ids: list[int]) -> str:
+def prompt_tail(tokenizer, prompt_ids: list[int]) -> str:
+    """The end of a prompt's text, from which the reasoning parser decides where the output
+    starts (the splitter and the engine's reasoning boundary read the same)."""
     return tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
 
 

@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from loraplex.server import chat_output, tool_calls
+from loraplex.server import chat_output, reasoned_constraints, tool_calls
 from loraplex.server.admission import Admission, admit
 from loraplex.server.context import AppContext
 from loraplex.server.errors import CLIENT_CLOSED, from_exception, model_not_found
@@ -100,7 +100,7 @@ async def collect(run: RequestRun, shaper: ResponseShaper) -> dict:
             logprobs = shaper.completion_logprobs(entries[i], req.top_logprobs, len(prefix))
         choice = {"index": i, "text": prefix + texts[i], "logprobs": logprobs, "finish_reason": finish[i]}
         if req.kind == "chat" and req.tools.mode is not None:  # the output is a tool call's arguments
-            choice["message"], called = tool_calls.message(req.tools, texts[i])
+            choice["message"], called = reasoned_constraints.tool_message(run, texts[i])
             choice["finish_reason"] = tool_calls.finish_reason(req.tools.mode, finish[i], called)
         elif parsed is not None:
             choice["message"], choice["finish_reason"] = parsed().message(texts[i], finish[i])
@@ -153,13 +153,17 @@ async def chunks(run: RequestRun, shaper: ResponseShaper):
     if req.continuous_usage:
         shaper.track_usage([len(run.prompt_ids[i // req.params.n]) for i in range(n_choices)])
     calls = None  # per choice, when the output is tool calls
+    splits = None  # per choice, the reasoning before a tool choice's calls (None: no reasoning)
     parsed = None  # per choice, when the parsers read the text (reasoning, "auto" tool calls)
     if req.kind == "chat" and req.tools.mode is None and (maker := chat_output.outputs_for(run)) is not None:
         parsed = [maker() for _ in range(n_choices)]
     if req.kind == "chat" and req.tools.mode is not None:
         calls = [tool_calls.ToolCallStream(req.tools) for _ in range(n_choices)]
+        splits = [reasoned_constraints.splitter(run) for _ in range(n_choices)]
         for i in range(n_choices):  # the role, then a named call's header (id, name)
             yield shaper.chunk(i, None, None, role=True)
+            if splits[i] is not None:
+                continue  # after the reasoning, with the first argument: no call if it never ends
             for entry in calls[i].start():
                 yield shaper.chunk(i, None, None, tool_calls=[entry])
     elif req.kind == "chat":  # first chunk of each choice announces the role
@@ -189,7 +193,8 @@ async def chunks(run: RequestRun, shaper: ResponseShaper):
             else:
                 logprobs = shaper.completion_logprobs(comp.logprobs, req.top_logprobs, offsets[choice])
         if calls is not None:
-            for chunk in _tool_call_chunks(shaper, calls[choice], choice, comp, logprobs, req.tools.mode):
+            for chunk in _tool_call_chunks(shaper, calls[choice], splits[choice], choice, comp, logprobs,
+                                           req.tools.mode):
                 yield chunk
             continue
         if parsed is not None:
@@ -207,15 +212,18 @@ async def chunks(run: RequestRun, shaper: ResponseShaper):
             yield shaper.chunk(choice, comp.text, comp.finish_reason, logprobs)
 
 
-def _tool_call_chunks(shaper: ResponseShaper, stream: tool_calls.ToolCallStream, choice: int, comp, logprobs,
-                      mode: str):
-    """The chunks of one engine delta of a tool-call output: one per ``tool_calls`` entry (the
-    delta's logprobs ride on the first, or on an empty delta of their own), then the finish
-    reason on a chunk of its own."""
-    entries = stream.feed(comp.text)
-    for k, entry in enumerate(entries):
-        yield shaper.chunk(choice, None, None, logprobs if k == 0 else None, tool_calls=[entry])
-    if not entries and logprobs is not None:
+def _tool_call_chunks(shaper: ResponseShaper, stream: tool_calls.ToolCallStream, split, choice: int, comp,
+                      logprobs, mode: str):
+    """The chunks of one engine delta of a tool-call output: one per reasoning piece (``split``,
+    with a reasoning parser) or ``tool_calls`` entry (the delta's logprobs ride on the first, or
+    on an empty delta of their own), then the finish reason on a chunk of its own."""
+    deltas = reasoned_constraints.tool_deltas(split, stream, comp.text, comp.finish_reason is not None)
+    for k, delta in enumerate(deltas):
+        chunk = shaper.chunk(choice, None, None, logprobs if k == 0 else None, tool_calls=delta.get("tool_calls"))
+        if "reasoning" in delta:
+            chunk["choices"][0]["delta"].update({field: delta["reasoning"] for field in chat_output.REASONING_FIELDS})
+        yield chunk
+    if not deltas and logprobs is not None:
         yield shaper.chunk(choice, None, None, logprobs)
     if comp.finish_reason is not None:
         reason = tool_calls.finish_reason(mode, comp.finish_reason, stream.called())

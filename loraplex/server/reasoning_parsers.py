@@ -17,10 +17,19 @@ content, one that ends with ``<think>`` makes it start inside the reasoning.
 
 Streaming holds back only what could be the start of a tag; the pieces join into exactly the
 reasoning and content of the same output read whole.
+
+A request kept to a constraint gets the same decision as token ids (``boundary``): the engine
+starts the grammar after ``</think>`` where the splitter starts the content
+(reasoned_constraints.py). The tags are matched there as the tokenizer encodes them (one token
+each in Qwen3's and DeepSeek-R1's vocabularies); a model spelling a tag in other tokens, or
+writing whitespace before an opening ``<think>``, is read by the splitter but not by the engine.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from loraplex.reasoning_boundary import ReasoningBoundary
 from loraplex.server.tool_parsers import partial_marker_len
 
 THINK, END_THINK = "<think>", "</think>"
@@ -83,18 +92,31 @@ class ReasoningSplitter:
 
 class ReasoningParser:
     """A model's reasoning syntax: ``splitter(prompt_tail)`` reads one output, given the end of
-    its prompt's text."""
+    its prompt's text; ``boundary`` tells the engine the same for structured output."""
 
     name = ""
     unopened = "lead"  # where an output starts when the prompt says nothing
 
-    def splitter(self, prompt_tail: str = "") -> ReasoningSplitter:
+    def start_state(self, prompt_tail: str = "") -> str:
+        """Where an output after this prompt starts: "content", "lead" (reasoning, maybe after
+        a ``<think>`` of its own) or "detect" (reasoning only if it opens with ``<think>``)."""
         tail = prompt_tail.rstrip(_WS)
         if tail.endswith(END_THINK):
-            return ReasoningSplitter("content")
+            return "content"
         if tail.endswith(THINK):
-            return ReasoningSplitter("lead")
-        return ReasoningSplitter(self.unopened)
+            return "lead"
+        return self.unopened
+
+    def splitter(self, prompt_tail: str = "") -> ReasoningSplitter:
+        return ReasoningSplitter(self.start_state(prompt_tail))
+
+    def boundary(self, prompt_tail: str, encode: Callable[[str], list[int]]) -> ReasoningBoundary:
+        """Where structured output starts in an output after this prompt, for the engine: the
+        token ids of the tags (``encode``: the tokenizer, without special tokens added) and the
+        splitter's own start, so the grammar begins where the splitter's content does."""
+        starts_in = {"content": "content", "lead": "reasoning", "detect": "either"}[self.start_state(prompt_tail)]
+        return ReasoningBoundary(end_token_ids=tuple(encode(END_THINK)), start_token_ids=tuple(encode(THINK)),
+                                 starts_in=starts_in)
 
 
 class DeepSeekR1Parser(ReasoningParser):

@@ -19,7 +19,7 @@ from loraplex.reasoning_boundary import ReasoningBoundary
 from loraplex.sampling_params import InvalidRequestError, SamplingParams
 from loraplex.structured_output import StructuredOutputs
 from tests.engine.reasoning_helpers import (END_THINK, THINK, Stepper, byte_ids, end_bias, gated_greedy,
-                                           make_thinking_model_dir)
+                                           make_thinking_model_dir, thinking_tokenizer)
 
 CHOICES = ["alpha", "alps", "beta", "gamma ray"]
 SCHEMA = {
@@ -144,10 +144,8 @@ def test_gate_with_multi_token_markers():
     """Markers of several tokens, against a real llguidance matcher: an opening marker whose
     first tokens the grammar also takes is rolled back once complete; a partial one the answer
     goes on from stays in the answer; the end marker is matched as a sequence."""
-    from llguidance import LLMatcher
-
-    from tests.engine.reasoning_helpers import thinking_tokenizer
     import llguidance.hf
+    from llguidance import LLMatcher
 
     tok = thinking_tokenizer()
     lltok = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok), eos_token=[1])

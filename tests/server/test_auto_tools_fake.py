@@ -146,7 +146,7 @@ def test_without_a_parser_auto_is_a_400_naming_the_flag(serve):
 
 def test_none_and_named_choices_are_not_read_by_the_parsers(serve):
     """"none" asks for no call: the text stays content; a named choice keeps its constraint and
-    its own answer, with no reasoning read out of it (it holds from the first token)."""
+    its own answer, read by no tool-call parser (reasoning before it: test_reasoned_constraints_fake.py)."""
     srv, c = serve([CALL_TEXT], ['{"city": ', '"Oslo"}'], tool_call_parser="hermes", reasoning_parser="qwen3")
     msg = c.post(PATH, json={**CHAT, "tool_choice": "none"}).json()["choices"][0]["message"]
     assert msg["content"] == CALL_TEXT and "tool_calls" not in msg and msg["reasoning"] is None
@@ -154,7 +154,7 @@ def test_none_and_named_choices_are_not_read_by_the_parsers(serve):
     named = {"type": "function", "function": {"name": "get_weather"}}
     choice = c.post(PATH, json={**CHAT, "tool_choice": named}).json()["choices"][0]
     assert choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
-    assert "reasoning" not in choice["message"] and choice["finish_reason"] == "stop"
+    assert choice["message"]["reasoning"] is None and choice["finish_reason"] == "stop"
 
 
 THINK = ["<think>\nThe user asks", " about Oslo.\n</th", "ink>\n\nIt is ", "sunny."]
