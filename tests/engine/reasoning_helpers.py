@@ -59,11 +59,13 @@ class Stepper:
 
 
 def end_bias(model, prompt: list[int], end_id: int, base_bias: dict[int, float], earliest: int = 2,
-             horizon: int = 12) -> float | None:
+             horizon: int = 12, path: list[int] | None = None) -> float | None:
     """A bias on ``end_id`` under which greedy decoding (with ``base_bias``) first writes it at a
     step >= ``earliest``: below every earlier step's margin of the best token over it and above
-    that step's, with room on both sides; None when the first ``horizon`` steps have no such step."""
+    that step's, with room on both sides; None when the first ``horizon`` steps have no such step.
+    ``path``, when given, receives the greedy tokens before ``end_id``."""
     stepper, margins = Stepper(model, prompt), []
+    path = [] if path is None else path
     for _ in range(horizon):
         logits = stepper.logits()
         for token, value in base_bias.items():
@@ -75,6 +77,7 @@ def end_bias(model, prompt: list[int], end_id: int, base_bias: dict[int, float],
         if len(margins) >= earliest and margin < min(margins) - 0.1:
             return (margin + min(margins)) / 2
         margins.append(margin)
+        path.append(best)
         stepper.push(best)
     return None
 
