@@ -16,6 +16,7 @@ import pytest
 from tests.engine.reasoning_helpers import END_THINK, THINK, thinking_tokenizer
 from tests.server.scripted_engine import ScriptedEngine
 from tests.server.test_auto_tools_fake import PATH, PLACE, TOOLS, USER, _join, _sse, _whole
+from tests.server.test_responses_fake import TOOLS as FLAT_TOOLS
 from tests.server.test_responses_fake import _streamed, _whole_items
 
 JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "place", "schema": PLACE}}
@@ -126,21 +127,22 @@ def test_reasoning_cut_by_max_tokens_has_no_content(serve):
 def test_tool_choice_after_reasoning(serve, choice_field, answer, reason):
     pieces = ["<think>\nNeed", " the weather.</think>", answer[:9], answer[9:]]
     srv, c = serve(*[pieces] * 4, reasoning_parser="qwen3")
-    body = {"model": "fake-model", "messages": USER, "tools": TOOLS, "tool_choice": choice_field}
-    choice = c.post(PATH, json=body).json()["choices"][0]
-    msg = choice["message"]
-    assert choice["finish_reason"] == reason and msg["content"] is None
-    assert msg["reasoning"] == msg["reasoning_content"] == "\nNeed the weather."
-    assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in msg["tool_calls"]] == [
-        ("get_weather", {"city": "Oslo"})]
-    assert _join(_sse(c.post(PATH, json={**body, "stream": True}))) == _whole(choice)
+    body = {"model": "fake-model", "messages": USER, "tools": TOOLS, "tool_choice": choice_field, "n": 2}
+    choices = c.post(PATH, json=body).json()["choices"]
+    for choice in choices:  # each choice read on its own
+        msg = choice["message"]
+        assert choice["finish_reason"] == reason and msg["content"] is None
+        assert msg["reasoning"] == msg["reasoning_content"] == "\nNeed the weather."
+        assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in msg["tool_calls"]] == [
+            ("get_weather", {"city": "Oslo"})]
+    chunks = _sse(c.post(PATH, json={**body, "stream": True}))
+    assert [_join(chunks, i) for i in (0, 1)] == [_whole(choice) for choice in choices]
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key=c.headers["Authorization"][7:], max_retries=0)
-    flat = [{"type": "function", **t["function"]} for t in TOOLS]
     tool_choice = {"type": "function", "name": "get_weather"} if choice_field == NAMED else "required"
-    resp = client.responses.create(model="fake-model", input="Oslo?", tools=flat, tool_choice=tool_choice)
+    resp = client.responses.create(model="fake-model", input="Oslo?", tools=FLAT_TOOLS, tool_choice=tool_choice)
     items = _whole_items(resp)
     assert [i[0] for i in items] == ["reasoning", "function_call"] and items[0][1] == "\nNeed the weather."
-    streamed, _ = _streamed(client.responses.create(model="fake-model", input="Oslo?", tools=flat,
+    streamed, _ = _streamed(client.responses.create(model="fake-model", input="Oslo?", tools=FLAT_TOOLS,
                                                     tool_choice=tool_choice, stream=True))
     assert streamed == items
 
