@@ -19,9 +19,11 @@ PARENT = {
     "q_proj": "self_attn",
     "k_proj": "self_attn",
     "v_proj": "self_attn",
+    "qkv_proj": "self_attn",  # Phi-3
     "o_proj": "self_attn",
     "gate_proj": "mlp",
     "up_proj": "mlp",
+    "gate_up_proj": "mlp",  # Phi-3
     "down_proj": "mlp",
 }
 TENSOR_PREFIX = "base_model.model."

@@ -1,7 +1,7 @@
 """Device slot pool: ``max_loras`` adapters resident on the accelerator, stacked per layer and
 packed module in the layout ``loraplex.kernels.dispatch`` computes with.
 
-Per layer and packed module (slices as in ``PACKED_MODULES``)::
+Per layer and packed module (slices as in ``LoRATargetSpec.packed_modules``)::
 
     a       [num_slices, max_loras, r_max, in]    adapter dtype = engine dtype
     b       [max_loras, out_total, r_max]         slices concatenated along out
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.lora.spec import PACKED_MODULES, LoRATargetSpec
+from loraplex.lora.spec import LoRATargetSpec
 from loraplex.lora.weights import AdapterWeights
 
 
@@ -63,7 +63,7 @@ class SlotPool:
         spec, max_loras, max_rank, dtype = self.spec, self.max_loras, self.max_rank, self.dtype
         for _ in range(spec.num_layers):
             layer: dict[str, LoRAStack] = {}
-            for packed, names in PACKED_MODULES.items():
+            for packed, names in spec.packed_modules.items():
                 if not all(n in spec.module_shapes for n in names):
                     continue
                 in_f = spec.module_shapes[names[0]][0]

@@ -3,12 +3,16 @@ Plain data: the model produces a ``LoRATargetSpec``; the validator and slot pool
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-# PEFT module names that loraplex can serve, in the order the packed projections use them.
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# PEFT module names that loraplex can serve, in the order the packed projections use them;
+# qkv_proj and gate_up_proj are Phi-3's fused modules (a model has either those or their parts).
+TARGET_MODULES = (
+    "q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj"
+)
 
-# loraplex's packed projections and the PEFT modules (slices) each holds, in slice order.
+# loraplex's packed projections and the PEFT modules (slices) each holds, in slice order, for a
+# model with separate q/k/v and gate/up linears (Llama's layout).
 PACKED_MODULES: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "o_proj": ("o_proj",),
@@ -20,11 +24,14 @@ PACKED_MODULES: dict[str, tuple[str, ...]] = {
 @dataclass(frozen=True)
 class LoRATargetSpec:
     """Shapes of the base model's LoRA-targetable linears: ``module -> (in_features, out_features)``
-    for each name in ``TARGET_MODULES``, identical in every layer of a Llama-family decoder."""
+    for each of its HF module names (in ``TARGET_MODULES``), identical in every layer of a
+    Llama-family decoder; ``packed_modules``: loraplex's packed projections and the modules each
+    holds as slices (Phi-3: each fused module is the one slice of its projection)."""
 
     model_name: str
     num_layers: int
     module_shapes: dict[str, tuple[int, int]]
+    packed_modules: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(PACKED_MODULES))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """An adapter's weights laid out for loraplex's packed projections (host copy).
 
-Per layer and packed module (``PACKED_MODULES``: qkv_proj = q, k, v; gate_up_proj = gate, up;
-o_proj; down_proj): for each slice, ``A [rank_s, in]``, ``B [out_s, rank_s]`` and its scaling,
+Per layer and packed module (``LoRATargetSpec.packed_modules``; for Llama's layout qkv_proj =
+q, k, v; gate_up_proj = gate, up; o_proj; down_proj; for Phi-3's each fused module alone): for each slice, ``A [rank_s, in]``, ``B [out_s, rank_s]`` and its scaling,
 or nothing when the adapter does not target that slice in that layer. This is what the host
 cache holds and what a device slot is filled from.
 """
@@ -14,7 +14,7 @@ import torch
 
 from loraplex.lora.errors import InvalidAdapterError
 from loraplex.lora.peft_format import AdapterInfo, ParsedAdapter
-from loraplex.lora.spec import PACKED_MODULES, LoRATargetSpec
+from loraplex.lora.spec import LoRATargetSpec
 
 
 @dataclass
@@ -61,7 +61,7 @@ class AdapterWeights:
         layers: dict[tuple[int, str], PackedLoRA] = {}
         nbytes = 0
         for layer in range(spec.num_layers):
-            for packed, names in PACKED_MODULES.items():
+            for packed, names in spec.packed_modules.items():
                 slices: list[SliceLoRA | None] = []
                 for mod in names:
                     m = info.modules.get((layer, mod))
