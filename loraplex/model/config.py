@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.lora.spec import LoRATargetSpec
+from loraplex.model.longrope import LongRopeConfigError, parse_longrope
+from loraplex.model.phi3 import PHI3_ARCHITECTURE, PHI3_ROPE_TYPES, phi3_config_view, phi3_lora_target_spec
 
 # architecture name in config.json -> whether q/k/v carry a bias by design, whether each
 # q and k head is RMS-normed before the rotary embedding (Qwen3's q_norm / k_norm), and whether
@@ -23,8 +25,9 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False, "multipliers": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "multipliers": False},
     "GraniteForCausalLM": {"qkv_bias": False, "qk_norm": False, "multipliers": True},
+    PHI3_ARCHITECTURE: {"qkv_bias": False, "qk_norm": False, "multipliers": False},  # see loraplex.model.phi3
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # Phi-3's: PHI3_ROPE_TYPES
 
 
 class UnsupportedModelError(ValueError):
@@ -38,6 +41,12 @@ class RopeConfig:
     rope_type: str = "default"
     theta: float = 10000.0
     scaling: dict[str, float] = field(default_factory=dict)
+    partial_rotary_factor: float = 1.0  # the first head_dim * factor dims rotate (Phi-4-mini: 0.75)
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors below the original context
+    long_factor: tuple[float, ...] = ()  # longrope: ... from the original context on
+
+    def rotary_dim(self, head_dim: int) -> int:
+        return int(head_dim * self.partial_rotary_factor)
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,7 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str | None = None  # "bfloat16", "float32", ... as saved
-    # Mistral's sliding-window attention span, when it is shorter than the positions: loraplex
+    # Mistral's (and Phi-3's) sliding-window attention span, when it is shorter than the positions: loraplex
     # attends to the whole context, which is the same only up to the window (max_context_len)
     sliding_window: int | None = None
 
@@ -104,6 +113,8 @@ class ModelSpec:
 
     def lora_target_spec(self) -> LoRATargetSpec:
         """``(in_features, out_features)`` of each LoRA-targetable linear (same in every layer)."""
+        if self.architecture == PHI3_ARCHITECTURE:  # fused qkv_proj / gate_up_proj
+            return phi3_lora_target_spec(self)
         h, i = self.hidden_size, self.intermediate_size
         return LoRATargetSpec(
             model_name=self.name,
@@ -128,6 +139,14 @@ class ModelSpec:
                 f"unsupported model architecture {arch!r} (model_type={cfg.get('model_type')!r}); "
                 f"loraplex supports {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
+        if arch == PHI3_ARCHITECTURE:
+            cfg = phi3_config_view(cfg)
+        try:
+            rope = parse_rope(cfg, PHI3_ROPE_TYPES if arch == PHI3_ARCHITECTURE else SUPPORTED_ROPE_TYPES)
+        except LongRopeConfigError as exc:
+            raise UnsupportedModelError(f"{arch}: {exc}") from exc
+        if arch != PHI3_ARCHITECTURE and rope.partial_rotary_factor != 1.0:
+            raise UnsupportedModelError(f"{arch}: partial_rotary_factor != 1 is served for Phi-3 only")
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"unsupported hidden_act {act!r} for {arch}; only silu (SwiGLU)")
@@ -137,7 +156,8 @@ class ModelSpec:
         attention_bias = bool(cfg.get("attention_bias", False))  # Llama: on q, k, v and o
         if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
             raise UnsupportedModelError(f"sliding-window attention is not supported ({arch})")
-        window = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None  # Qwen2's needs the flag
+        # Qwen2's window needs the flag; Mistral's and Phi-3's apply whenever set
+        window = cfg.get("sliding_window") if arch in ("MistralForCausalLM", PHI3_ARCHITECTURE) else None
         max_positions = int(cfg.get("max_position_embeddings", 2048))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -153,7 +173,7 @@ class ModelSpec:
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_positions,
-            rope=parse_rope(cfg),
+            rope=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=SUPPORTED_ARCHITECTURES[arch]["qkv_bias"] or attention_bias,
             o_bias=attention_bias,
@@ -180,6 +200,7 @@ def _arch_from_model_type(model_type: str | None) -> str:
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
         "granite": "GraniteForCausalLM",
+        "phi3": PHI3_ARCHITECTURE,
     }
     return known.get(model_type or "", f"<model_type {model_type!r}>")
 
@@ -215,8 +236,8 @@ def parse_multipliers(cfg: dict[str, Any], arch: str) -> dict[str, float]:
     return out
 
 
-def parse_rope(cfg: dict[str, Any]) -> RopeConfig:
-    """Rope settings from either config form; unsupported scaling types are a clear error."""
+def parse_rope(cfg: dict[str, Any], rope_types: tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> RopeConfig:
+    """Rope settings from either config form; a scaling type not in ``rope_types`` is a clear error."""
     params = cfg.get("rope_parameters")
     if params:
         if "rope_type" not in params and "type" not in params and "rope_theta" not in params:
@@ -229,13 +250,18 @@ def parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     theta = params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
     if rope_type == "mrope":  # an older alias of the default rotary embedding
         rope_type = "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"unsupported rope type {rope_type!r}; loraplex supports {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+    if rope_type not in rope_types:
+        raise UnsupportedModelError(f"unsupported rope type {rope_type!r}; loraplex supports {', '.join(rope_types)}")
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        raise UnsupportedModelError(f"partial_rotary_factor must be in (0, 1], got {partial!r}")
     scaling = {k: v for k, v in params.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    scaling.pop("partial_rotary_factor", None)
+    short_factor = long_factor = ()
+    if rope_type == "longrope":
+        head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+        longrope, short_factor, long_factor = parse_longrope(cfg, params, int(int(head_dim) * partial))
+        scaling.update(longrope)
     if rope_type == "yarn":
         scaling.update(_yarn_scaling(cfg, params, scaling))
     if rope_type == "linear" and "factor" not in scaling:
@@ -248,4 +274,7 @@ def parse_rope(cfg: dict[str, Any]) -> RopeConfig:
             "original_max_position_embeddings",
             cfg.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048),
         )
-    return RopeConfig(rope_type=rope_type, theta=float(theta), scaling=scaling)
+    return RopeConfig(
+        rope_type=rope_type, theta=float(theta), scaling=scaling, partial_rotary_factor=float(partial),
+        short_factor=short_factor, long_factor=long_factor,
+    )

@@ -68,6 +68,15 @@ def _strip_prefix(name: str) -> str:
     return name[len("model.") :] if name.startswith("model.") else name
 
 
+def _packed(raw: dict[str, torch.Tensor], take, fused: str, parts: list[str], kind: str) -> torch.Tensor:
+    """A packed projection's ``kind`` ("weight" / "bias"): the checkpoint's fused tensor where it
+    stores one (Phi-3's ``qkv_proj`` / ``gate_up_proj``, already in loraplex's order), else the
+    per-module tensors concatenated along the output rows."""
+    if f"{fused}.{kind}" in raw:
+        return take(f"{fused}.{kind}")
+    return torch.cat([take(f"{part}.{kind}") for part in parts])
+
+
 def load_model(
     model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, max_positions: int
 ) -> LlamaForCausalLM:
@@ -92,21 +101,24 @@ def load_model(
         attn, mlp = p + "self_attn.", p + "mlp."
         params[p + "input_layernorm"] = take(p + "input_layernorm.weight")
         params[p + "post_attention_layernorm"] = take(p + "post_attention_layernorm.weight")
-        params[p + "qkv_weight"] = torch.cat([take(f"{attn}{m}_proj.weight") for m in "qkv"])
+        qkv_parts = [f"{attn}{m}_proj" for m in "qkv"]
+        params[p + "qkv_weight"] = _packed(raw, take, attn + "qkv_proj", qkv_parts, "weight")
         if spec.qkv_bias:
-            params[p + "qkv_bias"] = torch.cat([take(f"{attn}{m}_proj.bias") for m in "qkv"])
+            params[p + "qkv_bias"] = _packed(raw, take, attn + "qkv_proj", qkv_parts, "bias")
         params[p + "o_weight"] = take(attn + "o_proj.weight")
         if spec.qk_norm:
             q_norm, k_norm = take(attn + "q_norm.weight"), take(attn + "k_norm.weight")
             params[p + "qk_norm"] = torch.cat([q_norm.expand(spec.num_heads, -1), k_norm.expand(spec.num_kv_heads, -1)])
         if spec.o_bias:
             params[p + "o_bias"] = take(attn + "o_proj.bias")
-        params[p + "gate_up_weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+        gate_up_parts = [mlp + "gate_proj", mlp + "up_proj"]
+        params[p + "gate_up_weight"] = _packed(raw, take, mlp + "gate_up_proj", gate_up_parts, "weight")
         params[p + "down_weight"] = take(mlp + "down_proj.weight")
         if spec.mlp_bias:
-            params[p + "gate_up_bias"] = torch.cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")])
+            params[p + "gate_up_bias"] = _packed(raw, take, mlp + "gate_up_proj", gate_up_parts, "bias")
             params[p + "down_bias"] = take(mlp + "down_proj.bias")
-        if not spec.qkv_bias and f"{attn}q_proj.bias" in raw:  # dropping it would change the model
+        # dropping a bias would change the model
+        if not spec.qkv_bias and (f"{attn}q_proj.bias" in raw or f"{attn}qkv_proj.bias" in raw):
             raise ValueError(f"{model_dir}: q/k/v biases present but the config does not declare them")
     unused = sorted(k for k in raw if k not in used and "rotary_emb" not in k)
     if unused:

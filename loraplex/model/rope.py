@@ -1,5 +1,6 @@
-"""Rotary position embeddings (default, linear, llama3 and YaRN scaling), as a cos/sin table
-indexed by absolute position, so a flat batch of tokens from many sequences needs one gather."""
+"""Rotary position embeddings (default, linear, llama3, YaRN and LongRoPE scaling; full or
+partial rotary), as a cos/sin table indexed by absolute position, so a flat batch of tokens from
+many sequences needs one gather. LongRoPE's short/long rule is in ``loraplex.model.longrope``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import torch
 
 from loraplex.model.config import RopeConfig
+from loraplex.model.longrope import longrope_angles
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [head_dim // 2] fp32
@@ -24,7 +26,10 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [he
 
 
 def attention_scaling(rope: RopeConfig) -> float:
-    """The factor on cos and sin (YaRN's attention temperature; 1 for the other types)."""
+    """The factor on cos and sin (YaRN's attention temperature, LongRoPE's attention factor;
+    1 for the other types)."""
+    if rope.rope_type == "longrope":
+        return rope.scaling["attention_factor"]
     if rope.rope_type != "yarn":
         return 1.0
     s = rope.scaling
@@ -77,13 +82,18 @@ def _llama3_scale(inv_freq: torch.Tensor, s: dict[str, float]) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """cos/sin tables ``[max_positions, head_dim]`` in the model dtype (computed in fp32)."""
+    """cos/sin tables ``[max_positions, rotary_dim]`` in the model dtype (computed in fp32);
+    ``rotary_dim`` is ``head_dim`` unless the rotary is partial."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype, device):
-        inv_freq = inverse_frequencies(rope, head_dim)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        rotary_dim = rope.rotary_dim(head_dim)
+        if rope.rope_type == "longrope":
+            freqs = longrope_angles(rope, rotary_dim, max_positions)  # [max_positions, rotary_dim // 2]
+        else:
+            inv_freq = inverse_frequencies(rope, rotary_dim)
+            positions = torch.arange(max_positions, dtype=torch.float32)
+            freqs = torch.outer(positions, inv_freq)  # [max_positions, rotary_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, rotary_dim]
         scale = attention_scaling(rope)
         self.max_positions = max_positions
         self.cos = (emb.cos() * scale).to(dtype=dtype, device=device)
@@ -95,7 +105,7 @@ class RotaryEmbedding:
         return self
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for each token, shaped ``[num_tokens, 1, head_dim]`` to broadcast over heads."""
+        """cos and sin for each token, shaped ``[num_tokens, 1, rotary_dim]`` to broadcast over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
@@ -104,12 +114,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
     Both halves of a cos/sin row are equal (the table repeats the frequencies), so each output
     half is two products and one add, written into its half of the result: the same roundings
-    as ``x * cos + rotate_half(x) * sin`` without materialising the rotated copy.
+    as ``x * cos + rotate_half(x) * sin`` without materialising the rotated copy. With partial
+    rotary (``cos`` narrower than ``head_dim``) the first ``rotary_dim`` dims rotate and the
+    rest pass through, as transformers' Phi-3 does.
     """
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
+    rotary_dim = cos.shape[-1]
+    half = rotary_dim // 2
+    x1, x2 = x[..., :half], x[..., half:rotary_dim]
     c, s = cos[..., :half], sin[..., :half]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     torch.mul(x1, c, out=out[..., :half]).sub_(x2 * s)
-    torch.mul(x2, c, out=out[..., half:]).add_(x1 * s)
+    torch.mul(x2, c, out=out[..., half:rotary_dim]).add_(x1 * s)
+    if rotary_dim < x.shape[-1]:
+        out[..., rotary_dim:] = x[..., rotary_dim:]
     return out
