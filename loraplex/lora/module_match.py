@@ -52,11 +52,14 @@ def parse_tensor_name(name: str, spec: LoRATargetSpec) -> TensorName:
     if not k or k.group("mod") not in PARENT or k.group("parent") != PARENT[k.group("mod")]:
         raise InvalidAdapterError(
             f"tensor {name!r} targets module {key!r}, which the base model does not have as a LoRA target "
-            f"(loraplex serves {', '.join(TARGET_MODULES)})"
+            f"(this base model's are {', '.join(spec.module_shapes) or 'none'})"
         )
     mod = k.group("mod")
     if mod not in spec.module_shapes:
-        raise InvalidAdapterError(f"tensor {name!r} targets {mod!r}, which base model {spec.model_name!r} lacks")
+        raise InvalidAdapterError(
+            f"tensor {name!r} targets {mod!r}, which base model {spec.model_name!r} lacks "
+            f"(its LoRA targets are {', '.join(spec.module_shapes) or 'none'})"
+        )
     layer = int(k.group("layer"))
     if layer >= spec.num_layers:
         raise InvalidAdapterError(
@@ -84,7 +87,7 @@ def enumerate_target_keys(cfg: LoRAConfigView, spec: LoRATargetSpec, prefix: str
             if not any(key == entry or key.endswith(f".{entry}") for key in keys):
                 raise InvalidAdapterError(
                     f"adapter_config.json: target_modules entry {entry!r} is not a module the base model has as "
-                    f"a LoRA target (loraplex serves {', '.join(TARGET_MODULES)})"
+                    f"a LoRA target (its are {', '.join(spec.module_shapes)})"
                 )
     targeted = {key: lm for key, lm in keys.items() if cfg_view.targets(key)}
     if not targeted:

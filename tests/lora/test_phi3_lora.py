@@ -72,7 +72,8 @@ def test_adapters_that_do_not_fit_phi3_are_refused(world, tmp_path):
     _, _, _, spec, _ = world
     # trained on a Llama of the same width: q_proj etc. do not exist in Phi-3
     llama_adapter = make_peft_adapter(tiny_llama(seed=1), tmp_path / "llama", r=4, target_modules=["q_proj", "v_proj"])
-    with pytest.raises(InvalidAdapterError, match="targets 'q_proj', which base model 'model' lacks"):
+    with pytest.raises(InvalidAdapterError, match=r"targets 'q_proj', which base model 'model' lacks "
+                       r"\(its LoRA targets are qkv_proj, o_proj, gate_up_proj, down_proj\)"):
         validate_adapter(load_adapter_files(llama_adapter), spec, max_lora_rank=8)
     # trained on a Phi-3 without GQA: its fused qkv_proj B has 192 rows, this base's 128
     mha = AutoModelForCausalLM.from_pretrained(
