@@ -27,7 +27,7 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "GraniteForCausalLM": {"qkv_bias": False, "qk_norm": False, "multipliers": True},
     PHI3_ARCHITECTURE: {"qkv_bias": False, "qk_norm": False, "multipliers": False},  # see loraplex.model.phi3
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # Phi-3's: PHI3_ROPE_TYPES
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class UnsupportedModelError(ValueError):
@@ -78,7 +78,7 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str | None = None  # "bfloat16", "float32", ... as saved
-    # Mistral's (and Phi-3's) sliding-window attention span, when it is shorter than the positions: loraplex
+    # Mistral's / Phi-3's sliding-window attention span, when shorter than the positions: loraplex
     # attends to the whole context, which is the same only up to the window (max_context_len)
     sliding_window: int | None = None
 

@@ -15,7 +15,8 @@ cache that keeps each token's K cannot do that, so loraplex picks per position: 
 is past the original context). Consequences: a sequence that stays within the original context is
 exactly transformers' (prompt and every decode step, also in a batch with long sequences); a
 sequence that grows past it keeps its earlier keys on the short factors where transformers would
-recompute them with the long ones.
+recompute them with the long ones. A token's K depends only on its position, never on its batch
+mates, so prefix caching and batching stay exact.
 """
 
 from __future__ import annotations
