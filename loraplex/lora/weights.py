@@ -1,9 +1,10 @@
 """An adapter's weights laid out for loraplex's packed projections (host copy).
 
-Per layer and packed module (``LoRATargetSpec.packed_modules``; for Llama's layout qkv_proj =
-q, k, v; gate_up_proj = gate, up; o_proj; down_proj; for Phi-3's each fused module alone): for each slice, ``A [rank_s, in]``, ``B [out_s, rank_s]`` and its scaling,
-or nothing when the adapter does not target that slice in that layer. This is what the host
-cache holds and what a device slot is filled from.
+Per layer and packed module (``LoRATargetSpec.packed_modules``: in Llama's layout qkv_proj =
+q, k, v; gate_up_proj = gate, up; o_proj; down_proj; in Phi-3's each fused module alone): for
+each slice, ``A [rank_s, in]``, ``B [out_s, rank_s]`` and its scaling, or nothing when the
+adapter does not target that slice in that layer. This is what the host cache holds and what a
+device slot is filled from.
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ def world(tmp_path_factory):
     model_dir = make_tiny_phi3_dir(root / "model", seed=7, partial_rotary_factor=0.75)
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     assert type(base).__name__ == "Phi3ForCausalLM"
-    dirs = {name: make_peft_adapter(base, root / name, seed=30 + i, **kw) for i, (name, kw) in enumerate(ADAPTERS.items())}
+    dirs = {name: make_peft_adapter(base, root / name, seed=30 + i, **kw)
+            for i, (name, kw) in enumerate(ADAPTERS.items())}
     spec = ModelSpec.from_dir(model_dir).lora_target_spec()
     return model_dir, base, dirs, spec, root
 
@@ -65,7 +66,8 @@ def test_fused_adapter_validates_and_fills_its_slot_as_stored(world):
     assert torch.equal(stack.b[1], parsed.tensors[f"{prefix}.lora_B.weight"])  # [q + k + v, r]
     assert stack.scaling[0, 1].item() == 2.0 and int(stack.rank[1]) == 8
     mlp = validate_adapter(load_adapter_files(dirs["mlp_patterns"]), spec, max_lora_rank=8)
-    assert {(m.module, m.rank, m.scaling) for m in mlp.modules.values()} == {("gate_up_proj", 2, 2.5), ("down_proj", 6, 0.5)}
+    assert {(m.module, m.rank, m.scaling) for m in mlp.modules.values()} == {
+        ("gate_up_proj", 2, 2.5), ("down_proj", 6, 0.5)}
 
 
 def test_adapters_that_do_not_fit_phi3_are_refused(world, tmp_path):
@@ -79,7 +81,8 @@ def test_adapters_that_do_not_fit_phi3_are_refused(world, tmp_path):
     mha = AutoModelForCausalLM.from_pretrained(
         str(make_tiny_phi3_dir(tmp_path / "mha", num_key_value_heads=4)), dtype=torch.float32)
     mha_adapter = make_peft_adapter(mha, tmp_path / "mha-adapter", r=4, target_modules=["qkv_proj"])
-    with pytest.raises(InvalidAdapterError, match=r"qkv_proj.lora_B.weight' has shape \[192, 4\], base model needs \[128, 4\]"):
+    with pytest.raises(InvalidAdapterError,
+                       match=r"qkv_proj.lora_B.weight' has shape \[192, 4\], base model needs \[128, 4\]"):
         validate_adapter(load_adapter_files(mha_adapter), spec, max_lora_rank=8)
     # and the other way: a fused adapter on a Llama base
     llama_spec = ModelSpec.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 64,

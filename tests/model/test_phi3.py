@@ -172,7 +172,8 @@ def test_fused_checkpoint_tensors_are_the_packed_projections(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope type 'linear'; loraplex supports default, longrope"),
+        (dict(rope_scaling={"type": "linear", "factor": 2.0}),
+         "rope type 'linear'; loraplex supports default, longrope"),
         (dict(rope_scaling=longrope_scaling(8), original_max_position_embeddings=ORIGINAL,
               partial_rotary_factor=0.75), "short_factor' has 8 entries; the rotary dimension 12 needs 6"),
         (dict(rope_scaling={**longrope_scaling(8), "long_factor": None}), "long_factor"),

@@ -39,7 +39,8 @@ def world(tmp_path_factory):
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     adapters = {
         "fused": make_peft_adapter(base, root / "fused", seed=1, r=8, target_modules=FUSED),
-        "llama": make_peft_adapter(tiny_llama(seed=2), root / "llama", seed=2, r=4, target_modules=["q_proj", "v_proj"]),
+        "llama": make_peft_adapter(tiny_llama(seed=2), root / "llama", seed=2, r=4,
+                                   target_modules=["q_proj", "v_proj"]),
     }
     home = root / "home"
     llm = LLM(model=str(model_dir), dtype="float32", home=home, kv_cache_bytes=4 << 20, max_loras=2, max_lora_rank=8)
