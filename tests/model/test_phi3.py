@@ -201,7 +201,6 @@ def test_longrope_and_partial_rotary_stay_phi3_only():
     assert spec.architecture == "Phi3ForCausalLM"
 
 
-@pytest.mark.slow  # ~19 s on a 2-core machine
 def test_engine_greedy_matches_transformers(tmp_path, loraplex_home):
     """Phi-4-mini's kind through the whole engine (chunked prompts, preemption, paged decodes):
     greedy tokens equal transformers' greedy decoding, within LongRoPE's original context."""
