@@ -5,11 +5,18 @@ when KV memory runs out, under each scheduling policy. Pure Python, no torch.
   default).
 - ``priority``: lower ``priority`` first, then arrival (vLLM's ``--scheduling-policy priority``);
   the victim is the sequence with the highest priority value, the latest admitted among equals.
-- ``fair`` (loraplex's default): priority first, then the tenant with the fewest running
-  sequences, then arrival. One tenant's burst of requests queues behind its own earlier ones,
-  not in front of every other tenant's: a tenant with nothing running is offered the next
-  admission. Within a tenant, requests keep their arrival order. The victim is the newest
-  sequence of the tenant holding the most running sequences (lowest priority first).
+- ``fair`` (loraplex's default): priority first, then the tenant with the smallest weighted load
+  (its running sequences divided by its weight), then arrival. One tenant's burst of requests
+  queues behind its own earlier ones, not in front of every other tenant's: a tenant with
+  nothing running is offered the next admission. Within a tenant, requests keep their arrival
+  order. The victim is the newest sequence of the tenant with the largest weighted load (lowest
+  priority first). With queues on both sides, a tenant of weight 2 so holds about twice the
+  running sequences of a tenant of weight 1.
+
+A tenant's weight (the operator's ``scheduling_weight``, 1 by default) travels with each of its
+sequences as ``tenant_weight``. Should an operator change it while sequences of both values are
+in the engine, the tenant's weight is the one carried by its most recently arrived sequence
+among those considered (waiting and running for admission, running for preemption).
 
 Sequences without a tenant (offline use) form one group, so ``fair`` is ``priority`` for them.
 """
@@ -18,16 +25,29 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import Counter
 from typing import Iterable, Iterator
 
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.sampling_params import InvalidRequestError
 
+
+def tenant_weights(seqs: Iterable[Sequence]) -> dict[str | None, float]:
+    """Each tenant's weight: the one its most recently arrived sequence carries."""
+    newest: dict[str | None, Sequence] = {}
+    for seq in seqs:
+        seen = newest.get(seq.tenant)
+        if seen is None or (seq.arrival_time, seq.seq_id) > (seen.arrival_time, seen.seq_id):
+            newest[seq.tenant] = seq
+    return {tenant: seq.tenant_weight for tenant, seq in newest.items()}
+
+
 def admission_order(waiting: Iterable[Sequence], running: Iterable[Sequence], policy: str) -> Iterator[Sequence]:
     """Yield the waiting sequences best first. Lazy: after each yield, a sequence the caller
     admitted (status RUNNING) counts toward its tenant's running load for the ones after it."""
     waiting = list(waiting)
+    running = list(running)
     if policy == "fcfs":
         yield from waiting
         return
@@ -35,13 +55,14 @@ def admission_order(waiting: Iterable[Sequence], running: Iterable[Sequence], po
     for seq in waiting:  # arrival order, kept within each group by the stable sort below
         by_tenant.setdefault(seq.tenant if policy == "fair" else None, []).append(seq)
     load = Counter(s.tenant for s in running) if policy == "fair" else Counter()
+    weight = tenant_weights(running + waiting) if policy == "fair" else {}
     tiebreak = itertools.count()
     heap = []
     queues = {}
     for tenant, seqs in by_tenant.items():
         seqs.sort(key=lambda s: s.priority)
         queues[tenant] = iter(seqs)
-        heap.append(_entry(next(queues[tenant]), load[tenant], tiebreak, tenant))
+        heap.append(_entry(next(queues[tenant]), load[tenant] / weight.get(tenant, 1.0), tiebreak, tenant))
     heapq.heapify(heap)
     while heap:
         *_, seq, tenant = heapq.heappop(heap)
@@ -50,11 +71,11 @@ def admission_order(waiting: Iterable[Sequence], running: Iterable[Sequence], po
             load[tenant] += 1
         following = next(queues[tenant], None)
         if following is not None:
-            heapq.heappush(heap, _entry(following, load[tenant], tiebreak, tenant))
+            heapq.heappush(heap, _entry(following, load[tenant] / weight.get(tenant, 1.0), tiebreak, tenant))
 
 
-def _entry(head: Sequence, load: int, tiebreak, tenant):
-    return (head.priority, load, head.arrival_time, next(tiebreak), head, tenant)
+def _entry(head: Sequence, weighted_load: float, tiebreak, tenant):
+    return (head.priority, weighted_load, head.arrival_time, next(tiebreak), head, tenant)
 
 
 def preemption_victim(running: list[Sequence], policy: str) -> Sequence:
@@ -65,7 +86,9 @@ def preemption_victim(running: list[Sequence], policy: str) -> Sequence:
     if policy == "priority":
         return max(enumerate(running), key=lambda item: (item[1].priority, item[0]))[1]
     load = Counter(s.tenant for s in running)
-    return max(enumerate(running), key=lambda item: (item[1].priority, load[item[1].tenant], item[0]))[1]
+    weight = tenant_weights(running)
+    return max(enumerate(running),
+               key=lambda item: (item[1].priority, load[item[1].tenant] / weight[item[1].tenant], item[0]))[1]
 
 
 PRIORITY_LIMIT = 1 << 31  # |priority| below this: an int any client library can send
@@ -83,3 +106,10 @@ def check_priority(priority, policy: str) -> None:
         raise InvalidRequestError(
             "priority is not used by this server's scheduling policy (fcfs): start it with "
             "--scheduling-policy fair or priority, or send priority 0", param="priority")
+
+
+def check_tenant_weight(weight) -> None:
+    """A tenant weight is a finite number above 0 (the registry bounds what operators set)."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+        raise InvalidRequestError(f"tenant_weight must be a finite number above 0, not {weight!r}",
+                                  param="tenant_weight")

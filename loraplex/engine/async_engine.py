@@ -130,13 +130,14 @@ class AsyncLLMEngine:
         cache_salt: str | None = None,
         priority: int = 0,
         tenant: str | None = None,
+        tenant_weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its deltas: each ``CompletionOutput`` holds the text and
         token ids new since the previous yield (only completions with news are included),
         ``finish_reason`` set on a completion's last delta; the last yield has ``finished``.
         A bad request raises ``InvalidRequestError`` before anything is yielded. Closing the
-        generator or cancelling the consuming task aborts the request. ``priority`` and
-        ``tenant``: see ``LLMEngine.prepare_request``."""
+        generator or cancelling the consuming task aborts the request. ``priority``,
+        ``tenant`` and ``tenant_weight``: see ``LLMEngine.prepare_request``."""
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         stream = _Stream(asyncio.get_running_loop())
         engine = self.engine
@@ -145,7 +146,8 @@ class AsyncLLMEngine:
 
         def add() -> None:
             req = engine.prepare_request(request_id, prompt, params, None, stream_deltas=True, grammar=grammar,
-                                         cache_salt=cache_salt, priority=priority, tenant=tenant)
+                                         cache_salt=cache_salt, priority=priority, tenant=tenant,
+                                         tenant_weight=tenant_weight)
             req.adapter_id = engine.resolve_adapter(adapter, prepared)
             engine.add_prepared(req)
             self._streams[request_id] = stream

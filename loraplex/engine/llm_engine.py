@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from loraplex.config import EngineConfig
-from loraplex.engine.admission_order import check_priority
+from loraplex.engine.admission_order import check_priority, check_tenant_weight
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.detokenizer import backend_decoder
 from loraplex.engine.grammar import GrammarFactory
@@ -144,12 +144,14 @@ class LLMEngine:
         cache_salt: str | None = None,
         priority: int = 0,
         tenant: str | None = None,
+        tenant_weight: float = 1.0,
     ) -> PreparedRequest:
         """Validate and tokenize; raises ``InvalidRequestError`` (with ``param``) and changes
         nothing when the request is bad. ``adapter_id`` is an already resolved content hash;
         ``grammar`` a matcher for ``params.structured_outputs`` made ahead (else made here);
         ``cache_salt``: only requests with the same salt share prefix-cache blocks.
-        ``priority`` (lower first) and ``tenant`` order admission under the scheduling policy."""
+        ``priority`` (lower first), ``tenant`` and ``tenant_weight`` (the tenant's share, > 0)
+        order admission under the scheduling policy."""
         if request_id is None:
             request_id = f"req-{next(self._request_ids)}"
         if request_id in self._requests:
@@ -189,8 +191,9 @@ class LLMEngine:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
         check_priority(priority, self.config.scheduling_policy)
+        check_tenant_weight(tenant_weight)
         req = PreparedRequest(request_id, text, token_ids, params, adapter_id, stream_deltas, cache_salt=cache_salt,
-                              tenant=tenant, priority=priority)
+                              tenant=tenant, priority=priority, tenant_weight=float(tenant_weight))
         if params.structured_outputs is not None:
             req.grammar = grammar if grammar is not None else self.grammars.matcher(params.structured_outputs)
         return req
@@ -208,6 +211,7 @@ class LLMEngine:
                 cache_salt=req.cache_salt,
                 tenant=req.tenant,
                 priority=req.priority,
+                tenant_weight=req.tenant_weight,
                 index=i,
                 arrival_time=req.arrival_time,
                 grammar=None if req.grammar is None else req.grammar if i == 0 else req.grammar.deep_copy(),
@@ -237,11 +241,12 @@ class LLMEngine:
         cache_salt: str | None = None,
         priority: int = 0,
         tenant: str | None = None,
+        tenant_weight: float = 1.0,
     ) -> str:
         """Validate and queue a request; returns its id. ``adapter``: None, a registered name,
         a PEFT directory or an ``AdapterRef``. Bad requests raise ``InvalidRequestError``."""
         req = self.prepare_request(request_id, prompt, params, None, stream_deltas, cache_salt=cache_salt,
-                                   priority=priority, tenant=tenant)
+                                   priority=priority, tenant=tenant, tenant_weight=tenant_weight)
         req.adapter_id = self.resolve_adapter(adapter)
         self.add_prepared(req)
         return req.request_id

@@ -27,6 +27,7 @@ class PreparedRequest:
     cache_salt: str | None = None  # prefix-cache isolation (vLLM's ``cache_salt``)
     tenant: str | None = None  # for the scheduler's fair share (admission_order.py)
     priority: int = 0  # lower first, under the "fair" and "priority" policies
+    tenant_weight: float = 1.0  # the tenant's share under "fair" (admission_order.py)
     arrival_time: float = field(default_factory=time.monotonic)
 
 

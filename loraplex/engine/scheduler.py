@@ -10,10 +10,10 @@ Each ``schedule()`` builds one step under two budgets, ``max_num_batched_tokens`
    freed, requeued by its arrival time, recomputed later from prompt + generated-so-far; its
    output is the same as without preemption). The policy (admission_order.py) picks it: the
    most recently admitted under ``fcfs``; under ``fair`` (the default) the newest of the tenant
-   holding the most running sequences.
+   holding the most running sequences for its weight.
 2. Waiting sequences in the policy's order (``fcfs``: arrival; ``priority``: priority, then
-   arrival; ``fair``: priority, then the tenant with the fewest running sequences, then
-   arrival), while budget, KV blocks and adapter slots allow. The first sequence that cannot
+   arrival; ``fair``: priority, then the tenant with the fewest running sequences for its
+   weight, then arrival), while budget, KV blocks and adapter slots allow. The first sequence that cannot
    get KV blocks stops admission (strict order for memory). A sequence whose adapter cannot
    get a slot, or is not loaded yet, is skipped without holding up the ones behind it.
 

@@ -56,6 +56,7 @@ class Sequence:
     cache_salt: str | None = None  # prefix-cache blocks are shared only with the same salt
     tenant: str | None = None  # whose request: the "fair" policy shares admissions between tenants
     priority: int = 0  # lower is admitted first (the "fair" and "priority" policies)
+    tenant_weight: float = 1.0  # the tenant's share under "fair": its running load counts divided by this
     output_token_ids: list[int] = field(default_factory=list)
     # per generated token: {"token_id", "logprob", "top_logprobs"} when params.logprobs is set
     output_logprobs: list[dict] = field(default_factory=list)

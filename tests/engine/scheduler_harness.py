@@ -95,7 +95,7 @@ class Harness:
         self.time = 0.0
 
     def add(self, prompt: list[int], adapter_id: str | None = None, tenant: str | None = None, priority: int = 0,
-            **params) -> Sequence:
+            tenant_weight: float = 1.0, **params) -> Sequence:
         params.setdefault("max_tokens", 8)
         params.setdefault("ignore_eos", True)
         seq_id = next(self._ids)
@@ -108,6 +108,7 @@ class Harness:
             adapter_id=adapter_id,
             tenant=tenant,
             priority=priority,
+            tenant_weight=tenant_weight,
             arrival_time=self.time,
         )
         self.scheduler.add(seq)

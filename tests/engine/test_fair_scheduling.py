@@ -1,5 +1,6 @@
-"""Scheduling policies: the admission order and preemption victims of fair, priority and fcfs,
-checked against a brute-force statement of each policy and through the scheduler."""
+"""Scheduling policies: the admission order and preemption victims of fair (weighted by each
+tenant's share), priority and fcfs, checked against a brute-force statement of each policy and
+through the scheduler."""
 
 from __future__ import annotations
 
@@ -8,24 +9,33 @@ from collections import Counter
 
 import pytest
 
-from loraplex.engine.admission_order import admission_order, check_priority, preemption_victim
+from loraplex.engine.admission_order import admission_order, check_priority, check_tenant_weight, preemption_victim
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.sampling_params import InvalidRequestError, SamplingParams
 from tests.engine.scheduler_harness import Harness, reference_output
 
 
-def _seq(i: int, tenant, priority: int, arrival: float, status=SequenceStatus.WAITING) -> Sequence:
+def _seq(i: int, tenant, priority: int, arrival: float, status=SequenceStatus.WAITING, weight: float = 1.0) -> Sequence:
     seq = Sequence(seq_id=i, request_id=f"r{i}", prompt_token_ids=[1], params=SamplingParams(),
-                   tenant=tenant, priority=priority, arrival_time=arrival)
+                   tenant=tenant, priority=priority, arrival_time=arrival, tenant_weight=weight)
     seq.status = status
     return seq
 
 
+def _stated_weights(seqs) -> dict:
+    """A tenant's weight as stated: the one on its latest arrival (the later seq id among equals)."""
+    weights = {}
+    for seq in sorted(seqs, key=lambda s: (s.arrival_time, s.seq_id)):
+        weights[seq.tenant] = seq.tenant_weight
+    return weights
+
+
 def _brute_force_order(waiting, running, policy, admit):
     """The policy as stated, one pick at a time over everything still waiting: the minimum of
-    (priority, the tenant's running count, arrival); fcfs is arrival alone."""
+    (priority, the tenant's running count / its weight, arrival); fcfs is arrival alone."""
     left = list(waiting)
     load = Counter(s.tenant for s in running)
+    weight = _stated_weights(list(waiting) + list(running))
     order = []
     while left:
         if policy == "fcfs":
@@ -33,7 +43,7 @@ def _brute_force_order(waiting, running, policy, admit):
         elif policy == "priority":
             best = min(left, key=lambda s: (s.priority, s.arrival_time))
         else:
-            best = min(left, key=lambda s: (s.priority, load[s.tenant], s.arrival_time))
+            best = min(left, key=lambda s: (s.priority, load[s.tenant] / weight[s.tenant], s.arrival_time))
         left.remove(best)
         order.append(best)
         if admit(best):
@@ -42,15 +52,21 @@ def _brute_force_order(waiting, running, policy, admit):
 
 
 @pytest.mark.parametrize("policy", ["fair", "priority", "fcfs"])
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 def test_admission_order_matches_the_policy_as_stated(policy, seed):
     rng = random.Random(seed * 31 + len(policy))
     tenants = ["a", "b", "c", None][: rng.randint(1, 4)]
+    share = {t: rng.choice([0.5, 1.0, 1.0, 2.0, 3.0]) for t in tenants}
+
+    def weight(tenant):  # now and then a request carries a changed weight (an operator's edit)
+        return share[tenant] if rng.random() < 0.85 else rng.choice([0.25, 1.5, 4.0])
+
     ids = iter(range(1000))
-    running = [_seq(next(ids), rng.choice(tenants), 0, -1.0, SequenceStatus.RUNNING) for _ in range(rng.randint(0, 8))]
+    running = [_seq(next(ids), t, 0, -1.0, SequenceStatus.RUNNING, weight(t))
+               for t in (rng.choice(tenants) for _ in range(rng.randint(0, 8)))]
     arrivals = rng.sample(range(1000), rng.randint(1, 25))
-    waiting = sorted((_seq(next(ids), rng.choice(tenants), rng.choice([0, 0, 0, -1, 2]), float(t))
-                      for t in arrivals), key=lambda s: s.arrival_time)
+    waiting = sorted((_seq(next(ids), t, rng.choice([0, 0, 0, -1, 2]), float(a), weight=weight(t))
+                      for t, a in ((rng.choice(tenants), a) for a in arrivals)), key=lambda s: s.arrival_time)
     admitted = {s.seq_id for s in waiting if rng.random() < 0.6}  # the rest are skipped (no slot, ...)
 
     def admit(seq):
@@ -75,6 +91,28 @@ def test_preemption_victims():
     assert preemption_victim(running, "fair") is running[1]
 
 
+def test_weighted_preemption_victims():
+    # a (weight 3) holds three, b (weight 1) two: b holds more for its share, so its newest goes
+    running = [_seq(0, "a", 0, 0.0, weight=3), _seq(1, "b", 0, 1.0), _seq(2, "a", 0, 2.0, weight=3),
+               _seq(3, "b", 0, 3.0), _seq(4, "a", 0, 4.0, weight=3)]
+    assert preemption_victim(running, "fair") is running[3]
+    running[4].tenant_weight = 1.0  # a's latest request says weight 1 now: a holds 3 for a share of 1
+    assert preemption_victim(running, "fair") is running[4]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_preemption_victim_matches_the_policy_as_stated(seed):
+    rng = random.Random(seed)
+    running = [_seq(i, rng.choice("abc"), rng.choice([0, 0, 1]), float(rng.randint(0, 50)),
+                    weight=rng.choice([0.5, 1.0, 2.0])) for i in range(rng.randint(1, 12))]
+    load = Counter(s.tenant for s in running)
+    weight = _stated_weights(running)
+    # the running sequence with the largest (priority, tenant's load / weight, admission index)
+    stated = max(range(len(running)), key=lambda i: (running[i].priority, load[running[i].tenant]
+                                                      / weight[running[i].tenant], i))
+    assert preemption_victim(running, "fair") is running[stated]
+
+
 def test_check_priority():
     check_priority(0, "fcfs")
     check_priority(-5, "fair")
@@ -83,6 +121,15 @@ def test_check_priority():
         with pytest.raises(InvalidRequestError) as err:
             check_priority(bad, policy)
         assert err.value.param == "priority"
+
+
+def test_check_tenant_weight():
+    for good in (1, 0.01, 2.5, 100):
+        check_tenant_weight(good)
+    for bad in (0, -1, float("nan"), float("inf"), True, "2", None):
+        with pytest.raises(InvalidRequestError) as err:
+            check_tenant_weight(bad)
+        assert err.value.param == "tenant_weight"
 
 
 def _admitted_order(h: Harness) -> list[int]:
@@ -204,3 +251,34 @@ def test_engine_admits_another_tenant_ahead_of_a_burst(tiny_llama_dir, loraplex_
     else:
         assert first_token_step[ids[4]] >= max(burst_firsts) >= 4  # behind the last prompt of the burst
     assert [finals[i] for i in ids] == hf_greedy_all(tiny_llama_dir, burst + [quiet], 3)
+
+
+def test_weight_two_tenant_holds_twice_the_running_sequences():
+    # both tenants keep a queue; six sequences run at a time, a has weight 2 and b weight 1
+    h = Harness(num_blocks=256, block_size=4, max_num_seqs=6, scheduling_policy="fair")
+    seqs = []
+    for i in range(30):  # interleaved arrivals: arrival order alone would share 1:1
+        seqs.append(h.add([10 + i % 7] * 5, tenant="a", tenant_weight=2.0, max_tokens=3 + i % 4))
+        seqs.append(h.add([40 + i % 5] * 5, tenant="b", tenant_weight=1.0, max_tokens=3 + i % 3))
+    held = Counter()
+    while h.scheduler.has_unfinished():
+        h.step()
+        waiting = {s.tenant for s in h.scheduler.waiting}
+        if waiting == {"a", "b"}:  # both still queued: the share is what the policy decides
+            held.update(s.tenant for s in h.scheduler.running)
+    assert held["b"] > 0 and 1.7 <= held["a"] / held["b"] <= 2.3, held
+    for seq in seqs:
+        assert seq.output_token_ids == reference_output(seq.prompt_token_ids, seq.params.max_tokens)
+    assert h.block_manager.num_free_blocks == h.block_manager.num_blocks
+
+
+def test_equal_weights_share_evenly_and_offline_is_unchanged():
+    h = Harness(num_blocks=256, block_size=4, max_num_seqs=4, scheduling_policy="fair")
+    for i in range(16):
+        h.add([5 + i % 3] * 5, tenant="a", max_tokens=4)
+        h.add([9 + i % 3] * 5, tenant="b", max_tokens=4)
+    first = Counter(e.seq.tenant for e in h.step().scheduled)
+    assert first == {"a": 2, "b": 2}
+    offline = Harness(num_blocks=64, block_size=4, max_num_seqs=2, scheduling_policy="fair")
+    seqs = [offline.add([3 + i] * 4, max_tokens=2) for i in range(5)]  # no tenant: arrival order
+    assert _admitted_order(offline) == [s.seq_id for s in seqs]
