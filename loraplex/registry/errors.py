@@ -15,6 +15,16 @@ class InvalidName(RegistryError, ValueError):
     http_status = 400
 
 
+class InvalidSetting(RegistryError, ValueError):
+    """A tenant setting was out of range or unknown; ``param`` names the field."""
+
+    http_status = 400
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 class NotFound(RegistryError, LookupError):
     """The tenant, adapter, version or key does not exist (or was deleted)."""
 

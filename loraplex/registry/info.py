@@ -35,14 +35,17 @@ class _ToDict:
 
 @dataclass(frozen=True)
 class TenantInfo(_ToDict):
-    """A tenant."""
+    """A tenant and its serving limits (``max_concurrent_requests`` None: the server's default)."""
 
     name: str
     created_at: datetime
+    max_concurrent_requests: int | None = None
+    scheduling_weight: float = 1.0
 
     @classmethod
     def from_row(cls, row: Tenant) -> TenantInfo:
-        return cls(name=row.name, created_at=as_utc(row.created_at))
+        return cls(name=row.name, created_at=as_utc(row.created_at), max_concurrent_requests=row.max_concurrent_requests,
+                   scheduling_weight=float(row.scheduling_weight if row.scheduling_weight is not None else 1.0))
 
 
 @dataclass(frozen=True)

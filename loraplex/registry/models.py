@@ -24,6 +24,7 @@ from sqlalchemy import (
     MetaData,
     String,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -61,13 +62,17 @@ class Base(DeclarativeBase):
 
 
 class Tenant(Base):
-    """A tenant: owns adapters and API keys."""
+    """A tenant: owns adapters and API keys, and carries its operator-set serving limits."""
 
     __tablename__ = "tenant"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(NAME_LENGTH), unique=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # requests in flight at once on one replica; None: the server's own default
+    max_concurrent_requests: Mapped[int | None] = mapped_column(Integer, default=None)
+    # share under the "fair" scheduling policy; a server default so rows from before the column get 1
+    scheduling_weight: Mapped[float] = mapped_column(Float, default=1.0, server_default=text("1"))
 
     api_keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
     adapters: Mapped[list[Adapter]] = relationship(back_populates="tenant")

@@ -25,8 +25,11 @@ from loraplex.registry.models import (
 # ---- tenants -------------------------------------------------------------------------------
 
 
-def get_tenant(session: Session, name: str) -> Tenant | None:
-    return session.scalars(select(Tenant).where(Tenant.name == name)).one_or_none()
+def get_tenant(session: Session, name: str, *, for_update: bool = False) -> Tenant | None:
+    query = select(Tenant).where(Tenant.name == name)
+    if for_update:
+        query = query.with_for_update()
+    return session.scalars(query).one_or_none()
 
 
 def list_tenants(session: Session) -> list[Tenant]:

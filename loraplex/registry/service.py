@@ -36,11 +36,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from loraplex.registry import repository as repo
 from loraplex.registry.admin_key import SHA256_HEX, AdminKeyMixin
 from loraplex.registry.db import make_session_factory
-from loraplex.registry.errors import AlreadyExists, BlobMissing, Conflict, InvalidName, NotFound, RegistryError
+from loraplex.registry.errors import (AlreadyExists, BlobMissing, Conflict, InvalidName, InvalidSetting, NotFound,
+                                     RegistryError)
 from loraplex.registry.info import AdapterInfo, ApiKeyInfo, AuditEventInfo, TenantInfo, VersionInfo
 from loraplex.registry.keys import display_prefix, generate_secret, hash_secret, plausible_secret, secret_matches
 from loraplex.registry.models import VERSION_DELETED, Adapter, Tenant, utcnow
 from loraplex.registry.names import parse_model_ref, parse_version, validate_adapter_name, validate_tenant_name
+from loraplex.registry.tenant_settings import TenantSettingsMixin
 
 __all__ = [
     "RegistryService",
@@ -50,6 +52,7 @@ __all__ = [
     "Conflict",
     "BlobMissing",
     "InvalidName",
+    "InvalidSetting",
     "TenantInfo",
     "ApiKeyInfo",
     "VersionInfo",
@@ -64,7 +67,7 @@ WRITE_ATTEMPTS = 8  # retries of a write that lost a race on a unique constraint
 RETRY_BACKOFF_S = 0.002
 
 
-class RegistryService(AdminKeyMixin):
+class RegistryService(AdminKeyMixin, TenantSettingsMixin):
     """The registry's public API. Thread-safe: it holds only a session factory."""
 
     def __init__(self, session_factory: sessionmaker[Session]):
@@ -116,9 +119,9 @@ class RegistryService(AdminKeyMixin):
             return None if tenant is None else TenantInfo.from_row(tenant)
 
     @staticmethod
-    def _require_tenant(session: Session, name: str) -> Tenant:
+    def _require_tenant(session: Session, name: str, *, for_update: bool = False) -> Tenant:
         validate_tenant_name(name)
-        tenant = repo.get_tenant(session, name)
+        tenant = repo.get_tenant(session, name, for_update=for_update)
         if tenant is None:
             raise NotFound(f"tenant {name!r} not found")
         return tenant
