@@ -1,5 +1,5 @@
-"""Admin API under ``/admin/v1`` (admin bearer key): tenants, keys, adapter versions, hot-swap,
-load/pin/unload, delete, status and the audit log. Backed by the registry service, the adapter
+"""Admin API under ``/admin/v1`` (admin bearer key): tenants and their serving limits, keys,
+adapter versions, hot-swap, load/pin/unload, delete, status and the audit log. Backed by the registry service, the adapter
 manager (uploads, blobs, in-use tracking) and the engine (device/host tiers)."""
 
 from __future__ import annotations
@@ -71,6 +71,26 @@ async def list_tenants(request: Request) -> Response:
     ctx = await _admin(request)
     tenants = await run_in_threadpool(ctx.registry.list_tenants)
     return JSONResponse({"object": "list", "data": [t.to_dict() for t in tenants]})
+
+
+async def get_tenant(request: Request) -> Response:
+    ctx = await _admin(request)
+    name = request.path_params["tenant"]
+    info = await run_in_threadpool(ctx.registry.get_tenant, name)
+    if info is None:
+        raise _not_found(f"tenant {name!r}")
+    return JSONResponse(info.to_dict())
+
+
+async def update_tenant(request: Request) -> Response:
+    """``max_concurrent_requests`` and/or ``scheduling_weight``; the registry checks each (a 400
+    naming the field changes nothing) and audits the change."""
+    ctx = await _admin(request)
+    name = request.path_params["tenant"]
+    changes = await _json(request, ctx)
+    info = await run_in_threadpool(ctx.registry.update_tenant_settings, name, changes, ACTOR)
+    ctx.tenant_limits.forget(name)  # this replica at once; the others within registry_poll_seconds
+    return JSONResponse(info.to_dict())
 
 
 async def create_key(request: Request) -> Response:
@@ -335,6 +355,8 @@ def routes() -> list[Route]:
     return [
         Route(a + "/tenants", create_tenant, methods=["POST"]),
         Route(a + "/tenants", list_tenants, methods=["GET"]),
+        Route(t, get_tenant, methods=["GET"]),
+        Route(t, update_tenant, methods=["PATCH"]),
         Route(t + "/keys", create_key, methods=["POST"]),
         Route(t + "/keys", list_keys, methods=["GET"]),
         Route(t + "/keys/{key_id}", revoke_key, methods=["DELETE"]),

@@ -71,12 +71,13 @@ class Admission:
 
 
 async def admit(request: Request, ctx: AppContext, steps: Admission, arrival: float) -> RequestRun:
-    """The admitted run, holding the adapter version, a drain slot and a tenant slot until its
-    ``close``. A refusal is raised as it came (an unknown exception is left for the caller to
+    """The admitted run, holding the adapter version, a drain slot and a tenant slot (under the
+    tenant's own cap, when an operator set one) until its ``close``. A refusal is raised as it came (an unknown exception is left for the caller to
     log), after its access line is written and whatever was taken is given back."""
     tenant = model = None
     try:
         tenant = await authenticate(ctx, request)
+        limits = await ctx.tenant_limits.get(tenant)  # before anything is held: a failure leaks nothing
         req = steps.parse(ctx, await read_json(request, ctx.settings.max_body_bytes))
         model = req.model
         target = await resolve_target(ctx, tenant, model)  # holds the adapter version from here
@@ -88,7 +89,7 @@ async def admit(request: Request, ctx: AppContext, steps: Admission, arrival: fl
         except BaseException:
             release_target(ctx, target)
             raise
-        run = RequestRun(ctx, tenant, target, req, prompt_ids, steps.request_id(req), arrival)
+        run = RequestRun(ctx, tenant, target, req, prompt_ids, steps.request_id(req), arrival, limits)
         run.admit()  # on refusal (503/429) it has released everything
     except Exception as exc:
         status = steps.refused_status(from_exception(exc, log_unknown=False))

@@ -32,6 +32,7 @@ from loraplex.server.lifecycle import Lifecycle
 from loraplex.server.limits import BodySizeLimitMiddleware, TenantConcurrencyLimiter
 from loraplex.server.metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
 from loraplex.server.reasoning_parsers import get_reasoning_parser
+from loraplex.server.tenant_limits import TenantLimitsCache
 from loraplex.server.tool_parsers import get_tool_parser
 from loraplex.server.uploads import sweep_stale_staging
 
@@ -99,6 +100,7 @@ def create_app(
         served_model_name=settings.served_model_name or settings.model,
         metrics=ServerMetrics(settings.served_model_name or settings.model, settings.max_loras),
         limiter=TenantConcurrencyLimiter(settings.max_concurrent_requests_per_tenant),
+        tenant_limits=TenantLimitsCache(lambda name: ctx.registry.get_tenant(name), settings.registry_poll_seconds),
         lifecycle=lifecycle,
         tenant_auth=TenantAuth(lambda secret: ctx.registry.authenticate(secret), settings.registry_poll_seconds),
         admin_auth=AdminAuth(settings.admin_key, lambda secret: ctx.registry.check_admin_key(secret)),

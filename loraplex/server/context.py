@@ -14,6 +14,7 @@ from loraplex.server.auth import AdminAuth, TenantAuth
 from loraplex.server.lifecycle import Lifecycle
 from loraplex.server.limits import TenantConcurrencyLimiter
 from loraplex.server.metrics import ServerMetrics
+from loraplex.server.tenant_limits import TenantLimitsCache
 
 
 @dataclass
@@ -28,6 +29,7 @@ class AppContext:
     served_model_name: str
     metrics: ServerMetrics
     limiter: TenantConcurrencyLimiter
+    tenant_limits: TenantLimitsCache  # each tenant's own cap and scheduling weight
     lifecycle: Lifecycle
     tenant_auth: TenantAuth
     admin_auth: AdminAuth

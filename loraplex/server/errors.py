@@ -95,9 +95,10 @@ def from_exception(exc: Exception, *, log_unknown: bool = True) -> APIError:
     # not import the registry
     status = getattr(exc, "http_status", None)
     if isinstance(status, int) and 400 <= status < 600:
-        codes = {"NotFound": "not_found", "AlreadyExists": "already_exists", "InvalidName": "invalid_name"}
+        codes = {"NotFound": "not_found", "AlreadyExists": "already_exists", "InvalidName": "invalid_name",
+                 "InvalidSetting": "invalid_value"}
         name = type(exc).__name__
-        param = "name" if name == "InvalidName" else None
+        param = "name" if name == "InvalidName" else getattr(exc, "param", None)
         return APIError(status, str(exc), param=param, code=codes.get(name, "conflict" if status == 409 else None))
     if type(exc).__name__ == "BlobStoreUnavailable":
         return APIError(503, str(exc), code="blob_store_unavailable")

@@ -27,6 +27,7 @@ from loraplex.server.limits import check_generation_limits
 from loraplex.server.prompt_fields import PromptOptions
 from loraplex.server.protocol import GenerationRequest
 from loraplex.server.template_guard import render_limited
+from loraplex.server.tenant_limits import DEFAULT_LIMITS, TenantLimits
 
 access_log = logging.getLogger("loraplex.access")
 
@@ -188,9 +189,11 @@ class RequestRun:
     """One admitted generation request. ``close`` gives everything back exactly once."""
 
     def __init__(self, ctx: AppContext, tenant: str, target: Target, req: GenerationRequest,
-                 prompt_ids: list[list[int]], request_id: str, arrival: float):
+                 prompt_ids: list[list[int]], request_id: str, arrival: float,
+                 limits: TenantLimits = DEFAULT_LIMITS):
         self.ctx = ctx
         self.tenant = tenant
+        self.limits = limits  # the tenant's cap and scheduling weight when it was admitted
         self.target = target
         self.req = req
         self.prompt_ids = prompt_ids
@@ -218,7 +221,7 @@ class RequestRun:
         try:
             ctx.lifecycle.admit()
             self._held.append("lifecycle")
-            ctx.limiter.acquire(self.tenant)
+            ctx.limiter.acquire(self.tenant, self.limits.max_concurrent_requests)
             self._held.append("limiter")
         except BaseException:
             self._release()
@@ -244,7 +247,8 @@ class RequestRun:
         salt = cache_salt(self.ctx.settings.prefix_cache_scope, self.tenant, self.req.prompt_options.cache_salt)
         gens = [
             engine.generate(ids, self.req.params, request_id=rid, adapter=self.target.adapter, cache_salt=salt,
-                            priority=self.req.priority, tenant=self.tenant)
+                            priority=self.req.priority, tenant=self.tenant,
+                            tenant_weight=self.limits.scheduling_weight)
             for ids, rid in zip(self.prompt_ids, self.engine_ids)
         ]
         last_token_at: dict[int, float] = {}

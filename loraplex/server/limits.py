@@ -72,19 +72,22 @@ def check_generation_limits(
 
 
 class TenantConcurrencyLimiter:
-    """Counts in-flight generation requests per tenant; refuses above the cap with 429."""
+    """Counts in-flight generation requests per tenant; refuses above the cap with 429. The cap
+    is the tenant's own (``cap``, set by an operator) or else ``max_per_tenant``."""
 
     def __init__(self, max_per_tenant: int):
         self.max_per_tenant = max_per_tenant
         self._counts: dict[str, int] = defaultdict(int)
         self._lock = threading.Lock()
 
-    def acquire(self, tenant: str) -> None:
+    def acquire(self, tenant: str, cap: int | None = None) -> None:
+        limit = self.max_per_tenant if cap is None else cap
         with self._lock:
-            if self._counts[tenant] >= self.max_per_tenant:
+            # a cap lowered below what is in flight refuses new requests until enough finish
+            if self._counts[tenant] >= limit:
                 raise APIError(
                     429,
-                    f"Too many concurrent requests for this tenant (limit {self.max_per_tenant}).",
+                    f"Too many concurrent requests for this tenant (limit {limit}).",
                     code="rate_limit_exceeded",
                     headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
                 )

@@ -73,6 +73,7 @@ class FakeEngine:
         self.prompts_seen: dict[str, list[int]] = {}  # request_id -> the prompt token ids it ran with
         self.salts_seen: dict[str, str | None] = {}  # request_id -> the prefix-cache salt it ran with
         self.scheduling_seen: dict[str, tuple[int, str | None]] = {}  # request_id -> (priority, tenant)
+        self.weights_seen: dict[str, float] = {}  # request_id -> the tenant_weight it ran with
         self.loaded: dict[str, tuple[str, bool]] = {}
         self.shut_down = False
 
@@ -80,7 +81,7 @@ class FakeEngine:
         return -(-n_tokens // self.block_size)
 
     async def generate(self, prompt, params, request_id=None, adapter=None, cache_salt=None, priority=0,
-                       tenant=None):
+                       tenant=None, tenant_weight=1.0):
         if isinstance(prompt, str):
             prompt = self.tokenizer(prompt)["input_ids"]
         if not prompt:
@@ -92,6 +93,7 @@ class FakeEngine:
             self.prompts_seen[request_id] = list(prompt)
             self.salts_seen[request_id] = cache_salt
             self.scheduling_seen[request_id] = (priority, tenant)
+            self.weights_seen[request_id] = tenant_weight
             self.blocks_in_use[request_id] = self._blocks(len(prompt)) * params.n
         try:
             texts = [""] * params.n

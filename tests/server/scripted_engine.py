@@ -23,7 +23,7 @@ class ScriptedEngine(FakeEngine):
         self.scripts.append(list(pieces))
 
     async def generate(self, prompt, params, request_id=None, adapter=None, cache_salt=None, priority=0,
-                       tenant=None):
+                       tenant=None, tenant_weight=1.0):
         pieces = self.scripts.pop(0)
         with self._lock:
             self.started.append((request_id, None))

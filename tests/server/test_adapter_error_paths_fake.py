@@ -14,7 +14,7 @@ class BrokenFilesEngine(FakeEngine):
     """Refuses every adapter request as the real engine does when the files changed under it."""
 
     async def generate(self, prompt, params, request_id=None, adapter=None, cache_salt=None, priority=0,
-                       tenant=None):
+                       tenant=None, tenant_weight=1.0):
         if adapter is not None:
             raise AdapterHashMismatchError(f"adapter files at {adapter.path!r} changed since they were loaded")
         async for out in super().generate(prompt, params, request_id, adapter, cache_salt):

@@ -256,7 +256,7 @@ class _FailingEngine(ScriptedEngine):
     """Writes its first piece, then fails."""
 
     async def generate(self, prompt, params, request_id=None, adapter=None, cache_salt=None, priority=0,
-                       tenant=None):
+                       tenant=None, tenant_weight=1.0):
         async for out in super().generate(prompt, params, request_id, adapter, cache_salt):
             yield out
             raise RuntimeError("the engine broke")
