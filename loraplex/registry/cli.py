@@ -1,5 +1,8 @@
 """``loraplex tenants ...`` and ``loraplex adapters ...``: manage the registry without a server.
 
+``loraplex tenants set NAME --max-concurrent-requests N|default --scheduling-weight W`` changes a
+tenant's serving limits; running servers apply them within ``registry_poll_seconds``.
+
 They work on whatever ``Settings`` name (``LORAPLEX_HOME``, ``LORAPLEX_DATABASE_URL``,
 ``LORAPLEX_BLOB_URL``): by default the embedded SQLite database and blob directory under
 ``LORAPLEX_HOME``, migrated on first use. A running server on the same database sees the changes
@@ -35,6 +38,15 @@ def add_parser(subparsers) -> None:
     p = tsub.add_parser("create-key", help="create an API key for a tenant (the secret is printed once)")
     p.add_argument("name")
     p.set_defaults(func=_tenants_create_key)
+    p = tsub.add_parser("set", help="set a tenant's concurrency cap and scheduling weight (servers apply them live)")
+    p.add_argument("name")
+    # SUPPRESS: left out, the attribute is missing, so "default" (None) is told apart from not given
+    p.add_argument("--max-concurrent-requests", type=_cap_or_default, metavar="N|default", default=argparse.SUPPRESS,
+                   help="requests of the tenant in flight at once per replica; 'default': the server's "
+                        "--max-concurrent-requests-per-tenant")
+    p.add_argument("--scheduling-weight", type=float, metavar="W",
+                   help="the tenant's share under the fair scheduling policy (default 1; 2: twice a weight-1 tenant's)")
+    p.set_defaults(func=_tenants_set)
 
     adapters = subparsers.add_parser("adapters", help="upload, list, activate and delete LoRA adapters")
     asub = adapters.add_subparsers(dest="adapters_command", required=True)
@@ -61,6 +73,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--min-age-seconds", type=float, default=3600.0,
                    help="keep blobs younger than this; uploads in progress store the blob first (default 3600)")
     p.set_defaults(func=_adapters_gc)
+
+
+def _cap_or_default(text: str) -> int | None:
+    """``--max-concurrent-requests``: an integer, or ``default`` (stored as null)."""
+    if text == "default":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'default', got {text!r}") from None
 
 
 def _tenant_name(parser: argparse.ArgumentParser) -> None:
@@ -122,7 +144,24 @@ def _tenants_list(args, settings: Settings) -> int:
         _print_json([t.to_dict() for t in tenants])
     else:
         for t in tenants:
-            print(f"{t.name}\t{t.created_at:%Y-%m-%d %H:%M:%S}")
+            print(f"{t.name}\t{t.created_at:%Y-%m-%d %H:%M:%S}\t{_settings_text(t)}")
+    return 0
+
+
+def _settings_text(tenant) -> str:
+    cap = "default" if tenant.max_concurrent_requests is None else tenant.max_concurrent_requests
+    return f"max_concurrent_requests={cap}\tscheduling_weight={tenant.scheduling_weight:g}"
+
+
+@_run
+def _tenants_set(args, settings: Settings) -> int:
+    changes = {}
+    if hasattr(args, "max_concurrent_requests"):
+        changes["max_concurrent_requests"] = args.max_concurrent_requests
+    if args.scheduling_weight is not None:
+        changes["scheduling_weight"] = args.scheduling_weight
+    tenant = _registry(settings).update_tenant_settings(args.name, changes, actor="cli")
+    print(f"tenant {tenant.name}: {_settings_text(tenant)}".replace("\t", " "))
     return 0
 
 
