@@ -1,5 +1,7 @@
-// Tenants and their API keys: list and create tenants; per tenant create and revoke keys. A new
-// key's secret is shown exactly once, with a copy button; the server keeps only its hash.
+// Tenants and their API keys: list and create tenants (with their concurrency cap and scheduling
+// weight, read-only: set them with PATCH /admin/v1/tenants/{t} or `loraplex tenants set`); per
+// tenant create and revoke keys. A new key's secret is shown exactly once, with a copy button;
+// the server keeps only its hash.
 
 import { api, asList, enc } from "./api.js";
 import { $, confirmAction, copyText, fill, formatTime, h, toast } from "./dom.js";
@@ -45,10 +47,12 @@ export class TenantsView {
         "tr",
         { class: name === current ? "selected" : null, dataset: { tenant: name } },
         h("td", {}, h("button", { class: "link", type: "button", onclick: () => this.setTenant(name) }, name)),
-        h("td", {}, formatTime(t.created_at ?? t.created))
+        h("td", {}, formatTime(t.created_at ?? t.created)),
+        h("td", {}, t.max_concurrent_requests ?? "server default"),
+        h("td", {}, String(t.scheduling_weight ?? 1))
       );
     });
-    const empty = h("tr", {}, h("td", { colspan: 2, class: "empty" }, "No tenants yet: create one above."));
+    const empty = h("tr", {}, h("td", { colspan: 4, class: "empty" }, "No tenants yet: create one above."));
     fill($("#tenant-rows", this.root), rows.length ? rows : empty);
   }
 

@@ -72,6 +72,16 @@ def test_tenant_key_upload_hot_swap_and_audit(ui, ui_server, ui_adapters):
     with ui_server.admin() as admin:
         assert tenant in [t["name"] for t in admin.get("/admin/v1/tenants").json()["data"]]
 
+    # the tenant's serving limits: the defaults, then what an operator set through the admin API
+    tenant_cells = page.locator(f"#tenant-rows tr[data-tenant='{tenant}'] td")
+    assert tenant_cells.all_inner_texts()[2:] == ["server default", "1"]
+    with ui_server.admin() as admin:
+        r = admin.patch(f"/admin/v1/tenants/{tenant}", json={"max_concurrent_requests": 3, "scheduling_weight": 2.5})
+        assert r.status_code == 200
+    page.reload()
+    page.wait_for_selector(f"#tenant-rows tr[data-tenant='{tenant}'] td:has-text('2.5')")
+    assert tenant_cells.all_inner_texts()[2:] == ["3", "2.5"]
+
     # a key: the secret is shown once, the copy button puts it on the clipboard, and it works
     page.click("#key-create")
     page.wait_for_selector("#key-secret:not([hidden])")
