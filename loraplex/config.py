@@ -146,7 +146,7 @@ class Settings(BaseSettings):
     # registry and storage
     database_url: str | None = None  # default: sqlite under home
     blob_url: str | None = None  # default: directory under home; or s3://bucket/prefix
-    registry_poll_seconds: float = 1.0
+    registry_poll_seconds: float = 1.0  # how stale a replica's cached API keys and tenant limits may get
     # the server deletes blobs no live version uses (crash leftovers) in a background thread:
     # first min(60 s, interval) after start, then every interval; 0 disables
     blob_gc_interval_seconds: float = 3600.0
@@ -159,7 +159,7 @@ class Settings(BaseSettings):
     max_prompt_tokens: int | None = None  # default: max_model_len - 1
     max_n: int = 16
     max_body_bytes: int = 64 * MiB  # adapter uploads included
-    max_concurrent_requests_per_tenant: int = 256
+    max_concurrent_requests_per_tenant: int = 256  # a tenant's own max_concurrent_requests replaces it
     shutdown_grace_seconds: float = 30.0
     max_upload_member_bytes: int = 2 * GiB
     # vLLM's --trust-request-chat-template: render a `chat_template` sent with a chat request
