@@ -210,6 +210,24 @@ def test_offline_priority_orders_runs_and_keeps_outputs_exact(tiny_llama_dir, lo
     assert err.value.param == "priority"
 
 
+def test_tenant_weight_reaches_the_sequences_and_a_bad_one_is_refused(tiny_llama_dir, loraplex_home):
+    from tests.engine.test_engine_exact import tight_llm
+
+    engine = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=64).engine
+    req = engine.prepare_request("paying", [5, 6, 7], SamplingParams(max_tokens=2, n=2), tenant="a", tenant_weight=2.5)
+    engine.add_prepared(req)
+    engine.add_request("free", [8, 9], SamplingParams(max_tokens=2), tenant="b")
+    assert [(s.request_id, s.tenant, s.tenant_weight) for s in engine.scheduler.waiting] == [
+        ("paying", "a", 2.5), ("paying", "a", 2.5), ("free", "b", 1.0)]
+    for bad in (0, -1.0, float("nan"), "2"):
+        with pytest.raises(InvalidRequestError) as err:
+            engine.prepare_request(None, [5], SamplingParams(), tenant="a", tenant_weight=bad)
+        assert err.value.param == "tenant_weight"
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
+
+
 def test_unknown_policy_is_refused():
     from loraplex.config import EngineConfig, Settings
 
