@@ -44,8 +44,10 @@ class TenantInfo(_ToDict):
 
     @classmethod
     def from_row(cls, row: Tenant) -> TenantInfo:
-        return cls(name=row.name, created_at=as_utc(row.created_at), max_concurrent_requests=row.max_concurrent_requests,
-                   scheduling_weight=float(row.scheduling_weight if row.scheduling_weight is not None else 1.0))
+        weight = row.scheduling_weight
+        return cls(name=row.name, created_at=as_utc(row.created_at),
+                   max_concurrent_requests=row.max_concurrent_requests,
+                   scheduling_weight=1.0 if weight is None else float(weight))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Admin API under ``/admin/v1`` (admin bearer key): tenants and their serving limits, keys,
-adapter versions, hot-swap, load/pin/unload, delete, status and the audit log. Backed by the registry service, the adapter
-manager (uploads, blobs, in-use tracking) and the engine (device/host tiers)."""
+adapter versions, hot-swap, load/pin/unload, delete, status and the audit log. Backed by the
+registry service, the adapter manager (uploads, blobs, in-use tracking) and the engine
+(device/host tiers)."""
 
 from __future__ import annotations
 

@@ -72,8 +72,9 @@ class Admission:
 
 async def admit(request: Request, ctx: AppContext, steps: Admission, arrival: float) -> RequestRun:
     """The admitted run, holding the adapter version, a drain slot and a tenant slot (under the
-    tenant's own cap, when an operator set one) until its ``close``. A refusal is raised as it came (an unknown exception is left for the caller to
-    log), after its access line is written and whatever was taken is given back."""
+    tenant's own cap, when an operator set one) until its ``close``. A refusal is raised as it
+    came (an unknown exception is left for the caller to log), after its access line is written
+    and whatever was taken is given back."""
     tenant = model = None
     try:
         tenant = await authenticate(ctx, request)
