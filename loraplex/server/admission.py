@@ -71,15 +71,28 @@ class Admission:
 
 
 async def admit(request: Request, ctx: AppContext, steps: Admission, arrival: float) -> RequestRun:
-    """The admitted run, holding the adapter version, a drain slot and a tenant slot (under the
-    tenant's own cap, when an operator set one) until its ``close``. A refusal is raised as it
-    came (an unknown exception is left for the caller to log), after its access line is written
-    and whatever was taken is given back."""
-    tenant = model = None
+    """The admitted run of an HTTP request: its key's tenant and its JSON body, then
+    ``admit_body``. A refusal is raised as it came, after its access line is written."""
+    tenant = None
     try:
         tenant = await authenticate(ctx, request)
+        body = await read_json(request, ctx.settings.max_body_bytes)
+    except Exception as exc:
+        log_refused(steps.endpoint, tenant, None, steps.refused_status(from_exception(exc, log_unknown=False)), arrival)
+        raise
+    return await admit_body(ctx, tenant, body, steps, arrival)
+
+
+async def admit_body(ctx: AppContext, tenant: str, body, steps: Admission, arrival: float) -> RequestRun:
+    """The admitted run of ``tenant``'s parsed JSON ``body`` (a route after authentication, or a
+    line of a batch file), holding the adapter version, a drain slot and a tenant slot until its
+    ``close``, under the tenant's own cap when an operator set one. A refusal is raised as it
+    came (an unknown exception is left for the caller to log), after its access line is written
+    and whatever was taken is given back."""
+    model = None
+    try:
         limits = await ctx.tenant_limits.get(tenant)  # before anything is held: a failure leaks nothing
-        req = steps.parse(ctx, await read_json(request, ctx.settings.max_body_bytes))
+        req = steps.parse(ctx, body)
         model = req.model
         target = await resolve_target(ctx, tenant, model)  # holds the adapter version from here
         try:

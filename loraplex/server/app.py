@@ -26,6 +26,7 @@ from loraplex.server import admin_routes, openai_routes, responses_routes, tgi_i
 from loraplex.server.auth import AdminAuth, TenantAuth
 from loraplex.server.blob_gc import BlobGarbageCollector
 from loraplex.server.chat_template import load_chat_template
+from loraplex.server.components import Components
 from loraplex.server.context import AppContext
 from loraplex.server.errors import exception_handlers
 from loraplex.server.lifecycle import Lifecycle
@@ -72,6 +73,45 @@ async def metrics(request: Request) -> Response:
     return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
 
+def new_context(settings: Settings, *, engine=None, registry=None, adapters=None) -> AppContext:
+    """The routes' context on ``settings``, with whichever parts are given (the rest are set by
+    ``use_parts`` once built). An unknown ``tool_call_parser`` or ``reasoning_parser``, or a
+    ``chat_template`` that is neither a file nor a template that compiles, is a ValueError."""
+    tool_parser = get_tool_parser(settings.tool_call_parser)
+    chat_template = load_chat_template(settings.chat_template) if settings.chat_template else None
+    reasoning_parser = get_reasoning_parser(settings.reasoning_parser)
+    ctx = AppContext(
+        settings=settings,
+        engine=engine,
+        registry=registry,
+        adapters=adapters,
+        served_model_name=settings.served_model_name or settings.model,
+        metrics=ServerMetrics(settings.served_model_name or settings.model, settings.max_loras),
+        limiter=TenantConcurrencyLimiter(settings.max_concurrent_requests_per_tenant),
+        tenant_limits=TenantLimitsCache(lambda name: ctx.registry.get_tenant(name), settings.registry_poll_seconds),
+        lifecycle=Lifecycle(),
+        tenant_auth=TenantAuth(lambda secret: ctx.registry.authenticate(secret), settings.registry_poll_seconds),
+        admin_auth=AdminAuth(settings.admin_key, lambda secret: ctx.registry.check_admin_key(secret)),
+        staging_root=settings.home / "staging",
+        tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser,
+        chat_template=chat_template,
+    )
+    return ctx
+
+
+def use_parts(ctx: AppContext, engine, registry, adapters) -> None:
+    """Put the built parts in ``ctx``: the server's chat template goes onto the engine's
+    tokenizer, and without ``served_model_name`` the base model is served under the engine's
+    name for it."""
+    ctx.engine, ctx.registry, ctx.adapters = engine, registry, adapters
+    if ctx.chat_template is not None:  # every chat render and /tokenize reads it from here
+        ctx.tokenizer.chat_template = ctx.chat_template
+    if not ctx.settings.served_model_name and getattr(ctx.engine, "model_name", None):
+        ctx.served_model_name = ctx.engine.model_name
+        ctx.metrics.model_name = ctx.served_model_name
+
+
 def create_app(
     settings: Settings,
     *,
@@ -85,29 +125,10 @@ def create_app(
     """The ASGI app. ``engine`` is an ``AsyncLLMEngine``, ``registry`` a ``RegistryService``,
     ``adapters`` an ``AdapterManager``; any left out is built by ``builder(settings)`` at startup
     (default: ``components.build_components``). ``on_started`` runs once everything is built,
-    before the first request (the entry point's process-wide settings). An unknown
-    ``tool_call_parser`` or ``reasoning_parser``, or a ``chat_template`` that is neither a file
-    nor a template that compiles, is a ValueError."""
-    tool_parser = get_tool_parser(settings.tool_call_parser)
-    chat_template = load_chat_template(settings.chat_template) if settings.chat_template else None
-    reasoning_parser = get_reasoning_parser(settings.reasoning_parser)
-    lifecycle = Lifecycle()
-    ctx = AppContext(
-        settings=settings,
-        engine=engine,
-        registry=registry,
-        adapters=adapters,
-        served_model_name=settings.served_model_name or settings.model,
-        metrics=ServerMetrics(settings.served_model_name or settings.model, settings.max_loras),
-        limiter=TenantConcurrencyLimiter(settings.max_concurrent_requests_per_tenant),
-        tenant_limits=TenantLimitsCache(lambda name: ctx.registry.get_tenant(name), settings.registry_poll_seconds),
-        lifecycle=lifecycle,
-        tenant_auth=TenantAuth(lambda secret: ctx.registry.authenticate(secret), settings.registry_poll_seconds),
-        admin_auth=AdminAuth(settings.admin_key, lambda secret: ctx.registry.check_admin_key(secret)),
-        staging_root=settings.home / "staging",
-        tool_parser=tool_parser,
-        reasoning_parser=reasoning_parser,
-    )
+    before the first request (the entry point's process-wide settings). Bad parser or chat
+    template settings are a ValueError (``new_context``)."""
+    ctx = new_context(settings, engine=engine, registry=registry, adapters=adapters)
+    lifecycle = ctx.lifecycle
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -116,12 +137,9 @@ def create_app(
             if build is None:
                 from loraplex.server.components import build_components as build
             parts = await run_in_threadpool(build, settings, engine=ctx.engine, registry=ctx.registry, adapters=ctx.adapters)
-            ctx.engine, ctx.registry, ctx.adapters = parts.engine, parts.registry, parts.adapters
-        if chat_template is not None:  # every chat render and /tokenize reads it from here
-            ctx.tokenizer.chat_template = chat_template
-        if not settings.served_model_name and getattr(ctx.engine, "model_name", None):
-            ctx.served_model_name = ctx.engine.model_name
-            ctx.metrics.model_name = ctx.served_model_name
+        else:
+            parts = Components(ctx.engine, ctx.registry, ctx.adapters)
+        use_parts(ctx, parts.engine, parts.registry, parts.adapters)
         ctx.metrics.stats_source = ctx.engine_stats
         await run_in_threadpool(sweep_stale_staging, ctx.staging_root)  # uploads a crash cut short
         disk_cache = getattr(ctx.adapters, "disk_cache", None)

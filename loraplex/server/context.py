@@ -36,6 +36,7 @@ class AppContext:
     staging_root: Path
     tool_parser: Any = None  # tool_parsers.ToolCallParser, from --tool-call-parser
     reasoning_parser: Any = None  # reasoning_parsers.ReasoningParser, from --reasoning-parser
+    chat_template: str | None = None  # --chat-template's text, put on the tokenizer once it is built
     # content hash -> display name ("tenant/name@version"), for status and logs
     adapter_display: dict[str, str] = field(default_factory=dict)
     # where prompts are rendered and tokenized (``run_tokenizer``); threads start on first use

@@ -23,7 +23,7 @@ def _ctx(request: Request) -> AppContext:
     return request.app.state.ctx
 
 
-class _OpenAIAdmission(Admission):
+class OpenAIAdmission(Admission):
     """Completions or chat: the OpenAI body, tokenized as ``generation.tokenize_prompts`` does."""
 
     def __init__(self, endpoint: str, parse):
@@ -37,35 +37,48 @@ class _OpenAIAdmission(Admission):
 
 
 async def completions(request: Request) -> Response:
-    return await generate(request, _OpenAIAdmission("completion", parse_completion_request))
+    return await generate(request, OpenAIAdmission("completion", parse_completion_request))
 
 
 async def chat_completions(request: Request) -> Response:
-    return await generate(request, _OpenAIAdmission("chat", parse_chat_request))
+    return await generate(request, OpenAIAdmission("chat", parse_chat_request))
 
 
 async def generate(request: Request, steps: Admission, answer=None, events=None) -> Response:
     """Admit, run, answer: the chat or completions body, or ``answer(run, shaper, body)`` made of
     it; a stream of ``events(run, shaper)`` (SSE bytes), the chat or completions chunks by default."""
     arrival = time.monotonic()
-    ctx = _ctx(request)
-    run = await admit(request, ctx, steps, arrival)
-    req = run.req
-    shaper = ResponseShaper(req.kind, req.model, ctx.tokenizer, include_usage=req.include_usage,
-                            response_id=run.request_id, tokens_as_ids=req.return_tokens_as_token_ids)
-    if req.stream:
+    run = await admit(request, _ctx(request), steps, arrival)
+    shaper = shaper_for(run)
+    if run.req.stream:
         return SSEResponse((events or _stream_events)(run, shaper), on_close=lambda: run.close(CLIENT_CLOSED))
     try:
-        body = await run_unless_disconnected(request, collect(run, shaper))
+        body = await run_unless_disconnected(request, whole_answer(run, shaper, answer))
     except ClientDisconnected:
         run.close(CLIENT_CLOSED)
         return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(body)
+
+
+def shaper_for(run: RequestRun) -> ResponseShaper:
+    """The shaper of an admitted run's answer (its id is the run's request id)."""
+    req = run.req
+    return ResponseShaper(req.kind, req.model, run.ctx.tokenizer, include_usage=req.include_usage,
+                          response_id=run.request_id, tokens_as_ids=req.return_tokens_as_token_ids)
+
+
+async def whole_answer(run: RequestRun, shaper: ResponseShaper, answer=None) -> dict:
+    """The non-streamed answer's body (``collect``'s, or ``answer(run, shaper, body)`` made of
+    it); the run is closed either way, with the status its failure maps to (``CLIENT_CLOSED``
+    when cancelled). The batch runner (batch_runner.py) answers each line with this too."""
+    try:
+        body = await collect(run, shaper)
     except BaseException as exc:
         err = from_exception(exc, log_unknown=False) if isinstance(exc, Exception) else None
         run.close(err.status if err else CLIENT_CLOSED)
         raise
     run.close(200)
-    return JSONResponse(answer(run, shaper, body) if answer is not None else body)
+    return answer(run, shaper, body) if answer is not None else body
 
 
 def _echo_text(run: RequestRun, p_idx: int) -> str:

@@ -27,7 +27,7 @@ from loraplex.server.responses_shapes import (EventStream, new_item_id, output_i
 from loraplex.server.shapes import ResponseShaper
 
 
-class _ResponsesAdmission(Admission):
+class ResponsesAdmission(Admission):
     """A Responses body, admitted as the chat request it maps to; errors name its own fields."""
 
     endpoint = "responses"
@@ -50,7 +50,7 @@ class _ResponsesAdmission(Admission):
         return new_item_id("resp")
 
 
-def _answer(run: RequestRun, shaper: ResponseShaper, chat: dict) -> dict:
+def response_answer(run: RequestRun, shaper: ResponseShaper, chat: dict) -> dict:
     (choice,) = chat["choices"]
     maker = chat_output.outputs_for(run)
     if choice["message"].get("tool_calls") and maker is not None:
@@ -88,7 +88,7 @@ async def _events(run: RequestRun, shaper: ResponseShaper):
 
 
 async def create_response(request: Request) -> Response:
-    return await generate(request, _ResponsesAdmission(), answer=_answer, events=_events)
+    return await generate(request, ResponsesAdmission(), answer=response_answer, events=_events)
 
 
 def routes() -> list[Route]:
