@@ -13,6 +13,7 @@ import sys
 # which registers its subcommand(s) with ``set_defaults(func=callable(args) -> int)``.
 SUBCOMMAND_MODULES = (
     "loraplex.server.cli",  # serve
+    "loraplex.server.batch_cli",  # run-batch
     "loraplex.registry.cli",  # adapters, tenants
     "loraplex.engine.cli",  # generate (offline demo)
 )

@@ -53,46 +53,54 @@ def add_parser(subparsers) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    for name, field in Settings.model_fields.items():
-        if name in NOT_FLAGS:
-            continue
-        flag = "--" + name.replace("_", "-")
-        kind, is_bool = _flag_type(field.annotation)
-        env = f"LORAPLEX_{name.upper()}"
-        if is_bool:
-            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=f"(env {env})")
-        else:
-            options = {"type": kind, "choices": CHOICES.get(name), **vllm_flags.SETTINGS_FLAG_OPTIONS.get(name, {})}
-            p.add_argument(flag, dest=name, default=None, help=f"(env {env})", **options)
+    add_settings_flags(p)
     vllm_flags.add_vllm_flags(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_serve)
 
 
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Settings from the environment and the flags; raises ``VllmFlagError`` for a vLLM flag
-    loraplex refuses, pydantic's ``ValidationError`` for values no setting takes."""
+def add_settings_flags(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
+    """A flag for every ``Settings`` field but the secrets and ``skip`` (fields that mean nothing
+    to the command); ``settings_from_args`` reads them back."""
+    for name, field in Settings.model_fields.items():
+        if name in NOT_FLAGS or name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        kind, is_bool = _flag_type(field.annotation)
+        env = f"LORAPLEX_{name.upper()}"
+        if is_bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"(env {env})")
+        else:
+            options = {"type": kind, "choices": CHOICES.get(name), **vllm_flags.SETTINGS_FLAG_OPTIONS.get(name, {})}
+            parser.add_argument(flag, dest=name, default=None, help=f"(env {env})", **options)
+
+
+def settings_from_args(args: argparse.Namespace, **fixed) -> Settings:
+    """Settings from the environment and the flags (and ``fixed``, which win over both); raises
+    ``VllmFlagError`` for a vLLM flag loraplex refuses, pydantic's ``ValidationError`` for values
+    no setting takes."""
     overrides = {
         name: getattr(args, name)
         for name in Settings.model_fields
         if name not in NOT_FLAGS and getattr(args, name, None) is not None
     }
-    settings = Settings(**vllm_flags.translate(args, overrides))
+    settings = Settings(**{**vllm_flags.translate(args, overrides), **fixed})
     vllm_flags.check(args, settings)
     return settings
 
 
-def _settings_or_error(args: argparse.Namespace) -> Settings | None:
+def settings_or_error(args: argparse.Namespace, command: str = "serve", **fixed) -> Settings | None:
     """``settings_from_args``, or None after printing why not (as argparse prints its errors)."""
     from pydantic import ValidationError
 
     try:
-        return settings_from_args(args)
+        return settings_from_args(args, **fixed)
     except vllm_flags.VllmFlagError as exc:
         message = str(exc)
     except ValidationError as exc:
         message = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
-    print(f"loraplex serve: error: {message}", file=sys.stderr)
+    print(f"loraplex {command}: error: {message}", file=sys.stderr)
     return None
 
 
@@ -128,7 +136,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from loraplex.server.components import prepare_registry
     from loraplex.server.lifecycle import DrainingServer
 
-    settings = _settings_or_error(args)
+    settings = settings_or_error(args)
     if settings is None:
         return 2
     _configure_logging(args.log_level)

@@ -101,8 +101,10 @@ SETTINGS_FLAG_OPTIONS: dict[str, dict] = {
 }
 
 
-def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
-    """The vLLM flags that are not loraplex settings (see the module doc)."""
+def add_vllm_flags(parser: argparse.ArgumentParser, taken: frozenset[str] = frozenset()) -> None:
+    """The vLLM flags that are not loraplex settings (see the module doc); those of ``REFUSED``
+    named in ``taken`` are left for the command to add as its own (``run-batch`` takes
+    ``--lora-modules``)."""
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
                         help="the model, as in `vllm serve MODEL` (the same as --model)")
     group = parser.add_argument_group("vLLM flags", "taken so that a `vllm serve` command line runs")
@@ -115,6 +117,8 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disable-log-requests", "--disable-log-stats", action="store_true",
                        help="accepted: loraplex logs no prompts (one access line of counts per request)")
     for dest, (flags, options, _) in REFUSED.items():
+        if dest in taken:
+            continue
         hint = "1 is taken; more is refused" if dest == "tensor_parallel_size" else "refused"
         group.add_argument(*flags, dest=f"vllm_{dest}", default=None, metavar=dest.split("_")[-1].upper(),
                            help=f"{hint} (the error says what to use instead)", **options)
