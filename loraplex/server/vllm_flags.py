@@ -45,7 +45,8 @@ REFUSED: dict[str, tuple[tuple[str, ...], dict, str]] = {
         ("--lora-modules",), {"nargs": "+"},
         "adapters live in the registry: upload each once with `loraplex adapters upload --tenant T "
         "--name NAME PATH` (or POST /admin/v1/tenants/{t}/adapters/{name}/versions); requests then "
-        "name it in `model`, across restarts and replicas",
+        "name it in `model`, across restarts and replicas (`loraplex run-batch` takes --lora-modules "
+        "for an offline batch)",
     ),
     "api_key": (
         ("--api-key",), {"nargs": "+"},
