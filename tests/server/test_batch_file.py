@@ -52,6 +52,7 @@ def test_request_lines_and_the_reason_each_bad_line_is_none():
         (12, None, "missing_required_parameter", "custom_id"),
         (13, None, "invalid_json_line", None),
     ]
+    assert parse_lines(b"\n  \n") == []
     assert "line 1" in errors[8].message and "/v1/embeddings" in errors[6].message
 
 

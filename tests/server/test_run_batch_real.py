@@ -55,8 +55,9 @@ def world(tiny_llama_dir, tmp_path_factory):
     db.upgrade(url)
     registry = RegistryService.from_url(url)
     registry.create_tenant("acme")
-    build_adapter_manager(settings, registry, llm.engine.runner.lora_target_spec()).upload("acme", "support",
-                                                                                          dirs["support"])
+    manager = build_adapter_manager(settings, registry, llm.engine.runner.lora_target_spec())
+    manager.upload("acme", "support", dirs["support"])
+    manager.upload("acme", "sql-copy", dirs["sql"])  # the weights of --lora-modules sql, in the registry
     ctx = build_batch_context(settings, [LoraModule("sql", str(dirs["sql"]))], "acme",
                               engine=AsyncLLMEngine(llm.config, engine=llm.engine))
     server_llm = tight_llm(tiny_llama_dir, root / "srv-home", **ENGINE_OPTIONS)
@@ -136,10 +137,14 @@ def test_lines_give_transformers_greedy_tokens_and_the_servers_answers(world):
     chat_bodies = [{"model": world.model, "messages": m, "logprobs": True, **GREEDY} for m in CHATS]
     completion_bodies = [{"model": world.model, "prompt": p, "logprobs": 0, **GREEDY} for p in PROMPTS]
     response_body = {"model": world.model, "input": "tell me", "max_output_tokens": N, "temperature": 0}
+    constrained = {"model": world.model, "prompt": "pick", "temperature": 0, "max_tokens": N,
+                   "structured_outputs": {"choice": ["yes", "no"]}}
     lines = [line(f"chat-{i}", "/v1/chat/completions", b) for i, b in enumerate(chat_bodies)]
     lines += [line(f"cmpl-{i}", "/v1/completions", b) for i, b in enumerate(completion_bodies)]
     lines.append(line("resp", "/v1/responses", response_body))
+    lines.append(line("choice", "/v1/completions", constrained))
     results = run_batch(world, lines)
+    assert results[-1]["response"]["body"]["choices"][0]["text"] in ("yes", "no")
 
     assert [r["custom_id"] for r in results] == [item["custom_id"] for item in lines]
     prompts = [chat_ids(world.tok, m) for m in CHATS] + [list(world.tok(p)["input_ids"]) for p in PROMPTS]
@@ -165,16 +170,18 @@ def peft_greedy(world, adapter: str, prompt: list[int]) -> list[int]:
 def test_adapter_lines_match_peft_from_lora_modules_and_the_tenants_registry(world):
     prompt = "SELECT the answer"
     bodies = {name: {"model": name, "prompt": prompt, "logprobs": 0, **GREEDY}
-              for name in ("sql", "support", "support@1", world.model)}
+              for name in ("sql", "sql-copy", "support", "support@1", world.model)}
     results = run_batch(world, [line(name, "/v1/completions", body) for name, body in bodies.items()])
     ids = list(world.tok(prompt)["input_ids"])
     got = {r["custom_id"]: token_ids(r["response"]["body"]) for r in results}
-    assert got["sql"] == peft_greedy(world, "sql", ids)
+    assert got["sql"] == got["sql-copy"] == peft_greedy(world, "sql", ids)
     assert got["support"] == got["support@1"] == peft_greedy(world, "support", ids)
     assert got[world.model] == hf_greedy_all(world.model_dir, [ids], N)[0]
     assert len({tuple(v) for v in got.values()}) == 3  # each adapter changes the output
     assert results[0]["response"]["body"]["model"] == "sql"
-    assert world.ctx.adapters.fallback.in_use(world.ctx.adapters.resolve("acme", "support").content_hash) == 0
+    manager = world.ctx.adapters.fallback  # each registry version acquired per line was given back
+    assert all(manager.in_use(world.ctx.adapters.resolve("acme", name).content_hash) == 0
+               for name in ("support", "sql-copy"))
 
 
 def test_bad_lines_are_reported_and_the_good_ones_still_answered_in_order(world):
