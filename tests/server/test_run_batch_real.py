@@ -55,6 +55,8 @@ def world(tiny_llama_dir, tmp_path_factory):
     db.upgrade(url)
     registry = RegistryService.from_url(url)
     registry.create_tenant("acme")
+    # an operator's cap for the tenant on a shared server: a batch run of its own must not 429
+    registry.update_tenant_settings("acme", {"max_concurrent_requests": 1})
     manager = build_adapter_manager(settings, registry, llm.engine.runner.lora_target_spec())
     manager.upload("acme", "support", dirs["support"])
     manager.upload("acme", "sql-copy", dirs["sql"])  # the weights of --lora-modules sql, in the registry
