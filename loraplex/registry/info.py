@@ -59,6 +59,7 @@ class ApiKeyInfo(_ToDict):
     prefix: str
     created_at: datetime
     revoked_at: datetime | None
+    origin: str | None = None  # models.KEY_ORIGIN_SERVE_FLAG for `serve --api-key` keys
 
     @property
     def revoked(self) -> bool:
@@ -72,6 +73,7 @@ class ApiKeyInfo(_ToDict):
             prefix=row.prefix,
             created_at=as_utc(row.created_at),
             revoked_at=as_utc(row.revoked_at),
+            origin=row.origin,
         )
 
 

@@ -1,7 +1,10 @@
 """API key secrets: generation, hashing and constant-time comparison.
 
-A secret looks like ``lpx_<43 url-safe characters>`` (256 random bits). Only its sha256 (hex) is
-stored; the first ``PREFIX_LENGTH`` characters are kept for display so admins can tell keys apart.
+A secret loraplex makes looks like ``lpx_<43 url-safe characters>`` (256 random bits). Only its
+sha256 (hex) is stored; the first ``PREFIX_LENGTH`` characters are kept for display so admins can
+tell keys apart. Keys an operator chose (vLLM's ``--api-key``) can look like anything within
+``MAX_SECRET_LENGTH``; they are stored the same way, with a fixed display prefix instead of their
+first characters (a short chosen key would be shown whole).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ def display_prefix(secret: str) -> str:
 
 
 def plausible_secret(secret: object) -> bool:
-    return isinstance(secret, str) and secret.startswith(SECRET_PREFIX) and len(secret) <= MAX_SECRET_LENGTH
+    """Worth a database lookup: a non-empty string no longer than any stored key can be."""
+    return isinstance(secret, str) and 0 < len(secret) <= MAX_SECRET_LENGTH
 
 
 def secret_matches(secret: str, stored_sha256: str | None) -> bool:

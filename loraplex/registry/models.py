@@ -42,6 +42,9 @@ SHA256_HEX_LENGTH = 64
 VERSION_READY = "ready"
 VERSION_DELETED = "deleted"
 REGISTRY_STATE_ID = 1  # registry_state has exactly one row
+# ApiKey.origin of a key ``loraplex serve --api-key`` stored (vLLM's flag); None: made by loraplex
+# (admin API, ``loraplex tenants create-key``, the demo tenant), which start-up never touches
+KEY_ORIGIN_SERVE_FLAG = "serve_flag"
 
 
 def utcnow() -> datetime:
@@ -79,7 +82,8 @@ class Tenant(Base):
 
 
 class ApiKey(Base):
-    """A tenant API key. Only the sha256 of the secret is stored; ``prefix`` is for display."""
+    """A tenant API key. Only the sha256 of the secret is stored; ``prefix`` is for display.
+    ``origin`` says who manages the key (``KEY_ORIGIN_SERVE_FLAG``, or None for loraplex's own)."""
 
     __tablename__ = "api_key"
 
@@ -89,6 +93,7 @@ class ApiKey(Base):
     prefix: Mapped[str] = mapped_column(String(32))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+    origin: Mapped[str | None] = mapped_column(String(16), default=None)
 
     tenant: Mapped[Tenant] = relationship(back_populates="api_keys")
 

@@ -46,8 +46,8 @@ def add_tenant(session: Session, name: str) -> Tenant:
 # ---- API keys ------------------------------------------------------------------------------
 
 
-def add_api_key(session: Session, tenant: Tenant, secret_sha256: str, prefix: str) -> ApiKey:
-    key = ApiKey(tenant=tenant, secret_sha256=secret_sha256, prefix=prefix)
+def add_api_key(session: Session, tenant: Tenant, secret_sha256: str, prefix: str, origin: str | None = None) -> ApiKey:
+    key = ApiKey(tenant=tenant, secret_sha256=secret_sha256, prefix=prefix, origin=origin)
     session.add(key)
     session.flush()
     return key
@@ -61,6 +61,15 @@ def get_api_key(session: Session, tenant: Tenant, key_id: int) -> ApiKey | None:
     return session.scalars(
         select(ApiKey).where(ApiKey.tenant_id == tenant.id, ApiKey.id == key_id)
     ).one_or_none()
+
+
+def live_api_keys_of_origin(session: Session, origin: str) -> list[tuple[ApiKey, str]]:
+    """Unrevoked keys of that origin, any tenant, with their tenant's name."""
+    rows = session.execute(
+        select(ApiKey, Tenant.name).join(Tenant)
+        .where(ApiKey.origin == origin, ApiKey.revoked_at.is_(None)).order_by(ApiKey.id)
+    )
+    return [(row[0], row[1]) for row in rows]
 
 
 def find_api_key_by_hash(session: Session, secret_sha256: str) -> tuple[ApiKey, str] | None:

@@ -38,6 +38,7 @@ from loraplex.registry.admin_key import SHA256_HEX, AdminKeyMixin
 from loraplex.registry.db import make_session_factory
 from loraplex.registry.errors import (AlreadyExists, BlobMissing, Conflict, InvalidName, InvalidSetting, NotFound,
                                      RegistryError)
+from loraplex.registry.flag_keys import FlagKeysMixin
 from loraplex.registry.info import AdapterInfo, ApiKeyInfo, AuditEventInfo, TenantInfo, VersionInfo
 from loraplex.registry.keys import display_prefix, generate_secret, hash_secret, plausible_secret, secret_matches
 from loraplex.registry.models import VERSION_DELETED, Adapter, Tenant, utcnow
@@ -67,7 +68,7 @@ WRITE_ATTEMPTS = 8  # retries of a write that lost a race on a unique constraint
 RETRY_BACKOFF_S = 0.002
 
 
-class RegistryService(AdminKeyMixin, TenantSettingsMixin):
+class RegistryService(AdminKeyMixin, TenantSettingsMixin, FlagKeysMixin):
     """The registry's public API. Thread-safe: it holds only a session factory."""
 
     def __init__(self, session_factory: sessionmaker[Session]):
