@@ -178,6 +178,14 @@ class Settings(BaseSettings):
     # text to the message's reasoning field. Checked at start (loraplex/server/app.py).
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # vLLM's command line, per tenant: `serve --api-key` keys and `--lora-modules` adapters go to
+    # this tenant (created at start when either flag is given; loraplex/server/vllm_startup.py)
+    vllm_tenant: str = "default"
+    # vLLM's runtime LoRA endpoints (POST /v1/load_lora_adapter, /v1/unload_lora_adapter), which
+    # vLLM serves with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; a load reads a directory on this
+    # machine, so only under one of `lora_path_roots` (flag --lora-path-root DIR, repeatable)
+    allow_runtime_lora_updating: bool = False
+    lora_path_roots: list[Path] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _one_host_cache_size(self) -> "Settings":

@@ -143,6 +143,21 @@ class AdapterManager:
                 self._delete_blob_if_unused(info.content_hash, key)
             raise
 
+    def upload_active(
+        self, tenant: str, name: str, adapter_dir: str | Path, uploader: str = "admin"
+    ) -> tuple[VersionInfo, bool, bool]:
+        """``upload``, then make that version the one ``name`` serves (a hot-swap, as
+        ``PUT .../active`` is, unless it already is). Returns ``(version, created, activated)``;
+        identical weights already live add no version, and an unchanged active version writes
+        no audit event (so a restart with the same directories changes nothing)."""
+        before = self.registry.get_adapter(tenant, name) if self.registry.get_tenant(tenant) else None
+        version, created = self.upload(tenant, name, adapter_dir, uploader=uploader)
+        activated = before is None or before.active_version != version.version
+        adapter = self.registry.get_adapter(tenant, name)
+        if adapter is not None and adapter.active_version == version.version:  # a first version already is
+            return version, created, activated
+        return self.registry.activate(tenant, name, version.version, actor=uploader), created, True
+
     def _put_blob(self, adapter_dir: str | Path, key: str) -> None:
         with tempfile.TemporaryFile() as archive:
             size = pack_files(adapter_dir, ADAPTER_FILES, archive)

@@ -56,7 +56,7 @@ def add_parser(subparsers) -> None:
                    help="also resolve `model` to this tenant's adapters in the loraplex registry")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_settings_flags(p, SKIPPED_SETTINGS)
-    vllm_flags.add_vllm_flags(p, taken=frozenset({"lora_modules"}))
+    vllm_flags.add_vllm_flags(p, taken=frozenset({"lora_modules", "api_key"}))
     p.set_defaults(func=run_batch_command)
 
 

@@ -32,6 +32,10 @@ CHOICES = {"tool_call_parser": list(TOOL_PARSERS), "reasoning_parser": list(REAS
            "prefix_cache_scope": ["tenant", "shared"], "scheduling_policy": list(SCHEDULING_POLICIES)}
 
 
+# list settings take one value per flag, under a singular name: --lora-path-root A --lora-path-root B
+LIST_FLAG_NAMES = {"lora_path_roots": ("--lora-path-root",)}
+
+
 def _flag_type(annotation):
     """(argparse type, is_bool) for a Settings field annotation such as ``int | None``."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -71,6 +75,11 @@ def add_settings_flags(parser: argparse.ArgumentParser, skip: frozenset[str] = f
         if is_bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
                                 help=f"(env {env})")
+        elif typing.get_origin(field.annotation) is list:  # one value per use of the flag
+            (item,) = typing.get_args(field.annotation)
+            flags = LIST_FLAG_NAMES.get(name, (flag,))
+            parser.add_argument(*flags, dest=name, action="append", type=item, default=None,
+                                help=f"repeatable (env {env}, a JSON list)")
         else:
             options = {"type": kind, "choices": CHOICES.get(name), **vllm_flags.SETTINGS_FLAG_OPTIONS.get(name, {})}
             parser.add_argument(flag, dest=name, default=None, help=f"(env {env})", **options)
@@ -136,12 +145,24 @@ def run_serve(args: argparse.Namespace) -> int:
     from loraplex.server.components import prepare_registry
     from loraplex.server.lifecycle import DrainingServer
 
+    from loraplex.server.vllm_startup import StartupError, apply_startup_flags
+
     settings = settings_or_error(args)
     if settings is None:
+        return 2
+    try:
+        flags = vllm_flags.startup_flags(args)
+    except vllm_flags.VllmFlagError as exc:
+        print(f"loraplex serve: error: {exc}", file=sys.stderr)
         return 2
     _configure_logging(args.log_level)
     embedded = settings.database_url is None
     setup = prepare_registry(settings, create_demo=embedded)
+    try:  # before the server listens: the first request already finds the keys and adapters
+        outcome = apply_startup_flags(flags, settings, setup.registry)
+    except StartupError as exc:
+        print(f"loraplex serve: error: {exc}", file=sys.stderr)
+        return 2
     base = f"http://{settings.host}:{settings.port}"
     if setup.admin_secret:
         print(f"loraplex: admin key (shown once, stored hashed): {setup.admin_secret}", flush=True)
@@ -150,6 +171,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if setup.demo_key:
         print(f"loraplex: tenant 'demo' API key (shown once): {setup.demo_key}", flush=True)
         print(f"loraplex: OpenAI base URL for it: {base}/t/demo/v1", flush=True)
+    for note in outcome.notes():
+        print(f"loraplex: {note}", flush=True)
+    if settings.allow_runtime_lora_updating and not settings.lora_path_roots:
+        print("loraplex: runtime LoRA updating is on, but no --lora-path-root is given: every "
+              "POST /v1/load_lora_adapter is refused", flush=True)
     app = create_app(settings, registry=setup.registry, on_started=freeze_startup_objects)
     config = uvicorn.Config(
         app,

@@ -12,16 +12,28 @@ are made from ``Settings`` (loraplex/server/cli.py). This module adds the rest:
   ``--max-num-batched-tokens``) or ``auto``, one ``--served-model-name``, ``--chat-template`` (a
   setting, loraplex/server/chat_template.py), and ``--trust-remote-code`` / ``--disable-log-requests`` /
   ``--disable-log-stats``, which ask for nothing loraplex does otherwise;
+* taken into loraplex's tenant model: ``--api-key KEY [KEY ...]`` (API keys of the tenant
+  ``--vllm-tenant``, default ``default``) and ``--lora-modules`` in both of vLLM's forms,
+  ``name=path`` and ``{"name": ..., "path": ..., "base_model_name": ...}`` (adapters of that
+  tenant, registered at start as uploads are); see loraplex/server/vllm_startup.py. vLLM's
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` turns on ``--allow-runtime-lora-updating``: it is read
+  here, at the entry point, so that a deployment's environment runs unchanged;
 * refused, with what to use instead: ``--gpu-memory-utilization``, ``--tensor-parallel-size`` above
-  1, ``--lora-modules``, ``--api-key``, ``--quantization``, several served model names.
+  1, ``--quantization``, several served model names.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from loraplex.config import Settings
+from loraplex.registry.errors import InvalidName
+from loraplex.registry.names import validate_adapter_name
 
 
 class VllmFlagError(ValueError):
@@ -41,25 +53,87 @@ REFUSED: dict[str, tuple[tuple[str, ...], dict, str]] = {
         "loraplex runs a model on one device (--device cuda:N); to use more GPUs run one replica "
         "per GPU on a shared database and blob store (LORAPLEX_DATABASE_URL, LORAPLEX_BLOB_URL)",
     ),
-    "lora_modules": (
-        ("--lora-modules",), {"nargs": "+"},
-        "adapters live in the registry: upload each once with `loraplex adapters upload --tenant T "
-        "--name NAME PATH` (or POST /admin/v1/tenants/{t}/adapters/{name}/versions); requests then "
-        "name it in `model`, across restarts and replicas (`loraplex run-batch` takes --lora-modules "
-        "for an offline batch)",
-    ),
-    "api_key": (
-        ("--api-key",), {"nargs": "+"},
-        "API keys belong to tenants and are stored hashed: make one with `loraplex tenants "
-        "create-key TENANT` (or POST /admin/v1/tenants/{t}/keys); the admin key is read from "
-        "LORAPLEX_ADMIN_KEY",
-    ),
     "quantization": (
         ("--quantization", "-q"), {},
         "loraplex serves unquantized weights: use --dtype bfloat16, float16 or float32 (a GGUF "
         "--model is dequantized when it is loaded)",
     ),
 }
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """One ``--lora-modules`` entry: adapter ``name`` served from the PEFT directory ``path``.
+    ``base_model_name`` is taken from vLLM's JSON form and not used: the adapter is checked
+    against the served model's shapes, and listed with the served model as its parent."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+LORA_MODULE_FIELDS = {"name", "path", "base_model_name"}
+
+
+def parse_lora_module(text: str) -> LoRAModule:
+    """vLLM's two forms: ``name=path``, or a JSON object with ``name``, ``path`` and optionally
+    ``base_model_name``. Raises ``argparse.ArgumentTypeError`` saying what is wrong."""
+    if text.lstrip().startswith("{"):
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {exc.msg}") from None
+        if not isinstance(fields, dict):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON object")
+        unknown = sorted(set(fields) - LORA_MODULE_FIELDS)
+        if unknown:
+            raise argparse.ArgumentTypeError(f"{text!r}: unknown field(s) {', '.join(unknown)} "
+                                             f"(fields: {', '.join(sorted(LORA_MODULE_FIELDS))})")
+        name, path, base = fields.get("name"), fields.get("path"), fields.get("base_model_name")
+        if not isinstance(base, (str, type(None))):
+            raise argparse.ArgumentTypeError(f"{text!r}: base_model_name must be a string")
+    elif "=" in text:
+        name, path = text.split("=", 1)  # names cannot hold "=", paths can
+        base = None
+    else:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected name=path or a JSON object {{\"name\": ..., \"path\": ...}}")
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r}: needs a non-empty name and path")
+    try:
+        validate_adapter_name(name)
+    except InvalidName as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    return LoRAModule(name=name, path=path, base_model_name=base)
+
+
+@dataclass(frozen=True)
+class StartupFlags:
+    """What the vLLM flags ask to be done in the registry before the server listens."""
+
+    api_keys: tuple[str, ...] = ()
+    lora_modules: tuple[LoRAModule, ...] = ()
+
+    @property
+    def given(self) -> bool:
+        return bool(self.api_keys or self.lora_modules)
+
+
+def startup_flags(args: argparse.Namespace) -> StartupFlags:
+    """``--api-key`` and ``--lora-modules`` from parsed arguments; raises ``VllmFlagError`` for a
+    name given twice (vLLM would serve one of the two paths under it)."""
+    modules = tuple(getattr(args, "vllm_lora_modules", None) or ())
+    seen: set[str] = set()
+    for module in modules:
+        if module.name in seen:
+            raise VllmFlagError(f"--lora-modules: {module.name!r} is given twice; one path per name")
+        seen.add(module.name)
+    return StartupFlags(api_keys=tuple(getattr(args, "vllm_api_key", None) or ()), lora_modules=modules)
+
+
+def runtime_updating_from_env(environ: Mapping[str, str]) -> bool:
+    """vLLM's switch for its runtime LoRA endpoints (its own parsing: ``1`` or ``true``)."""
+    return environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
+
 
 # vLLM's other names for dtypes (its --dtype choices)
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -103,9 +177,9 @@ SETTINGS_FLAG_OPTIONS: dict[str, dict] = {
 
 
 def add_vllm_flags(parser: argparse.ArgumentParser, taken: frozenset[str] = frozenset()) -> None:
-    """The vLLM flags that are not loraplex settings (see the module doc); those of ``REFUSED``
-    named in ``taken`` are left for the command to add as its own (``run-batch`` takes
-    ``--lora-modules``)."""
+    """The vLLM flags that are not loraplex settings (see the module doc); those named in
+    ``taken`` (``api_key``, ``lora_modules`` or a ``REFUSED`` one) are left out, for the command
+    to add as its own or not at all (``run-batch`` has its own ``--lora-modules`` and no keys)."""
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
                         help="the model, as in `vllm serve MODEL` (the same as --model)")
     group = parser.add_argument_group("vLLM flags", "taken so that a `vllm serve` command line runs")
@@ -117,6 +191,15 @@ def add_vllm_flags(parser: argparse.ArgumentParser, taken: frozenset[str] = froz
                        help="accepted: loraplex runs its own model code, never code from a model directory")
     group.add_argument("--disable-log-requests", "--disable-log-stats", action="store_true",
                        help="accepted: loraplex logs no prompts (one access line of counts per request)")
+    if "api_key" not in taken:
+        group.add_argument("--api-key", dest="vllm_api_key", nargs="+", action="extend", metavar="KEY",
+                           help="API key(s) of the --vllm-tenant tenant, stored hashed; keys an earlier "
+                                "start stored and this command line no longer lists are revoked")
+    if "lora_modules" not in taken:
+        group.add_argument("--lora-modules", dest="vllm_lora_modules", nargs="+", action="extend",
+                           type=parse_lora_module, metavar="MODULE",
+                           help='name=path or {"name": ..., "path": ...}: registered in the --vllm-tenant '
+                                "tenant at start (a changed directory becomes the name's new active version)")
     for dest, (flags, options, _) in REFUSED.items():
         if dest in taken:
             continue
@@ -125,9 +208,10 @@ def add_vllm_flags(parser: argparse.ArgumentParser, taken: frozenset[str] = froz
                            help=f"{hint} (the error says what to use instead)", **options)
 
 
-def translate(args: argparse.Namespace, overrides: dict) -> dict:
+def translate(args: argparse.Namespace, overrides: dict, environ: Mapping[str, str] = os.environ) -> dict:
     """``overrides`` (Settings fields from flags) with the vLLM flags' meaning applied; raises
-    ``VllmFlagError`` naming every refused flag."""
+    ``VllmFlagError`` naming every refused flag. ``environ`` is read for vLLM's
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` only (the entry point passes the process's)."""
     refused = [f"{REFUSED[dest][0][0]}: {REFUSED[dest][2]}" for dest in REFUSED if _is_refused(args, dest)]
     if refused:
         raise VllmFlagError("vLLM flag(s) loraplex does not take:\n  " + "\n  ".join(refused))
@@ -154,6 +238,8 @@ def translate(args: argparse.Namespace, overrides: dict) -> dict:
         if out.get("cuda_graphs"):
             raise VllmFlagError("--enforce-eager turns CUDA graphs off and --cuda-graphs on: give one")
         out["cuda_graphs"] = False  # also over LORAPLEX_CUDA_GRAPHS=true
+    if "allow_runtime_lora_updating" not in out and runtime_updating_from_env(environ):
+        out["allow_runtime_lora_updating"] = True
     return out
 
 

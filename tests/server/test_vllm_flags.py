@@ -4,6 +4,7 @@ flag means, and each flag loraplex refuses naming what to use instead."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -11,13 +12,13 @@ from pydantic import ValidationError
 from loraplex.cli import build_parser, main
 from loraplex.config import Settings
 from loraplex.server.cli import settings_from_args
-from loraplex.server.vllm_flags import VllmFlagError
+from loraplex.server.vllm_flags import LoRAModule, VllmFlagError, startup_flags
 
 
 @pytest.fixture(autouse=True)
 def _no_loraplex_env(monkeypatch):
     for name in list(os.environ):
-        if name.startswith("LORAPLEX_"):
+        if name.startswith("LORAPLEX_") or name == "VLLM_ALLOW_RUNTIME_LORA_UPDATING":
             monkeypatch.delenv(name)
 
 
@@ -93,8 +94,6 @@ REFUSED = [
     (["--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization", "--kv-cache-memory-fraction"),
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size", "one replica per GPU"),
     (["-tp", "4"], "--tensor-parallel-size", "--device cuda:N"),
-    (["--lora-modules", "sql=/a", "chat=/b"], "--lora-modules", "loraplex adapters upload"),
-    (["--api-key", "secret"], "--api-key", "loraplex tenants create-key"),
     (["--quantization", "awq"], "--quantization", "--dtype"),
     (["-q", "fp8"], "--quantization", "--dtype"),
 ]
@@ -106,15 +105,16 @@ def test_each_refused_flag_names_what_to_use_instead(argv, flag, instead):
         settings("m", *argv)
     message = str(caught.value)
     assert f"{flag}: " in message and instead in message
-    assert "secret" not in message  # an API key is not echoed back
 
 
 def test_every_refused_flag_is_named_at_once_and_serve_exits_2(capsys):
-    argv = ["serve", "m", "--gpu-memory-utilization", "0.8", "--api-key", "k", "-q", "awq"]
+    argv = ["serve", "m", "--gpu-memory-utilization", "0.8", "-tp", "2", "-q", "awq", "--api-key", "sk-secret"]
     assert main(argv) == 2  # before anything is built or logged
     err = capsys.readouterr().err
     assert err.startswith("loraplex serve: error: ")
-    assert all(f"\n  {flag}: " in err for flag in ("--gpu-memory-utilization", "--api-key", "--quantization"))
+    assert all(f"\n  {flag}: " in err for flag in ("--gpu-memory-utilization", "--tensor-parallel-size",
+                                                    "--quantization"))
+    assert "sk-secret" not in err  # an API key is never echoed back
 
 
 def test_host_cache_count_against_max_loras_and_bytes(capsys):
@@ -158,3 +158,77 @@ def test_max_model_len_auto_is_the_default(monkeypatch, value):
     monkeypatch.setenv("LORAPLEX_MAX_MODEL_LEN", "2048")
     assert settings("m").max_model_len == 2048
     assert settings("m", "--max-model-len", value).max_model_len is None  # the flag wins
+
+
+def serve_args(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_lora_modules_in_both_of_vllms_forms():
+    """vLLM's ``name=path`` and its JSON form (``base_model_name`` optional), mixed, over one or
+    several uses of the flag."""
+    args = serve_args(
+        "m", "--enable-lora", "--lora-modules", "sql=/adapters/sql", '{"name": "chat", "path": "/adapters/chat"}',
+        "--lora-modules", '{"name": "tool", "path": "/a=b/tool", "base_model_name": "m"}', "eq=/p/with=sign",
+    )
+    flags = startup_flags(args)
+    assert flags.lora_modules == (
+        LoRAModule("sql", "/adapters/sql"), LoRAModule("chat", "/adapters/chat"),
+        LoRAModule("tool", "/a=b/tool", "m"), LoRAModule("eq", "/p/with=sign"),
+    )
+    assert flags.api_keys == () and flags.given
+    assert not startup_flags(serve_args("m")).given
+
+
+def test_api_key_takes_one_or_more_keys_as_in_vllm():
+    flags = startup_flags(serve_args("m", "--api-key", "sk-one", "sk-two", "--port", "9000", "--api-key", "lpx_x"))
+    assert flags.api_keys == ("sk-one", "sk-two", "lpx_x")
+    assert settings("m", "--api-key", "sk-one").port == 8000  # accepted: no longer refused
+
+
+BAD_MODULES = [
+    ("sql", "expected name=path or a JSON object"),
+    ("=/adapters/sql", "needs a non-empty name and path"),
+    ("sql=", "needs a non-empty name and path"),
+    ("../up=/adapters/sql", "adapter name"),
+    ('{"name": "sql", "path": "/a"', "invalid JSON"),
+    ('{"name": "sql"}', "needs a non-empty name and path"),
+    ('{"name": "sql", "path": "/a", "revision": "main"}', "unknown field(s) revision"),
+    ('{"name": "sql", "path": "/a", "base_model_name": 3}', "base_model_name must be a string"),
+    ('["sql", "/a"]', "expected name=path or a JSON object"),
+]
+
+
+@pytest.mark.parametrize("text,why", BAD_MODULES, ids=[b[0] for b in BAD_MODULES])
+def test_a_malformed_lora_module_is_a_start_up_error(capsys, text, why):
+    with pytest.raises(SystemExit) as caught:
+        serve_args("m", "--lora-modules", text)
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --lora-modules:" in err and why in err
+
+
+def test_a_module_name_given_twice_stops_serve(capsys):
+    with pytest.raises(VllmFlagError, match="'sql' is given twice"):
+        startup_flags(serve_args("m", "--lora-modules", "sql=/a", '{"name": "sql", "path": "/b"}'))
+    assert main(["serve", "m", "--lora-modules", "sql=/a", "sql=/b"]) == 2
+    assert "--lora-modules: 'sql' is given twice" in capsys.readouterr().err
+
+
+def test_runtime_lora_updating_flag_roots_and_vllms_environment_variable(monkeypatch):
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    assert settings("m").allow_runtime_lora_updating is False  # off by default
+    s = settings("m", "--allow-runtime-lora-updating", "--lora-path-root", "/srv/a", "--lora-path-root", "/srv/b")
+    assert s.allow_runtime_lora_updating is True and s.lora_path_roots == [Path("/srv/a"), Path("/srv/b")]
+    for value, on in (("True", True), ("1", True), ("true", True), ("0", False), ("False", False)):
+        monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", value)
+        assert settings("m").allow_runtime_lora_updating is on, value
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    assert settings("m", "--no-allow-runtime-lora-updating").allow_runtime_lora_updating is False  # the flag wins
+
+
+def test_vllm_tenant_is_a_setting(monkeypatch):
+    assert settings("m").vllm_tenant == "default"
+    assert settings("m", "--vllm-tenant", "team-sql").vllm_tenant == "team-sql"
+    monkeypatch.setenv("LORAPLEX_VLLM_TENANT", "from-env")
+    assert settings("m").vllm_tenant == "from-env"

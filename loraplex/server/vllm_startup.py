@@ -1,0 +1,116 @@
+"""What ``loraplex serve --api-key ... --lora-modules ...`` does in the registry before the server
+listens, so that a ``vllm serve`` deployment and its clients run unchanged.
+
+Both flags act on one tenant, ``Settings.vllm_tenant`` (default ``default``), created when either
+flag is given. Clients then call ``/v1/...`` with one of the keys (the key picks the tenant, as
+every loraplex key does) and name an adapter in ``model``.
+
+* ``--api-key``: ``RegistryService.sync_flag_keys`` (loraplex/registry/flag_keys.py). Keys stored
+  by an earlier start and no longer listed are revoked, also when the flag is left out entirely:
+  every replica on one database must be started with the same keys.
+* ``--lora-modules``: every directory is checked first, exactly as an upload is (format, fit to
+  the served model's shapes, ``--max-lora-rank``), so one invalid module stops the start with
+  nothing registered. Then each is uploaded (same content hash and blob as ``loraplex adapters
+  upload``; identical weights already live add no version) and made the name's active version; a
+  changed directory becomes a new version and a hot-swap. Replicas starting at once end with one
+  version per content (the registry's per-adapter lock and unique constraints).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loraplex.config import Settings
+from loraplex.lora.errors import InvalidAdapterError
+from loraplex.lora.peft_format import inspect_adapter_dir
+from loraplex.registry.errors import RegistryError
+from loraplex.server.vllm_flags import LoRAModule, StartupFlags
+from loraplex.storage.base import BlobStoreError
+
+MODULES_ACTOR = "serve --lora-modules"
+
+
+class StartupError(Exception):
+    """A vLLM flag that cannot be carried out; the message names the flag (never a key's text)."""
+
+
+@dataclass
+class ModuleOutcome:
+    """One ``--lora-modules`` entry once registered."""
+
+    name: str
+    version: int
+    sha256: str
+    created: bool  # a new version (False: identical weights were already a live version)
+    activated: bool  # the name now serves it and did not before
+
+
+@dataclass
+class StartupOutcome:
+    """What the start-up did, for the lines ``loraplex serve`` prints."""
+
+    tenant: str
+    tenant_created: bool = False
+    keys_added: int = 0
+    keys_kept: int = 0
+    keys_revoked: int = 0
+    modules: list[ModuleOutcome] = field(default_factory=list)
+
+    def notes(self) -> list[str]:
+        lines = []
+        if self.tenant_created:
+            lines.append(f"tenant {self.tenant!r} created for the vLLM flags")
+        if self.keys_added or self.keys_kept or self.keys_revoked:
+            lines.append(f"--api-key: {self.keys_added} key(s) stored, {self.keys_kept} already stored, "
+                         f"{self.keys_revoked} earlier --api-key key(s) revoked (tenant {self.tenant!r})")
+        for m in self.modules:
+            what = "new version" if m.created else "unchanged"
+            swap = ", now active" if m.activated else ""
+            lines.append(f"--lora-modules {m.name}: {self.tenant}/{m.name}@{m.version} ({what}{swap})")
+        return lines
+
+
+def apply_startup_flags(flags: StartupFlags, settings: Settings, registry, make_adapter_manager=None) -> StartupOutcome:
+    """Carry out ``flags`` in ``registry`` (a ``RegistryService``). ``make_adapter_manager()``
+    gives the ``AdapterManager`` uploads go through (default: the one ``loraplex adapters
+    upload`` builds, validating against the served model's config); it is called only when
+    there are modules. Raises ``StartupError``."""
+    tenant = settings.vllm_tenant
+    outcome = StartupOutcome(tenant)
+    try:
+        manager = None
+        if flags.lora_modules:
+            manager = (make_adapter_manager or (lambda: _default_manager(settings, registry)))()
+            for module in flags.lora_modules:  # all of them before anything is written
+                check_module(module, manager)
+        if flags.given:
+            outcome.tenant_created = registry.ensure_tenant(tenant, actor="system")
+        sync = registry.sync_flag_keys(tenant, list(flags.api_keys))
+        outcome.keys_added, outcome.keys_kept, outcome.keys_revoked = sync.added, sync.kept, sync.revoked
+        for module in flags.lora_modules:
+            version, created, activated = manager.upload_active(
+                tenant, module.name, Path(module.path).expanduser(), uploader=MODULES_ACTOR)
+            outcome.modules.append(ModuleOutcome(module.name, version.version, version.sha256, created, activated))
+    except (RegistryError, BlobStoreError) as exc:
+        raise StartupError(f"vLLM flags (tenant {tenant!r}): {exc}") from exc
+    return outcome
+
+
+def check_module(module: LoRAModule, manager) -> None:
+    """The upload's checks on one module's directory; ``StartupError`` naming it and the reason."""
+    try:
+        inspect_adapter_dir(Path(module.path).expanduser(), manager.spec, manager.max_lora_rank)
+    except InvalidAdapterError as exc:
+        raise StartupError(f"--lora-modules {module.name}={module.path}: {exc.message}") from None
+
+
+def _default_manager(settings: Settings, registry):
+    from loraplex.registry.adapter_manager import build_adapter_manager
+    from loraplex.registry.base_model import base_model_spec
+
+    try:
+        spec = base_model_spec(settings)
+    except (OSError, ValueError) as exc:  # no config.json, or a GGUF header it cannot read
+        raise StartupError(f"--lora-modules: cannot read the served model's config to check adapters: {exc}") from exc
+    return build_adapter_manager(settings, registry, spec)
