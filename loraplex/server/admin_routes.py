@@ -242,7 +242,7 @@ async def load(request: Request) -> Response:
         try:  # a delete that landed meanwhile found nothing to unload yet: drop what we loaded
             await run_in_threadpool(ctx.registry.resolve, p["tenant"], ref.name)
         except NotFound:
-            await _drop_unused_from_engine(ctx, [(ref.content_hash, content_key(ref.content_hash))])
+            await drop_unused_from_engine(ctx, [(ref.content_hash, content_key(ref.content_hash))])
             raise
     finally:
         ctx.adapters.release(ref.content_hash)
@@ -278,7 +278,7 @@ async def delete_adapter(request: Request) -> Response:
         removed = await run_in_threadpool(ctx.adapters.delete_adapter, p["tenant"], p["name"], ACTOR)
     else:
         removed = await run_in_threadpool(ctx.registry.delete_adapter, p["tenant"], p["name"], ACTOR)
-    await _drop_unused_from_engine(ctx, [(v.sha256, v.blob_key) for v in removed or []])
+    await drop_unused_from_engine(ctx, [(v.sha256, v.blob_key) for v in removed or []])
     return JSONResponse({"deleted": [v.to_dict() for v in removed or []]})
 
 
@@ -290,11 +290,11 @@ async def delete_version(request: Request) -> Response:
         removed = await run_in_threadpool(ctx.adapters.delete_version, p["tenant"], p["name"], version, ACTOR)
     else:
         removed = await run_in_threadpool(ctx.registry.delete_version, p["tenant"], p["name"], version, ACTOR)
-    await _drop_unused_from_engine(ctx, [(v.sha256, v.blob_key) for v in removed or []])
+    await drop_unused_from_engine(ctx, [(v.sha256, v.blob_key) for v in removed or []])
     return JSONResponse({"deleted": [v.to_dict() for v in removed or []]})
 
 
-async def _drop_unused_from_engine(ctx: AppContext, removed: list[tuple[str, str]]) -> None:
+async def drop_unused_from_engine(ctx: AppContext, removed: list[tuple[str, str]]) -> None:
     """Deleted weights that no live version of any tenant uses any more leave the engine's device
     slots and host cache, pins included (else a pinned slot would stay taken until a restart).
     Requests still running on them reload them from their local copy, which stays until the last

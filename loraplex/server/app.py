@@ -22,7 +22,15 @@ from starlette.staticfiles import StaticFiles
 
 import loraplex
 from loraplex.config import Settings
-from loraplex.server import admin_routes, openai_routes, responses_routes, tgi_info, tgi_routes, tokenizer_routes
+from loraplex.server import (
+    admin_routes,
+    openai_routes,
+    responses_routes,
+    runtime_lora_routes,
+    tgi_info,
+    tgi_routes,
+    tokenizer_routes,
+)
 from loraplex.server.auth import AdminAuth, TenantAuth
 from loraplex.server.blob_gc import BlobGarbageCollector
 from loraplex.server.chat_template import load_chat_template
@@ -179,6 +187,8 @@ def create_app(
         *tokenizer_routes.routes(),  # vLLM's /tokenize, /detokenize (LoRAX's /tokenize too)
         *admin_routes.routes(),
     ]
+    if settings.allow_runtime_lora_updating:  # off, vLLM's runtime LoRA routes do not exist (404)
+        routes += runtime_lora_routes.routes()
     admin_dir = admin_dir or DEFAULT_ADMIN_DIR
     if (admin_dir / "index.html").is_file():
         routes.append(Mount("/admin", app=StaticFiles(directory=admin_dir, html=True), name="admin-ui"))

@@ -63,14 +63,15 @@ class RunningServer:
             self.thread.join(timeout=10)
 
 
-def start_server(tmp_path, engine: FakeEngine | None = None, **setting_overrides) -> RunningServer:
+def start_server(tmp_path, engine: FakeEngine | None = None, make_adapters=None, **setting_overrides) -> RunningServer:
+    """``make_adapters(registry, home)`` gives the adapter manager (default: the fake one)."""
     home = tmp_path / "home"
     home.mkdir(parents=True, exist_ok=True)
     url = f"sqlite:///{home / 'registry.db'}"
     db.upgrade(url)
     registry = RegistryService.from_url(url)
     engine = engine or FakeEngine()
-    adapters = FakeAdapterManager(registry, home / "adapters")
+    adapters = (make_adapters or (lambda r, h: FakeAdapterManager(r, h / "adapters")))(registry, home)
     settings = Settings(home=home, admin_key=ADMIN_KEY, database_url=url, **setting_overrides)
     app = create_app(settings, engine=engine, registry=registry, adapters=adapters)
     port = free_port()
@@ -111,8 +112,8 @@ def module_server(tmp_path_factory):
 def server_factory(tmp_path):
     started = []
 
-    def make(engine=None, **overrides) -> RunningServer:
-        srv = start_server(tmp_path / f"s{len(started)}", engine, **overrides)
+    def make(engine=None, make_adapters=None, **overrides) -> RunningServer:
+        srv = start_server(tmp_path / f"s{len(started)}", engine, make_adapters, **overrides)
         started.append(srv)
         return srv
 

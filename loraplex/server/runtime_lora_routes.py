@@ -1,0 +1,112 @@
+"""vLLM's runtime LoRA endpoints, per tenant: ``POST /v1/load_lora_adapter`` and
+``POST /v1/unload_lora_adapter`` (and under ``/t/{tenant}/v1``).
+
+vLLM serves them only with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; loraplex only with
+``--allow-runtime-lora-updating`` (or that variable, read at the entry point). Left off, the
+routes do not exist and answer 404, as vLLM's do.
+
+A tenant key acts on its own tenant. Load registers the directory as an upload does (same checks,
+content hash and blob; identical weights add no version) and makes it the name's active version.
+The directory is on the server's disk, which tenants must not browse: only paths under a
+``--lora-path-root`` are read, after symlinks are resolved, and any other path gets one 403 that
+does not say whether it exists. Unload deletes the tenant's adapter as the admin delete does:
+new requests stop resolving it at once, running ones finish on their copy.
+
+Answers follow vLLM: 200 with a short text on success; ``{"error": {"message", "type", "param",
+"code"}}`` with vLLM's type names and messages for a missing field (400), a name already loaded
+(400; vLLM's ``load_inplace: true`` loads a new version over it) and an unknown name (404).
+Everything else is loraplex's error envelope (a refused adapter: 400 naming the reason).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from loraplex.registry.errors import InvalidName, NotFound
+from loraplex.server.admin_routes import drop_unused_from_engine
+from loraplex.server.context import AppContext
+from loraplex.server.errors import APIError, bad_request
+from loraplex.server.limits import parse_json, read_body
+
+LOAD_ACTOR = "load_lora_adapter"
+UNLOAD_ACTOR = "unload_lora_adapter"
+PATH_REFUSED = (
+    "`lora_path` must be an absolute path inside a directory this server loads adapters from "
+    "(--lora-path-root)."
+)
+
+
+def vllm_error(status: int, message: str) -> APIError:
+    """vLLM's error for these endpoints: its exception type name, and the status as ``code``."""
+    kind = {400: "BadRequestError", 404: "NotFoundError"}[status]
+    return APIError(status, message, type=kind, code=status)
+
+
+def allowed_path(lora_path: str, roots: list[Path]) -> Path | None:
+    """``lora_path`` with symlinks resolved when it lies inside one of ``roots``, else None.
+    Decided on the path's text and links alone: existence is checked later, by the upload."""
+    if not os.path.isabs(lora_path):
+        return None
+    try:
+        real = Path(os.path.realpath(lora_path))
+        return real if any(real.is_relative_to(os.path.realpath(root)) for root in roots) else None
+    except (OSError, ValueError):  # an embedded NUL byte, a loop of links
+        return None
+
+
+async def _tenant_and_body(request: Request) -> tuple[AppContext, str, dict]:
+    ctx: AppContext = request.app.state.ctx
+    tenant = await ctx.tenant_auth.tenant_for(request, request.path_params.get("tenant"))
+    body = parse_json(await read_body(request, ctx.settings.max_body_bytes) or b"{}")
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object.")
+    return ctx, tenant, body
+
+
+async def load_lora_adapter(request: Request) -> Response:
+    ctx, tenant, body = await _tenant_and_body(request)
+    name, path, inplace = body.get("lora_name"), body.get("lora_path"), body.get("load_inplace", False)
+    if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        raise vllm_error(400, "Both 'lora_name' and 'lora_path' must be provided.")
+    if not isinstance(inplace, bool):
+        raise bad_request("`load_inplace` must be a boolean", param="load_inplace")
+    real = allowed_path(path, ctx.settings.lora_path_roots)
+    if real is None:
+        raise APIError(403, PATH_REFUSED, param="lora_path", code="lora_path_not_allowed")
+    try:
+        existing = await run_in_threadpool(ctx.registry.get_adapter, tenant, name)
+    except InvalidName as exc:
+        raise bad_request(str(exc), param="lora_name") from None
+    if existing is not None and not inplace:
+        raise vllm_error(400, f"The lora adapter '{name}' has already been loaded.")
+    await run_in_threadpool(ctx.adapters.upload_active, tenant, name, real, LOAD_ACTOR)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(request: Request) -> Response:
+    ctx, tenant, body = await _tenant_and_body(request)
+    name = body.get("lora_name")
+    if not isinstance(name, str) or not name:
+        raise vllm_error(400, "'lora_name' needs to be provided to unload a LoRA adapter.")
+    try:
+        removed = await run_in_threadpool(ctx.adapters.delete_adapter, tenant, name, UNLOAD_ACTOR)
+    except (NotFound, InvalidName):  # another tenant's adapter is not found either
+        raise vllm_error(404, f"The lora adapter '{name}' cannot be found.") from None
+    await drop_unused_from_engine(ctx, [(v.sha256, v.blob_key) for v in removed])
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def routes() -> list[Route]:
+    out = []
+    for prefix in ("/v1", "/t/{tenant}/v1"):
+        out += [
+            Route(prefix + "/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+            Route(prefix + "/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
+        ]
+    return out
