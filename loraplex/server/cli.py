@@ -3,7 +3,9 @@ settings say.
 
 Every ``Settings`` field is a flag (``--max-loras 16`` for ``LORAPLEX_MAX_LORAS``); a flag wins over
 the environment. A ``vllm serve`` command line runs too: vLLM's flags that mean the same are taken,
-the others are refused with what to use instead (loraplex/server/vllm_flags.py). The admin key is
+the others are refused with what to use instead (loraplex/server/vllm_flags.py); ``--api-key`` and
+``--lora-modules`` become keys and adapters of the tenant ``--vllm-tenant`` before the server
+listens (loraplex/server/vllm_startup.py). The admin key is
 read from ``LORAPLEX_ADMIN_KEY`` only (a flag would show it in the process list); without it one is
 generated at the first start, stored hashed and printed once. On the embedded default database a
 ``demo`` tenant and its key are created (and printed) at the first start.
