@@ -17,6 +17,7 @@ import argparse
 import atexit
 import gc
 import logging
+import os
 import sys
 import types
 import typing
@@ -90,13 +91,14 @@ def add_settings_flags(parser: argparse.ArgumentParser, skip: frozenset[str] = f
 def settings_from_args(args: argparse.Namespace, **fixed) -> Settings:
     """Settings from the environment and the flags (and ``fixed``, which win over both); raises
     ``VllmFlagError`` for a vLLM flag loraplex refuses, pydantic's ``ValidationError`` for values
-    no setting takes."""
+    no setting takes. vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is read here, at the entry
+    point (and ``VLLM_API_KEY`` in ``run_serve``), as vLLM reads them."""
     overrides = {
         name: getattr(args, name)
         for name in Settings.model_fields
         if name not in NOT_FLAGS and getattr(args, name, None) is not None
     }
-    settings = Settings(**{**vllm_flags.translate(args, overrides), **fixed})
+    settings = Settings(**{**vllm_flags.translate(args, overrides, os.environ), **fixed})
     vllm_flags.check(args, settings)
     return settings
 
@@ -153,7 +155,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if settings is None:
         return 2
     try:
-        flags = vllm_flags.startup_flags(args)
+        flags = vllm_flags.startup_flags(args, os.environ)
     except vllm_flags.VllmFlagError as exc:
         print(f"loraplex serve: error: {exc}", file=sys.stderr)
         return 2

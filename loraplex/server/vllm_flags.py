@@ -16,8 +16,9 @@ are made from ``Settings`` (loraplex/server/cli.py). This module adds the rest:
   ``--vllm-tenant``, default ``default``) and ``--lora-modules`` in both of vLLM's forms,
   ``name=path`` and ``{"name": ..., "path": ..., "base_model_name": ...}`` (adapters of that
   tenant, registered at start as uploads are); see loraplex/server/vllm_startup.py. vLLM's
-  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` turns on ``--allow-runtime-lora-updating``: it is read
-  here, at the entry point, so that a deployment's environment runs unchanged;
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` turns on ``--allow-runtime-lora-updating`` and
+  ``VLLM_API_KEY`` stands for ``--api-key``, so that a deployment's environment runs unchanged
+  (the entry point passes its environment in; nothing here reads it);
 * refused, with what to use instead: ``--gpu-memory-utilization``, ``--tensor-parallel-size`` above
   1, ``--quantization``, several served model names.
 """
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -118,16 +118,21 @@ class StartupFlags:
         return bool(self.api_keys or self.lora_modules)
 
 
-def startup_flags(args: argparse.Namespace) -> StartupFlags:
+def startup_flags(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> StartupFlags:
     """``--api-key`` and ``--lora-modules`` from parsed arguments; raises ``VllmFlagError`` for a
-    name given twice (vLLM would serve one of the two paths under it)."""
+    name given twice (vLLM would serve one of the two paths under it). Without ``--api-key``,
+    vLLM's ``VLLM_API_KEY`` from ``environ`` (the entry point passes the process's) is the key, as
+    in vLLM: a key kept out of the process list."""
     modules = tuple(getattr(args, "vllm_lora_modules", None) or ())
     seen: set[str] = set()
     for module in modules:
         if module.name in seen:
             raise VllmFlagError(f"--lora-modules: {module.name!r} is given twice; one path per name")
         seen.add(module.name)
-    return StartupFlags(api_keys=tuple(getattr(args, "vllm_api_key", None) or ()), lora_modules=modules)
+    keys = tuple(getattr(args, "vllm_api_key", None) or ())
+    if not keys and (environ or {}).get("VLLM_API_KEY"):
+        keys = (environ["VLLM_API_KEY"],)
+    return StartupFlags(api_keys=keys, lora_modules=modules)
 
 
 def runtime_updating_from_env(environ: Mapping[str, str]) -> bool:
@@ -208,7 +213,7 @@ def add_vllm_flags(parser: argparse.ArgumentParser, taken: frozenset[str] = froz
                            help=f"{hint} (the error says what to use instead)", **options)
 
 
-def translate(args: argparse.Namespace, overrides: dict, environ: Mapping[str, str] = os.environ) -> dict:
+def translate(args: argparse.Namespace, overrides: dict, environ: Mapping[str, str] | None = None) -> dict:
     """``overrides`` (Settings fields from flags) with the vLLM flags' meaning applied; raises
     ``VllmFlagError`` naming every refused flag. ``environ`` is read for vLLM's
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` only (the entry point passes the process's)."""
@@ -238,7 +243,7 @@ def translate(args: argparse.Namespace, overrides: dict, environ: Mapping[str, s
         if out.get("cuda_graphs"):
             raise VllmFlagError("--enforce-eager turns CUDA graphs off and --cuda-graphs on: give one")
         out["cuda_graphs"] = False  # also over LORAPLEX_CUDA_GRAPHS=true
-    if "allow_runtime_lora_updating" not in out and runtime_updating_from_env(environ):
+    if "allow_runtime_lora_updating" not in out and runtime_updating_from_env(environ or {}):
         out["allow_runtime_lora_updating"] = True
     return out
 

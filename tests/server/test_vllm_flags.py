@@ -186,6 +186,14 @@ def test_api_key_takes_one_or_more_keys_as_in_vllm():
     assert settings("m", "--api-key", "sk-one").port == 8000  # accepted: no longer refused
 
 
+def test_vllms_api_key_variable_stands_for_the_flag():
+    env = {"VLLM_API_KEY": "sk-from-env"}
+    assert startup_flags(serve_args("m"), env).api_keys == ("sk-from-env",)
+    assert startup_flags(serve_args("m", "--api-key", "sk-flag"), env).api_keys == ("sk-flag",)  # the flag wins
+    assert startup_flags(serve_args("m"), {"VLLM_API_KEY": ""}).api_keys == ()
+    assert startup_flags(serve_args("m")).api_keys == ()  # nothing read unless an environment is passed in
+
+
 BAD_MODULES = [
     ("sql", "expected name=path or a JSON object"),
     ("=/adapters/sql", "needs a non-empty name and path"),

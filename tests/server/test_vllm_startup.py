@@ -152,3 +152,11 @@ def test_serve_exits_2_naming_the_invalid_module(monkeypatch, tmp_path, capsys, 
     assert "sk-team" not in err
     registry = RegistryService.from_url(f"sqlite:///{tmp_path / 'home' / 'loraplex.db'}")
     assert registry.get_tenant("default") is None
+
+
+def test_an_invalid_tenant_name_stops_start(world, adapter_dirs):
+    settings, registry = world
+    settings = settings.model_copy(update={"vllm_tenant": "../etc"})
+    with pytest.raises(StartupError, match=r"vLLM flags \(tenant '../etc'\): .*tenant name"):
+        apply_startup_flags(flags(*modules(sql=adapter_dirs["a"]), "--api-key", "sk-team"), settings, registry)
+    assert registry.list_tenants() == []
