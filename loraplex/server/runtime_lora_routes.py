@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from loraplex.registry.adapter_manager import ADAPTER_FILES
 from loraplex.registry.errors import InvalidName, NotFound
 from loraplex.server.admin_routes import drop_unused_from_engine
 from loraplex.server.context import AppContext
@@ -49,13 +50,22 @@ def vllm_error(status: int, message: str) -> APIError:
 
 
 def allowed_path(lora_path: str, roots: list[Path]) -> Path | None:
-    """``lora_path`` with symlinks resolved when it lies inside one of ``roots``, else None.
-    Decided on the path's text and links alone: existence is checked later, by the upload."""
+    """``lora_path`` with symlinks resolved when it, and the adapter files in it, lie inside one
+    of ``roots``; else None. Decided on the path's text and links alone: existence is checked
+    later, by the upload."""
     if not os.path.isabs(lora_path):
         return None
     try:
+        real_roots = [os.path.realpath(root) for root in roots]
+
+        def inside(path: str | Path) -> bool:
+            return any(Path(os.path.realpath(path)).is_relative_to(root) for root in real_roots)
+
         real = Path(os.path.realpath(lora_path))
-        return real if any(real.is_relative_to(os.path.realpath(root)) for root in roots) else None
+        # a file linked out of the roots would be read too (its parse errors could echo it)
+        if not inside(real) or not all(inside(real / name) for name in ADAPTER_FILES):
+            return None
+        return real
     except (OSError, ValueError):  # an embedded NUL byte, a loop of links
         return None
 

@@ -6,6 +6,7 @@ what the registry and blob store hold afterwards."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import httpx
@@ -118,8 +119,13 @@ def test_paths_outside_the_roots_are_refused_alike_whether_or_not_they_exist(srv
     _, root, dirs = adapters
     link = root / f"link-{name}"
     link.symlink_to(dirs["outside"], target_is_directory=True)  # inside by name, outside in fact
+    linked_files = root / f"files-{name}"  # a directory inside whose weights file lives outside
+    linked_files.mkdir()
+    shutil.copy(dirs["outside"] / "adapter_config.json", linked_files)
+    (linked_files / "adapter_model.safetensors").symlink_to(dirs["outside"] / "adapter_model.safetensors")
     answers = []
-    for path in (str(dirs["outside"]), str(tmp_path / "does-not-exist"), str(link), "a", str(root / ".." / "x")):
+    for path in (str(dirs["outside"]), str(tmp_path / "does-not-exist"), str(link), "a", str(root / ".." / "x"),
+                 str(linked_files)):
         r = client.post(LOAD, json={"lora_name": "sql", "lora_path": path})
         assert r.status_code == 403, path
         answers.append(r.json())
