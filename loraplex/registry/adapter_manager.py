@@ -150,12 +150,11 @@ class AdapterManager:
         ``PUT .../active`` is, unless it already is). Returns ``(version, created, activated)``;
         identical weights already live add no version, and an unchanged active version writes
         no audit event (so a restart with the same directories changes nothing)."""
-        before = self.registry.get_adapter(tenant, name) if self.registry.get_tenant(tenant) else None
+        before = self.registry.get_adapter(tenant, name)  # NotFound without the tenant, as upload
         version, created = self.upload(tenant, name, adapter_dir, uploader=uploader)
-        activated = before is None or before.active_version != version.version
-        adapter = self.registry.get_adapter(tenant, name)
-        if adapter is not None and adapter.active_version == version.version:  # a first version already is
-            return version, created, activated
+        after = self.registry.get_adapter(tenant, name)
+        if after is not None and after.active_version == version.version:  # already, or as a first version
+            return version, created, before is None or before.active_version != version.version
         return self.registry.activate(tenant, name, version.version, actor=uploader), created, True
 
     def _put_blob(self, adapter_dir: str | Path, key: str) -> None:

@@ -148,7 +148,6 @@ def run_serve(args: argparse.Namespace) -> int:
     from loraplex.server.app import create_app
     from loraplex.server.components import prepare_registry
     from loraplex.server.lifecycle import DrainingServer
-
     from loraplex.server.vllm_startup import StartupError, apply_startup_flags
 
     settings = settings_or_error(args)
@@ -162,11 +161,6 @@ def run_serve(args: argparse.Namespace) -> int:
     _configure_logging(args.log_level)
     embedded = settings.database_url is None
     setup = prepare_registry(settings, create_demo=embedded)
-    try:  # before the server listens: the first request already finds the keys and adapters
-        outcome = apply_startup_flags(flags, settings, setup.registry)
-    except StartupError as exc:
-        print(f"loraplex serve: error: {exc}", file=sys.stderr)
-        return 2
     base = f"http://{settings.host}:{settings.port}"
     if setup.admin_secret:
         print(f"loraplex: admin key (shown once, stored hashed): {setup.admin_secret}", flush=True)
@@ -175,6 +169,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if setup.demo_key:
         print(f"loraplex: tenant 'demo' API key (shown once): {setup.demo_key}", flush=True)
         print(f"loraplex: OpenAI base URL for it: {base}/t/demo/v1", flush=True)
+    try:  # after the one-time secrets are printed, before the server listens
+        outcome = apply_startup_flags(flags, settings, setup.registry)
+    except StartupError as exc:
+        print(f"loraplex serve: error: {exc}", file=sys.stderr)
+        return 2
     for note in outcome.notes():
         print(f"loraplex: {note}", flush=True)
     if settings.allow_runtime_lora_updating and not settings.lora_path_roots:
