@@ -36,7 +36,7 @@ CHOICES = {"tool_call_parser": list(TOOL_PARSERS), "reasoning_parser": list(REAS
 
 
 # list settings take one value per flag, under a singular name: --lora-path-root A --lora-path-root B
-LIST_FLAG_NAMES = {"lora_path_roots": ("--lora-path-root",)}
+LIST_FLAG_NAMES = {"lora_path_roots": (("--lora-path-root",), "DIR")}
 
 
 def _flag_type(annotation):
@@ -80,8 +80,8 @@ def add_settings_flags(parser: argparse.ArgumentParser, skip: frozenset[str] = f
                                 help=f"(env {env})")
         elif typing.get_origin(field.annotation) is list:  # one value per use of the flag
             (item,) = typing.get_args(field.annotation)
-            flags = LIST_FLAG_NAMES.get(name, (flag,))
-            parser.add_argument(*flags, dest=name, action="append", type=item, default=None,
+            flags, metavar = LIST_FLAG_NAMES.get(name, ((flag,), None))
+            parser.add_argument(*flags, dest=name, action="append", type=item, default=None, metavar=metavar,
                                 help=f"repeatable (env {env}, a JSON list)")
         else:
             options = {"type": kind, "choices": CHOICES.get(name), **vllm_flags.SETTINGS_FLAG_OPTIONS.get(name, {})}
