@@ -37,7 +37,7 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 UNIT = {"stride_xk", "stride_ak", "stride_or", "stride_sr", "stride_br", "stride_yn", "stride_cl",
         "stride_kd", "stride_vd", "stride_cd", "stride_qd", "stride_od", "stride_pd", "stride_lh"}
 I64 = {"stride_ckv", "stride_cb"}  # a KV cache of tens of GB: these exceed int32
-NOT_DIV16 = {"tiles_per_seg", "k_blocks_per_split", "num_kv_heads", "num_kv_splits"}  # do_not_specialize, or small
+NOT_DIV16 = {"tiles_per_seg", "k_blocks_per_split", "num_kv_heads", "num_kv_splits", "window"}  # do_not_specialize, or small
 
 
 def _variants(quick: bool) -> list[tuple[str, object, dict, dict]]:
@@ -67,13 +67,19 @@ def _variants(quick: bool) -> list[tuple[str, object, dict, dict]]:
             block_m, block_q, block_n = ta.attention_tiles(group, q_len)
             for block_size in ([16] if quick else [16, 32]):
                 consts = dict(GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
-                              BLOCK_N=block_n, BLOCK_D=128, SPLIT_KV=False)
+                              BLOCK_N=block_n, BLOCK_D=128, SPLIT_KV=False, SLIDING=False, SOFTCAP=False)
                 kind = "decode" if q_len == 1 else "prefill"
                 out.append((f"attention {kind} group {group} bs{block_size}", ta._paged_attention_kernel,
                             attn_ptrs, consts))
                 if q_len == 1:  # the host splits the keys of decode batches only
                     out.append((f"attention decode split-KV group {group} bs{block_size}",
                                 ta._paged_attention_kernel, split_ptrs, {**consts, "SPLIT_KV": True}))
+    for q_len in (1, 512):  # Gemma 2's local layers: head_dim 256, 2 heads per KV head, window + soft-cap
+        block_m, block_q, block_n = ta.attention_tiles(2, q_len)
+        consts = dict(GROUP=2, BLOCK_SIZE=16, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=256,
+                      SPLIT_KV=q_len == 1, SLIDING=True, SOFTCAP=True)
+        out.append((f"attention {'decode split-KV' if q_len == 1 else 'prefill'} gemma2 d256 window softcap",
+                    ta._paged_attention_kernel, split_ptrs if q_len == 1 else attn_ptrs, consts))
     for block_s in ([32] if quick else [4, 32]):
         out.append((f"merge {block_s} KV splits d128", ta._merge_kv_splits_kernel, attn_ptrs,
                     dict(BLOCK_S=block_s, BLOCK_D=128)))
@@ -93,7 +99,7 @@ def _compile(kernel, ptrs: dict, consts: dict, arch: int):
         elif name.endswith("_ptr"):
             sig[name] = "*" + ptrs[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "qk_scale":
+        elif name in ("qk_scale", "softcap_log2"):
             sig[name] = "fp32"
         else:
             sig[name] = "i64" if name in I64 else "i32"

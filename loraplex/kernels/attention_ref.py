@@ -44,7 +44,11 @@ def paged_attention_ref(
     scale: float,
     max_query_len: int = 0,
     max_seq_len: int = 0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """``sliding_window``: a query at position p sees keys at positions > p - window (and <= p);
+    ``softcap``: scores become ``tanh(scores / softcap) * softcap`` before the mask (Gemma 2)."""
     num_heads = query.shape[1]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -61,10 +65,15 @@ def paged_attention_ref(
         k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, seq_len, D]
         v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
         scores = (q @ k.transpose(1, 2)) * scale  # [H, q_len, seq_len]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         # query row j sits at absolute position seq_len - q_len + j and sees keys up to it
         q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
         k_pos = torch.arange(seq_len).unsqueeze(0)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos
+        if sliding_window is not None:
+            hidden |= k_pos <= q_pos - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = (probs @ v).transpose(0, 1).to(query.dtype)
     return out

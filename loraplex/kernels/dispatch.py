@@ -67,6 +67,9 @@ def paged_attention(
     max_query_len: int,  # host ints: grid sizes without a device sync
     max_seq_len: int,
     plan: object | None = None,  # from plan_paged_attention for this step's metadata
+    *,
+    sliding_window: int | None = None,  # this layer's window; None = full causal attention
+    softcap: float | None = None,  # attention logit soft-cap; None = none
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's query chunk over its cached prefix and itself.
 
@@ -75,18 +78,25 @@ def paged_attention(
     must the whole step's: with prefix caching a sequence may read a block that another
     sequence of the same step fills (see ``BlockManager``), so a kernel that fuses the write
     into the attention has to finish every write before any read.
+
+    ``sliding_window``: a query at position p attends to keys at positions > p - window only
+    (the cache still holds every key). ``softcap``: each scaled score s becomes
+    ``tanh(s / softcap) * softcap`` before the mask and softmax (Gemma 2). The defaults are the
+    plain causal attention, with no extra work in any path.
     """
     if uses_triton(query):
         from loraplex.kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(
-            query, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len
+            query, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len,
+            sliding_window=sliding_window, softcap=softcap,
         )
     # CPU: the batched twin of attention_ref (same result; the reference stays the test oracle)
     from loraplex.kernels.attention_cpu import paged_attention_cpu
 
     return paged_attention_cpu(
-        query, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len, plan
+        query, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len, plan,
+        sliding_window=sliding_window, softcap=softcap,
     )
 
 

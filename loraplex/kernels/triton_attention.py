@@ -23,6 +23,11 @@ second kernel merges the splits of each (token, head). The split count is chosen
 from the batch shape (``choose_num_kv_splits``); each sequence divides its own length, so a
 graph runner may pass an upper bound of ``max_seq_len`` and short sequences merely leave some
 splits empty.
+
+Two per-layer options are constexprs, so a kernel without them compiles as before: a sliding
+window (``SLIDING``; a query at position p sees keys at positions > p - window, and the key loop
+starts at the first query's window, so a long context costs only the window) and logit
+soft-capping (``SOFTCAP``; scores pass through ``softcap * tanh(s / softcap)``, Gemma 2).
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_ptr,  # [num_seqs + 1] int32
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e); scale / softcap when SOFTCAP
     head_dim,
     stride_qt,
     stride_qh,
@@ -102,7 +107,11 @@ def _paged_attention_kernel(
     stride_ls,
     stride_lt,
     stride_lh,
+    window,  # sliding window in positions (read only when SLIDING)
+    softcap_log2,  # softcap * log2(e) (read only when SOFTCAP; qk_scale is then scale / softcap)
     SPLIT_KV: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_SIZE: tl.constexpr,  # KV-cache block size
     BLOCK_M: tl.constexpr,  # rows per program = BLOCK_Q query tokens x GROUP heads (padded)
@@ -140,9 +149,11 @@ def _paged_attention_kernel(
     # keys beyond the last query position of this block are masked for every row: skip them
     kv_end = tl.minimum(seq_len, ctx_len + (q_block + 1) * BLOCK_Q)
     kv_start = 0
+    if SLIDING:  # keys at or before the first row's window edge are masked for every row
+        kv_start = tl.maximum(ctx_len + q_block * BLOCK_Q - window + 1, 0)
     if SPLIT_KV:  # this program's share of the keys, whole key tiles; the last ones may be empty
-        keys_per_split = tl.cdiv(tl.cdiv(kv_end, num_kv_splits), BLOCK_N) * BLOCK_N
-        kv_start = kv_split * keys_per_split
+        keys_per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, num_kv_splits), BLOCK_N) * BLOCK_N
+        kv_start += kv_split * keys_per_split
         kv_end = tl.minimum(kv_end, kv_start + keys_per_split)
 
     m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # finite: no inf - inf on empty rows
@@ -161,8 +172,12 @@ def _paged_attention_kernel(
             mask=n_mask[None, :] & d_mask[:, None],
             other=0.0,
         )  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        s = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units (without SOFTCAP)
+        if SOFTCAP:  # s is q.k * scale / softcap: tanh(s) written with exp2 (2 * log2(e) = 2.885...)
+            s = softcap_log2 * (1.0 - 2.0 / (tl.exp2(s * 2.885390081777927) + 1.0))
         visible = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if SLIDING:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
@@ -320,6 +335,8 @@ def paged_attention_triton(
     *,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], e.g. a graph's buffer
     num_kv_splits: int | None = None,  # None: choose_num_kv_splits for this batch and GPU
+    sliding_window: int | None = None,  # keys at positions > q_pos - window only
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's query chunk over its cached prefix and itself.
 
@@ -335,9 +352,8 @@ def paged_attention_triton(
     block_m, block_q, block_n = attention_tiles(group, max_query_len)
     block_d = max(16, triton.next_power_of_2(head_dim))
     if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(
-            num_seqs, num_kv_heads, max_query_len, max_seq_len, _num_sms(query.device)
-        )
+        keys = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)  # keys a row reads
+        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_query_len, keys, _num_sms(query.device))
     split = num_kv_splits > 1
     if split:
         partial = torch.empty(num_kv_splits, num_tokens, num_heads, head_dim, dtype=torch.float32, device=query.device)
@@ -353,7 +369,7 @@ def paged_attention_triton(
         block_tables,
         seq_lens,
         query_start_loc,
-        scale * math.log2(math.e),
+        scale * math.log2(math.e) if softcap is None else scale / softcap,
         head_dim,
         *query.stride(),
         *kv_cache.stride(),
@@ -361,7 +377,11 @@ def paged_attention_triton(
         block_tables.stride(0),
         num_kv_splits,
         *split_strides,
+        0 if sliding_window is None else sliding_window,
+        0.0 if softcap is None else softcap * math.log2(math.e),
         SPLIT_KV=split,
+        SLIDING=sliding_window is not None,
+        SOFTCAP=softcap is not None,
         GROUP=group,
         BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_M=block_m,
