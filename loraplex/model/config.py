@@ -10,7 +10,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loraplex.lora.spec import LoRATargetSpec
 from loraplex.model.longrope import LongRopeConfigError, parse_longrope
@@ -21,6 +21,10 @@ from loraplex.model.phi3 import PHI3_ARCHITECTURE, PHI3_ROPE_TYPES, phi3_config_
 # the config's scalar multipliers apply (Granite's; see ``parse_multipliers``)
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False, "multipliers": False},
+    # Gemma 1/2/3 text: ModelSpec.from_dict hands their configs to gemma_config.gemma_spec_fields
+    "GemmaForCausalLM": {"qkv_bias": False, "qk_norm": False, "multipliers": False},
+    "Gemma2ForCausalLM": {"qkv_bias": False, "qk_norm": False, "multipliers": False},
+    "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "multipliers": False},
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False, "multipliers": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False, "multipliers": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "multipliers": False},
@@ -28,6 +32,9 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     PHI3_ARCHITECTURE: {"qkv_bias": False, "qk_norm": False, "multipliers": False},  # see loraplex.model.phi3
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+if TYPE_CHECKING:
+    from loraplex.model.gemma_config import GemmaSpec
 
 
 class UnsupportedModelError(ValueError):
@@ -70,6 +77,7 @@ class ModelSpec:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over head_dim on every q and k head, before rotary (Qwen3)
+    gemma: GemmaSpec | None = None  # Gemma 1/2/3's departures from Llama (gemma_config.py)
     # Granite's scalar multipliers; these defaults leave a Llama unchanged
     embedding_multiplier: float = 1.0  # the token embeddings are multiplied by it
     attention_multiplier: float | None = None  # the softmax scale; None = head_dim ** -0.5
@@ -134,6 +142,10 @@ class ModelSpec:
     def from_dict(cls, cfg: dict[str, Any], name: str = "model") -> "ModelSpec":
         architectures = cfg.get("architectures") or []
         arch = architectures[0] if architectures else _arch_from_model_type(cfg.get("model_type"))
+        from loraplex.model.gemma_config import GEMMA_VERSIONS, gemma_spec_fields  # it imports this module
+
+        if arch in GEMMA_VERSIONS:  # Gemma's keys and defaults differ enough to be read on their own
+            return cls(**gemma_spec_fields(cfg, arch, name))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"unsupported model architecture {arch!r} (model_type={cfg.get('model_type')!r}); "
@@ -196,6 +208,9 @@ class ModelSpec:
 def _arch_from_model_type(model_type: str | None) -> str:
     known = {
         "llama": "LlamaForCausalLM",
+        "gemma": "GemmaForCausalLM",
+        "gemma2": "Gemma2ForCausalLM",
+        "gemma3_text": "Gemma3ForCausalLM",
         "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",

@@ -67,13 +67,15 @@ class LlamaForCausalLM(nn.Module):
     """The decoder plus LM head. ``forward`` returns final hidden states; ``compute_logits``
     projects only the rows that need sampling."""
 
+    layer_class = DecoderLayer  # a family with more per-layer parameters subclasses both
+
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, max_positions: int):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Parameter(
             torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
-        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, device) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(spec, dtype, device) for _ in range(spec.num_layers))
         self.norm = nn.Parameter(torch.empty(spec.hidden_size, dtype=dtype, device=device), requires_grad=False)
         if spec.tie_word_embeddings:
             self.lm_head = None
@@ -86,6 +88,10 @@ class LlamaForCausalLM(nn.Module):
         # CPU only: per layer {"qkv", "o", "gate_up", "down"} -> PrepackedLinear (see cpu_linear)
         self.prepacked: list[dict[str, PrepackedLinear]] | None = None
         self.prepacked_head: PrepackedLinear | None = None
+
+    def build_rotary(self, max_positions: int, dtype, device) -> None:
+        """(Re)build the rotary tables for ``max_positions`` (the loader builds the model on meta first)."""
+        self.rotary = RotaryEmbedding(self.spec.rope, self.spec.head_dim, max_positions, dtype, device)
 
     def prepare_linears(self) -> None:
         """Pack the weights for the CPU matmul path when the policy wants it (call after loading).

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from loraplex.config import DEFAULT_MODEL
 from loraplex.model.config import ModelSpec
 from loraplex.model.gguf import ModelNotFoundError, convert_gguf, smollm2_gguf_path
+from loraplex.model.gemma import GemmaForCausalLM
 from loraplex.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,8 @@ def load_model(
         used.add(name)
         return raw[name]
 
-    model = LlamaForCausalLM(spec, dtype, "meta", max_positions=1)
+    model_class = LlamaForCausalLM if spec.gemma is None else GemmaForCausalLM
+    model = model_class(spec, dtype, "meta", max_positions=1)
     params: dict[str, torch.Tensor] = {"embed_tokens": take("embed_tokens.weight"), "norm": take("norm.weight")}
     if not spec.tie_word_embeddings:
         params["lm_head"] = take("lm_head.weight")
@@ -109,6 +111,9 @@ def load_model(
         if spec.qk_norm:
             q_norm, k_norm = take(attn + "q_norm.weight"), take(attn + "k_norm.weight")
             params[p + "qk_norm"] = torch.cat([q_norm.expand(spec.num_heads, -1), k_norm.expand(spec.num_kv_heads, -1)])
+        if spec.gemma is not None and spec.gemma.sandwich_norms:
+            for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                params[p + norm] = take(f"{p}{norm}.weight")
         if spec.o_bias:
             params[p + "o_bias"] = take(attn + "o_proj.bias")
         gate_up_parts = [mlp + "gate_proj", mlp + "up_proj"]
@@ -129,7 +134,7 @@ def load_model(
     model = model.to(device)
     for param in model.parameters():
         param.requires_grad_(False)
-    model.rotary = type(model.rotary)(spec.rope, spec.head_dim, max_positions, dtype, device)
+    model.build_rotary(max_positions, dtype, device)
     model.prepare_linears()
     return model
 
