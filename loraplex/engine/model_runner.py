@@ -142,8 +142,7 @@ class ModelRunner:
         if wanted is None:
             return limit
         if not 0 < wanted <= limit:
-            why = "its sliding window" if limit == self.spec.sliding_window else (
-                "its YaRN-scaled context" if self.spec.rope.rope_type == "yarn" else "its max_position_embeddings")
+            why = "its YaRN-scaled context" if self.spec.rope.rope_type == "yarn" else "its max_position_embeddings"
             raise ValueError(f"max_model_len={wanted} must be in [1, {limit}] (the model's context: {why})")
         return wanted
 

@@ -86,8 +86,8 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str | None = None  # "bfloat16", "float32", ... as saved
-    # Mistral's / Phi-3's sliding-window attention span, when shorter than the positions: loraplex
-    # attends to the whole context, which is the same only up to the window (max_context_len)
+    # Mistral's / Phi-3's sliding-window attention span (every layer), when it is shorter than
+    # the positions: a query at position p attends to keys at positions > p - sliding_window
     sliding_window: int | None = None
 
     @property
@@ -101,13 +101,11 @@ class ModelSpec:
     @property
     def max_context_len(self) -> int:
         """The longest context served: ``max_position_embeddings``, or with YaRN the original
-        context times its factor (as vLLM derives it), and never past a sliding window (beyond
-        it full attention would answer otherwise than the model)."""
+        context times its factor (as vLLM derives it). A sliding window does not bound it: the
+        windowed layers attend to the window, as the model does."""
         limit = self.max_position_embeddings
         if self.rope.rope_type == "yarn":
             limit = int(self.rope.scaling["original_max_position_embeddings"] * self.rope.scaling["factor"])
-        if self.sliding_window is not None:
-            limit = min(limit, self.sliding_window)
         return limit
 
     @property

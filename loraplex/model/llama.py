@@ -176,6 +176,7 @@ class LlamaForCausalLM(nn.Module):
                 attn.max_query_len,
                 attn.max_seq_len,
                 plan=plan,
+                sliding_window=spec.sliding_window,  # Mistral's, on every layer; None elsewhere
             ).reshape(num_tokens, spec.q_size)  # [T, q_size]
             o = self._project(i, "o", attn_out, lora)  # [T, H]
             if residual_multiplier != 1.0:

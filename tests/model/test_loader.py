@@ -110,10 +110,10 @@ def test_model_ids_resolve_or_fail_clearly(tmp_path, tiny_llama_dir, monkeypatch
         resolve_model_dir("smollm2", tmp_path)
 
 
-def test_served_context_follows_yarn_and_sliding_window(tmp_path, tiny_llama_dir, loraplex_home):
+def test_served_context_follows_yarn_not_sliding_window(tmp_path, tiny_llama_dir, loraplex_home):
     """vLLM's derivation: a YaRN model serves original context x factor by default; a Mistral
-    whose sliding window is shorter than its positions serves at most the window (loraplex
-    attends to the whole context, which equals the window's answer only up to its length)."""
+    whose sliding window is shorter than its positions serves all its positions (its layers
+    attend to the window: tests/model/test_mistral_window.py)."""
     from loraplex import LLM
 
     yarn = make_tiny_model_dir(tmp_path / "yarn", "qwen3", rope_scaling={
@@ -123,11 +123,11 @@ def test_served_context_follows_yarn_and_sliding_window(tmp_path, tiny_llama_dir
     windowed = make_tiny_model_dir(tmp_path / "windowed", "mistral")
     _edit_config(windowed, sliding_window=48)
     spec = ModelSpec.from_dir(windowed)
-    assert spec.sliding_window == 48 and spec.max_context_len == 48
-    _edit_config(windowed, sliding_window=100000)  # wider than the positions: no limit
-    assert ModelSpec.from_dir(windowed).max_context_len == ModelSpec.from_dir(windowed).max_position_embeddings
+    assert spec.sliding_window == 48 and spec.max_context_len == spec.max_position_embeddings == 1024
+    _edit_config(windowed, sliding_window=100000)  # wider than the positions: no window at all
+    assert ModelSpec.from_dir(windowed).sliding_window is None
     _edit_config(windowed, sliding_window=48)
     llm = LLM(model=str(windowed), dtype="float32", home=loraplex_home, kv_cache_bytes=4 << 20)
-    assert llm.engine.max_model_len == 48
-    with pytest.raises(ValueError, match="sliding window"):
-        LLM(model=str(windowed), dtype="float32", home=loraplex_home, kv_cache_bytes=4 << 20, max_model_len=49)
+    assert llm.engine.max_model_len == 1024
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLM(model=str(windowed), dtype="float32", home=loraplex_home, kv_cache_bytes=4 << 20, max_model_len=1025)
