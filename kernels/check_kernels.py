@@ -54,9 +54,10 @@ def _lora_case(report, shape, gen, name, token_slots, ranks, in_features, widths
     report.check(f"{name} expand", err < TOLERANCE and untouched, f"rel err {err:.2e}, base rows untouched={untouched}")
 
 
-def _attention_case(report, gen, name, seqs, heads, kv_heads, head_dim, block_size, dtype, device, num_kv_splits=None):
+def _attention_case(report, gen, name, seqs, heads, kv_heads, head_dim, block_size, dtype, device, num_kv_splits=None,
+                    **options):
     """Mixed prefill-with-prefix + decode batch through shuffled block tables (``num_kv_splits``:
-    None lets the launcher choose, as the engine does)."""
+    None lets the launcher choose, as the engine does; ``options``: sliding_window, softcap)."""
     seq_lens = [c + q for c, q in seqs]
     per_seq = [math.ceil(n / block_size) for n in seq_lens]
     num_blocks = sum(per_seq) + 4
@@ -94,10 +95,11 @@ def _attention_case(report, gen, name, seqs, heads, kv_heads, head_dim, block_si
         max_seq_len=max(seq_lens),
     )
     out = torch.full_like(query, float("nan"))
-    paged_attention_triton(query, cache, out=out, num_kv_splits=num_kv_splits, **args)
-    ref = paged_attention_ref(query.float(), cache.float(), **args)
+    paged_attention_triton(query, cache, out=out, num_kv_splits=num_kv_splits, **args, **options)
+    ref = paged_attention_ref(query.float(), cache.float(), **args, **options)
     err = rel_err(out, ref)
     splits = "" if num_kv_splits is None else f", {num_kv_splits} KV splits"
+    splits += "".join(f", {k} {v}" for k, v in options.items())
     report.check(f"{name} attention", err < TOLERANCE, f"rel err {err:.2e}, seqs (prefix, query)={seqs}{splits}")
 
 
@@ -141,3 +143,10 @@ def run_checks(report: Report, on_gpu: bool) -> None:
     _attention_case(
         report, gen, "decode split-KV bs16", split_seqs, heads, kv_heads, head_dim, 16, dtype, device, splits
     )
+    # Gemma 2's windowed layers: head_dim 256 (gemma-2-9b: 16 heads over 8 KV heads), a window
+    # shorter than the contexts and a soft-cap small enough to bite on random inputs
+    g_heads, g_kv, g_dim, window = (16, 8, 256, 1000) if on_gpu else (4, 2, 32, 10)
+    for name, seqs, split in (("gemma2 window+softcap bs16", attn_seqs, None),
+                              ("gemma2 window+softcap decode split-KV", split_seqs, splits)):
+        _attention_case(report, gen, name, seqs, g_heads, g_kv, g_dim, 16, dtype, device, split,
+                        sliding_window=window, softcap=2.0)

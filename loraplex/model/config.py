@@ -171,6 +171,8 @@ class ModelSpec:
         max_positions = int(cfg.get("max_position_embeddings", 2048))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise UnsupportedModelError(f"{arch}: sliding_window must be a positive integer or null, got {window!r}")
         return cls(
             name=name,
             architecture=arch,

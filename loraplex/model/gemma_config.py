@@ -100,9 +100,9 @@ def gemma_spec_fields(cfg: dict[str, Any], arch: str, name: str) -> dict[str, An
     hidden = int(cfg["hidden_size"])
     window = None
     if version >= 2 and cfg.get("sliding_window") is not None:
-        window = int(cfg["sliding_window"])
-        if window < 1:
-            raise UnsupportedModelError(f"{arch}: sliding_window must be >= 1, got {window}")
+        window = cfg["sliding_window"]
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise UnsupportedModelError(f"{arch}: sliding_window must be a positive integer or null, got {window!r}")
     rope, rope_local = _gemma3_ropes(cfg) if version == 3 else (parse_rope(cfg), None)
     gemma = GemmaSpec(
         version=version,

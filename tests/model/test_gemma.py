@@ -68,6 +68,7 @@ def test_gemma3_hub_config_reads_as_transformers_does():
         ("Gemma2ForCausalLM", "layer_types", ["sliding_attention"] * 3),
         ("Gemma3ForCausalLM", "layer_types", ["chunked_attention"] * 26),
         ("Gemma2ForCausalLM", "sliding_window", 0),
+        ("Gemma3ForCausalLM", "sliding_window", 512.5),
         ("Gemma3ForCausalLM", "use_bidirectional_attention", True),
     ],
 )

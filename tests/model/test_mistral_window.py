@@ -57,3 +57,13 @@ def test_greedy_generation_matches_transformers(mistral, loraplex_home):
     llm = tight_llm(model_dir, loraplex_home, num_blocks=64)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in outs] == [greedy(ref, p, 12) for p in prompts]
+
+
+@pytest.mark.parametrize("window", [0, -4, 2.5, "4096", True])
+def test_a_window_that_is_not_a_positive_integer_is_refused(window):
+    from loraplex.model.config import UnsupportedModelError
+
+    cfg = {"architectures": ["MistralForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "sliding_window": window}
+    with pytest.raises(UnsupportedModelError, match="sliding_window"):
+        ModelSpec.from_dict(cfg)
