@@ -21,6 +21,9 @@ CASES = {
     "window70_bs32_softcap": dict(seqs=[(100, 1), (33, 18), (0, 75)], block_size=32, window=70, softcap=3.0),
     "window20_bs32_decode": dict(seqs=[(5, 1), (90, 1), (47, 1), (200, 1)], block_size=32, window=20, softcap=None),
     "softcap_only_bs16": dict(seqs=[(19, 1), (0, 11), (64, 5)], block_size=16, window=None, softcap=1.5),
+    # edges: each token sees only itself; a window of exactly one block
+    "window1_bs16": dict(seqs=[(0, 7), (20, 1), (33, 4)], block_size=16, window=1, softcap=None),
+    "window16_bs16_softcap": dict(seqs=[(0, 40), (47, 1), (15, 3)], block_size=16, window=16, softcap=2.0),
 }
 
 
