@@ -8,9 +8,10 @@ a mask that is causal and shifted by each chunk's cached prefix: a call per sequ
 
 Everything that depends only on the step's metadata (groups, gather indices, masks, row maps)
 is an ``AttentionPlan``, built once per step and reused by every layer. A sliding window
-narrows a group's mask (built on first use per window size and kept in the plan, so layers of
-one window type share it); logit soft-capping runs the scores through tanh, which SDPA cannot,
-so those calls compute the softmax written out.
+narrows a group's mask, and decode rows gather only the blocks their window reaches (both built
+on first use per window size and kept in the plan, so layers of one window type share them);
+logit soft-capping runs the scores through tanh, which SDPA cannot, so those calls compute the
+softmax written out.
 """
 
 from __future__ import annotations
@@ -58,6 +59,19 @@ class AttentionPlan:
 
     decode: _Group | None
     prefill: list[_Group]
+    decode_tables: torch.Tensor | None = None  # [S, max_blocks] int64, the decode rows' block tables
+    block_size: int = 16
+    decode_windows: dict[int, _Group] = field(default_factory=dict)  # window -> decode group
+
+    def decode_for(self, sliding_window: int | None) -> _Group | None:
+        """The decode rows' group; with a window, one that gathers only the window's blocks."""
+        if sliding_window is None or self.decode is None:
+            return self.decode
+        if sliding_window not in self.decode_windows:
+            self.decode_windows[sliding_window] = _window_decode_group(
+                self.decode, self.decode_tables, sliding_window, self.block_size
+            )
+        return self.decode_windows[sliding_window]
 
 
 def plan_paged_attention(
@@ -71,9 +85,12 @@ def plan_paged_attention(
     q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
     decode = [i for i, q in enumerate(q_lens) if q == 1]
     chunks = [(i, q, lens[i]) for i, q in enumerate(q_lens) if q > 1]
+    pure = len(decode) == starts[-1]  # every row of the batch is a decode, in order
     return AttentionPlan(
         decode=_decode_group(block_tables, decode, starts, lens, block_size) if decode else None,
         prefill=[_prefill_group(block_tables, g, starts, block_size) for g in _prefill_groups(chunks)],
+        decode_tables=(block_tables if pure else block_tables[decode]).long() if decode else None,
+        block_size=block_size,
     )
 
 
@@ -92,6 +109,24 @@ def _decode_group(block_tables, decode, starts, lens, block_size) -> _Group:
     rows = None if pure else torch.tensor([[starts[i]] for i in decode])
     mask = keep.view(len(decode), 1, 1, longest)
     return _Group(blocks, num_blocks, longest, rows, mask, None, (dec_lens - 1).unsqueeze(1))
+
+
+def _window_decode_group(group: _Group, tables: torch.Tensor, window: int, block_size: int) -> _Group:
+    """``group``'s decode rows reading only the blocks that hold keys of their window: a long
+    context's windowed layers then gather and attend ``window`` keys, not the whole context."""
+    q_pos = group.q_pos[:, 0]  # [S]
+    first = (q_pos + 1 - window).clamp_min(0) // block_size  # [S] first block with a key in the window
+    num_blocks = int((q_pos // block_size - first).max()) + 1
+    if num_blocks >= group.num_blocks:
+        return group
+    # a row that needs fewer blocks reads table entries past its own, masked (as _blocks does)
+    index = (first.unsqueeze(1) + torch.arange(num_blocks)).clamp_max(tables.shape[1] - 1)  # [S, nb]
+    length = num_blocks * block_size
+    k_pos = first.unsqueeze(1) * block_size + torch.arange(length)  # [S, L] position of each key read
+    causal = (k_pos <= q_pos.unsqueeze(1)).view(-1, 1, 1, length)
+    inside = (k_pos > (q_pos - window).unsqueeze(1)).view(-1, 1, 1, length)
+    return _Group(tables.gather(1, index).flatten(), num_blocks, length, group.rows, causal, None, group.q_pos,
+                  windowed={window: causal & inside})
 
 
 def _prefill_groups(chunks: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
@@ -150,16 +185,19 @@ def _softcapped_attention(
     scale: float,
     softcap: float,
 ) -> torch.Tensor:  # [P, H, Q, d]
-    """Attention with ``tanh(scores / softcap) * softcap`` before the mask, in fp32; the query
-    heads that share a KV head are one more batch dimension (no repeated K/V)."""
+    """Attention with ``tanh(scores / softcap) * softcap`` before the mask. As transformers'
+    eager Gemma 2: products in the model dtype, cap and softmax in fp32, probabilities rounded to
+    the model dtype for the product with V. The query heads that share a KV head are rows of one
+    matmul (no repeated or broadcast K/V)."""
     p, h, q_len, d = q.shape
-    kvh = k.shape[1]
-    q5 = q.float().reshape(p, kvh, h // kvh, q_len, d)
-    scores = q5 @ k.float().unsqueeze(2).transpose(-1, -2) * scale  # [P, kvh, group, Q, L]
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
-    attn = torch.softmax(scores, dim=-1) @ v.float().unsqueeze(2)  # [P, kvh, group, Q, d]
-    return attn.reshape(p, h, q_len, d).to(q.dtype)
+    kvh, length = k.shape[1], k.shape[2]
+    group = h // kvh
+    rows = q.reshape(p, kvh, group * q_len, d)  # head kvh_i * group + j, query t -> row j * Q + t
+    scores = torch.matmul(rows, k.transpose(-1, -2)).float()  # [P, kvh, group * Q, L]
+    scores = scores.mul_(scale).div_(softcap).tanh_().mul_(softcap)
+    scores = scores.view(p, kvh, group, q_len, length).masked_fill_(~mask.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(p, kvh, group * q_len, length)
+    return torch.matmul(probs, v).view(p, h, q_len, d)  # [P, kvh, group * Q, d] -> [P, H, Q, d]
 
 
 def _attend_prefill(query, kv_cache, group: _Group, scale: float, out: torch.Tensor, window, softcap) -> None:
@@ -215,7 +253,7 @@ def paged_attention_cpu(
         plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, kv_cache.shape[2])
     out = torch.empty_like(query)
     if plan.decode is not None:
-        _attend_decode(query, kv_cache, plan.decode, scale, out, sliding_window, softcap)
+        _attend_decode(query, kv_cache, plan.decode_for(sliding_window), scale, out, sliding_window, softcap)
     for group in plan.prefill:
         _attend_prefill(query, kv_cache, group, scale, out, sliding_window, softcap)
     return out

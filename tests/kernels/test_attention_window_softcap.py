@@ -110,3 +110,17 @@ def test_triton_split_kv_with_window_and_softcap(dtype):
     want = paged_attention_ref(**batch, sliding_window=100, softcap=2.5)
     assert not out.isnan().any()
     assert rel_err(out, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_cpu_decode_reads_only_the_windows_blocks(softcap):
+    """Decodes over long contexts: a windowed layer gathers the blocks its window reaches (2 of
+    16-token blocks for a 20-position window here, not 32), and still answers as the reference."""
+    batch = _build_batch([(500, 1), (30, 1), (261, 1), (16, 1)], 4, 2, 16, 16, torch.float32, seed=77)
+    stale = torch.randn(batch["kv_cache"].shape, generator=torch.Generator().manual_seed(78))
+    batch["kv_cache"] = torch.where(batch["kv_cache"].isnan(), stale, batch["kv_cache"])
+    plan = plan_paged_attention(batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], 16)
+    got = paged_attention_cpu(**batch, plan=plan, sliding_window=20, softcap=softcap)
+    assert plan.decode.num_blocks == 32 and plan.decode_for(20).num_blocks == 2
+    want = paged_attention_ref(**batch, sliding_window=20, softcap=softcap)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
