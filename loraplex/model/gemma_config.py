@@ -92,9 +92,14 @@ def gemma_spec_fields(cfg: dict[str, Any], arch: str, name: str) -> dict[str, An
     """Every ``ModelSpec`` field of a Gemma config, with transformers' Gemma defaults (tied head,
     no biases); unsupported options are refused by name."""
     version = GEMMA_VERSIONS[arch]
-    activation = cfg.get("hidden_activation") or "gelu_pytorch_tanh"  # transformers' Gemma ignores hidden_act
+    # transformers' Gemma reads hidden_act, where the legacy "gelu" of the official releases means
+    # the tanh approximation (transformers#29402); Gemma 2 and 3 read hidden_activation, as written
+    act_key = "hidden_act" if version == 1 else "hidden_activation"
+    activation = cfg.get(act_key) or "gelu_pytorch_tanh"
+    if version == 1 and activation == "gelu":
+        activation = "gelu_pytorch_tanh"
     if activation not in GELU_APPROXIMATIONS:
-        raise UnsupportedModelError(f"{arch}: unsupported hidden_activation {activation!r}")
+        raise UnsupportedModelError(f"{arch}: unsupported {act_key} {activation!r}")
     if cfg.get("use_bidirectional_attention"):
         raise UnsupportedModelError(f"{arch}: bidirectional attention (an embedding model) is not supported")
     hidden = int(cfg["hidden_size"])

@@ -58,6 +58,24 @@ def test_gemma3_hub_config_reads_as_transformers_does():
     assert spec.qk_norm and spec.gemma.attn_logit_softcap is None and spec.gemma.final_logit_softcap is None
 
 
+def test_gemma_activation_keys_read_as_transformers_does():
+    """Gemma 1 reads hidden_act and takes its legacy "gelu" as the tanh approximation; Gemma 2
+    reads hidden_activation, where "gelu" is the exact one."""
+    from transformers import GemmaConfig
+    from transformers.activations import ACT2FN
+
+    def approximate(arch: str, **keys) -> str:
+        return ModelSpec.from_dict({"architectures": [arch], **SHAPE, **keys}).gemma.gelu_approximate
+
+    assert GemmaConfig(hidden_act="gelu").hidden_act == "gelu_pytorch_tanh"
+    assert approximate("GemmaForCausalLM", hidden_act="gelu", hidden_activation=None) == "tanh"
+    x = torch.linspace(-4, 4, 9)
+    exact = ACT2FN[Gemma2Config(hidden_activation="gelu").hidden_activation](x)
+    assert approximate("Gemma2ForCausalLM", hidden_act="gelu_pytorch_tanh", hidden_activation="gelu") == "none"
+    assert torch.equal(exact, torch.nn.functional.gelu(x, approximate="none"))
+    assert approximate("Gemma2ForCausalLM", hidden_activation=None) == "tanh"
+
+
 @pytest.mark.parametrize(
     "arch, key, value",
     [
