@@ -15,9 +15,9 @@ Phi-3 does differently is settled here, as transformers 5's ``Phi3ForCausalLM`` 
   default 4096 when absent), which transformers puts before the rope dict's own. Partial rotary
   (``partial_rotary_factor``, Phi-4-mini's 0.75) rotates the first ``head_dim * factor`` dims.
 * ``sliding_window``: transformers' Phi-3 masks attention to the window whenever the config sets
-  one (Phi-3-mini-4k: 2047 of 4096 positions); loraplex attends to the whole context, so such a
-  model serves at most the window (``ModelSpec.max_context_len``), as a Mistral does. A window
-  at least as long as the positions (the 128k models' 262144) changes nothing.
+  one (Phi-3-mini-4k: 2047 of 4096 positions); so does loraplex, on every layer, as for a
+  Mistral (the context is not capped). A window at least as long as the positions (the 128k
+  models' 262144) changes nothing.
 """
 
 from __future__ import annotations
