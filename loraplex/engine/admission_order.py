@@ -108,8 +108,18 @@ def check_priority(priority, policy: str) -> None:
             "--scheduling-policy fair or priority, or send priority 0", param="priority")
 
 
+def _finite(value: int | float) -> bool:
+    """math.isfinite, and False for an int too large for a float (isfinite raises on those)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def check_tenant_weight(weight) -> None:
     """A tenant weight is a finite number above 0 (the registry bounds what operators set)."""
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+    # ``not weight > 0`` refuses NaN too; _finite refuses inf and an int no float holds (which
+    # math.isfinite would raise OverflowError on, not a refusal naming the field)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0 or not _finite(weight):
         raise InvalidRequestError(f"tenant_weight must be a finite number above 0, not {weight!r}",
                                   param="tenant_weight")

@@ -43,8 +43,10 @@ def check_max_concurrent_requests(value: Any) -> int | None:
 
 def check_scheduling_weight(value: Any) -> float:
     """A finite number in [MIN_SCHEDULING_WEIGHT, MAX_SCHEDULING_WEIGHT]."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or not MIN_SCHEDULING_WEIGHT <= value <= MAX_SCHEDULING_WEIGHT:
+    # the range is compared first: math.isfinite raises OverflowError on an int no float holds
+    # (JSON's 1e400 is inf, but its 10**400 written out is an int)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not MIN_SCHEDULING_WEIGHT <= value <= MAX_SCHEDULING_WEIGHT or not math.isfinite(value):
         raise InvalidSetting(
             f"scheduling_weight must be a number from {MIN_SCHEDULING_WEIGHT:g} to {MAX_SCHEDULING_WEIGHT:g}; "
             f"got {value!r}", param="scheduling_weight")

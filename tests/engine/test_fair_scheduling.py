@@ -126,7 +126,7 @@ def test_check_priority():
 def test_check_tenant_weight():
     for good in (1, 0.01, 2.5, 100):
         check_tenant_weight(good)
-    for bad in (0, -1, float("nan"), float("inf"), True, "2", None):
+    for bad in (0, -1, float("nan"), float("inf"), True, "2", None, 10**400, -10**400):  # 10**400: no float holds it
         with pytest.raises(InvalidRequestError) as err:
             check_tenant_weight(bad)
         assert err.value.param == "tenant_weight"

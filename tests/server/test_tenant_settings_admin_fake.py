@@ -75,6 +75,8 @@ BAD = [
     ({"scheduling_weight": 0.001}, "scheduling_weight"),
     ({"scheduling_weight": None}, "scheduling_weight"),
     ({"scheduling_weight": "2"}, "scheduling_weight"),
+    ({"scheduling_weight": 10**400}, "scheduling_weight"),  # no float holds it: a 400, not a 500
+    ({"scheduling_weight": -10**400}, "scheduling_weight"),
     ({"scheduling_weight": 2, "max_concurrent_requests": -1}, "max_concurrent_requests"),  # nothing applied
     ({"priority": 1}, "priority"),  # an unknown field is named, not ignored
     ({}, None),
