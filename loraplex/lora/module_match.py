@@ -87,7 +87,7 @@ def enumerate_target_keys(cfg: LoRAConfigView, spec: LoRATargetSpec, prefix: str
             if not any(key == entry or key.endswith(f".{entry}") for key in keys):
                 raise InvalidAdapterError(
                     f"adapter_config.json: target_modules entry {entry!r} is not a module the base model has as "
-                    f"a LoRA target (its are {', '.join(spec.module_shapes)})"
+                    f"a LoRA target (its LoRA targets are {', '.join(spec.module_shapes)})"
                 )
     targeted = {key: lm for key, lm in keys.items() if cfg_view.targets(key)}
     if not targeted:

@@ -8,6 +8,8 @@ fused B is not three equal thirds, and partial rotary (Phi-4-mini's 0.75)."""
 from __future__ import annotations
 
 import copy
+import json
+import shutil
 
 import pytest
 import torch
@@ -77,6 +79,15 @@ def test_adapters_that_do_not_fit_phi3_are_refused(world, tmp_path):
     with pytest.raises(InvalidAdapterError, match=r"targets 'q_proj', which base model 'model' lacks "
                        r"\(its LoRA targets are qkv_proj, o_proj, gate_up_proj, down_proj\)"):
         validate_adapter(load_adapter_files(llama_adapter), spec, max_lora_rank=8)
+    # a config naming a Llama module beside the fused ones it has tensors for: the refusal names
+    # this base's own targets in a readable sentence
+    listed = tmp_path / "listed"
+    shutil.copytree(world[2]["qkv"], listed)
+    config = json.loads((listed / "adapter_config.json").read_text())
+    (listed / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["qkv_proj", "q_proj"]}))
+    with pytest.raises(InvalidAdapterError, match=r"entry 'q_proj' is not a module the base model has as a LoRA "
+                       r"target \(its LoRA targets are qkv_proj, o_proj, gate_up_proj, down_proj\)"):
+        validate_adapter(load_adapter_files(listed), spec, max_lora_rank=8)
     # trained on a Phi-3 without GQA: its fused qkv_proj B has 192 rows, this base's 128
     mha = AutoModelForCausalLM.from_pretrained(
         str(make_tiny_phi3_dir(tmp_path / "mha", num_key_value_heads=4)), dtype=torch.float32)
