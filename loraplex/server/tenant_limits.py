@@ -41,24 +41,30 @@ class TenantLimitsCache:
         self._lookup = lookup
         self.cache_seconds = cache_seconds
         self._cache: dict[str, tuple[TenantLimits, float]] = {}  # name -> (limits, expires)
+        # bumped by ``forget``: a lookup begun before it may have read the old row, and caching
+        # that late answer would undo the forget for ``cache_seconds``
+        self._generation = 0
         self._lock = threading.Lock()
 
     async def get(self, tenant: str) -> TenantLimits:
         now = time.monotonic()
         with self._lock:
             hit = self._cache.get(tenant)
+            generation = self._generation
         if hit is not None and hit[1] > now:
             return hit[0]
         info = await run_in_threadpool(self._lookup, tenant)  # off the event loop: a database read
         limits = DEFAULT_LIMITS if info is None else TenantLimits(info.max_concurrent_requests,
                                                                   float(info.scheduling_weight))
         with self._lock:
-            if len(self._cache) >= MAX_CACHED_TENANTS:
-                self._cache.clear()
-            self._cache[tenant] = (limits, now + self.cache_seconds)
+            if generation == self._generation:  # else a forget came meanwhile: this row may be old
+                if len(self._cache) >= MAX_CACHED_TENANTS:
+                    self._cache.clear()
+                self._cache[tenant] = (limits, now + self.cache_seconds)
         return limits
 
     def forget(self, tenant: str) -> None:
         """Drop one tenant's entry: its next request reads the registry."""
         with self._lock:
             self._cache.pop(tenant, None)
+            self._generation += 1
