@@ -94,7 +94,8 @@ class EngineConfig:
     max_cpu_lora_bytes: int | None = None
     max_cpu_loras: int | None = None
     lora_starvation_steps: int = 64  # bound: oldest waiting request's adapter gets a slot within N steps
-    # "fair": priority, then the tenant with the fewest running sequences, then arrival;
+    # "fair": the tenant with the fewest running sequences (for its weight), then within a tenant
+    # priority, then arrival;
     # "fcfs": arrival only (vLLM's default); "priority": priority, then arrival (vLLM's)
     scheduling_policy: str = "fair"
     # where converted models (GGUF -> safetensors) are cached

@@ -5,13 +5,16 @@ when KV memory runs out, under each scheduling policy. Pure Python, no torch.
   default).
 - ``priority``: lower ``priority`` first, then arrival (vLLM's ``--scheduling-policy priority``);
   the victim is the sequence with the highest priority value, the latest admitted among equals.
-- ``fair`` (loraplex's default): priority first, then the tenant with the smallest weighted load
-  (its running sequences divided by its weight), then arrival. One tenant's burst of requests
-  queues behind its own earlier ones, not in front of every other tenant's: a tenant with
-  nothing running is offered the next admission. Within a tenant, requests keep their arrival
-  order. The victim is the newest sequence of the tenant with the largest weighted load (lowest
-  priority first). With queues on both sides, a tenant of weight 2 so holds about twice the
-  running sequences of a tenant of weight 1.
+- ``fair`` (loraplex's default): the tenant with the smallest weighted load (its running
+  sequences divided by its weight) is offered the next admission, ties going to the tenant
+  whose next request arrived first; within a tenant, lower ``priority`` first, then arrival.
+  One tenant's burst of requests queues behind its own earlier ones, not in front of every
+  other tenant's: a tenant with nothing running is offered the next admission. ``priority`` is
+  the client's, so it only orders a tenant's own requests: a tenant sending everything at
+  priority -1 must not starve the others (it would, were priority compared across tenants).
+  The victim is a sequence of the tenant with the largest weighted load: its lowest priority,
+  newest among equals. With queues on both sides, a tenant of weight 2 so holds about twice
+  the running sequences of a tenant of weight 1.
 
 A tenant's weight (the operator's ``scheduling_weight``, 1 by default) travels with each of its
 sequences as ``tenant_weight``. Should an operator change it while sequences of both values are
@@ -75,7 +78,9 @@ def admission_order(waiting: Iterable[Sequence], running: Iterable[Sequence], po
 
 
 def _entry(head: Sequence, weighted_load: float, tiebreak, tenant):
-    return (head.priority, weighted_load, head.arrival_time, next(tiebreak), head, tenant)
+    # across groups, priority plays no part: under "priority" there is one group, and under
+    # "fair" it orders only a tenant's own queue (the sort above)
+    return (weighted_load, head.arrival_time, next(tiebreak), head, tenant)
 
 
 def preemption_victim(running: list[Sequence], policy: str) -> Sequence:
@@ -88,7 +93,7 @@ def preemption_victim(running: list[Sequence], policy: str) -> Sequence:
     load = Counter(s.tenant for s in running)
     weight = tenant_weights(running)
     return max(enumerate(running),
-               key=lambda item: (item[1].priority, load[item[1].tenant] / weight[item[1].tenant], item[0]))[1]
+               key=lambda item: (load[item[1].tenant] / weight[item[1].tenant], item[1].priority, item[0]))[1]
 
 
 PRIORITY_LIMIT = 1 << 31  # |priority| below this: an int any client library can send

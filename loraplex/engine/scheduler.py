@@ -9,12 +9,12 @@ Each ``schedule()`` builds one step under two budgets, ``max_num_batched_tokens`
    sequence needs a KV block and none is free, a running sequence is preempted (its blocks
    freed, requeued by its arrival time, recomputed later from prompt + generated-so-far; its
    output is the same as without preemption). The policy (admission_order.py) picks it: the
-   most recently admitted under ``fcfs``; under ``fair`` (the default) the newest of the tenant
-   holding the most running sequences for its weight.
+   most recently admitted under ``fcfs``; under ``fair`` (the default) one of the tenant
+   holding the most running sequences for its weight (its lowest priority, newest).
 2. Waiting sequences in the policy's order (``fcfs``: arrival; ``priority``: priority, then
-   arrival; ``fair``: priority, then the tenant with the fewest running sequences for its
-   weight, then arrival), while budget, KV blocks and adapter slots allow. The first sequence that cannot
-   get KV blocks stops admission (strict order for memory). A sequence whose adapter cannot
+   arrival; ``fair``: the tenant with the fewest running sequences for its weight, then within
+   the tenant priority, then arrival), while budget, KV blocks and adapter slots allow. The
+   first sequence that cannot get KV blocks stops admission (strict order for memory). A sequence whose adapter cannot
    get a slot, or is not loaded yet, is skipped without holding up the ones behind it.
 
 Adapter slots: the distinct adapters of the RUNNING sequences never exceed

@@ -31,8 +31,10 @@ def _stated_weights(seqs) -> dict:
 
 
 def _brute_force_order(waiting, running, policy, admit):
-    """The policy as stated, one pick at a time over everything still waiting: the minimum of
-    (priority, the tenant's running count / its weight, arrival); fcfs is arrival alone."""
+    """The policy as stated, one pick at a time over everything still waiting. fcfs: the first
+    arrived; priority: the minimum of (priority, arrival); fair: the tenant with the minimum of
+    (running count / weight, arrival of its best request), and that tenant's best request, best
+    being the minimum of (priority, arrival)."""
     left = list(waiting)
     load = Counter(s.tenant for s in running)
     weight = _stated_weights(list(waiting) + list(running))
@@ -43,7 +45,12 @@ def _brute_force_order(waiting, running, policy, admit):
         elif policy == "priority":
             best = min(left, key=lambda s: (s.priority, s.arrival_time))
         else:
-            best = min(left, key=lambda s: (s.priority, load[s.tenant] / weight[s.tenant], s.arrival_time))
+            heads = {}
+            for s in left:
+                if s.tenant not in heads or (s.priority, s.arrival_time) < (heads[s.tenant].priority,
+                                                                             heads[s.tenant].arrival_time):
+                    heads[s.tenant] = s
+            best = min(heads.values(), key=lambda s: (load[s.tenant] / weight[s.tenant], s.arrival_time))
         left.remove(best)
         order.append(best)
         if admit(best):
@@ -88,7 +95,9 @@ def test_preemption_victims():
     assert preemption_victim(running, "fair") is running[4]  # tenant a holds most: its newest
     running[1].priority = 3
     assert preemption_victim(running, "priority") is running[1]  # the lowest priority goes first
-    assert preemption_victim(running, "fair") is running[1]
+    assert preemption_victim(running, "fair") is running[4]  # priority orders only a's own
+    running[2].priority = 1
+    assert preemption_victim(running, "fair") is running[2]  # a's lowest priority goes first
 
 
 def test_weighted_preemption_victims():
@@ -107,9 +116,9 @@ def test_preemption_victim_matches_the_policy_as_stated(seed):
                     weight=rng.choice([0.5, 1.0, 2.0])) for i in range(rng.randint(1, 12))]
     load = Counter(s.tenant for s in running)
     weight = _stated_weights(running)
-    # the running sequence with the largest (priority, tenant's load / weight, admission index)
-    stated = max(range(len(running)), key=lambda i: (running[i].priority, load[running[i].tenant]
-                                                      / weight[running[i].tenant], i))
+    # the running sequence with the largest (tenant's load / weight, priority, admission index)
+    stated = max(range(len(running)), key=lambda i: (load[running[i].tenant] / weight[running[i].tenant],
+                                                      running[i].priority, i))
     assert preemption_victim(running, "fair") is running[stated]
 
 
@@ -165,7 +174,7 @@ def test_a_burst_does_not_hold_up_another_tenant(policy):
     assert h.block_manager.num_free_blocks == h.block_manager.num_blocks
 
 
-def test_priority_orders_admission_within_and_across_tenants():
+def test_priority_policy_orders_admission_within_and_across_tenants():
     h = Harness(num_blocks=64, block_size=4, max_num_seqs=1, scheduling_policy="priority")
     seqs = [h.add([5 + i] * 3, tenant=t, priority=p, max_tokens=2)
             for i, (t, p) in enumerate([("a", 5), ("b", 0), ("a", -2), ("b", 5), ("a", 0)])]
@@ -251,3 +260,21 @@ def test_engine_admits_another_tenant_ahead_of_a_burst(tiny_llama_dir, loraplex_
     else:
         assert first_token_step[ids[4]] >= max(burst_firsts) >= 4  # behind the last prompt of the burst
     assert [finals[i] for i in ids] == hf_greedy_all(tiny_llama_dir, burst + [quiet], 3)
+
+
+def test_fair_priority_cannot_starve_another_tenant():
+    # tenant a keeps a backlog at priority -1; b's one request at priority 0 still gets the next
+    # free place (its tenant runs nothing), where the priority policy would keep it waiting
+    def first_step_of_b(policy):
+        h = Harness(num_blocks=256, block_size=4, max_num_seqs=2, scheduling_policy=policy)
+        for i in range(20):
+            h.add([10 + i % 5] * 4, tenant="a", priority=-1, max_tokens=3)
+        h.step()
+        late = h.add([3] * 4, tenant="b", priority=0, max_tokens=3)
+        for step in range(1, 200):
+            if any(e.seq is late for e in h.step().scheduled):
+                return step
+        return None
+
+    assert first_step_of_b("fair") <= 3
+    assert first_step_of_b("priority") > 20
