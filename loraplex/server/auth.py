@@ -41,6 +41,9 @@ class TenantAuth:
         self.cache_seconds = cache_seconds
         self._cache: dict[str, tuple[str, float]] = {}  # sha256(key) -> (tenant, expires)
         self._lock = threading.Lock()
+        # bumped by ``forget_all``: a lookup begun before it may have read a key since revoked,
+        # and caching that late answer would let the key in for ``cache_seconds`` more
+        self._generation = 0
 
     async def tenant_for(self, request: Request, path_tenant: str | None = None) -> str:
         """The tenant the request's key belongs to; 401 when the key is missing, unknown,
@@ -52,6 +55,7 @@ class TenantAuth:
         now = time.monotonic()
         with self._lock:
             hit = self._cache.get(digest)
+            generation = self._generation
         if hit is not None and hit[1] > now:
             tenant = hit[0]
         else:
@@ -61,14 +65,17 @@ class TenantAuth:
             with self._lock:
                 if len(self._cache) > 10_000:
                     self._cache.clear()
-                self._cache[digest] = (tenant, now + self.cache_seconds)
+                if generation == self._generation:  # else a revoke came meanwhile: not cached
+                    self._cache[digest] = (tenant, now + self.cache_seconds)
         if path_tenant is not None and tenant != path_tenant:
             raise unauthorized("This API key is not valid for this tenant.")
         return tenant
 
     def forget_all(self) -> None:
+        """After a key is revoked through this replica: every key is looked up again."""
         with self._lock:
             self._cache.clear()
+            self._generation += 1
 
 
 class AdminAuth:
