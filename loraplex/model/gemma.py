@@ -18,7 +18,7 @@ from loraplex.model.config import ModelSpec
 from loraplex.model.gemma_config import SLIDING
 from loraplex.model.layers import AttentionMetadata
 from loraplex.model.llama import DecoderLayer, LlamaForCausalLM, LoRAStepContext
-from loraplex.model.rope import RotaryEmbedding, apply_rotary
+from loraplex.model.rope import RotaryEmbedding
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,40 +71,18 @@ class GemmaForCausalLM(LlamaForCausalLM):
         lora: LoRAStepContext | None = None,
     ) -> torch.Tensor:  # [T, hidden_size]
         spec, gemma = self.spec, self.spec.gemma
-        num_tokens = input_ids.shape[0]
         eps = spec.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed_tokens).mul_(self.embed_scale)  # [T, H]
         rope_global = self.rotary.lookup(positions)  # ([T, 1, head_dim], [T, 1, head_dim])
         rope_local = rope_global if self.rotary_local is None else self.rotary_local.lookup(positions)
-        k_end = spec.q_size + spec.kv_size
-        num_qk_heads = spec.num_heads + spec.num_kv_heads
         plan = dispatch.plan_paged_attention(kv_caches[0], attn.block_tables, attn.seq_lens, attn.query_start_loc)
         for i, layer in enumerate(self.layers):
             local = bool(gemma.layer_types) and gemma.layer_types[i] == SLIDING
             # attention block
             x = gemma_rms_norm(hidden, layer.input_layernorm, eps)  # [T, H]
-            qkv = self._project(i, "qkv", x, lora)  # [T, q_size + 2 * kv_size]
-            qk = qkv[:, :k_end].view(num_tokens, num_qk_heads, spec.head_dim)
-            if spec.qk_norm:  # Gemma 3
-                qk = gemma_rms_norm(qk, layer.qk_norm, eps)
-            qk = apply_rotary(qk, *(rope_local if local else rope_global))
-            q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
-            v = qkv[:, k_end:].view(num_tokens, spec.num_kv_heads, spec.head_dim)
-            dispatch.write_kv_cache(k, v, kv_caches[i], attn.slot_mapping)
-            attn_out = dispatch.paged_attention(
-                q,
-                kv_caches[i],
-                attn.block_tables,
-                attn.seq_lens,
-                attn.query_start_loc,
-                self.scale,
-                attn.max_query_len,
-                attn.max_seq_len,
-                plan=plan,
-                sliding_window=gemma.layer_window(i),
-                softcap=gemma.attn_logit_softcap,
-            ).reshape(num_tokens, spec.q_size)  # [T, q_size]
-            o = self._project(i, "o", attn_out, lora)  # [T, H]
+            qk_norm = (gemma_rms_norm, layer.qk_norm) if spec.qk_norm else None  # Gemma 3
+            o = self._attention(i, x, qk_norm, rope_local if local else rope_global, attn, kv_caches, plan,
+                                lora, sliding_window=gemma.layer_window(i), softcap=gemma.attn_logit_softcap)
             if gemma.sandwich_norms:
                 hidden += gemma_rms_norm(o, layer.post_attention_layernorm, eps)
                 x = gemma_rms_norm(hidden, layer.pre_feedforward_layernorm, eps)

@@ -134,6 +134,40 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
+    def _attention(self, i: int, x: torch.Tensor, qk_norm, rope, attn: AttentionMetadata,
+                   kv_caches: list[torch.Tensor], plan, lora: LoRAStepContext | None,
+                   sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        """Layer ``i``'s attention block from its normed input ``x`` [T, H] to the o projection's
+        output [T, H]: the packed qkv projection, ``qk_norm`` ((norm function, weight) or None)
+        on every q and k head, rotary (``rope``: cos, sin), the K/V write and paged attention."""
+        spec = self.spec
+        num_tokens = x.shape[0]
+        k_end = spec.q_size + spec.kv_size
+        qkv = self._project(i, "qkv", x, lora)  # [T, q_size + 2 * kv_size]
+        # q and k heads rotate in one pass; q and k stay views into the rotated [T, H + kvh, d]
+        qk = qkv[:, :k_end].view(num_tokens, spec.num_heads + spec.num_kv_heads, spec.head_dim)
+        if qk_norm is not None:
+            norm, weight = qk_norm
+            qk = norm(qk, weight, spec.rms_norm_eps)
+        qk = apply_rotary(qk, *rope)
+        q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
+        v = qkv[:, k_end:].view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        dispatch.write_kv_cache(k, v, kv_caches[i], attn.slot_mapping)
+        attn_out = dispatch.paged_attention(
+            q,
+            kv_caches[i],
+            attn.block_tables,
+            attn.seq_lens,
+            attn.query_start_loc,
+            self.scale,
+            attn.max_query_len,
+            attn.max_seq_len,
+            plan=plan,
+            sliding_window=sliding_window,
+            softcap=softcap,
+        ).reshape(num_tokens, spec.q_size)  # [T, q_size]
+        return self._project(i, "o", attn_out, lora)  # [T, H]
+
     @torch.inference_mode()
     def forward(
         self,
@@ -144,41 +178,19 @@ class LlamaForCausalLM(nn.Module):
         lora: LoRAStepContext | None = None,
     ) -> torch.Tensor:  # [T, hidden_size]
         spec = self.spec
-        num_tokens = input_ids.shape[0]
         eps = spec.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed_tokens)  # [T, H]
         if spec.embedding_multiplier != 1.0:
             hidden *= spec.embedding_multiplier  # in the model dtype, as transformers' Granite
         residual_multiplier = spec.residual_multiplier
         cos, sin = self.rotary.lookup(positions)  # [T, 1, head_dim] each
-        k_end = spec.q_size + spec.kv_size
-        num_qk_heads = spec.num_heads + spec.num_kv_heads
         plan = dispatch.plan_paged_attention(kv_caches[0], attn.block_tables, attn.seq_lens, attn.query_start_loc)
         for i, layer in enumerate(self.layers):
             # attention block
             x = rms_norm(hidden, layer.input_layernorm, eps)  # [T, H]
-            qkv = self._project(i, "qkv", x, lora)  # [T, q_size + 2 * kv_size]
-            # q and k heads rotate in one pass; q and k stay views into the rotated [T, H + kvh, d]
-            qk = qkv[:, :k_end].view(num_tokens, num_qk_heads, spec.head_dim)
-            if spec.qk_norm:
-                qk = rms_norm(qk, layer.qk_norm, eps)
-            qk = apply_rotary(qk, cos, sin)
-            q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
-            v = qkv[:, k_end:].view(num_tokens, spec.num_kv_heads, spec.head_dim)
-            dispatch.write_kv_cache(k, v, kv_caches[i], attn.slot_mapping)
-            attn_out = dispatch.paged_attention(
-                q,
-                kv_caches[i],
-                attn.block_tables,
-                attn.seq_lens,
-                attn.query_start_loc,
-                self.scale,
-                attn.max_query_len,
-                attn.max_seq_len,
-                plan=plan,
-                sliding_window=spec.sliding_window,  # Mistral's, on every layer; None elsewhere
-            ).reshape(num_tokens, spec.q_size)  # [T, q_size]
-            o = self._project(i, "o", attn_out, lora)  # [T, H]
+            qk_norm = (rms_norm, layer.qk_norm) if spec.qk_norm else None
+            o = self._attention(i, x, qk_norm, (cos, sin), attn, kv_caches, plan, lora,
+                                sliding_window=spec.sliding_window)  # Mistral's / Phi-3's window
             if residual_multiplier != 1.0:
                 o *= residual_multiplier  # rounded before the add, as in transformers' Granite
             hidden += o  # hidden is this forward's own tensor (the embedding gather's output)
