@@ -5,8 +5,8 @@
 mean something in loraplex, read from the running server: ``model_id`` (the served name),
 ``model_dtype`` and ``model_device_type`` (as torch names them), ``max_input_length`` (also
 under TGI's newer name ``max_input_tokens``) and ``max_total_tokens`` (the prompt limit and the
-context length), ``max_concurrent_requests`` (per tenant: loraplex's limit is a tenant's, not the
-server's), ``max_best_of`` 1, ``max_stop_sequences`` null (no limit), ``version`` (loraplex's).
+context length), ``max_concurrent_requests`` (the caller's tenant's: its own cap when an operator
+set one, else the server's per-tenant default; loraplex's limit is a tenant's, not the server's), ``max_best_of`` 1, ``max_stop_sequences`` null (no limit), ``version`` (loraplex's).
 LoRAX's router-scheduler knobs (``waiting_served_ratio``, ``max_batch_total_tokens``,
 ``max_waiting_tokens``, ``validation_workers``, ``eager_prefill``) have no counterpart and are
 left out rather than made up.
@@ -40,7 +40,9 @@ def _runner(ctx: AppContext):
     return getattr(getattr(ctx.engine, "engine", None), "runner", None)
 
 
-def info_body(ctx: AppContext) -> dict:
+def info_body(ctx: AppContext, max_concurrent_requests: int | None = None) -> dict:
+    """LoRAX's ``Info``; ``max_concurrent_requests`` is the caller's tenant's own cap, when an
+    operator set one (else the server's per-tenant default)."""
     runner = _runner(ctx)
     dtype = getattr(runner, "dtype", None)
     device = getattr(runner, "device", None)
@@ -52,7 +54,7 @@ def info_body(ctx: AppContext) -> dict:
         "model_dtype": str(dtype) if dtype is not None else s.dtype,
         "model_device_type": getattr(device, "type", None) or str(device or s.device),
         "model_pipeline_tag": "text-generation",
-        "max_concurrent_requests": s.max_concurrent_requests_per_tenant,
+        "max_concurrent_requests": max_concurrent_requests or s.max_concurrent_requests_per_tenant,
         "max_best_of": 1,
         "max_stop_sequences": None,
         "max_input_length": max_input,
@@ -68,10 +70,11 @@ def info_body(ctx: AppContext) -> dict:
 async def info(request: Request) -> Response:
     ctx: AppContext = request.app.state.ctx
     try:
-        await authenticate(ctx, request)
-    except APIError as err:
-        return error_response(err)
-    return JSONResponse(info_body(ctx))
+        tenant = await authenticate(ctx, request)
+        limits = await ctx.tenant_limits.get(tenant)
+    except Exception as exc:
+        return error_response(from_exception(exc))
+    return JSONResponse(info_body(ctx, limits.max_concurrent_requests))
 
 
 def parse_tokenize_request(body: dict) -> tuple[str, bool, int | None]:

@@ -242,6 +242,18 @@ def test_info_without_the_settings_cap_is_the_context_less_one(server_factory):
     assert (info["max_input_length"], info["max_total_tokens"]) == (39, 40)
 
 
+def test_info_reports_the_callers_own_cap(world):
+    srv, client, other = world
+    with srv.admin() as admin:
+        assert admin.patch("/admin/v1/tenants/tk-other", json={"max_concurrent_requests": 3}).status_code == 200
+    try:
+        assert other.get("/info").json()["max_concurrent_requests"] == 3  # its operator-set cap
+        assert client.get("/info").json()["max_concurrent_requests"] == MAX_PER_TENANT  # the default
+    finally:
+        with srv.admin() as admin:
+            admin.patch("/admin/v1/tenants/tk-other", json={"max_concurrent_requests": None})
+
+
 def test_info_names_the_runners_dtype_and_device():
     import types
 
