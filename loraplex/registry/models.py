@@ -1,4 +1,4 @@
-"""SQLAlchemy 2 models of the registry: tenants, API keys, adapters, versions, audit, state.
+"""SQLAlchemy 2 models of the registry: tenants, API keys, adapters, versions, audit, state, usage.
 
 Every constraint and index is named through ``NAMING_CONVENTION`` so migrations can refer to
 them on every backend. Timestamps are stored timezone-aware (UTC); SQLite hands them back
@@ -171,3 +171,34 @@ class RegistryState(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     change_counter: Mapped[int] = mapped_column(BigInteger, default=0)
     admin_key_sha256: Mapped[str | None] = mapped_column(String(SHA256_HEX_LENGTH), default=None)
+
+
+# UsageHour.adapter of requests to the base model: a real value, not NULL, because SQL unique
+# keys treat NULLs as distinct and the additive upsert needs the key to conflict. Adapter names
+# are never empty (names.validate_name), so it cannot mean an adapter.
+BASE_MODEL_ADAPTER = ""
+
+
+class UsageHour(Base):
+    """What one tenant used of one adapter (or the base model) in one UTC hour, for billing.
+
+    Keyed by names, not ids, and without foreign keys: usage outlives the tenant and adapter it
+    counts (an adapter deleted or re-created under the same name keeps its history). Rows only
+    grow by additive upserts (``usage.UsageMixin.record_usage``). ``requests`` and the token
+    columns count answered requests (status 200) exactly as their ``usage`` reported them; the
+    ``failed_`` columns count admitted requests that ended otherwise (client gone, engine
+    error), with the prompt tokens and the completion tokens generated before they ended.
+    """
+
+    __tablename__ = "usage_hourly"
+    __table_args__ = (Index(None, "hour"),)
+
+    tenant: Mapped[str] = mapped_column(String(NAME_LENGTH), primary_key=True)
+    adapter: Mapped[str] = mapped_column(String(NAME_LENGTH), primary_key=True)
+    hour: Mapped[datetime] = mapped_column(primary_key=True)  # start of the UTC hour the request finished in
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    failed_requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    failed_prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    failed_completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
