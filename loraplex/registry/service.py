@@ -44,6 +44,7 @@ from loraplex.registry.keys import display_prefix, generate_secret, hash_secret,
 from loraplex.registry.models import VERSION_DELETED, Adapter, Tenant, utcnow
 from loraplex.registry.names import parse_model_ref, parse_version, validate_adapter_name, validate_tenant_name
 from loraplex.registry.tenant_settings import TenantSettingsMixin
+from loraplex.registry.usage import UsageMixin
 
 __all__ = [
     "RegistryService",
@@ -68,7 +69,7 @@ WRITE_ATTEMPTS = 8  # retries of a write that lost a race on a unique constraint
 RETRY_BACKOFF_S = 0.002
 
 
-class RegistryService(AdminKeyMixin, TenantSettingsMixin, FlagKeysMixin):
+class RegistryService(AdminKeyMixin, TenantSettingsMixin, FlagKeysMixin, UsageMixin):
     """The registry's public API. Thread-safe: it holds only a session factory."""
 
     def __init__(self, session_factory: sessionmaker[Session]):

@@ -1,0 +1,258 @@
+"""Usage accounting: requests and tokens per tenant, adapter and UTC hour (``models.UsageHour``).
+
+Servers add what their finished requests used with ``record_usage``, a batch at a time; every
+row is an upsert that *adds* (``INSERT ... ON CONFLICT DO UPDATE SET n = n + excluded.n``), so
+replicas sharing the database may write the same rows at once and the sums stay exact. A batch
+is one transaction: it lands whole or not at all, so a caller that saw it fail may send it
+again. Rows are written in key order, so two replicas' batches take row locks in the same order
+and cannot deadlock on PostgreSQL.
+
+``usage_report`` reads them back for a period (``start`` inclusive, ``end`` exclusive, both on
+the hour, UTC) with optional filters and grouping by tenant, adapter, hour or day. In reports
+the base model's adapter is None (stored as ``models.BASE_MODEL_ADAPTER``).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import ColumnElement, func, select
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.orm import Session
+
+from loraplex.registry.errors import Conflict, InvalidSetting
+from loraplex.registry.models import BASE_MODEL_ADAPTER, UsageHour, as_utc
+from loraplex.registry.names import validate_adapter_name, validate_tenant_name
+
+COUNTERS = ("requests", "prompt_tokens", "completion_tokens",
+            "failed_requests", "failed_prompt_tokens", "failed_completion_tokens")
+GROUP_KEYS = ("tenant", "adapter", "hour", "day")
+# a batch that lost to a lock (SQLite's busy timeout ran out, a PostgreSQL deadlock or
+# serialization failure) is retried whole; the recorder's next flush retries again after these
+USAGE_WRITE_ATTEMPTS = 4
+USAGE_RETRY_BACKOFF_S = 0.01
+
+
+@dataclass(frozen=True)
+class UsageDelta:
+    """Counts to add to one (tenant, adapter, hour) row; ``adapter`` None is the base model."""
+
+    tenant: str
+    adapter: str | None
+    hour: datetime  # start of a UTC hour (``hour_of``)
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    failed_requests: int = 0
+    failed_prompt_tokens: int = 0
+    failed_completion_tokens: int = 0
+
+    def counts(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in COUNTERS}
+
+
+@dataclass(frozen=True)
+class UsageReport:
+    """Rows of a usage query (group keys, then the counters) and their totals."""
+
+    start: datetime | None
+    end: datetime | None
+    group_by: tuple[str, ...]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    totals: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "object": "usage",
+            "start": _iso(self.start),
+            "end": _iso(self.end),
+            "group_by": list(self.group_by),
+            "data": self.rows,
+            "totals": self.totals,
+        }
+
+
+def hour_of(moment: float | datetime) -> datetime:
+    """The start of the UTC hour holding ``moment`` (a Unix time or an aware datetime)."""
+    if not isinstance(moment, datetime):
+        moment = datetime.fromtimestamp(moment, timezone.utc)
+    return moment.astimezone(timezone.utc).replace(minute=0, second=0, microsecond=0)
+
+
+def parse_hour(text: str, param: str) -> datetime:
+    """An ISO 8601 date or date-time on the hour (``2026-12-03``, ``2026-12-03T14``,
+    ``2026-12-03T14:00:00Z``, ``...+01:00``), as an aware UTC datetime; no offset means UTC.
+    Anything else is InvalidSetting naming ``param``: a period cut inside an hour could not be
+    answered from hourly rows, and rounding it would bill an hour twice or not at all."""
+    example = "like 2026-12-03T14:00:00Z"
+    try:
+        value = datetime.fromisoformat(text.strip())
+        value = (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).astimezone(timezone.utc)
+    except (ValueError, OverflowError, AttributeError):
+        raise InvalidSetting(f"`{param}` must be an ISO 8601 date or time, {example}; got {text!r}",
+                             param=param) from None
+    if value.minute or value.second or value.microsecond:
+        raise InvalidSetting(f"`{param}` must be on the hour (usage is kept per hour), {example}; got {text!r}",
+                             param=param)
+    return value
+
+
+def parse_group_by(values: Iterable[str]) -> tuple[str, ...]:
+    """Group keys from ``values`` (each may hold several, comma-separated), in the order given."""
+    keys: list[str] = []
+    for value in values:
+        for key in (k.strip() for k in value.split(",")):
+            if not key:
+                continue
+            if key not in GROUP_KEYS:
+                raise InvalidSetting(f"`group_by` takes {', '.join(GROUP_KEYS)} (comma-separated); got {key!r}",
+                                     param="group_by")
+            if key not in keys:
+                keys.append(key)
+    if "hour" in keys and "day" in keys:
+        raise InvalidSetting("`group_by` takes hour or day, not both", param="group_by")
+    return tuple(keys)
+
+
+class UsageMixin:
+    """Usage accounting methods of RegistryService."""
+
+    def _transaction(self) -> AbstractContextManager[Session]:  # provided by RegistryService
+        raise NotImplementedError
+
+    def record_usage(self, deltas: Sequence[UsageDelta]) -> None:
+        """Add ``deltas`` to their rows in one transaction (all or nothing). Several replicas
+        may call this at once for the same rows. Raises Conflict when it kept losing lock
+        races, or the database's own error when it is down: nothing was added either way."""
+        rows = _merged_rows(deltas)
+        if not rows:
+            return
+        for attempt in range(USAGE_WRITE_ATTEMPTS):
+            try:
+                with self._transaction() as session:
+                    session.execute(_upsert(session), rows)
+                return
+            except (OperationalError, IntegrityError) as exc:
+                if attempt == USAGE_WRITE_ATTEMPTS - 1:
+                    if isinstance(exc, IntegrityError):
+                        raise Conflict("usage rows kept colliding; try again") from exc
+                    raise
+                time.sleep(random.uniform(0, USAGE_RETRY_BACKOFF_S * 2**attempt))
+
+    def usage_report(
+        self,
+        *,
+        tenant: str | None = None,
+        adapter: str | None = None,
+        start: datetime | None = None,
+        end: datetime | None = None,
+        group_by: Sequence[str] = (),
+    ) -> UsageReport:
+        """Sums over ``[start, end)`` (each None: unbounded), of one tenant and/or one adapter
+        name when given, one row per combination of ``group_by`` keys that has usage (one row
+        in all without grouping), sorted by those keys. Raises InvalidSetting (with ``param``)
+        or InvalidName for bad arguments."""
+        if tenant is not None:
+            validate_tenant_name(tenant)
+        if adapter is not None:
+            validate_adapter_name(adapter)
+        group_by = parse_group_by(group_by)
+        for name, value in (("start", start), ("end", end)):
+            if value is not None and (value.tzinfo is None or hour_of(value) != value):
+                raise InvalidSetting(f"`{name}` must be an aware datetime on the hour", param=name)
+        if start is not None and end is not None and end < start:
+            raise InvalidSetting("`end` is before `start`", param="end")
+        with self._transaction() as session:
+            keys = {key: _group_column(session, key) for key in group_by}
+            sums = [func.coalesce(func.sum(getattr(UsageHour, c)), 0).label(c) for c in COUNTERS]
+            query = select(*(col.label(key) for key, col in keys.items()), *sums)
+            if tenant is not None:
+                query = query.where(UsageHour.tenant == tenant)
+            if adapter is not None:
+                query = query.where(UsageHour.adapter == adapter)
+            if start is not None:
+                query = query.where(UsageHour.hour >= start)
+            if end is not None:
+                query = query.where(UsageHour.hour < end)
+            if keys:
+                query = query.group_by(*keys.values()).order_by(*keys.values())
+            results = session.execute(query).all()
+        rows = [_row_dict(result, group_by) for result in results]
+        rows = [row for row in rows if row["requests"] or row["failed_requests"]]
+        totals = {c: sum(row[c] for row in rows) for c in COUNTERS}
+        totals["total_tokens"] = totals["prompt_tokens"] + totals["completion_tokens"]
+        return UsageReport(start=start, end=end, group_by=group_by, rows=rows, totals=totals)
+
+
+def _merged_rows(deltas: Sequence[UsageDelta]) -> list[dict[str, Any]]:
+    """One parameter set per row key (an INSERT may not name one row twice), sorted by key."""
+    merged: dict[tuple, dict[str, Any]] = {}
+    for delta in deltas:
+        for name in COUNTERS:
+            value = getattr(delta, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidSetting(f"usage {name} must be a non-negative integer, got {value!r}", param=name)
+        hour = hour_of(delta.hour)
+        key = (delta.tenant, delta.adapter or BASE_MODEL_ADAPTER, hour)
+        row = merged.setdefault(key, {"tenant": key[0], "adapter": key[1], "hour": hour,
+                                      **{c: 0 for c in COUNTERS}})
+        for name in COUNTERS:
+            row[name] += getattr(delta, name)
+    return [merged[key] for key in sorted(merged)]
+
+
+def _upsert(session: Session):
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    elif dialect == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert
+    else:  # pragma: no cover - loraplex runs on these two
+        raise NotImplementedError(f"usage accounting needs SQLite or PostgreSQL, not {dialect}")
+    table = UsageHour.__table__
+    stmt = insert(table)
+    return stmt.on_conflict_do_update(
+        index_elements=[table.c.tenant, table.c.adapter, table.c.hour],
+        set_={c: table.c[c] + stmt.excluded[c] for c in COUNTERS},
+    )
+
+
+def _group_column(session: Session, key: str) -> ColumnElement:
+    if key != "day":
+        return getattr(UsageHour, key)
+    if session.get_bind().dialect.name == "postgresql":
+        return func.to_char(func.timezone("UTC", UsageHour.hour), "YYYY-MM-DD")
+    # SQLite keeps the UTC time as text, 'YYYY-MM-DD HH:MM:SS.ffffff'
+    return func.substr(UsageHour.hour, 1, 10)
+
+
+def _row_dict(result, group_by: tuple[str, ...]) -> dict[str, Any]:
+    mapping = result._mapping
+    row: dict[str, Any] = {}
+    for key in group_by:
+        value = mapping[key]
+        if key == "adapter":
+            value = value or None  # BASE_MODEL_ADAPTER
+        elif key == "hour":
+            value = _iso(as_utc(value))
+        elif key == "day":
+            value = str(value)
+        row[key] = value
+    for name in COUNTERS:
+        row[name] = int(mapping[name])
+    row["total_tokens"] = row["prompt_tokens"] + row["completion_tokens"]
+    return row
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+__all__ = ["COUNTERS", "GROUP_KEYS", "UsageDelta", "UsageMixin", "UsageReport", "hour_of", "parse_group_by",
+           "parse_hour"]
