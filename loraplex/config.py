@@ -152,6 +152,9 @@ class Settings(BaseSettings):
     # first min(60 s, interval) after start, then every interval; 0 disables
     blob_gc_interval_seconds: float = 3600.0
     blob_gc_min_age_seconds: float = 3600.0  # younger blobs stay: an upload stores its blob before its row
+    # usage accounting (loraplex/server/usage_recorder.py): finished requests are summed in memory
+    # and written to the registry's usage table every this many seconds, and at shutdown; 0: off
+    usage_flush_seconds: float = Field(default=5.0, ge=0)
 
     # server
     host: str = "127.0.0.1"

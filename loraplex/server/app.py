@@ -3,7 +3,9 @@
 Parts not passed in are built at startup from ``settings`` (``components.build_components``),
 off the event loop, so ``/health`` answers while the model loads and ``/ready`` turns 200 when
 it is done. Once started, a background thread collects unreferenced blobs every
-``blob_gc_interval_seconds`` (``blob_gc.BlobGarbageCollector``; stopped at shutdown).
+``blob_gc_interval_seconds`` (``blob_gc.BlobGarbageCollector``; stopped at shutdown), and
+another writes finished requests' usage to the registry every ``usage_flush_seconds``
+(``usage_recorder.UsageRecorder``; flushed last at shutdown).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from loraplex.server.reasoning_parsers import get_reasoning_parser
 from loraplex.server.tenant_limits import TenantLimitsCache
 from loraplex.server.tool_parsers import get_tool_parser
 from loraplex.server.uploads import sweep_stale_staging
+from loraplex.server.usage_recorder import UsageRecorder
 
 log = logging.getLogger("loraplex.server")
 DEFAULT_ADMIN_DIR = Path(__file__).resolve().parents[2] / "admin"
@@ -160,6 +163,9 @@ def create_app(
                 collect, settings.blob_gc_interval_seconds, settings.blob_gc_min_age_seconds
             ).start()
         app.state.blob_gc = blob_gc
+        record_usage = getattr(ctx.registry, "record_usage", None)
+        if record_usage is not None and settings.usage_flush_seconds > 0:
+            ctx.usage = UsageRecorder(record_usage, settings.usage_flush_seconds).start()
         if on_started is not None:
             on_started()
         lifecycle.started = True
@@ -174,6 +180,8 @@ def create_app(
             shutdown = getattr(ctx.engine, "shutdown", None)
             if shutdown is not None:
                 await run_in_threadpool(shutdown)
+            if ctx.usage is not None:  # last: every request has closed, so its usage is summed
+                await run_in_threadpool(ctx.usage.stop)
 
     routes = [
         Route("/health", health, methods=["GET"]),

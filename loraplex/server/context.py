@@ -37,6 +37,7 @@ class AppContext:
     tool_parser: Any = None  # tool_parsers.ToolCallParser, from --tool-call-parser
     reasoning_parser: Any = None  # reasoning_parsers.ReasoningParser, from --reasoning-parser
     chat_template: str | None = None  # --chat-template's text, put on the tokenizer once it is built
+    usage: Any = None  # usage_recorder.UsageRecorder once started; None: usage accounting off
     # content hash -> display name ("tenant/name@version"), for status and logs
     adapter_display: dict[str, str] = field(default_factory=dict)
     # where prompts are rendered and tokenized (``run_tokenizer``); threads start on first use

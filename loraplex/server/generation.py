@@ -1,5 +1,6 @@
 """From a validated request to engine deltas: model resolution, tokenization, admission, and
-the per-request bookkeeping (tenant slot, adapter in-use pin, metrics, the access log line).
+the per-request bookkeeping (tenant slot, adapter in-use pin, metrics, usage accounting, the
+access log line).
 
 A request resolves its ``model`` once, at admission, to an ``AdapterRef`` carrying the version's
 content hash; the engine runs every token of it with that hash. A hot-swap after admission only
@@ -304,13 +305,17 @@ class RequestRun:
             finish_reason=finish if status == 200 else None,
             tenant=self.tenant,
         )
+        adapter = self.target.label.split("/", 1)[1] if self.target.label else None
+        if self.ctx.usage is not None:  # what the answer's `usage` reports (all the run used, if it failed)
+            self.ctx.usage.record(self.tenant, adapter, prompt_tokens=self.prompt_tokens,
+                                  completion_tokens=self.completion_tokens, ok=status == 200)
         record = {
             "event": "request",
             "request_id": self.request_id,
             "tenant": self.tenant,
             "endpoint": self.req.endpoint,
             "stream": self.req.stream,
-            "adapter": self.target.label.split("/", 1)[1] if self.target.label else None,
+            "adapter": adapter,
             "version": self.target.version,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,

@@ -102,7 +102,6 @@ def test_threads_adding_to_the_same_rows_add_up_exactly(registry_service):
     assert _table(registry_service) == _expected_sums(writers)
 
 
-@pytest.mark.slow
 def test_processes_adding_to_the_same_rows_add_up_exactly(registry_url, registry_service):
     writers = {"a": 25, "b": 25, "parent": 25}
     children = [
