@@ -32,6 +32,7 @@ from loraplex.server import (
     tgi_info,
     tgi_routes,
     tokenizer_routes,
+    usage_routes,
 )
 from loraplex.server.auth import AdminAuth, TenantAuth
 from loraplex.server.blob_gc import BlobGarbageCollector
@@ -194,6 +195,7 @@ def create_app(
         *tgi_info.routes(),  # LoRAX's GET /info
         *tokenizer_routes.routes(),  # vLLM's /tokenize, /detokenize (LoRAX's /tokenize too)
         *admin_routes.routes(),
+        *usage_routes.routes(),  # per-tenant usage for billing
     ]
     if settings.allow_runtime_lora_updating:  # off, vLLM's runtime LoRA routes do not exist (404)
         routes += runtime_lora_routes.routes()
