@@ -15,6 +15,7 @@ SUBCOMMAND_MODULES = (
     "loraplex.server.cli",  # serve
     "loraplex.server.batch_cli",  # run-batch
     "loraplex.registry.cli",  # adapters, tenants
+    "loraplex.registry.usage_cli",  # usage
     "loraplex.engine.cli",  # generate (offline demo)
 )
 
