@@ -8,11 +8,12 @@ import { TenantsView } from "./js/tenants.js";
 import { AdaptersView } from "./js/adapters.js";
 import { UploadPanel } from "./js/upload.js";
 import { AuditView } from "./js/audit.js";
+import { UsageView } from "./js/usage.js";
 
 const TENANT_STORAGE = "loraplex.tenant";
-const VIEWS = ["overview", "tenants", "adapters", "audit"];
+const VIEWS = ["overview", "tenants", "adapters", "usage", "audit"];
 
-/** One page: sign-in screen, then the console with its four views. */
+/** One page: sign-in screen, then the console with its five views. */
 class AdminApp {
   constructor() {
     this.tenant = sessionStorage.getItem(TENANT_STORAGE) || "";
@@ -37,6 +38,7 @@ class AdminApp {
       onChanged: () => this.audit.load(),
     });
     this.audit = new AuditView($("#view-audit"), { getTenant });
+    this.usage = new UsageView($("#view-usage"), { getTenant });
 
     setUnauthorizedHandler(() => this.signOut("The admin key was refused; sign in again."));
     $("#signin-form").addEventListener("submit", (ev) => {
@@ -112,6 +114,7 @@ class AdminApp {
     if (pushHash && location.hash !== `#/${view}`) history.replaceState(null, "", `#/${view}`);
     if (view === "audit" && getAdminKey()) this.audit.load();
     if (view === "adapters" && getAdminKey()) this.adapters.load();
+    if (view === "usage" && getAdminKey()) this.usage.load();
   }
 
   fillTenantSelect(names) {
@@ -131,7 +134,7 @@ class AdminApp {
     sessionStorage.setItem(TENANT_STORAGE, name);
     $("#tenant-select").value = name;
     this.tenants.renderTenants();
-    await Promise.all([this.tenants.loadKeys(), this.adapters.load(), this.audit.load()]);
+    await Promise.all([this.tenants.loadKeys(), this.adapters.load(), this.audit.load(), this.usage.load()]);
   }
 }
 
