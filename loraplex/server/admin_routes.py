@@ -325,6 +325,7 @@ async def status(request: Request) -> Response:
         "waiting_lora_adapters": waiting,
         "engine": _jsonable(stats),
         "adapter_names": dict(ctx.adapter_display),
+        "usage_accounting": None if ctx.usage is None else ctx.usage.stats(),  # None: off
     }
     return JSONResponse(body)
 

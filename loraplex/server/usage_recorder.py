@@ -87,6 +87,14 @@ class UsageRecorder:
         with self._lock:
             return len(self._pending)
 
+    def stats(self) -> dict:
+        """For ``GET /admin/v1/status``: a growing ``failed_flushes`` or any ``dropped_requests``
+        says the database is not taking the usage."""
+        with self._lock:
+            pending, dropped = len(self._pending), self.dropped_requests
+        return {"flush_seconds": self.flush_seconds, "pending_rows": pending, "flushes": self.flushes,
+                "failed_flushes": self.failed_flushes, "dropped_requests": dropped}
+
     def flush(self) -> bool:
         """Write what has been summed; True when it was written (or there was nothing). On
         failure the sums go back for the next flush and the error is logged, never raised."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta, timezone
 
 import httpx
 import pytest
@@ -201,6 +201,8 @@ def test_the_thread_flushes_on_its_interval_and_stop_flushes_the_rest(server_fac
     while time.monotonic() < deadline and not periodic.registry.usage_report().rows:  # the database, not the API
         time.sleep(0.05)
     assert periodic.registry.usage_report().totals["prompt_tokens"] == prompt
+    stats = _get(periodic, "/admin/v1/status").json()["usage_accounting"]
+    assert stats["flush_seconds"] == 0.2 and stats["flushes"] >= 1 and stats["failed_flushes"] == 0
 
     at_stop = server_factory(usage_flush_seconds=NEVER)
     key = at_stop.make_tenant("acme")
@@ -220,5 +222,6 @@ def test_zero_interval_turns_accounting_off(server_factory):
         _call(client, "completions", "fake-model", "acme")
     assert srv.app.state.ctx.usage is None
     assert _get(srv, "/admin/v1/usage").json()["totals"]["requests"] == 0
+    assert _get(srv, "/admin/v1/status").json()["usage_accounting"] is None
     srv.stop()
     assert srv.registry.usage_report().rows == []

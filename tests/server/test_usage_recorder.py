@@ -120,6 +120,8 @@ def test_pending_rows_are_bounded_through_an_outage():
     assert rec.pending_rows == 2 and rec.dropped_requests == 2
     assert rec.flush() is True
     assert writes.batches == [{("a", "x", H0): (1, 1, 1, 1, 1, 1), ("b", "x", H0): (1, 1, 1, 0, 0, 0)}]
+    assert rec.stats() == {"flush_seconds": 3600.0, "pending_rows": 0, "flushes": 1, "failed_flushes": 1,
+                           "dropped_requests": 2}
 
 
 def test_interval_must_be_positive():
