@@ -122,7 +122,7 @@ def load_adapter_files(path: str | Path, weights_path: str | Path | None = None)
     if weights_path is None:
         if not path.is_dir():
             raise InvalidAdapterError(f"adapter path {str(path)!r} is not a directory")
-        _reject_pickles(path)
+        reject_pickles(path)
         config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
     else:
         config_file, weights_file = path, Path(weights_path)
@@ -138,7 +138,7 @@ def load_adapter_files(path: str | Path, weights_path: str | Path | None = None)
     return parse_adapter_bytes(config_file.read_bytes(), weights_file.read_bytes())
 
 
-def _reject_pickles(directory: Path) -> None:
+def reject_pickles(directory: Path) -> None:
     for f in sorted(directory.rglob("*")):
         if f.suffix.lower() in PICKLE_SUFFIXES:
             raise InvalidAdapterError(

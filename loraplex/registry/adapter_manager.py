@@ -39,6 +39,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from loraplex.lora.peft_format import CONFIG_NAME, WEIGHTS_NAME, compute_content_hash, inspect_adapter_dir
+from loraplex.lora.snapshot import adapter_snapshot
 from loraplex.lora.spec import AdapterRef, LoRATargetSpec
 from loraplex.registry.errors import BlobMissing, NotFound
 from loraplex.registry.info import VersionInfo
@@ -108,6 +109,11 @@ class AdapterManager:
         validate_adapter_name(name)
         if self.registry.get_tenant(tenant) is None:
             raise NotFound(f"tenant {tenant!r} not found")
+        # one read of the files: the bytes checked and hashed are the bytes stored
+        with adapter_snapshot(adapter_dir) as snapshot:
+            return self._upload_checked(tenant, name, snapshot, uploader)
+
+    def _upload_checked(self, tenant: str, name: str, adapter_dir: Path, uploader: str) -> tuple[VersionInfo, bool]:
         info = inspect_adapter_dir(adapter_dir, self.spec, self.max_lora_rank)
         key = content_key(info.content_hash)
         created_blob = False

@@ -1,0 +1,45 @@
+"""A private copy of a PEFT directory's two files, taken before anything reads them.
+
+An upload checks the files, hashes them, and then packs them into the blob: three reads. A
+directory that changes between them (an operator re-saving an adapter while ``loraplex serve
+--lora-modules`` starts, a runtime load of a directory another process writes) would store
+bytes other than the ones hashed: a version whose blob fails verification on every fetch, and a
+blob key taken by the wrong bytes. Reading the files once, into a directory only this process
+writes, makes the checked, hashed and stored bytes the same.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from loraplex.lora.errors import InvalidAdapterError
+from loraplex.lora.peft_format import CONFIG_NAME, WEIGHTS_NAME, reject_pickles
+
+SNAPSHOT_FILES = (CONFIG_NAME, WEIGHTS_NAME)
+
+
+@contextmanager
+def adapter_snapshot(path: str | Path) -> Iterator[Path]:
+    """A temporary directory holding a copy of ``path``'s adapter files, removed afterwards.
+    Raises ``InvalidAdapterError`` (the same refusals as ``load_adapter_files`` for a missing
+    directory, a missing file or a pickle; a file that cannot be read is named, by its file name
+    only)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise InvalidAdapterError(f"adapter path {str(path)!r} is not a directory")
+    reject_pickles(path)
+    with tempfile.TemporaryDirectory(prefix="loraplex-adapter-") as temp:
+        for name in SNAPSHOT_FILES:
+            source = path / name
+            if not source.exists():
+                raise InvalidAdapterError(f"{name} is missing")
+            try:
+                shutil.copyfile(source, Path(temp) / name)
+            except OSError as exc:  # unreadable, a directory, vanished meanwhile
+                reason = exc.strerror or type(exc).__name__
+                raise InvalidAdapterError(f"{name} cannot be read: {reason}") from None
+        yield Path(temp)

@@ -1,0 +1,54 @@
+"""An upload stores the bytes it checked and hashed, even when the directory changes meanwhile
+(an operator re-saving an adapter, a runtime load of a directory another process writes)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from loraplex.lora.errors import InvalidAdapterError
+from loraplex.lora.peft_format import WEIGHTS_NAME, compute_content_hash
+from loraplex.lora.snapshot import SNAPSHOT_FILES
+from loraplex.registry import adapter_manager as manager_module
+from loraplex.storage.base import open_blob_store
+from tests.registry.adapter_manager_helpers import files_digest, make_manager
+
+
+@pytest.fixture
+def manager(registry, adapters, tmp_path):
+    spec, _ = adapters
+    return make_manager(registry, open_blob_store(str(tmp_path / "blobs")), tmp_path / "cache", spec)
+
+
+def test_weights_rewritten_after_the_check_do_not_reach_the_blob(manager, adapters, tmp_path, monkeypatch):
+    _, dirs = adapters
+    work = tmp_path / "work"
+    shutil.copytree(dirs["a"], work)
+    real_inspect = manager_module.inspect_adapter_dir
+
+    def inspect_then_rewrite(path, spec, max_rank):
+        info = real_inspect(path, spec, max_rank)
+        shutil.copyfile(dirs["b"] / WEIGHTS_NAME, work / WEIGHTS_NAME)  # another save lands now
+        return info
+
+    monkeypatch.setattr(manager_module, "inspect_adapter_dir", inspect_then_rewrite)
+    version, _ = manager.upload("acme", "support", work)
+    # the version names adapter a's content; what it serves must be exactly that content
+    assert version.sha256 == compute_content_hash(dirs["a"])
+    ref = manager.resolve("acme", "support")
+    assert compute_content_hash(ref.path) == version.sha256
+    original = files_digest(dirs["a"])
+    assert files_digest(ref.path) == {name: original[name] for name in SNAPSHOT_FILES}
+
+
+def test_an_unreadable_file_is_an_invalid_adapter_naming_it(manager, adapters, tmp_path):
+    _, dirs = adapters
+    work = tmp_path / "work"
+    shutil.copytree(dirs["a"], work)
+    (work / WEIGHTS_NAME).unlink()
+    (work / WEIGHTS_NAME).mkdir()  # not a regular file: reading it fails
+    with pytest.raises(InvalidAdapterError, match=WEIGHTS_NAME) as info:
+        manager.upload("acme", "support", work)
+    assert str(work) not in info.value.message  # the server's directory layout stays unsaid
+    assert manager.registry.get_adapter("acme", "support") is None
