@@ -18,12 +18,15 @@ every loraplex key does) and name an adapter in ``model``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraplex.config import Settings
 from loraplex.lora.errors import InvalidAdapterError
 from loraplex.lora.peft_format import inspect_adapter_dir
+from loraplex.lora.snapshot import adapter_snapshot
 from loraplex.registry.errors import RegistryError
 from loraplex.server.vllm_flags import LoRAModule, StartupFlags
 from loraplex.storage.base import BlobStoreError
@@ -78,31 +81,53 @@ def apply_startup_flags(flags: StartupFlags, settings: Settings, registry, make_
     there are modules. Raises ``StartupError``."""
     tenant = settings.vllm_tenant
     outcome = StartupOutcome(tenant)
-    try:
-        manager = None
-        if flags.lora_modules:
-            manager = (make_adapter_manager or (lambda: _default_manager(settings, registry)))()
-            for module in flags.lora_modules:  # all of them before anything is written
-                check_module(module, manager)
-        if flags.given:
-            outcome.tenant_created = registry.ensure_tenant(tenant, actor="system")
-        sync = registry.sync_flag_keys(tenant, list(flags.api_keys))
-        outcome.keys_added, outcome.keys_kept, outcome.keys_revoked = sync.added, sync.kept, sync.revoked
-        for module in flags.lora_modules:
-            version, created, activated = manager.upload_active(
-                tenant, module.name, Path(module.path).expanduser(), uploader=MODULES_ACTOR)
-            outcome.modules.append(ModuleOutcome(module.name, version.version, version.sha256, created, activated))
-    except (RegistryError, BlobStoreError) as exc:
-        raise StartupError(f"vLLM flags (tenant {tenant!r}): {exc}") from exc
+    # Each module's files are copied once, before the checks: the checks and the uploads read
+    # the copies, so a directory changed or removed meanwhile cannot fail an upload after
+    # earlier modules were registered, nor register bytes other than the checked ones.
+    with ExitStack() as copies:
+        try:
+            manager = None
+            checked: list[tuple[LoRAModule, Path]] = []
+            if flags.lora_modules:
+                manager = (make_adapter_manager or (lambda: _default_manager(settings, registry)))()
+                for module in flags.lora_modules:  # all of them before anything is written
+                    copy = copies.enter_context(_module_snapshot(module))
+                    check_module(LoRAModule(module.name, str(copy)), manager, shown_path=module.path)
+                    checked.append((module, copy))
+            if flags.given:
+                outcome.tenant_created = registry.ensure_tenant(tenant, actor="system")
+            sync = registry.sync_flag_keys(tenant, list(flags.api_keys))
+            outcome.keys_added, outcome.keys_kept, outcome.keys_revoked = sync.added, sync.kept, sync.revoked
+            for module, copy in checked:
+                version, created, activated = manager.upload_active(tenant, module.name, copy, uploader=MODULES_ACTOR)
+                outcome.modules.append(ModuleOutcome(module.name, version.version, version.sha256, created, activated))
+        except (RegistryError, BlobStoreError, InvalidAdapterError) as exc:
+            raise StartupError(f"vLLM flags (tenant {tenant!r}): {exc}") from exc
     return outcome
 
 
-def check_module(module: LoRAModule, manager) -> None:
-    """The upload's checks on one module's directory; ``StartupError`` naming it and the reason."""
+@contextmanager
+def _module_snapshot(module: LoRAModule) -> Iterator[Path]:
+    """``adapter_snapshot`` of a module's directory; ``StartupError`` naming the module."""
+    try:
+        snapshot = adapter_snapshot(Path(module.path).expanduser())
+        copy = snapshot.__enter__()
+    except InvalidAdapterError as exc:
+        raise StartupError(f"--lora-modules {module.name}={module.path}: {exc.message}") from None
+    try:
+        yield copy
+    finally:
+        snapshot.__exit__(None, None, None)
+
+
+def check_module(module: LoRAModule, manager, shown_path: str | None = None) -> None:
+    """The upload's checks on one module's directory; ``StartupError`` naming it (with
+    ``shown_path``, the path given on the command line, when ``module.path`` is a copy) and the
+    reason."""
     try:
         inspect_adapter_dir(Path(module.path).expanduser(), manager.spec, manager.max_lora_rank)
     except InvalidAdapterError as exc:
-        raise StartupError(f"--lora-modules {module.name}={module.path}: {exc.message}") from None
+        raise StartupError(f"--lora-modules {module.name}={shown_path or module.path}: {exc.message}") from None
 
 
 def _default_manager(settings: Settings, registry):
