@@ -23,11 +23,12 @@ SNAPSHOT_FILES = (CONFIG_NAME, WEIGHTS_NAME)
 
 
 @contextmanager
-def adapter_snapshot(path: str | Path) -> Iterator[Path]:
+def adapter_snapshot(path: str | Path, max_file_bytes: int | None = None) -> Iterator[Path]:
     """A temporary directory holding a copy of ``path``'s adapter files, removed afterwards.
     Raises ``InvalidAdapterError`` (the same refusals as ``load_adapter_files`` for a missing
     directory, a missing file or a pickle; a file that cannot be read is named, by its file name
-    only)."""
+    only; so is a file over ``max_file_bytes``, the largest member a stored blob may be fetched
+    with, ``AdapterManager.max_member_bytes``)."""
     path = Path(path)
     if not path.is_dir():
         raise InvalidAdapterError(f"adapter path {str(path)!r} is not a directory")
@@ -37,9 +38,21 @@ def adapter_snapshot(path: str | Path) -> Iterator[Path]:
             source = path / name
             if not source.exists():
                 raise InvalidAdapterError(f"{name} is missing")
+            copy = Path(temp) / name
             try:
-                shutil.copyfile(source, Path(temp) / name)
+                _check_size(name, source.stat().st_size, max_file_bytes)  # before copying it
+                shutil.copyfile(source, copy)
             except OSError as exc:  # unreadable, a directory, vanished meanwhile
                 reason = exc.strerror or type(exc).__name__
                 raise InvalidAdapterError(f"{name} cannot be read: {reason}") from None
+            _check_size(name, copy.stat().st_size, max_file_bytes)  # it may have grown meanwhile
         yield Path(temp)
+
+
+def _check_size(name: str, size: int, max_file_bytes: int | None) -> None:
+    # a blob member above the fetch's cap would be stored, then refused on every fetch
+    if max_file_bytes is not None and size > max_file_bytes:
+        raise InvalidAdapterError(
+            f"{name} has {size} bytes, above this server's limit of {max_file_bytes} bytes per adapter file "
+            "(max_upload_member_bytes)"
+        )

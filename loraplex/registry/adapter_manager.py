@@ -110,7 +110,7 @@ class AdapterManager:
         if self.registry.get_tenant(tenant) is None:
             raise NotFound(f"tenant {tenant!r} not found")
         # one read of the files: the bytes checked and hashed are the bytes stored
-        with adapter_snapshot(adapter_dir) as snapshot:
+        with adapter_snapshot(adapter_dir, self.max_member_bytes) as snapshot:
             return self._upload_checked(tenant, name, snapshot, uploader)
 
     def _upload_checked(self, tenant: str, name: str, adapter_dir: Path, uploader: str) -> tuple[VersionInfo, bool]:

@@ -52,3 +52,18 @@ def test_an_unreadable_file_is_an_invalid_adapter_naming_it(manager, adapters, t
         manager.upload("acme", "support", work)
     assert str(work) not in info.value.message  # the server's directory layout stays unsaid
     assert manager.registry.get_adapter("acme", "support") is None
+
+
+def test_a_file_over_the_fetch_limit_is_refused_at_upload(registry, adapters, tmp_path):
+    """A blob member above ``max_member_bytes`` is refused by every fetch (``unpack_files``), so
+    an upload that stored one would register a version no request can use."""
+    spec, dirs = adapters
+    weights = (dirs["a"] / WEIGHTS_NAME).stat().st_size
+    manager = make_manager(registry, open_blob_store(str(tmp_path / "blobs")), tmp_path / "cache", spec)
+    manager.max_member_bytes = weights - 1
+    with pytest.raises(InvalidAdapterError, match=f"{WEIGHTS_NAME} has {weights} bytes, above .* {weights - 1} "):
+        manager.upload("acme", "support", dirs["a"])
+    assert manager.registry.get_adapter("acme", "support") is None
+    manager.max_member_bytes = weights  # at the limit: stored, and fetched back
+    version, _ = manager.upload("acme", "support", dirs["a"])
+    assert compute_content_hash(manager.resolve("acme", "support").path) == version.sha256
