@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import logging
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -83,6 +84,9 @@ class BatchOutput:
         else:
             fd, temp = tempfile.mkstemp(prefix=f".{self.target.name}.", suffix=".partial", dir=self.target.parent)
             self.stream, self._temp = os.fdopen(fd, "w", encoding="utf-8"), temp
+            # mkstemp's file is 0600; the results get the mode open(path, "w") would leave
+            # (vLLM's): an existing target's, else 0666 less the umask
+            os.chmod(fd, _target_mode(self.target))
 
     def write(self, line: str) -> None:
         self.stream.write(line)
@@ -99,6 +103,15 @@ class BatchOutput:
             self.stream.close()
             os.unlink(self._temp)
             self._temp = None
+
+
+def _target_mode(target: Path) -> int:
+    try:
+        return stat.S_IMODE(target.stat().st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)  # read by setting it; restored at once (the CLI runs no threads yet)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def run_batch_command(args: argparse.Namespace) -> int:
