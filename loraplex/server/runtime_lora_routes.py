@@ -9,7 +9,8 @@ A tenant key acts on its own tenant. Load registers the directory as an upload d
 content hash and blob; identical weights add no version) and makes it the name's active version.
 The directory is on the server's disk, which tenants must not browse: only paths under a
 ``--lora-path-root`` are read, after symlinks are resolved, and any other path gets one 403 that
-does not say whether it exists. Unload deletes the tenant's adapter as the admin delete does:
+does not say whether it exists. The files are read through descriptors checked against the same
+roots, so a link swapped in after the path check is refused too. Unload deletes the tenant's adapter as the admin delete does:
 new requests stop resolving it at once, running ones finish on their copy.
 
 Answers follow vLLM: 200 with a short text on success; ``{"error": {"message", "type", "param",
@@ -21,6 +22,7 @@ Everything else is loraplex's error envelope (a refused adapter: 400 naming the 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from starlette.concurrency import run_in_threadpool
@@ -28,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from loraplex.lora.snapshot import OutsideAllowedPaths, adapter_snapshot
 from loraplex.registry.adapter_manager import ADAPTER_FILES
 from loraplex.registry.errors import InvalidName, NotFound
 from loraplex.server.admin_routes import drop_unused_from_engine
@@ -49,6 +52,11 @@ def vllm_error(status: int, message: str) -> APIError:
     return APIError(status, message, type=kind, code=status)
 
 
+def path_refused() -> APIError:
+    """One answer for every path outside the roots, existing or not."""
+    return APIError(403, PATH_REFUSED, param="lora_path", code="lora_path_not_allowed")
+
+
 def allowed_path(lora_path: str, roots: list[Path]) -> Path | None:
     """``lora_path`` with symlinks resolved when it, and the adapter files in it, lie inside one
     of ``roots``; else None. Decided on the path's text and links alone: existence is checked
@@ -56,11 +64,7 @@ def allowed_path(lora_path: str, roots: list[Path]) -> Path | None:
     if not os.path.isabs(lora_path):
         return None
     try:
-        real_roots = [os.path.realpath(root) for root in roots]
-
-        def inside(path: str | Path) -> bool:
-            return any(Path(os.path.realpath(path)).is_relative_to(root) for root in real_roots)
-
+        inside = roots_check(roots)
         real = Path(os.path.realpath(lora_path))
         # a file linked out of the roots would be read too (its parse errors could echo it)
         if not inside(real) or not all(inside(real / name) for name in ADAPTER_FILES):
@@ -68,6 +72,24 @@ def allowed_path(lora_path: str, roots: list[Path]) -> Path | None:
         return real
     except (OSError, ValueError):  # an embedded NUL byte, a loop of links
         return None
+
+
+def roots_check(roots: list[Path]) -> Callable[[str | Path], bool]:
+    """Whether a path, links resolved, lies inside one of ``roots``."""
+    real_roots = [os.path.realpath(root) for root in roots]
+
+    def inside(path: str | Path) -> bool:
+        return any(Path(os.path.realpath(path)).is_relative_to(root) for root in real_roots)
+
+    return inside
+
+
+def _upload_confined(ctx: AppContext, tenant: str, name: str, real: Path) -> None:
+    """Upload from a copy of the files read where the path check allowed: a link swapped in
+    after ``allowed_path`` (by anyone who can write under a root) is refused, not followed."""
+    adapters = ctx.adapters
+    with adapter_snapshot(real, adapters.max_member_bytes, roots_check(ctx.settings.lora_path_roots)) as copy:
+        adapters.upload_active(tenant, name, copy, LOAD_ACTOR)
 
 
 async def _tenant_and_body(request: Request) -> tuple[AppContext, str, dict]:
@@ -88,14 +110,17 @@ async def load_lora_adapter(request: Request) -> Response:
         raise bad_request("`load_inplace` must be a boolean", param="load_inplace")
     real = allowed_path(path, ctx.settings.lora_path_roots)
     if real is None:
-        raise APIError(403, PATH_REFUSED, param="lora_path", code="lora_path_not_allowed")
+        raise path_refused()
     try:
         existing = await run_in_threadpool(ctx.registry.get_adapter, tenant, name)
     except InvalidName as exc:
         raise bad_request(str(exc), param="lora_name") from None
     if existing is not None and not inplace:
         raise vllm_error(400, f"The lora adapter '{name}' has already been loaded.")
-    await run_in_threadpool(ctx.adapters.upload_active, tenant, name, real, LOAD_ACTOR)
+    try:
+        await run_in_threadpool(_upload_confined, ctx, tenant, name, real)
+    except OutsideAllowedPaths:
+        raise path_refused() from None
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 

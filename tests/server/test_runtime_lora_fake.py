@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from loraplex.lora.peft_format import compute_content_hash
+from loraplex.server import runtime_lora_routes
 from loraplex.storage.base import content_key, open_blob_store
 from tests.fixtures.peft_adapters import make_peft_adapter, tiny_llama
 from tests.registry.adapter_manager_helpers import build_adapters, make_manager
@@ -189,3 +190,26 @@ def test_a_key_is_needed(srv):
     with httpx.Client(base_url=srv.url) as c:
         assert c.post(LOAD, json={"lora_name": "x", "lora_path": "/x"}).status_code == 401
         assert c.post(UNLOAD, json={"lora_name": "x"}).status_code == 401
+
+
+def test_a_file_swapped_for_a_link_out_after_the_path_check_is_refused(srv, adapters, tenant, monkeypatch):
+    """The path is checked, then read: a tenant who can write under the root must not get a file
+    from outside it read by swapping in a link between the two."""
+    name, client = tenant
+    _, root, dirs = adapters
+    work = root / f"swap-{name}"
+    shutil.copytree(dirs["b"], work)
+    weights = "adapter_model.safetensors"
+    real_check = runtime_lora_routes.allowed_path
+
+    def check_then_swap(path, roots):
+        allowed = real_check(path, roots)
+        (work / weights).unlink()
+        (work / weights).symlink_to(dirs["outside"] / weights)
+        return allowed
+
+    monkeypatch.setattr(runtime_lora_routes, "allowed_path", check_then_swap)
+    r = client.post(LOAD, json={"lora_name": "sql", "lora_path": str(work)})
+    refused = client.post(LOAD, json={"lora_name": "sql", "lora_path": str(dirs["outside"])})
+    assert r.status_code == refused.status_code == 403 and r.json() == refused.json()
+    assert srv.registry.list_adapters(name) == []
