@@ -21,6 +21,10 @@ GEMMA_VERSIONS = {"GemmaForCausalLM": 1, "Gemma2ForCausalLM": 2, "Gemma3ForCausa
 # transformers' names for gelu with the tanh approximation (ACT2FN), and the exact one
 GELU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu_fast": "tanh", "gelu": "none"}
 SLIDING, FULL = "sliding_attention", "full_attention"
+# What transformers' Gemma2Config / Gemma3TextConfig take for a key a config.json leaves out (an
+# explicit null there means none): the window, and (attention, final logit) soft-caps by version
+DEFAULT_SLIDING_WINDOW = 4096
+SOFTCAP_DEFAULTS: dict[int, tuple[float | None, float | None]] = {1: (None, None), 2: (50.0, 30.0), 3: (None, None)}
 
 
 @dataclass(frozen=True)
@@ -48,8 +52,8 @@ class GemmaSpec:
         return self.sliding_window
 
 
-def _positive(cfg: dict[str, Any], key: str, arch: str) -> float | None:
-    value = cfg.get(key)
+def _positive(cfg: dict[str, Any], key: str, arch: str, default: float | None = None) -> float | None:
+    value = cfg.get(key, default)  # a key left out takes ``default``; an explicit null means none
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -104,18 +108,19 @@ def gemma_spec_fields(cfg: dict[str, Any], arch: str, name: str) -> dict[str, An
         raise UnsupportedModelError(f"{arch}: bidirectional attention (an embedding model) is not supported")
     hidden = int(cfg["hidden_size"])
     window = None
-    if version >= 2 and cfg.get("sliding_window") is not None:
-        window = cfg["sliding_window"]
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    if version >= 2:
+        window = cfg.get("sliding_window", DEFAULT_SLIDING_WINDOW)  # left out: transformers' default
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise UnsupportedModelError(f"{arch}: sliding_window must be a positive integer or null, got {window!r}")
     rope, rope_local = _gemma3_ropes(cfg) if version == 3 else (parse_rope(cfg), None)
     gemma = GemmaSpec(
         version=version,
         gelu_approximate=GELU_APPROXIMATIONS[activation],
         sliding_window=window,
-        layer_types=_layer_types(cfg, version, int(cfg["num_hidden_layers"]), arch) if window else (),
-        attn_logit_softcap=_positive(cfg, "attn_logit_softcapping", arch) if version >= 2 else None,
-        final_logit_softcap=_positive(cfg, "final_logit_softcapping", arch) if version >= 2 else None,
+        # also without a window: Gemma 3 picks each layer's rope by its type
+        layer_types=_layer_types(cfg, version, int(cfg["num_hidden_layers"]), arch) if version >= 2 else (),
+        attn_logit_softcap=_positive(cfg, "attn_logit_softcapping", arch, SOFTCAP_DEFAULTS[version][0]),
+        final_logit_softcap=_positive(cfg, "final_logit_softcapping", arch, SOFTCAP_DEFAULTS[version][1]),
         rope_local=rope_local,
     )
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
