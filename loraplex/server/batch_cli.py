@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import stat
@@ -82,6 +83,8 @@ class BatchOutput:
         if self.target is None:
             self.stream, self._temp = sys.stdout, None
         else:
+            if self.target.is_dir():  # the rename at the end would fail, after every line ran
+                raise IsADirectoryError(errno.EISDIR, "is a directory", str(self.target))
             fd, temp = tempfile.mkstemp(prefix=f".{self.target.name}.", suffix=".partial", dir=self.target.parent)
             self.stream, self._temp = os.fdopen(fd, "w", encoding="utf-8"), temp
             # mkstemp's file is 0600; the results get the mode open(path, "w") would leave

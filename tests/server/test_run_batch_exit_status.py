@@ -57,3 +57,15 @@ def test_bad_lora_modules_and_unknown_tenant_are_status_2(batch, tiny_llama_dir,
     assert _run([*common, "--lora-modules", f"sql={tmp_path / 'no-adapter'}"], tmp_path / "h") == 2
     assert "--lora-modules" in capsys.readouterr().err
     assert _left_behind(out.parent) == []
+
+
+def test_an_output_path_that_is_a_directory_is_status_2_before_the_model_loads(batch, tmp_path, capsys):
+    """Renaming the results over a directory fails; found only after every line ran, the whole
+    run was lost and its hidden .partial file left behind."""
+    source, out = batch
+    folder = out.parent
+    (folder / "results").mkdir(parents=True)
+    assert _run(["-i", str(source), "-o", str(folder / "results"), "--model", str(tmp_path / "no-such-model")],
+                tmp_path / "h") == 2
+    assert "cannot write the output file" in capsys.readouterr().err
+    assert _left_behind(folder) == ["results"] and _left_behind(folder / "results") == []
