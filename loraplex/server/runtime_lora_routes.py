@@ -10,8 +10,9 @@ content hash and blob; identical weights add no version) and makes it the name's
 The directory is on the server's disk, which tenants must not browse: only paths under a
 ``--lora-path-root`` are read, after symlinks are resolved, and any other path gets one 403 that
 does not say whether it exists. The files are read through descriptors checked against the same
-roots, so a link swapped in after the path check is refused too. Unload deletes the tenant's adapter as the admin delete does:
-new requests stop resolving it at once, running ones finish on their copy.
+roots, so a link swapped in after the path check is refused too. Unload deletes the tenant's
+adapter as the admin delete does: new requests stop resolving it at once, running ones finish on
+their copy.
 
 Answers follow vLLM: 200 with a short text on success; ``{"error": {"message", "type", "param",
 "code"}}`` with vLLM's type names and messages for a missing field (400), a name already loaded
