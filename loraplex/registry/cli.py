@@ -1,7 +1,8 @@
 """``loraplex tenants ...`` and ``loraplex adapters ...``: manage the registry without a server.
 
-``loraplex tenants set NAME --max-concurrent-requests N|default --scheduling-weight W`` changes a
-tenant's serving limits; running servers apply them within ``registry_poll_seconds``.
+``loraplex tenants set NAME --max-concurrent-requests N|default --scheduling-weight W
+--max-requests-per-minute N|unlimited --max-tokens-per-minute N|unlimited`` changes a tenant's
+serving limits; running servers apply them within ``registry_poll_seconds``.
 
 They work on whatever ``Settings`` name (``LORAPLEX_HOME``, ``LORAPLEX_DATABASE_URL``,
 ``LORAPLEX_BLOB_URL``): by default the embedded SQLite database and blob directory under
@@ -38,7 +39,8 @@ def add_parser(subparsers) -> None:
     p = tsub.add_parser("create-key", help="create an API key for a tenant (the secret is printed once)")
     p.add_argument("name")
     p.set_defaults(func=_tenants_create_key)
-    p = tsub.add_parser("set", help="set a tenant's concurrency cap and scheduling weight (servers apply them live)")
+    p = tsub.add_parser("set", help="set a tenant's concurrency cap, scheduling weight and rate limits "
+                                    "(servers apply them live)")
     p.add_argument("name")
     # SUPPRESS: left out, the attribute is missing, so "default" (None) is told apart from not given
     p.add_argument("--max-concurrent-requests", type=_cap_or_default, metavar="N|default", default=argparse.SUPPRESS,
@@ -46,6 +48,12 @@ def add_parser(subparsers) -> None:
                         "--max-concurrent-requests-per-tenant")
     p.add_argument("--scheduling-weight", type=float, metavar="W",
                    help="the tenant's share under the fair scheduling policy (default 1; 2: twice a weight-1 tenant's)")
+    p.add_argument("--max-requests-per-minute", type=_limit_or_unlimited, metavar="N|unlimited",
+                   default=argparse.SUPPRESS, help="requests the tenant may start per minute on each replica")
+    p.add_argument("--max-tokens-per-minute", type=_limit_or_unlimited, metavar="N|unlimited",
+                   default=argparse.SUPPRESS,
+                   help="prompt tokens plus max_tokens x n the tenant may reserve per minute on each replica "
+                        "(the unused part of max_tokens comes back when a request ends)")
     p.set_defaults(func=_tenants_set)
 
     adapters = subparsers.add_parser("adapters", help="upload, list, activate and delete LoRA adapters")
@@ -83,6 +91,17 @@ def _cap_or_default(text: str) -> int | None:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or 'default', got {text!r}") from None
+
+
+def _limit_or_unlimited(text: str) -> int | None:
+    """``--max-requests-per-minute`` and ``--max-tokens-per-minute``: an integer, or
+    ``unlimited`` (stored as null)."""
+    if text == "unlimited":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'unlimited', got {text!r}") from None
 
 
 def _tenant_name(parser: argparse.ArgumentParser) -> None:
@@ -150,7 +169,9 @@ def _tenants_list(args, settings: Settings) -> int:
 
 def _settings_text(tenant) -> str:
     cap = "default" if tenant.max_concurrent_requests is None else tenant.max_concurrent_requests
-    return f"max_concurrent_requests={cap}\tscheduling_weight={tenant.scheduling_weight:g}"
+    rates = [(f, getattr(tenant, f)) for f in ("max_requests_per_minute", "max_tokens_per_minute")]
+    return (f"max_concurrent_requests={cap}\tscheduling_weight={tenant.scheduling_weight:g}\t"
+            + "\t".join(f"{f}={'unlimited' if v is None else v}" for f, v in rates))
 
 
 @_run
@@ -160,6 +181,9 @@ def _tenants_set(args, settings: Settings) -> int:
         changes["max_concurrent_requests"] = args.max_concurrent_requests
     if args.scheduling_weight is not None:
         changes["scheduling_weight"] = args.scheduling_weight
+    for field in ("max_requests_per_minute", "max_tokens_per_minute"):
+        if hasattr(args, field):  # SUPPRESSed when not given: "unlimited" is None, and is a change
+            changes[field] = getattr(args, field)
     tenant = _registry(settings).update_tenant_settings(args.name, changes, actor="cli")
     print(f"tenant {tenant.name}: {_settings_text(tenant)}".replace("\t", " "))
     return 0

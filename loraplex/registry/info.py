@@ -35,19 +35,24 @@ class _ToDict:
 
 @dataclass(frozen=True)
 class TenantInfo(_ToDict):
-    """A tenant and its serving limits (``max_concurrent_requests`` None: the server's default)."""
+    """A tenant and its serving limits (``max_concurrent_requests`` None: the server's default;
+    a rate limit None: unlimited)."""
 
     name: str
     created_at: datetime
     max_concurrent_requests: int | None = None
     scheduling_weight: float = 1.0
+    max_requests_per_minute: int | None = None
+    max_tokens_per_minute: int | None = None
 
     @classmethod
     def from_row(cls, row: Tenant) -> TenantInfo:
         weight = row.scheduling_weight
         return cls(name=row.name, created_at=as_utc(row.created_at),
                    max_concurrent_requests=row.max_concurrent_requests,
-                   scheduling_weight=1.0 if weight is None else float(weight))
+                   scheduling_weight=1.0 if weight is None else float(weight),
+                   max_requests_per_minute=row.max_requests_per_minute,
+                   max_tokens_per_minute=row.max_tokens_per_minute)
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,9 @@ class Tenant(Base):
     max_concurrent_requests: Mapped[int | None] = mapped_column(Integer, default=None)
     # share under the "fair" scheduling policy; a server default so rows from before the column get 1
     scheduling_weight: Mapped[float] = mapped_column(Float, default=1.0, server_default=text("1"))
+    # OpenAI-style rate limits, per replica; None: unlimited
+    max_requests_per_minute: Mapped[int | None] = mapped_column(Integer, default=None)
+    max_tokens_per_minute: Mapped[int | None] = mapped_column(Integer, default=None)
 
     api_keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
     adapters: Mapped[list[Adapter]] = relationship(back_populates="tenant")

@@ -2,7 +2,9 @@
 of the tenant in flight at once on one replica; None restores the server's
 ``max_concurrent_requests_per_tenant``) and ``scheduling_weight`` (the tenant's share of the
 engine under the fair scheduling policy; 1 by default, so weight 2 holds about twice the running
-sequences of a weight-1 tenant when both have queues).
+sequences of a weight-1 tenant when both have queues), and the OpenAI-style rate limits
+``max_requests_per_minute`` and ``max_tokens_per_minute`` (per replica; None: unlimited, the
+default), which the server enforces at admission (loraplex/server/rate_limits.py).
 
 Servers read them with the tenant (``RegistryService.get_tenant``) and cache them for
 ``registry_poll_seconds``, so a change made through any replica applies on every replica within
@@ -27,7 +29,11 @@ from loraplex.registry.info import TenantInfo
 MAX_CONCURRENT_REQUESTS_LIMIT = 100_000
 MIN_SCHEDULING_WEIGHT = 0.01
 MAX_SCHEDULING_WEIGHT = 100.0
-TENANT_SETTINGS = ("max_concurrent_requests", "scheduling_weight")
+# a per-minute limit above these is past what one replica serves (and the tokens one must fit
+# PostgreSQL's 32-bit INTEGER)
+MAX_REQUESTS_PER_MINUTE_LIMIT = 10_000_000
+MAX_TOKENS_PER_MINUTE_LIMIT = 1_000_000_000
+TENANT_SETTINGS = ("max_concurrent_requests", "scheduling_weight", "max_requests_per_minute", "max_tokens_per_minute")
 
 
 def check_max_concurrent_requests(value: Any) -> int | None:
@@ -53,7 +59,24 @@ def check_scheduling_weight(value: Any) -> float:
     return float(value)
 
 
-CHECKS = {"max_concurrent_requests": check_max_concurrent_requests, "scheduling_weight": check_scheduling_weight}
+def _rate_limit_check(field: str, most: int):
+    def check(value: Any) -> int | None:
+        """An integer in [1, most], or None (unlimited)."""
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            raise InvalidSetting(
+                f"{field} must be an integer from 1 to {most}, or null for unlimited; got {value!r}", param=field)
+        return value
+    return check
+
+
+CHECKS = {
+    "max_concurrent_requests": check_max_concurrent_requests,
+    "scheduling_weight": check_scheduling_weight,
+    "max_requests_per_minute": _rate_limit_check("max_requests_per_minute", MAX_REQUESTS_PER_MINUTE_LIMIT),
+    "max_tokens_per_minute": _rate_limit_check("max_tokens_per_minute", MAX_TOKENS_PER_MINUTE_LIMIT),
+}
 
 
 def check_tenant_settings(changes: Mapping[str, Any]) -> dict[str, Any]:
@@ -63,7 +86,7 @@ def check_tenant_settings(changes: Mapping[str, Any]) -> dict[str, Any]:
         raise InvalidSetting(
             f"unknown tenant setting {unknown[0]!r}; the settings are {', '.join(TENANT_SETTINGS)}", param=unknown[0])
     if not changes:
-        raise InvalidSetting(f"nothing to change: give {' and/or '.join(TENANT_SETTINGS)}")
+        raise InvalidSetting(f"nothing to change: give one or more of {', '.join(TENANT_SETTINGS)}")
     return {name: CHECKS[name](value) for name, value in changes.items()}
 
 
@@ -78,7 +101,8 @@ class TenantSettingsMixin:
 
     def update_tenant_settings(self, name: str, changes: Mapping[str, Any], actor: str = "admin") -> TenantInfo:
         """Set some of a tenant's settings (``{"scheduling_weight": 2}``; a None
-        ``max_concurrent_requests`` restores the server's default); audited as ``tenant.update``
+        ``max_concurrent_requests`` restores the server's default, a None rate limit makes it
+        unlimited); audited as ``tenant.update``
         with each given field's old and new value. Raises InvalidSetting (nothing changed) or
         NotFound."""
         values = check_tenant_settings(changes)

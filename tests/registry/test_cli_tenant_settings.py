@@ -31,6 +31,11 @@ def _held(name: str) -> tuple:
     return info.max_concurrent_requests, info.scheduling_weight
 
 
+def _rates_held(name: str) -> tuple:
+    info = RegistryService.from_url(Settings().resolved_database_url()).get_tenant(name)
+    return info.max_requests_per_minute, info.max_tokens_per_minute
+
+
 def test_set_list_and_restore_the_default(home, capsys):
     assert run(capsys, "tenants", "create", "batch")[0] == 0
     code, out, _ = run(capsys, "tenants", "list")
@@ -55,13 +60,15 @@ def test_set_list_and_restore_the_default(home, capsys):
     (["--scheduling-weight", "0"], "scheduling_weight"),
     (["--scheduling-weight", "nan"], "scheduling_weight"),
     (["--max-concurrent-requests", "0"], "max_concurrent_requests"),
+    (["--max-requests-per-minute", "0"], "max_requests_per_minute"),
+    (["--max-tokens-per-minute", "1000000001"], "max_tokens_per_minute"),
     ([], "nothing to change"),
 ])
 def test_bad_values_are_one_clear_line_and_change_nothing(home, capsys, argv, message):
     assert run(capsys, "tenants", "create", "batch")[0] == 0
     code, out, err = run(capsys, "tenants", "set", "batch", *argv)
     assert code == 1 and err.startswith("error: ") and message in err and err.count("\n") == 1
-    assert _held("batch") == (None, 1.0)
+    assert _held("batch") == (None, 1.0) and _rates_held("batch") == (None, None)
 
 
 def test_unknown_tenant_and_unparseable_cap(home, capsys):
@@ -70,3 +77,22 @@ def test_unknown_tenant_and_unparseable_cap(home, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["tenants", "set", "nobody", "--max-concurrent-requests", "lots"])
     assert exit_.value.code == 2 and "'default'" in capsys.readouterr().err
+
+
+def test_rate_limits_set_listed_and_made_unlimited(home, capsys):
+    assert run(capsys, "tenants", "create", "batch")[0] == 0
+    code, out, _ = run(capsys, "tenants", "list")
+    assert "max_requests_per_minute=unlimited" in out and "max_tokens_per_minute=unlimited" in out
+    code, out, _ = run(capsys, "tenants", "set", "batch", "--max-requests-per-minute", "30",
+                       "--max-tokens-per-minute", "9000")
+    assert code == 0 and "max_requests_per_minute=30" in out and "max_tokens_per_minute=9000" in out
+    assert _rates_held("batch") == (30, 9000) and _held("batch") == (None, 1.0)
+    code, out, _ = run(capsys, "tenants", "set", "batch", "--max-tokens-per-minute", "unlimited")
+    assert code == 0 and _rates_held("batch") == (30, None)
+    code, out, _ = run(capsys, "tenants", "list", "--json")
+    row = json.loads(out)[0]
+    assert (row["max_requests_per_minute"], row["max_tokens_per_minute"]) == (30, None)
+    with pytest.raises(SystemExit) as exit_:
+        main(["tenants", "set", "batch", "--max-requests-per-minute", "lots"])
+    assert exit_.value.code == 2 and "'unlimited'" in capsys.readouterr().err
+    assert _rates_held("batch") == (30, None)

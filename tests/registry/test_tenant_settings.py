@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import inspect, text
 
 from loraplex.registry import db
 from loraplex.registry.errors import InvalidName, InvalidSetting, NotFound
@@ -72,6 +72,16 @@ def test_settings_are_stored_listed_and_audited(registry_url, registry_service):
     ({"scheduling_weight": None}, "scheduling_weight"),
     ({"scheduling_weight": False}, "scheduling_weight"),
     ({"scheduling_weight": 2, "max_concurrent_requests": 0}, "max_concurrent_requests"),  # all or nothing
+    ({"max_requests_per_minute": 0}, "max_requests_per_minute"),
+    ({"max_requests_per_minute": 10_000_001}, "max_requests_per_minute"),
+    ({"max_requests_per_minute": 2.0}, "max_requests_per_minute"),
+    ({"max_requests_per_minute": "60"}, "max_requests_per_minute"),
+    ({"max_requests_per_minute": True}, "max_requests_per_minute"),
+    ({"max_tokens_per_minute": -1}, "max_tokens_per_minute"),
+    ({"max_tokens_per_minute": 1_000_000_001}, "max_tokens_per_minute"),
+    ({"max_tokens_per_minute": 1e3}, "max_tokens_per_minute"),
+    ({"max_tokens_per_minute": [100]}, "max_tokens_per_minute"),
+    ({"max_requests_per_minute": 5, "max_tokens_per_minute": 0}, "max_tokens_per_minute"),  # all or nothing
     ({"weight": 2}, "weight"),
     ({}, None),
 ])
@@ -89,7 +99,9 @@ def test_bad_settings_are_refused_and_change_nothing(registry_url, registry_serv
 def test_bounds_are_accepted(registry_service):
     registry_service.create_tenant("acme")
     for changes in ({"max_concurrent_requests": 1}, {"max_concurrent_requests": 100_000},
-                    {"scheduling_weight": 0.01}, {"scheduling_weight": 100}):
+                    {"scheduling_weight": 0.01}, {"scheduling_weight": 100},
+                    {"max_requests_per_minute": 1}, {"max_requests_per_minute": 10_000_000},
+                    {"max_tokens_per_minute": 1}, {"max_tokens_per_minute": 1_000_000_000}):
         info = registry_service.update_tenant_settings("acme", changes)
         (field, value), = changes.items()
         assert getattr(info, field) == value
@@ -130,3 +142,52 @@ def test_previous_schema_upgrades_with_defaults_and_downgrades_keeping_rows(data
     assert _rows(database_url, "SELECT prefix FROM api_key") == [("lpx_x",)]
     db.upgrade(database_url)
     assert _stored(database_url) == {"old": (None, 1.0)}
+
+
+def _rates(url: str) -> dict[str, tuple]:
+    rows = _rows(url, "SELECT name, max_requests_per_minute, max_tokens_per_minute FROM tenant")
+    return {name: (rpm, tpm) for name, rpm, tpm in rows}
+
+
+def test_rate_limits_default_to_unlimited_and_are_stored_listed_and_audited(registry_url, registry_service):
+    created = registry_service.create_tenant("acme")
+    assert (created.max_requests_per_minute, created.max_tokens_per_minute) == (None, None)
+    assert {"max_requests_per_minute": None, "max_tokens_per_minute": None}.items() <= created.to_dict().items()
+    info = registry_service.update_tenant_settings(
+        "acme", {"max_requests_per_minute": 60, "max_tokens_per_minute": 40_000}, actor="ops")
+    assert (info.max_requests_per_minute, info.max_tokens_per_minute) == (60, 40_000)
+    assert _rates(registry_url) == {"acme": (60, 40_000)}
+    assert _stored(registry_url) == {"acme": (None, 1.0)}  # the other settings untouched
+    registry_service.update_tenant_settings("acme", {"max_tokens_per_minute": None})  # unlimited again
+    assert _rates(registry_url) == {"acme": (60, None)}
+    listed = registry_service.list_tenants()[0]
+    assert (listed.max_requests_per_minute, listed.max_tokens_per_minute) == (60, None)
+
+    events = [e for e in registry_service.list_audit() if e.action == "tenant.update"]
+    assert [(e.actor, e.detail) for e in events] == [
+        ("admin", {"max_tokens_per_minute": {"from": 40_000, "to": None}}),
+        ("ops", {"max_requests_per_minute": {"from": None, "to": 60},
+                 "max_tokens_per_minute": {"from": None, "to": 40_000}}),
+    ]
+
+
+def test_the_rate_limit_migration_keeps_tenants_unlimited_and_downgrades_keeping_rows(database_url):
+    db.upgrade(database_url, "0004")
+    engine = db.make_engine(database_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO tenant (id, name, created_at, max_concurrent_requests, scheduling_weight) "
+                              "VALUES (1, 'old', CURRENT_TIMESTAMP, 3, 2)"))
+    finally:
+        engine.dispose()
+    db.upgrade(database_url)
+    assert _rates(database_url) == {"old": (None, None)}
+    assert _stored(database_url) == {"old": (3, 2.0)}
+    db.downgrade(database_url, "0004")
+    assert _stored(database_url) == {"old": (3, 2.0)}
+    engine = db.make_engine(database_url)
+    try:
+        columns = {c["name"] for c in inspect(engine).get_columns("tenant")}
+    finally:
+        engine.dispose()
+    assert not {"max_requests_per_minute", "max_tokens_per_minute"} & columns
