@@ -1,0 +1,162 @@
+"""Per-tenant rate limits as OpenAI enforces them: requests per minute (RPM) and tokens per
+minute (TPM), each a token bucket (token_bucket.py), checked at admission on this replica.
+
+A request costs one request and, in tokens, its prompt tokens (every prompt, after templating
+and truncation) plus ``max_tokens`` for each completion it may write (``n`` per prompt), which is
+what OpenAI reserves. When it ends, the part of ``max_tokens`` it did not use is given back, so
+the bucket holds what was really used. A request is admitted only if both costs fit; otherwise
+nothing is taken and the answer is 429 ``rate_limit_exceeded`` with ``Retry-After`` (whole
+seconds until it would fit by refill alone; a give-back may let it in sooner).
+
+A request larger than the whole per-minute token budget is a 400, not a 429: it can never fit,
+so a 429 would only send clients (OpenAI's SDKs retry 429s by themselves) into retries that must
+all fail. The answer names ``max_tokens`` (or the prompt, when the prompt alone is too large).
+
+Limits are per replica, like the concurrency cap: N replicas behind a balancer admit up to N
+times a tenant's limits in all. Answers of a tenant with limits carry OpenAI's
+``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` headers, 429s included.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from loraplex.server.errors import APIError
+from loraplex.server.token_bucket import TokenBucket, go_duration
+
+MAX_TRACKED_BUCKETS = 20_000  # past this, full buckets (equal to new ones) are dropped
+REQUESTS, TOKENS = "requests", "tokens"
+_SHORT = {REQUESTS: "RPM", TOKENS: "TPM"}
+
+
+@dataclass(frozen=True)
+class TokenCost:
+    """What a request reserves from the tokens-per-minute bucket."""
+
+    prompt_tokens: int  # all prompts, as the engine will see them
+    max_tokens: int  # per completion
+    completions: int  # n per prompt, times the prompts
+
+    @property
+    def total(self) -> int:
+        return self.prompt_tokens + self.max_tokens * self.completions
+
+
+@dataclass
+class Reservation:
+    """What an admitted request took; ``TenantRateLimiter.finish`` or ``cancel`` settles it."""
+
+    tenant: str
+    requests: int  # 1 if the tenant had a request limit, else 0
+    tokens: int  # reserved from the token bucket (0 without a token limit)
+    headers: dict[str, str] = field(default_factory=dict)  # OpenAI's x-ratelimit-* after the take
+    settled: bool = False
+
+
+class TenantRateLimiter:
+    """Each tenant's request and token buckets on this replica. ``clock`` (monotonic seconds)
+    is injectable so tests control time."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._buckets: dict[tuple[str, str], TokenBucket] = {}
+        self._lock = threading.Lock()
+
+    def reserve(self, tenant: str, rpm: int | None, tpm: int | None, cost: TokenCost,
+                prompt_param: str = "prompt") -> Reservation | None:
+        """Take one request and ``cost.total`` tokens, or raise (taking nothing): 400 when the
+        cost exceeds ``tpm`` itself, 429 when it does not fit yet. None: the tenant has no limits."""
+        if rpm is None and tpm is None:
+            return None
+        wanted = {REQUESTS: (rpm, 1), TOKENS: (tpm, cost.total)}
+        with self._lock:
+            now = self.clock()
+            if tpm is not None and cost.total > tpm:
+                raise _too_large(tenant, tpm, cost, prompt_param)
+            waits = {kind: self._bucket(tenant, kind, limit, now).wait(amount, now, limit)
+                     for kind, (limit, amount) in wanted.items() if limit is not None}
+            kind = max(waits, key=waits.get)
+            if waits[kind] > 0:
+                limit, amount = wanted[kind]
+                used = self._buckets[(tenant, kind)].used
+                raise _rate_limited(tenant, kind, limit, used, amount, waits[kind], self._headers(tenant, wanted, now))
+            for kind in waits:
+                limit, amount = wanted[kind]
+                self._buckets[(tenant, kind)].take(amount, now, limit)
+            headers = self._headers(tenant, wanted, now)
+        return Reservation(tenant, 1 if rpm is not None else 0, cost.total if tpm is not None else 0, headers)
+
+    def finish(self, reservation: Reservation | None, used_tokens: int) -> None:
+        """A request ended having used ``used_tokens`` (prompt plus completion): the rest of its
+        reservation goes back to the token bucket. Once per reservation."""
+        if reservation is None or reservation.settled:
+            return
+        reservation.settled = True
+        self._give_back(reservation.tenant, TOKENS, reservation.tokens - used_tokens)
+
+    def cancel(self, reservation: Reservation | None) -> None:
+        """A later admission step refused the request: all it took goes back."""
+        if reservation is None or reservation.settled:
+            return
+        reservation.settled = True
+        self._give_back(reservation.tenant, REQUESTS, reservation.requests)
+        self._give_back(reservation.tenant, TOKENS, reservation.tokens)
+
+    def used(self, tenant: str, kind: str) -> float:
+        """The part of a tenant's bucket not yet refilled (0 for one never used or full)."""
+        with self._lock:
+            bucket = self._buckets.get((tenant, kind))
+            return 0.0 if bucket is None else bucket.used_at(self.clock())
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _give_back(self, tenant: str, kind: str, amount: float) -> None:
+        if amount <= 0:
+            return
+        with self._lock:
+            bucket = self._buckets.get((tenant, kind))
+            if bucket is not None:  # a forgotten bucket was full: nothing to give back into
+                bucket.give_back(amount, self.clock())
+
+    def _bucket(self, tenant: str, kind: str, limit: int, now: float) -> TokenBucket:
+        bucket = self._buckets.get((tenant, kind))
+        if bucket is None:
+            if len(self._buckets) >= MAX_TRACKED_BUCKETS:
+                self._buckets = {k: b for k, b in self._buckets.items() if not b.is_full(now)}
+            bucket = self._buckets[(tenant, kind)] = TokenBucket(limit, now)
+        return bucket
+
+    def _headers(self, tenant: str, wanted: dict, now: float) -> dict[str, str]:
+        headers = {}
+        for kind, (limit, _) in wanted.items():
+            if limit is None:
+                continue
+            bucket = self._bucket(tenant, kind, limit, now)
+            headers[f"x-ratelimit-limit-{kind}"] = str(limit)
+            headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(bucket.remaining(now, limit) + 1e-9)))
+            headers[f"x-ratelimit-reset-{kind}"] = go_duration(bucket.reset_seconds(now, limit))
+        return headers
+
+
+def _rate_limited(tenant: str, kind: str, limit: int, used: float, requested: int, wait: float,
+                  headers: dict[str, str]) -> APIError:
+    # OpenAI's words, and its error type ("requests" or "tokens") telling which limit refused
+    message = (f"Rate limit reached for tenant {tenant} on {kind} per min ({_SHORT[kind]}): Limit {limit}, "
+               f"Used {math.ceil(used - 1e-9)}, Requested {requested}. Please try again in {go_duration(wait)}.")
+    retry_after = max(1, math.ceil(wait - 1e-9))
+    return APIError(429, message, type=kind, code="rate_limit_exceeded",
+                    headers={"Retry-After": str(retry_after), **headers})
+
+
+def _too_large(tenant: str, limit: int, cost: TokenCost, prompt_param: str) -> APIError:
+    prompt_fits = cost.prompt_tokens + cost.completions <= limit  # at least one token per completion
+    fix = ("reduce max_tokens" if prompt_fits else "the prompt alone is too large; shorten it") + \
+        " (a request without max_tokens reserves all the context leaves)"
+    message = (f"Request too large for tenant {tenant} on tokens per min (TPM): Limit {limit}, Requested "
+               f"{cost.total} ({cost.prompt_tokens} prompt tokens + max_tokens {cost.max_tokens} x "
+               f"{cost.completions} completions). It can never fit this limit: {fix}.")
+    return APIError(400, message, param="max_tokens" if prompt_fits else prompt_param, code="request_too_large")

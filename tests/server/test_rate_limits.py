@@ -1,0 +1,134 @@
+"""The per-tenant limiter on an injected clock: both limits must fit or nothing is taken, the
+429's Retry-After and OpenAI's x-ratelimit-* headers, the 400 for a request that can never fit,
+give-back on finish, full return on cancel, tenants apart."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.server.errors import APIError
+from loraplex.server.rate_limits import REQUESTS, TOKENS, TenantRateLimiter, TokenCost
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def limiter(clock):
+    return TenantRateLimiter(clock)
+
+
+def cost(prompt: int, max_tokens: int, completions: int = 1) -> TokenCost:
+    return TokenCost(prompt, max_tokens, completions)
+
+
+def _refused(limiter, *args, **kwargs) -> APIError:
+    with pytest.raises(APIError) as err:
+        limiter.reserve(*args, **kwargs)
+    return err.value
+
+
+def test_no_limits_no_reservation(limiter):
+    assert limiter.reserve("acme", None, None, cost(10**9, 10**9)) is None
+    assert limiter.used("acme", REQUESTS) == 0 and limiter.used("acme", TOKENS) == 0
+
+
+def test_the_headers_are_openais(limiter):
+    # OpenAI's answer at 5000 RPM and 160000 TPM after one request of 24 tokens:
+    # remaining 4999 and 159976, reset 12ms (60 s / 5000) and 9ms (24 x 60 s / 160000)
+    r = limiter.reserve("acme", 5000, 160_000, cost(20, 4))
+    assert r.headers == {
+        "x-ratelimit-limit-requests": "5000", "x-ratelimit-remaining-requests": "4999",
+        "x-ratelimit-reset-requests": "12ms",
+        "x-ratelimit-limit-tokens": "160000", "x-ratelimit-remaining-tokens": "159976",
+        "x-ratelimit-reset-tokens": "9ms",
+    }
+    only_rpm = limiter.reserve("globex", 2, None, cost(5, 5))
+    assert set(only_rpm.headers) == {"x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
+                                     "x-ratelimit-reset-requests"}
+    assert only_rpm.tokens == 0 and only_rpm.requests == 1
+
+
+def test_requests_per_minute_refuse_the_third_and_take_nothing(limiter, clock):
+    for expected_remaining in ("1", "0"):
+        r = limiter.reserve("acme", 2, None, cost(3, 5))
+        assert r.headers["x-ratelimit-remaining-requests"] == expected_remaining
+    clock.now += 10  # 1/3 of a request refilled: the next fits in 20 s
+    err = _refused(limiter, "acme", 2, None, cost(3, 5))
+    assert (err.status, err.code, err.type) == (429, "rate_limit_exceeded", "requests")
+    assert err.headers["Retry-After"] == "20"
+    assert err.headers["x-ratelimit-remaining-requests"] == "0"
+    assert err.headers["x-ratelimit-reset-requests"] == "50s"
+    assert "requests per min (RPM): Limit 2, Used 2, Requested 1" in err.message
+    assert limiter.used("acme", REQUESTS) == pytest.approx(2 - 1 / 3)  # the refusal took nothing
+    assert limiter.reserve("globex", 2, None, cost(3, 5)) is not None  # another tenant's own bucket
+    clock.now += 20
+    assert limiter.reserve("acme", 2, None, cost(3, 5)) is not None
+
+
+def test_both_must_fit_or_neither_is_taken(limiter, clock):
+    limiter.reserve("acme", 10, 100, cost(10, 80))  # 90 of 100 tokens
+    err = _refused(limiter, "acme", 10, 100, cost(5, 10))  # 15 tokens: 5 over
+    assert (err.status, err.type) == (429, "tokens")
+    assert err.headers["Retry-After"] == "3"  # 5 tokens at 100 per minute: 3 s
+    assert "tokens per min (TPM): Limit 100, Used 90, Requested 15" in err.message
+    assert limiter.used("acme", REQUESTS) == 1  # the request that fitted was not taken either
+    assert limiter.used("acme", TOKENS) == 90
+    clock.now += 3
+    assert limiter.reserve("acme", 10, 100, cost(5, 10)).headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+def test_the_longest_wait_is_the_one_reported(limiter):
+    limiter.reserve("acme", 1, 60, cost(30, 30))
+    err = _refused(limiter, "acme", 1, 60, cost(1, 1))  # requests: 60 s; tokens: 2 s
+    assert err.type == "requests" and err.headers["Retry-After"] == "60"
+
+
+def test_a_request_larger_than_the_minute_is_a_400_naming_what_to_cut(limiter):
+    err = _refused(limiter, "acme", 5, 100, cost(40, 31, 2))  # 40 + 62 = 102
+    assert (err.status, err.code, err.param) == (400, "request_too_large", "max_tokens")
+    assert "Limit 100, Requested 102" in err.message and "never fit" in err.message
+    err = _refused(limiter, "acme", 5, 100, cost(100, 1), prompt_param="messages")  # the prompt alone
+    assert err.param == "messages"
+    assert limiter.used("acme", REQUESTS) == 0 and limiter.used("acme", TOKENS) == 0
+    assert limiter.reserve("acme", 5, 100, cost(40, 30, 2)) is not None  # exactly the limit fits
+
+
+def test_finish_gives_back_the_unused_part_once(limiter):
+    r = limiter.reserve("acme", None, 100, cost(10, 40, 2))  # 90 reserved
+    assert limiter.used("acme", TOKENS) == 90
+    limiter.finish(r, used_tokens=10 + 7)  # 7 completion tokens in all
+    assert limiter.used("acme", TOKENS) == pytest.approx(17)
+    limiter.finish(r, used_tokens=0)  # settled: a second call changes nothing
+    assert limiter.used("acme", TOKENS) == pytest.approx(17)
+    limiter.finish(None, 5)  # a tenant without limits has no reservation
+
+
+def test_cancel_returns_the_request_and_all_tokens(limiter):
+    r = limiter.reserve("acme", 3, 100, cost(10, 40))
+    limiter.cancel(r)
+    assert limiter.used("acme", REQUESTS) == 0 and limiter.used("acme", TOKENS) == 0
+    limiter.cancel(r)
+    limiter.finish(r, 0)
+    assert limiter.used("acme", REQUESTS) == 0 and limiter.used("acme", TOKENS) == 0
+
+
+def test_limits_changed_between_requests(limiter, clock):
+    for _ in range(4):
+        limiter.reserve("acme", 10, None, cost(1, 1))
+    err = _refused(limiter, "acme", 2, None, cost(1, 1))  # lowered to 2 with 4 used: the next waits
+    assert err.headers["Retry-After"] == "30" and err.headers["x-ratelimit-remaining-requests"] == "0"
+    r = limiter.reserve("acme", 20, None, cost(1, 1))  # raised: at once (2 used + this one)
+    assert r.headers["x-ratelimit-remaining-requests"] == "17"
+    limiter.reserve("acme", None, None, cost(1, 1))  # unlimited: no bucket is touched
+    assert limiter.used("acme", REQUESTS) == pytest.approx(3)
