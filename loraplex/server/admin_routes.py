@@ -84,8 +84,9 @@ async def get_tenant(request: Request) -> Response:
 
 
 async def update_tenant(request: Request) -> Response:
-    """``max_concurrent_requests`` and/or ``scheduling_weight``; the registry checks each (a 400
-    naming the field changes nothing) and audits the change."""
+    """Any of ``max_concurrent_requests``, ``scheduling_weight``, ``max_requests_per_minute``
+    and ``max_tokens_per_minute``; the registry checks each (a 400 naming the field changes
+    nothing) and audits the change."""
     ctx = await _admin(request)
     name = request.path_params["tenant"]
     changes = await _json(request, ctx)

@@ -69,6 +69,11 @@ class Admission:
     def refused_status(self, err: APIError) -> int:
         return err.status
 
+    def named(self, err: APIError) -> APIError:
+        """A refusal of the shared admission (the rate limits' 400 names ``max_tokens``), in
+        the route's own field names."""
+        return err
+
 
 async def admit(request: Request, ctx: AppContext, steps: Admission, arrival: float) -> RequestRun:
     """The admitted run of an HTTP request: its key's tenant and its JSON body, then
@@ -104,7 +109,10 @@ async def admit_body(ctx: AppContext, tenant: str, body, steps: Admission, arriv
             release_target(ctx, target)
             raise
         run = RequestRun(ctx, tenant, target, req, prompt_ids, steps.request_id(req), arrival, limits)
-        run.admit()  # on refusal (503/429) it has released everything
+        try:
+            run.admit()  # on refusal (503/429/400) it has released everything
+        except APIError as err:
+            raise steps.named(err) from None
     except Exception as exc:
         status = steps.refused_status(from_exception(exc, log_unknown=False))
         log_refused(steps.endpoint, tenant, model, status, arrival)

@@ -14,6 +14,7 @@ from loraplex.server.auth import AdminAuth, TenantAuth
 from loraplex.server.lifecycle import Lifecycle
 from loraplex.server.limits import TenantConcurrencyLimiter
 from loraplex.server.metrics import ServerMetrics
+from loraplex.server.rate_limits import TenantRateLimiter
 from loraplex.server.tenant_limits import TenantLimitsCache
 
 
@@ -38,6 +39,8 @@ class AppContext:
     reasoning_parser: Any = None  # reasoning_parsers.ReasoningParser, from --reasoning-parser
     chat_template: str | None = None  # --chat-template's text, put on the tokenizer once it is built
     usage: Any = None  # usage_recorder.UsageRecorder once started; None: usage accounting off
+    # each tenant's requests- and tokens-per-minute buckets on this replica
+    rate_limiter: TenantRateLimiter = field(default_factory=TenantRateLimiter)
     # content hash -> display name ("tenant/name@version"), for status and logs
     adapter_display: dict[str, str] = field(default_factory=dict)
     # where prompts are rendered and tokenized (``run_tokenizer``); threads start on first use

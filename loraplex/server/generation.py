@@ -26,6 +26,7 @@ from loraplex.server.context import AppContext
 from loraplex.server.errors import APIError, bad_request, model_not_found
 from loraplex.server.limits import check_generation_limits
 from loraplex.server.prompt_fields import PromptOptions
+from loraplex.server.rate_limits import TokenCost
 from loraplex.server.protocol import GenerationRequest
 from loraplex.server.template_guard import render_limited
 from loraplex.server.tenant_limits import DEFAULT_LIMITS, TenantLimits
@@ -210,11 +211,23 @@ class RequestRun:
         self.prompt_logprobs: dict[int, list] = {}
         self._closed = False
         self._held: list[str] = []
+        self._rate = None  # rate_limits.Reservation while held; None without rate limits
+
+    @property
+    def rate_headers(self) -> dict[str, str]:
+        """OpenAI's x-ratelimit-* headers as of this run's admission (none without rate limits)."""
+        return dict(self._rate.headers) if self._rate is not None else {}
+
+    def token_cost(self) -> TokenCost:
+        """What the tokens-per-minute limit reserves: every prompt token, and max_tokens for each
+        of the n completions of each prompt."""
+        return TokenCost(self.prompt_tokens, self.req.params.max_tokens, self.req.params.n * len(self.prompt_ids))
 
     # --- admission ---------------------------------------------------------------------------
 
     def admit(self) -> None:
-        """Take a drain slot (503) and a tenant slot (429). The adapter version was acquired by
+        """Take a drain slot (503), the tenant's rate limits (429, or 400 for a request larger
+        than a minute's tokens) and a tenant slot (429). The adapter version was acquired by
         ``resolve_target``; from here on this run releases it."""
         ctx = self.ctx
         if self.target.adapter is not None:
@@ -222,9 +235,14 @@ class RequestRun:
         try:
             ctx.lifecycle.admit()
             self._held.append("lifecycle")
-            ctx.limiter.acquire(self.tenant, self.limits.max_concurrent_requests)
+            limits = self.limits
+            self._rate = ctx.rate_limiter.reserve(
+                self.tenant, limits.max_requests_per_minute, limits.max_tokens_per_minute, self.token_cost(),
+                prompt_param="messages" if self.req.kind == "chat" else "prompt")
+            ctx.limiter.acquire(self.tenant, limits.max_concurrent_requests)
             self._held.append("limiter")
         except BaseException:
+            ctx.rate_limiter.cancel(self._rate)  # refused after the rate take: it gets all of it back
             self._release()
             raise
         ctx.metrics.request_started(self.target.label, self.tenant)
@@ -294,6 +312,8 @@ class RequestRun:
             return
         self._closed = True
         self._release()
+        # the unused part of max_tokens goes back; what the run used (if it failed: up to then) stays
+        self.ctx.rate_limiter.finish(self._rate, self.prompt_tokens + self.completion_tokens)
         now = time.monotonic()
         finish = self.finish_reasons[0] if self.finish_reasons else None
         self.ctx.metrics.request_finished(

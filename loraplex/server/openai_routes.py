@@ -50,14 +50,16 @@ async def generate(request: Request, steps: Admission, answer=None, events=None)
     arrival = time.monotonic()
     run = await admit(request, _ctx(request), steps, arrival)
     shaper = shaper_for(run)
+    headers = run.rate_headers  # as of admission: a stream's headers go out before its first token
     if run.req.stream:
-        return SSEResponse((events or _stream_events)(run, shaper), on_close=lambda: run.close(CLIENT_CLOSED))
+        return SSEResponse((events or _stream_events)(run, shaper), headers=headers,
+                           on_close=lambda: run.close(CLIENT_CLOSED))
     try:
         body = await run_unless_disconnected(request, whole_answer(run, shaper, answer))
     except ClientDisconnected:
         run.close(CLIENT_CLOSED)
         return Response(status_code=CLIENT_CLOSED)
-    return JSONResponse(body)
+    return JSONResponse(body, headers=headers)
 
 
 def shaper_for(run: RequestRun) -> ResponseShaper:

@@ -49,6 +49,9 @@ class ResponsesAdmission(Admission):
     def request_id(self, req: GenerationRequest) -> str:
         return new_item_id("resp")
 
+    def named(self, err: APIError) -> APIError:
+        return renamed(err)
+
 
 def response_answer(run: RequestRun, shaper: ResponseShaper, chat: dict) -> dict:
     (choice,) = chat["choices"]

@@ -1,6 +1,6 @@
 """Each tenant's serving limits as this replica applies them: its own concurrency cap (else the
-server's ``max_concurrent_requests_per_tenant``) and its scheduling weight, read from the
-registry and kept for ``cache_seconds`` (``registry_poll_seconds``).
+server's ``max_concurrent_requests_per_tenant``), its scheduling weight and its rate limits
+(rate_limits.py), read from the registry and kept for ``cache_seconds`` (``registry_poll_seconds``).
 
 The registry is the one place they are set (admin API, CLI), so a change made through any
 replica reaches every replica within ``cache_seconds``; one made through this replica's admin
@@ -27,6 +27,8 @@ class TenantLimits:
 
     max_concurrent_requests: int | None = None  # None: the server's default cap
     scheduling_weight: float = 1.0
+    max_requests_per_minute: int | None = None  # None: unlimited
+    max_tokens_per_minute: int | None = None  # None: unlimited
 
 
 DEFAULT_LIMITS = TenantLimits()
@@ -54,8 +56,9 @@ class TenantLimitsCache:
         if hit is not None and hit[1] > now:
             return hit[0]
         info = await run_in_threadpool(self._lookup, tenant)  # off the event loop: a database read
-        limits = DEFAULT_LIMITS if info is None else TenantLimits(info.max_concurrent_requests,
-                                                                  float(info.scheduling_weight))
+        limits = DEFAULT_LIMITS if info is None else TenantLimits(
+            info.max_concurrent_requests, float(info.scheduling_weight),
+            info.max_requests_per_minute, info.max_tokens_per_minute)
         with self._lock:
             if generation == self._generation:  # else a forget came meanwhile: this row may be old
                 if len(self._cache) >= MAX_CACHED_TENANTS:

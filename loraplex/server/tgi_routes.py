@@ -193,7 +193,7 @@ async def _serve(request: Request, stream: bool | None, compat: bool = False) ->
     except APIError as err:
         return error_response(err)
     shaper = TokenShaper(ctx.tokenizer, treq.alternatives)
-    headers = {"x-model-id": ctx.served_model_name}
+    headers = {"x-model-id": ctx.served_model_name, **run.rate_headers}
     if run.target.adapter is not None:
         headers["x-adapter-id"] = treq.adapter_id
     if stream:

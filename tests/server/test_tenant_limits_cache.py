@@ -22,7 +22,8 @@ class SlowRegistry:
 
     def get_tenant(self, name: str):
         self.calls += 1
-        row = SimpleNamespace(max_concurrent_requests=None, scheduling_weight=self.weight)
+        row = SimpleNamespace(max_concurrent_requests=None, scheduling_weight=self.weight,
+                              max_requests_per_minute=None, max_tokens_per_minute=None)
         if self.calls == 1:
             self.read.set()
             assert self.release.wait(5)
