@@ -1,5 +1,6 @@
-// Tenants and their API keys: list and create tenants (with their concurrency cap and scheduling
-// weight, read-only: set them with PATCH /admin/v1/tenants/{t} or `loraplex tenants set`); per
+// Tenants and their API keys: list and create tenants (with their concurrency cap, scheduling
+// weight and rate limits, read-only: set them with PATCH /admin/v1/tenants/{t} or
+// `loraplex tenants set`); per
 // tenant create and revoke keys. A new key's secret is shown exactly once, with a copy button;
 // the server keeps only its hash.
 
@@ -49,10 +50,12 @@ export class TenantsView {
         h("td", {}, h("button", { class: "link", type: "button", onclick: () => this.setTenant(name) }, name)),
         h("td", {}, formatTime(t.created_at ?? t.created)),
         h("td", {}, t.max_concurrent_requests ?? "server default"),
-        h("td", {}, String(t.scheduling_weight ?? 1))
+        h("td", {}, String(t.scheduling_weight ?? 1)),
+        h("td", {}, rateLimit(t.max_requests_per_minute)),
+        h("td", {}, rateLimit(t.max_tokens_per_minute))
       );
     });
-    const empty = h("tr", {}, h("td", { colspan: 4, class: "empty" }, "No tenants yet: create one above."));
+    const empty = h("tr", {}, h("td", { colspan: 6, class: "empty" }, "No tenants yet: create one above."));
     fill($("#tenant-rows", this.root), rows.length ? rows : empty);
   }
 
@@ -179,4 +182,9 @@ export class TenantsView {
 
 export function tenantName(t) {
   return typeof t === "string" ? t : t.name;
+}
+
+/** A per-minute rate limit as the tenants table shows it (null: no limit). */
+function rateLimit(value) {
+  return value == null ? "unlimited" : String(value);
 }

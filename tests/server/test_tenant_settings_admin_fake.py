@@ -1,6 +1,7 @@
 """``PATCH /admin/v1/tenants/{t}`` and the tenant GETs: the HTTP contract of per-tenant
-``max_concurrent_requests`` and ``scheduling_weight``, checked against the database and the
-audit log; bad input is a 400 naming the field that changes nothing."""
+``max_concurrent_requests``, ``scheduling_weight``, ``max_requests_per_minute`` and
+``max_tokens_per_minute``, checked against the database and the audit log; bad input is a 400
+naming the field that changes nothing."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from tests.server.conftest import start_server
 
 DEFAULTS = {"max_concurrent_requests": None, "scheduling_weight": 1.0}
+RATES = ("max_requests_per_minute", "max_tokens_per_minute")
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +80,15 @@ BAD = [
     ({"scheduling_weight": 10**400}, "scheduling_weight"),  # no float holds it: a 400, not a 500
     ({"scheduling_weight": -10**400}, "scheduling_weight"),
     ({"scheduling_weight": 2, "max_concurrent_requests": -1}, "max_concurrent_requests"),  # nothing applied
+    ({"max_requests_per_minute": 0}, "max_requests_per_minute"),
+    ({"max_requests_per_minute": 2.5}, "max_requests_per_minute"),
+    ({"max_requests_per_minute": "60"}, "max_requests_per_minute"),
+    ({"max_requests_per_minute": 10**400}, "max_requests_per_minute"),
+    ({"max_tokens_per_minute": -5}, "max_tokens_per_minute"),
+    ({"max_tokens_per_minute": 1_000_000_001}, "max_tokens_per_minute"),
+    ({"max_tokens_per_minute": False}, "max_tokens_per_minute"),
+    ({"max_requests_per_minute": 5, "max_tokens_per_minute": {}}, "max_tokens_per_minute"),  # nothing applied
+    ({"max_tokens": 5}, "max_tokens"),
     ({"priority": 1}, "priority"),  # an unknown field is named, not ignored
     ({}, None),
 ]
@@ -94,7 +105,7 @@ def test_bad_values_are_400s_naming_the_field_and_change_nothing(srv, body, para
         if param:
             assert param in error["message"]
         assert c.get("/admin/v1/audit", params={"tenant": "batch"}).json()["data"] == before
-    assert _stored(srv, "batch") == DEFAULTS
+    assert _stored(srv, "batch") == DEFAULTS and _rates(srv, "batch") == (None, None)
 
 
 @pytest.mark.parametrize("content", [b"[1]", b'"x"', b"{nope", b'{"scheduling_weight": NaN}'])
@@ -116,3 +127,29 @@ def test_unknown_tenant_is_a_404_and_admin_key_is_required(srv):
         assert r.status_code == 401
         assert anonymous.get("/admin/v1/tenants/acme").status_code == 401
     assert _stored(srv, "acme") == DEFAULTS
+
+
+def _rates(srv, name: str) -> tuple:
+    info = srv.registry.get_tenant(name)
+    return info.max_requests_per_minute, info.max_tokens_per_minute
+
+
+def test_rate_limits_are_shown_set_made_unlimited_and_audited(srv):
+    srv.registry.create_tenant("rated")
+    with srv.admin() as c:
+        listed = {t["name"]: t for t in c.get("/admin/v1/tenants").json()["data"]}
+        assert {k: listed["rated"][k] for k in RATES} == {k: None for k in RATES}  # unlimited by default
+        r = c.patch("/admin/v1/tenants/rated", json={"max_requests_per_minute": 60, "max_tokens_per_minute": 90_000})
+        assert r.status_code == 200
+        assert {k: r.json()[k] for k in RATES} == {"max_requests_per_minute": 60, "max_tokens_per_minute": 90_000}
+        assert _settings(r.json()) == DEFAULTS  # the other settings untouched
+        assert _rates(srv, "rated") == (60, 90_000)
+        one = c.get("/admin/v1/tenants/rated").json()
+        assert (one["max_requests_per_minute"], one["max_tokens_per_minute"]) == (60, 90_000)
+        r = c.patch("/admin/v1/tenants/rated", json={"max_requests_per_minute": None})
+        assert r.json()["max_requests_per_minute"] is None and _rates(srv, "rated") == (None, 90_000)
+        events = c.get("/admin/v1/audit", params={"tenant": "rated"}).json()["data"]
+    assert [e["detail"] for e in events if e["action"] == "tenant.update"] == [
+        {"max_requests_per_minute": {"from": 60, "to": None}},
+        {"max_requests_per_minute": {"from": None, "to": 60}, "max_tokens_per_minute": {"from": None, "to": 90_000}},
+    ]
