@@ -55,8 +55,10 @@ def world(tiny_llama_dir, tmp_path_factory):
     db.upgrade(url)
     registry = RegistryService.from_url(url)
     registry.create_tenant("acme")
-    # an operator's cap for the tenant on a shared server: a batch run of its own must not 429
-    registry.update_tenant_settings("acme", {"max_concurrent_requests": 1})
+    # an operator's cap and rate limits for the tenant on a shared server: a batch run of its own
+    # must not 429 (a token limit of 1 would refuse every line)
+    registry.update_tenant_settings("acme", {"max_concurrent_requests": 1, "max_requests_per_minute": 1,
+                                             "max_tokens_per_minute": 1})
     manager = build_adapter_manager(settings, registry, llm.engine.runner.lora_target_spec())
     manager.upload("acme", "support", dirs["support"])
     manager.upload("acme", "sql-copy", dirs["sql"])  # the weights of --lora-modules sql, in the registry
