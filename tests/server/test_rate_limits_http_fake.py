@@ -195,7 +195,7 @@ def test_a_token_limit_refuses_what_does_not_fit_and_admits_it_after_a_give_back
 ])
 def test_a_request_larger_than_the_minute_is_a_400_and_takes_nothing(srv, path, body, param):
     ctx = srv.app.state.ctx
-    tenant = f"big{abs(hash((path, str(body)))) % 10**6}"
+    tenant = f"big{len(srv.registry.list_tenants())}"  # a fresh tenant per case
     key = srv.make_tenant(tenant)
     _patch(srv, tenant, {"max_tokens_per_minute": 100, "max_requests_per_minute": 10})
     started = len(srv.engine.started)
@@ -225,3 +225,26 @@ def test_headers_of_both_limits_are_consistent_across_requests(srv):
     assert (one.headers["x-ratelimit-remaining-tokens"], two.headers["x-ratelimit-remaining-tokens"]) == ("987", "983")
     assert (one.headers["x-ratelimit-reset-requests"], two.headers["x-ratelimit-reset-requests"]) == ("1s", "2s")
     assert two.headers["x-ratelimit-reset-tokens"] == "1.02s"  # 17 tokens at 1000 per minute
+
+
+def test_a_request_the_concurrency_cap_refuses_gets_its_rate_reservation_back(srv):
+    engine, ctx = srv.engine, srv.app.state.ctx
+    key = srv.make_tenant("capone")
+    _patch(srv, "capone", {"max_concurrent_requests": 1, "max_requests_per_minute": 5, "max_tokens_per_minute": 500})
+    body = {"model": "fake-model", "prompt": "ab", "max_tokens": 10}
+    with srv.tenant_client(key) as c, ThreadPoolExecutor(1) as pool:
+        engine.gate.clear()
+        try:
+            before = len(engine.started)
+            first = pool.submit(c.post, "/v1/completions", json=body)
+            for _ in range(400):
+                if len(engine.started) > before:
+                    break
+                time.sleep(0.01)
+            second = c.post("/v1/completions", json=body)
+            held = ctx.rate_limiter.used("capone", "requests"), ctx.rate_limiter.used("capone", "tokens")
+        finally:
+            engine.gate.set()
+        assert first.result().status_code == 200
+    assert second.status_code == 429 and "concurrent" in second.json()["error"]["message"]
+    assert held == (1, PROMPT_TOKENS + 10)  # only the first request's reservation
