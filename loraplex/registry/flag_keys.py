@@ -3,8 +3,11 @@
 They are tenant keys like any other, stored hashed (``keys.hash_secret``), and marked with
 ``origin = KEY_ORIGIN_SERVE_FLAG`` so a later start can tell them from keys made through the admin
 API or the CLI. ``sync_flag_keys`` makes the stored flag keys match a command line in one
-transaction: listed keys not stored yet are added, flag keys no longer listed (any tenant) are
-revoked, so rotating the flag rotates the key; other keys are never touched. Safe when several
+transaction: listed keys not stored yet are added, that tenant's flag keys no longer listed are
+revoked, so rotating the flag rotates the key; other keys are never touched, nor are other
+tenants' flag keys: two deployments on one database, each with its own ``--vllm-tenant`` and
+keys, must not revoke each other's keys at every start (a move to another ``--vllm-tenant``
+leaves the old tenant's flag keys live: revoke them with ``loraplex tenants revoke-key``). Safe when several
 replicas start at once with the same flags: a replica that loses the race to insert a key retries
 and finds it stored.
 
@@ -111,7 +114,7 @@ class FlagKeysMixin:
                     )
             revoked = 0
             for key, owner in repo.live_api_keys_of_origin(session, KEY_ORIGIN_SERVE_FLAG):
-                if key.secret_sha256 in positions:
+                if owner != tenant or key.secret_sha256 in positions:
                     continue
                 key.revoked_at = utcnow()
                 revoked += 1

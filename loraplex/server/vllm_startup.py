@@ -5,9 +5,10 @@ Both flags act on one tenant, ``Settings.vllm_tenant`` (default ``default``), cr
 flag is given. Clients then call ``/v1/...`` with one of the keys (the key picks the tenant, as
 every loraplex key does) and name an adapter in ``model``.
 
-* ``--api-key``: ``RegistryService.sync_flag_keys`` (loraplex/registry/flag_keys.py). Keys stored
-  by an earlier start and no longer listed are revoked, also when the flag is left out entirely:
-  every replica on one database must be started with the same keys.
+* ``--api-key``: ``RegistryService.sync_flag_keys`` (loraplex/registry/flag_keys.py). The
+  tenant's keys stored by an earlier start and no longer listed are revoked, also when the flag
+  is left out entirely: every replica serving that tenant must be started with the same keys.
+  Other tenants' flag keys are left alone.
 * ``--lora-modules``: every directory is checked first, exactly as an upload is (format, fit to
   the served model's shapes, ``--max-lora-rank``), so one invalid module stops the start with
   nothing registered. Then each is uploaded (same content hash and blob as ``loraplex adapters

@@ -143,3 +143,16 @@ def test_keys_stored_before_the_origin_column_stay_loraplex_keys(database_url):
     assert [k.origin for k in service.list_api_keys("acme")] == [None]
     service.sync_flag_keys("acme", [])  # start-up never revokes them
     assert service.authenticate("lpx_old") == "acme"
+
+
+def test_another_tenants_flag_keys_are_left_alone(registry_service):
+    # two deployments on one database, each serving its own --vllm-tenant with its own key
+    for name in ("llama-users", "qwen-users"):
+        registry_service.create_tenant(name)
+    registry_service.sync_flag_keys("llama-users", ["key-llama"])
+    registry_service.sync_flag_keys("qwen-users", ["key-qwen"])
+    assert registry_service.sync_flag_keys("llama-users", ["key-llama"]).revoked == 0  # a restart
+    assert registry_service.authenticate("key-qwen") == "qwen-users"
+    assert registry_service.sync_flag_keys("qwen-users", ["key-qwen-2"]).revoked == 1  # its own rotation
+    assert registry_service.authenticate("key-qwen") is None
+    assert registry_service.authenticate("key-llama") == "llama-users"
