@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -130,6 +131,14 @@ def startup_flags(args: argparse.Namespace, environ: Mapping[str, str] | None = 
             raise VllmFlagError(f"--lora-modules: {module.name!r} is given twice; one path per name")
         seen.add(module.name)
     keys = tuple(getattr(args, "vllm_api_key", None) or ())
+    if getattr(args, "model_tag", None) is None:
+        for position, key in enumerate(keys, start=1):
+            # `serve --api-key KEY ./model`: --api-key takes one or more values, so the model is
+            # read as a second key and the default model served under a key anyone could guess
+            if key.endswith(".gguf") or os.path.exists(key):
+                raise VllmFlagError(
+                    f"--api-key #{position} names an existing path: a model given after --api-key is read "
+                    "as one more key; put the model first (`loraplex serve MODEL --api-key KEY`) or give --model")
     if not keys and (environ or {}).get("VLLM_API_KEY"):
         keys = (environ["VLLM_API_KEY"],)
     return StartupFlags(api_keys=keys, lora_modules=modules)

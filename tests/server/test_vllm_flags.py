@@ -240,3 +240,14 @@ def test_vllm_tenant_is_a_setting(monkeypatch):
     assert settings("m", "--vllm-tenant", "team-sql").vllm_tenant == "team-sql"
     monkeypatch.setenv("LORAPLEX_VLLM_TENANT", "from-env")
     assert settings("m").vllm_tenant == "from-env"
+
+
+def test_a_model_path_read_as_an_api_key_is_refused(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    # `serve --api-key KEY ./model`: the model would be a second key and the default model served
+    with pytest.raises(VllmFlagError, match=r"--api-key #2 names an existing path"):
+        startup_flags(serve_args("--api-key", "sk-one", str(model)))
+    with pytest.raises(VllmFlagError, match=r"--api-key #1"):
+        startup_flags(serve_args("--api-key", "weights.gguf"))
+    assert startup_flags(serve_args(str(model), "--api-key", "sk-one")).api_keys == ("sk-one",)  # model first
