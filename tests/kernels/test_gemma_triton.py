@@ -10,13 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fixtures.peft_adapters import make_peft_adapter, peft_model_for
+from tests.fixtures.peft_adapters import make_peft_adapter
 from tests.fixtures.tiny_models import make_tiny_model_dir
-from tests.lora.test_acceptance import reference
+from tests.kernels.graph_decode import check_graph_decodes_match_peft
 from tests.model.helpers import chunk_metadata, new_kv_caches, relative_error
 
 from loraplex.kernels import dispatch  # noqa: E402
-from loraplex.sampling_params import SamplingParams  # noqa: E402
 
 SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -59,21 +58,8 @@ def test_decoder_on_triton_kernels_matches_transformers(gemma, triton_on_cpu):
 
 @pytest.mark.slow
 def test_graph_decode_steps_with_lora_match_peft(gemma, triton_on_cpu, tmp_path):
-    from loraplex.engine.cuda_graphs import DecodeGraphs, eager_capture
-    from loraplex.engine.llm import LLM
-
     model_dir, hf = gemma
     adapter = make_peft_adapter(hf, tmp_path / "all", seed=31, r=8, lora_alpha=16, target_modules=SEVEN)
-    llm = LLM(model=str(model_dir), dtype="float32", device="cpu", home=tmp_path / "home",
-              kv_cache_bytes=1 << 20, max_loras=2, max_lora_rank=8, max_num_seqs=4, max_model_len=128)
-    llm.add_adapter("all", str(adapter))
-    runner = llm.engine.runner
-    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, runner.max_model_len, 4, eager_capture)
-    runner.decode_graphs = graphs
-    peft_model = peft_model_for(hf, {"all": adapter})
     gen = torch.Generator().manual_seed(8)
     prompts = [torch.randint(4, 300, (n,), generator=gen).tolist() for n in (30, 3, 22)]
-    which = ["all", None, "all"]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), adapters=which)
-    assert [o.token_ids for o in outs] == [reference(peft_model, p, a, 5) for p, a in zip(prompts, which)]
-    assert sum(g.graph.replays for g in graphs.graphs.values()) >= 3  # the decodes ran as graphs
+    check_graph_decodes_match_peft(model_dir, hf, {"all": adapter}, prompts, ["all", None, "all"], tmp_path / "home")
