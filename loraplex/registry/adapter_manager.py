@@ -45,6 +45,7 @@ from loraplex.registry.errors import BlobMissing, NotFound
 from loraplex.registry.info import VersionInfo
 from loraplex.registry.names import validate_adapter_name, validate_tenant_name
 from loraplex.registry.service import RegistryService
+from loraplex.registry.tenant_delete import TenantDeletion
 from loraplex.storage.archive import ArchiveError, pack_files, unpack_files
 from loraplex.storage.base import BlobIntegrityError, BlobNotFound, BlobStore, BlobStoreError, content_key
 from loraplex.storage.disk_cache import CacheIntegrityError, CacheTooSmallError, DiskCache
@@ -316,6 +317,13 @@ class AdapterManager:
         removed = self.registry.delete_adapter(tenant, name, actor)
         self._drop_files(removed)
         return removed
+
+    def delete_tenant(self, tenant: str, actor: str = "admin") -> TenantDeletion:
+        """Delete a tenant (``RegistryService.delete_tenant``); its versions' files go as a
+        version delete's do: once no request uses them, and only blobs no live version uses."""
+        deletion = self.registry.delete_tenant(tenant, actor)
+        self._drop_files(deletion.versions)
+        return deletion
 
     def _drop_files(self, removed: list[VersionInfo]) -> None:
         for version in removed:

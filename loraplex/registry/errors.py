@@ -43,6 +43,13 @@ class AlreadyExists(Conflict):
     http_status = 409
 
 
+class TenantDeleted(Conflict):
+    """The name belonged to a tenant that was deleted: tenant names are never reused, so usage
+    kept under the name (for billing) always means that one tenant."""
+
+    http_status = 409
+
+
 class BlobMissing(Conflict):
     """A version row was about to be committed but its blob was no longer in the store (deleted
     by a concurrent delete of the last other version using it): nothing was written. The

@@ -92,7 +92,7 @@ class FlagKeysMixin:
 
     def _sync_once(self, tenant: str, positions: dict[str, int], actor: str) -> FlagKeySync:
         with self._transaction() as session:
-            tenant_row = repo.get_tenant(session, tenant)
+            tenant_row = repo.lock_tenant(session, tenant, exclusive=False)  # against a tenant delete
             if tenant_row is None and positions:  # with no keys listed there is only revoking to do
                 raise NotFound(f"tenant {tenant!r} not found")
             missing = []

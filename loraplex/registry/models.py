@@ -65,7 +65,8 @@ class Base(DeclarativeBase):
 
 
 class Tenant(Base):
-    """A tenant: owns adapters and API keys, and carries its operator-set serving limits."""
+    """A tenant: owns adapters and API keys, and carries its operator-set serving limits.
+    A deleted tenant is a tombstone (``deleted_at`` set): its name stays taken for good."""
 
     __tablename__ = "tenant"
 
@@ -79,6 +80,8 @@ class Tenant(Base):
     # OpenAI-style rate limits, per replica; None: unlimited
     max_requests_per_minute: Mapped[int | None] = mapped_column(Integer, default=None)
     max_tokens_per_minute: Mapped[int | None] = mapped_column(Integer, default=None)
+    # set when the tenant is deleted (tenant_delete.py): the row stays so the name is never reused
+    deleted_at: Mapped[datetime | None] = mapped_column(default=None)
 
     api_keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
     adapters: Mapped[list[Adapter]] = relationship(back_populates="tenant")

@@ -25,15 +25,33 @@ from loraplex.registry.models import (
 # ---- tenants -------------------------------------------------------------------------------
 
 
-def get_tenant(session: Session, name: str, *, for_update: bool = False) -> Tenant | None:
+def get_tenant(
+    session: Session, name: str, *, for_update: bool = False, for_share: bool = False, include_deleted: bool = False
+) -> Tenant | None:
+    """The live tenant of that name (with ``include_deleted``, its tombstone too). A row lock
+    re-checks ``deleted_at`` on PostgreSQL once the lock is granted, so a writer that waited on a
+    tenant delete finds no tenant."""
     query = select(Tenant).where(Tenant.name == name)
-    if for_update:
-        query = query.with_for_update()
+    if not include_deleted:
+        query = query.where(Tenant.deleted_at.is_(None))
+    if for_update or for_share:
+        query = query.with_for_update(read=not for_update)
     return session.scalars(query).one_or_none()
 
 
+def lock_tenant(session: Session, name: str, *, exclusive: bool) -> Tenant | None:
+    """The live tenant, locked until the transaction ends against a tenant delete (``exclusive``:
+    the delete itself; shared: writers adding keys or versions to it). PostgreSQL: ``FOR UPDATE``
+    / ``FOR SHARE``. SQLite has no row locks: the database's write lock is taken first (as
+    ``lock_blob`` does), so what is read afterwards is current. Call it before other reads."""
+    if session.get_bind().dialect.name != "postgresql":
+        _take_sqlite_write_lock(session)
+    return get_tenant(session, name, for_update=exclusive, for_share=not exclusive)
+
+
 def list_tenants(session: Session) -> list[Tenant]:
-    return list(session.scalars(select(Tenant).order_by(Tenant.name)))
+    """Live tenants, by name."""
+    return list(session.scalars(select(Tenant).where(Tenant.deleted_at.is_(None)).order_by(Tenant.name)))
 
 
 def add_tenant(session: Session, name: str) -> Tenant:
@@ -72,11 +90,15 @@ def live_api_keys_of_origin(session: Session, origin: str) -> list[tuple[ApiKey,
     return [(row[0], row[1]) for row in rows]
 
 
-def find_api_key_by_hash(session: Session, secret_sha256: str) -> tuple[ApiKey, str] | None:
-    """The key with that secret hash and its tenant's name."""
-    row = session.execute(
-        select(ApiKey, Tenant.name).join(Tenant).where(ApiKey.secret_sha256 == secret_sha256)
-    ).one_or_none()
+def find_api_key_by_hash(
+    session: Session, secret_sha256: str, *, live_tenant_only: bool = False
+) -> tuple[ApiKey, str] | None:
+    """The key with that secret hash and its tenant's name (with ``live_tenant_only``, None
+    when that tenant was deleted)."""
+    query = select(ApiKey, Tenant.name).join(Tenant).where(ApiKey.secret_sha256 == secret_sha256)
+    if live_tenant_only:
+        query = query.where(Tenant.deleted_at.is_(None))
+    row = session.execute(query).one_or_none()
     return None if row is None else (row[0], row[1])
 
 
@@ -91,15 +113,12 @@ def get_adapter(session: Session, tenant: Tenant, name: str, *, for_update: bool
     return session.scalars(query).one_or_none()
 
 
-def list_adapters(session: Session, tenant: Tenant) -> list[Adapter]:
+def list_adapters(session: Session, tenant: Tenant, *, for_update: bool = False) -> list[Adapter]:
     """Live adapters of a tenant, by name."""
-    return list(
-        session.scalars(
-            select(Adapter)
-            .where(Adapter.tenant_id == tenant.id, Adapter.deleted_at.is_(None))
-            .order_by(Adapter.name)
-        )
-    )
+    query = select(Adapter).where(Adapter.tenant_id == tenant.id, Adapter.deleted_at.is_(None)).order_by(Adapter.name)
+    if for_update:
+        query = query.with_for_update()
+    return list(session.scalars(query))
 
 
 def add_adapter(session: Session, tenant: Tenant, name: str) -> Adapter:
@@ -197,6 +216,12 @@ def lock_blob(session: Session, blob_key: str) -> None:
             text("SELECT pg_advisory_xact_lock(CAST(:lock_id AS BIGINT))"), {"lock_id": blob_lock_id(blob_key)}
         )
         return
+    _take_sqlite_write_lock(session)
+
+
+def _take_sqlite_write_lock(session: Session) -> None:
+    """A no-op write to the ``registry_state`` row: on SQLite it takes the database's one write
+    lock until commit (waiting up to the busy timeout); elsewhere a row lock on that row."""
     session.execute(
         update(RegistryState)
         .where(RegistryState.id == REGISTRY_STATE_ID)

@@ -37,12 +37,13 @@ from loraplex.registry import repository as repo
 from loraplex.registry.admin_key import SHA256_HEX, AdminKeyMixin
 from loraplex.registry.db import make_session_factory
 from loraplex.registry.errors import (AlreadyExists, BlobMissing, Conflict, InvalidName, InvalidSetting, NotFound,
-                                     RegistryError)
+                                     RegistryError, TenantDeleted)  # noqa: F401 - re-exported
 from loraplex.registry.flag_keys import FlagKeysMixin
 from loraplex.registry.info import AdapterInfo, ApiKeyInfo, AuditEventInfo, TenantInfo, VersionInfo
 from loraplex.registry.keys import display_prefix, generate_secret, hash_secret, plausible_secret, secret_matches
 from loraplex.registry.models import VERSION_DELETED, Adapter, Tenant, utcnow
 from loraplex.registry.names import parse_model_ref, parse_version, validate_adapter_name, validate_tenant_name
+from loraplex.registry.tenant_delete import TenantDeleteMixin, TenantDeletion, refuse_taken_name
 from loraplex.registry.tenant_settings import TenantSettingsMixin
 from loraplex.registry.usage import UsageMixin
 
@@ -55,6 +56,8 @@ __all__ = [
     "BlobMissing",
     "InvalidName",
     "InvalidSetting",
+    "TenantDeleted",
+    "TenantDeletion",
     "TenantInfo",
     "ApiKeyInfo",
     "VersionInfo",
@@ -69,7 +72,7 @@ WRITE_ATTEMPTS = 8  # retries of a write that lost a race on a unique constraint
 RETRY_BACKOFF_S = 0.002
 
 
-class RegistryService(AdminKeyMixin, TenantSettingsMixin, FlagKeysMixin, UsageMixin):
+class RegistryService(AdminKeyMixin, TenantSettingsMixin, TenantDeleteMixin, FlagKeysMixin, UsageMixin):
     """The registry's public API. Thread-safe: it holds only a session factory."""
 
     def __init__(self, session_factory: sessionmaker[Session]):
@@ -100,7 +103,7 @@ class RegistryService(AdminKeyMixin, TenantSettingsMixin, FlagKeysMixin, UsageMi
         validate_tenant_name(name)
         try:
             with self._transaction() as session:
-                if repo.get_tenant(session, name) is not None:
+                if refuse_taken_name(repo.get_tenant(session, name, include_deleted=True)):
                     raise AlreadyExists(f"tenant {name!r} already exists")
                 tenant = repo.add_tenant(session, name)
                 repo.add_audit_event(
@@ -121,9 +124,11 @@ class RegistryService(AdminKeyMixin, TenantSettingsMixin, FlagKeysMixin, UsageMi
             return None if tenant is None else TenantInfo.from_row(tenant)
 
     @staticmethod
-    def _require_tenant(session: Session, name: str, *, for_update: bool = False) -> Tenant:
+    def _require_tenant(session: Session, name: str, *, for_update: bool = False, lock: bool = False) -> Tenant:
+        """The live tenant or NotFound; ``lock``: shared against a tenant delete (``repo.lock_tenant``)."""
         validate_tenant_name(name)
-        tenant = repo.get_tenant(session, name, for_update=for_update)
+        tenant = repo.lock_tenant(session, name, exclusive=False) if lock else repo.get_tenant(
+            session, name, for_update=for_update)
         if tenant is None:
             raise NotFound(f"tenant {name!r} not found")
         return tenant
@@ -133,10 +138,9 @@ class RegistryService(AdminKeyMixin, TenantSettingsMixin, FlagKeysMixin, UsageMi
     def create_api_key(self, tenant: str, actor: str = "admin") -> tuple[ApiKeyInfo, str]:
         """A new key for ``tenant``; the secret is returned here once and never stored."""
         secret = generate_secret()
-        with self._transaction() as session:
-            row = repo.add_api_key(
-                session, self._require_tenant(session, tenant), hash_secret(secret), display_prefix(secret)
-            )
+        with self._transaction() as session:  # locked: a key added during a tenant delete would outlive it
+            tenant_row = self._require_tenant(session, tenant, lock=True)
+            row = repo.add_api_key(session, tenant_row, hash_secret(secret), display_prefix(secret))
             repo.add_audit_event(
                 session, actor=actor, action="api_key.create", tenant=tenant, object_type="api_key",
                 object_name=str(row.id), detail={"prefix": row.prefix},
@@ -172,7 +176,7 @@ class RegistryService(AdminKeyMixin, TenantSettingsMixin, FlagKeysMixin, UsageMi
         if not plausible_secret(secret):
             return None
         with self._transaction() as session:
-            found = repo.find_api_key_by_hash(session, hash_secret(secret))
+            found = repo.find_api_key_by_hash(session, hash_secret(secret), live_tenant_only=True)
             if found is None:
                 return None
             key, tenant_name = found
@@ -233,7 +237,9 @@ class RegistryService(AdminKeyMixin, TenantSettingsMixin, FlagKeysMixin, UsageMi
             # first, so that a blob delete cannot run between our check and our commit (and, on
             # SQLite, so that everything read below is current: the write lock is ours)
             repo.lock_blob(session, fields["blob_key"])
-            tenant_row = self._require_tenant(session, tenant)
+            # shared lock: a tenant delete waits for this upload (and then deletes its version),
+            # or this upload waits for the delete and finds no tenant
+            tenant_row = self._require_tenant(session, tenant, lock=True)
             adapter = repo.get_adapter(session, tenant_row, name, for_update=True)
             if adapter is None:
                 adapter = repo.add_adapter(session, tenant_row, name)
