@@ -29,6 +29,7 @@ from loraplex.server import (
     openai_routes,
     responses_routes,
     runtime_lora_routes,
+    tenant_delete_routes,
     tgi_info,
     tgi_routes,
     tokenizer_routes,
@@ -196,6 +197,7 @@ def create_app(
         *tokenizer_routes.routes(),  # vLLM's /tokenize, /detokenize (LoRAX's /tokenize too)
         *admin_routes.routes(),
         *usage_routes.routes(),  # per-tenant usage for billing
+        *tenant_delete_routes.routes(),  # offboarding: DELETE /admin/v1/tenants/{t}
     ]
     if settings.allow_runtime_lora_updating:  # off, vLLM's runtime LoRA routes do not exist (404)
         routes += runtime_lora_routes.routes()

@@ -96,7 +96,7 @@ def from_exception(exc: Exception, *, log_unknown: bool = True) -> APIError:
     status = getattr(exc, "http_status", None)
     if isinstance(status, int) and 400 <= status < 600:
         codes = {"NotFound": "not_found", "AlreadyExists": "already_exists", "InvalidName": "invalid_name",
-                 "InvalidSetting": "invalid_value"}
+                 "InvalidSetting": "invalid_value", "TenantDeleted": "tenant_deleted"}
         name = type(exc).__name__
         param = "name" if name == "InvalidName" else getattr(exc, "param", None)
         return APIError(status, str(exc), param=param, code=codes.get(name, "conflict" if status == 409 else None))
