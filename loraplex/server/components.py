@@ -35,7 +35,7 @@ class RegistrySetup:
 def prepare_registry(settings: Settings, *, create_demo: bool) -> RegistrySetup:
     """Migrate the database and open the registry. Without ``settings.admin_key`` an admin key is
     generated and stored hashed (once per database). With ``create_demo`` a ``demo`` tenant and a
-    key are made when the tenant does not exist yet."""
+    key are made when the tenant does not exist yet (a deleted ``demo`` stays deleted: a note says so)."""
     from loraplex.registry import db
     from loraplex.registry.service import RegistryService
 
@@ -49,7 +49,13 @@ def prepare_registry(settings: Settings, *, create_demo: bool) -> RegistrySetup:
         if setup.admin_secret is None:
             setup.notes.append("admin key: the one generated at first start (set LORAPLEX_ADMIN_KEY to use your own)")
     if create_demo and registry.get_tenant(DEMO_TENANT) is None:
-        registry.create_tenant(DEMO_TENANT, actor="system")
+        from loraplex.registry.errors import TenantDeleted
+
+        try:
+            registry.create_tenant(DEMO_TENANT, actor="system")
+        except TenantDeleted:  # an operator deleted it: deleted tenants stay deleted
+            setup.notes.append(f"tenant {DEMO_TENANT!r} was deleted; not recreated (tenant names are never reused)")
+            return setup
         _, setup.demo_key = registry.create_api_key(DEMO_TENANT, actor="system")
     return setup
 

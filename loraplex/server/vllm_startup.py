@@ -2,7 +2,8 @@
 listens, so that a ``vllm serve`` deployment and its clients run unchanged.
 
 Both flags act on one tenant, ``Settings.vllm_tenant`` (default ``default``), created when either
-flag is given. Clients then call ``/v1/...`` with one of the keys (the key picks the tenant, as
+flag is given (a tenant an operator deleted is not: the start is refused, naming it, since
+tenant names are never reused; start with another ``--vllm-tenant``). Clients then call ``/v1/...`` with one of the keys (the key picks the tenant, as
 every loraplex key does) and name an adapter in ``model``.
 
 * ``--api-key``: ``RegistryService.sync_flag_keys`` (loraplex/registry/flag_keys.py). The

@@ -103,3 +103,13 @@ def test_serve_freezes_the_objects_alive_after_start_up():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "leaked" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_deleted_demo_tenant_is_not_recreated_at_the_next_start(tmp_path):
+    settings = Settings(home=tmp_path / "home")
+    first = prepare_registry(settings, create_demo=True)
+    first.registry.delete_tenant("demo")
+    again = prepare_registry(settings, create_demo=True)  # starts; no new demo tenant or key
+    assert again.demo_key is None and again.registry.list_tenants() == []
+    assert any("'demo' was deleted; not recreated" in note for note in again.notes)
+    assert again.registry.authenticate(first.demo_key) is None

@@ -163,3 +163,15 @@ def test_an_invalid_tenant_name_stops_start(world, adapter_dirs):
     with pytest.raises(StartupError, match=r"vLLM flags \(tenant '../etc'\): .*tenant name"):
         apply_startup_flags(flags(*modules(sql=adapter_dirs["a"]), "--api-key", "sk-team"), settings, registry)
     assert registry.list_tenants() == []
+
+
+def test_a_start_for_a_deleted_vllm_tenant_is_refused_and_recreates_nothing(world, adapter_dirs):
+    """``serve --api-key K`` again after the operator deleted the ``--vllm-tenant``: refused with
+    a message saying so (tenant names are never reused), the tenant stays deleted, K stays revoked."""
+    settings, registry = world
+    apply_startup_flags(flags("--api-key", "sk-team"), settings, registry)
+    registry.delete_tenant("default")
+    with pytest.raises(StartupError, match=r"tenant 'default'\): tenant 'default' was deleted.*never reused"):
+        apply_startup_flags(flags(*modules(sql=adapter_dirs["a"]), "--api-key", "sk-team"), settings, registry)
+    assert registry.list_tenants() == [] and registry.authenticate("sk-team") is None
+    assert registry.versions_using_blob(content_key(compute_content_hash(adapter_dirs["a"]))) == 0
