@@ -2,7 +2,10 @@
 
 ``loraplex tenants set NAME --max-concurrent-requests N|default --scheduling-weight W
 --max-requests-per-minute N|unlimited --max-tokens-per-minute N|unlimited`` changes a tenant's
-serving limits; running servers apply them within ``registry_poll_seconds``.
+serving limits; running servers apply them within ``registry_poll_seconds``. ``loraplex tenants
+delete NAME --yes`` offboards a tenant (``RegistryService.delete_tenant``): running servers refuse
+its keys within ``registry_poll_seconds`` and drop its weights from their engines by LRU; without
+``--yes`` it only says what would be deleted.
 
 They work on whatever ``Settings`` name (``LORAPLEX_HOME``, ``LORAPLEX_DATABASE_URL``,
 ``LORAPLEX_BLOB_URL``): by default the embedded SQLite database and blob directory under
@@ -55,6 +58,11 @@ def add_parser(subparsers) -> None:
                    help="prompt tokens plus max_tokens x n the tenant may reserve per minute on each replica "
                         "(the unused part of max_tokens comes back when a request ends)")
     p.set_defaults(func=_tenants_set)
+    p = tsub.add_parser("delete", help="delete a tenant: revoke its keys, delete its adapters (the name is never reused)")
+    p.add_argument("name")
+    p.add_argument("--yes", action="store_true",
+                   help="really delete; without it, say what would be deleted and change nothing")
+    p.set_defaults(func=_tenants_delete)
 
     adapters = subparsers.add_parser("adapters", help="upload, list, activate and delete LoRA adapters")
     asub = adapters.add_subparsers(dest="adapters_command", required=True)
@@ -194,6 +202,25 @@ def _tenants_create_key(args, settings: Settings) -> int:
     info, secret = _registry(settings).create_api_key(args.name, actor="cli")
     print(f"API key {info.id} for tenant {info.tenant} (shown once, keep it):")
     print(secret)
+    return 0
+
+
+@_run
+def _tenants_delete(args, settings: Settings) -> int:
+    """Without ``--yes`` a dry run: what would go, exit status 1 (a typo must not offboard)."""
+    if not args.yes:
+        registry = _registry(settings)
+        keys = [k for k in registry.list_api_keys(args.name) if not k.revoked]  # NotFound: unknown tenant
+        adapters = registry.list_adapters(args.name)
+        versions = sum(len(a.versions) for a in adapters)
+        print(f"error: deleting tenant {args.name} revokes {len(keys)} API key(s) and deletes {len(adapters)} "
+              f"adapter(s) ({versions} version(s)); the name can never be used again. Nothing changed: "
+              "run again with --yes to delete it", file=sys.stderr)
+        return 1
+    deletion = _manager(settings).delete_tenant(args.name, actor="cli")
+    counts = deletion.counts()
+    print(f"deleted tenant {args.name}: {counts['api_keys_revoked']} API key(s) revoked, "
+          f"{counts['adapters_deleted']} adapter(s) and {counts['versions_deleted']} version(s) deleted")
     return 0
 
 
