@@ -1,7 +1,7 @@
 // Tenants and their API keys: list and create tenants (with their concurrency cap, scheduling
 // weight and rate limits, read-only: set them with PATCH /admin/v1/tenants/{t} or
 // `loraplex tenants set`); per
-// tenant create and revoke keys. A new key's secret is shown exactly once, with a copy button;
+// tenant create and revoke keys, and delete the tenant (after a confirmation). A new key's secret is shown exactly once, with a copy button;
 // the server keeps only its hash.
 
 import { api, asList, enc } from "./api.js";
@@ -52,10 +52,11 @@ export class TenantsView {
         h("td", {}, t.max_concurrent_requests ?? "server default"),
         h("td", {}, String(t.scheduling_weight ?? 1)),
         h("td", {}, rateLimit(t.max_requests_per_minute)),
-        h("td", {}, rateLimit(t.max_tokens_per_minute))
+        h("td", {}, rateLimit(t.max_tokens_per_minute)),
+        h("td", {}, h("button", { type: "button", class: "danger small", onclick: () => this.deleteTenant(name) }, "Delete"))
       );
     });
-    const empty = h("tr", {}, h("td", { colspan: 6, class: "empty" }, "No tenants yet: create one above."));
+    const empty = h("tr", {}, h("td", { colspan: 7, class: "empty" }, "No tenants yet: create one above."));
     fill($("#tenant-rows", this.root), rows.length ? rows : empty);
   }
 
@@ -74,6 +75,34 @@ export class TenantsView {
     input.value = "";
     toast(`Tenant ${name} created.`);
     this.setTenant(name);
+    await this.load();
+  }
+
+  async deleteTenant(name) {
+    const ok = await confirmAction({
+      title: `Delete tenant ${name}?`,
+      body:
+        `Every API key of ${name} stops working, and every adapter and version of it is deleted ` +
+        "(requests already running finish first). Its usage stays for billing. The name can never be " +
+        "used for a new tenant. This cannot be undone.",
+      confirmLabel: "Delete tenant",
+      danger: true,
+    });
+    if (!ok) return;
+    let answer;
+    try {
+      answer = await api("DELETE", `/tenants/${enc(name)}`);
+    } catch (err) {
+      fill($("#tenant-list-error", this.root), err.message);
+      return;
+    }
+    toast(`Tenant ${name} deleted: ${answer.api_keys_revoked} key(s) revoked, ${answer.adapters_deleted} adapter(s) deleted.`);
+    this.sessionKeys.delete(name);
+    // select another tenant first, so every view reloads for it rather than for the deleted one
+    if (this.getTenant() === name) {
+      const next = this.tenants.map(tenantName).find((n) => n !== name) || "";
+      await this.setTenant(next);
+    }
     await this.load();
   }
 
