@@ -1,15 +1,19 @@
 """Tenant offboarding (``delete_tenant``) on SQLite and PostgreSQL, checked against the database's
 rows and the blob store's contents: keys revoked, adapters and versions deleted, a blob shared
 with another tenant kept, an unshared one deleted (after the request using it ends), usage kept,
-the name never reused, bad input changing nothing."""
+the name never reused, bad input changing nothing, and uploads or key creations racing the delete
+adding nothing live to the deleted tenant."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 from sqlalchemy import select
 
 from loraplex.registry.errors import Conflict, InvalidName, NotFound, TenantDeleted
-from loraplex.registry.models import VERSION_DELETED, Adapter, AdapterVersion, ApiKey, AuditEvent, Tenant
+from loraplex.registry import repository as repo
+from loraplex.registry.models import VERSION_DELETED, Adapter, AdapterVersion, ApiKey, AuditEvent, Tenant, utcnow
 from loraplex.registry.usage import UsageDelta, hour_of
 from loraplex.storage.base import open_blob_store
 from tests.registry.adapter_manager_helpers import make_manager
@@ -131,3 +135,57 @@ def test_flag_keys_of_a_deleted_tenant_stay_revoked(registry):
     with pytest.raises(Conflict, match="already a key of tenant 'acme'"):
         registry.sync_flag_keys("other", ["flag-key-1"])
     assert registry.authenticate("flag-key-1") is None
+
+
+def _in_thread(fn):
+    """Start ``fn`` in a thread; returns (thread, outcome dict with "value" or "error")."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn()
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+def test_writers_waiting_on_a_tenant_delete_find_no_tenant(registry):
+    """An upload and a key creation that come while a delete holds the tenant wait for it, then
+    fail with NotFound: nothing live is added to the deleted tenant."""
+    with registry._transaction() as session:
+        tenant = repo.lock_tenant(session, "acme", exclusive=True)  # a delete in progress
+        upload, uploaded = _in_thread(lambda: registry.add_version("acme", "sql", **version_fields(b"late")))
+        key, keyed = _in_thread(lambda: registry.create_api_key("acme"))
+        upload.join(0.5)
+        key.join(0.1)
+        assert upload.is_alive() and key.is_alive()  # waiting on the delete's lock
+        tenant.deleted_at = utcnow()
+    upload.join(15)
+    key.join(15)
+    assert isinstance(uploaded.get("error"), NotFound) and isinstance(keyed.get("error"), NotFound)
+    assert _versions_of(registry, "acme") == []
+    assert _rows(registry, ApiKey, ApiKey.tenant_id == _tenant_id(registry, "acme")) == []
+
+
+def test_a_delete_waits_for_an_upload_in_progress_and_deletes_its_version(registry):
+    entered, go = threading.Event(), threading.Event()
+
+    def blob_check() -> bool:  # runs inside add_version's transaction, holding the tenant shared
+        entered.set()
+        return go.wait(15)
+
+    upload, uploaded = _in_thread(
+        lambda: registry.add_version("acme", "sql", check_blob=blob_check, **version_fields(b"early")))
+    assert entered.wait(15)
+    delete, deleted = _in_thread(lambda: registry.delete_tenant("acme"))
+    delete.join(0.5)
+    assert delete.is_alive()  # waits for the upload's transaction
+    go.set()
+    upload.join(15)
+    delete.join(15)
+    version, created = uploaded["value"]
+    assert created and [v.sha256 for v in deleted["value"].versions] == [version.sha256]
+    assert [v.state for v in _versions_of(registry, "acme")] == [VERSION_DELETED]
