@@ -7,9 +7,9 @@ transaction: listed keys not stored yet are added, that tenant's flag keys no lo
 revoked, so rotating the flag rotates the key; other keys are never touched, nor are other
 tenants' flag keys: two deployments on one database, each with its own ``--vllm-tenant`` and
 keys, must not revoke each other's keys at every start (a move to another ``--vllm-tenant``
-leaves the old tenant's flag keys live: revoke them with ``loraplex tenants revoke-key``). Safe when several
-replicas start at once with the same flags: a replica that loses the race to insert a key retries
-and finds it stored.
+leaves the old tenant's flag keys live: revoke them through the admin API, ``DELETE
+/admin/v1/tenants/{t}/keys/{id}``). Safe when several replicas start at once with the same
+flags: a replica that loses the race to insert a key retries and finds it stored.
 
 Refused (``Conflict``, nothing changed): a listed key that is a key of another tenant, and a
 listed key that was revoked (revocation is final here as everywhere in loraplex: an old replica
