@@ -35,12 +35,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.registry import repository as repo
 from loraplex.registry.admin_key import SHA256_HEX, AdminKeyMixin
+from loraplex.registry.api_keys import ApiKeysMixin
 from loraplex.registry.db import make_session_factory
 from loraplex.registry.errors import (AlreadyExists, BlobMissing, Conflict, InvalidName, InvalidSetting, NotFound,
                                      RegistryError, TenantDeleted)  # noqa: F401 - re-exported
 from loraplex.registry.flag_keys import FlagKeysMixin
 from loraplex.registry.info import AdapterInfo, ApiKeyInfo, AuditEventInfo, TenantInfo, VersionInfo
-from loraplex.registry.keys import display_prefix, generate_secret, hash_secret, plausible_secret, secret_matches
 from loraplex.registry.models import VERSION_DELETED, Adapter, Tenant, utcnow
 from loraplex.registry.names import parse_model_ref, parse_version, validate_adapter_name, validate_tenant_name
 from loraplex.registry.tenant_delete import TenantDeleteMixin, TenantDeletion, refuse_taken_name
@@ -72,7 +72,8 @@ WRITE_ATTEMPTS = 8  # retries of a write that lost a race on a unique constraint
 RETRY_BACKOFF_S = 0.002
 
 
-class RegistryService(AdminKeyMixin, TenantSettingsMixin, TenantDeleteMixin, FlagKeysMixin, UsageMixin):
+class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDeleteMixin, FlagKeysMixin,
+                      UsageMixin):
     """The registry's public API. Thread-safe: it holds only a session factory."""
 
     def __init__(self, session_factory: sessionmaker[Session]):
@@ -132,57 +133,6 @@ class RegistryService(AdminKeyMixin, TenantSettingsMixin, TenantDeleteMixin, Fla
         if tenant is None:
             raise NotFound(f"tenant {name!r} not found")
         return tenant
-
-    # ---- API keys --------------------------------------------------------------------------
-
-    def create_api_key(self, tenant: str, actor: str = "admin") -> tuple[ApiKeyInfo, str]:
-        """A new key for ``tenant``; the secret is returned here once and never stored."""
-        secret = generate_secret()
-        with self._transaction() as session:  # locked: a key added during a tenant delete would outlive it
-            tenant_row = self._require_tenant(session, tenant, lock=True)
-            row = repo.add_api_key(session, tenant_row, hash_secret(secret), display_prefix(secret))
-            repo.add_audit_event(
-                session, actor=actor, action="api_key.create", tenant=tenant, object_type="api_key",
-                object_name=str(row.id), detail={"prefix": row.prefix},
-            )
-            return ApiKeyInfo.from_row(row, tenant), secret
-
-    def list_api_keys(self, tenant: str) -> list[ApiKeyInfo]:
-        with self._transaction() as session:
-            rows = repo.list_api_keys(session, self._require_tenant(session, tenant))
-            return [ApiKeyInfo.from_row(r, tenant) for r in rows]
-
-    def revoke_api_key(self, tenant: str, key_id: int, actor: str = "admin") -> ApiKeyInfo:
-        """Revoke a key (idempotent). Raises NotFound if the tenant has no such key."""
-        try:
-            key_id = int(key_id)
-        except (TypeError, ValueError):
-            raise NotFound(f"API key {key_id!r} not found for tenant {tenant!r}") from None
-        with self._transaction() as session:
-            row = repo.get_api_key(session, self._require_tenant(session, tenant), key_id)
-            if row is None:
-                raise NotFound(f"API key {key_id} not found for tenant {tenant!r}")
-            if row.revoked_at is None:
-                row.revoked_at = utcnow()
-                session.flush()
-                repo.add_audit_event(
-                    session, actor=actor, action="api_key.revoke", tenant=tenant, object_type="api_key",
-                    object_name=str(row.id), detail={"prefix": row.prefix},
-                )
-            return ApiKeyInfo.from_row(row, tenant)
-
-    def authenticate(self, secret: str) -> str | None:
-        """The tenant name for a valid, unrevoked key; None for anything else."""
-        if not plausible_secret(secret):
-            return None
-        with self._transaction() as session:
-            found = repo.find_api_key_by_hash(session, hash_secret(secret), live_tenant_only=True)
-            if found is None:
-                return None
-            key, tenant_name = found
-            if key.revoked_at is not None or not secret_matches(secret, key.secret_sha256):
-                return None
-            return tenant_name
 
     # ---- adapters --------------------------------------------------------------------------
 
