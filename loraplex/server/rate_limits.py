@@ -126,7 +126,9 @@ class TenantRateLimiter:
         bucket = self._buckets.get((tenant, kind))
         if bucket is None:
             if len(self._buckets) >= MAX_TRACKED_BUCKETS:
-                self._buckets = {k: b for k, b in self._buckets.items() if not b.is_full(now)}
+                # the tenant at hand keeps its buckets: ``reserve`` looks up the one it made a
+                # moment ago (a new one is full) after making the next
+                self._buckets = {k: b for k, b in self._buckets.items() if k[0] == tenant or not b.is_full(now)}
             bucket = self._buckets[(tenant, kind)] = TokenBucket(limit, now)
         return bucket
 

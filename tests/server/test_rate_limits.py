@@ -132,3 +132,15 @@ def test_limits_changed_between_requests(limiter, clock):
     assert r.headers["x-ratelimit-remaining-requests"] == "17"
     limiter.reserve("acme", None, None, cost(1, 1))  # unlimited: no bucket is touched
     assert limiter.used("acme", REQUESTS) == pytest.approx(3)
+
+
+def test_forgetting_full_buckets_never_drops_the_tenant_being_admitted(limiter, monkeypatch):
+    # at the bound, the second bucket of a tenant with both limits used to forget the first
+    # (new, so full) and the take that followed raised KeyError: a 500 instead of an answer
+    monkeypatch.setattr("loraplex.server.rate_limits.MAX_TRACKED_BUCKETS", 4)
+    limiter.reserve("acme", 10, 100, cost(5, 5))  # two buckets in use
+    limiter.reserve("globex", 10, None, cost(5, 5))  # a third
+    r = limiter.reserve("initech", 10, 100, cost(5, 5))
+    assert r.headers["x-ratelimit-remaining-requests"] == "9" and r.headers["x-ratelimit-remaining-tokens"] == "90"
+    assert limiter.used("initech", REQUESTS) == 1 and limiter.used("initech", TOKENS) == 10
+    assert limiter.used("acme", TOKENS) == 10  # in use: kept
