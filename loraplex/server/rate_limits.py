@@ -4,7 +4,8 @@ minute (TPM), each a token bucket (token_bucket.py), checked at admission on thi
 A request costs one request and, in tokens, its prompt tokens (every prompt, after templating
 and truncation) plus ``max_tokens`` for each completion it may write (``n`` per prompt), which is
 what OpenAI reserves. When it ends, the part of ``max_tokens`` it did not use is given back, so
-the bucket holds what was really used. A request is admitted only if both costs fit; otherwise
+the bucket holds what was really used; only as much as has not refilled since the admission,
+though (a request running past its minute gets back nothing: refill returned it already). A request is admitted only if both costs fit; otherwise
 nothing is taken and the answer is 429 ``rate_limit_exceeded`` with ``Retry-After`` (whole
 seconds until it would fit by refill alone; a give-back may let it in sooner).
 
@@ -55,6 +56,9 @@ class Reservation:
     tokens: int  # reserved from the token bucket (0 without a token limit)
     headers: dict[str, str] = field(default_factory=dict)  # OpenAI's x-ratelimit-* after the take
     settled: bool = False
+    # per kind, the bucket taken from and the take's mark: a give-back returns only what has not
+    # refilled since, and nothing into a bucket forgotten (full) and made anew
+    marks: dict[str, tuple[TokenBucket, tuple[float, float]]] = field(default_factory=dict)
 
 
 class TenantRateLimiter:
@@ -84,11 +88,14 @@ class TenantRateLimiter:
                 limit, amount = wanted[kind]
                 used = self._buckets[(tenant, kind)].used
                 raise _rate_limited(tenant, kind, limit, used, amount, waits[kind], self._headers(tenant, wanted, now))
+            marks = {}
             for kind in waits:
                 limit, amount = wanted[kind]
-                self._buckets[(tenant, kind)].take(amount, now, limit)
+                bucket = self._buckets[(tenant, kind)]
+                marks[kind] = (bucket, bucket.take(amount, now, limit))
             headers = self._headers(tenant, wanted, now)
-        return Reservation(tenant, 1 if rpm is not None else 0, cost.total if tpm is not None else 0, headers)
+        return Reservation(tenant, 1 if rpm is not None else 0, cost.total if tpm is not None else 0, headers,
+                           marks=marks)
 
     def finish(self, reservation: Reservation | None, used_tokens: int) -> None:
         """A request ended having used ``used_tokens`` (prompt plus completion): the rest of its
@@ -96,15 +103,15 @@ class TenantRateLimiter:
         if reservation is None or reservation.settled:
             return
         reservation.settled = True
-        self._give_back(reservation.tenant, TOKENS, reservation.tokens - used_tokens)
+        self._give_back(reservation, TOKENS, reservation.tokens - used_tokens)
 
     def cancel(self, reservation: Reservation | None) -> None:
         """A later admission step refused the request: all it took goes back."""
         if reservation is None or reservation.settled:
             return
         reservation.settled = True
-        self._give_back(reservation.tenant, REQUESTS, reservation.requests)
-        self._give_back(reservation.tenant, TOKENS, reservation.tokens)
+        self._give_back(reservation, REQUESTS, reservation.requests)
+        self._give_back(reservation, TOKENS, reservation.tokens)
 
     def used(self, tenant: str, kind: str) -> float:
         """The part of a tenant's bucket not yet refilled (0 for one never used or full)."""
@@ -114,13 +121,14 @@ class TenantRateLimiter:
 
     # --- internals -----------------------------------------------------------------------------
 
-    def _give_back(self, tenant: str, kind: str, amount: float) -> None:
-        if amount <= 0:
+    def _give_back(self, reservation: Reservation, kind: str, amount: float) -> None:
+        if amount <= 0 or kind not in reservation.marks:
             return
+        taken_from, mark = reservation.marks[kind]
         with self._lock:
-            bucket = self._buckets.get((tenant, kind))
-            if bucket is not None:  # a forgotten bucket was full: nothing to give back into
-                bucket.give_back(amount, self.clock())
+            bucket = self._buckets.get((reservation.tenant, kind))
+            if bucket is taken_from:  # else it was forgotten when full: the take had refilled
+                bucket.give_back(amount, self.clock(), mark)
 
     def _bucket(self, tenant: str, kind: str, limit: int, now: float) -> TokenBucket:
         bucket = self._buckets.get((tenant, kind))

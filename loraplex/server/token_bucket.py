@@ -31,11 +31,16 @@ class TokenBucket:
         self.limit = limit
         self.used = 0.0
         self.updated = now
+        # all the refill since creation at the rates in force, whether or not the bucket was
+        # empty: how much of an earlier take has refilled since (``outstanding``)
+        self.refilled = 0.0
 
     def _advance(self, now: float, limit: int) -> None:
         """Refill up to ``now`` at the rate of the limit the bucket had, then apply ``limit``."""
         elapsed = max(0.0, now - self.updated)  # a clock that steps back refills nothing
-        self.used = max(0.0, self.used - elapsed * self.limit / SECONDS_PER_MINUTE)
+        refill = elapsed * self.limit / SECONDS_PER_MINUTE
+        self.refilled += refill
+        self.used = max(0.0, self.used - refill)
         self.updated = max(self.updated, now)
         if limit != self.limit:
             self.limit = limit
@@ -51,13 +56,27 @@ class TokenBucket:
             return 0.0
         return over * SECONDS_PER_MINUTE / self.limit
 
-    def take(self, cost: float, now: float, limit: int) -> None:
-        """Spend ``cost``, which ``wait`` said fits."""
+    def take(self, cost: float, now: float, limit: int) -> tuple[float, float]:
+        """Spend ``cost``, which ``wait`` said fits. Returns the take's mark for ``give_back``."""
         self._advance(now, limit)
         self.used = min(float(self.limit), self.used + cost)
+        return self.used, self.refilled
 
-    def give_back(self, amount: float, now: float) -> None:
-        """Return ``amount`` spent earlier and not used; never below empty."""
+    def outstanding(self, mark: tuple[float, float], now: float) -> float:
+        """How much of the take ``mark`` came from has not refilled yet. Takes refill in the
+        order they were made: a take that left the bucket at ``level`` has refilled entirely
+        once ``level`` has refilled since."""
+        self._advance(now, self.limit)
+        level, refilled_then = mark
+        return max(0.0, level - (self.refilled - refilled_then))
+
+    def give_back(self, amount: float, now: float, mark: tuple[float, float] | None = None) -> None:
+        """Return ``amount`` spent earlier and not used; never below empty. With the take's
+        ``mark``, at most the part of that take that has not refilled yet: what refilled
+        already came back once, and giving it back again would let the tenant spend it twice
+        (a long request's unused max_tokens, returned after its minute has passed)."""
+        if mark is not None:
+            amount = min(amount, self.outstanding(mark, now))
         self._advance(now, self.limit)
         self.used = max(0.0, self.used - amount)
 

@@ -144,3 +144,28 @@ def test_forgetting_full_buckets_never_drops_the_tenant_being_admitted(limiter, 
     assert r.headers["x-ratelimit-remaining-requests"] == "9" and r.headers["x-ratelimit-remaining-tokens"] == "90"
     assert limiter.used("initech", REQUESTS) == 1 and limiter.used("initech", TOKENS) == 10
     assert limiter.used("acme", TOKENS) == 10  # in use: kept
+
+
+def test_a_give_back_returns_only_what_has_not_refilled_since(limiter, clock):
+    # brute force: charged at admission what it really used (4 of 93 reserved), the first
+    # request would have refilled long before the second; so the second's 93 fill the bucket
+    # and a third is refused. Given back in full after its minute, the first request's 89
+    # unused tokens were returned twice (once by refill) and the third got in: 186 in no time
+    first = limiter.reserve("acme", None, 100, cost(3, 90))
+    clock.now += 60
+    limiter.reserve("acme", None, 100, cost(3, 90))
+    limiter.finish(first, used_tokens=4)
+    assert limiter.used("acme", TOKENS) == pytest.approx(93)
+    err = _refused(limiter, "acme", None, 100, cost(3, 90))
+    assert (err.status, err.type) == (429, "tokens")
+
+
+def test_a_give_back_after_part_of_the_minute_returns_what_is_left_of_the_take(limiter, clock):
+    limiter.reserve("acme", None, 100, cost(10, 40))  # 50 before it
+    r = limiter.reserve("acme", None, 100, cost(5, 35))  # 40 reserved; the bucket at 90
+    clock.now += 30  # 50 refilled: the first take, in full (it came first)
+    limiter.finish(r, used_tokens=10)  # 30 unused, all of it still in the bucket
+    # brute force: charged 50, then 10, then 30 s of refill: 60 - 50 = 10 left
+    assert limiter.used("acme", TOKENS) == pytest.approx(10)
+    clock.now += 3  # 5 more refilled: 5 of the give-back's take left; its 30 unused came back
+    assert limiter.used("acme", TOKENS) == pytest.approx(5)
