@@ -168,6 +168,9 @@ class UsageMixin:
                 raise InvalidSetting(f"`{name}` must be an aware datetime on the hour", param=name)
         if start is not None and end is not None and end < start:
             raise InvalidSetting("`end` is before `start`", param="end")
+        # SQLite keeps the hour as UTC wall-clock text and binds a datetime's own wall clock,
+        # offset dropped: a bound in another zone must be converted, or it filters by the offset
+        start, end = (None if v is None else v.astimezone(timezone.utc) for v in (start, end))
         with self._transaction() as session:
             keys = {key: _group_column(session, key) for key in group_by}
             sums = [func.coalesce(func.sum(getattr(UsageHour, c)), 0).label(c) for c in COUNTERS]

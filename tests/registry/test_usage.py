@@ -202,3 +202,13 @@ def test_parse_hour_and_group_by():
         assert info.value.param == "end" and "`end`" in str(info.value)
     assert parse_group_by(["tenant, adapter", "tenant", ""]) == ("tenant", "adapter")
     assert hour_of(H0.timestamp() + 3599.9) == H0 and hour_of(H0.timestamp() + 3600) == H1
+
+
+def test_report_bounds_in_another_time_zone_mean_the_same_hours(registry_service):
+    # the same instants written with a +05:00 offset: SQLite used to compare their wall clock
+    # (five hours later) with the stored UTC hours and found nothing
+    registry_service.record_usage([UsageDelta("acme", None, H0, requests=1), UsageDelta("acme", None, H1, requests=10)])
+    plus5 = timezone(timedelta(hours=5))
+    report = registry_service.usage_report(start=H0.astimezone(plus5), end=H1.astimezone(plus5))
+    assert report.totals["requests"] == 1  # H0 in, H1 (end, exclusive) out
+    assert report.start == H0 and report.end == H1
