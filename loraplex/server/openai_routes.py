@@ -59,6 +59,10 @@ async def generate(request: Request, steps: Admission, answer=None, events=None)
     except ClientDisconnected:
         run.close(CLIENT_CLOSED)
         return Response(status_code=CLIENT_CLOSED)
+    except Exception as exc:  # an error answer of an admitted request carries the headers too
+        err = from_exception(exc)
+        err.headers = {**headers, **err.headers}
+        raise err from None
     return JSONResponse(body, headers=headers)
 
 

@@ -206,6 +206,7 @@ async def _serve(request: Request, stream: bool | None, compat: bool = False) ->
     except Exception as exc:
         err = from_exception(exc)
         run.close(http_status(err))
+        err.headers = {**run.rate_headers, **err.headers}  # as on any answer of a tenant with limits
         return error_response(err)
     except BaseException:
         run.close(CLIENT_CLOSED)
