@@ -52,6 +52,8 @@ from loraplex.server.usage_recorder import UsageRecorder
 
 log = logging.getLogger("loraplex.server")
 DEFAULT_ADMIN_DIR = Path(__file__).resolve().parents[2] / "admin"
+# how long the shutdown waits for cancelled requests to close before the last usage flush
+USAGE_SHUTDOWN_WAIT_SECONDS = 5.0
 
 
 async def health(request: Request) -> Response:
@@ -183,6 +185,11 @@ def create_app(
             if shutdown is not None:
                 await run_in_threadpool(shutdown)
             if ctx.usage is not None:  # last: every request has closed, so its usage is summed
+                # uvicorn cancels the requests its graceful shutdown left running and comes here
+                # without waiting: their runs close (and count their usage) a few loop turns later
+                if not await lifecycle.wait_idle(USAGE_SHUTDOWN_WAIT_SECONDS):
+                    log.error("usage accounting: %d request(s) still open at shutdown are not counted",
+                              lifecycle.in_flight)
                 await run_in_threadpool(ctx.usage.stop)
 
     routes = [

@@ -49,6 +49,14 @@ class Lifecycle:
             self.in_flight = 0
             self._idle_event().set()
 
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no admitted request is left (each has closed), at most ``timeout`` s."""
+        try:
+            await asyncio.wait_for(self._idle_event().wait(), timeout=timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
     async def drain(self, grace_seconds: float) -> bool:
         """Stop admitting and wait for admitted requests; True when all finished in time."""
         self.draining = True
