@@ -127,6 +127,15 @@ def use_parts(ctx: AppContext, engine, registry, adapters) -> None:
         ctx.metrics.model_name = ctx.served_model_name
 
 
+async def _stop_usage(ctx: AppContext) -> None:
+    """The recorder's last flush, once every admitted request has closed. uvicorn cancels the
+    requests its graceful shutdown left running and runs the app's shutdown without waiting:
+    their runs close (and count their usage) a few event-loop turns later."""
+    if not await ctx.lifecycle.wait_idle(USAGE_SHUTDOWN_WAIT_SECONDS):
+        log.error("usage accounting: %d request(s) still open at shutdown are not counted", ctx.lifecycle.in_flight)
+    await run_in_threadpool(ctx.usage.stop)
+
+
 def create_app(
     settings: Settings,
     *,
@@ -178,19 +187,16 @@ def create_app(
             yield
         finally:
             lifecycle.started = False
-            ctx.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
-            if blob_gc is not None:
-                await run_in_threadpool(blob_gc.stop)
-            shutdown = getattr(ctx.engine, "shutdown", None)
-            if shutdown is not None:
-                await run_in_threadpool(shutdown)
-            if ctx.usage is not None:  # last: every request has closed, so its usage is summed
-                # uvicorn cancels the requests its graceful shutdown left running and comes here
-                # without waiting: their runs close (and count their usage) a few loop turns later
-                if not await lifecycle.wait_idle(USAGE_SHUTDOWN_WAIT_SECONDS):
-                    log.error("usage accounting: %d request(s) still open at shutdown are not counted",
-                              lifecycle.in_flight)
-                await run_in_threadpool(ctx.usage.stop)
+            try:
+                ctx.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+                if blob_gc is not None:
+                    await run_in_threadpool(blob_gc.stop)
+                shutdown = getattr(ctx.engine, "shutdown", None)
+                if shutdown is not None:
+                    await run_in_threadpool(shutdown)
+            finally:  # the usage summed in memory is written even when a step above failed
+                if ctx.usage is not None:  # last: every request has closed, so its usage is summed
+                    await _stop_usage(ctx)
 
     routes = [
         Route("/health", health, methods=["GET"]),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import httpx
 
@@ -54,3 +53,23 @@ def test_requests_cancelled_at_shutdown_are_counted(tmp_path):
     totals = srv.registry.usage_report(tenant="acme").totals
     assert (totals["requests"], totals["failed_requests"], totals["failed_prompt_tokens"]) == (0, 1, prompt)
     assert 1 <= totals["failed_completion_tokens"] < 1000
+
+
+class FailingShutdownEngine(FakeEngine):
+    def shutdown(self) -> None:
+        raise RuntimeError("the accelerator is gone")
+
+
+def test_usage_is_written_when_the_engine_fails_to_shut_down(tmp_path):
+    # the engine's shutdown raising skipped the recorder's last flush: the usage summed since
+    # the last interval was lost with the process
+    srv = start_server(tmp_path, FailingShutdownEngine(), usage_flush_seconds=3600)
+    key = srv.make_tenant("acme")
+    with srv.tenant_client(key) as c:
+        r = c.post("/v1/completions", json={"model": "fake-model", "prompt": "ab", "max_tokens": 3})
+    assert r.status_code == 200
+    usage = r.json()["usage"]
+    srv.stop()
+    totals = srv.registry.usage_report(tenant="acme").totals
+    assert (totals["requests"], totals["prompt_tokens"], totals["completion_tokens"]) == \
+        (1, usage["prompt_tokens"], usage["completion_tokens"])
