@@ -4,10 +4,11 @@ minute (TPM), each a token bucket (token_bucket.py), checked at admission on thi
 A request costs one request and, in tokens, its prompt tokens (every prompt, after templating
 and truncation) plus ``max_tokens`` for each completion it may write (``n`` per prompt), which is
 what OpenAI reserves. When it ends, the part of ``max_tokens`` it did not use is given back, so
-the bucket holds what was really used; only as much as has not refilled since the admission,
-though (a request running past its minute gets back nothing: refill returned it already). A request is admitted only if both costs fit; otherwise
-nothing is taken and the answer is 429 ``rate_limit_exceeded`` with ``Retry-After`` (whole
-seconds until it would fit by refill alone; a give-back may let it in sooner).
+the bucket holds what it would hold had each request been charged only what it used (so a
+request that outlasts its minute gets nothing back: refill has returned its tokens already).
+A request is admitted only if both costs fit; otherwise nothing is taken and the answer is
+429 ``rate_limit_exceeded`` with ``Retry-After`` (whole seconds until it would fit by refill
+alone; a give-back may let it in sooner).
 
 A request larger than the whole per-minute token budget is a 400, not a 429: it can never fit,
 so a 429 would only send clients (OpenAI's SDKs retry 429s by themselves) into retries that must
@@ -56,9 +57,9 @@ class Reservation:
     tokens: int  # reserved from the token bucket (0 without a token limit)
     headers: dict[str, str] = field(default_factory=dict)  # OpenAI's x-ratelimit-* after the take
     settled: bool = False
-    # per kind, the bucket taken from and the take's mark: a give-back returns only what has not
-    # refilled since, and nothing into a bucket forgotten (full) and made anew
-    marks: dict[str, tuple[TokenBucket, tuple[float, float]]] = field(default_factory=dict)
+    # per kind, the bucket taken from and the take's id (TokenBucket.give_back caps what comes
+    # back); nothing goes into a bucket forgotten (full) and made anew
+    takes: dict[str, tuple[TokenBucket, int]] = field(default_factory=dict)
 
 
 class TenantRateLimiter:
@@ -88,14 +89,14 @@ class TenantRateLimiter:
                 limit, amount = wanted[kind]
                 used = self._buckets[(tenant, kind)].used
                 raise _rate_limited(tenant, kind, limit, used, amount, waits[kind], self._headers(tenant, wanted, now))
-            marks = {}
+            takes = {}
             for kind in waits:
                 limit, amount = wanted[kind]
                 bucket = self._buckets[(tenant, kind)]
-                marks[kind] = (bucket, bucket.take(amount, now, limit))
+                takes[kind] = (bucket, bucket.take(amount, now, limit))
             headers = self._headers(tenant, wanted, now)
         return Reservation(tenant, 1 if rpm is not None else 0, cost.total if tpm is not None else 0, headers,
-                           marks=marks)
+                           takes=takes)
 
     def finish(self, reservation: Reservation | None, used_tokens: int) -> None:
         """A request ended having used ``used_tokens`` (prompt plus completion): the rest of its
@@ -103,6 +104,7 @@ class TenantRateLimiter:
         if reservation is None or reservation.settled:
             return
         reservation.settled = True
+        self._give_back(reservation, REQUESTS, 0)  # a request that ran stays counted
         self._give_back(reservation, TOKENS, reservation.tokens - used_tokens)
 
     def cancel(self, reservation: Reservation | None) -> None:
@@ -122,13 +124,16 @@ class TenantRateLimiter:
     # --- internals -----------------------------------------------------------------------------
 
     def _give_back(self, reservation: Reservation, kind: str, amount: float) -> None:
-        if amount <= 0 or kind not in reservation.marks:
+        """Settle the reservation's take of ``kind``, returning ``amount`` of it (0: nothing)."""
+        if kind not in reservation.takes:
             return
-        taken_from, mark = reservation.marks[kind]
+        taken_from, take = reservation.takes[kind]
         with self._lock:
-            bucket = self._buckets.get((reservation.tenant, kind))
-            if bucket is taken_from:  # else it was forgotten when full: the take had refilled
-                bucket.give_back(amount, self.clock(), mark)
+            if amount <= 0:
+                taken_from.settle(take)
+            elif self._buckets.get((reservation.tenant, kind)) is taken_from:
+                taken_from.give_back(amount, self.clock(), take)
+            # else the bucket was forgotten when full: the take had refilled, nothing comes back
 
     def _bucket(self, tenant: str, kind: str, limit: int, now: float) -> TokenBucket:
         bucket = self._buckets.get((tenant, kind))

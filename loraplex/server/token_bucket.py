@@ -31,20 +31,27 @@ class TokenBucket:
         self.limit = limit
         self.used = 0.0
         self.updated = now
-        # all the refill since creation at the rates in force, whether or not the bucket was
-        # empty: how much of an earlier take has refilled since (``outstanding``)
-        self.refilled = 0.0
+        # per take not yet settled (``take`` -> ``give_back`` or ``settle``): the lowest ``used``
+        # has been since, which bounds what the take may still give back
+        self._low_since: dict[int, float] = {}
+        self._next_take = 0
 
     def _advance(self, now: float, limit: int) -> None:
         """Refill up to ``now`` at the rate of the limit the bucket had, then apply ``limit``."""
         elapsed = max(0.0, now - self.updated)  # a clock that steps back refills nothing
-        refill = elapsed * self.limit / SECONDS_PER_MINUTE
-        self.refilled += refill
-        self.used = max(0.0, self.used - refill)
+        self.used = max(0.0, self.used - elapsed * self.limit / SECONDS_PER_MINUTE)
         self.updated = max(self.updated, now)
         if limit != self.limit:
             self.limit = limit
             self.used = min(self.used, float(limit))
+        self._note_low()
+
+    def _note_low(self) -> None:
+        # ``used`` falls only by refill (linearly, between calls), give-backs and a lowered
+        # limit, so its lowest since a take is always seen here, at the end of one of those
+        for take, low in self._low_since.items():
+            if self.used < low:
+                self._low_since[take] = self.used
 
     def wait(self, cost: float, now: float, limit: int) -> float:
         """Seconds until ``cost`` fits (0: it fits now). A cost above the limit never fits: inf."""
@@ -56,29 +63,31 @@ class TokenBucket:
             return 0.0
         return over * SECONDS_PER_MINUTE / self.limit
 
-    def take(self, cost: float, now: float, limit: int) -> tuple[float, float]:
-        """Spend ``cost``, which ``wait`` said fits. Returns the take's mark for ``give_back``."""
+    def take(self, cost: float, now: float, limit: int) -> int:
+        """Spend ``cost``, which ``wait`` said fits. Returns the take's id, to be settled once
+        with ``give_back`` or ``settle``."""
         self._advance(now, limit)
         self.used = min(float(self.limit), self.used + cost)
-        return self.used, self.refilled
+        take, self._next_take = self._next_take, self._next_take + 1
+        self._low_since[take] = self.used
+        return take
 
-    def outstanding(self, mark: tuple[float, float], now: float) -> float:
-        """How much of the take ``mark`` came from has not refilled yet. Takes refill in the
-        order they were made: a take that left the bucket at ``level`` has refilled entirely
-        once ``level`` has refilled since."""
+    def give_back(self, amount: float, now: float, take: int | None = None) -> None:
+        """Settle ``take``, returning ``amount`` of it that was not used: as much of it as the
+        bucket would not have refilled anyway. Charged only what it used, the bucket would sit
+        ``amount`` lower, until refill empties it: from then on the two agree. So what comes
+        back is ``amount`` capped by the lowest the bucket has been since the take (a request
+        outlasting its minute gets nothing: refill has returned its tokens already). Never
+        below empty. Without ``take``: ``amount`` as it is (capped only by empty)."""
         self._advance(now, self.limit)
-        level, refilled_then = mark
-        return max(0.0, level - (self.refilled - refilled_then))
+        if take is not None:
+            amount = min(amount, self._low_since.pop(take, 0.0))  # unknown or settled: nothing
+        self.used = max(0.0, self.used - max(0.0, amount))
+        self._note_low()
 
-    def give_back(self, amount: float, now: float, mark: tuple[float, float] | None = None) -> None:
-        """Return ``amount`` spent earlier and not used; never below empty. With the take's
-        ``mark``, at most the part of that take that has not refilled yet: what refilled
-        already came back once, and giving it back again would let the tenant spend it twice
-        (a long request's unused max_tokens, returned after its minute has passed)."""
-        if mark is not None:
-            amount = min(amount, self.outstanding(mark, now))
-        self._advance(now, self.limit)
-        self.used = max(0.0, self.used - amount)
+    def settle(self, take: int) -> None:
+        """Settle ``take`` with nothing to give back."""
+        self._low_since.pop(take, None)
 
     def remaining(self, now: float, limit: int) -> float:
         self._advance(now, limit)
