@@ -220,8 +220,9 @@ class RequestRun:
 
     def token_cost(self) -> TokenCost:
         """What the tokens-per-minute limit reserves: every prompt token, and max_tokens for each
-        of the n completions of each prompt."""
-        return TokenCost(self.prompt_tokens, self.req.params.max_tokens, self.req.params.n * len(self.prompt_ids))
+        of the n completions of each prompt (``TokenCost.reserved``)."""
+        return TokenCost(self.prompt_tokens, self.req.params.max_tokens, self.req.params.n * len(self.prompt_ids),
+                         max_tokens_given=self.req.max_tokens_given)
 
     # --- admission ---------------------------------------------------------------------------
 

@@ -42,10 +42,20 @@ class TokenCost:
     prompt_tokens: int  # all prompts, as the engine will see them
     max_tokens: int  # per completion
     completions: int  # n per prompt, times the prompts
+    max_tokens_given: bool = True  # False: max_tokens defaulted to all the context leaves
 
     @property
     def total(self) -> int:
         return self.prompt_tokens + self.max_tokens * self.completions
+
+    def reserved(self, limit: int) -> int:
+        """What a tokens-per-minute bucket of ``limit`` reserves: the total; for a request whose
+        client set no max_tokens, at most one minute's budget (at least its prompt and one token
+        per completion). Reserving all the context would refuse every such request under any
+        limit below the context length, though most stop long before it."""
+        if self.max_tokens_given:
+            return self.total
+        return max(min(self.total, limit), self.prompt_tokens + self.completions)
 
 
 @dataclass
@@ -73,14 +83,15 @@ class TenantRateLimiter:
 
     def reserve(self, tenant: str, rpm: int | None, tpm: int | None, cost: TokenCost,
                 prompt_param: str = "prompt") -> Reservation | None:
-        """Take one request and ``cost.total`` tokens, or raise (taking nothing): 400 when the
-        cost exceeds ``tpm`` itself, 429 when it does not fit yet. None: the tenant has no limits."""
+        """Take one request and ``cost.reserved(tpm)`` tokens, or raise (taking nothing): 400 when
+        that exceeds ``tpm`` itself, 429 when it does not fit yet. None: the tenant has no limits."""
         if rpm is None and tpm is None:
             return None
-        wanted = {REQUESTS: (rpm, 1), TOKENS: (tpm, cost.total)}
+        tokens = cost.reserved(tpm) if tpm is not None else cost.total
+        wanted = {REQUESTS: (rpm, 1), TOKENS: (tpm, tokens)}
         with self._lock:
             now = self.clock()
-            if tpm is not None and cost.total > tpm:
+            if tpm is not None and tokens > tpm:
                 raise _too_large(tenant, tpm, cost, prompt_param)
             waits = {kind: self._bucket(tenant, kind, limit, now).wait(amount, now, limit)
                      for kind, (limit, amount) in wanted.items() if limit is not None}
@@ -95,7 +106,7 @@ class TenantRateLimiter:
                 bucket = self._buckets[(tenant, kind)]
                 takes[kind] = (bucket, bucket.take(amount, now, limit))
             headers = self._headers(tenant, wanted, now)
-        return Reservation(tenant, 1 if rpm is not None else 0, cost.total if tpm is not None else 0, headers,
+        return Reservation(tenant, 1 if rpm is not None else 0, tokens if tpm is not None else 0, headers,
                            takes=takes)
 
     def finish(self, reservation: Reservation | None, used_tokens: int) -> None:
@@ -169,8 +180,7 @@ def _rate_limited(tenant: str, kind: str, limit: int, used: float, requested: in
 
 def _too_large(tenant: str, limit: int, cost: TokenCost, prompt_param: str) -> APIError:
     prompt_fits = cost.prompt_tokens + cost.completions <= limit  # at least one token per completion
-    fix = ("reduce max_tokens" if prompt_fits else "the prompt alone is too large; shorten it") + \
-        " (a request without max_tokens reserves all the context leaves)"
+    fix = "reduce max_tokens" if prompt_fits else "the prompt alone is too large; shorten it"
     message = (f"Request too large for tenant {tenant} on tokens per min (TPM): Limit {limit}, Requested "
                f"{cost.total} ({cost.prompt_tokens} prompt tokens + max_tokens {cost.max_tokens} x "
                f"{cost.completions} completions). It can never fit this limit: {fix}.")

@@ -169,3 +169,16 @@ def test_a_give_back_after_part_of_the_minute_returns_what_is_left_of_the_take(l
     assert limiter.used("acme", TOKENS) == pytest.approx(10)
     clock.now += 3  # 5 more refilled: 5 of the give-back's take left; its 30 unused came back
     assert limiter.used("acme", TOKENS) == pytest.approx(5)
+
+
+def test_without_max_tokens_a_request_reserves_at_most_the_minute(limiter):
+    open_ended = TokenCost(30, 4000, 1, max_tokens_given=False)  # max_tokens defaulted to the context
+    reservation = limiter.reserve("acme", None, 100, open_ended)
+    assert reservation.tokens == 100 and limiter.used("acme", TOKENS) == 100
+    limiter.finish(reservation, 30 + 12)
+    assert limiter.used("acme", TOKENS) == 42  # charged what it used
+    err = _refused(limiter, "acme", None, 100, TokenCost(120, 4000, 1, max_tokens_given=False),
+                   prompt_param="messages")
+    assert (err.status, err.code, err.param) == (400, "request_too_large", "messages")  # the prompt alone
+    assert TokenCost(30, 4000, 2, max_tokens_given=False).reserved(20) == 32  # the prompt, a token each
+    assert TokenCost(30, 40, 1).reserved(50) == 70  # a given max_tokens is reserved whole

@@ -187,8 +187,6 @@ def test_a_token_limit_refuses_what_does_not_fit_and_admits_it_after_a_give_back
 
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", {"model": "fake-model", "prompt": "ab", "max_tokens": 49, "n": 2}, "max_tokens"),
-    # chat without max_tokens may write all the context leaves, and reserves it: 128 - 18
-    ("/v1/chat/completions", {"model": "fake-model", "messages": CHAT}, "max_tokens"),
     ("/v1/chat/completions", {"model": "fake-model", "messages": [{"role": "user", "content": "x" * 99}],
                               "max_tokens": 1}, "messages"),
     ("/v1/responses", {"model": "fake-model", "input": "hi", "max_output_tokens": 95}, "max_output_tokens"),
@@ -248,3 +246,20 @@ def test_a_request_the_concurrency_cap_refuses_gets_its_rate_reservation_back(sr
         assert first.result().status_code == 200
     assert second.status_code == 429 and "concurrent" in second.json()["error"]["message"]
     assert held == (1, PROMPT_TOKENS + 10)  # only the first request's reservation
+
+
+def test_chat_without_max_tokens_reserves_at_most_one_minute(srv):
+    # it may write all the context leaves (128 - its prompt, more than the limit of 100): it
+    # reserves the whole minute instead of being refused, and gives back what it did not use
+    ctx = srv.app.state.ctx
+    key = srv.make_tenant("open-chat")
+    _patch(srv, "open-chat", {"max_tokens_per_minute": 100})
+    body = {"model": "fake-model", "messages": CHAT, "stop": list(LETTERS.strip())}
+    with srv.tenant_client(key) as c:
+        first = c.post("/v1/chat/completions", json=body)
+        assert first.status_code == 200, first.text
+        assert first.headers["x-ratelimit-remaining-tokens"] == "0"  # the whole minute, at admission
+        usage = first.json()["usage"]
+        assert ctx.rate_limiter.used("open-chat", "tokens") == usage["prompt_tokens"] + usage["completion_tokens"]
+        second = c.post("/v1/chat/completions", json=body)  # needs a whole minute again: not yet
+    assert second.status_code == 429 and second.json()["error"]["code"] == "rate_limit_exceeded"
