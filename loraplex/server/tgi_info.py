@@ -28,7 +28,7 @@ from starlette.routing import Route
 import loraplex
 from loraplex.server.admission import authenticate
 from loraplex.server.context import AppContext
-from loraplex.server.errors import APIError, bad_request, from_exception
+from loraplex.server.errors import bad_request, from_exception
 from loraplex.server.limits import max_prompt_len
 from loraplex.server.protocol import _bool, _int
 from loraplex.server.tgi_protocol import parameters
