@@ -102,8 +102,8 @@ class Scheduler:
         self._insert_waiting(seq)
 
     def _insert_waiting(self, seq: Sequence) -> None:
-        # FCFS by arrival; a preempted sequence is older than anything that arrived after it,
-        # so it lands at (or near) the front
+        # kept in arrival order (the policy orders it at admission); a preempted sequence is
+        # older than anything that arrived after it, so it lands at (or near) the front
         if not self.waiting or seq.arrival_time >= self.waiting[-1].arrival_time:
             self.waiting.append(seq)
             return
@@ -165,7 +165,8 @@ class Scheduler:
             scheduled[seq.seq_id] = self._make_scheduled(seq, num_tokens)
             budget -= num_tokens
 
-        # 2. waiting, FCFS; adapter-blocked ones are skipped, KV-blocked stop admission.
+        # 2. waiting, in the policy's order; adapter-blocked ones are skipped, KV-blocked stop
+        # admission.
         # No admission in a step that had to preempt for KV: memory is short already.
         num_preempted += num_preempted_for_kv
         if num_preempted_for_kv == 0:
