@@ -88,9 +88,10 @@ async def metrics(request: Request) -> Response:
     return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
 
-def new_context(settings: Settings, *, engine=None, registry=None, adapters=None) -> AppContext:
+def new_context(settings: Settings, *, engine=None, registry=None, adapters=None,
+                tenant_limits: TenantLimitsCache | None = None) -> AppContext:
     """The routes' context on ``settings``, with whichever parts are given (the rest are set by
-    ``use_parts`` once built). An unknown ``tool_call_parser`` or ``reasoning_parser``, or a
+    ``use_parts`` once built). ``tenant_limits`` defaults to the registry's per-tenant settings. An unknown ``tool_call_parser`` or ``reasoning_parser``, or a
     ``chat_template`` that is neither a file nor a template that compiles, is a ValueError."""
     tool_parser = get_tool_parser(settings.tool_call_parser)
     chat_template = load_chat_template(settings.chat_template) if settings.chat_template else None
@@ -103,7 +104,8 @@ def new_context(settings: Settings, *, engine=None, registry=None, adapters=None
         served_model_name=settings.served_model_name or settings.model,
         metrics=ServerMetrics(settings.served_model_name or settings.model, settings.max_loras),
         limiter=TenantConcurrencyLimiter(settings.max_concurrent_requests_per_tenant),
-        tenant_limits=TenantLimitsCache(lambda name: ctx.registry.get_tenant(name), settings.registry_poll_seconds),
+        tenant_limits=tenant_limits or TenantLimitsCache(lambda name: ctx.registry.get_tenant(name),
+                                                         settings.registry_poll_seconds),
         lifecycle=Lifecycle(),
         tenant_auth=TenantAuth(lambda secret: ctx.registry.authenticate(secret), settings.registry_poll_seconds),
         admin_auth=AdminAuth(settings.admin_key, lambda secret: ctx.registry.check_admin_key(secret)),

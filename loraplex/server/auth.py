@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import threading
-import time
 from collections.abc import Callable
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from loraplex.server.errors import APIError, unauthorized
+from loraplex.server.expiring_cache import ExpiringCache
 
 
 def bearer_token(request: Request) -> str | None:
@@ -38,12 +37,7 @@ class TenantAuth:
 
     def __init__(self, authenticate: Callable[[str], str | None], cache_seconds: float = 1.0):
         self._authenticate = authenticate
-        self.cache_seconds = cache_seconds
-        self._cache: dict[str, tuple[str, float]] = {}  # sha256(key) -> (tenant, expires)
-        self._lock = threading.Lock()
-        # bumped by ``forget_all``: a lookup begun before it may have read a key since revoked,
-        # and caching that late answer would let the key in for ``cache_seconds`` more
-        self._generation = 0
+        self._tenants: ExpiringCache[str] = ExpiringCache(cache_seconds)  # keyed by sha256(key)
 
     async def tenant_for(self, request: Request, path_tenant: str | None = None) -> str:
         """The tenant the request's key belongs to; 401 when the key is missing, unknown,
@@ -51,31 +45,17 @@ class TenantAuth:
         secret = bearer_token(request)
         if secret is None:
             raise unauthorized("Missing API key: send `Authorization: Bearer <key>`.")
-        digest = _digest(secret)
-        now = time.monotonic()
-        with self._lock:
-            hit = self._cache.get(digest)
-            generation = self._generation
-        if hit is not None and hit[1] > now:
-            tenant = hit[0]
-        else:
-            tenant = await run_in_threadpool(self._authenticate, secret)
-            if tenant is None:
-                raise unauthorized()
-            with self._lock:
-                if len(self._cache) > 10_000:
-                    self._cache.clear()
-                if generation == self._generation:  # else a revoke came meanwhile: not cached
-                    self._cache[digest] = (tenant, now + self.cache_seconds)
+        tenant = await self._tenants.get_or_load(_digest(secret), lambda: self._authenticate(secret))
+        if tenant is None:
+            raise unauthorized()
         if path_tenant is not None and tenant != path_tenant:
             raise unauthorized("This API key is not valid for this tenant.")
         return tenant
 
     def forget_all(self) -> None:
-        """After a key is revoked through this replica: every key is looked up again."""
-        with self._lock:
-            self._cache.clear()
-            self._generation += 1
+        """After a key is revoked through this replica: every key is looked up again (a lookup
+        already under way when the key was revoked is not cached)."""
+        self._tenants.forget_all()
 
 
 class AdminAuth:

@@ -25,13 +25,14 @@ def build_batch_context(settings: Settings, modules: list, tenant: str | None, e
     from loraplex.server.batch_adapters import BatchAdapters
     from loraplex.server.tenant_limits import TenantLimitsCache
 
-    try:
-        ctx = new_context(settings)  # bad parser or chat template settings: before the model loads
-    except ValueError as exc:
-        raise SetupError(str(exc), 2) from None
     # an operator's per-tenant cap and weight are for sharing a server: a batch run owns its
     # engine, and its lines must not meet a 429 (its concurrency is --max-concurrency)
-    ctx.tenant_limits = TenantLimitsCache(lambda name: None)
+    no_tenant_limits = TenantLimitsCache(lambda name: None)
+    try:
+        # bad parser or chat template settings: before the model loads
+        ctx = new_context(settings, tenant_limits=no_tenant_limits)
+    except ValueError as exc:
+        raise SetupError(str(exc), 2) from None
     registry = _open_registry(settings, tenant) if tenant is not None else None
     if engine is None:
         engine = _load_engine(settings)

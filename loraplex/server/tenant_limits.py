@@ -10,15 +10,11 @@ the database out of the per-request path, as ``auth.TenantAuth`` does for keys.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
-
-MAX_CACHED_TENANTS = 10_000  # past this the cache starts over, bounding its memory
+from loraplex.server.expiring_cache import ExpiringCache
 
 
 @dataclass(frozen=True)
@@ -41,33 +37,19 @@ class TenantLimitsCache:
 
     def __init__(self, lookup: Callable[[str], Any], cache_seconds: float = 1.0):
         self._lookup = lookup
-        self.cache_seconds = cache_seconds
-        self._cache: dict[str, tuple[TenantLimits, float]] = {}  # name -> (limits, expires)
-        # bumped by ``forget``: a lookup begun before it may have read the old row, and caching
-        # that late answer would undo the forget for ``cache_seconds``
-        self._generation = 0
-        self._lock = threading.Lock()
+        self._limits: ExpiringCache[TenantLimits] = ExpiringCache(cache_seconds)
 
     async def get(self, tenant: str) -> TenantLimits:
-        now = time.monotonic()
-        with self._lock:
-            hit = self._cache.get(tenant)
-            generation = self._generation
-        if hit is not None and hit[1] > now:
-            return hit[0]
-        info = await run_in_threadpool(self._lookup, tenant)  # off the event loop: a database read
-        limits = DEFAULT_LIMITS if info is None else TenantLimits(
-            info.max_concurrent_requests, float(info.scheduling_weight),
-            info.max_requests_per_minute, info.max_tokens_per_minute)
-        with self._lock:
-            if generation == self._generation:  # else a forget came meanwhile: this row may be old
-                if len(self._cache) >= MAX_CACHED_TENANTS:
-                    self._cache.clear()
-                self._cache[tenant] = (limits, now + self.cache_seconds)
-        return limits
+        return await self._limits.get_or_load(tenant, lambda: _limits_of(self._lookup(tenant)))
 
     def forget(self, tenant: str) -> None:
-        """Drop one tenant's entry: its next request reads the registry."""
-        with self._lock:
-            self._cache.pop(tenant, None)
-            self._generation += 1
+        """Drop one tenant's entry: its next request reads the registry (a read already under
+        way is not cached, as it may have seen the old row)."""
+        self._limits.forget(tenant)
+
+
+def _limits_of(info) -> TenantLimits:
+    if info is None:
+        return DEFAULT_LIMITS
+    return TenantLimits(info.max_concurrent_requests, float(info.scheduling_weight),
+                        info.max_requests_per_minute, info.max_tokens_per_minute)
