@@ -160,30 +160,18 @@ class ModelSpec:
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"unsupported hidden_act {act!r} for {arch}; only silu (SwiGLU)")
-        num_heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        head_dim = cfg.get("head_dim") or hidden // num_heads
+        head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
         attention_bias = bool(cfg.get("attention_bias", False))  # Llama: on q, k, v and o
         if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
             raise UnsupportedModelError(f"sliding-window attention is not supported ({arch})")
         # Qwen2's window needs the flag; Mistral's and Phi-3's apply whenever set
         window = cfg.get("sliding_window") if arch in ("MistralForCausalLM", PHI3_ARCHITECTURE) else None
         max_positions = int(cfg.get("max_position_embeddings", 2048))
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise UnsupportedModelError(f"{arch}: sliding_window must be a positive integer or null, got {window!r}")
         return cls(
-            name=name,
-            architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            **common_spec_fields(cfg, arch, name),
             head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_positions,
             rope=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -192,9 +180,6 @@ class ModelSpec:
             qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             **(parse_multipliers(cfg, arch) if SUPPORTED_ARCHITECTURES[arch]["multipliers"] else {}),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             sliding_window=int(window) if window is not None and int(window) < max_positions else None,
         )
 
@@ -203,6 +188,27 @@ class ModelSpec:
         model_dir = Path(model_dir)
         cfg = json.loads((model_dir / "config.json").read_text())
         return cls.from_dict(cfg, name=name or model_dir.name)
+
+
+def common_spec_fields(cfg: dict[str, Any], arch: str, name: str) -> dict[str, Any]:
+    """The ``ModelSpec`` fields every supported family reads from the same keys with the same
+    defaults (Gemma's reader, gemma_config.py, adds its own defaults for the rest)."""
+    num_heads = int(cfg["num_attention_heads"])
+    eos = cfg.get("eos_token_id")
+    return dict(
+        name=name,
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+        checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+    )
 
 
 def _arch_from_model_type(model_type: str | None) -> str:

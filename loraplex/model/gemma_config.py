@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.model.config import RopeConfig, UnsupportedModelError, parse_rope
+from loraplex.model.config import RopeConfig, UnsupportedModelError, common_spec_fields, parse_rope
 
 GEMMA_VERSIONS = {"GemmaForCausalLM": 1, "Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 3}
 # transformers' names for gelu with the tanh approximation (ACT2FN), and the exact one
@@ -125,19 +125,9 @@ def gemma_spec_fields(cfg: dict[str, Any], arch: str, name: str) -> dict[str, An
     )
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise UnsupportedModelError(f"{arch}: attention_bias / mlp_bias are not part of Gemma")
-    num_heads = int(cfg["num_attention_heads"])
-    eos = cfg.get("eos_token_id")
     return dict(
-        name=name,
-        architecture=arch,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=num_heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        **common_spec_fields(cfg, arch, name),
         head_dim=int(cfg.get("head_dim") or 256),  # transformers' Gemma default, whatever hidden / heads
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings") or (131_072 if version == 3 else 8192)),
         rope=rope,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
@@ -146,7 +136,4 @@ def gemma_spec_fields(cfg: dict[str, Any], arch: str, name: str) -> dict[str, An
         embedding_multiplier=hidden**0.5,  # rounded to the model dtype where it is applied
         # Gemma 1: head_dim ** -0.5 (None); Gemma 2 and 3: query_pre_attn_scalar ** -0.5
         attention_multiplier=(_positive(cfg, "query_pre_attn_scalar", arch) or 256.0) ** -0.5 if version >= 2 else None,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
-        checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
     )
