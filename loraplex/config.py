@@ -98,6 +98,11 @@ class EngineConfig:
     # priority, then arrival;
     # "fcfs": arrival only (vLLM's default); "priority": priority, then arrival (vLLM's)
     scheduling_policy: str = "fair"
+    # vLLM's --generation-config (auto | vllm | a folder) and --override-generation-config (a
+    # JSON object or dict): sampling defaults of requests that leave them unset, checked and read
+    # when the engine is built (loraplex/generation_defaults.py)
+    generation_config: str = "auto"
+    override_generation_config: dict | str | None = None
     # where converted models (GGUF -> safetensors) are cached
     home: Path = dataclasses.field(default_factory=lambda: Path("~/.loraplex").expanduser())
 
@@ -143,6 +148,8 @@ class Settings(BaseSettings):
     max_disk_lora_bytes: int = 20 * GiB
     lora_starvation_steps: int = 64
     scheduling_policy: Literal["fair", "fcfs", "priority"] = "fair"  # see EngineConfig
+    generation_config: str = "auto"  # see EngineConfig; checked at start (cli.settings_from_args)
+    override_generation_config: str | None = None  # a JSON object, e.g. '{"temperature": 0.5}'
 
     # registry and storage
     database_url: str | None = None  # default: sqlite under home

@@ -22,6 +22,7 @@ from typing import Any
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.outputs import RequestOutput
+from loraplex.generation_defaults import SamplingDefaults
 from loraplex.sampling_params import SamplingParams
 
 logger = logging.getLogger("loraplex.engine")
@@ -86,6 +87,7 @@ class AsyncLLMEngine:
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
+        self.sampling_defaults = getattr(self.engine, "sampling_defaults", None) or SamplingDefaults()
         # (run, fail): ``run`` on the engine thread; ``fail(exc)`` if the loop stops first
         self._commands: deque[tuple[Callable[[], None], Callable[[BaseException], None]]] = deque()
         self._lock = threading.Lock()  # guards _commands against a concurrent shutdown

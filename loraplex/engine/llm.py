@@ -60,8 +60,9 @@ class LLM:
     """Generate for a batch of prompts with one engine (vLLM's ``LLM`` interface).
 
     Engine options are ``EngineConfig`` fields under vLLM's names (``max_num_seqs``,
-    ``max_num_batched_tokens``, ``block_size``, ``max_model_len``, ``max_loras``, ...); an unknown
-    option is a ``TypeError`` that names it.
+    ``max_num_batched_tokens``, ``block_size``, ``max_model_len``, ``max_loras``,
+    ``generation_config``, ``override_generation_config``, ...); an unknown option is a
+    ``TypeError`` that names it.
     """
 
     def __init__(self, model: str | None = None, dtype: str | None = None, **options):
@@ -77,6 +78,12 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: a new ``SamplingParams`` holding the defaults ``generation_config`` gives
+        (the model's ``generation_config.json`` under ``"auto"``, see loraplex/generation_defaults.py);
+        ``generate`` and ``chat`` use it when given no params."""
+        return self.engine.sampling_defaults.sampling_params()
 
     def add_adapter(self, name: str, path: str) -> str:
         """Register a PEFT directory under ``name``; returns its content hash."""
@@ -124,7 +131,8 @@ class LLM:
                  priority: list[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order.
 
-        ``params``: one ``SamplingParams`` for all, or one per prompt. ``adapters``: None, or one
+        ``params``: one ``SamplingParams`` for all, or one per prompt; None:
+        ``get_default_sampling_params()``. ``adapters``: None, or one
         entry per prompt (None = base model, a registered name, or a PEFT directory path).
         ``lora_request``: vLLM's form of the same, one ``LoRARequest`` for all or one per prompt.
         ``sampling_params`` is vLLM's name for ``params``; ``use_tqdm`` (vLLM's progress bar) is
@@ -138,7 +146,7 @@ class LLM:
             adapters = _adapters_of(lora_request, len(_normalize_prompts(prompts)))
         items = _normalize_prompts(prompts)
         if params is None:
-            params_list = [SamplingParams()] * len(items)
+            params_list = [self.get_default_sampling_params()] * len(items)
         elif isinstance(params, SamplingParams):
             params_list = [params] * len(items)
         else:

@@ -9,6 +9,7 @@ import itertools
 import logging
 from typing import Any
 
+from loraplex import generation_defaults
 from loraplex.config import EngineConfig
 from loraplex.engine.admission_order import check_priority, check_tenant_weight
 from loraplex.engine.block_manager import BlockManager
@@ -58,6 +59,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, runner=None, lora_manager=None):
         self.config = config
+        # a bad override is refused before the model is loaded
+        generation_defaults.check_options(config.generation_config, config.override_generation_config)
         if runner is None:
             from loraplex.engine.model_runner import ModelRunner
 
@@ -66,6 +69,9 @@ class LLMEngine:
         self.tokenizer = runner.tokenizer
         self._fast_decode = backend_decoder(self.tokenizer)
         self.model_name = runner.model_name
+        # what a request that leaves temperature, top_p, ... unset gets (vLLM's --generation-config)
+        self.sampling_defaults = generation_defaults.resolve(
+            config.generation_config, getattr(runner, "model_dir", None), config.override_generation_config)
         kv_capacity = runner.num_blocks * runner.block_size
         self.max_model_len = min(runner.max_model_len, kv_capacity)
         if self.max_model_len < runner.max_model_len:
@@ -117,6 +123,9 @@ class LLMEngine:
             cfg.enable_prefix_caching, cfg.max_loras, cfg.max_lora_rank, self._host_budget(),
             "on" if self.lora_manager is not None else "off",
         )
+        if self.sampling_defaults:  # as vLLM warns: outputs differ from the library defaults
+            logger.warning("default sampling parameters of requests that leave them unset: %s; "
+                           "--generation-config vllm turns this off", self.sampling_defaults.describe())
 
     def _host_budget(self):
         """The host cache's budget as built (``max_cpu_loras`` becomes bytes only here)."""

@@ -24,6 +24,8 @@ import typing
 from pathlib import Path
 
 from loraplex.config import SCHEDULING_POLICIES, Settings
+from loraplex.generation_defaults import GenerationConfigError
+from loraplex.generation_defaults import check_options as check_generation_options
 from loraplex.server import vllm_flags
 from loraplex.server.reasoning_parsers import REASONING_PARSERS
 from loraplex.server.tool_parsers import TOOL_PARSERS
@@ -91,7 +93,8 @@ def add_settings_flags(parser: argparse.ArgumentParser, skip: frozenset[str] = f
 def settings_from_args(args: argparse.Namespace, **fixed) -> Settings:
     """Settings from the environment and the flags (and ``fixed``, which win over both); raises
     ``VllmFlagError`` for a vLLM flag loraplex refuses, pydantic's ``ValidationError`` for values
-    no setting takes. vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is read here, at the entry
+    no setting takes, ``GenerationConfigError`` for generation config options that cannot be
+    used. vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is read here, at the entry
     point (and ``VLLM_API_KEY`` in ``run_serve``), as vLLM reads them."""
     overrides = {
         name: getattr(args, name)
@@ -100,6 +103,9 @@ def settings_from_args(args: argparse.Namespace, **fixed) -> Settings:
     }
     settings = Settings(**{**vllm_flags.translate(args, overrides, os.environ), **fixed})
     vllm_flags.check(args, settings)
+    # before anything starts: the override, and a --generation-config folder's file (the model's
+    # own file is read, and checked, when the engine loads the model)
+    check_generation_options(settings.generation_config, settings.override_generation_config)
     return settings
 
 
@@ -109,7 +115,7 @@ def settings_or_error(args: argparse.Namespace, command: str = "serve", **fixed)
 
     try:
         return settings_from_args(args, **fixed)
-    except vllm_flags.VllmFlagError as exc:
+    except (vllm_flags.VllmFlagError, GenerationConfigError) as exc:
         message = str(exc)
     except ValidationError as exc:
         message = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())

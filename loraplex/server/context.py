@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.config import Settings
+from loraplex.generation_defaults import SamplingDefaults
 from loraplex.server.auth import AdminAuth, TenantAuth
 from loraplex.server.lifecycle import Lifecycle
 from loraplex.server.limits import TenantConcurrencyLimiter
@@ -54,6 +55,11 @@ class AppContext:
     @property
     def max_model_len(self) -> int:
         return int(self.engine.max_model_len)
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The engine's defaults for sampling fields a request leaves unset (--generation-config)."""
+        return getattr(self.engine, "sampling_defaults", None) or SamplingDefaults()
 
     async def run_tokenizer(self, fn, *args):
         """``fn(*args)`` (chat rendering, tokenizing, decoding) on the tokenizer thread. Encoding a

@@ -359,7 +359,8 @@ def log_refused(kind: str, tenant: str | None, model: str | None, status: int, a
 
 
 def prepare(ctx: AppContext, req: GenerationRequest, prompt_ids: list[list[int]]) -> None:
-    """Check limits for every prompt; sets max_tokens where the request left it open. Token ids
+    """Check limits for every prompt; sets max_tokens where the request left it open (to the
+    server's default when it has one, never more than the context leaves). Token ids
     in the sampling options are checked here too, so a stream never starts with a request the
     engine would refuse."""
     check_token_ids_in_vocab(req.params, vocab_size(ctx))  # an InvalidRequestError is a 400 naming the field
@@ -373,8 +374,10 @@ def prepare(ctx: AppContext, req: GenerationRequest, prompt_ids: list[list[int]]
                 n=req.params.n, max_model_len=ctx.max_model_len, max_prompt_tokens=s.max_prompt_tokens, max_n=s.max_n,
             )
         )
-    if not req.max_tokens_given:
-        req.params.max_tokens = min(effective)
+    if not req.max_tokens_given:  # the server's default (generation config), if any, capped by the context
+        room = min(effective)
+        default = req.params.max_tokens
+        req.params.max_tokens = room if default is None else min(default, room)
         if req.params.min_tokens > req.params.max_tokens:
             raise bad_request("`min_tokens` exceeds what the context leaves", param="min_tokens")
 

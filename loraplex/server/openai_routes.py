@@ -31,7 +31,7 @@ class OpenAIAdmission(Admission):
         self._parse = parse
 
     def parse(self, ctx: AppContext, body) -> GenerationRequest:
-        req = self._parse(body)
+        req = self._parse(body, ctx.sampling_defaults)
         chat_output.check_request(ctx, req)  # "auto" tool choice needs the server's tool-call parser
         return req
 

@@ -9,6 +9,11 @@ and ``guided_*`` ...) are accepted under vLLM's names so clients written for vLL
 structured output fields are read by structured_fields.py, tools and tool choice by
 tool_calls.py, the prompt-side fields (chat template options, ``truncate_prompt_tokens``,
 ``add_special_tokens``) by prompt_fields.py.
+
+A sampling field left out or null (``temperature``, ``top_p``, ``top_k``, ``min_p``,
+``repetition_penalty``, an open ``max_tokens``) takes the server's default where it has one
+(``SamplingDefaults``: the model's generation config, vLLM's ``--generation-config``), else the
+library's; absent and null are the same, as in vLLM's request models.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import re
 from dataclasses import dataclass, field
 
 from loraplex.engine.admission_order import PRIORITY_LIMIT
+from loraplex.generation_defaults import SamplingDefaults
 from loraplex.sampling_params import InvalidRequestError, SamplingParams
 from loraplex.server.chat_output import REASONING_FIELDS
 from loraplex.server.errors import bad_request
@@ -46,7 +52,9 @@ class GenerationRequest:
     top_logprobs: int = 0
     echo: bool = False
     prompt_logprobs: int | None = None  # vLLM's field: report the prompt's logprobs (top N)
-    max_tokens_given: bool = False  # False: max_tokens defaults to what the context leaves
+    # False: max_tokens is the server's default (params.max_tokens, None if none) capped by what
+    # the context leaves (generation.prepare)
+    max_tokens_given: bool = False
     user: str | None = None
     prompt_options: PromptOptions = field(default_factory=PromptOptions)  # template, truncation, special tokens
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
@@ -198,18 +206,20 @@ def _prompt_logprobs(body: dict, stream: bool) -> int | None:
     return n
 
 
-def _sampling(body: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, defaults: SamplingDefaults) -> SamplingParams:
     """The sampling fields common to both endpoints, checked for type here and for range by
-    SamplingParams (its InvalidRequestError already names the field)."""
+    SamplingParams (its InvalidRequestError already names the field). A field left out or null
+    takes the server's default (``defaults``: the model's generation config, as vLLM), else the
+    library's."""
     kwargs = dict(
         n=_int(body, "n", 1, lo=1),
         max_tokens=max_tokens,
         min_tokens=_int(body, "min_tokens", 0, lo=0),
-        temperature=_num(body, "temperature", 1.0, lo=0.0, hi=2.0),
-        top_p=_num(body, "top_p", 1.0, lo=0.0, hi=1.0),
-        top_k=_int(body, "top_k", 0, lo=-1),
-        min_p=_num(body, "min_p", 0.0, lo=0.0, hi=1.0),
-        repetition_penalty=_num(body, "repetition_penalty", 1.0),
+        temperature=_num(body, "temperature", defaults.get("temperature", 1.0), lo=0.0, hi=2.0),
+        top_p=_num(body, "top_p", defaults.get("top_p", 1.0), lo=0.0, hi=1.0),
+        top_k=_int(body, "top_k", defaults.get("top_k", 0), lo=-1),
+        min_p=_num(body, "min_p", defaults.get("min_p", 0.0), lo=0.0, hi=1.0),
+        repetition_penalty=_num(body, "repetition_penalty", defaults.get("repetition_penalty", 1.0)),
         presence_penalty=_num(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         frequency_penalty=_num(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         seed=_int(body, "seed", None),
@@ -327,18 +337,31 @@ def _priority(body: dict) -> int:
 # --- the two endpoints ------------------------------------------------------------------------
 
 
-def parse_completion_request(body) -> GenerationRequest:
+def _open_max_tokens(given: int | None, defaults: SamplingDefaults) -> tuple[int | None, bool]:
+    """``(max_tokens, given)``: the request's own (under the operator's ceiling), else the
+    server's default, which ``generation.prepare`` caps by what the context leaves."""
+    if given is not None:
+        return defaults.capped(given), True
+    return defaults.max_tokens, False
+
+
+def parse_completion_request(body, defaults: SamplingDefaults | None = None) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
+    defaults = defaults or SamplingDefaults()
     model = _model(body)
     refuse_unsupported(body, "completion")
     prompts = _prompts(body)
-    max_tokens = _int(body, "max_tokens", None, lo=1)
+    # absent: OpenAI's (and vLLM's) 16; an explicit null leaves it open, as vLLM's
+    # CompletionRequest (max_tokens: int | None = 16): the server's default, else the context
+    max_tokens, max_tokens_given = _open_max_tokens(_int(body, "max_tokens", None, lo=1), defaults)
+    if "max_tokens" not in body:
+        max_tokens, max_tokens_given = defaults.capped(16), True
     logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     stream, include_usage, continuous_usage = _stream(body)
     echo = _bool(body, "echo", False)
     prompt_logprobs = _prompt_logprobs(body, stream)
-    params = _sampling(body, max_tokens if max_tokens is not None else 16, logprobs)
+    params = _sampling(body, max_tokens, logprobs, defaults)
     params.structured_outputs = parse_structured_output(body)
     # echo with logprobs lists the prompt tokens' logprobs before the completion's (OpenAI)
     wanted = [n for n in (prompt_logprobs, logprobs if echo else None) if n is not None]
@@ -358,27 +381,29 @@ def parse_completion_request(body) -> GenerationRequest:
         prompt_logprobs=prompt_logprobs,
         prompt_options=parse_prompt_options(body, "completion"),
         priority=_priority(body),
-        max_tokens_given=True,  # OpenAI's completions default is 16
+        max_tokens_given=max_tokens_given,
         user=body.get("user") if isinstance(body.get("user"), str) else None,
     )
 
 
-def parse_chat_request(body) -> GenerationRequest:
+def parse_chat_request(body, defaults: SamplingDefaults | None = None) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
+    defaults = defaults or SamplingDefaults()
     model = _model(body)
     refuse_unsupported(body, "chat")
     messages = _messages(body)
     max_tokens = _int(body, "max_completion_tokens", None, lo=1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", None, lo=1)
+    max_tokens, max_tokens_given = _open_max_tokens(max_tokens, defaults)
     want_logprobs = _bool(body, "logprobs", False)
     top_logprobs = _int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     if top_logprobs is not None and not want_logprobs:
         raise bad_request("`top_logprobs` requires `logprobs` to be true", param="top_logprobs")
     stream, include_usage, continuous_usage = _stream(body)
     prompt_logprobs = _prompt_logprobs(body, stream)
-    params = _sampling(body, max_tokens, (top_logprobs or 0) if want_logprobs else None)
+    params = _sampling(body, max_tokens, (top_logprobs or 0) if want_logprobs else None, defaults)
     tools = parse_tools(body)
     params.structured_outputs = parse_structured_output(body)
     if tools.constraint is not None:
@@ -404,7 +429,7 @@ def parse_chat_request(body) -> GenerationRequest:
         return_tokens_as_token_ids=bool(_bool(body, "return_tokens_as_token_ids", False)),
         logprobs=want_logprobs,
         top_logprobs=top_logprobs or 0,
-        max_tokens_given=max_tokens is not None,
+        max_tokens_given=max_tokens_given,
         priority=_priority(body),
         user=body.get("user") if isinstance(body.get("user"), str) else None,
     )

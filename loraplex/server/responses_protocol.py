@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from loraplex.generation_defaults import SamplingDefaults
 from loraplex.server.errors import APIError, bad_request
 from loraplex.server.protocol import GenerationRequest, parse_chat_request
 
@@ -111,7 +112,7 @@ def renamed(exc: APIError) -> APIError:
     return APIError(exc.status, message, param=param, code=exc.code, type=exc.type, headers=exc.headers)
 
 
-def parse_responses_request(body) -> ResponsesRequest:
+def parse_responses_request(body, defaults: SamplingDefaults | None = None) -> ResponsesRequest:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     for name, (accepted, why) in REFUSED_FIELDS.items():
@@ -138,7 +139,7 @@ def parse_responses_request(body) -> ResponsesRequest:
     if store is not None and not isinstance(store, bool):
         raise bad_request("`store` must be a boolean", param="store")
     try:
-        req = parse_chat_request(chat)
+        req = parse_chat_request(chat, defaults)
     except APIError as exc:
         raise renamed(exc) from None
     echo = {  # the request's settings, as OpenAI's response object repeats them

@@ -33,7 +33,7 @@ class ResponsesAdmission(Admission):
     endpoint = "responses"
 
     def parse(self, ctx: AppContext, body) -> GenerationRequest:
-        req = parse_responses_request(body)
+        req = parse_responses_request(body, ctx.sampling_defaults)
         try:
             chat_output.check_request(ctx, req)  # "auto" tool choice needs the server's tool-call parser
         except APIError as exc:
