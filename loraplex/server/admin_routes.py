@@ -327,6 +327,8 @@ async def status(request: Request) -> Response:
         "engine": _jsonable(stats),
         "adapter_names": dict(ctx.adapter_display),
         "usage_accounting": None if ctx.usage is None else ctx.usage.stats(),  # None: off
+        # what requests leaving sampling fields unset get (--generation-config); {} : the library's
+        "sampling_defaults": ctx.sampling_defaults.to_dict() if ctx.sampling_defaults else {},
     }
     return JSONResponse(body)
 
