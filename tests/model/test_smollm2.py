@@ -63,3 +63,17 @@ def test_capital_of_france(smollm2_home):
     prompt = chat_ids(llm.get_tokenizer(), QUESTION)
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24))[0]
     assert "Paris" in out.text, out.text
+
+
+def test_the_default_model_brings_no_sampling_defaults(smollm2_home):
+    """--generation-config auto on the quickstart's model: the generation config the GGUF
+    conversion writes (transformers' from the model config) sets no sampling field, so requests
+    sample with the library's defaults, as before."""
+    from transformers import GenerationConfig
+
+    from loraplex.generation_defaults import resolve
+
+    model_dir, _ = resolve_model_dir("smollm2", smollm2_home)
+    hf = GenerationConfig.from_pretrained(model_dir)
+    assert [hf.temperature, hf.top_p, hf.top_k, hf.min_p, hf.repetition_penalty, hf.max_new_tokens] == [None] * 6
+    assert not resolve("auto", model_dir)
