@@ -10,6 +10,10 @@ LoRAX's field names and meanings (predibase/lorax ``router/src/lib.rs`` ``Genera
   1 and 0, ``top_k``, ``top_p`` < 1); ``temperature: 0`` is greedy even with ``do_sample``.
   A sampled request without ``seed`` gets a random one, reported in ``details.seed`` (null when
   greedy), so passing it back gives the same text.
+- These defaults are LoRAX's own: ``--generation-config`` (the model's sampling defaults, an
+  OpenAI-route notion from vLLM) does not apply here, as neither LoRAX nor TGI reads sampling
+  defaults from ``generation_config.json`` and an unset field here means greedy, not "the
+  library's default".
 - ``max_new_tokens`` defaults to what the context leaves; stop sequences stay in the text
   (TGI's rule), so the text ends with the stop sequence that ended it.
 - ``details`` (default false) asks for per-token ids, texts and logprobs;
