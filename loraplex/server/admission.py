@@ -18,6 +18,7 @@ from loraplex.server.generation import RequestRun, Target, log_refused, prepare,
 from loraplex.server.limits import read_json
 from loraplex.server.protocol import GenerationRequest
 from loraplex.server.reasoned_constraints import set_boundary
+from loraplex.server.request_ids import RequestIds, request_ids
 from loraplex.server.shapes import new_id
 
 
@@ -79,21 +80,25 @@ async def admit(request: Request, ctx: AppContext, steps: Admission, arrival: fl
     """The admitted run of an HTTP request: its key's tenant and its JSON body, then
     ``admit_body``. A refusal is raised as it came, after its access line is written."""
     tenant = None
+    ids = request_ids(request)
     try:
         tenant = await authenticate(ctx, request)
         body = await read_json(request, ctx.settings.max_body_bytes)
     except Exception as exc:
-        log_refused(steps.endpoint, tenant, None, steps.refused_status(from_exception(exc, log_unknown=False)), arrival)
+        status = steps.refused_status(from_exception(exc, log_unknown=False))
+        log_refused(steps.endpoint, tenant, None, status, arrival, ids)
         raise
-    return await admit_body(ctx, tenant, body, steps, arrival)
+    return await admit_body(ctx, tenant, body, steps, arrival, ids)
 
 
-async def admit_body(ctx: AppContext, tenant: str, body, steps: Admission, arrival: float) -> RequestRun:
+async def admit_body(ctx: AppContext, tenant: str, body, steps: Admission, arrival: float,
+                     ids: RequestIds | None = None) -> RequestRun:
     """The admitted run of ``tenant``'s parsed JSON ``body`` (a route after authentication, or a
     line of a batch file), holding the adapter version, a drain slot and a tenant slot until its
     ``close``, under the tenant's own cap when an operator set one. A refusal is raised as it
     came (an unknown exception is left for the caller to log), after its access line is written
-    and whatever was taken is given back."""
+    and whatever was taken is given back. ``ids`` are the HTTP request's (request_ids.py): once
+    admitted, the run's id is the one its response headers carry."""
     model = None
     try:
         limits = await ctx.tenant_limits.get(tenant)  # before anything is held: a failure leaks nothing
@@ -108,13 +113,16 @@ async def admit_body(ctx: AppContext, tenant: str, body, steps: Admission, arriv
         except BaseException:
             release_target(ctx, target)
             raise
-        run = RequestRun(ctx, tenant, target, req, prompt_ids, steps.request_id(req), arrival, limits)
+        run = RequestRun(ctx, tenant, target, req, prompt_ids, steps.request_id(req), arrival, limits,
+                         client_request_id=ids.client if ids else None)
         try:
             run.admit()  # on refusal (503/429/400) it has released everything
         except APIError as err:
             raise steps.named(err) from None
     except Exception as exc:
         status = steps.refused_status(from_exception(exc, log_unknown=False))
-        log_refused(steps.endpoint, tenant, model, status, arrival)
+        log_refused(steps.endpoint, tenant, model, status, arrival, ids)
         raise
+    if ids is not None:
+        ids.server = run.request_id  # the response's own id, in its header and its access line
     return run

@@ -45,6 +45,7 @@ from loraplex.server.lifecycle import Lifecycle
 from loraplex.server.limits import BodySizeLimitMiddleware, TenantConcurrencyLimiter
 from loraplex.server.metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
 from loraplex.server.reasoning_parsers import get_reasoning_parser
+from loraplex.server.request_ids import RequestIdMiddleware
 from loraplex.server.tenant_limits import TenantLimitsCache
 from loraplex.server.tool_parsers import get_tool_parser
 from loraplex.server.uploads import sweep_stale_staging
@@ -223,5 +224,6 @@ def create_app(
     app = Starlette(routes=routes, exception_handlers=exception_handlers(), lifespan=lifespan)
     app.state.ctx = ctx
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestIdMiddleware)  # outside the body-size check: its 413s carry the id too
     app.add_middleware(HttpMetricsMiddleware, metrics=ctx.metrics)
     return app

@@ -14,6 +14,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from loraplex.sampling_params import InvalidRequestError
+from loraplex.server.request_ids import request_ids
 
 log = logging.getLogger("loraplex.server")
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request": logs and metrics only
@@ -80,8 +81,9 @@ def unauthorized(message: str = "Invalid or missing API key.") -> APIError:
     return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-def from_exception(exc: Exception, *, log_unknown: bool = True) -> APIError:
-    """Map an exception raised below the server onto an APIError (unknown ones: 500, logged)."""
+def from_exception(exc: Exception, *, log_unknown: bool = True, request_id: str | None = None) -> APIError:
+    """Map an exception raised below the server onto an APIError (unknown ones: 500, logged with
+    ``request_id``, the request's ``x-request-id``, where given)."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequestError):  # a transient refusal says so (AdapterBusyError: 409)
@@ -105,12 +107,17 @@ def from_exception(exc: Exception, *, log_unknown: bool = True) -> APIError:
     if type(exc).__name__.startswith("Blob"):
         return APIError(502, str(exc), type="server_error", code="blob_store_error")
     if log_unknown:
-        log.error("internal error", exc_info=exc)
+        log.error("internal error%s", f" (request {request_id})" if request_id else "", exc_info=exc)
     return APIError(500, "Internal server error.", type="server_error", code="internal_error")
 
 
 async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    return from_exception(exc).response()
+    ids = request_ids(request)
+    response = from_exception(exc, request_id=ids.server).response()
+    # an unknown exception's 500 is sent by Starlette's outermost middleware, past
+    # RequestIdMiddleware: the ids go on here
+    response.headers.update(ids.headers())
+    return response
 
 
 async def http_exception_handler(request: Request, exc: HTTPException) -> JSONResponse:

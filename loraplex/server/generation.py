@@ -27,6 +27,7 @@ from loraplex.server.errors import APIError, bad_request, model_not_found
 from loraplex.server.limits import check_generation_limits
 from loraplex.server.prompt_fields import PromptOptions
 from loraplex.server.rate_limits import TokenCost
+from loraplex.server.request_ids import RequestIds
 from loraplex.server.protocol import GenerationRequest
 from loraplex.server.template_guard import render_limited
 from loraplex.server.tenant_limits import DEFAULT_LIMITS, TenantLimits
@@ -192,7 +193,7 @@ class RequestRun:
 
     def __init__(self, ctx: AppContext, tenant: str, target: Target, req: GenerationRequest,
                  prompt_ids: list[list[int]], request_id: str, arrival: float,
-                 limits: TenantLimits = DEFAULT_LIMITS):
+                 limits: TenantLimits = DEFAULT_LIMITS, client_request_id: str | None = None):
         self.ctx = ctx
         self.tenant = tenant
         self.limits = limits  # the tenant's cap and scheduling weight when it was admitted
@@ -200,7 +201,9 @@ class RequestRun:
         self.req = req
         self.prompt_ids = prompt_ids
         self.request_id = request_id
+        self.client_request_id = client_request_id  # logged only: no key inside the server
         self.arrival = arrival
+        # the server's own id: unique whatever X-Request-Id two clients send
         self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompt_ids))]
         self.prompt_tokens = sum(len(p) for p in prompt_ids)
         self.completion_tokens = 0
@@ -305,7 +308,7 @@ class RequestRun:
         path = getattr(self.target.adapter, "path", None)
         if not path or path not in str(exc):
             return exc
-        access_log.warning("adapter %s failed to load: %s", self.target.label, exc)
+        access_log.warning("adapter %s failed to load (request %s): %s", self.target.label, self.request_id, exc)
         return type(exc)(str(exc).replace(path, "<adapter files>"), param=exc.param, code=exc.code)
 
     def close(self, status: int) -> None:
@@ -333,6 +336,7 @@ class RequestRun:
         record = {
             "event": "request",
             "request_id": self.request_id,
+            "client_request_id": self.client_request_id,
             "tenant": self.tenant,
             "endpoint": self.req.endpoint,
             "stream": self.req.stream,
@@ -348,10 +352,13 @@ class RequestRun:
         access_log.info(json.dumps(record, separators=(",", ":")))
 
 
-def log_refused(kind: str, tenant: str | None, model: str | None, status: int, arrival: float) -> None:
-    """The access line of a request refused before it reached the engine."""
+def log_refused(kind: str, tenant: str | None, model: str | None, status: int, arrival: float,
+                ids: RequestIds | None = None) -> None:
+    """The access line of a request refused before it reached the engine; ``ids`` are the HTTP
+    request's (request_ids.py; none for a batch file's line)."""
     record = {
-        "event": "request", "request_id": None, "tenant": tenant, "endpoint": kind, "model": model,
+        "event": "request", "request_id": ids.server if ids else None,
+        "client_request_id": ids.client if ids else None, "tenant": tenant, "endpoint": kind, "model": model,
         "adapter": None, "version": None, "prompt_tokens": 0, "completion_tokens": 0, "ttft_s": None,
         "duration_s": round(time.monotonic() - arrival, 4), "finish_reason": None, "status": status,
     }

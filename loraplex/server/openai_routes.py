@@ -60,7 +60,7 @@ async def generate(request: Request, steps: Admission, answer=None, events=None)
         run.close(CLIENT_CLOSED)
         return Response(status_code=CLIENT_CLOSED)
     except Exception as exc:  # an error answer of an admitted request carries the headers too
-        err = from_exception(exc)
+        err = from_exception(exc, request_id=run.request_id)
         err.headers = {**headers, **err.headers}
         raise err from None
     return JSONResponse(body, headers=headers)
@@ -151,7 +151,7 @@ async def _stream_events(run: RequestRun, shaper: ResponseShaper):
             async for chunk in chunks(run, shaper):
                 yield sse_event(chunk)
         except Exception as exc:  # headers are out: report in-band, as vLLM does
-            err = from_exception(exc)
+            err = from_exception(exc, request_id=run.request_id)
             status = err.status
             yield sse_event(err.body())
             yield DONE

@@ -78,7 +78,7 @@ async def _events(run: RequestRun, shaper: ResponseShaper):
                 for event in stream.feed(chunk):
                     yield sse(event)
         except Exception as exc:  # headers are out: report in-band
-            err = from_exception(exc)
+            err = from_exception(exc, request_id=run.request_id)
             status = err.status
             for event in stream.failed(err.message):
                 yield sse(event)

@@ -31,6 +31,7 @@ from loraplex.server.context import AppContext
 from loraplex.server.errors import bad_request, from_exception
 from loraplex.server.limits import max_prompt_len
 from loraplex.server.protocol import _bool, _int
+from loraplex.server.request_ids import request_ids
 from loraplex.server.tgi_protocol import parameters
 from loraplex.server.tgi_routes import error_response
 
@@ -73,7 +74,7 @@ async def info(request: Request) -> Response:
         tenant = await authenticate(ctx, request)
         limits = await ctx.tenant_limits.get(tenant)
     except Exception as exc:
-        return error_response(from_exception(exc))
+        return error_response(from_exception(exc, request_id=request_ids(request).server))
     return JSONResponse(info_body(ctx, limits.max_concurrent_requests))
 
 
@@ -110,7 +111,7 @@ async def tokenize(request: Request, ctx: AppContext, body: dict) -> Response:
             return JSONResponse({"error": "No fast tokenizer or tokenizer.json for this model",
                                  "error_type": "no fast tokenizer"}, status_code=404)
     except Exception as exc:
-        return error_response(from_exception(exc))
+        return error_response(from_exception(exc, request_id=request_ids(request).server))
     return JSONResponse(tokens)
 
 

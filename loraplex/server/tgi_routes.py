@@ -34,6 +34,7 @@ from loraplex.server.context import AppContext
 from loraplex.server.errors import CLIENT_CLOSED, APIError, from_exception
 from loraplex.server.generation import RequestRun, prepare, tokenize_prompts
 from loraplex.server.protocol import GenerationRequest
+from loraplex.server.request_ids import request_ids
 from loraplex.server.shapes import ResponseShaper
 from loraplex.server.streaming import ClientDisconnected, SSEResponse, run_unless_disconnected, sse_event
 from loraplex.server.tgi_protocol import TGIRequest, parse_generate_request
@@ -177,7 +178,7 @@ async def _admit(request: Request, ctx: AppContext, stream: bool | None, arrival
     try:
         run = await admit(request, ctx, steps, arrival)
     except Exception as exc:
-        err = from_exception(exc)
+        err = from_exception(exc, request_id=request_ids(request).server)
         if err.code == "model_not_found":
             model = steps.treq.gen.model
             err.message, err.param = f"Adapter `{model}` does not exist or you do not have access to it.", None
@@ -204,7 +205,7 @@ async def _serve(request: Request, stream: bool | None, compat: bool = False) ->
         run.close(CLIENT_CLOSED)
         return Response(status_code=CLIENT_CLOSED)
     except Exception as exc:
-        err = from_exception(exc)
+        err = from_exception(exc, request_id=run.request_id)
         run.close(http_status(err))
         err.headers = {**run.rate_headers, **err.headers}  # as on any answer of a tenant with limits
         return error_response(err)
@@ -266,7 +267,7 @@ async def _events(run: RequestRun, treq: TGIRequest, shaper: TokenShaper):
             if not finished:
                 raise _incomplete()
         except Exception as exc:  # headers are out: report in-band, as LoRAX does
-            err = from_exception(exc)
+            err = from_exception(exc, request_id=run.request_id)
             status = http_status(err)
             yield sse_event(error_body(err))
             return
