@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,6 +46,7 @@ from loraplex.registry.info import VersionInfo
 from loraplex.registry.names import validate_adapter_name, validate_tenant_name
 from loraplex.registry.service import RegistryService
 from loraplex.registry.tenant_delete import TenantDeletion
+from loraplex.registry.version_batch import ActiveVersion, NewVersion
 from loraplex.storage.archive import ArchiveError, pack_files, unpack_files
 from loraplex.storage.base import BlobIntegrityError, BlobNotFound, BlobStore, BlobStoreError, content_key
 from loraplex.storage.disk_cache import CacheIntegrityError, CacheTooSmallError, DiskCache
@@ -100,21 +101,24 @@ class AdapterManager:
     # -- upload --------------------------------------------------------------------------------
 
     def upload(
-        self, tenant: str, name: str, adapter_dir: str | Path, uploader: str = "admin"
+        self, tenant: str, name: str, adapter_dir: str | Path, uploader: str = "admin", origin: str | None = None
     ) -> tuple[VersionInfo, bool]:
         """Store a PEFT directory as a new version of ``tenant/name``. Returns ``(version,
         created)``; ``created`` is False when identical weights already are a live version of
         this adapter (that version is returned). Raises ``InvalidAdapterError``, ``NotFound``
-        (tenant), ``InvalidName`` or a blob store error; on any failure no version is added."""
+        (tenant), ``InvalidName``, ``ManagedByOperator`` (a runtime ``origin`` writing to an
+        operator's adapter, see ``adapter_origin``) or a blob store error; on any failure no
+        version is added."""
         validate_tenant_name(tenant)
         validate_adapter_name(name)
         if self.registry.get_tenant(tenant) is None:
             raise NotFound(f"tenant {tenant!r} not found")
         # one read of the files: the bytes checked and hashed are the bytes stored
         with adapter_snapshot(adapter_dir, self.max_member_bytes) as snapshot:
-            return self._upload_checked(tenant, name, snapshot, uploader)
+            return self._upload_checked(tenant, name, snapshot, uploader, origin)
 
-    def _upload_checked(self, tenant: str, name: str, adapter_dir: Path, uploader: str) -> tuple[VersionInfo, bool]:
+    def _upload_checked(self, tenant: str, name: str, adapter_dir: Path, uploader: str,
+                        origin: str | None) -> tuple[VersionInfo, bool]:
         info = inspect_adapter_dir(adapter_dir, self.spec, self.max_lora_rank)
         key = content_key(info.content_hash)
         created_blob = False
@@ -138,6 +142,7 @@ class AdapterManager:
                         # under the blob's lock: a delete that found no other user of these
                         # bytes may have removed the blob since our exists()/put
                         check_blob=lambda: self.blobs.exists(key),
+                        origin=origin,
                     )
                 except BlobMissing:
                     log.info("blob %s was deleted by a concurrent delete during an upload; storing it again", key)
@@ -151,18 +156,51 @@ class AdapterManager:
             raise
 
     def upload_active(
-        self, tenant: str, name: str, adapter_dir: str | Path, uploader: str = "admin"
+        self, tenant: str, name: str, adapter_dir: str | Path, uploader: str = "admin", origin: str | None = None
     ) -> tuple[VersionInfo, bool, bool]:
         """``upload``, then make that version the one ``name`` serves (a hot-swap, as
         ``PUT .../active`` is, unless it already is). Returns ``(version, created, activated)``;
         identical weights already live add no version, and an unchanged active version writes
         no audit event (so a restart with the same directories changes nothing)."""
         before = self.registry.get_adapter(tenant, name)  # NotFound without the tenant, as upload
-        version, created = self.upload(tenant, name, adapter_dir, uploader=uploader)
+        version, created = self.upload(tenant, name, adapter_dir, uploader=uploader, origin=origin)
         after = self.registry.get_adapter(tenant, name)
         if after is not None and after.active_version == version.version:  # already, or as a first version
             return version, created, before is None or before.active_version != version.version
-        return self.registry.activate(tenant, name, version.version, actor=uploader), created, True
+        return self.registry.activate(tenant, name, version.version, actor=uploader, origin=origin), created, True
+
+    def upload_all_active(self, tenant: str, dirs: Sequence[tuple[str, Path]], uploader: str) -> list[ActiveVersion]:
+        """``upload_active`` for several ``(name, directory)`` at once, all or nothing: every
+        directory is checked and every blob stored before one registry transaction adds and
+        activates all the versions (``RegistryService.add_versions_active``). On failure no
+        version is added and blobs this call stored are removed again (unless used)."""
+        validate_tenant_name(tenant)
+        infos = [(name, inspect_adapter_dir(path, self.spec, self.max_lora_rank), path) for name, path in dirs]
+        versions = [NewVersion(name, info.content_hash, self.spec.model_name, info.rank, info.alpha,
+                               list(info.targets), info.size_bytes, content_key(info.content_hash))
+                    for name, info, _ in infos]
+        created: dict[str, str] = {}  # blob key -> content hash, for the clean-up
+        try:
+            for _ in range(UPLOAD_BLOB_ATTEMPTS):
+                for name, info, path in infos:
+                    key = content_key(info.content_hash)
+                    try:
+                        if not self.blobs.exists(key):
+                            self._put_blob(path, key)
+                            created[key] = info.content_hash
+                    except BlobStoreError as exc:
+                        exc.adapter = name  # which one, for the caller's message
+                        raise
+                try:
+                    return self.registry.add_versions_active(tenant, versions, uploader=uploader,
+                                                             check_blob=self.blobs.exists)
+                except BlobMissing:
+                    log.info("a blob was deleted by a concurrent delete during a batch upload; storing it again")
+            raise BlobStoreError(f"blobs in {self.blobs.describe()} kept being deleted while uploading them; try again")
+        except BaseException:
+            for key, content_hash in created.items():
+                self._delete_blob_if_unused(content_hash, key)
+            raise
 
     def _put_blob(self, adapter_dir: str | Path, key: str) -> None:
         with tempfile.TemporaryFile() as archive:
@@ -312,9 +350,11 @@ class AdapterManager:
         self._drop_files(removed)
         return removed
 
-    def delete_adapter(self, tenant: str, name: str, actor: str = "admin") -> list[VersionInfo]:
-        """Delete an adapter and all its versions; files go once no request uses them."""
-        removed = self.registry.delete_adapter(tenant, name, actor)
+    def delete_adapter(self, tenant: str, name: str, actor: str = "admin",
+                       origin: str | None = None) -> list[VersionInfo]:
+        """Delete an adapter and all its versions; files go once no request uses them. A
+        runtime ``origin`` deletes only a runtime adapter (else ``ManagedByOperator``)."""
+        removed = self.registry.delete_adapter(tenant, name, actor, origin=origin)
         self._drop_files(removed)
         return removed
 

@@ -56,3 +56,11 @@ class BlobMissing(Conflict):
     uploader stores the blob again and retries (``AdapterManager.upload`` does)."""
 
     http_status = 409
+
+
+class ManagedByOperator(RegistryError):
+    """A runtime endpoint (vLLM's ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``) was
+    asked to change an adapter the operator manages (admin API, CLI, ``serve --lora-modules``):
+    refused, nothing changed."""
+
+    http_status = 403

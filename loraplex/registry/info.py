@@ -139,6 +139,7 @@ class AdapterInfo(_ToDict):
     active_version: int | None
     versions: tuple[VersionInfo, ...]
     created_at: datetime
+    origin: str | None = None  # models.ADAPTER_ORIGIN_RUNTIME for adapters vLLM's load endpoint made
 
     @property
     def active(self) -> VersionInfo | None:
@@ -155,6 +156,7 @@ class AdapterInfo(_ToDict):
             active_version=row.active_version,
             versions=tuple(VersionInfo.from_row(v, tenant, row.name) for v in versions),
             created_at=as_utc(row.created_at),
+            origin=row.origin,
         )
 
 

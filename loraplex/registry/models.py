@@ -45,6 +45,10 @@ REGISTRY_STATE_ID = 1  # registry_state has exactly one row
 # ApiKey.origin of a key ``loraplex serve --api-key`` stored (vLLM's flag); None: made by loraplex
 # (admin API, ``loraplex tenants create-key``, the demo tenant), which start-up never touches
 KEY_ORIGIN_SERVE_FLAG = "serve_flag"
+# Adapter.origin of an adapter a tenant key created with ``POST /v1/load_lora_adapter`` (vLLM's
+# runtime endpoint), which that tenant's keys may replace and unload; None: the operator's (admin
+# API, CLI, ``serve --lora-modules``), which the runtime endpoints never change
+ADAPTER_ORIGIN_RUNTIME = "runtime_load"
 
 
 def utcnow() -> datetime:
@@ -105,7 +109,8 @@ class ApiKey(Base):
 
 
 class Adapter(Base):
-    """A named adapter of a tenant; ``active_version`` is the number ``name`` resolves to."""
+    """A named adapter of a tenant; ``active_version`` is the number ``name`` resolves to.
+    ``origin`` says who manages it (``ADAPTER_ORIGIN_RUNTIME``, or None for the operator)."""
 
     __tablename__ = "adapter"
     __table_args__ = (UniqueConstraint("tenant_id", "name"),)
@@ -118,6 +123,7 @@ class Adapter(Base):
     # set when the whole adapter is deleted; a later upload under the same name revives it and
     # continues its version numbering
     deleted_at: Mapped[datetime | None] = mapped_column(default=None)
+    origin: Mapped[str | None] = mapped_column(String(16), default=None)
 
     tenant: Mapped[Tenant] = relationship(back_populates="adapters")
     versions: Mapped[list[AdapterVersion]] = relationship(
@@ -208,3 +214,15 @@ class UsageHour(Base):
     failed_requests: Mapped[int] = mapped_column(BigInteger, default=0)
     failed_prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     failed_completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class UsageFlush(Base):
+    """One usage batch already added to ``usage_hourly``: a retry of a batch whose commit was
+    not acknowledged finds its id here and adds nothing (``usage.UsageMixin.record_usage``).
+    Rows older than ``usage.FLUSH_ID_RETENTION`` are pruned by later batches."""
+
+    __tablename__ = "usage_flushes"
+    __table_args__ = (Index(None, "flushed_at"),)
+
+    batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    flushed_at: Mapped[datetime] = mapped_column(default=utcnow)

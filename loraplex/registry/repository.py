@@ -121,8 +121,8 @@ def list_adapters(session: Session, tenant: Tenant, *, for_update: bool = False)
     return list(session.scalars(query))
 
 
-def add_adapter(session: Session, tenant: Tenant, name: str) -> Adapter:
-    adapter = Adapter(tenant=tenant, name=name)
+def add_adapter(session: Session, tenant: Tenant, name: str, origin: str | None = None) -> Adapter:
+    adapter = Adapter(tenant=tenant, name=name, origin=origin)
     session.add(adapter)
     session.flush()
     return adapter

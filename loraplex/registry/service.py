@@ -34,7 +34,8 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.registry import repository as repo
-from loraplex.registry.admin_key import SHA256_HEX, AdminKeyMixin
+from loraplex.registry.adapter_origin import claim_for, refuse_unless_runtime
+from loraplex.registry.admin_key import AdminKeyMixin
 from loraplex.registry.api_keys import ApiKeysMixin
 from loraplex.registry.db import make_session_factory
 from loraplex.registry.errors import (AlreadyExists, BlobMissing, Conflict, InvalidName, InvalidSetting, NotFound,
@@ -46,6 +47,7 @@ from loraplex.registry.names import parse_model_ref, parse_version, validate_ada
 from loraplex.registry.tenant_delete import TenantDeleteMixin, TenantDeletion, refuse_taken_name
 from loraplex.registry.tenant_settings import TenantSettingsMixin
 from loraplex.registry.usage import UsageMixin
+from loraplex.registry.version_batch import VersionBatchMixin, version_fields
 
 __all__ = [
     "RegistryService",
@@ -73,7 +75,7 @@ RETRY_BACKOFF_S = 0.002
 
 
 class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDeleteMixin, FlagKeysMixin,
-                      UsageMixin):
+                      UsageMixin, VersionBatchMixin):
     """The registry's public API. Thread-safe: it holds only a session factory."""
 
     def __init__(self, session_factory: sessionmaker[Session]):
@@ -151,6 +153,7 @@ class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDe
         uploader: str,
         activate_if_first: bool = True,
         check_blob: Callable[[], bool] | None = None,
+        origin: str | None = None,
     ) -> tuple[VersionInfo, bool]:
         """Record a new immutable version (its blob must already be stored).
 
@@ -162,12 +165,16 @@ class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDe
         lock, before the new row is written; when it returns False nothing is written and
         ``BlobMissing`` is raised (a concurrent ``delete_blob_if_unused`` removed the blob: store
         it again and retry). Keep it short: on SQLite it runs holding the write lock.
+
+        ``origin`` is who writes (``adapter_origin``): ``ADAPTER_ORIGIN_RUNTIME`` may only add to
+        an adapter it created (else ``ManagedByOperator``, nothing written); the operator's
+        write (None) makes the adapter the operator's.
         """
         validate_adapter_name(name)
-        fields = _version_fields(sha256, base_model, rank, alpha, targets, size_bytes, blob_key, uploader)
+        fields = version_fields(sha256, base_model, rank, alpha, targets, size_bytes, blob_key, uploader)
         for attempt in range(WRITE_ATTEMPTS):
             try:
-                return self._add_version_once(tenant, name, fields, activate_if_first, check_blob)
+                return self._add_version_once(tenant, name, fields, activate_if_first, check_blob, origin)
             except IntegrityError:
                 # another writer created the adapter or took the version number first; retry
                 if attempt == WRITE_ATTEMPTS - 1:
@@ -182,6 +189,7 @@ class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDe
         fields: dict[str, Any],
         activate_if_first: bool,
         check_blob: Callable[[], bool] | None,
+        origin: str | None,
     ) -> tuple[VersionInfo, bool]:
         with self._transaction() as session:
             # first, so that a blob delete cannot run between our check and our commit (and, on
@@ -190,37 +198,47 @@ class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDe
             # shared lock: a tenant delete waits for this upload (and then deletes its version),
             # or this upload waits for the delete and finds no tenant
             tenant_row = self._require_tenant(session, tenant, lock=True)
-            adapter = repo.get_adapter(session, tenant_row, name, for_update=True)
-            if adapter is None:
-                adapter = repo.add_adapter(session, tenant_row, name)
-                repo.add_audit_event(
-                    session, actor=fields["uploader"], action="adapter.create", tenant=tenant,
-                    object_type="adapter", object_name=name,
-                )
-            elif adapter.deleted_at is not None:
-                adapter.deleted_at = None  # re-created: numbering continues after the tombstones
-            else:
-                existing = repo.find_live_version_by_sha(session, adapter, fields["sha256"])
-                if existing is not None:
-                    return VersionInfo.from_row(existing, tenant, name), False
-            if check_blob is not None and not check_blob():
-                raise BlobMissing(f"blob {fields['blob_key']} is no longer in the store; version row not written")
-            number = repo.next_version_number(session, adapter)
-            version = repo.add_version(session, adapter, number, **fields)
-            detail = {"version": number, "sha256": fields["sha256"], "size_bytes": fields["size_bytes"]}
+            return self._put_version(session, tenant_row, name, fields, activate_if_first, check_blob, origin)
+
+    @staticmethod
+    def _put_version(session: Session, tenant_row: Tenant, name: str, fields: dict[str, Any],
+                     activate_if_first: bool, check_blob: Callable[[], bool] | None,
+                     origin: str | None) -> tuple[VersionInfo, bool]:
+        """``add_version``'s writes, in ``session`` (which holds the blob's and tenant's locks)."""
+        tenant = tenant_row.name
+        adapter = repo.get_adapter(session, tenant_row, name, for_update=True)
+        if adapter is None:
+            adapter = repo.add_adapter(session, tenant_row, name, origin=origin)
             repo.add_audit_event(
-                session, actor=fields["uploader"], action="adapter.upload", tenant=tenant,
-                object_type="adapter", object_name=f"{name}@{number}", detail=detail,
+                session, actor=fields["uploader"], action="adapter.create", tenant=tenant,
+                object_type="adapter", object_name=name,
             )
-            if activate_if_first and adapter.active_version is None:
-                adapter.active_version = number
-                session.flush()
-                repo.bump_change_counter(session)
-                repo.add_audit_event(
-                    session, actor=fields["uploader"], action="adapter.activate", tenant=tenant,
-                    object_type="adapter", object_name=name, detail={"from": None, "to": number},
-                )
-            return VersionInfo.from_row(version, tenant, name), True
+        elif adapter.deleted_at is not None:
+            adapter.deleted_at = None  # re-created: numbering continues after the tombstones
+            adapter.origin = origin
+        else:
+            claim_for(adapter, origin)
+            existing = repo.find_live_version_by_sha(session, adapter, fields["sha256"])
+            if existing is not None:
+                return VersionInfo.from_row(existing, tenant, name), False
+        if check_blob is not None and not check_blob():
+            raise BlobMissing(f"blob {fields['blob_key']} is no longer in the store; version row not written")
+        number = repo.next_version_number(session, adapter)
+        version = repo.add_version(session, adapter, number, **fields)
+        detail = {"version": number, "sha256": fields["sha256"], "size_bytes": fields["size_bytes"]}
+        repo.add_audit_event(
+            session, actor=fields["uploader"], action="adapter.upload", tenant=tenant,
+            object_type="adapter", object_name=f"{name}@{number}", detail=detail,
+        )
+        if activate_if_first and adapter.active_version is None:
+            adapter.active_version = number
+            session.flush()
+            repo.bump_change_counter(session)
+            repo.add_audit_event(
+                session, actor=fields["uploader"], action="adapter.activate", tenant=tenant,
+                object_type="adapter", object_name=name, detail={"from": None, "to": number},
+            )
+        return VersionInfo.from_row(version, tenant, name), True
 
     def list_adapters(self, tenant: str) -> list[AdapterInfo]:
         with self._transaction() as session:
@@ -263,11 +281,14 @@ class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDe
             raise NotFound(f"version {number} of adapter {adapter.name!r} was deleted")
         return version
 
-    def activate(self, tenant: str, name: str, version: int, actor: str = "admin") -> VersionInfo:
-        """Hot-swap: point ``name`` at ``version`` atomically; audited; bumps the change counter."""
+    def activate(self, tenant: str, name: str, version: int, actor: str = "admin",
+                 origin: str | None = None) -> VersionInfo:
+        """Hot-swap: point ``name`` at ``version`` atomically; audited; bumps the change counter.
+        A runtime ``origin`` may only activate a runtime adapter (``adapter_origin``)."""
         number = parse_version(version)
         with self._transaction() as session:
             adapter = self._require_adapter(session, tenant, name, for_update=True)
+            refuse_unless_runtime(adapter, origin)
             row = self._require_live_version(session, adapter, number)
             previous = adapter.active_version
             if previous != number:
@@ -300,10 +321,13 @@ class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDe
             )
             return [VersionInfo.from_row(row, tenant, name)]
 
-    def delete_adapter(self, tenant: str, name: str, actor: str = "admin") -> list[VersionInfo]:
-        """Delete an adapter and all its versions; returns the versions removed."""
+    def delete_adapter(self, tenant: str, name: str, actor: str = "admin",
+                       origin: str | None = None) -> list[VersionInfo]:
+        """Delete an adapter and all its versions; returns the versions removed. A runtime
+        ``origin`` may only delete a runtime adapter (else ``ManagedByOperator``, nothing changed)."""
         with self._transaction() as session:
             adapter = self._require_adapter(session, tenant, name, for_update=True)
+            refuse_unless_runtime(adapter, origin)
             removed = repo.live_versions(session, adapter)
             for row in removed:
                 self._tombstone(row)
@@ -377,27 +401,3 @@ class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDe
         with self._transaction() as session:
             return repo.read_change_counter(session)
 
-
-def _version_fields(sha256, base_model, rank, alpha, targets, size_bytes, blob_key, uploader) -> dict[str, Any]:
-    if not isinstance(sha256, str) or not SHA256_HEX.match(sha256):
-        raise RegistryError("sha256 must be 64 lower-case hex characters")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise RegistryError(f"rank must be a positive integer, got {rank!r}")
-    if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 0:
-        raise RegistryError(f"size_bytes must be a non-negative integer, got {size_bytes!r}")
-    if isinstance(targets, str) or not all(isinstance(t, str) for t in targets):
-        raise RegistryError("targets must be a list of module names")
-    if not blob_key or not isinstance(blob_key, str):
-        raise RegistryError("blob_key must be a non-empty string")
-    if not isinstance(base_model, str) or not base_model:
-        raise RegistryError("base_model must be a non-empty string")
-    return {
-        "sha256": sha256,
-        "base_model": base_model,
-        "rank": rank,
-        "alpha": float(alpha),
-        "targets": list(targets),
-        "size_bytes": size_bytes,
-        "blob_key": blob_key,
-        "uploader": str(uploader or "unknown"),
-    }

@@ -137,6 +137,7 @@ def _adapter_dict(ctx: AppContext, a, stats: dict) -> dict:
         "name": a.name,
         "active_version": a.active_version,
         "created_at": a.to_dict()["created_at"],
+        "origin": a.origin,  # "runtime_load": made by /v1/load_lora_adapter (the tenant may unload it)
         "tier": active["tier"] if active else None,
         "pinned": bool(active and active["pinned"]),
         "requests": sum(v["requests"] for v in versions),

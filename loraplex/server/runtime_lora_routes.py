@@ -5,7 +5,11 @@ vLLM serves them only with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; loraplex o
 ``--allow-runtime-lora-updating`` (or that variable, read at the entry point). Left off, the
 routes do not exist and answer 404, as vLLM's do.
 
-A tenant key acts on its own tenant. Load registers the directory as an upload does (same checks,
+A tenant key acts on its own tenant, and only on the adapters these endpoints created there
+(``Adapter.origin``, see loraplex/registry/adapter_origin.py): the operator's adapters (admin API,
+CLI, ``--lora-modules``) are refused with 403 ``adapter_managed_by_operator`` and left unchanged,
+both for an unload and for a ``load_inplace`` over one; an operator upload to a runtime-loaded
+adapter makes it the operator's. Load registers the directory as an upload does (same checks,
 content hash and blob; identical weights add no version) and makes it the name's active version.
 The directory is on the server's disk, which tenants must not browse: only paths under a
 ``--lora-path-root`` are read, after symlinks are resolved, and any other path gets one 403 that
@@ -33,7 +37,8 @@ from starlette.routing import Route
 
 from loraplex.lora.snapshot import OutsideAllowedPaths, adapter_snapshot
 from loraplex.registry.adapter_manager import ADAPTER_FILES
-from loraplex.registry.errors import InvalidName, NotFound
+from loraplex.registry.errors import InvalidName, ManagedByOperator, NotFound
+from loraplex.registry.models import ADAPTER_ORIGIN_RUNTIME
 from loraplex.server.admin_routes import drop_unused_from_engine
 from loraplex.server.context import AppContext
 from loraplex.server.errors import APIError, bad_request
@@ -51,6 +56,17 @@ def vllm_error(status: int, message: str) -> APIError:
     """vLLM's error for these endpoints: its exception type name, and the status as ``code``."""
     kind = {400: "BadRequestError", 404: "NotFoundError"}[status]
     return APIError(status, message, type=kind, code=status)
+
+
+def managed_by_operator(name: str) -> APIError:
+    """A runtime load in place or unload of an adapter the operator manages: nothing changed."""
+    return APIError(
+        403,
+        f"The lora adapter '{name}' was not loaded through /v1/load_lora_adapter: it is managed by the "
+        "operator (admin API, `loraplex adapters`, or --lora-modules) and cannot be replaced or unloaded "
+        "through the runtime LoRA endpoints.",
+        param="lora_name", code="adapter_managed_by_operator",
+    )
 
 
 def path_refused() -> APIError:
@@ -90,7 +106,7 @@ def _upload_confined(ctx: AppContext, tenant: str, name: str, real: Path) -> Non
     after ``allowed_path`` (by anyone who can write under a root) is refused, not followed."""
     adapters = ctx.adapters
     with adapter_snapshot(real, adapters.max_member_bytes, roots_check(ctx.settings.lora_path_roots)) as copy:
-        adapters.upload_active(tenant, name, copy, LOAD_ACTOR)
+        adapters.upload_active(tenant, name, copy, LOAD_ACTOR, origin=ADAPTER_ORIGIN_RUNTIME)
 
 
 async def _tenant_and_body(request: Request) -> tuple[AppContext, str, dict]:
@@ -118,10 +134,14 @@ async def load_lora_adapter(request: Request) -> Response:
         raise bad_request(str(exc), param="lora_name") from None
     if existing is not None and not inplace:
         raise vllm_error(400, f"The lora adapter '{name}' has already been loaded.")
+    if existing is not None and existing.origin != ADAPTER_ORIGIN_RUNTIME:
+        raise managed_by_operator(name)  # before reading the files; the upload checks again, atomically
     try:
         await run_in_threadpool(_upload_confined, ctx, tenant, name, real)
     except OutsideAllowedPaths:
         raise path_refused() from None
+    except ManagedByOperator:  # the operator uploaded it since the check above
+        raise managed_by_operator(name) from None
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -131,9 +151,12 @@ async def unload_lora_adapter(request: Request) -> Response:
     if not isinstance(name, str) or not name:
         raise vllm_error(400, "'lora_name' needs to be provided to unload a LoRA adapter.")
     try:
-        removed = await run_in_threadpool(ctx.adapters.delete_adapter, tenant, name, UNLOAD_ACTOR)
+        removed = await run_in_threadpool(ctx.adapters.delete_adapter, tenant, name, UNLOAD_ACTOR,
+                                          ADAPTER_ORIGIN_RUNTIME)
     except (NotFound, InvalidName):  # another tenant's adapter is not found either
         raise vllm_error(404, f"The lora adapter '{name}' cannot be found.") from None
+    except ManagedByOperator:
+        raise managed_by_operator(name) from None
     await drop_unused_from_engine(ctx, [(v.sha256, v.blob_key) for v in removed])
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 

@@ -12,10 +12,13 @@ every loraplex key does) and name an adapter in ``model``.
   Other tenants' flag keys are left alone.
 * ``--lora-modules``: every directory is checked first, exactly as an upload is (format, fit to
   the served model's shapes, ``--max-lora-rank``), so one invalid module stops the start with
-  nothing registered. Then each is uploaded (same content hash and blob as ``loraplex adapters
-  upload``; identical weights already live add no version) and made the name's active version; a
-  changed directory becomes a new version and a hot-swap. Replicas starting at once end with one
-  version per content (the registry's per-adapter lock and unique constraints).
+  nothing registered. Then all are registered at once (``AdapterManager.upload_all_active``):
+  every blob is stored (same content hash and blob as ``loraplex adapters upload``), then one
+  registry transaction adds each version (identical weights already live add none) and makes it
+  the name's active version; a changed directory becomes a new version and a hot-swap. Any
+  failure there (blob store, database) registers none of the modules: a start never serves some
+  of them. Replicas starting at once end with one version per content (the registry's
+  per-adapter lock and unique constraints).
 """
 
 from __future__ import annotations
@@ -100,12 +103,26 @@ def apply_startup_flags(flags: StartupFlags, settings: Settings, registry, make_
                 outcome.tenant_created = registry.ensure_tenant(tenant, actor="system")
             sync = registry.sync_flag_keys(tenant, list(flags.api_keys))
             outcome.keys_added, outcome.keys_kept, outcome.keys_revoked = sync.added, sync.kept, sync.revoked
-            for module, copy in checked:
-                version, created, activated = manager.upload_active(tenant, module.name, copy, uploader=MODULES_ACTOR)
-                outcome.modules.append(ModuleOutcome(module.name, version.version, version.sha256, created, activated))
+            if checked:
+                outcome.modules = _register_modules(manager, tenant, checked)
         except (RegistryError, BlobStoreError, InvalidAdapterError) as exc:
             raise StartupError(f"vLLM flags (tenant {tenant!r}): {exc}") from exc
     return outcome
+
+
+def _register_modules(manager, tenant: str, checked: list[tuple[LoRAModule, Path]]) -> list[ModuleOutcome]:
+    """All checked modules registered at once, or none (``StartupError`` naming the module that
+    failed, when one did, and saying that none was registered)."""
+    try:
+        done = manager.upload_all_active(tenant, [(m.name, copy) for m, copy in checked], MODULES_ACTOR)
+    except (RegistryError, BlobStoreError, InvalidAdapterError) as exc:
+        paths = {m.name: m.path for m, _ in checked}
+        failed = getattr(exc, "adapter", None)
+        which = f" {failed}={paths[failed]}" if failed in paths else ""
+        raise StartupError(f"--lora-modules{which} (tenant {tenant!r}): {exc}; none of the {len(checked)} "
+                           "module(s) was registered") from exc
+    return [ModuleOutcome(m.name, d.version.version, d.version.sha256, d.created, d.activated)
+            for (m, _), d in zip(checked, done)]
 
 
 @contextmanager
