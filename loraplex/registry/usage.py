@@ -3,9 +3,13 @@
 Servers add what their finished requests used with ``record_usage``, a batch at a time; every
 row is an upsert that *adds* (``INSERT ... ON CONFLICT DO UPDATE SET n = n + excluded.n``), so
 replicas sharing the database may write the same rows at once and the sums stay exact. A batch
-is one transaction: it lands whole or not at all, so a caller that saw it fail may send it
-again. Rows are written in key order, so two replicas' batches take row locks in the same order
-and cannot deadlock on PostgreSQL.
+is one transaction: it lands whole or not at all. A batch sent with an id records the id in
+``usage_flushes`` in that transaction, and a batch whose id is there already adds nothing: a
+caller that saw a write fail (even after the database committed it, the acknowledgement lost
+with the connection) sends the same batch with the same id again and nothing is counted twice.
+Ids older than ``FLUSH_ID_RETENTION`` are pruned by later batches. Rows are written in key
+order, so two replicas' batches take row locks in the same order and cannot deadlock on
+PostgreSQL.
 
 ``usage_report`` reads them back for a period (``start`` inclusive, ``end`` exclusive, both on
 the hour, UTC) with optional filters and grouping by tenant, adapter, hour or day. In reports
@@ -19,15 +23,15 @@ import time
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import ColumnElement, func, select
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy import ColumnElement, delete, func, select
+from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
-from loraplex.registry.errors import Conflict, InvalidSetting
-from loraplex.registry.models import BASE_MODEL_ADAPTER, UsageHour, as_utc
+from loraplex.registry.errors import InvalidSetting
+from loraplex.registry.models import BASE_MODEL_ADAPTER, UsageFlush, UsageHour, as_utc, utcnow
 from loraplex.registry.names import validate_adapter_name, validate_tenant_name
 
 COUNTERS = ("requests", "prompt_tokens", "completion_tokens",
@@ -37,6 +41,10 @@ GROUP_KEYS = ("tenant", "adapter", "hour", "day")
 # serialization failure) is retried whole; the recorder's next flush retries again after these
 USAGE_WRITE_ATTEMPTS = 4
 USAGE_RETRY_BACKOFF_S = 0.01
+# how long a batch id is remembered: far longer than any retry of it (a recorder resends an
+# unacknowledged batch at its next flushes, backing off to a minute or so)
+FLUSH_ID_RETENTION = timedelta(days=7)
+BATCH_ID_MAX_LENGTH = 64  # UsageFlush.batch_id
 
 
 @dataclass(frozen=True)
@@ -126,24 +134,31 @@ class UsageMixin:
     def _transaction(self) -> AbstractContextManager[Session]:  # provided by RegistryService
         raise NotImplementedError
 
-    def record_usage(self, deltas: Sequence[UsageDelta]) -> None:
-        """Add ``deltas`` to their rows in one transaction (all or nothing). Several replicas
-        may call this at once for the same rows. Raises Conflict when it kept losing lock
-        races, or the database's own error when it is down: nothing was added either way."""
+    def record_usage(self, deltas: Sequence[UsageDelta], batch_id: str | None = None) -> bool:
+        """Add ``deltas`` to their rows in one transaction (all or nothing); True when added,
+        False when ``batch_id`` was recorded already (a resent batch: nothing added). Several
+        replicas may call this at once for the same rows, each with its own batch ids. Raises
+        InvalidSetting for a malformed delta or id, and the database's own error when it is
+        down or refuses a value (``is_permanent_usage_error`` tells the two apart); unless the
+        commit's acknowledgement was lost, nothing was added."""
         rows = _merged_rows(deltas)
+        if batch_id is not None and (not isinstance(batch_id, str) or not 0 < len(batch_id) <= BATCH_ID_MAX_LENGTH):
+            raise InvalidSetting(f"a usage batch id is 1 to {BATCH_ID_MAX_LENGTH} characters", param="batch_id")
         if not rows:
-            return
+            return True
         for attempt in range(USAGE_WRITE_ATTEMPTS):
             try:
                 with self._transaction() as session:
+                    if batch_id is not None and not _claim_batch(session, batch_id):
+                        return False
                     session.execute(_upsert(session), rows)
-                return
+                return True
             except (OperationalError, IntegrityError) as exc:
+                # a lost lock race, or this batch id's row taken meanwhile (then the retry sees it)
                 if attempt == USAGE_WRITE_ATTEMPTS - 1:
-                    if isinstance(exc, IntegrityError):
-                        raise Conflict("usage rows kept colliding; try again") from exc
-                    raise
+                    raise exc
                 time.sleep(random.uniform(0, USAGE_RETRY_BACKOFF_S * 2**attempt))
+        raise AssertionError("unreachable")
 
     def usage_report(
         self,
@@ -191,6 +206,25 @@ class UsageMixin:
         totals = {c: sum(row[c] for row in rows) for c in COUNTERS}
         totals["total_tokens"] = totals["prompt_tokens"] + totals["completion_tokens"]
         return UsageReport(start=start, end=end, group_by=group_by, rows=rows, totals=totals)
+
+
+def is_permanent_usage_error(exc: BaseException) -> bool:
+    """Whether sending the same usage batch again cannot succeed: the database refused one of
+    its values (a constraint, a value out of range) or the batch is malformed. Anything else (a
+    connection lost or refused, a lock lost, a table not migrated yet) may pass later."""
+    return isinstance(exc, (IntegrityError, DataError, ValueError, TypeError, OverflowError))
+
+
+def _claim_batch(session: Session, batch_id: str) -> bool:
+    """Record ``batch_id`` in this transaction; False when it was recorded before. Prunes ids
+    past ``FLUSH_ID_RETENTION``."""
+    if session.get(UsageFlush, batch_id) is not None:
+        return False
+    now = utcnow()
+    session.execute(delete(UsageFlush).where(UsageFlush.flushed_at < now - FLUSH_ID_RETENTION))
+    session.add(UsageFlush(batch_id=batch_id, flushed_at=now))
+    session.flush()  # a concurrent claim of the same id fails here, before the counts are added
+    return True
 
 
 def _merged_rows(deltas: Sequence[UsageDelta]) -> list[dict[str, Any]]:
@@ -257,5 +291,5 @@ def _iso(value: datetime | None) -> str | None:
     return None if value is None else value.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-__all__ = ["COUNTERS", "GROUP_KEYS", "UsageDelta", "UsageMixin", "UsageReport", "hour_of", "parse_group_by",
-           "parse_hour"]
+__all__ = ["COUNTERS", "FLUSH_ID_RETENTION", "GROUP_KEYS", "UsageDelta", "UsageMixin", "UsageReport", "hour_of",
+           "is_permanent_usage_error", "parse_group_by", "parse_hour"]

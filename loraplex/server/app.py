@@ -49,6 +49,7 @@ from loraplex.server.request_ids import RequestIdMiddleware
 from loraplex.server.tenant_limits import TenantLimitsCache
 from loraplex.server.tool_parsers import get_tool_parser
 from loraplex.server.uploads import sweep_stale_staging
+from loraplex.server.usage_metrics import UsageCollector
 from loraplex.server.usage_recorder import UsageRecorder
 
 log = logging.getLogger("loraplex.server")
@@ -182,6 +183,7 @@ def create_app(
         record_usage = getattr(ctx.registry, "record_usage", None)
         if record_usage is not None and settings.usage_flush_seconds > 0:
             ctx.usage = UsageRecorder(record_usage, settings.usage_flush_seconds).start()
+            ctx.metrics.registry.register(UsageCollector(ctx.usage))
         if on_started is not None:
             on_started()
         lifecycle.started = True

@@ -33,7 +33,7 @@ class Writes:
         self.fail = fail
         self.called = threading.Event()
 
-    def __call__(self, deltas) -> None:
+    def __call__(self, deltas, batch_id=None) -> None:
         self.called.set()
         if self.fail:
             self.fail -= 1
@@ -90,11 +90,11 @@ def test_stop_flushes_what_is_left(registry_service):
 def test_failed_flush_keeps_the_counts_for_the_next(registry_service):
     down = {"calls": 2}
 
-    def flaky_write(deltas) -> None:
+    def flaky_write(deltas, batch_id) -> None:
         if down["calls"]:
             down["calls"] -= 1
             raise OperationalError("INSERT", {}, Exception("connection refused"))
-        registry_service.record_usage(deltas)
+        registry_service.record_usage(deltas, batch_id)
 
     rec = UsageRecorder(flaky_write, 3600, clock=Clock(H0))
     rec.record("acme", "sql", prompt_tokens=2, completion_tokens=3, ok=True)
@@ -121,7 +121,7 @@ def test_pending_rows_are_bounded_through_an_outage():
     assert rec.flush() is True
     assert writes.batches == [{("a", "x", H0): (1, 1, 1, 1, 1, 1), ("b", "x", H0): (1, 1, 1, 0, 0, 0)}]
     assert rec.stats() == {"flush_seconds": 3600.0, "pending_rows": 0, "flushes": 1, "failed_flushes": 1,
-                           "dropped_requests": 2}
+                           "dropped_requests": 2, "dropped_records": 0}
 
 
 def test_interval_must_be_positive():
@@ -131,7 +131,7 @@ def test_interval_must_be_positive():
 
 def test_deltas_are_registry_deltas():
     writes = []
-    rec = UsageRecorder(writes.extend, 3600, clock=Clock(H0))
+    rec = UsageRecorder(lambda deltas, batch_id: writes.extend(deltas), 3600, clock=Clock(H0))
     rec.record("acme", None, prompt_tokens=1, completion_tokens=2, ok=True)
     rec.flush()
     assert writes == [UsageDelta("acme", None, H0, requests=1, prompt_tokens=1, completion_tokens=2)]

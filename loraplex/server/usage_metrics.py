@@ -1,0 +1,36 @@
+"""Prometheus view of usage accounting (``usage_recorder.UsageRecorder.stats``), read at scrape
+time: ``loraplex_usage_records_dropped_total`` (rows the database refused, dropped after being
+logged), ``loraplex_usage_requests_dropped_total`` (requests not counted because the in-memory
+bound was reached during an outage), ``loraplex_usage_failed_flushes_total`` and
+``loraplex_usage_pending_rows``. Any of the first two above zero means usage is missing from
+the billing table."""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class UsageCollector:
+    """Collector of one recorder's counters; register it on the server's CollectorRegistry."""
+
+    def __init__(self, recorder):
+        self.recorder = recorder
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        stats = self.recorder.stats()
+        for name, doc, key in (
+            ("loraplex_usage_records_dropped", "Usage rows (tenant, adapter, hour) the database refused; "
+             "logged with their counts, then dropped.", "dropped_records"),
+            ("loraplex_usage_requests_dropped", "Requests left out of usage accounting: the rows waiting "
+             "to be written were at their limit.", "dropped_requests"),
+            ("loraplex_usage_failed_flushes", "Usage flushes that failed and are retried.", "failed_flushes"),
+        ):
+            counter = CounterMetricFamily(name, doc)
+            counter.add_metric([], stats[key])
+            yield counter
+        pending = GaugeMetricFamily("loraplex_usage_pending_rows", "Usage rows summed in memory, not yet written.")
+        pending.add_metric([], stats["pending_rows"])
+        yield pending
