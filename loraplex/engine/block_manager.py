@@ -18,6 +18,14 @@ layer reads it, so a sequence admitted later in the same step can already share 
 arriving together with a common prefix (a chat template's system prompt) compute it once.
 Registration is undone when the sequence is freed before the step ran (preempted later in the
 same scheduling pass); ``seq.num_computed_tokens`` tells which of its blocks are computed.
+
+Sliding window (``sliding_window``, for a model whose every layer attends within the same window):
+the next chunk, starting at position ``s = num_computed_tokens``, reads keys from ``s - window + 1``
+on, so the blocks wholly before that are never read again. ``release_out_of_window`` gives them
+back (a cached one stays findable for other sequences' prefixes, as any freed cached block) and
+puts ``FREED_BLOCK`` in their table entries, so block ``i`` still holds tokens ``i * block_size``
+onwards; the attention kernels never read an entry before the window. A sequence thus holds at
+most ``ceil((window - 1) / block_size) + 1`` blocks plus those of the chunk it computes.
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ import hashlib
 from collections import OrderedDict, deque
 
 from loraplex.engine.sequence import Sequence
+
+# a block-table entry whose block slid out of the window and went back to the pool
+FREED_BLOCK = -1
 
 
 def _root_hash(adapter_id: str | None, cache_salt: str | None) -> bytes:
@@ -46,12 +57,17 @@ def _chain_hash(parent: bytes, tokens: list[int]) -> bytes:
 class BlockManager:
     """Free list + reference counts over ``num_blocks`` blocks of ``block_size`` tokens."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, sliding_window: int | None = None
+    ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError("sliding_window must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window  # every layer's window; None: blocks are kept for life
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_count = [0] * num_blocks
         # prefix cache: hash -> block, block -> hash, and unused cached blocks in LRU order
@@ -78,6 +94,13 @@ class BlockManager:
 
     def ref_count(self, block: int) -> int:
         return self._ref_count[block]
+
+    def num_out_of_window(self, num_computed_tokens: int) -> int:
+        """Leading blocks no chunk starting at ``num_computed_tokens`` (or later) reads: those
+        wholly before its first query's window, positions ``< num_computed_tokens - window + 1``."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
 
     # ---- prefix cache lookup ---------------------------------------------------------------
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
@@ -113,8 +136,10 @@ class BlockManager:
         """Can a sequence without blocks get its cached prefix plus ``num_new_tokens`` more?"""
         hits = self._prefix_hits(seq)
         need = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
-        # hit blocks that sit in the evictable pool stop being free once taken
-        taken_from_free = sum(1 for b in hits if self._ref_count[b] == 0)
+        # hit blocks that sit in the evictable pool stop being free once taken (those before the
+        # window are not taken)
+        skipped = self.num_out_of_window(len(hits) * self.block_size)
+        taken_from_free = sum(1 for b in hits[skipped:] if self._ref_count[b] == 0)
         return need + taken_from_free <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
@@ -126,11 +151,13 @@ class BlockManager:
         if self.enable_prefix_caching:
             self.num_prefix_query_tokens += seq.num_tokens
             self.num_prefix_hit_tokens += len(hits) * self.block_size
-        for block in hits:
+        # the hits before the first chunk's window are computed but never read: not taken
+        skipped = self.num_out_of_window(len(hits) * self.block_size)
+        for block in hits[skipped:]:
             if self._ref_count[block] == 0:
                 self._evictable.pop(block, None)
             self._ref_count[block] += 1
-        seq.block_table = list(hits)
+        seq.block_table = [FREED_BLOCK] * skipped + hits[skipped:]
         seq.num_computed_tokens = len(hits) * self.block_size
         if self.enable_prefix_caching:
             self._num_registered[seq.seq_id] = len(hits)
@@ -138,10 +165,12 @@ class BlockManager:
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         need = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return need <= self.num_free_blocks
+        return need <= self.num_free_blocks + self._num_releasable(seq)
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Grow ``seq.block_table`` to hold its computed tokens plus ``num_new_tokens``."""
+        """Grow ``seq.block_table`` to hold its computed tokens plus ``num_new_tokens`` (after
+        giving back the blocks that slid out of the window)."""
+        self.release_out_of_window(seq)
         need = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         if need > self.num_free_blocks:
             raise RuntimeError(f"out of KV blocks: need {need}, free {self.num_free_blocks}")
@@ -149,6 +178,39 @@ class BlockManager:
             seq.block_table.append(self._take_block())
         if self.enable_prefix_caching:
             self._register(seq, seq.num_computed_tokens + num_new_tokens)
+
+    def _num_releasable(self, seq: Sequence) -> int:
+        """Blocks ``release_out_of_window`` would add to the free count (shared ones stay held)."""
+        table = seq.block_table
+        count = 0
+        for i in range(min(self.num_out_of_window(seq.num_computed_tokens), len(table)) - 1, -1, -1):
+            if table[i] == FREED_BLOCK:
+                break  # released entries are always a prefix of the table
+            count += self._ref_count[table[i]] == 1
+        return count
+
+    def release_out_of_window(self, seq: Sequence) -> int:
+        """Give back ``seq``'s blocks that no chunk from ``seq.num_computed_tokens`` on reads
+        (their entries become ``FREED_BLOCK``); returns how many entries were released."""
+        table = seq.block_table
+        end = min(self.num_out_of_window(seq.num_computed_tokens), len(table))
+        start = end
+        while start > 0 and table[start - 1] != FREED_BLOCK:
+            start -= 1
+        for i in range(start, end):
+            self._release(table[i])
+            table[i] = FREED_BLOCK
+        return end - start
+
+    def _release(self, block: int) -> None:
+        self._ref_count[block] -= 1
+        if self._ref_count[block] < 0:
+            raise RuntimeError(f"block {block} freed twice")
+        if self._ref_count[block] == 0:
+            if self._block_hash[block] is not None:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
 
     def _take_block(self) -> int:
         if self._free:
@@ -169,6 +231,8 @@ class BlockManager:
         hashes = self._block_hashes(seq, num_full)
         for i in range(num_registered, num_full):
             block = seq.block_table[i]
+            if block == FREED_BLOCK:  # registered when scheduled, before it could slide out
+                continue
             # the first block scheduled for a given content is the one others will share
             if hashes[i] not in self._cached and self._block_hash[block] is None:
                 self._cached[hashes[i]] = block
@@ -184,18 +248,13 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s hold on its blocks (at once); cached ones stay reusable."""
         # blocks registered for a step that has not run hold no K/V yet: nobody may find them
+        # (out-of-window entries all lie before num_computed_tokens: computed, released already)
         for block in seq.block_table[seq.num_computed_tokens // self.block_size :]:
             self._unregister(block)
         # release in reverse so a prefix's tail blocks are evicted before its head
         for block in reversed(seq.block_table):
-            self._ref_count[block] -= 1
-            if self._ref_count[block] < 0:
-                raise RuntimeError(f"block {block} freed twice")
-            if self._ref_count[block] == 0:
-                if self._block_hash[block] is not None:
-                    self._evictable[block] = None
-                else:
-                    self._free.append(block)
+            if block != FREED_BLOCK:
+                self._release(block)
         seq.block_table = []
         self._num_registered.pop(seq.seq_id, None)
 

@@ -83,7 +83,12 @@ class LLMEngine:
             lora_manager = _build_lora_manager(config, runner)
         self.lora_manager = lora_manager or getattr(runner, "lora_manager", None)
         runner.lora_manager = self.lora_manager
-        self.block_manager = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_caching)
+        spec = getattr(runner, "spec", None)
+        self.block_manager = BlockManager(
+            runner.num_blocks, runner.block_size, config.enable_prefix_caching,
+            # a model with some global layers reads every block: it keeps them all
+            sliding_window=getattr(spec, "uniform_sliding_window", None),
+        )
         self.scheduler = Scheduler(
             config,
             self.block_manager,
@@ -91,7 +96,6 @@ class LLMEngine:
             eos_token_ids=runner.eos_token_ids,
             max_model_len=self.max_model_len,
         )
-        spec = getattr(runner, "spec", None)
         # prompt ids must index the model's embedding table
         self.vocab_size = getattr(runner, "vocab_size", None) or getattr(spec, "vocab_size", None) or len(self.tokenizer)
         self.grammars = GrammarFactory(self.tokenizer, self.vocab_size, set(runner.eos_token_ids))

@@ -350,6 +350,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed_tokens = entry.start_pos + entry.num_tokens
+            # blocks the next chunk will not read go back now, so KV usage says what is held
+            self.block_manager.release_out_of_window(seq)
             is_decode = entry.needs_sample and entry.num_tokens == 1 and seq.num_output_tokens > 0
             if not is_decode:
                 self.stats.num_prompt_tokens_computed += entry.num_tokens

@@ -109,6 +109,17 @@ class ModelSpec:
         return limit
 
     @property
+    def uniform_sliding_window(self) -> int | None:
+        """The window when every layer attends within the same one (Mistral, Phi-3, a Gemma whose
+        layers are all windowed): KV before it is never read again. None when any layer is global."""
+        if self.gemma is not None:
+            gemma = self.gemma
+            if gemma.sliding_window is not None and gemma.layer_types and set(gemma.layer_types) == {"sliding_attention"}:
+                return gemma.sliding_window
+            return None
+        return self.sliding_window
+
+    @property
     def softmax_scale(self) -> float:
         """What attention multiplies q·k by before the softmax."""
         return self.head_dim**-0.5 if self.attention_multiplier is None else self.attention_multiplier

@@ -5,6 +5,10 @@ slot its block table gives, and when asked to sample it reads the whole context 
 the block table. So a wrong block table, a block shared by mistake, a token recomputed at the
 wrong place or a stale prefix-cache hit all show up as a wrong context, and the sampled token
 (a deterministic function of the context) would differ from an unpaged reference.
+
+With ``sliding_window`` the fake model sees only the window (the last ``window`` tokens), and the
+runner reads back every key the chunk's queries attend to (from ``start - window + 1``): a block
+freed too early and reused by another sequence shows up as a wrong context.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ def next_token(context: list[int], adapter_id: str | None = None) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=4).digest(), "little") % VOCAB
 
 
-def reference_output(prompt: list[int], max_tokens: int, adapter_id: str | None = None) -> list[int]:
+def reference_output(
+    prompt: list[int], max_tokens: int, adapter_id: str | None = None, sliding_window: int | None = None
+) -> list[int]:
     tokens = list(prompt)
     out = []
     for _ in range(max_tokens):
-        tok = next_token(tokens, adapter_id)
+        tok = next_token(tokens if sliding_window is None else tokens[-sliding_window:], adapter_id)
         tokens.append(tok)
         out.append(tok)
     return out
@@ -41,8 +47,9 @@ def reference_output(prompt: list[int], max_tokens: int, adapter_id: str | None 
 class FakeRunner:
     """Checks the scheduler's output against a paged token-id cache and samples ``next_token``."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, sliding_window: int | None = None):
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.kv: dict[int, tuple[int, int]] = {}  # slot -> (position, token id)
         self.num_slots = num_blocks * block_size
         self.steps: list[SchedulerOutput] = []
@@ -69,15 +76,20 @@ class FakeRunner:
             seq = entry.seq
             end = entry.start_pos + entry.num_tokens
             tokens = seq.all_token_ids
+            # every key some query of the chunk attends to: all before it, or its first window
+            first = 0 if self.sliding_window is None else max(0, entry.start_pos - self.sliding_window + 1)
+            context = []
+            for pos in range(first, end):
+                block = entry.block_table[pos // self.block_size]
+                assert block >= 0, f"position {pos} of seq {seq.seq_id} is in a freed block"
+                stored_pos, tok = self.kv[block * self.block_size + pos % self.block_size]
+                assert stored_pos == pos
+                context.append(tok)
+            assert context == tokens[first:end]
             if entry.needs_sample:
                 assert end == seq.num_tokens
-                context = []
-                for pos in range(end):
-                    slot = entry.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
-                    stored_pos, tok = self.kv[slot]
-                    assert stored_pos == pos
-                    context.append(tok)
-                assert context == tokens
+                if self.sliding_window is not None:
+                    context = context[-self.sliding_window:]
                 sampled[seq.seq_id] = SampledToken(next_token(context, seq.adapter_id))
         return ModelRunnerOutput(sampled=sampled)
 
@@ -85,11 +97,12 @@ class FakeRunner:
 class Harness:
     """A scheduler, its block manager and a fake runner, driven step by step."""
 
-    def __init__(self, num_blocks: int = 64, block_size: int = 4, gate=None, eos_token_ids=(), **config):
+    def __init__(self, num_blocks: int = 64, block_size: int = 4, gate=None, eos_token_ids=(),
+                 sliding_window: int | None = None, **config):
         self.config = EngineConfig(block_size=block_size, **config)
-        self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching, sliding_window)
         self.scheduler = Scheduler(self.config, self.block_manager, gate, eos_token_ids=eos_token_ids)
-        self.runner = FakeRunner(num_blocks, block_size)
+        self.runner = FakeRunner(num_blocks, block_size, sliding_window)
         self._ids = itertools.count()
         self.seqs: list[Sequence] = []
         self.time = 0.0
