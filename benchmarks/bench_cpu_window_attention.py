@@ -1,5 +1,6 @@
-"""CPU paged attention of a decode batch per layer kind: full causal, Gemma 2's soft-cap, a
-sliding window, and both (the windowed layers gather only the window's blocks).
+"""CPU paged attention per layer kind: full causal, Gemma 2's soft-cap, a sliding window, and
+both; for a decode batch and for prompt chunks at the end of a long context (the windowed layers
+gather only the window's blocks).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_cpu_window_attention.py [--seqs 16 --context 4096]
 
@@ -18,9 +19,21 @@ import torch
 from loraplex.kernels.attention_cpu import paged_attention_cpu, plan_paged_attention
 
 
+def _median_ms(run, repeats: int) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqs", type=int, default=16)
+    parser.add_argument("--seqs", type=int, default=16, help="decode rows")
+    parser.add_argument("--prefill-seqs", type=int, default=2, help="prompt chunks (0: no prefill rows)")
+    parser.add_argument("--chunk", type=int, default=512, help="tokens per prompt chunk")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--softcap", type=float, default=50.0)
@@ -33,28 +46,26 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     bs, per_seq = args.block_size, -(-args.context // args.block_size)
-    num_blocks = args.seqs * per_seq
-    cache = torch.randn(2, num_blocks, bs, args.kv_heads, args.head_dim, dtype=torch.bfloat16)
-    tables = torch.randperm(num_blocks).view(args.seqs, per_seq).to(torch.int32)
-    seq_lens = torch.full((args.seqs,), args.context, dtype=torch.int32)
-    starts = torch.arange(args.seqs + 1, dtype=torch.int32)
-    query = torch.randn(args.seqs, args.heads, args.head_dim, dtype=torch.bfloat16)
-    plan = plan_paged_attention(tables, seq_lens, starts, bs)
-    print(f"{args.seqs} decodes x {args.context} context, {args.heads}/{args.kv_heads} heads, "
-          f"head_dim {args.head_dim}, bf16, {args.threads} threads")
-    print("| layer | ms (median) |\n| --- | --- |")
-    for window in (None, args.window):
-        for softcap in (None, args.softcap):
-            def run():
-                paged_attention_cpu(query, cache, tables, seq_lens, starts, args.head_dim**-0.5, 1, args.context,
-                                    plan, sliding_window=window, softcap=softcap)
-            run()
-            times = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                run()
-                times.append((time.perf_counter() - t0) * 1e3)
-            print(f"| window {window}, softcap {softcap} | {statistics.median(times):.1f} |")
+    print(f"context {args.context}, {args.heads}/{args.kv_heads} heads, head_dim {args.head_dim}, bf16, "
+          f"{args.threads} threads")
+    print("| batch | layer | ms (median) |\n| --- | --- | --- |")
+    batches = [(f"{args.seqs} decodes", args.seqs, 1)]
+    if args.prefill_seqs:
+        batches.append((f"{args.prefill_seqs} chunks of {args.chunk}", args.prefill_seqs, args.chunk))
+    for label, num_seqs, q_len in batches:
+        num_blocks = num_seqs * per_seq
+        cache = torch.randn(2, num_blocks, bs, args.kv_heads, args.head_dim, dtype=torch.bfloat16)
+        tables = torch.randperm(num_blocks).view(num_seqs, per_seq).to(torch.int32)
+        seq_lens = torch.full((num_seqs,), args.context, dtype=torch.int32)
+        starts = torch.arange(num_seqs + 1, dtype=torch.int32) * q_len
+        query = torch.randn(num_seqs * q_len, args.heads, args.head_dim, dtype=torch.bfloat16)
+        plan = plan_paged_attention(tables, seq_lens, starts, bs)
+        for window in (None, args.window):
+            for softcap in (None, args.softcap):
+                def run():
+                    paged_attention_cpu(query, cache, tables, seq_lens, starts, args.head_dim**-0.5, q_len,
+                                        args.context, plan, sliding_window=window, softcap=softcap)
+                print(f"| {label} | window {window}, softcap {softcap} | {_median_ms(run, args.repeats):.1f} |")
 
 
 if __name__ == "__main__":

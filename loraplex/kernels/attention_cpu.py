@@ -7,11 +7,13 @@ a mask that is causal and shifted by each chunk's cached prefix: a call per sequ
 0.2 ms of fixed overhead, which for 64 short prompts over 30 layers is as much as the math.
 
 Everything that depends only on the step's metadata (groups, gather indices, masks, row maps)
-is an ``AttentionPlan``, built once per step and reused by every layer. A sliding window
-narrows a group's mask, and decode rows gather only the blocks their window reaches (both built
-on first use per window size and kept in the plan, so layers of one window type share them);
-logit soft-capping runs the scores through tanh, which SDPA cannot, so those calls compute the
-softmax written out.
+is an ``AttentionPlan``, built once per step and reused by every layer. With a sliding window a
+group gathers only the blocks its rows' windows reach, from the block of ``first query - window
++ 1`` on (built on first use per window size and kept in the group, so layers of one window type
+share it): a long context's windowed layers cost the window, not the context, and block-table
+entries before the window (freed by the block manager, see ``block_manager.FREED_BLOCK``) are
+never read. Logit soft-capping runs the scores through tanh, which SDPA cannot, so those calls
+compute the softmax written out.
 """
 
 from __future__ import annotations
@@ -40,17 +42,43 @@ class _Group:
     mask: torch.Tensor  # [P, 1, Q, L] bool, True = may attend
     valid: torch.Tensor | None  # [P, Q] bool, padded queries that are real rows; None = all
     q_pos: torch.Tensor  # [P, Q] absolute position of each padded query
-    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask narrowed to it
+    tables: torch.Tensor | None = None  # [P, max_blocks] int64, each sequence's whole block table
+    windowed: dict[int, "_Group"] = field(default_factory=dict)  # window -> the group narrowed to it
 
-    def mask_for(self, sliding_window: int | None) -> torch.Tensor:
-        """The causal mask, or with a window only keys at positions > q_pos - window."""
-        if sliding_window is None:
-            return self.mask
-        if sliding_window not in self.windowed:
-            k_pos = torch.arange(self.longest).view(1, 1, -1)
-            inside = k_pos > (self.q_pos - sliding_window).unsqueeze(2)  # [P, Q, L]
-            self.windowed[sliding_window] = self.mask & inside.unsqueeze(1)
-        return self.windowed[sliding_window]
+    def for_window(self, window: int | None, block_size: int) -> "_Group":
+        """This group, or with a window the one that reads only the blocks the windows reach."""
+        if window is None:
+            return self
+        if window not in self.windowed:
+            self.windowed[window] = _window_group(self, window, block_size)
+        return self.windowed[window]
+
+
+def _window_group(group: _Group, window: int, block_size: int) -> _Group:
+    """``group`` reading, per sequence, the blocks from the one holding its first query's first
+    key (position ``q_pos - window + 1``) to its last query's, with the windowed causal mask."""
+    first_q = group.q_pos[:, 0]  # [P] the chunk's first position (a decode: its only one)
+    last_q = group.q_pos if group.valid is None else group.q_pos.masked_fill(~group.valid, -1)
+    last_q = last_q.amax(1)  # [P] its last real query
+    first = (first_q + 1 - window).clamp_min(0) // block_size  # [P] first block with a key in the window
+    if not bool(first.any()):  # every window starts in block 0: only the mask narrows
+        return _Group(group.blocks, group.num_blocks, group.longest, group.rows,
+                      group.mask & _inside(group, window), group.valid, group.q_pos)
+    num_blocks = int((last_q // block_size - first).max()) + 1
+    length = num_blocks * block_size
+    k_pos = first.unsqueeze(1) * block_size + torch.arange(length)  # [P, L] position of each key read
+    diff = group.q_pos.unsqueeze(2) - k_pos.unsqueeze(1)  # [P, Q, L] query position - key position
+    mask = ((diff >= 0) & (diff < window)).unsqueeze(1)  # [P, 1, Q, L]
+    # a sequence whose keys end before num_blocks reads table entries past its own (padding, or
+    # the last column again), masked as in _blocks
+    index = (first.unsqueeze(1) + torch.arange(num_blocks)).clamp_max(group.tables.shape[1] - 1)  # [P, nb]
+    return _Group(group.tables.gather(1, index).flatten(), num_blocks, length, group.rows, mask, group.valid,
+                  group.q_pos)
+
+
+def _inside(group: _Group, window: int) -> torch.Tensor:  # [P, 1, Q, L] keys at positions > q_pos - window
+    k_pos = torch.arange(group.longest).view(1, 1, -1)
+    return (k_pos > (group.q_pos - window).unsqueeze(2)).unsqueeze(1)
 
 
 @dataclass
@@ -59,19 +87,11 @@ class AttentionPlan:
 
     decode: _Group | None
     prefill: list[_Group]
-    decode_tables: torch.Tensor | None = None  # [S, max_blocks] int64, the decode rows' block tables
     block_size: int = 16
-    decode_windows: dict[int, _Group] = field(default_factory=dict)  # window -> decode group
 
     def decode_for(self, sliding_window: int | None) -> _Group | None:
         """The decode rows' group; with a window, one that gathers only the window's blocks."""
-        if sliding_window is None or self.decode is None:
-            return self.decode
-        if sliding_window not in self.decode_windows:
-            self.decode_windows[sliding_window] = _window_decode_group(
-                self.decode, self.decode_tables, sliding_window, self.block_size
-            )
-        return self.decode_windows[sliding_window]
+        return None if self.decode is None else self.decode.for_window(sliding_window, self.block_size)
 
 
 def plan_paged_attention(
@@ -85,11 +105,9 @@ def plan_paged_attention(
     q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
     decode = [i for i, q in enumerate(q_lens) if q == 1]
     chunks = [(i, q, lens[i]) for i, q in enumerate(q_lens) if q > 1]
-    pure = len(decode) == starts[-1]  # every row of the batch is a decode, in order
     return AttentionPlan(
         decode=_decode_group(block_tables, decode, starts, lens, block_size) if decode else None,
         prefill=[_prefill_group(block_tables, g, starts, block_size) for g in _prefill_groups(chunks)],
-        decode_tables=(block_tables if pure else block_tables[decode]).long() if decode else None,
         block_size=block_size,
     )
 
@@ -108,25 +126,8 @@ def _decode_group(block_tables, decode, starts, lens, block_size) -> _Group:
     keep = torch.arange(longest).unsqueeze(0) < dec_lens.unsqueeze(1)  # [S, L]
     rows = None if pure else torch.tensor([[starts[i]] for i in decode])
     mask = keep.view(len(decode), 1, 1, longest)
-    return _Group(blocks, num_blocks, longest, rows, mask, None, (dec_lens - 1).unsqueeze(1))
-
-
-def _window_decode_group(group: _Group, tables: torch.Tensor, window: int, block_size: int) -> _Group:
-    """``group``'s decode rows reading only the blocks that hold keys of their window: a long
-    context's windowed layers then gather and attend ``window`` keys, not the whole context."""
-    q_pos = group.q_pos[:, 0]  # [S]
-    first = (q_pos + 1 - window).clamp_min(0) // block_size  # [S] first block with a key in the window
-    num_blocks = int((q_pos // block_size - first).max()) + 1
-    if num_blocks >= group.num_blocks:
-        return group
-    # a row that needs fewer blocks reads table entries past its own, masked (as _blocks does)
-    index = (first.unsqueeze(1) + torch.arange(num_blocks)).clamp_max(tables.shape[1] - 1)  # [S, nb]
-    length = num_blocks * block_size
-    k_pos = first.unsqueeze(1) * block_size + torch.arange(length)  # [S, L] position of each key read
-    causal = (k_pos <= q_pos.unsqueeze(1)).view(-1, 1, 1, length)
-    inside = (k_pos > (q_pos - window).unsqueeze(1)).view(-1, 1, 1, length)
-    return _Group(tables.gather(1, index).flatten(), num_blocks, length, group.rows, causal, None, group.q_pos,
-                  windowed={window: causal & inside})
+    tables = (block_tables if pure else block_tables[decode]).long()
+    return _Group(blocks, num_blocks, longest, rows, mask, None, (dec_lens - 1).unsqueeze(1), tables)
 
 
 def _prefill_groups(chunks: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
@@ -149,7 +150,8 @@ def _prefill_group(block_tables, group, starts, block_size) -> _Group:
     allowed = torch.arange(longest).view(1, 1, -1) <= q_pos.unsqueeze(2)  # [P, Q, L]
     valid = j < q_lens.unsqueeze(1)
     valid = None if bool(valid.all()) else valid
-    return _Group(blocks, num_blocks, longest, rows, allowed.unsqueeze(1), valid, q_pos)
+    tables = block_tables[[i for i, _, _ in group]].long()
+    return _Group(blocks, num_blocks, longest, rows, allowed.unsqueeze(1), valid, q_pos, tables)
 
 
 def write_kv_cache_cpu(
@@ -200,12 +202,12 @@ def _softcapped_attention(
     return torch.matmul(probs, v).view(p, h, q_len, d)  # [P, kvh, group * Q, d] -> [P, H, Q, d]
 
 
-def _attend_prefill(query, kv_cache, group: _Group, scale: float, out: torch.Tensor, window, softcap) -> None:
+def _attend_prefill(query, kv_cache, group: _Group, scale: float, out: torch.Tensor, softcap) -> None:
     """One group of prompt chunks as one ``scaled_dot_product_attention`` over padded queries
     and K/V (GQA without repeating K/V)."""
     k, v = _gather_kv(kv_cache, group, query.dtype)
     q = query[group.rows]  # [P, Q, H, d]
-    mask = group.mask_for(window)
+    mask = group.mask
     if softcap is not None:
         attn = _softcapped_attention(q.transpose(1, 2), k, v, mask, scale, softcap).transpose(1, 2)
     else:
@@ -218,13 +220,13 @@ def _attend_prefill(query, kv_cache, group: _Group, scale: float, out: torch.Ten
         out[group.rows[group.valid]] = attn[group.valid]
 
 
-def _attend_decode(query, kv_cache, group: _Group, scale: float, out: torch.Tensor, window, softcap) -> None:
+def _attend_decode(query, kv_cache, group: _Group, scale: float, out: torch.Tensor, softcap) -> None:
     """Decode rows, GQA without ``enable_gqa``: the query heads that share a KV head become that
     head's query rows (``[S, kvh, heads per kv head, d]``), one plain SDPA over them. About 20%
     faster than ``enable_gqa`` on one query row, and steadier."""
     k, v = _gather_kv(kv_cache, group, query.dtype)  # [S, kvh, L, d]
     q = query if group.rows is None else query[group.rows.flatten()]  # [S, H, d]
-    mask = group.mask_for(window)  # [S, 1, 1, L]
+    mask = group.mask  # [S, 1, 1, L]
     if softcap is not None:
         attn = _softcapped_attention(q.unsqueeze(2), k, v, mask, scale, softcap).reshape(q.shape)
     else:
@@ -253,7 +255,7 @@ def paged_attention_cpu(
         plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, kv_cache.shape[2])
     out = torch.empty_like(query)
     if plan.decode is not None:
-        _attend_decode(query, kv_cache, plan.decode_for(sliding_window), scale, out, sliding_window, softcap)
+        _attend_decode(query, kv_cache, plan.decode_for(sliding_window), scale, out, softcap)
     for group in plan.prefill:
-        _attend_prefill(query, kv_cache, group, scale, out, sliding_window, softcap)
+        _attend_prefill(query, kv_cache, group.for_window(sliding_window, plan.block_size), scale, out, softcap)
     return out

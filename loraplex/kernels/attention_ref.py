@@ -24,14 +24,16 @@ def write_kv_cache_ref(
 
 
 def gather_kv(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, first_block: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one sequence's first ``seq_len`` positions: each ``[seq_len, num_kv_heads, head_dim]``."""
+    """K and V of one sequence's positions ``first_block * block_size`` to ``seq_len - 1``: each
+    ``[seq_len - first_block * block_size, num_kv_heads, head_dim]``."""
     block_size = kv_cache.shape[2]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = block_table[:num_blocks].long()
-    k = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len]
-    v = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len]
+    blocks = block_table[first_block:num_blocks].long()
+    length = seq_len - first_block * block_size
+    k = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[3:])[:length]
+    v = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[3:])[:length]
     return k, v
 
 
@@ -47,8 +49,10 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """``sliding_window``: a query at position p sees keys at positions > p - window (and <= p);
-    ``softcap``: scores become ``tanh(scores / softcap) * softcap`` before the mask (Gemma 2)."""
+    """``sliding_window``: a query at position p sees keys at positions > p - window (and <= p),
+    and the blocks wholly before the first query's window are not read (the block manager may
+    have freed them); ``softcap``: scores become ``tanh(scores / softcap) * softcap`` before the
+    mask (Gemma 2)."""
     num_heads = query.shape[1]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -60,16 +64,19 @@ def paged_attention_ref(
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        k, v = gather_kv(kv_cache, block_tables[i], seq_len)
+        first_block = 0
+        if sliding_window is not None:
+            first_block = max(0, seq_len - q_len - sliding_window + 1) // kv_cache.shape[2]
+        k, v = gather_kv(kv_cache, block_tables[i], seq_len, first_block)
         q = query[q_start:q_end].float().transpose(0, 1)  # [H, q_len, D]
-        k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, seq_len, D]
+        k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, keys, D]
         v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = (q @ k.transpose(1, 2)) * scale  # [H, q_len, seq_len]
+        scores = (q @ k.transpose(1, 2)) * scale  # [H, q_len, keys]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         # query row j sits at absolute position seq_len - q_len + j and sees keys up to it
         q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
+        k_pos = torch.arange(first_block * kv_cache.shape[2], seq_len).unsqueeze(0)
         hidden = k_pos > q_pos
         if sliding_window is not None:
             hidden |= k_pos <= q_pos - sliding_window
