@@ -48,6 +48,11 @@ def check_scheduling_policy(policy: str) -> None:
         raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, not {policy!r}")
 
 
+def check_max_logprobs(max_logprobs: int) -> None:
+    if max_logprobs < -1:
+        raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, not {max_logprobs}")
+
+
 # options below 1 make no engine: 0 batched tokens or sequences admits nothing, so every request
 # waits for ever; 0 slots or rank serves no adapter; block_size 0 divides by zero
 POSITIVE_OPTIONS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank",
@@ -103,12 +108,16 @@ class EngineConfig:
     # when the engine is built (loraplex/generation_defaults.py)
     generation_config: str = "auto"
     override_generation_config: dict | str | None = None
+    # vLLM's max_logprobs: the most alternatives per token `logprobs` / `prompt_logprobs` may ask
+    # for (OpenAI's chat limit, 20, by default); -1: up to the vocabulary
+    max_logprobs: int = 20
     # where converted models (GGUF -> safetensors) are cached
     home: Path = dataclasses.field(default_factory=lambda: Path("~/.loraplex").expanduser())
 
     def __post_init__(self) -> None:
         check_positive_options(dataclasses.asdict(self))
         check_scheduling_policy(self.scheduling_policy)
+        check_max_logprobs(self.max_logprobs)
         check_host_cache_options(self.max_cpu_loras, self.max_cpu_lora_bytes, self.max_loras)
 
     def replace(self, **changes) -> "EngineConfig":
@@ -197,6 +206,24 @@ class Settings(BaseSettings):
     # machine, so only under one of `lora_path_roots` (flag --lora-path-root DIR, repeatable)
     allow_runtime_lora_updating: bool = False
     lora_path_roots: list[Path] = Field(default_factory=list)
+
+    # vLLM's HTTP front-end options (loraplex/server/http_options.py reads them)
+    # CORS: no origin allowed by default (vLLM's default is "*"): /metrics answers without a key
+    # and names tenants, which a wildcard would let any web page a user opens read
+    allowed_origins: list[str] = Field(default_factory=list)
+    allowed_methods: list[str] = Field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = Field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    # TLS (uvicorn's): a certificate (and its key, unless in the same file); client certificates
+    # verified against ssl_ca_certs when ssl_cert_reqs is 1 (optional) or 2 (required)
+    ssl_keyfile: Path | None = None
+    ssl_certfile: Path | None = None
+    ssl_ca_certs: Path | None = None
+    ssl_cert_reqs: int = Field(default=0, ge=0, le=2)
+    root_path: str = ""  # the path prefix a path-stripping proxy serves this server under
+    response_role: str = "assistant"  # a chat answer's role (when the prompt asks for a reply)
+    return_tokens_as_token_ids: bool = False  # a request's own field wins
+    max_logprobs: int = Field(default=20, ge=-1)  # see EngineConfig
 
     @model_validator(mode="after")
     def _one_host_cache_size(self) -> "Settings":

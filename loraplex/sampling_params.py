@@ -112,12 +112,11 @@ class SamplingParams:
             bad("presence_penalty", "presence_penalty must be in [-2, 2]")
         if not -2.0 <= float(self.frequency_penalty) <= 2.0:
             bad("frequency_penalty", "frequency_penalty must be in [-2, 2]")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad("logprobs", "logprobs must be an integer in [0, 20]")
-        if self.prompt_logprobs is not None and (
-            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20
-        ):
-            bad("prompt_logprobs", "prompt_logprobs must be an integer in [0, 20]")
+        # the upper bound is the engine's max_logprobs (check_logprobs_cap), not the params'
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            bad("logprobs", "logprobs must be an integer >= 0")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            bad("prompt_logprobs", "prompt_logprobs must be an integer >= 0")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "stop must be a non-empty string or a list of them")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -167,6 +166,17 @@ def _check_logit_bias(bias) -> None:
             raise InvalidRequestError(
                 f"logit_bias[{token}] must be in [-100, 100], got {value}", param="logit_bias"
             )
+
+
+def check_logprobs_cap(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
+    """vLLM's ``max_logprobs``: neither ``logprobs`` nor ``prompt_logprobs`` may ask for more
+    alternatives per token; -1 lifts the cap to the vocabulary. vLLM's wording."""
+    cap = vocab_size if max_logprobs == -1 else max_logprobs
+    for param, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        wanted = getattr(params, param)
+        if wanted is not None and wanted > cap:
+            raise InvalidRequestError(
+                f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: {cap}", param=param)
 
 
 def check_token_ids_in_vocab(params: SamplingParams, vocab_size: int) -> None:

@@ -22,7 +22,7 @@ from loraplex.engine.sampler import bad_words_token_ids
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.lora.errors import AdapterLoadFailedError
-from loraplex.sampling_params import InvalidRequestError, SamplingParams, check_token_ids_in_vocab
+from loraplex.sampling_params import InvalidRequestError, SamplingParams, check_logprobs_cap, check_token_ids_in_vocab
 
 logger = logging.getLogger("loraplex.engine")
 
@@ -174,6 +174,7 @@ class LLMEngine:
             raise InvalidRequestError("params must be a SamplingParams", param="params")
         params.validate()
         check_token_ids_in_vocab(params, self.vocab_size)
+        check_logprobs_cap(params, self.config.max_logprobs, self.vocab_size)
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         text: str | None = None

@@ -78,8 +78,9 @@ def test_prompt_logprobs_with_an_adapter_and_n_2(tiny_llama_dir, hf_model, tmp_p
 
 
 def test_out_of_range_is_refused():
+    # the upper bound is the engine's max_logprobs (tests/engine/test_max_logprobs.py)
     with pytest.raises(InvalidRequestError) as info:
-        SamplingParams(prompt_logprobs=21)
+        SamplingParams(prompt_logprobs=-1)
     assert info.value.param == "prompt_logprobs"
 
 
