@@ -2,7 +2,9 @@
 // a bearer header, never put in a URL or a cookie.
 
 const KEY_STORAGE = "loraplex.adminKey";
-export const API_BASE = "/admin/v1";
+// Relative to this file (<root>/admin/js/api.js), not "/admin/v1": behind a proxy that serves the
+// server under a path prefix (`--root-path /llm`), the API is at /llm/admin/v1.
+export const API_BASE = new URL("../v1", import.meta.url).pathname;
 
 /** An error answered by the server, carrying its OpenAI-style envelope's message. */
 export class ApiError extends Error {

@@ -26,6 +26,7 @@ import loraplex
 from loraplex.config import Settings
 from loraplex.server import (
     admin_routes,
+    http_options,
     openai_routes,
     responses_routes,
     runtime_lora_routes,
@@ -223,7 +224,9 @@ def create_app(
     if (admin_dir / "index.html").is_file():
         routes.append(Mount("/admin", app=StaticFiles(directory=admin_dir, html=True), name="admin-ui"))
 
-    app = Starlette(routes=routes, exception_handlers=exception_handlers(), lifespan=lifespan)
+    # CORS outside the error handling, so that every answer carries it (http_options.py)
+    app = http_options.ServerApp(routes=routes, exception_handlers=exception_handlers(), lifespan=lifespan,
+                                 outer_middleware=http_options.cors_middleware(settings))
     app.state.ctx = ctx
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestIdMiddleware)  # outside the body-size check: its 413s carry the id too

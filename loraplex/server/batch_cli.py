@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from loraplex.server import vllm_flags
+from loraplex.server import http_options, vllm_flags
 from loraplex.server.cli import add_settings_flags, settings_or_error
 
 # Settings that mean nothing without an HTTP server (or that a batch sets itself)
@@ -35,7 +35,7 @@ SKIPPED_SETTINGS = frozenset({
     "host", "port", "registry_poll_seconds", "blob_gc_interval_seconds", "blob_gc_min_age_seconds", "max_body_bytes",
     "max_concurrent_requests_per_tenant", "shutdown_grace_seconds", "max_upload_member_bytes",
     "usage_flush_seconds",  # a batch run records no usage: its output file has every line's usage
-})
+}) | http_options.SERVER_ONLY_FIELDS
 DEFAULT_MAX_CONCURRENCY = 256
 BATCH_TENANT = "batch"  # the tenant lines run as without --tenant (metrics and prefix-cache scope only)
 USAGE_ERROR, RUN_FAILED = 2, 1

@@ -26,7 +26,7 @@ from pathlib import Path
 from loraplex.config import SCHEDULING_POLICIES, Settings
 from loraplex.generation_defaults import GenerationConfigError
 from loraplex.generation_defaults import check_options as check_generation_options
-from loraplex.server import vllm_flags
+from loraplex.server import http_options, vllm_flags
 from loraplex.server.reasoning_parsers import REASONING_PARSERS
 from loraplex.server.tool_parsers import TOOL_PARSERS
 
@@ -62,8 +62,9 @@ def add_parser(subparsers) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_settings_flags(p)
+    add_settings_flags(p, skip=frozenset(http_options.FIELDS))
     vllm_flags.add_vllm_flags(p)
+    http_options.add_http_flags(p)  # vLLM's front-end flags, their own help group
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_serve)
 
@@ -123,14 +124,15 @@ def settings_or_error(args: argparse.Namespace, command: str = "serve", **fixed)
     return None
 
 
-def _configure_logging(level: str) -> None:
+def _configure_logging(level: str, access_lines: bool = True) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)  # migration chatter at every start
     access = logging.getLogger("loraplex.access")
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))  # the message is one JSON object
     access.addHandler(handler)
-    access.setLevel(logging.INFO)  # request lines are kept whatever --log-level says
+    # request lines are kept whatever --log-level says; --disable-uvicorn-access-log drops them
+    access.setLevel(logging.INFO if access_lines else logging.CRITICAL + 1)
     access.propagate = False
 
 
@@ -161,13 +163,14 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         flags = vllm_flags.startup_flags(args, os.environ)
-    except vllm_flags.VllmFlagError as exc:
+        http_options.check(settings)  # before the model loads: a bad certificate path fails fast
+    except (vllm_flags.VllmFlagError, http_options.HttpOptionsError) as exc:
         print(f"loraplex serve: error: {exc}", file=sys.stderr)
         return 2
-    _configure_logging(args.log_level)
+    _configure_logging(args.log_level, access_lines=not args.disable_uvicorn_access_log)
     embedded = settings.database_url is None
     setup = prepare_registry(settings, create_demo=embedded)
-    base = f"http://{settings.host}:{settings.port}"
+    base = f"{http_options.scheme(settings)}://{settings.host}:{settings.port}"
     if setup.admin_secret:
         print(f"loraplex: admin key (shown once, stored hashed): {setup.admin_secret}", flush=True)
     for note in setup.notes:
@@ -190,7 +193,7 @@ def run_serve(args: argparse.Namespace) -> int:
         app,
         host=settings.host,
         port=settings.port,
-        log_level=args.log_level,
+        **http_options.uvicorn_options(settings, args.log_level, args.uvicorn_log_level),  # TLS, root path
         access_log=False,  # one JSON line per request comes from loraplex.access instead
         lifespan="on",
         timeout_graceful_shutdown=1,

@@ -15,6 +15,7 @@ from loraplex.server.context import AppContext
 from loraplex.server.errors import CLIENT_CLOSED, from_exception, model_not_found
 from loraplex.server.generation import RequestRun
 from loraplex.server.protocol import GenerationRequest, parse_chat_request, parse_completion_request
+from loraplex.server.request_defaults import apply_server_defaults
 from loraplex.server.shapes import ResponseShaper
 from loraplex.server.streaming import DONE, ClientDisconnected, SSEResponse, run_unless_disconnected, sse_event
 
@@ -31,8 +32,9 @@ class OpenAIAdmission(Admission):
         self._parse = parse
 
     def parse(self, ctx: AppContext, body) -> GenerationRequest:
-        req = self._parse(body, ctx.sampling_defaults)
+        req = self._parse(body, ctx.sampling_defaults, max_logprobs=ctx.settings.max_logprobs)
         chat_output.check_request(ctx, req)  # "auto" tool choice needs the server's tool-call parser
+        apply_server_defaults(req, ctx.settings)
         return req
 
 
@@ -70,7 +72,8 @@ def shaper_for(run: RequestRun) -> ResponseShaper:
     """The shaper of an admitted run's answer (its id is the run's request id)."""
     req = run.req
     return ResponseShaper(req.kind, req.model, run.ctx.tokenizer, include_usage=req.include_usage,
-                          response_id=run.request_id, tokens_as_ids=req.return_tokens_as_token_ids)
+                          response_id=run.request_id, tokens_as_ids=bool(req.return_tokens_as_token_ids),
+                          role=req.response_role)
 
 
 async def whole_answer(run: RequestRun, shaper: ResponseShaper, answer=None) -> dict:

@@ -32,7 +32,7 @@ from loraplex.server.structured_fields import parse_structured_output
 from loraplex.server.tool_calls import ToolRequest, parse_tools, template_tool_calls
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = 20  # the default of the server's --max-logprobs (vLLM's, and OpenAI's chat limit)
 
 
 @dataclass
@@ -57,7 +57,8 @@ class GenerationRequest:
     max_tokens_given: bool = False
     user: str | None = None
     prompt_options: PromptOptions = field(default_factory=PromptOptions)  # template, truncation, special tokens
-    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:<id>"; None: the server's
+    response_role: str = "assistant"  # chat: the answer's role (request_defaults.py)
     priority: int = 0  # vLLM's: lower is admitted first (not under --scheduling-policy fcfs)
 
     @property
@@ -198,9 +199,15 @@ def _stream(body) -> tuple[bool, bool, bool]:
     return stream, include_usage, continuous
 
 
-def _prompt_logprobs(body: dict, stream: bool) -> int | None:
+def _logprobs_cap(max_logprobs: int) -> int | None:
+    """The parse-time bound of a logprobs count: the server's ``max_logprobs`` (-1: none here;
+    the engine holds it to the vocabulary)."""
+    return None if max_logprobs == -1 else max_logprobs
+
+
+def _prompt_logprobs(body: dict, stream: bool, max_logprobs: int) -> int | None:
     """vLLM's ``prompt_logprobs`` (top N per prompt token); like vLLM, not with ``stream``."""
-    n = _int(body, "prompt_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    n = _int(body, "prompt_logprobs", None, lo=0, hi=_logprobs_cap(max_logprobs))
     if n is not None and stream:
         raise bad_request("`prompt_logprobs` is not available with `stream`", param="prompt_logprobs")
     return n
@@ -345,7 +352,8 @@ def _open_max_tokens(given: int | None, defaults: SamplingDefaults) -> tuple[int
     return defaults.max_tokens, False
 
 
-def parse_completion_request(body, defaults: SamplingDefaults | None = None) -> GenerationRequest:
+def parse_completion_request(body, defaults: SamplingDefaults | None = None,
+                             max_logprobs: int = MAX_TOP_LOGPROBS) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     defaults = defaults or SamplingDefaults()
@@ -357,10 +365,10 @@ def parse_completion_request(body, defaults: SamplingDefaults | None = None) -> 
     max_tokens, max_tokens_given = _open_max_tokens(_int(body, "max_tokens", None, lo=1), defaults)
     if "max_tokens" not in body:
         max_tokens, max_tokens_given = defaults.capped(16), True
-    logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    logprobs = _int(body, "logprobs", None, lo=0, hi=_logprobs_cap(max_logprobs))
     stream, include_usage, continuous_usage = _stream(body)
     echo = _bool(body, "echo", False)
-    prompt_logprobs = _prompt_logprobs(body, stream)
+    prompt_logprobs = _prompt_logprobs(body, stream, max_logprobs)
     params = _sampling(body, max_tokens, logprobs, defaults)
     params.structured_outputs = parse_structured_output(body)
     # echo with logprobs lists the prompt tokens' logprobs before the completion's (OpenAI)
@@ -374,7 +382,7 @@ def parse_completion_request(body, defaults: SamplingDefaults | None = None) -> 
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous_usage,
-        return_tokens_as_token_ids=bool(_bool(body, "return_tokens_as_token_ids", False)),
+        return_tokens_as_token_ids=_bool(body, "return_tokens_as_token_ids", None),
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
         echo=echo,
@@ -386,7 +394,8 @@ def parse_completion_request(body, defaults: SamplingDefaults | None = None) -> 
     )
 
 
-def parse_chat_request(body, defaults: SamplingDefaults | None = None) -> GenerationRequest:
+def parse_chat_request(body, defaults: SamplingDefaults | None = None,
+                       max_logprobs: int = MAX_TOP_LOGPROBS) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     defaults = defaults or SamplingDefaults()
@@ -398,11 +407,11 @@ def parse_chat_request(body, defaults: SamplingDefaults | None = None) -> Genera
         max_tokens = _int(body, "max_tokens", None, lo=1)
     max_tokens, max_tokens_given = _open_max_tokens(max_tokens, defaults)
     want_logprobs = _bool(body, "logprobs", False)
-    top_logprobs = _int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    top_logprobs = _int(body, "top_logprobs", None, lo=0, hi=_logprobs_cap(max_logprobs))
     if top_logprobs is not None and not want_logprobs:
         raise bad_request("`top_logprobs` requires `logprobs` to be true", param="top_logprobs")
     stream, include_usage, continuous_usage = _stream(body)
-    prompt_logprobs = _prompt_logprobs(body, stream)
+    prompt_logprobs = _prompt_logprobs(body, stream, max_logprobs)
     params = _sampling(body, max_tokens, (top_logprobs or 0) if want_logprobs else None, defaults)
     tools = parse_tools(body)
     params.structured_outputs = parse_structured_output(body)
@@ -426,7 +435,7 @@ def parse_chat_request(body, defaults: SamplingDefaults | None = None) -> Genera
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous_usage,
-        return_tokens_as_token_ids=bool(_bool(body, "return_tokens_as_token_ids", False)),
+        return_tokens_as_token_ids=_bool(body, "return_tokens_as_token_ids", None),
         logprobs=want_logprobs,
         top_logprobs=top_logprobs or 0,
         max_tokens_given=max_tokens_given,

@@ -69,8 +69,9 @@ class ResponseShaper:
     """Builds the bodies of one response (all chunks share id, created and model)."""
 
     def __init__(self, kind: str, model: str, tokenizer, include_usage: bool = False, response_id: str | None = None,
-                 tokens_as_ids: bool = False):
+                 tokens_as_ids: bool = False, role: str = "assistant"):
         self.kind = kind
+        self.role = role  # a chat answer's role (vLLM's --response-role, or the continued message's)
         self.model = model
         self.tokenizer = tokenizer
         self.include_usage = include_usage
@@ -193,7 +194,7 @@ class ResponseShaper:
         body["choices"] = [
             {
                 "index": c["index"],
-                "message": c.get("message") or {"role": "assistant", "content": c["text"]},
+                "message": {**(c.get("message") or {"content": c["text"]}), "role": self.role},
                 "logprobs": c.get("logprobs"),
                 "finish_reason": c["finish_reason"],
             }
@@ -212,7 +213,7 @@ class ResponseShaper:
             body = self._head("chat.completion.chunk")
             delta: dict = {}
             if role:
-                delta["role"] = "assistant"
+                delta["role"] = self.role
             if text is not None:
                 delta["content"] = text
             if tool_calls:

@@ -15,6 +15,7 @@ import uvicorn
 from loraplex.config import Settings
 from loraplex.registry import db
 from loraplex.registry.service import RegistryService
+from loraplex.server import http_options
 from loraplex.server.app import create_app
 from tests.fixtures.ports import free_port
 from tests.server.fakes import FakeAdapterManager, FakeEngine
@@ -75,21 +76,20 @@ def start_server(tmp_path, engine: FakeEngine | None = None, make_adapters=None,
     settings = Settings(home=home, admin_key=ADMIN_KEY, database_url=url, **setting_overrides)
     app = create_app(settings, engine=engine, registry=registry, adapters=adapters)
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    # TLS and the root path as `loraplex serve` passes them to uvicorn
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on",
+                            **http_options.uvicorn_options(settings, "warning"))
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    base = f"http://127.0.0.1:{port}"
+    base = f"{http_options.scheme(settings)}://127.0.0.1:{port}"
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base + "/ready", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
+    # uvicorn's own flag: up once the app's startup ran and the socket listens (a poll of /ready
+    # would need a client certificate on a server that asks for one)
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("test server did not become ready")
         time.sleep(0.05)
-    else:
-        raise RuntimeError("test server did not become ready")
     return RunningServer(base, app, engine, registry, adapters, server, thread)
 
 
