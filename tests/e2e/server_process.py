@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -23,12 +24,15 @@ class ServerProcess:
     proc: subprocess.Popen
     url: str
     log_path: Path
+    verify: ssl.SSLContext | bool = True  # how clients check the certificate of a TLS server
 
     def admin(self, timeout: float = 30) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=timeout)
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=timeout,
+                            verify=self.verify)
 
     def client(self, key: str, timeout: float = 60) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=timeout)
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=timeout,
+                            verify=self.verify)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -43,7 +47,10 @@ class ServerProcess:
                 self.proc.wait(timeout=10)
 
 
-def start_server(home: Path, model_dir: Path, *extra: str, ready_timeout: float = 240) -> ServerProcess:
+def start_server(home: Path, model_dir: Path, *extra: str, ready_timeout: float = 240,
+                 verify: ssl.SSLContext | bool = True) -> ServerProcess:
+    """``extra`` flags go last; with ``--ssl-certfile`` among them the server speaks HTTPS, and
+    ``verify`` (an SSL context trusting its CA) is how the readiness poll and clients check it."""
     port = free_port()
     env = {
         **os.environ,
@@ -65,12 +72,13 @@ def start_server(home: Path, model_dir: Path, *extra: str, ready_timeout: float 
     home.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:  # a file, not a pipe: a full pipe would stall the server
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(proc, url, log_path, ready_timeout)
-    return ServerProcess(proc, url, log_path)
+    url = f"{'https' if '--ssl-certfile' in extra else 'http'}://127.0.0.1:{port}"
+    wait_ready(proc, url, log_path, ready_timeout, verify)
+    return ServerProcess(proc, url, log_path, verify)
 
 
-def wait_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout: float) -> None:
+def wait_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout: float,
+               verify: ssl.SSLContext | bool = True) -> None:
     """Until ``url``/ready answers 200; the log's tail in the error if the process exits or
     ``timeout`` seconds pass (then it is killed)."""
     deadline = time.monotonic() + timeout
@@ -78,7 +86,7 @@ def wait_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout: float)
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text(errors='replace')[-4000:]}")
         try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+            if httpx.get(url + "/ready", timeout=2, verify=verify).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
