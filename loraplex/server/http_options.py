@@ -30,6 +30,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
 from loraplex.config import Settings
+from loraplex.server.request_ids import CLIENT_REQUEST_ID_HEADER, REQUEST_ID_HEADER
 
 # Settings fields whose flags this module adds (in its help group), not cli.add_settings_flags
 FIELDS = ("allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials", "ssl_keyfile",
@@ -140,6 +141,14 @@ def scheme(settings: Settings) -> str:
     return "https" if settings.ssl_certfile is not None else "http"
 
 
+# response headers a browser script may read (CORS hides all but a few by default): the request
+# ids a support ticket quotes, and the rate-limit state a client backs off by
+EXPOSED_HEADERS = [
+    REQUEST_ID_HEADER, CLIENT_REQUEST_ID_HEADER, "retry-after",
+    *(f"x-ratelimit-{what}-{kind}" for what in ("limit", "remaining", "reset") for kind in ("requests", "tokens")),
+]
+
+
 def cors_middleware(settings: Settings) -> list[Middleware]:
     """Starlette's CORS middleware on the options, or none when no origin is allowed (browsers
     then keep to the same origin). Preflights are answered by the middleware itself; an origin
@@ -147,7 +156,8 @@ def cors_middleware(settings: Settings) -> list[Middleware]:
     if not settings.allowed_origins:
         return []
     return [Middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=settings.allowed_methods,
-                       allow_headers=settings.allowed_headers, allow_credentials=settings.allow_credentials)]
+                       allow_headers=settings.allowed_headers, allow_credentials=settings.allow_credentials,
+                       expose_headers=EXPOSED_HEADERS)]
 
 
 class ServerApp(Starlette):

@@ -11,7 +11,7 @@ are made from ``Settings`` (loraplex/server/cli.py). This module adds the rest:
   ``--tensor-parallel-size 1``, ``--dtype half`` / ``float``, ``--max-model-len 32k`` (and
   ``--max-num-batched-tokens``) or ``auto``, one ``--served-model-name``, ``--chat-template`` (a
   setting, loraplex/server/chat_template.py), and ``--trust-remote-code`` / ``--disable-log-requests`` /
-  ``--disable-log-stats``, which ask for nothing loraplex does otherwise;
+  ``--disable-log-stats`` / ``--enable-request-id-headers``, which ask for nothing loraplex does otherwise;
 * taken into loraplex's tenant model: ``--api-key KEY [KEY ...]`` (API keys of the tenant
   ``--vllm-tenant``, default ``default``) and ``--lora-modules`` in both of vLLM's forms,
   ``name=path`` and ``{"name": ..., "path": ..., "base_model_name": ...}`` (adapters of that
@@ -205,6 +205,9 @@ def add_vllm_flags(parser: argparse.ArgumentParser, taken: frozenset[str] = froz
                        help="accepted: loraplex runs its own model code, never code from a model directory")
     group.add_argument("--disable-log-requests", "--disable-log-stats", action="store_true",
                        help="accepted: loraplex logs no prompts (one access line of counts per request)")
+    group.add_argument("--enable-request-id-headers", action="store_true",
+                       help="accepted: every response carries x-request-id (and a client's own X-Request-Id "
+                            "comes back as x-client-request-id)")
     if "api_key" not in taken:
         group.add_argument("--api-key", dest="vllm_api_key", nargs="+", action="extend", metavar="KEY",
                            help="API key(s) of the --vllm-tenant tenant, stored hashed; keys an earlier "

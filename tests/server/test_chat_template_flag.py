@@ -74,6 +74,6 @@ def test_the_server_template_is_what_chat_and_tokenize_render(tmp_path, model_ha
 
 
 def test_vllm_flags_that_ask_for_nothing_else():
-    s = settings("m", "--trust-remote-code", "--disable-log-requests", "--disable-log-stats",
+    s = settings("m", "--trust-remote-code", "--disable-log-requests", "--disable-log-stats", "--enable-request-id-headers",
                  "--max-num-batched-tokens", "8k", "--chat-template", "{{ messages }}")
     assert s.model == "m" and s.max_num_batched_tokens == 8000 and s.chat_template == "{{ messages }}"

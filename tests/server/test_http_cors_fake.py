@@ -29,6 +29,10 @@ def allowed_header_names(response) -> set[str]:
     return {h.strip().lower() for h in response.headers.get("access-control-allow-headers", "").split(",")}
 
 
+def exposed_header_names(response) -> set[str]:
+    return {h.strip().lower() for h in response.headers.get("access-control-expose-headers", "").split(",")}
+
+
 def test_preflight_on_tenant_routes_allows_the_origin_the_method_and_the_headers(server_factory):
     srv = server_factory(allowed_origins=[ALLOWED])
     for path in ("/t/acme/v1/chat/completions", "/v1/completions", "/t/acme/generate_stream", "/admin/v1/tenants"):
@@ -71,7 +75,11 @@ def test_answers_errors_and_streams_carry_the_header(server_factory):
     assert statuses == {"ok": 200, "401": 401, "400": 400, "404": 404, "413": 413}
     for name, r in answers.items():
         assert r.headers.get("access-control-allow-origin") == ALLOWED, name
+        # a script may read the id the answer carries (Fetch hides other headers from it)
+        assert "x-request-id" in exposed_header_names(r) and r.headers.get("x-request-id"), name
     assert stream_headers.get("access-control-allow-origin") == ALLOWED
+    assert {"x-request-id", "x-client-request-id", "retry-after", "x-ratelimit-remaining-requests"} \
+        <= exposed_header_names(answers["ok"])
     assert body.rstrip().endswith(b"data: [DONE]")
 
 
