@@ -35,15 +35,16 @@ every slot.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Protocol
 
 from loraplex.config import EngineConfig
-from loraplex.engine.admission_order import admission_order, preemption_victim
+from loraplex.engine.admission_order import admission_order
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledSeq
+from loraplex.engine.running_set import RunningSet
 from loraplex.engine.sequence import FINISH_STATUS, Sequence, SequenceStatus
+from loraplex.engine.waiting_queue import WaitingQueue
 
 
 class AdapterGate(Protocol):
@@ -87,8 +88,9 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len or config.max_model_len
         self.max_loras = config.max_loras
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order
+        # both kept in the policy's order as sequences come and go: a step costs O(admitted)
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.running = RunningSet(config.scheduling_policy)  # in admission order
         self._seqs: dict[int, Sequence] = {}  # unfinished sequences by id
         self._released: list[int] = []
         self._starving: Sequence | None = None  # S of the module doc
@@ -99,19 +101,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self._seqs[seq.seq_id] = seq
-        self._insert_waiting(seq)
-
-    def _insert_waiting(self, seq: Sequence) -> None:
-        # kept in arrival order (the policy orders it at admission); a preempted sequence is
-        # older than anything that arrived after it, so it lands at (or near) the front
-        if not self.waiting or seq.arrival_time >= self.waiting[-1].arrival_time:
-            self.waiting.append(seq)
-            return
-        for i, other in enumerate(self.waiting):
-            if seq.arrival_time < other.arrival_time:
-                self.waiting.insert(i, seq)
-                return
-        self.waiting.append(seq)
+        self.waiting.add(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
@@ -153,7 +143,7 @@ class Scheduler:
             if not self._may_cut(seq.num_uncomputed_tokens, num_tokens):
                 continue
             while not self.block_manager.can_append(seq, num_tokens):
-                victim = preemption_victim(self.running, self.config.scheduling_policy)
+                victim = self.running.preemption_victim()
                 budget += self._unschedule(scheduled, victim)
                 self._preempt(victim)
                 num_preempted_for_kv += 1
@@ -187,10 +177,9 @@ class Scheduler:
 
     def _admit(self, scheduled: dict[int, ScheduledSeq], budget: int) -> int:
         adapters = self.running_adapters()
-        admitted: list[Sequence] = []
         if budget <= 0 or len(self.running) >= self.config.max_num_seqs or not self.waiting:
             return budget  # ordering thousands of waiting sequences for nothing costs a step time
-        for seq in admission_order(self.waiting, self.running, self.config.scheduling_policy):
+        for seq in self.waiting.admission_order(self.running):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if not self._adapter_admissible(seq, adapters):
@@ -204,17 +193,14 @@ class Scheduler:
             self.block_manager.allocate(seq, num_tokens)
             seq.status = SequenceStatus.RUNNING
             seq.admitted_time = time.monotonic()
-            self.running.append(seq)
-            admitted.append(seq)
+            self.waiting.discard(seq)
+            self.running.add(seq)
             if seq.adapter_id is not None:
                 adapters.add(seq.adapter_id)
             if seq is self._starving:
                 self._starving = None
             scheduled[seq.seq_id] = self._make_scheduled(seq, num_tokens)
             budget -= num_tokens
-        if admitted:
-            taken = {s.seq_id for s in admitted}
-            self.waiting = deque(s for s in self.waiting if s.seq_id not in taken)
         return budget
 
     def _may_cut(self, remaining: int, num_tokens: int) -> bool:
@@ -251,13 +237,20 @@ class Scheduler:
                 return
             self._starving = None
         adapters = self.running_adapters()
-        # only sequences that would need a new slot can starve: order just those
-        candidates = [s for s in self.waiting if s.adapter_id is not None and s.adapter_id not in adapters]
+        # Only sequences that would need a new slot can starve, and S is the first of them (in
+        # the policy's order over just those) whose adapter is ready, if that adapter cannot get
+        # a slot. When every ready adapter can, or none is ready, there is no S whatever the
+        # order: the order, O(candidates), is only worked out when some ready adapter cannot.
+        wanted = [a for a in self.waiting.adapters() if a not in adapters]
+        fits = {a: self._fits_slots(adapters | {a}) for a in wanted
+                if self.adapter_gate is None or self.adapter_gate.is_ready(a)}
+        if all(fits.values()):
+            return
+        candidates = self.waiting.with_adapters(wanted)
         for seq in admission_order(candidates, self.running, self.config.scheduling_policy):
-            adapter = seq.adapter_id
-            if self.adapter_gate is not None and not self.adapter_gate.is_ready(adapter):
-                continue
-            if not self._fits_slots(adapters | {adapter}):
+            if seq.adapter_id not in fits:
+                continue  # not ready
+            if not fits[seq.adapter_id]:
                 self._starving = seq
                 self._starving_since = self.stats.num_steps
             return
@@ -305,16 +298,13 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self._released.append(seq.seq_id)
-        self._insert_waiting(seq)
+        self.waiting.add(seq)
 
     def _release(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
-            try:
-                self.waiting.remove(seq)
-            except ValueError:
-                pass
+            self.waiting.discard(seq)
         self.block_manager.free(seq)
         seq.status = status
         seq.stop_reason = stop_reason
