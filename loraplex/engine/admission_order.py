@@ -22,6 +22,10 @@ in the engine, the tenant's weight is the one carried by its most recently arriv
 among those considered (waiting and running for admission, running for preemption).
 
 Sequences without a tenant (offline use) form one group, so ``fair`` is ``priority`` for them.
+
+The functions below work the order out from lists, from scratch (the statement of each policy,
+and the LoRA starvation check's order over its few candidates); the scheduler's step uses
+``WaitingQueue`` and ``RunningSet``, which keep the same order as sequences come and go.
 """
 
 from __future__ import annotations

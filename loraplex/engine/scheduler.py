@@ -8,9 +8,10 @@ Each ``schedule()`` builds one step under two budgets, ``max_num_batched_tokens`
    remaining token budget is cut (chunked prefill) and continues next step. When a running
    sequence needs a KV block and none is free, a running sequence is preempted (its blocks
    freed, requeued by its arrival time, recomputed later from prompt + generated-so-far; its
-   output is the same as without preemption). The policy (admission_order.py) picks it: the
-   most recently admitted under ``fcfs``; under ``fair`` (the default) one of the tenant
-   holding the most running sequences for its weight (its lowest priority, newest).
+   output is the same as without preemption). The policy (admission_order.py; kept up to date
+   in running_set.py and waiting_queue.py) picks it: the most recently admitted under
+   ``fcfs``; under ``fair`` (the default) one of the tenant holding the most running sequences
+   for its weight (its lowest priority, newest).
 2. Waiting sequences in the policy's order (``fcfs``: arrival; ``priority``: priority, then
    arrival; ``fair``: the tenant with the fewest running sequences for its weight, then within
    the tenant priority, then arrival), while budget, KV blocks and adapter slots allow. The
@@ -88,7 +89,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len or config.max_model_len
         self.max_loras = config.max_loras
-        # both kept in the policy's order as sequences come and go: a step costs O(admitted)
+        # both keep the policy's order up to date as sequences come and go, so a step's
+        # admissions cost O(offered log offered + tenants), not O(waiting)
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running = RunningSet(config.scheduling_policy)  # in admission order
         self._seqs: dict[int, Sequence] = {}  # unfinished sequences by id

@@ -133,6 +133,7 @@ class WaitingQueue:
         if not self._fair:
             group = self._groups.get(None)
             if group is not None:
+                lazy_heap.top(group.order, self._live)  # drop the admitted ones at the front
                 yield from self._checked(lazy_heap.in_order(group.order, self._live))
             return
         yield from self._checked(self._fair_order(running))
