@@ -22,15 +22,16 @@ def top(heap: list[tuple], live: Container[int]) -> tuple | None:
     return heap[0] if heap else None
 
 
-def in_order(heap: list[tuple], live: Container[int]) -> Iterator:
+def in_order(heap: list[tuple], live: Container[int], after_top: bool = False) -> Iterator:
     """Yield the live entries' sequences smallest key first, lazily and without changing
     ``heap``: the k first cost O(k log k) (a frontier of the heap's nodes), not a sort of all.
-    ``heap`` must not change while this runs; replacing the owner's list by a compacted copy is
-    fine."""
+    ``after_top``: start after ``heap[0]``. ``heap`` must not change while this runs; replacing
+    the owner's list by a compacted copy is fine."""
     if not heap:
         return
     size = len(heap)
-    frontier = [(heap[0], 0)]
+    frontier = [(heap[child], child) for child in (1, 2) if child < size] if after_top else [(heap[0], 0)]
+    heapq.heapify(frontier)
     while frontier:
         entry, i = heapq.heappop(frontier)
         if entry[-2] in live:

@@ -95,10 +95,13 @@ class RunningSet:
         running = self._tenants.get(tenant)
         return running.count if running is not None else 0
 
-    def newest(self, tenant: str | None) -> Sequence | None:
-        """``tenant``'s latest arrived running sequence (the later seq id among equal arrivals)."""
+    def count_and_latest(self, tenant: str | None) -> tuple[int, Sequence | None]:
+        """How many of ``tenant``'s sequences run, and its latest arrived one (the later seq id
+        among equal arrivals), whose weight counts."""
         running = self._tenants.get(tenant)
-        return lazy_heap.top(running.newest, self._live)[-1] if running is not None else None
+        if running is None:
+            return 0, None
+        return running.count, lazy_heap.top(running.newest, self._live)[-1]
 
     def preemption_victim(self) -> Sequence:
         """The running sequence to preempt, as ``admission_order.preemption_victim`` picks it."""

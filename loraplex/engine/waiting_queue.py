@@ -149,38 +149,41 @@ class WaitingQueue:
         # A heap of tenants keyed (weighted load, arrival of the tenant's next, tie-break). The
         # tie-break is, for each tenant's first entry, its earliest sequence in list order
         # (the list-based statement meets tenants in that order) and for the entries pushed
-        # later, the push order after all first entries.
+        # later, the push order after all first entries. This loop is the O(T) of a step, so
+        # it reads each group's heap tops inline rather than through lazy_heap.top's calls.
         live = self._live
         loads: dict[str | None, int] = {}
         weights: dict[str | None, float] = {}
-        cursors: dict[str | None, Iterator[Sequence]] = {}
+        orders: dict[str | None, list[tuple]] = {}
         tenants = []
         for tenant, group in self._groups.items():
-            lazy_heap.top(group.order, live)
-            earliest = lazy_heap.top(group.by_arrival, live)
-            loads[tenant] = running.count(tenant)
-            weights[tenant] = self._weight(tenant, group, running)
-            cursors[tenant] = lazy_heap.in_order(group.order, live)
-            head = next(cursors[tenant])
-            tenants.append((loads[tenant] / weights[tenant], head.arrival_time, (0, earliest[0], earliest[1]),
+            order, by_arrival, newest = group.order, group.by_arrival, group.newest
+            if order[0][-2] not in live:
+                lazy_heap.top(order, live)
+            if by_arrival[0][-2] not in live:
+                lazy_heap.top(by_arrival, live)
+            if newest[0][-2] not in live:
+                lazy_heap.top(newest, live)
+            head, earliest, latest = order[0][-1], by_arrival[0], newest[0][-1]
+            count, latest_running = running.count_and_latest(tenant)
+            if latest_running is not None and ((latest_running.arrival_time, latest_running.seq_id)
+                                               >= (latest.arrival_time, latest.seq_id)):
+                latest = latest_running  # the weight is the one of the latest arrival, either side
+            loads[tenant], weights[tenant], orders[tenant] = count, latest.tenant_weight, order
+            tenants.append((count / latest.tenant_weight, head.arrival_time, (0, earliest[0], earliest[1]),
                             head, tenant))
         heapq.heapify(tenants)
+        cursors: dict[str | None, Iterator[Sequence]] = {}  # made for the tenants popped only
         pushes = itertools.count()
         while tenants:
             *_, seq, tenant = heapq.heappop(tenants)
             yield seq
             if seq.status is SequenceStatus.RUNNING:
                 loads[tenant] += 1
-            following = next(cursors[tenant], None)
+            cursor = cursors.get(tenant)
+            if cursor is None:  # the first pop was the head, orders[tenant][0]
+                cursor = cursors[tenant] = lazy_heap.in_order(orders[tenant], live, after_top=True)
+            following = next(cursor, None)
             if following is not None:
                 heapq.heappush(tenants, (loads[tenant] / weights[tenant], following.arrival_time, (1, next(pushes)),
                                          following, tenant))
-
-    def _weight(self, tenant: str | None, group: _Group, running: RunningSet) -> float:
-        """The weight carried by the tenant's latest arrival, waiting or running."""
-        latest = lazy_heap.top(group.newest, self._live)[-1]
-        latest_running = running.newest(tenant)
-        if latest_running is not None and ((latest_running.arrival_time, latest_running.seq_id)
-                                           >= (latest.arrival_time, latest.seq_id)):
-            return latest_running.tenant_weight
-        return latest.tenant_weight
