@@ -84,8 +84,9 @@ class _Side:
             i = self.next_id
             self.next_id += 1
             tenant = f"t{i % self.num_tenants}"
+            prompt = [self.rng.randrange(4, 90) for _ in range(PROMPT_TOKENS)]
             self.scheduler.add(Sequence(
-                seq_id=i, request_id=f"r{i}", prompt_token_ids=[self.rng.randrange(4, 90) for _ in range(PROMPT_TOKENS)],
+                seq_id=i, request_id=f"r{i}", prompt_token_ids=prompt,
                 params=SamplingParams(max_tokens=self.rng.randint(*MAX_TOKENS), ignore_eos=True),
                 tenant=tenant, tenant_weight=1.0 + i % self.num_tenants % 2,
                 priority=self.rng.randint(0, 2) if self.policy == "priority" else 0, arrival_time=float(i)))
