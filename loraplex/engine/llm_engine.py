@@ -98,6 +98,8 @@ class LLMEngine:
         )
         # prompt ids must index the model's embedding table
         self.vocab_size = getattr(runner, "vocab_size", None) or getattr(spec, "vocab_size", None) or len(self.tokenizer)
+        # a multimodal checkpoint's image placeholder: only its text model is served
+        self.image_token_id = getattr(spec, "image_token_id", None)
         self.grammars = GrammarFactory(self.tokenizer, self.vocab_size, set(runner.eos_token_ids))
         if getattr(runner, "sampler", None) is not None:
             runner.sampler.grammar_masks = self.grammars.allowed_tokens
@@ -189,6 +191,12 @@ class LLMEngine:
             raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
         if not token_ids:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
+        if self.image_token_id is not None and self.image_token_id in token_ids:
+            raise InvalidRequestError(
+                f"prompt holds the image placeholder token (id {self.image_token_id}); this server runs the "
+                "model's text part only and serves no images",
+                param="prompt",
+            )
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt is {len(token_ids)} tokens, but the context is {self.max_model_len} tokens "

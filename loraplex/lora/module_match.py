@@ -68,15 +68,34 @@ def parse_tensor_name(name: str, spec: LoRATargetSpec) -> TensorName:
     return TensorName(prefix=k.group("prefix"), module_key=key, layer=layer, module=mod, which=which)
 
 
+def unserved_module_key(name: str, spec: LoRATargetSpec) -> str | None:
+    """The module key of a LoRA tensor on a part of the base model that loraplex does not run
+    (``spec.unserved_module_prefixes``: e.g. ``model.vision_tower.encoder.layers.0.mlp.fc1``), or
+    None for any other tensor. Such tensors still have to be lora_A / lora_B weights."""
+    if not spec.unserved_module_prefixes or not name.startswith(TENSOR_PREFIX):
+        return None
+    rest = name[len(TENSOR_PREFIX) :]
+    if not rest.startswith(spec.unserved_module_prefixes):
+        return None
+    m = _TENSOR_RE.match(rest)
+    if not m:
+        raise InvalidAdapterError(f"unexpected tensor {name!r} (only lora_A.weight / lora_B.weight are served)")
+    return m.group("key")
+
+
 def base_module_keys(spec: LoRATargetSpec, prefix: str) -> dict[str, tuple[int, str]]:
     """Every servable module of the base model: HF module name -> (layer, PEFT module name)."""
     mods = [m for m in TARGET_MODULES if m in spec.module_shapes]
     return {f"{prefix}layers.{i}.{PARENT[m]}.{m}": (i, m) for i in range(spec.num_layers) for m in mods}
 
 
-def enumerate_target_keys(cfg: LoRAConfigView, spec: LoRATargetSpec, prefix: str) -> dict[str, tuple[int, str]]:
+def enumerate_target_keys(
+    cfg: LoRAConfigView, spec: LoRATargetSpec, prefix: str, unserved_keys: frozenset[str] = frozenset()
+) -> dict[str, tuple[int, str]]:
     """The base modules ``cfg`` targets, in layer order. Refuses a ``target_modules`` entry that
-    names no module the base model can serve (e.g. ``lm_head``), and a config that targets nothing."""
+    names no module the base model can serve (e.g. ``lm_head``), and a config that targets nothing.
+    An entry that names only modules of ``unserved_keys`` (the adapter's tensors on parts of the
+    base model that are not run, e.g. ``fc1`` of a vision tower) is let through: PEFT found it."""
     keys = base_module_keys(spec, prefix)
     target_modules = cfg.target_modules
     if target_modules == "all-linear":  # PEFT expands it to every linear but the output layer
@@ -84,7 +103,8 @@ def enumerate_target_keys(cfg: LoRAConfigView, spec: LoRATargetSpec, prefix: str
     cfg_view = _Matcher(cfg, target_modules)
     if not isinstance(target_modules, str):
         for entry in target_modules:
-            if not any(key == entry or key.endswith(f".{entry}") for key in keys):
+            names_module = any(key == entry or key.endswith(f".{entry}") for key in (*keys, *unserved_keys))
+            if not names_module:
                 raise InvalidAdapterError(
                     f"adapter_config.json: target_modules entry {entry!r} is not a module the base model has as "
                     f"a LoRA target (its LoRA targets are {', '.join(spec.module_shapes)})"

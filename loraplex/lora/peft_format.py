@@ -30,7 +30,7 @@ import torch
 
 from loraplex.lora.adapter_config import LoRAConfigView, parse_config
 from loraplex.lora.errors import InvalidAdapterError
-from loraplex.lora.module_match import enumerate_target_keys, parse_tensor_name
+from loraplex.lora.module_match import enumerate_target_keys, parse_tensor_name, unserved_module_key
 from loraplex.lora.safetensors_io import MAX_HEADER_BYTES, SafetensorsFile, parse_safetensors
 from loraplex.lora.spec import TARGET_MODULES, LoRATargetSpec
 
@@ -92,6 +92,8 @@ class AdapterInfo:
     layers: tuple[int, ...]  # layers with at least one targeted module
     size_bytes: int
     modules: dict[tuple[int, str], ModuleLoRA]  # (layer, module) -> per-module rank/scaling
+    # what the uploader should know, e.g. LoRA on a vision tower this deployment never runs
+    warnings: tuple[str, ...] = ()
 
     def module_ranks(self) -> dict[str, int]:
         return {f"{layer}.{mod}": m.rank for (layer, mod), m in self.modules.items()}
@@ -109,6 +111,7 @@ class AdapterInfo:
             "targets": list(self.targets),
             "layers": list(self.layers),
             "bytes": self.size_bytes,
+            "warnings": list(self.warnings),
         }
 
 
@@ -208,8 +211,13 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
 
     # Which module keys the tensors belong to (and the key prefix PEFT saw, e.g. "model.").
     by_key: dict[str, dict[str, str]] = {}  # module key -> {"A": name, "B": name}
+    unserved: set[str] = set()  # module keys on parts of the base model loraplex does not run
     prefix: str | None = None
     for name in parsed.tensors:
+        unserved_key = unserved_module_key(name, spec)
+        if unserved_key is not None:
+            unserved.add(unserved_key)
+            continue
         tn = parse_tensor_name(name, spec)
         if prefix is None:
             prefix = tn.prefix
@@ -218,8 +226,13 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
         by_key.setdefault(tn.module_key, {})[tn.which] = name
     if not parsed.tensors:
         raise InvalidAdapterError("adapter has no tensors")
+    if not by_key:
+        raise InvalidAdapterError(
+            f"adapter has LoRA weights only on modules base model {spec.model_name!r} does not run here "
+            f"(e.g. {min(unserved)!r}; images are not served): it would change no output"
+        )
 
-    targeted = enumerate_target_keys(cfg, spec, prefix if prefix is not None else "model.")
+    targeted = enumerate_target_keys(cfg, spec, prefix, frozenset(unserved))
     for key in by_key:
         if key not in targeted:
             raise InvalidAdapterError(
@@ -273,6 +286,15 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
         layers=tuple(sorted({layer for (layer, _) in modules})),
         size_bytes=parsed.size_bytes,
         modules=dict(sorted(modules.items())),
+        warnings=(_unserved_warning(unserved),) if unserved else (),
+    )
+
+
+def _unserved_warning(unserved: set[str]) -> str:
+    return (
+        f"ignored the LoRA weights on {len(unserved)} modules outside the language model (e.g. {min(unserved)!r}): "
+        "this deployment serves the text model only and refuses images, so those modules never run; "
+        "text outputs are exactly what the adapter's language-model modules give"
     )
 
 

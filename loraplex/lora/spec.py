@@ -26,12 +26,18 @@ class LoRATargetSpec:
     """Shapes of the base model's LoRA-targetable linears: ``module -> (in_features, out_features)``
     for each of its HF module names (in ``TARGET_MODULES``), identical in every layer of a
     Llama-family decoder; ``packed_modules``: loraplex's packed projections and the modules each
-    holds as slices (Phi-3: each fused module is the one slice of its projection)."""
+    holds as slices (Phi-3: each fused module is the one slice of its projection).
+
+    ``unserved_module_prefixes``: module-name prefixes (as PEFT names modules, after
+    ``base_model.model.``) of base-model parts that loraplex does not run, such as a multimodal
+    checkpoint's vision tower when only its text model is served. LoRA on those modules can
+    never change an output, so an adapter carrying some is accepted with a warning."""
 
     model_name: str
     num_layers: int
     module_shapes: dict[str, tuple[int, int]]
     packed_modules: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(PACKED_MODULES))
+    unserved_module_prefixes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

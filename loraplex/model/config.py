@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraplex.lora.spec import LoRATargetSpec
+from loraplex.model.gemma3_multimodal import GEMMA3_MULTIMODAL, UNSERVED_PREFIXES, gemma3_text_config, image_token_id
 from loraplex.model.longrope import LongRopeConfigError, parse_longrope
 from loraplex.model.phi3 import PHI3_ARCHITECTURE, PHI3_ROPE_TYPES, phi3_config_view, phi3_lora_target_spec
 
@@ -25,6 +26,8 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "GemmaForCausalLM": {"qkv_bias": False, "qk_norm": False, "multipliers": False},
     "Gemma2ForCausalLM": {"qkv_bias": False, "qk_norm": False, "multipliers": False},
     "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "multipliers": False},
+    # its text model only (images are refused): see loraplex.model.gemma3_multimodal
+    GEMMA3_MULTIMODAL: {"qkv_bias": False, "qk_norm": True, "multipliers": False},
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False, "multipliers": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False, "multipliers": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "multipliers": False},
@@ -89,6 +92,9 @@ class ModelSpec:
     # Mistral's / Phi-3's sliding-window attention span (every layer), when it is shorter than
     # the positions: a query at position p attends to keys at positions > p - sliding_window
     sliding_window: int | None = None
+    # a multimodal checkpoint's image placeholder token: it stands for vision features loraplex
+    # never computes, so a prompt holding it is refused
+    image_token_id: int | None = None
 
     @property
     def q_size(self) -> int:
@@ -136,6 +142,7 @@ class ModelSpec:
         return LoRATargetSpec(
             model_name=self.name,
             num_layers=self.num_layers,
+            unserved_module_prefixes=UNSERVED_PREFIXES if self.architecture == GEMMA3_MULTIMODAL else (),
             module_shapes={
                 "q_proj": (h, self.q_size),
                 "k_proj": (h, self.kv_size),
@@ -153,6 +160,8 @@ class ModelSpec:
         arch = architectures[0] if architectures else _arch_from_model_type(cfg.get("model_type"))
         from loraplex.model.gemma_config import GEMMA_VERSIONS, gemma_spec_fields  # it imports this module
 
+        if arch == GEMMA3_MULTIMODAL:  # the text model inside (text_config); the vision tower is not served
+            return cls(**gemma_spec_fields(gemma3_text_config(cfg), arch, name), image_token_id=image_token_id(cfg))
         if arch in GEMMA_VERSIONS:  # Gemma's keys and defaults differ enough to be read on their own
             return cls(**gemma_spec_fields(cfg, arch, name))
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -228,6 +237,7 @@ def _arch_from_model_type(model_type: str | None) -> str:
         "gemma": "GemmaForCausalLM",
         "gemma2": "Gemma2ForCausalLM",
         "gemma3_text": "Gemma3ForCausalLM",
+        "gemma3": GEMMA3_MULTIMODAL,
         "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",

@@ -17,7 +17,8 @@ from typing import Any
 
 from loraplex.model.config import RopeConfig, UnsupportedModelError, common_spec_fields, parse_rope
 
-GEMMA_VERSIONS = {"GemmaForCausalLM": 1, "Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 3}
+# Gemma3ForConditionalGeneration: its text model (gemma3_multimodal.gemma3_text_config)
+GEMMA_VERSIONS = {"GemmaForCausalLM": 1, "Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 3, "Gemma3ForConditionalGeneration": 3}
 # transformers' names for gelu with the tanh approximation (ACT2FN), and the exact one
 GELU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu_fast": "tanh", "gelu": "none"}
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from loraplex.config import DEFAULT_MODEL
 from loraplex.model.config import ModelSpec
 from loraplex.model.gguf import ModelNotFoundError, convert_gguf, smollm2_gguf_path
 from loraplex.model.gemma import GemmaForCausalLM
+from loraplex.model.gemma3_multimodal import GEMMA3_MULTIMODAL, language_model_key
 from loraplex.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -47,8 +49,9 @@ def resolve_model_dir(model: str | Path, home: Path) -> tuple[Path, str]:
     )
 
 
-def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a single-file or sharded safetensors checkpoint, by name."""
+def read_safetensors(model_dir: Path, rename: Callable[[str], str | None] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a single-file or sharded safetensors checkpoint, by name; ``rename`` maps
+    a stored name to the name to return the tensor under, or to None to leave it unread."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -60,7 +63,9 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     for file_name in files:
         with safe_open(str(model_dir / file_name), framework="pt") as f:
             for name in f.keys():
-                tensors[name] = f.get_tensor(name)
+                new_name = name if rename is None else rename(name)
+                if new_name is not None:
+                    tensors[new_name] = f.get_tensor(name)
     return tensors
 
 
@@ -81,8 +86,10 @@ def _packed(raw: dict[str, torch.Tensor], take, fused: str, parts: list[str], ki
 def load_model(
     model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, max_positions: int
 ) -> LlamaForCausalLM:
-    """Build the decoder and fill its packed parameters from the HF checkpoint."""
-    raw = {_strip_prefix(k): v for k, v in read_safetensors(Path(model_dir)).items()}
+    """Build the decoder and fill its packed parameters from the HF checkpoint (of a multimodal
+    one, the language model's tensors only: see ``gemma3_multimodal``)."""
+    rename = language_model_key if spec.architecture == GEMMA3_MULTIMODAL else None
+    raw = {_strip_prefix(k): v for k, v in read_safetensors(Path(model_dir), rename).items()}
     used: set[str] = set()
 
     def take(name: str) -> torch.Tensor:

@@ -101,25 +101,31 @@ class AdapterManager:
     # -- upload --------------------------------------------------------------------------------
 
     def upload(
-        self, tenant: str, name: str, adapter_dir: str | Path, uploader: str = "admin", origin: str | None = None
+        self, tenant: str, name: str, adapter_dir: str | Path, uploader: str = "admin", origin: str | None = None,
+        warnings: list[str] | None = None,
     ) -> tuple[VersionInfo, bool]:
         """Store a PEFT directory as a new version of ``tenant/name``. Returns ``(version,
         created)``; ``created`` is False when identical weights already are a live version of
         this adapter (that version is returned). Raises ``InvalidAdapterError``, ``NotFound``
         (tenant), ``InvalidName``, ``ManagedByOperator`` (a runtime ``origin`` writing to an
         operator's adapter, see ``adapter_origin``) or a blob store error; on any failure no
-        version is added."""
+        version is added. ``warnings``, when given, receives what the validator noted about an
+        accepted adapter (e.g. LoRA on a vision tower that is not served), for the upload's answer."""
         validate_tenant_name(tenant)
         validate_adapter_name(name)
         if self.registry.get_tenant(tenant) is None:
             raise NotFound(f"tenant {tenant!r} not found")
         # one read of the files: the bytes checked and hashed are the bytes stored
         with adapter_snapshot(adapter_dir, self.max_member_bytes) as snapshot:
-            return self._upload_checked(tenant, name, snapshot, uploader, origin)
+            return self._upload_checked(tenant, name, snapshot, uploader, origin, warnings)
 
     def _upload_checked(self, tenant: str, name: str, adapter_dir: Path, uploader: str,
-                        origin: str | None) -> tuple[VersionInfo, bool]:
+                        origin: str | None, warnings: list[str] | None) -> tuple[VersionInfo, bool]:
         info = inspect_adapter_dir(adapter_dir, self.spec, self.max_lora_rank)
+        for warning in info.warnings:
+            log.warning("adapter %s/%s: %s", tenant, name, warning)
+        if warnings is not None:
+            warnings.extend(info.warnings)
         key = content_key(info.content_hash)
         created_blob = False
         try:

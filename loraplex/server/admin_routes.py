@@ -211,10 +211,15 @@ async def upload_version(request: Request) -> Response:
     try:
         async with request.form(max_files=8, max_fields=16) as form:
             peft_dir = await stage_upload(form, staging, ctx.settings.max_upload_member_bytes)
-        version, created = await run_in_threadpool(ctx.adapters.upload, p["tenant"], p["name"], peft_dir, ACTOR)
+        warnings: list[str] = []
+        version, created = await run_in_threadpool(
+            ctx.adapters.upload, p["tenant"], p["name"], peft_dir, ACTOR, warnings
+        )
     finally:
         remove_staging(staging)
     body = {**version.to_dict(), "created": created}
+    if warnings:  # e.g. LoRA on a vision tower this deployment never runs (accepted, ignored)
+        body["warnings"] = warnings
     return JSONResponse(body, status_code=201 if created else 200)
 
 

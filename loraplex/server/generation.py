@@ -371,6 +371,11 @@ def prepare(ctx: AppContext, req: GenerationRequest, prompt_ids: list[list[int]]
     in the sampling options are checked here too, so a stream never starts with a request the
     engine would refuse."""
     check_token_ids_in_vocab(req.params, vocab_size(ctx))  # an InvalidRequestError is a 400 naming the field
+    image_token = getattr(getattr(ctx.engine, "engine", None), "image_token_id", None)
+    if image_token is not None and any(image_token in ids for ids in prompt_ids):
+        raise bad_request(f"the prompt holds the image placeholder token (id {image_token}); this server runs "
+                          "the model's text part only and serves no images",
+                          param="messages" if req.kind == "chat" else "prompt")
     s = ctx.settings
     check_priority(req.priority, s.scheduling_policy)
     effective = []

@@ -168,7 +168,7 @@ class FakeAdapterManager:
         self.root = root
         self.in_use: dict[str, int] = {}
 
-    def upload(self, tenant, name, adapter_dir, uploader):
+    def upload(self, tenant, name, adapter_dir, uploader, warnings=None):
         adapter_dir = Path(adapter_dir)
         cfg = (adapter_dir / "adapter_config.json").read_bytes()
         weights = (adapter_dir / "adapter_model.safetensors").read_bytes()
