@@ -11,6 +11,11 @@ Entry points:
 * ``inspect_adapter_dir(path, spec, max_lora_rank)``: both, for the upload path.
 * ``compute_content_hash(path)``.
 
+LoRA tensors on base-model parts that are not run (``LoRATargetSpec.unserved_module_prefixes``:
+a multimodal Gemma 3's vision tower, where ``target_modules="all-linear"`` puts some) are
+checked for their names only, left out of ``AdapterInfo.modules`` and reported in
+``AdapterInfo.warnings``; an adapter with nothing else is refused.
+
 Every failure raises ``InvalidAdapterError`` with a message naming the problem. Pickle files are
 never opened. Tensors are built by ``safetensors_io`` from a header we parse and check ourselves.
 
