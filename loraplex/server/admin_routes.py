@@ -213,7 +213,7 @@ async def upload_version(request: Request) -> Response:
             peft_dir = await stage_upload(form, staging, ctx.settings.max_upload_member_bytes)
         warnings: list[str] = []
         version, created = await run_in_threadpool(
-            ctx.adapters.upload, p["tenant"], p["name"], peft_dir, ACTOR, warnings
+            ctx.adapters.upload, p["tenant"], p["name"], peft_dir, ACTOR, warnings=warnings
         )
     finally:
         remove_staging(staging)
