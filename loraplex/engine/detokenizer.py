@@ -7,6 +7,10 @@ text, and a multi-byte character split over several tokens is emitted only once 
 Stop strings never leak: when one appears, the text is cut before it (after it with
 ``include_stop_str_in_output``), and while streaming, any tail of the text that could be the
 start of a stop string is held back until the next tokens decide.
+
+``min_tokens`` holds for stop strings too (as vLLM's detokenizer, vllm-project/vllm#22014): a
+stop string counts only once more than ``min_tokens`` tokens were generated, and only where it
+ends in text those later tokens added (it may start in the earlier text).
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ class IncrementalDetokenizer:
         self.stop = list(params.stop)
         self.include_stop = params.include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self.min_tokens = params.min_tokens
+        self._num_tokens = 0  # generated tokens seen
         context = list(prompt_token_ids[-(_CONTEXT_TOKENS + 1) :])
         self._ids = context  # decode window: prompt tail + every generated token
         self._prefix_offset = max(len(context) - _CONTEXT_TOKENS, 0)
@@ -80,6 +86,7 @@ class IncrementalDetokenizer:
         if self.stop_string is not None:
             return self.stop_string
         self._ids.append(token_id)
+        self._num_tokens += 1
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         # "\ufffd" at the end: an incomplete multi-byte character; wait for more tokens
@@ -90,7 +97,9 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         start = max(len(self.text) - self._max_stop_len + 1, 0)
         self.text += delta
-        return self._find_stop(start) if self.stop else None
+        if not self.stop or self._num_tokens <= self.min_tokens:
+            return None
+        return self._find_stop(start)
 
     def _find_stop(self, start: int) -> str | None:
         best: tuple[int, str] | None = None

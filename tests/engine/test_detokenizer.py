@@ -103,3 +103,36 @@ def test_backend_decoder_not_used_where_transformers_cleans_up_the_text():
     assert backend_decoder(cleaned) is None
     plain = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", clean_up_tokenization_spaces=False)
     assert backend_decoder(plain) is not None
+
+
+def brute_force_stop(pieces: list[str], stops: list[str], min_tokens: int) -> tuple[int, str | None]:
+    """vLLM's min_tokens rule for stop strings, stated directly: after token k (1-based), a stop
+    string counts only when k > min_tokens and it ends inside the text token k added. Returns
+    (tokens consumed, stop string) for the earliest such hit (earliest start at that token)."""
+    text = ""
+    for k, piece in enumerate(pieces, start=1):
+        before, text = len(text), text + piece
+        if k <= min_tokens or not piece:
+            continue
+        hits = [(text.find(s, max(before - len(s) + 1, 0)), s) for s in stops]
+        hits = [(pos, s) for pos, s in hits if pos != -1]
+        if hits:
+            return k, min(hits)[1]
+    return len(pieces), None
+
+
+@pytest.mark.parametrize("min_tokens", [0, 1, 2, 3, 4, 6, 9])
+def test_stop_strings_wait_for_min_tokens(tok, min_tokens):
+    # vLLM (v1 detokenizer, vllm-project/vllm#22014): the text of the first min_tokens tokens is
+    # never searched for a stop string; a stop string may start in it and end after it
+    text = "ab ab xab cab"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    stops = ["ab", " c"]
+    detok = IncrementalDetokenizer(tok, [5], SamplingParams(stop=stops, min_tokens=min_tokens, max_tokens=20))
+    consumed, stop = len(ids), None
+    for k, t in enumerate(ids, start=1):
+        stop = detok.add_token(t)
+        if stop is not None:
+            consumed = k
+            break
+    assert (consumed, stop) == brute_force_stop([tok.decode([t]) for t in ids], stops, min_tokens)

@@ -10,6 +10,8 @@ import pytest
 from tests.engine.scheduler_harness import reference_output
 from tests.engine.test_engine_fake import greedy, make_engine
 
+MAX_TOKENS = 30
+
 
 def _case(engine):
     tok = engine.tokenizer
@@ -39,3 +41,36 @@ def test_stop_token_text_left_out(include):
     assert tokens == ref  # the stop token is generated (and counted)
     assert (comp.finish_reason, comp.stop_reason) == ("stop", ref[3])
     assert streamed == (text if include else text[:3])
+
+
+def _repeating_case(engine):
+    """A prompt whose greedy output is printable one-byte tokens, the one at index 1 coming
+    back after index 4 (a stop string of it ends both inside and after 4 min_tokens)."""
+    tok = engine.tokenizer
+    for seed in range(2000):
+        rng = random.Random(seed)
+        prompt = [rng.randrange(4, 97) for _ in range(5)]
+        ref = reference_output(prompt, MAX_TOKENS)
+        pieces = [tok.decode([t]) if 36 <= t < 97 else None for t in ref]
+        again = [i for i in range(5, MAX_TOKENS) if pieces[i] == pieces[1]]
+        if pieces[1] is not None and pieces[1] != pieces[0] and again and None not in pieces[: again[0]]:
+            return prompt, ref, pieces
+    pytest.fail("no case found")
+
+
+def test_min_tokens_holds_for_stop_strings():
+    # vLLM's rule (vllm-project/vllm#22014): no stop string ends generation before min_tokens
+    engine = make_engine()
+    prompt, ref, pieces = _repeating_case(engine)
+    stop = pieces[1]
+    outs = {}
+    for min_tokens in (0, 4):
+        engine.add_request(f"m{min_tokens}", prompt, greedy(max_tokens=MAX_TOKENS, min_tokens=min_tokens, stop=[stop]))
+    while engine.has_unfinished():
+        outs.update({out.request_id: out.outputs[0] for out in engine.step() if out.finished})
+    for min_tokens in (0, 4):
+        comp = outs[f"m{min_tokens}"]
+        # the first token after min_tokens whose text is the stop string ends the output
+        k = next(i for i in range(min_tokens, len(pieces)) if pieces[i] == stop) + 1
+        assert comp.token_ids == ref[:k]
+        assert (comp.finish_reason, comp.stop_reason, comp.text) == ("stop", stop, "".join(pieces[: k - 1]))
