@@ -113,7 +113,9 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, seqs: list["Sequence"]) -> torch.Tensor:
         params = [s.params for s in seqs]
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
-        logits = logits / temps.unsqueeze(1)
+        # shifted so the best logit is 0 (softmax does not change): a tiny temperature then sends
+        # the others to -inf instead of overflowing everything to +-inf (NaN probabilities)
+        logits = (logits - logits.amax(dim=1, keepdim=True)) / temps.unsqueeze(1)
         logits = apply_min_p(logits, [p.min_p for p in params])
         logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
         probs = torch.softmax(logits, dim=-1)  # [n, vocab]

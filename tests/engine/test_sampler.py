@@ -198,3 +198,14 @@ def test_logit_bias_validation(bias):
 def test_logit_bias_normalised():
     assert SamplingParams(logit_bias={}).logit_bias is None
     assert SamplingParams(logit_bias={3: 1}).logit_bias == {3: 1.0}
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-38, 1e-40, 1e-45])
+@pytest.mark.parametrize("extra", [{}, {"top_p": 0.9}, {"top_k": 5, "min_p": 0.1}, {"seed": 7}])
+def test_tiny_temperatures_sample_the_best_token(temperature, extra):
+    # softmax(logits / T) for T far below the logit gaps is the point mass on the argmax; dividing
+    # fp32 logits by such a T overflows to +-inf (inf - inf: NaN probabilities) unless shifted first
+    logits = random_logits(16, seed=6) * 5.0
+    params = SamplingParams(temperature=temperature, **extra)
+    tokens = Sampler(seed=0)(logits.clone(), [seq(params, seq_id=i) for i in range(16)])
+    assert [t.token_id for t in tokens] == logits.argmax(-1).tolist()
