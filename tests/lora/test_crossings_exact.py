@@ -42,7 +42,6 @@ MODELS = {
 }
 
 
-@pytest.mark.slow  # ~10 s of CPU per model
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_prefix_cache_chunks_preemption_and_adapters_match_peft(kind, tmp_path):
     make_model, family = MODELS[kind]
