@@ -2,7 +2,8 @@
 preemption under a 7-block KV cache and a mixed batch of the base model and three adapters
 through two device slots (rank/alpha patterns, layers_to_transform, rsLoRA), on models whose
 own features cross these paths: Gemma 2 (soft-caps, a 24-position window on layers 0 and 2),
-Phi-3 (fused qkv / gate_up adapters, partial rotary) and Mistral with a 24-position window.
+Phi-3 (fused qkv / gate_up adapters, partial rotary), Mistral with a 24-position window, Gemma 1
+(scaled embeddings, tied head) and Qwen2 (q/k/v bias).
 Greedy tokens must equal PEFT's unmerged model on transformers (float32)."""
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ ADAPTERS = {
         "rslora": dict(r=2, lora_alpha=3, use_rslora=True, target_modules=FUSED, layers_to_transform=[0]),
     },
 }
-MODELS = {
+MODELS = {  # Gemma 1 and Qwen2 (q/k/v bias) have no adapter test of their own
+    "gemma": (lambda path: make_tiny_model_dir(path, "gemma", seed=3), "unfused"),
+    "qwen2": (lambda path: make_tiny_model_dir(path, "qwen2", seed=3), "unfused"),
     "gemma2": (lambda path: make_tiny_model_dir(path, "gemma2", seed=3), "unfused"),
     "phi3": (lambda path: make_tiny_phi3_dir(path, seed=3, partial_rotary_factor=0.75), "fused"),
     "mistral_window": (lambda path: make_tiny_model_dir(path, "mistral", seed=3, sliding_window=24), "unfused"),
