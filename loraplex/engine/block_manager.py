@@ -39,6 +39,18 @@ from loraplex.engine.sequence import Sequence
 FREED_BLOCK = -1
 
 
+def peak_blocks_per_sequence(max_model_len: int, block_size: int, sliding_window: int | None,
+                             max_chunk_tokens: int | None) -> int:
+    """The most blocks one sequence holds at once: its whole context, or, when every layer is
+    windowed and prompts are computed in chunks of at most ``max_chunk_tokens``, the window's
+    blocks plus the chunk's (a span of ``window - 1 + chunk`` positions, over one block more when
+    it does not start at a block's first slot). Without chunks a prompt is computed whole."""
+    whole = -(-max_model_len // block_size)
+    if sliding_window is None or max_chunk_tokens is None:
+        return whole
+    return min(whole, -(-(sliding_window - 1 + max_chunk_tokens) // block_size) + 1)
+
+
 def _root_hash(adapter_id: str | None, cache_salt: str | None) -> bytes:
     digest = hashlib.sha256(b"loraplex-kv|" + (adapter_id or "").encode())
     if cache_salt is not None:

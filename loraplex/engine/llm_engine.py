@@ -12,7 +12,7 @@ from typing import Any
 from loraplex import generation_defaults
 from loraplex.config import EngineConfig
 from loraplex.engine.admission_order import check_priority, check_tenant_weight
-from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.block_manager import BlockManager, peak_blocks_per_sequence
 from loraplex.engine.detokenizer import backend_decoder
 from loraplex.engine.grammar import GrammarFactory
 from loraplex.engine.outputs import RequestOutput
@@ -72,8 +72,13 @@ class LLMEngine:
         # what a request that leaves temperature, top_p, ... unset gets (vLLM's --generation-config)
         self.sampling_defaults = generation_defaults.resolve(
             config.generation_config, getattr(runner, "model_dir", None), config.override_generation_config)
+        spec = getattr(runner, "spec", None)
+        window = getattr(spec, "uniform_sliding_window", None)  # None: a model with a global layer
         kv_capacity = runner.num_blocks * runner.block_size
-        self.max_model_len = min(runner.max_model_len, kv_capacity)
+        chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else None
+        self.max_model_len = runner.max_model_len
+        if runner.num_blocks < peak_blocks_per_sequence(runner.max_model_len, runner.block_size, window, chunk):
+            self.max_model_len = min(runner.max_model_len, kv_capacity)
         if self.max_model_len < runner.max_model_len:
             logger.warning(
                 "KV cache holds only %d tokens: max_model_len lowered from %d to %d",
@@ -83,12 +88,9 @@ class LLMEngine:
             lora_manager = _build_lora_manager(config, runner)
         self.lora_manager = lora_manager or getattr(runner, "lora_manager", None)
         runner.lora_manager = self.lora_manager
-        spec = getattr(runner, "spec", None)
-        self.block_manager = BlockManager(
-            runner.num_blocks, runner.block_size, config.enable_prefix_caching,
-            # a model with some global layers reads every block: it keeps them all
-            sliding_window=getattr(spec, "uniform_sliding_window", None),
-        )
+        # a model with some global layers reads every block: it keeps them all
+        self.block_manager = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_caching,
+                                          sliding_window=window)
         self.scheduler = Scheduler(
             config,
             self.block_manager,

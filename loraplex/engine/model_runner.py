@@ -20,13 +20,13 @@ With ``cuda_graphs`` on a GPU, steps of one token per sequence replay a captured
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from loraplex.config import GiB, EngineConfig
+from loraplex.engine.block_manager import peak_blocks_per_sequence
 from loraplex.engine.cuda_graphs import DecodeGraphs, cuda_capture
 from loraplex.engine.host_arrays import block_table_rows, to_tensor
 from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
@@ -161,10 +161,15 @@ class ModelRunner:
             return int(free * fraction)
         return int(min(CPU_KV_CAP_BYTES, _available_ram_bytes() // 2) * fraction)
 
+    def peak_blocks_per_sequence(self) -> int:
+        """The most KV blocks one sequence holds at once (block_manager.peak_blocks_per_sequence)."""
+        chunk = self.config.max_num_batched_tokens if self.config.enable_chunked_prefill else None
+        return peak_blocks_per_sequence(self.max_model_len, self.block_size, self.spec.uniform_sliding_window, chunk)
+
     def _size_kv_cache(self) -> int:
         block_bytes = self.kv_bytes_per_token * self.block_size
         num_blocks = self._kv_budget_bytes() // block_bytes
-        useful = self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
+        useful = self.config.max_num_seqs * self.peak_blocks_per_sequence()
         num_blocks = min(num_blocks, useful)
         if num_blocks < 1:
             raise ValueError(
@@ -174,7 +179,8 @@ class ModelRunner:
 
     def _limit_max_model_len_to_kv(self) -> None:
         capacity = self.num_blocks * self.block_size
-        if capacity >= self.max_model_len:
+        # a windowed model's sequence holds only its window's blocks, however long its context
+        if capacity >= self.max_model_len or self.num_blocks >= self.peak_blocks_per_sequence():
             return
         if self.config.max_model_len is not None:
             raise ValueError(

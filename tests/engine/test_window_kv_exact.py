@@ -106,3 +106,23 @@ def test_only_models_windowed_on_every_layer_free_blocks():
     # Gemma 2 alternates global layers, which read every block: all kept
     assert gemma2.gemma.layer_window(0) == 40 and gemma2.uniform_sliding_window is None
     assert gemma3_windowed.uniform_sliding_window == 40
+
+
+def test_context_longer_than_the_kv_cache(mistral, loraplex_home):
+    """Six blocks hold 48 tokens, less than the 70-token prompt plus 60 generated: a windowed
+    sequence never holds more than its window's blocks and a 7-token chunk's (5 blocks here:
+    12 - 1 + 7 positions over one block more), so the context is not lowered to the cache."""
+    model_dir, prompts, want = mistral
+    llm = _llm(model_dir, loraplex_home, num_blocks=6, max_num_batched_tokens=7, max_num_seqs=2)
+    assert llm.engine.max_model_len == llm.engine.runner.max_model_len > 6 * BLOCK
+    long_prompt = max(prompts, key=len)
+    assert len(long_prompt) + MAX_TOKENS > 6 * BLOCK
+    assert _generate_checked(llm, prompts) == want
+
+
+def test_without_chunks_the_context_stays_within_the_kv_cache(mistral, loraplex_home):
+    """Without chunked prefill a prompt is computed whole in one step, so it needs all its blocks
+    at once: the context is lowered to what the cache holds, as for a model with global layers."""
+    model_dir, _, _ = mistral
+    llm = _llm(model_dir, loraplex_home, num_blocks=6, max_num_batched_tokens=64, enable_chunked_prefill=False)
+    assert llm.engine.max_model_len == 6 * BLOCK
