@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 from loraplex.engine.admission_order import check_priority
 from loraplex.lora.errors import InvalidAdapterError
-from loraplex.sampling_params import check_token_ids_in_vocab
+from loraplex.sampling_params import InvalidRequestError, check_logprobs_cap, check_token_ids_in_vocab
 from loraplex.server.context import AppContext
 from loraplex.server.errors import APIError, bad_request, model_not_found
 from loraplex.server.limits import check_generation_limits
@@ -365,6 +365,21 @@ def log_refused(kind: str, tenant: str | None, model: str | None, status: int, a
     access_log.info(json.dumps(record, separators=(",", ":")))
 
 
+# the request field a sampling count comes from, where the route names it otherwise
+_LOGPROBS_FIELD = {"chat": "top_logprobs", "generate": "return_k_alternatives"}
+
+
+def _check_logprobs_cap(ctx: AppContext, req: GenerationRequest) -> None:
+    """The engine's ``--max-logprobs`` check, made here so that a stream never starts with a
+    count the engine refuses (under ``-1`` the parsers leave the bound, the vocabulary, to it);
+    the error names the field the client sent."""
+    try:
+        check_logprobs_cap(req.params, ctx.settings.max_logprobs, vocab_size(ctx))
+    except InvalidRequestError as exc:
+        field = _LOGPROBS_FIELD.get(req.kind, exc.param) if exc.param == "logprobs" else exc.param
+        raise bad_request(exc.message, param=field) from None
+
+
 def prepare(ctx: AppContext, req: GenerationRequest, prompt_ids: list[list[int]]) -> None:
     """Check limits for every prompt; sets max_tokens where the request left it open (to the
     server's default when it has one, never more than the context leaves). Token ids
@@ -376,6 +391,7 @@ def prepare(ctx: AppContext, req: GenerationRequest, prompt_ids: list[list[int]]
         raise bad_request(f"the prompt holds the image placeholder token (id {image_token}); this server runs "
                           "the model's text part only and serves no images",
                           param="messages" if req.kind == "chat" else "prompt")
+    _check_logprobs_cap(ctx, req)
     s = ctx.settings
     check_priority(req.priority, s.scheduling_policy)
     effective = []

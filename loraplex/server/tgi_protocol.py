@@ -140,8 +140,11 @@ def _positive(p: dict, name: str, message: str):
     return v
 
 
-def parse_generate_request(body, served_model: str, *, stream: bool | None) -> tuple[TGIRequest, bool]:
-    """``(request, stream)``. ``stream=None``: the body's ``stream`` decides (``POST /``)."""
+def parse_generate_request(body, served_model: str, *, stream: bool | None,
+                           max_logprobs: int = MAX_TOP_LOGPROBS) -> tuple[TGIRequest, bool]:
+    """``(request, stream)``. ``stream=None``: the body's ``stream`` decides (``POST /``).
+    ``max_logprobs``: the server's ``--max-logprobs``, the bound of ``return_k_alternatives``
+    (-1: the vocabulary, checked by ``generation.prepare``)."""
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     inputs = body.get("inputs")
@@ -173,8 +176,9 @@ def parse_generate_request(body, served_model: str, *, stream: bool | None) -> t
     if truncate is not None and truncate < 1:
         raise bad_request("`truncate` must be strictly positive", param="truncate")
     alternatives = _int(p, "return_k_alternatives", None)
-    if alternatives is not None and not 0 < alternatives <= MAX_TOP_LOGPROBS:
-        raise bad_request(f"`return_k_alternatives` must be in [1, {MAX_TOP_LOGPROBS}]", param="return_k_alternatives")
+    if alternatives is not None and (alternatives < 1 or -1 < max_logprobs < alternatives):
+        bound = "" if max_logprobs == -1 else f", at most {max_logprobs} (--max-logprobs)"
+        raise bad_request(f"`return_k_alternatives` must be >= 1{bound}", param="return_k_alternatives")
     decoder_input_details = _bool(p, "decoder_input_details", False)
     details = _bool(p, "details", False) or decoder_input_details
 

@@ -148,7 +148,8 @@ class _GenerateAdmission(Admission):
         self.treq: TGIRequest | None = None
 
     def parse(self, ctx: AppContext, body) -> GenerationRequest:
-        self.treq, self.stream = parse_generate_request(body, ctx.served_model_name, stream=self.stream)
+        self.treq, self.stream = parse_generate_request(body, ctx.served_model_name, stream=self.stream,
+                                                        max_logprobs=ctx.settings.max_logprobs)
         return self.treq.gen
 
     def prompt_ids(self, ctx: AppContext, req: GenerationRequest) -> list[list[int]]:

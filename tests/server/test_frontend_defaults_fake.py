@@ -77,8 +77,9 @@ def test_max_logprobs_bounds_every_logprobs_field(tenant, cap):
         assert wanted == cap  # what the engine was asked, past OpenAI's 20 when the cap is higher
 
 
-def test_no_cap_leaves_the_bound_to_the_engine(tenant):
+def test_no_cap_allows_up_to_the_vocabulary(tenant):
     srv, c = tenant(max_logprobs=-1)
-    r = c.post("/v1/completions", json={"model": "fake-model", "prompt": "ab", "max_tokens": 1, "logprobs": 100})
+    vocab = len(FakeTokenizer())  # past 20; one more is refused (test_logprobs_cap_before_stream.py)
+    r = c.post("/v1/completions", json={"model": "fake-model", "prompt": "ab", "max_tokens": 1, "logprobs": vocab})
     assert r.status_code == 200
-    assert srv.engine.params_seen[srv.engine.started[-1][0]].logprobs == 100
+    assert srv.engine.params_seen[srv.engine.started[-1][0]].logprobs == vocab
