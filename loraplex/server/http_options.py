@@ -111,11 +111,32 @@ def check(settings: Settings) -> None:
         raise HttpOptionsError(f"--ssl-cert-reqs {settings.ssl_cert_reqs} asks for client certificates: give "
                                "--ssl-ca-certs, the CA certificates to verify them against")
     try:
+        _refuse_encrypted_key(settings)
         tls_context(settings)
+    except _KeyNeedsPassphrase:
+        raise HttpOptionsError(
+            f"TLS: the key in {settings.ssl_keyfile or settings.ssl_certfile} is encrypted, and there is no "
+            "passphrase option (vLLM has none either; OpenSSL would wait for one on the terminal): give the "
+            "key unencrypted (openssl pkey -in KEY -out PLAIN_KEY), readable by the server's user only") from None
     except (OSError, ssl.SSLError) as exc:
         raise HttpOptionsError(f"TLS: cannot load --ssl-certfile {settings.ssl_certfile}"
                                f"{f' / --ssl-keyfile {settings.ssl_keyfile}' if settings.ssl_keyfile else ''}"
                                f"{f' / --ssl-ca-certs {settings.ssl_ca_certs}' if settings.ssl_ca_certs else ''}: {exc}") from None
+
+
+class _KeyNeedsPassphrase(Exception):
+    pass
+
+
+def _refuse_encrypted_key(settings: Settings) -> None:
+    """Load the certificate and key as uvicorn will, but with a passphrase callback that raises:
+    OpenSSL calls it only for an encrypted key, which uvicorn (given no password, as vLLM gives
+    none) would make OpenSSL ask for on the terminal, a start that waits for ever under a
+    terminal and fails as "Invalid argument" without one."""
+    def no_passphrase():
+        raise _KeyNeedsPassphrase
+
+    ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(settings.ssl_certfile, settings.ssl_keyfile, no_passphrase)
 
 
 def tls_context(settings: Settings) -> ssl.SSLContext:

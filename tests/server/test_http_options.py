@@ -97,3 +97,56 @@ def test_serve_refuses_before_loading_anything(tmp_path, capsys):
     assert cli.run_serve(args) == 2
     assert "--ssl-keyfile without --ssl-certfile" in capsys.readouterr().err
     assert not (tmp_path / "home").exists()  # no registry made, no model loaded
+
+
+def _encrypted_copy(key_path, out_path, passphrase: bytes) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+    out_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.BestAvailableEncryption(passphrase)))
+
+
+def test_an_encrypted_key_is_refused_at_once_without_asking_on_the_terminal(tmp_path):
+    """vLLM has no passphrase flag; OpenSSL, given none, asks on the controlling terminal (once
+    for this check and again in uvicorn), and fails with "Invalid argument" where there is none.
+    The start must stop at once saying why, terminal or not: run in a child whose controlling
+    terminal is a pty that nobody types into."""
+    import os
+    import pty
+    import select
+    import time
+
+    tls = make_tls_files(tmp_path / "tls")
+    encrypted = tmp_path / "tls" / "encrypted.key"
+    _encrypted_copy(tls.server_key, encrypted, b"secret")
+    settings = settings_from_args(parse(), home=tmp_path, ssl_certfile=tls.server_cert, ssl_keyfile=encrypted)
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: its controlling terminal is the pty
+        try:
+            http_options.check(settings)
+            os.write(1, b"\nRESULT accepted\n")
+        except http_options.HttpOptionsError as exc:
+            os.write(1, f"\nRESULT refused: {exc}\n".encode())
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            os.write(1, f"\nRESULT {type(exc).__name__}: {exc}\n".encode())
+        os._exit(0)
+    out, deadline = b"", time.monotonic() + 15
+    try:
+        while b"RESULT" not in out or not out.endswith(b"\n"):
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            try:
+                out += os.read(fd, 4096)
+            except OSError:  # the child closed the pty
+                break
+    finally:
+        if os.waitpid(pid, os.WNOHANG) == (0, 0):  # still waiting on the terminal
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        os.close(fd)
+    text = out.decode(errors="replace")
+    assert "RESULT refused" in text, text  # not waiting for a passphrase
+    assert "pass phrase" not in text.lower()  # and never asked for one
+    assert "encrypted" in text and str(encrypted) in text
