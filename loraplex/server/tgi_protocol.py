@@ -13,7 +13,8 @@ LoRAX's field names and meanings (predibase/lorax ``router/src/lib.rs`` ``Genera
 - These defaults are LoRAX's own: ``--generation-config`` (the model's sampling defaults, an
   OpenAI-route notion from vLLM) does not apply here, as neither LoRAX nor TGI reads sampling
   defaults from ``generation_config.json`` and an unset field here means greedy, not "the
-  library's default".
+  library's default". An operator's ``max_new_tokens`` ceiling (a folder's file, or the
+  override) does hold here (``tgi_routes``): it is vLLM's limit on every request.
 - ``max_new_tokens`` defaults to what the context leaves; stop sequences stay in the text
   (TGI's rule), so the text ends with the stop sequence that ended it.
 - ``details`` (default false) asks for per-token ids, texts and logprobs;

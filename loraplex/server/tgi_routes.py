@@ -150,7 +150,13 @@ class _GenerateAdmission(Admission):
     def parse(self, ctx: AppContext, body) -> GenerationRequest:
         self.treq, self.stream = parse_generate_request(body, ctx.served_model_name, stream=self.stream,
                                                         max_logprobs=ctx.settings.max_logprobs)
-        return self.treq.gen
+        gen = self.treq.gen
+        # the sampling defaults stay LoRAX's, but an operator's max_new_tokens ceiling
+        # (--generation-config FOLDER / the override) is vLLM's limit on every request
+        cap = ctx.sampling_defaults.max_tokens_cap
+        if cap is not None:  # an open max_new_tokens: the cap, under what the context leaves (prepare)
+            gen.params.max_tokens = cap if gen.params.max_tokens is None else min(gen.params.max_tokens, cap)
+        return gen
 
     def prompt_ids(self, ctx: AppContext, req: GenerationRequest) -> list[list[int]]:
         prompt_ids = tokenize_prompts(ctx, req)

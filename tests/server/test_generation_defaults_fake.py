@@ -155,6 +155,22 @@ def test_lorax_generate_keeps_its_greedy_default(world):
     assert params.max_tokens == srv.engine.max_model_len - prompt_len
 
 
+def test_the_operators_ceiling_holds_on_lorax_generate_too(tmp_path_factory, model_dir):
+    """vLLM: an operator's max_new_tokens "sets a server-wide limit on the number of output tokens
+    for all requests"; LoRAX's route keeps its greedy sampling, not a way around the limit."""
+    srv, client = serve(tmp_path_factory, model_dir, override='{"max_new_tokens": 6}')
+    try:
+        for path in ("/generate", "/generate_stream"):
+            for sent in ({}, {"max_new_tokens": 50}):
+                params, _ = params_of(srv, client, path, {"inputs": "hello there", "parameters": sent})
+                assert params.max_tokens == 6, (path, sent)
+                assert params.temperature == 0.0  # still LoRAX's greedy default
+        params, _ = params_of(srv, client, "/generate", {"inputs": "hello there", "parameters": {"max_new_tokens": 3}})
+        assert params.max_tokens == 3  # under the ceiling: as sent
+    finally:
+        client.close()
+        srv.stop()
+
 def test_the_defaults_are_in_the_admin_status(world, expected):
     srv, _ = world
     with srv.admin() as c:
