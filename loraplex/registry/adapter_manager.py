@@ -102,11 +102,12 @@ class AdapterManager:
 
     def upload(
         self, tenant: str, name: str, adapter_dir: str | Path, uploader: str = "admin", origin: str | None = None,
-        warnings: list[str] | None = None,
+        warnings: list[str] | None = None, activate: bool = False,
     ) -> tuple[VersionInfo, bool]:
         """Store a PEFT directory as a new version of ``tenant/name``. Returns ``(version,
         created)``; ``created`` is False when identical weights already are a live version of
-        this adapter (that version is returned). Raises ``InvalidAdapterError``, ``NotFound``
+        this adapter (that version is returned). ``activate``: that version becomes the active
+        one in the same registry transaction. Raises ``InvalidAdapterError``, ``NotFound``
         (tenant), ``InvalidName``, ``ManagedByOperator`` (a runtime ``origin`` writing to an
         operator's adapter, see ``adapter_origin``) or a blob store error; on any failure no
         version is added. ``warnings``, when given, receives what the validator noted about an
@@ -117,10 +118,10 @@ class AdapterManager:
             raise NotFound(f"tenant {tenant!r} not found")
         # one read of the files: the bytes checked and hashed are the bytes stored
         with adapter_snapshot(adapter_dir, self.max_member_bytes) as snapshot:
-            return self._upload_checked(tenant, name, snapshot, uploader, origin, warnings)
+            return self._upload_checked(tenant, name, snapshot, uploader, origin, warnings, activate)
 
-    def _upload_checked(self, tenant: str, name: str, adapter_dir: Path, uploader: str,
-                        origin: str | None, warnings: list[str] | None) -> tuple[VersionInfo, bool]:
+    def _upload_checked(self, tenant: str, name: str, adapter_dir: Path, uploader: str, origin: str | None,
+                        warnings: list[str] | None, activate: bool = False) -> tuple[VersionInfo, bool]:
         info = inspect_adapter_dir(adapter_dir, self.spec, self.max_lora_rank)
         for warning in info.warnings:
             log.warning("adapter %s/%s: %s", tenant, name, warning)
@@ -149,6 +150,7 @@ class AdapterManager:
                         # bytes may have removed the blob since our exists()/put
                         check_blob=lambda: self.blobs.exists(key),
                         origin=origin,
+                        activate=activate,
                     )
                 except BlobMissing:
                     log.info("blob %s was deleted by a concurrent delete during an upload; storing it again", key)
@@ -167,13 +169,12 @@ class AdapterManager:
         """``upload``, then make that version the one ``name`` serves (a hot-swap, as
         ``PUT .../active`` is, unless it already is). Returns ``(version, created, activated)``;
         identical weights already live add no version, and an unchanged active version writes
-        no audit event (so a restart with the same directories changes nothing)."""
+        no audit event (so a restart with the same directories changes nothing). The version is
+        written and made active in one transaction: a write between the two (an operator upload
+        taking over a runtime adapter) cannot leave a version a refused call added."""
         before = self.registry.get_adapter(tenant, name)  # NotFound without the tenant, as upload
-        version, created = self.upload(tenant, name, adapter_dir, uploader=uploader, origin=origin)
-        after = self.registry.get_adapter(tenant, name)
-        if after is not None and after.active_version == version.version:  # already, or as a first version
-            return version, created, before is None or before.active_version != version.version
-        return self.registry.activate(tenant, name, version.version, actor=uploader, origin=origin), created, True
+        version, created = self.upload(tenant, name, adapter_dir, uploader=uploader, origin=origin, activate=True)
+        return version, created, before is None or before.active_version != version.version
 
     def upload_all_active(self, tenant: str, dirs: Sequence[tuple[str, Path]], uploader: str) -> list[ActiveVersion]:
         """``upload_active`` for several ``(name, directory)`` at once, all or nothing: every

@@ -47,7 +47,7 @@ from loraplex.registry.names import parse_model_ref, parse_version, validate_ada
 from loraplex.registry.tenant_delete import TenantDeleteMixin, TenantDeletion, refuse_taken_name
 from loraplex.registry.tenant_settings import TenantSettingsMixin
 from loraplex.registry.usage import UsageMixin
-from loraplex.registry.version_batch import VersionBatchMixin, version_fields
+from loraplex.registry.version_batch import VersionBatchMixin, hot_swap, version_fields
 
 __all__ = [
     "RegistryService",
@@ -154,12 +154,15 @@ class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDe
         activate_if_first: bool = True,
         check_blob: Callable[[], bool] | None = None,
         origin: str | None = None,
+        activate: bool = False,
     ) -> tuple[VersionInfo, bool]:
         """Record a new immutable version (its blob must already be stored).
 
         Returns ``(version, True)``, or ``(existing, False)`` when a live version of this adapter
         has the same sha256. With ``activate_if_first`` the new version becomes active when the
-        adapter has no active version.
+        adapter has no active version; with ``activate`` the version returned becomes the active
+        one in the same transaction (a hot-swap, audited as ``activate`` audits it), so no other
+        write can come between the two.
 
         ``check_blob`` (say, ``lambda: store.exists(blob_key)``) is called holding the blob's
         lock, before the new row is written; when it returns False nothing is written and
@@ -174,7 +177,7 @@ class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDe
         fields = version_fields(sha256, base_model, rank, alpha, targets, size_bytes, blob_key, uploader)
         for attempt in range(WRITE_ATTEMPTS):
             try:
-                return self._add_version_once(tenant, name, fields, activate_if_first, check_blob, origin)
+                return self._add_version_once(tenant, name, fields, activate_if_first, check_blob, origin, activate)
             except IntegrityError:
                 # another writer created the adapter or took the version number first; retry
                 if attempt == WRITE_ATTEMPTS - 1:
@@ -190,6 +193,7 @@ class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDe
         activate_if_first: bool,
         check_blob: Callable[[], bool] | None,
         origin: str | None,
+        activate: bool,
     ) -> tuple[VersionInfo, bool]:
         with self._transaction() as session:
             # first, so that a blob delete cannot run between our check and our commit (and, on
@@ -198,7 +202,13 @@ class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDe
             # shared lock: a tenant delete waits for this upload (and then deletes its version),
             # or this upload waits for the delete and finds no tenant
             tenant_row = self._require_tenant(session, tenant, lock=True)
-            return self._put_version(session, tenant_row, name, fields, activate_if_first, check_blob, origin)
+            version, created = self._put_version(session, tenant_row, name, fields, activate_if_first, check_blob,
+                                                 origin)
+            if activate:
+                adapter = repo.get_adapter(session, tenant_row, name)
+                if adapter.active_version != version.version:
+                    hot_swap(session, tenant, adapter, version, uploader=fields["uploader"])
+            return version, created
 
     @staticmethod
     def _put_version(session: Session, tenant_row: Tenant, name: str, fields: dict[str, Any],

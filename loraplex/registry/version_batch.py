@@ -97,12 +97,12 @@ class VersionBatchMixin:
                     session, tenant_row, name, fields, True, check, None)
                 adapter = repo.get_adapter(session, tenant_row, name)
                 if adapter.active_version != version.version:
-                    _hot_swap(session, tenant, adapter, version, uploader=fields["uploader"])
+                    hot_swap(session, tenant, adapter, version, uploader=fields["uploader"])
                 out.append(ActiveVersion(version, created, served_before != version.version))
             return out
 
 
-def _hot_swap(session: Session, tenant: str, adapter, version: VersionInfo, *, uploader: str) -> None:
+def hot_swap(session: Session, tenant: str, adapter, version: VersionInfo, *, uploader: str) -> None:
     """Point ``adapter`` at ``version`` (a live version of it), as ``RegistryService.activate``."""
     previous = adapter.active_version
     adapter.active_version = version.version

@@ -136,3 +136,36 @@ def test_a_name_the_operator_deleted_can_be_loaded_and_unloaded_at_runtime(srv, 
     assert srv.registry.get_adapter(name, "sql").versions[-1].version == 2  # numbering continues
     r = client.post(UNLOAD, json={"lora_name": "sql"})
     assert r.status_code == 200 and srv.registry.get_adapter(name, "sql") is None
+
+
+def test_an_operator_upload_landing_during_a_runtime_load_in_place_leaves_no_refused_version(
+        srv, adapters, tenant, monkeypatch):
+    """The runtime load's version is written, then the operator uploads to the name (taking the
+    adapter over) before the load makes its version active. Whichever way the two are ordered,
+    the answer must agree with the registry: a 403 ("managed by the operator") leaves no version
+    of the refused weights behind; a 200 means they were loaded (the operator's came after)."""
+    name, client = tenant
+    _, dirs = adapters
+    assert client.post(LOAD, json={"lora_name": "sql", "lora_path": str(dirs["a"])}).status_code == 200
+    registry = srv.adapters.registry
+    original, fired = registry.add_version, []
+
+    def operator_upload_right_after_the_runtime_write(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if kwargs.get("origin") == "runtime_load" and not fired:
+            fired.append(True)
+            srv.adapters.upload_active(name, "sql", dirs["b"])  # the operator's, as the admin API does
+        return out
+
+    monkeypatch.setattr(registry, "add_version", operator_upload_right_after_the_runtime_write)
+    r = client.post(LOAD, json={"lora_name": "sql", "lora_path": str(dirs["c"]), "load_inplace": True})
+    assert fired
+    adapter = srv.registry.get_adapter(name, "sql")
+    shas = [v.sha256 for v in adapter.versions]
+    assert r.status_code in (200, 403), r.text
+    if r.status_code == 403:
+        assert compute_content_hash(dirs["c"]) not in shas  # refused: nothing of it written
+    else:
+        assert compute_content_hash(dirs["c"]) in shas
+    assert adapter.origin is None  # the operator's upload came last either way, and took it over
+    assert srv.registry.resolve(name, "sql").sha256 == compute_content_hash(dirs["b"])
