@@ -319,7 +319,9 @@ class LLMEngine:
         try:
             run_out = self.runner.execute(sched_out)
         except AdapterLoadFailedError as exc:
-            return self._drop_adapter(exc)
+            failed = self._drop_adapter(exc)
+            self.scheduler.requeue_unrun(sched_out)
+            return failed
         changed = self.scheduler.update(sched_out, run_out)
         touched: dict[str, RequestState] = {}
         for seq in changed:
@@ -353,9 +355,8 @@ class LLMEngine:
 
     def _drop_adapter(self, exc: AdapterLoadFailedError) -> list[RequestOutput]:
         """A step's adapter could not be loaded (before anything of the step ran): its requests
-        end with finish reason ``abort``; the rest of the step runs again next step (their blocks
-        were allocated and nothing was computed, so scheduling them again is a no-op for the
-        block manager, and ``free`` unregisters the aborted ones' uncomputed blocks)."""
+        end with finish reason ``abort`` (``free`` unregisters their uncomputed blocks); the rest
+        of the step runs again (see ``Scheduler.requeue_unrun``)."""
         logger.error("%s; aborting its requests", exc)
         victims = [state for state in self._requests.values() if state.req.adapter_id == exc.adapter_id]
         outputs = []

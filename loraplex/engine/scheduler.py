@@ -304,6 +304,18 @@ class Scheduler:
         self._released.append(seq.seq_id)
         self.waiting.add(seq)
 
+    def requeue_unrun(self, sched_out: SchedulerOutput) -> None:
+        """After a step that did not run (an adapter could not be placed): with prefix caching,
+        its blocks were registered in the cache as if computed, and a sequence admitted in the
+        same step may count one of them as a prefix hit. Every still-running sequence of the
+        step therefore goes back to waiting (recomputed from scratch; ``free`` unregisters what
+        was never computed). Without prefix caching nothing was registered: they just run again."""
+        if not self.block_manager.enable_prefix_caching:
+            return
+        for entry in reversed(sched_out.scheduled):
+            if entry.seq.status is SequenceStatus.RUNNING:
+                self._preempt(entry.seq)
+
     def _release(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)

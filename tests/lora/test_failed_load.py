@@ -132,3 +132,48 @@ def test_adapter_lost_mid_run_aborts_only_its_requests(world, tmp_path):
     stats = engine.stats()
     assert stats["num_seqs_running"] == 0 and stats["num_seqs_waiting"] == 0 and stats["kv_cache_usage"] == 0
     assert llm.generate([[5, 6, 7]], PARAMS, adapters=[str(good)])[0].token_ids == reference["good"]
+
+
+def _uncomputed_cached_blocks(engine) -> list[int]:
+    """Blocks the prefix cache offers as computed that an unfinished sequence has not computed."""
+    bm = engine.block_manager
+    cached = set(bm._cached.values())
+    uncomputed = set()
+    for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+        uncomputed.update(seq.block_table[seq.num_computed_tokens // bm.block_size:])
+    return sorted(cached & uncomputed)
+
+
+def test_a_step_that_did_not_run_leaves_no_uncomputed_block_in_the_prefix_cache(world, tmp_path):
+    """The step that finds the adapter gone also admits a base request with a three-block
+    prompt, whose blocks are registered in the prefix cache when scheduled. The step never ran:
+    no cached block may then stand for K/V that nobody computed (a request admitted before the
+    owner runs again would read it as a prefix hit), and the base request still gets its
+    reference output."""
+    llm, root, good, other, reference = world
+    engine, manager = llm.engine, llm.engine.lora_manager
+    assert engine.config.enable_prefix_caching
+    prompt = [(7 * i) % 97 + 3 for i in range(3 * engine.block_manager.block_size + 2)]
+    want = llm.generate([prompt], PARAMS)[0].token_ids
+    engine.reset_prefix_cache()
+    doomed = tmp_path / "doomed"
+    shutil.copytree(other, doomed)
+    long = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    rid_doomed = engine.add_request(None, [5, 6, 7], long, adapter=str(doomed))
+    engine.step(), engine.step()
+    doomed_id = engine._requests[rid_doomed].req.adapter_id
+    manager.pool.clear(manager.pool.slot_of(doomed_id))
+    manager.host.remove(doomed_id)
+    shutil.rmtree(doomed)
+    rid_base = engine.add_request(None, prompt, PARAMS)
+    failed = engine.step()  # schedules both; placing the doomed adapter fails
+    assert [out.finish_reason for out in failed] == ["abort"]
+    assert _uncomputed_cached_blocks(engine) == []
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals[rid_base].token_ids == want
+    stats = engine.stats()
+    assert stats["num_seqs_running"] == 0 and stats["kv_cache_usage"] == 0
