@@ -25,7 +25,9 @@ on, so the blocks wholly before that are never read again. ``release_out_of_wind
 back (a cached one stays findable for other sequences' prefixes, as any freed cached block) and
 puts ``FREED_BLOCK`` in their table entries, so block ``i`` still holds tokens ``i * block_size``
 onwards; the attention kernels never read an entry before the window. A sequence thus holds at
-most ``ceil((window - 1) / block_size) + 1`` blocks plus those of the chunk it computes.
+most ``ceil((window - 1) / block_size) + 1`` blocks plus those of the chunk it computes. A prefix
+hit needs cached only the blocks its first chunk reads, not the whole chain from block 0 (the
+head blocks, given back first, are the first evicted).
 """
 
 from __future__ import annotations
@@ -127,17 +129,26 @@ class BlockManager:
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks matching ``seq``'s leading full blocks; at least one token is left to
-        compute so the step that admits it can sample from real logits."""
+        compute so the step that admits it can sample from real logits. With a sliding window
+        only the blocks the first chunk reads must be cached (the entries before them are
+        ``FREED_BLOCK``): a windowed sequence gives its head blocks back first, so they are the
+        least recently used and evicted first, while the blocks after them stay findable."""
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        hits: list[int] = []
-        for block_hash in self._block_hashes(seq, max_blocks)[:max_blocks]:
-            block = self._cached.get(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        cached = [self._cached.get(h) for h in self._block_hashes(seq, max_blocks)[:max_blocks]]
+        if self.sliding_window is None:
+            return cached[: cached.index(None)] if None in cached else cached
+        run = 0  # cached blocks in a row ending at block k - 1
+        runs = []
+        for block in cached:
+            run = run + 1 if block is not None else 0
+            runs.append(run)
+        for k in range(max_blocks, 0, -1):
+            skipped = self.num_out_of_window(k * self.block_size)
+            if runs[k - 1] >= max(1, k - skipped):  # the read blocks, and at least the last one
+                return [FREED_BLOCK] * skipped + cached[skipped:k]
+        return []
 
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
         """Tokens of a not-yet-allocated ``seq`` that ``allocate`` would take from the cache."""
