@@ -55,9 +55,12 @@ def _lora_case(report, shape, gen, name, token_slots, ranks, in_features, widths
 
 
 def _attention_case(report, gen, name, seqs, heads, kv_heads, head_dim, block_size, dtype, device, num_kv_splits=None,
-                    **options):
+                    free_out_of_window=False, **options):
     """Mixed prefill-with-prefix + decode batch through shuffled block tables (``num_kv_splits``:
-    None lets the launcher choose, as the engine does; ``options``: sliding_window, softcap)."""
+    None lets the launcher choose, as the engine does; ``options``: sliding_window, softcap).
+    ``free_out_of_window``: the kernel gets the tables the block manager leaves for a model
+    windowed on every layer (entries wholly before each sequence's first query's window are -1,
+    FREED_BLOCK); the reference reads the intact tables."""
     seq_lens = [c + q for c, q in seqs]
     per_seq = [math.ceil(n / block_size) for n in seq_lens]
     num_blocks = sum(per_seq) + 4
@@ -95,11 +98,17 @@ def _attention_case(report, gen, name, seqs, heads, kv_heads, head_dim, block_si
         max_seq_len=max(seq_lens),
     )
     out = torch.full_like(query, float("nan"))
-    paged_attention_triton(query, cache, out=out, num_kv_splits=num_kv_splits, **args, **options)
+    kernel_args = dict(args)
+    if free_out_of_window:
+        freed = tables.clone()
+        for i, (prefix, _) in enumerate(seqs):
+            freed[i, : max(0, prefix - options["sliding_window"] + 1) // block_size] = -1
+        kernel_args["block_tables"] = freed
+    paged_attention_triton(query, cache, out=out, num_kv_splits=num_kv_splits, **kernel_args, **options)
     ref = paged_attention_ref(query.float(), cache.float(), **args, **options)
     err = rel_err(out, ref)
     splits = "" if num_kv_splits is None else f", {num_kv_splits} KV splits"
-    splits += "".join(f", {k} {v}" for k, v in options.items())
+    splits += "".join(f", {k} {v}" for k, v in options.items()) + (", freed entries" if free_out_of_window else "")
     report.check(f"{name} attention", err < TOLERANCE, f"rel err {err:.2e}, seqs (prefix, query)={seqs}{splits}")
 
 
@@ -150,3 +159,10 @@ def run_checks(report: Report, on_gpu: bool) -> None:
                               ("gemma2 window+softcap decode split-KV", split_seqs, splits)):
         _attention_case(report, gen, name, seqs, g_heads, g_kv, g_dim, 16, dtype, device, split,
                         sliding_window=window, softcap=2.0)
+    # Mistral v0.1: every layer windowed (4096), so blocks before the window are given back and
+    # their table entries are -1: the kernel must never read them (a read faults or gives NaN)
+    m_window = 4096 if on_gpu else 12
+    m_seqs = [(20000, 1), (4000, 1), (517, 64), (9000, 300)] if on_gpu else [(60, 1), (30, 9), (5, 7)]
+    for name, split in (("mistral window, freed blocks, bs16", None), ("mistral window, freed blocks, split-KV", splits)):
+        _attention_case(report, gen, name, m_seqs, heads, kv_heads, head_dim, 16, dtype, device, split,
+                        free_out_of_window=True, sliding_window=m_window)
