@@ -14,10 +14,11 @@ from starlette.requests import Request
 
 from loraplex.server.context import AppContext
 from loraplex.server.errors import APIError, from_exception, model_not_found
-from loraplex.server.generation import RequestRun, Target, log_refused, prepare, resolve_target, tokenize_prompts
+from loraplex.server.generation import RequestRun, Target, log_refused, resolve_target, tokenize_prompts
 from loraplex.server.limits import read_json
 from loraplex.server.protocol import GenerationRequest
 from loraplex.server.reasoned_constraints import set_boundary
+from loraplex.server.request_checks import prepare
 from loraplex.server.request_ids import RequestIds, request_ids
 from loraplex.server.shapes import new_id
 

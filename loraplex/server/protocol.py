@@ -53,7 +53,7 @@ class GenerationRequest:
     echo: bool = False
     prompt_logprobs: int | None = None  # vLLM's field: report the prompt's logprobs (top N)
     # False: max_tokens is the server's default (params.max_tokens, None if none) capped by what
-    # the context leaves (generation.prepare)
+    # the context leaves (request_checks.prepare)
     max_tokens_given: bool = False
     user: str | None = None
     prompt_options: PromptOptions = field(default_factory=PromptOptions)  # template, truncation, special tokens
@@ -346,7 +346,7 @@ def _priority(body: dict) -> int:
 
 def _open_max_tokens(given: int | None, defaults: SamplingDefaults) -> tuple[int | None, bool]:
     """``(max_tokens, given)``: the request's own (under the operator's ceiling), else the
-    server's default, which ``generation.prepare`` caps by what the context leaves."""
+    server's default, which ``request_checks.prepare`` caps by what the context leaves."""
     if given is not None:
         return defaults.capped(given), True
     return defaults.max_tokens, False

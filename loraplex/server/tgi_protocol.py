@@ -145,7 +145,7 @@ def parse_generate_request(body, served_model: str, *, stream: bool | None,
                            max_logprobs: int = MAX_TOP_LOGPROBS) -> tuple[TGIRequest, bool]:
     """``(request, stream)``. ``stream=None``: the body's ``stream`` decides (``POST /``).
     ``max_logprobs``: the server's ``--max-logprobs``, the bound of ``return_k_alternatives``
-    (-1: the vocabulary, checked by ``generation.prepare``)."""
+    (-1: the vocabulary, checked by ``request_checks.prepare``)."""
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     inputs = body.get("inputs")

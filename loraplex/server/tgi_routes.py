@@ -32,8 +32,9 @@ from starlette.routing import Route
 from loraplex.server.admission import Admission, admit
 from loraplex.server.context import AppContext
 from loraplex.server.errors import CLIENT_CLOSED, APIError, from_exception
-from loraplex.server.generation import RequestRun, prepare, tokenize_prompts
+from loraplex.server.generation import RequestRun, tokenize_prompts
 from loraplex.server.protocol import GenerationRequest
+from loraplex.server.request_checks import prepare
 from loraplex.server.request_ids import request_ids
 from loraplex.server.shapes import ResponseShaper
 from loraplex.server.streaming import ClientDisconnected, SSEResponse, run_unless_disconnected, sse_event
