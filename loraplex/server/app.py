@@ -5,7 +5,8 @@ off the event loop, so ``/health`` answers while the model loads and ``/ready`` 
 it is done. Once started, a background thread collects unreferenced blobs every
 ``blob_gc_interval_seconds`` (``blob_gc.BlobGarbageCollector``; stopped at shutdown), and
 another writes finished requests' usage to the registry every ``usage_flush_seconds``
-(``usage_recorder.UsageRecorder``; flushed last at shutdown).
+(``usage_recorder.UsageRecorder``; flushed last at shutdown, what the database does not take
+then spooled under ``home/usage-spool`` and replayed at the next start).
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ from loraplex.server.tool_parsers import get_tool_parser
 from loraplex.server.uploads import sweep_stale_staging
 from loraplex.server.usage_metrics import UsageCollector
 from loraplex.server.usage_recorder import UsageRecorder
+from loraplex.server.usage_spool import UsageSpool
 
 log = logging.getLogger("loraplex.server")
+USAGE_SPOOL_DIR = "usage-spool"  # under the home: usage the database did not take, replayed later
 DEFAULT_ADMIN_DIR = Path(__file__).resolve().parents[2] / "admin"
 # how long the shutdown waits for cancelled requests to close before the last usage flush
 USAGE_SHUTDOWN_WAIT_SECONDS = 5.0
@@ -183,7 +186,9 @@ def create_app(
         app.state.blob_gc = blob_gc
         record_usage = getattr(ctx.registry, "record_usage", None)
         if record_usage is not None and settings.usage_flush_seconds > 0:
-            ctx.usage = UsageRecorder(record_usage, settings.usage_flush_seconds).start()
+            spool = UsageSpool(settings.home / USAGE_SPOOL_DIR)
+            # its thread's first flush replays what an earlier run spooled
+            ctx.usage = UsageRecorder(record_usage, settings.usage_flush_seconds, spool=spool).start()
             ctx.metrics.registry.register(UsageCollector(ctx.usage))
         if on_started is not None:
             on_started()

@@ -16,13 +16,23 @@ Failures are of two kinds (``is_permanent``, default ``usage.is_permanent_usage_
   ``max_backoff_seconds``). A batch whose commit went through but whose acknowledgement was lost
   is then recognised by its id and adds nothing: it is never merged with newer usage, which
   would make it a batch the database has not seen. Newer usage keeps adding up in memory
-  meanwhile. Memory stays bounded: at most ``max_pending_rows`` distinct (tenant, adapter, hour)
-  keys are held (usage of a held key always adds up); counts for a further key are dropped,
-  counted in ``dropped_requests`` and logged, rather than growing without end through an outage.
+  meanwhile, bounded: at most ``max_pending_rows`` distinct (tenant, adapter, hour) keys are
+  held (usage of a held key always adds up).
 * Permanent (the database refused a value): sending it again cannot succeed, and would hold up
-  every later batch. A batch of several rows is split into one batch per row, so the rows the
-  database takes are kept; a row it refuses is logged with its counts (for a manual correction),
-  counted in ``dropped_records`` (``loraplex_usage_records_dropped_total``) and dropped.
+  every later batch. A batch of several rows is split into one batch per row (ids derived from
+  the batch's, so a split replayed from the spool splits the same way), so the rows the
+  database takes are kept; a row it refuses is logged with its counts (for a manual
+  correction), counted in ``dropped_records`` (``loraplex_usage_records_dropped_total``) and
+  dropped.
+
+With a ``spool`` (``usage_spool.UsageSpool``, the app's ``<home>/usage-spool``), usage the
+recorder cannot hold is written to disk instead of lost: what is left unwritten at ``stop``,
+and, when the bound is reached during an outage, the held batches (the thread is woken to
+spool them; until it has, at most ``max_pending_rows`` further keys wait in memory). Each flush
+that wrote everything in memory then replays the spool (the thread's first flush runs at
+``start``), deleting a file once its batch is committed. Without a spool, or when the spool
+cannot be written, usage of a further key is dropped, counted in ``dropped_requests`` and
+logged; what is left at ``stop`` is logged as lost.
 """
 
 from __future__ import annotations
@@ -34,8 +44,10 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from hashlib import sha256
 
-from loraplex.registry.usage import COUNTERS, UsageDelta, hour_of, is_permanent_usage_error
+from loraplex.registry.usage import BATCH_ID_MAX_LENGTH, COUNTERS, UsageDelta, hour_of, is_permanent_usage_error
+from loraplex.server.usage_spool import SpoolFileError, UsageSpool
 
 log = logging.getLogger("loraplex.server")
 
@@ -46,6 +58,7 @@ DEFAULT_MAX_PENDING_ROWS = 100_000
 # flush_seconds when that is longer)
 DEFAULT_MAX_BACKOFF_S = 60.0
 Key = tuple[str, "str | None", object]  # (tenant, adapter or None for the base model, hour)
+WRITTEN, FAILED, REFUSED = "written", "failed", "refused"
 
 
 @dataclass(frozen=True)
@@ -59,11 +72,20 @@ class Batch:
         return [UsageDelta(tenant, adapter, hour, **dict(zip(COUNTERS, counts)))
                 for (tenant, adapter, hour), counts in self.rows.items()]
 
+    def split(self) -> list[Batch]:
+        """One batch per row, each id derived from this one's (the same split every time)."""
+        return [Batch(_row_batch_id(self.id, i), {key: counts}) for i, (key, counts) in enumerate(self.rows.items())]
+
+
+def _row_batch_id(batch_id: str, index: int) -> str:
+    derived = f"{batch_id}.{index}"
+    return derived if len(derived) <= BATCH_ID_MAX_LENGTH else sha256(derived.encode()).hexdigest()[:32]
+
 
 class UsageRecorder:
     """Sums finished requests per (tenant, adapter, hour) and writes them with
     ``write(deltas, batch_id)`` every ``flush_seconds`` from a daemon thread (``start``/``stop``),
-    or when ``flush`` is called."""
+    or when ``flush`` is called; usage it cannot write or hold goes to ``spool`` when given."""
 
     def __init__(
         self,
@@ -75,6 +97,7 @@ class UsageRecorder:
         is_permanent: Callable[[BaseException], bool] = is_permanent_usage_error,
         max_backoff_seconds: float = DEFAULT_MAX_BACKOFF_S,
         new_batch_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+        spool: UsageSpool | None = None,
     ):
         if flush_seconds <= 0:
             raise ValueError("flush_seconds must be positive (0 means: do not create a recorder)")
@@ -85,18 +108,25 @@ class UsageRecorder:
         self._clock = clock
         self._is_permanent = is_permanent
         self._new_batch_id = new_batch_id
+        self.spool = spool
         self._pending: dict[Key, list[int]] = {}  # summed since the last batch was taken
-        self._unsent: deque[Batch] = deque()  # taken, not yet known written; resent as they are
+        # taken, not yet known written; resent as they are. Changed only under _flush_lock
+        # (appended to under _lock as well), so a batch being written stays where it is
+        self._unsent: deque[Batch] = deque()
         self._unsent_keys: set[Key] = set()
         self._overlap = 0  # keys both pending and in an unsent batch (counted once for the bound)
-        self._lock = threading.Lock()  # guards the four above and dropped_requests
+        self._to_spool: list[Batch] = []  # pending sums taken at the bound, for the thread to spool
+        self._to_spool_rows = 0
+        self._lock = threading.Lock()  # guards the above and dropped_requests
         self._flush_lock = threading.Lock()  # one flush at a time: the thread's, stop's, an admin read's
         self._stop = threading.Event()
+        self._wake = threading.Event()  # the thread's wait: its interval, the bound reached, stop
         self._thread: threading.Thread | None = None
         self.dropped_requests = 0
         self.dropped_records = 0
         self.flushes = 0
         self.failed_flushes = 0
+        self.spool_files_set_aside = 0
         self._failures_in_a_row = 0
 
     def record(self, tenant: str, adapter: str | None, *, prompt_tokens: int, completion_tokens: int,
@@ -109,20 +139,36 @@ class UsageRecorder:
             self._add(key, counts)
 
     def _add(self, key: Key, counts: list[int]) -> None:
-        """Add ``counts`` to ``key``'s sum, or drop them when a new key would exceed the bound (lock held)."""
+        """Add ``counts`` to ``key``'s sum; at the bound, hand the pending sums to the thread to
+        spool, or drop ``counts`` when that is not possible (lock held)."""
         row = self._pending.get(key)
         if row is None:
             held = key in self._unsent_keys
             if not held and self._held_keys() >= self.max_pending_rows:
-                if self.dropped_requests == 0:  # then once per failed flush, not once per request
-                    log.error("usage accounting: %d rows wait to be written (the limit); usage of further "
-                              "rows is dropped until a flush succeeds", self._held_keys())
-                self.dropped_requests += counts[0] + counts[3]
-                return
+                self._hand_pending_to_spool()
+                if self._held_keys() >= self.max_pending_rows:
+                    if self.dropped_requests == 0:  # then once per failed flush, not once per request
+                        log.error("usage accounting: %d rows wait to be written (the limit)%s; usage of further "
+                                  "rows is dropped until a flush succeeds", self._held_keys(),
+                                  "" if self.spool is None else " and could not be spooled yet")
+                    self.dropped_requests += counts[0] + counts[3]
+                    return
             self._pending[key] = row = [0] * len(COUNTERS)
             self._overlap += held
         for i, value in enumerate(counts):
             row[i] += value
+
+    def _hand_pending_to_spool(self) -> None:
+        """The bound is reached: the pending sums become a batch for the thread to spool, if
+        there is a spool and room to wait for it (lock held)."""
+        if self.spool is None:
+            return
+        self._wake.set()  # the thread spools the unsent batches too
+        if self._pending and self._to_spool_rows + len(self._pending) <= self.max_pending_rows:
+            self._to_spool.append(Batch(self._new_batch_id(), {k: tuple(c) for k, c in self._pending.items()}))
+            self._to_spool_rows += len(self._pending)
+            self._pending = {}
+            self._overlap = 0
 
     def _held_keys(self) -> int:
         """Distinct keys held, pending or unsent (lock held)."""
@@ -130,47 +176,53 @@ class UsageRecorder:
 
     @property
     def pending_rows(self) -> int:
-        """Distinct (tenant, adapter, hour) keys not yet written."""
+        """Rows (tenant, adapter, hour) not yet written, nor spooled."""
         with self._lock:
-            return self._held_keys()
+            return self._held_keys() + self._to_spool_rows
 
     def stats(self) -> dict:
         """For ``GET /admin/v1/status``: a growing ``failed_flushes``, or any ``dropped_requests``
-        or ``dropped_records``, says the database is not taking the usage."""
+        or ``dropped_records``, says the database is not taking the usage; ``spooled_batches``
+        waits on disk to be replayed; ``spool_files_set_aside`` could not be read (``*.bad``)."""
         with self._lock:
-            pending, dropped = self._held_keys(), self.dropped_requests
+            pending, dropped = self._held_keys() + self._to_spool_rows, self.dropped_requests
         return {"flush_seconds": self.flush_seconds, "pending_rows": pending, "flushes": self.flushes,
                 "failed_flushes": self.failed_flushes, "dropped_requests": dropped,
-                "dropped_records": self.dropped_records}
+                "dropped_records": self.dropped_records,
+                "spool_dir": None if self.spool is None else str(self.spool.directory),
+                "spooled_batches": 0 if self.spool is None else self.spool.count(),
+                "spool_files_set_aside": self.spool_files_set_aside}
 
     def flush(self) -> bool:
-        """Write the unsent batches, then what has been summed; True when all was written (or
-        there was nothing). A transient failure keeps the batch for the next flush and returns
-        False; a refused row is dropped (see the module doc). Logs, never raises."""
+        """Write the unsent batches, then what has been summed, then replay the spool; True when
+        all was written (or there was nothing). A transient failure keeps the batch for the next
+        flush and returns False; a refused row is dropped (see the module doc). At the bound,
+        the held batches are spooled first. Logs, never raises."""
         with self._flush_lock:
-            took_pending = False
-            while True:
-                with self._lock:
-                    if not self._unsent:
-                        if took_pending or not self._pending:
-                            self._failures_in_a_row = 0
-                            return True
-                        self._take_pending()
-                        took_pending = True
-                    batch = self._unsent[0]
-                try:
-                    self._write(batch.deltas(), batch.id)
-                except Exception as exc:  # noqa: BLE001 - sorted below; serving goes on
-                    if not self._is_permanent(exc):
-                        self.failed_flushes += 1
-                        self._failures_in_a_row += 1
-                        log.exception("usage accounting: writing %d row(s) failed; kept for the next flush "
-                                      "(%d request(s) dropped so far)", len(batch.rows), self.dropped_requests)
-                        return False
-                    self._refused(batch, exc)
-                    continue
-                self.flushes += 1
-                self._done(batch)
+            if self._to_spool:
+                self._spool_held(with_pending=False)
+            return self._write_held() and self._replay_spool()
+
+    def _write_held(self) -> bool:
+        took_pending = False
+        while True:
+            with self._lock:
+                if not self._unsent:
+                    if took_pending or not self._pending:
+                        self._failures_in_a_row = 0
+                        return True
+                    self._take_pending()
+                    took_pending = True
+                batch = self._unsent[0]
+            result = self._send(batch, "kept for the next flush")
+            if result == FAILED:
+                return False
+            with self._lock:
+                self._unsent.popleft()
+                if result == REFUSED:
+                    self._unsent.extendleft(reversed(self._split_or_drop(batch)))
+                self._unsent_keys = {key for b in self._unsent for key in b.rows}
+                self._overlap = sum(1 for key in self._pending if key in self._unsent_keys)
 
     def _take_pending(self) -> None:
         """The pending sums become an unsent batch with a new id (lock held)."""
@@ -180,29 +232,97 @@ class UsageRecorder:
         self._unsent.append(batch)
         self._unsent_keys.update(batch.rows)
 
-    def _done(self, batch: Batch) -> None:
+    def _send(self, batch: Batch, if_failed: str) -> str:
+        """Write ``batch``: WRITTEN (or recorded before), FAILED (transient, logged) or REFUSED."""
+        try:
+            self._write(batch.deltas(), batch.id)
+        except Exception as exc:  # noqa: BLE001 - sorted here; serving goes on
+            if self._is_permanent(exc):
+                return REFUSED
+            self.failed_flushes += 1
+            self._failures_in_a_row += 1
+            log.exception("usage accounting: writing %d row(s) failed; %s (%d request(s) dropped so far)",
+                          len(batch.rows), if_failed, self.dropped_requests)
+            return FAILED
+        self.flushes += 1
+        return WRITTEN
+
+    def _split_or_drop(self, batch: Batch) -> list[Batch]:
+        """The database refused ``batch`` (nothing of it was written): its rows as batches of
+        one, or nothing when it is one row (logged with its counts and dropped)."""
+        if len(batch.rows) > 1:
+            log.warning("usage accounting: the database refused a batch of %d rows; writing them "
+                        "one by one to keep the good ones", len(batch.rows))
+            return batch.split()
+        (tenant, adapter, hour), counts = next(iter(batch.rows.items()))
+        log.error("usage accounting: DROPPED usage the database refused: tenant=%r adapter=%r hour=%s %s",
+                  tenant, adapter, hour.isoformat(), " ".join(f"{n}={v}" for n, v in zip(COUNTERS, counts)))
+        self.dropped_records += 1
+        return []
+
+    def _spool_held(self, *, with_pending: bool) -> int:
+        """Move the batches waiting to be spooled and the unsent ones (and with ``with_pending``,
+        the pending sums) to the spool; those it cannot write stay unsent. Returns the rows
+        spooled (flush lock held)."""
         with self._lock:
-            self._unsent.popleft()
+            if with_pending and self._pending:
+                self._take_pending()
+            batches = [*self._unsent, *self._to_spool]
+            self._unsent, self._unsent_keys, self._overlap = deque(), set(), 0
+            self._to_spool, self._to_spool_rows = [], 0
+        kept, spooled = [], 0
+        for batch in batches:
+            try:
+                path = self.spool.save(batch)
+            except OSError:
+                log.exception("usage accounting: spooling %d row(s) to %s failed; kept in memory",
+                              len(batch.rows), self.spool.directory)
+                kept.append(batch)
+                continue
+            spooled += len(batch.rows)
+            log.warning("usage accounting: %d row(s) not written to the database spooled to %s "
+                        "(replayed once it takes them)", len(batch.rows), path)
+        with self._lock:
+            self._unsent.extendleft(reversed(kept))
             self._unsent_keys = {key for b in self._unsent for key in b.rows}
             self._overlap = sum(1 for key in self._pending if key in self._unsent_keys)
+        return spooled
 
-    def _refused(self, batch: Batch, exc: Exception) -> None:
-        """The database refused ``batch`` (nothing of it was written): split it into one batch
-        per row, or drop it when it is one row."""
-        if len(batch.rows) > 1:
-            log.warning("usage accounting: the database refused a batch of %d rows (%s); writing them "
-                        "one by one to keep the good ones", len(batch.rows), exc)
-            singles = [Batch(self._new_batch_id(), {key: counts}) for key, counts in batch.rows.items()]
-            with self._lock:
-                self._unsent.popleft()
-                self._unsent.extendleft(reversed(singles))
-            return
-        (tenant, adapter, hour), counts = next(iter(batch.rows.items()))
-        log.error("usage accounting: DROPPED usage the database refused (%s): tenant=%r adapter=%r hour=%s %s",
-                  exc, tenant, adapter, hour.isoformat(),
-                  " ".join(f"{name}={value}" for name, value in zip(COUNTERS, counts)))
-        self.dropped_records += 1
-        self._done(batch)
+    def _replay_spool(self) -> bool:
+        """Write the spooled batches under their ids, deleting each file once written; False at
+        the first transient failure (the rest wait for the next flush). Flush lock held."""
+        if self.spool is None:
+            return True
+        for path in self.spool.files():
+            try:
+                batch = Batch(*self.spool.load(path))
+            except FileNotFoundError:
+                continue  # another process sharing this home replayed it
+            except SpoolFileError as exc:
+                moved_to = self.spool.set_aside(path)
+                if moved_to is not None:  # None: another process set it aside first
+                    self.spool_files_set_aside += 1
+                    log.error("usage accounting: UNREADABLE spool file %s (%s) set aside as %s; its usage is "
+                              "not counted until it is repaired and renamed back", path, exc, moved_to)
+                continue
+            except OSError:
+                log.exception("usage accounting: reading spool file %s failed; left for the next flush", path)
+                return False
+            waiting = deque([batch])
+            while waiting:
+                result = self._send(waiting[0], f"kept in {path}")
+                if result == FAILED:
+                    return False  # a row already written by a split is a no-op when replayed: same ids
+                sent = waiting.popleft()
+                if result == REFUSED:
+                    waiting.extendleft(reversed(self._split_or_drop(sent)))
+            try:
+                self.spool.remove(path)
+            except OSError:
+                log.exception("usage accounting: could not delete replayed spool file %s (its batch is "
+                              "written; replaying it again adds nothing)", path)
+            log.info("usage accounting: replayed spooled usage batch %s (%d row(s))", batch.id, len(batch.rows))
+        return True
 
     def next_wait(self) -> float:
         """The thread's wait before its next flush: ``flush_seconds``, doubled after each failed
@@ -210,7 +330,12 @@ class UsageRecorder:
         return min(self.flush_seconds * 2 ** min(self._failures_in_a_row, 30), self.max_backoff_seconds)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.next_wait()):
+        self.flush()  # at once: replays what an earlier process spooled
+        while not self._stop.is_set():
+            self._wake.wait(self.next_wait())
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             self.flush()
 
     @property
@@ -225,11 +350,20 @@ class UsageRecorder:
         return self
 
     def stop(self, timeout: float | None = 10.0) -> bool:
-        """End the thread, then flush what is left; True when nothing is left unwritten."""
+        """End the thread, then flush what is left; True when all of it was written. What the
+        database did not take goes to the spool (logged), or is logged as lost without one."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        ok = self.flush()
-        if not ok:
+        if self.flush():
+            return True
+        if self.spool is not None:
+            with self._flush_lock:
+                spooled = self._spool_held(with_pending=True)
+            if spooled:
+                log.error("usage accounting: the database did not take %d row(s) at shutdown; spooled to %s, "
+                          "replayed at the next start", spooled, self.spool.directory)
+        if self.pending_rows:
             log.error("usage accounting: %d row(s) could not be written at shutdown and are lost", self.pending_rows)
-        return ok
+        return False

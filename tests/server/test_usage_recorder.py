@@ -121,7 +121,8 @@ def test_pending_rows_are_bounded_through_an_outage():
     assert rec.flush() is True
     assert writes.batches == [{("a", "x", H0): (1, 1, 1, 1, 1, 1), ("b", "x", H0): (1, 1, 1, 0, 0, 0)}]
     assert rec.stats() == {"flush_seconds": 3600.0, "pending_rows": 0, "flushes": 1, "failed_flushes": 1,
-                           "dropped_requests": 2, "dropped_records": 0}
+                           "dropped_requests": 2, "dropped_records": 0,  # no spool: dropped, not spooled
+                           "spool_dir": None, "spooled_batches": 0, "spool_files_set_aside": 0}
 
 
 def test_interval_must_be_positive():
