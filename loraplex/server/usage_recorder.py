@@ -27,8 +27,8 @@ Failures are of two kinds (``is_permanent``, default ``usage.is_permanent_usage_
 
 With a ``spool`` (``usage_spool.UsageSpool``, the app's ``<home>/usage-spool``), usage the
 recorder cannot hold is written to disk instead of lost: what is left unwritten at ``stop``,
-and, when the bound is reached during an outage, the held batches (the thread is woken to
-spool them; until it has, at most ``max_pending_rows`` further keys wait in memory). Each flush
+and, when the bound is reached during an outage, the held batches (further keys are summed
+apart, at most ``max_pending_rows`` of them, and the thread is woken to spool both). Each flush
 that wrote everything in memory then replays the spool (the thread's first flush runs at
 ``start``), deleting a file once its batch is committed. Without a spool, or when the spool
 cannot be written, usage of a further key is dropped, counted in ``dropped_requests`` and
@@ -115,8 +115,7 @@ class UsageRecorder:
         self._unsent: deque[Batch] = deque()
         self._unsent_keys: set[Key] = set()
         self._overlap = 0  # keys both pending and in an unsent batch (counted once for the bound)
-        self._to_spool: list[Batch] = []  # pending sums taken at the bound, for the thread to spool
-        self._to_spool_rows = 0
+        self._overflow: dict[Key, list[int]] = {}  # summed past the bound, for the thread to spool
         self._lock = threading.Lock()  # guards the above and dropped_requests
         self._flush_lock = threading.Lock()  # one flush at a time: the thread's, stop's, an admin read's
         self._stop = threading.Event()
@@ -139,36 +138,36 @@ class UsageRecorder:
             self._add(key, counts)
 
     def _add(self, key: Key, counts: list[int]) -> None:
-        """Add ``counts`` to ``key``'s sum; at the bound, hand the pending sums to the thread to
-        spool, or drop ``counts`` when that is not possible (lock held)."""
+        """Add ``counts`` to ``key``'s sum; past the bound, to the sums the thread is woken to
+        spool, or nowhere (dropped) without a spool or room there (lock held)."""
         row = self._pending.get(key)
         if row is None:
             held = key in self._unsent_keys
-            if not held and self._held_keys() >= self.max_pending_rows:
-                self._hand_pending_to_spool()
-                if self._held_keys() >= self.max_pending_rows:
+            if held or self._held_keys() < self.max_pending_rows:
+                self._pending[key] = row = [0] * len(COUNTERS)
+                self._overlap += held
+            else:
+                row = self._overflow_row(key)
+                if row is None:
                     if self.dropped_requests == 0:  # then once per failed flush, not once per request
                         log.error("usage accounting: %d rows wait to be written (the limit)%s; usage of further "
                                   "rows is dropped until a flush succeeds", self._held_keys(),
-                                  "" if self.spool is None else " and could not be spooled yet")
+                                  "" if self.spool is None else " and as many to be spooled")
                     self.dropped_requests += counts[0] + counts[3]
                     return
-            self._pending[key] = row = [0] * len(COUNTERS)
-            self._overlap += held
         for i, value in enumerate(counts):
             row[i] += value
 
-    def _hand_pending_to_spool(self) -> None:
-        """The bound is reached: the pending sums become a batch for the thread to spool, if
-        there is a spool and room to wait for it (lock held)."""
+    def _overflow_row(self, key: Key) -> list[int] | None:
+        """``key``'s sum past the bound, for the thread to spool (woken now); None without a
+        spool, or when as many rows wait for it as the bound (lock held)."""
         if self.spool is None:
-            return
-        self._wake.set()  # the thread spools the unsent batches too
-        if self._pending and self._to_spool_rows + len(self._pending) <= self.max_pending_rows:
-            self._to_spool.append(Batch(self._new_batch_id(), {k: tuple(c) for k, c in self._pending.items()}))
-            self._to_spool_rows += len(self._pending)
-            self._pending = {}
-            self._overlap = 0
+            return None
+        self._wake.set()
+        row = self._overflow.get(key)
+        if row is None and len(self._overflow) < self.max_pending_rows:
+            self._overflow[key] = row = [0] * len(COUNTERS)
+        return row
 
     def _held_keys(self) -> int:
         """Distinct keys held, pending or unsent (lock held)."""
@@ -178,14 +177,14 @@ class UsageRecorder:
     def pending_rows(self) -> int:
         """Rows (tenant, adapter, hour) not yet written, nor spooled."""
         with self._lock:
-            return self._held_keys() + self._to_spool_rows
+            return self._held_keys() + len(self._overflow)
 
     def stats(self) -> dict:
         """For ``GET /admin/v1/status``: a growing ``failed_flushes``, or any ``dropped_requests``
         or ``dropped_records``, says the database is not taking the usage; ``spooled_batches``
         waits on disk to be replayed; ``spool_files_set_aside`` could not be read (``*.bad``)."""
         with self._lock:
-            pending, dropped = self._held_keys() + self._to_spool_rows, self.dropped_requests
+            pending, dropped = self._held_keys() + len(self._overflow), self.dropped_requests
         return {"flush_seconds": self.flush_seconds, "pending_rows": pending, "flushes": self.flushes,
                 "failed_flushes": self.failed_flushes, "dropped_requests": dropped,
                 "dropped_records": self.dropped_records,
@@ -199,7 +198,7 @@ class UsageRecorder:
         flush and returns False; a refused row is dropped (see the module doc). At the bound,
         the held batches are spooled first. Logs, never raises."""
         with self._flush_lock:
-            if self._to_spool:
+            if self._overflow:
                 self._spool_held(with_pending=False)
             return self._write_held() and self._replay_spool()
 
@@ -261,15 +260,16 @@ class UsageRecorder:
         return []
 
     def _spool_held(self, *, with_pending: bool) -> int:
-        """Move the batches waiting to be spooled and the unsent ones (and with ``with_pending``,
-        the pending sums) to the spool; those it cannot write stay unsent. Returns the rows
-        spooled (flush lock held)."""
+        """Move the unsent batches and the sums past the bound (and with ``with_pending``, the
+        pending sums) to the spool; those it cannot write stay unsent. Returns the rows spooled
+        (flush lock held)."""
         with self._lock:
             if with_pending and self._pending:
                 self._take_pending()
-            batches = [*self._unsent, *self._to_spool]
-            self._unsent, self._unsent_keys, self._overlap = deque(), set(), 0
-            self._to_spool, self._to_spool_rows = [], 0
+            batches = list(self._unsent)
+            if self._overflow:
+                batches.append(Batch(self._new_batch_id(), {k: tuple(c) for k, c in self._overflow.items()}))
+            self._unsent, self._unsent_keys, self._overlap, self._overflow = deque(), set(), 0, {}
         kept, spooled = [], 0
         for batch in batches:
             try:
