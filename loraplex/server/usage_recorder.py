@@ -274,7 +274,7 @@ class UsageRecorder:
         for batch in batches:
             try:
                 path = self.spool.save(batch)
-            except OSError:
+            except Exception:  # noqa: BLE001 - a full disk, or a value JSON cannot hold: keep it, go on
                 log.exception("usage accounting: spooling %d row(s) to %s failed; kept in memory",
                               len(batch.rows), self.spool.directory)
                 kept.append(batch)
