@@ -188,6 +188,10 @@ class Settings(BaseSettings):
     # place of the tokenizer's; checked at start (loraplex/server/chat_template.py)
     chat_template: str | None = None
     trust_request_chat_template: bool = False
+    # vLLM's --chat-template-content-format: message content reaches the chat template as a string
+    # (text parts joined with "\n"), as a list of text parts ("openai"), or as the template reads
+    # it ("auto", detected from its syntax; loraplex/template_content_format.py)
+    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
     # who shares prefix-cache blocks: "tenant" (each tenant its own; a cache hit is measurably
     # faster, so shared blocks would let a tenant time whether another sent a prompt) or "shared"
     # (every tenant's identical prefixes, a higher hit rate for operators who trust all tenants);

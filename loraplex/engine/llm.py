@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
 
+from loraplex.chat_content import check_messages, shape_messages
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.outputs import RequestOutput
 from loraplex.sampling_params import InvalidRequestError, SamplingParams
+from loraplex.template_content_format import CONTENT_FORMAT_OPTIONS, ContentFormatResolver, template_text
 
 
 # offline, nothing changes between empty steps except the starvation counter: give up after this
@@ -75,6 +77,8 @@ class LLM:
             options["dtype"] = dtype
         self.config = EngineConfig(**options)
         self.engine = LLMEngine(self.config)
+        # chat's content format under "auto", detected once per chat template
+        self._detected_content_format = ContentFormatResolver("auto")
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -100,28 +104,40 @@ class LLM:
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None, lora_request=None, sampling_params=None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False, chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a
         list of them, rendered with the chat template (``chat_template`` replaces the tokenizer's)
         and generated as ``generate`` does; ``adapters`` one entry per conversation. The
         template writes the special tokens, so none are added on top (as the server's chat).
-        ``sampling_params`` and ``use_tqdm`` are vLLM's keywords (see ``generate``)."""
+        ``content`` is a string or a list of text parts, handed to the template as
+        ``chat_template_content_format`` says (vLLM's: ``"auto"`` detects it from the template,
+        ``"string"`` joins the texts with a newline, ``"openai"`` passes the parts; see
+        loraplex/chat_content.py). ``sampling_params`` and ``use_tqdm`` are vLLM's keywords (see
+        ``generate``)."""
         params = _vllm_params(params, sampling_params)
         if continue_final_message and add_generation_prompt:
             raise InvalidRequestError("continue_final_message needs add_generation_prompt=False",
                                       param="continue_final_message")
+        if chat_template_content_format not in CONTENT_FORMAT_OPTIONS:
+            raise InvalidRequestError("chat_template_content_format must be one of "
+                                      f"{', '.join(CONTENT_FORMAT_OPTIONS)}", param="chat_template_content_format")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        for conversation in conversations:
+            check_messages(conversation)
         tok = self.engine.tokenizer
         if chat_template is None and not getattr(tok, "chat_template", None):
             raise InvalidRequestError("this model has no chat template: pass chat_template, or use generate",
                                       param="chat_template")
+        resolver = (self._detected_content_format if chat_template_content_format == "auto"
+                    else ContentFormatResolver(chat_template_content_format))
+        fmt = resolver.format_for(template_text(tok, chat_template, tools))
         kwargs = dict(chat_template_kwargs or {})
         if tools:
             kwargs["tools"] = tools
         prompts = []
         for conversation in conversations:
-            text = tok.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt,
+            text = tok.apply_chat_template(shape_messages(conversation, fmt), chat_template=chat_template,
+                                           tokenize=False, add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message, **kwargs)
             prompts.append(list(tok(text, add_special_tokens=False)["input_ids"]))
         return self.generate(prompts, params, adapters, lora_request=lora_request)

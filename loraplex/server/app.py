@@ -40,6 +40,7 @@ from loraplex.server import (
 from loraplex.server.auth import AdminAuth, TenantAuth
 from loraplex.server.blob_gc import BlobGarbageCollector
 from loraplex.server.chat_template import load_chat_template
+from loraplex.template_content_format import ContentFormatResolver
 from loraplex.server.components import Components
 from loraplex.server.context import AppContext
 from loraplex.server.errors import exception_handlers
@@ -119,6 +120,7 @@ def new_context(settings: Settings, *, engine=None, registry=None, adapters=None
         tool_parser=tool_parser,
         reasoning_parser=reasoning_parser,
         chat_template=chat_template,
+        content_format=ContentFormatResolver(settings.chat_template_content_format),
     )
     return ctx
 

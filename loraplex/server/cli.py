@@ -29,12 +29,14 @@ from loraplex.generation_defaults import check_options as check_generation_optio
 from loraplex.server import http_options, vllm_flags
 from loraplex.server.reasoning_parsers import REASONING_PARSERS
 from loraplex.server.tool_parsers import TOOL_PARSERS
+from loraplex.template_content_format import CONTENT_FORMAT_OPTIONS
 
 # Settings fields that are not flags: secrets go through the environment only.
 NOT_FLAGS = {"admin_key"}
 # flags with a fixed set of values: argparse names them on a wrong one
 CHOICES = {"tool_call_parser": list(TOOL_PARSERS), "reasoning_parser": list(REASONING_PARSERS),
-           "prefix_cache_scope": ["tenant", "shared"], "scheduling_policy": list(SCHEDULING_POLICIES)}
+           "prefix_cache_scope": ["tenant", "shared"], "scheduling_policy": list(SCHEDULING_POLICIES),
+           "chat_template_content_format": list(CONTENT_FORMAT_OPTIONS)}
 
 
 # list settings take one value per flag, under a singular name: --lora-path-root A --lora-path-root B

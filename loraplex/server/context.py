@@ -17,6 +17,7 @@ from loraplex.server.limits import TenantConcurrencyLimiter
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.rate_limits import TenantRateLimiter
 from loraplex.server.tenant_limits import TenantLimitsCache
+from loraplex.template_content_format import ContentFormatResolver
 
 
 @dataclass
@@ -39,6 +40,9 @@ class AppContext:
     tool_parser: Any = None  # tool_parsers.ToolCallParser, from --tool-call-parser
     reasoning_parser: Any = None  # reasoning_parsers.ReasoningParser, from --reasoning-parser
     chat_template: str | None = None  # --chat-template's text, put on the tokenizer once it is built
+    # --chat-template-content-format: the shape message content reaches the template in, detected
+    # once per template under "auto" (loraplex/template_content_format.py)
+    content_format: ContentFormatResolver = field(default_factory=ContentFormatResolver)
     usage: Any = None  # usage_recorder.UsageRecorder once started; None: usage accounting off
     # each tenant's requests- and tokens-per-minute buckets on this replica
     rate_limiter: TenantRateLimiter = field(default_factory=TenantRateLimiter)

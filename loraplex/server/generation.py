@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
+from loraplex.chat_content import shape_messages
 from loraplex.lora.errors import InvalidAdapterError
 from loraplex.server.context import AppContext
 from loraplex.server.errors import APIError, bad_request, model_not_found
@@ -27,6 +28,7 @@ from loraplex.server.rate_limits import TokenCost
 from loraplex.server.request_ids import RequestIds
 from loraplex.server.protocol import GenerationRequest
 from loraplex.server.template_guard import render_limited
+from loraplex.template_content_format import ContentFormatResolver, template_text
 from loraplex.server.tenant_limits import DEFAULT_LIMITS, TenantLimits
 
 access_log = logging.getLogger("loraplex.access")
@@ -83,7 +85,8 @@ def tokenize_prompts(ctx: AppContext, req: GenerationRequest) -> list[list[int]]
             )
         if opts.chat_template is None and not getattr(tok, "chat_template", None):
             raise bad_request("This model has no chat template; use /completions.", param="messages")
-        text = render_chat(tok, req.messages, req.tools.tools, opts, max_model_len=ctx.max_model_len)
+        text = render_chat(tok, req.messages, req.tools.tools, opts, max_model_len=ctx.max_model_len,
+                           content_format=ctx.content_format)
         # the template holds its own special tokens (BOS ...); add_special_tokens adds the
         # tokenizer's on top, as vLLM does
         out = [list(tok(text, add_special_tokens=add_special)["input_ids"])]
@@ -124,15 +127,20 @@ _TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, IndexError, 
 
 
 def render_chat(tok, messages: list[dict], tools: list[dict] | None, opts: PromptOptions | None = None,
-                max_model_len: int | None = None) -> str:
+                max_model_len: int | None = None, content_format: ContentFormatResolver | None = None) -> str:
     """The chat template over the messages, with the request's tools passed as ``tools`` and its
     ``documents`` as ``documents`` (as vLLM does; templates that know them show them to the
     model), and the request's template options (``opts``). A template that cannot render the
     conversation (say, one that refuses the role "tool") is a 400, naming ``chat_template`` for
     the request's own template, ``continue_final_message`` when that is what failed, and
     ``tools`` or ``documents`` when the same messages render without it. The request's own
-    template renders within template_guard.py's limits (``max_model_len`` sizes its text)."""
+    template renders within template_guard.py's limits (``max_model_len`` sizes its text).
+    Message content reaches the template in the format ``content_format`` resolves for the
+    template rendered (the request's, else the tokenizer's; vLLM's --chat-template-content-format,
+    default auto: loraplex/chat_content.py)."""
     opts = opts or PromptOptions()
+    fmt = (content_format or ContentFormatResolver()).format_for(template_text(tok, opts.chat_template, tools))
+    messages = shape_messages(messages, fmt)
     kwargs = dict(opts.chat_template_kwargs)
     if opts.chat_template is not None:
         # rendered by transformers in its ImmutableSandboxedEnvironment, like the model's own

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field
 
 from loraplex.engine.admission_order import PRIORITY_LIMIT
+from loraplex.chat_content import text_part
 from loraplex.generation_defaults import SamplingDefaults
 from loraplex.sampling_params import InvalidRequestError, SamplingParams
 from loraplex.server.chat_output import REASONING_FIELDS
@@ -43,7 +44,7 @@ class GenerationRequest:
     model: str
     params: SamplingParams
     prompts: list[str | list[int]] = field(default_factory=list)  # completions
-    messages: list[dict] = field(default_factory=list)  # chat: [{"role", "content": str, ...}], for the template
+    messages: list[dict] = field(default_factory=list)  # chat: content str, text parts or None (chat_content.py)
     tools: ToolRequest = field(default_factory=ToolRequest)  # chat: tools for the template, tool choice
     stream: bool = False
     include_usage: bool = False
@@ -283,8 +284,8 @@ def _messages(body) -> list[dict]:
         calls = m.get("tool_calls") if role == "assistant" else None
         reasoning = _reasoning(m, where) if role == "assistant" else None
         if (calls or reasoning is not None) and m.get("content") is None:
-            # an earlier turn of only tool calls or only reasoning: its content is null (chat_output.py)
-            msg["content"] = ""
+            # an earlier turn of only tool calls or reasoning: null content (chat_output.py), "" or [] rendered
+            msg["content"] = None
         else:
             msg["content"] = _content(m.get("content"), f"{where}.content")
         if calls:
@@ -323,16 +324,19 @@ def _reasoning(m: dict, where: str) -> str | None:
     return next(iter(values.values()), None)
 
 
-def _content(content, where: str) -> str:
+def _content(content, where: str) -> str | list[dict]:
+    """A string as sent, or the text parts as ``{"type": "text", "text"}`` (only text parts are
+    served); the chat template gets them in its content format when the prompt is rendered
+    (loraplex/chat_content.py)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):  # content parts: only text parts are served
+    if isinstance(content, list):
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise bad_request(f"`{where}` parts must be text parts", param=where)
             texts.append(part["text"])
-        return "".join(texts)
+        return [text_part(t) for t in texts]
     raise bad_request(f"`{where}` must be a string or a list of text parts", param=where)
 
 

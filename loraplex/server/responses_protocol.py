@@ -8,10 +8,11 @@ images, files ...) is a 400 naming the field. The mapping:
 
 - ``instructions`` -> a system message first; ``input`` (a string: one user message; or a list
   of items) -> ``messages``: a message item (``{"role", "content"}``, content a string or
-  ``input_text`` / ``output_text`` parts) is a message; ``function_call`` items join the
-  assistant message before them as ``tool_calls`` (``arguments`` as the template takes them);
-  a ``function_call_output`` item is a ``tool`` message; a ``reasoning`` item (as a response
-  gave it) is the next assistant turn's ``reasoning``.
+  ``input_text`` / ``output_text`` parts, which become chat's text parts) is a message;
+  ``function_call`` items join the assistant message before them as ``tool_calls``
+  (``arguments`` as the template takes them); a ``function_call_output`` item is a ``tool``
+  message (an ``output`` of parts: their texts joined with a newline, as vLLM renders tool
+  results); a ``reasoning`` item (as a response gave it) is the next assistant turn's ``reasoning``.
 - ``max_output_tokens`` -> ``max_completion_tokens``; ``temperature``, ``top_p``, ``user``,
   ``parallel_tool_calls`` as they are; ``tools`` (flat ``{"type": "function", "name", ...}``)
   -> chat's nested shape; ``tool_choice`` ``{"type": "function", "name"}`` -> chat's named
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from loraplex.chat_content import text_part
 from loraplex.generation_defaults import SamplingDefaults
 from loraplex.server.errors import APIError, bad_request
 from loraplex.server.protocol import GenerationRequest, parse_chat_request
@@ -228,7 +230,9 @@ def _message(item: dict, where: str) -> dict:
         if not isinstance(part.get("text"), str):
             raise bad_request(f"`{at}.text` must be a string", param=f"{at}.text")
         texts.append(part["text"])
-    return {"role": role, "content": "".join(texts)}
+    # chat's text parts: the template gets them in its content format, as vLLM hands input_text /
+    # output_text parts to its chat parser (joined with "\n" for a string template)
+    return {"role": role, "content": [text_part(t) for t in texts]}
 
 
 def _function_call(item: dict, where: str) -> dict:
@@ -246,7 +250,7 @@ def _function_output(item: dict, where: str) -> dict:
         raise bad_request(f"`{where}.call_id` must be a non-empty string", param=f"{where}.call_id")
     if isinstance(output, list):  # the newer form: content parts, text only here
         output = _message({"role": "user", "content": output}, where)["content"]
-    if not isinstance(output, str):
+    elif not isinstance(output, str):
         raise bad_request(f"`{where}.output` must be a string", param=f"{where}.output")
     return {"role": "tool", "tool_call_id": call_id, "content": output}
 
