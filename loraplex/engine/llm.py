@@ -121,9 +121,10 @@ class LLM:
         if chat_template_content_format not in CONTENT_FORMAT_OPTIONS:
             raise InvalidRequestError("chat_template_content_format must be one of "
                                       f"{', '.join(CONTENT_FORMAT_OPTIONS)}", param="chat_template_content_format")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        for conversation in conversations:
-            check_messages(conversation)
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else list(messages)
+        for i, conversation in enumerate(conversations):
+            check_messages(conversation, "messages" if one else f"messages[{i}]")
         tok = self.engine.tokenizer
         if chat_template is None and not getattr(tok, "chat_template", None):
             raise InvalidRequestError("this model has no chat template: pass chat_template, or use generate",

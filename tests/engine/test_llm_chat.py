@@ -82,3 +82,29 @@ def test_vllm_keywords_sampling_params_and_use_tqdm(tiny_llama_dir, loraplex_hom
         llm.chat(CHAT, PARAMS, chat_template=TEMPLATE)[0].token_ids
     with pytest.raises(InvalidRequestError, match="not both"):
         llm.generate([[5, 6, 7]], PARAMS, sampling_params=PARAMS)
+
+
+def test_content_parts_reach_the_template_as_vllm_hands_them(tiny_llama_dir, loraplex_home):
+    """vLLM's ``chat_template_content_format``: "auto" gives a template that loops over content
+    the parts, and a string template the texts joined with "\\n"; "string" / "openai" override."""
+    from tests.fixtures.chat_templates import GEMMA3_LIKE, LLAMA3_LIKE
+
+    llm = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=64)
+    tok = llm.get_tokenizer()
+    texts = [" what is ", " two and two "]
+    sent = [{"role": "user", "content": [{"type": "text", "text": t} for t in texts]}]
+    joined = [{"role": "user", "content": "\n".join(texts)}]  # vLLM's string format, written out
+    short = SamplingParams(temperature=0.0, max_tokens=1)
+    cases = [(GEMMA3_LIKE, "auto", sent), (LLAMA3_LIKE, "auto", joined), (GEMMA3_LIKE, "string", joined),
+             (LLAMA3_LIKE, "openai", sent)]
+    for template, option, reference in cases:
+        out = llm.chat(sent, short, chat_template=template, chat_template_content_format=option)[0]
+        assert out.prompt_token_ids == _ids(tok, reference, chat_template=template, add_generation_prompt=True), option
+    assert llm._detected_content_format.cached_templates() == 2  # auto detected each template once
+    with pytest.raises(InvalidRequestError) as info:
+        llm.chat([OTHER, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]], short)
+    assert info.value.param == "messages[1][0].content"
+    with pytest.raises(InvalidRequestError) as info:
+        llm.chat(sent, short, chat_template_content_format="list")
+    assert info.value.param == "chat_template_content_format"
+    assert llm.engine.num_unfinished_requests == 0

@@ -251,3 +251,15 @@ def test_a_model_path_read_as_an_api_key_is_refused(tmp_path):
     with pytest.raises(VllmFlagError, match=r"--api-key #1"):
         startup_flags(serve_args("--api-key", "weights.gguf"))
     assert startup_flags(serve_args(str(model), "--api-key", "sk-one")).api_keys == ("sk-one",)  # model first
+
+
+def test_chat_template_content_format_takes_vllms_values(capsys):
+    assert settings("m").chat_template_content_format == "auto"  # vLLM's default
+    for value in ("auto", "string", "openai"):
+        assert settings("m", "--chat-template-content-format", value).chat_template_content_format == value
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--chat-template-content-format", "list"])
+    assert "invalid choice" in capsys.readouterr().err
+    run_batch = build_parser().parse_args(["run-batch", "-i", "a", "-o", "b", "--model", "m",
+                                           "--chat-template-content-format", "string"])
+    assert run_batch.chat_template_content_format == "string"
