@@ -28,8 +28,8 @@ from loraplex.server.rate_limits import TokenCost
 from loraplex.server.request_ids import RequestIds
 from loraplex.server.protocol import GenerationRequest
 from loraplex.server.template_guard import render_limited
-from loraplex.template_content_format import ContentFormatResolver, template_text
 from loraplex.server.tenant_limits import DEFAULT_LIMITS, TenantLimits
+from loraplex.template_content_format import ContentFormatResolver, template_text
 
 access_log = logging.getLogger("loraplex.access")
 
