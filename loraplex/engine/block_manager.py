@@ -188,6 +188,8 @@ class BlockManager:
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         need = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if need <= 0:  # most decode steps: the last block has room
+            return True
         return need <= self.num_free_blocks + self._num_releasable(seq)
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
@@ -195,10 +197,11 @@ class BlockManager:
         giving back the blocks that slid out of the window)."""
         self.release_out_of_window(seq)
         need = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        if need > self.num_free_blocks:
-            raise RuntimeError(f"out of KV blocks: need {need}, free {self.num_free_blocks}")
-        for _ in range(need):
-            seq.block_table.append(self._take_block())
+        if need > 0:  # most decode steps: the last block has room
+            if need > self.num_free_blocks:
+                raise RuntimeError(f"out of KV blocks: need {need}, free {self.num_free_blocks}")
+            for _ in range(need):
+                seq.block_table.append(self._take_block())
         if self.enable_prefix_caching:
             self._register(seq, seq.num_computed_tokens + num_new_tokens)
 
@@ -215,6 +218,8 @@ class BlockManager:
     def release_out_of_window(self, seq: Sequence) -> int:
         """Give back ``seq``'s blocks that no chunk from ``seq.num_computed_tokens`` on reads
         (their entries become ``FREED_BLOCK``); returns how many entries were released."""
+        if self.sliding_window is None:  # called for every scheduled sequence twice a step
+            return 0
         table = seq.block_table
         end = min(self.num_out_of_window(seq.num_computed_tokens), len(table))
         start = end

@@ -386,13 +386,14 @@ class Scheduler:
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[SequenceStatus | None, int | None]:
         params = seq.params
-        if seq.num_output_tokens >= params.min_tokens:
+        num_output_tokens = len(seq.output_token_ids)  # once: every sampled token is checked
+        if num_output_tokens >= params.min_tokens:
             if token in params.stop_token_ids:
                 return SequenceStatus.FINISHED_STOPPED, token
             if not params.ignore_eos and token in self.eos_token_ids:
                 return SequenceStatus.FINISHED_STOPPED, None
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_output_tokens >= params.max_tokens:
             return SequenceStatus.FINISHED_LENGTH, None
-        if self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
+        if self.max_model_len is not None and len(seq.prompt_token_ids) + num_output_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH, None
         return None, None

@@ -98,14 +98,17 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    # the properties the scheduler reads of every running sequence each step spell their sums out:
+    # a property calling another costs a Python call more
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
 
     @property
     def is_decode(self) -> bool:
         """True when only the last sampled token lacks KV (a one-token step)."""
-        return self.num_uncomputed_tokens == 1 and bool(self.output_token_ids)
+        out = self.output_token_ids
+        return len(self.prompt_token_ids) + len(out) - self.num_computed_tokens == 1 and bool(out)
 
     @property
     def is_finished(self) -> bool:
