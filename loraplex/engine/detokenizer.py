@@ -51,6 +51,15 @@ def backend_decoder(tokenizer) -> Callable[..., str] | None:
     return backend.decode
 
 
+def single_token_texts() -> dict[bool, dict[int, str]]:
+    """A cache of what single tokens decode to, by ``skip_special_tokens`` then token id, for
+    the detokenizers of one tokenizer to share. Once a sequence's text started, each new token's
+    first decode is of the one token read before it, alone: remembered, that is one decode of
+    the two per token. A decode is a function of the ids for a given tokenizer, so entries never
+    go stale; at most two per vocabulary entry."""
+    return {True: {}, False: {}}
+
+
 class IncrementalDetokenizer:
     """Decodes one sequence's generated tokens as they arrive and watches for stop strings."""
 
@@ -60,10 +69,12 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         params: SamplingParams,
         fast_decode: Callable[..., str] | None = None,  # backend_decoder(tokenizer), if known
+        token_texts: dict[bool, dict[int, str]] | None = None,  # single_token_texts(), shared by an engine
     ):
         self.tokenizer = tokenizer
         self._fast_decode = fast_decode
         self.skip_special_tokens = params.skip_special_tokens
+        self._token_texts = {} if token_texts is None else token_texts[self.skip_special_tokens]
         self.stop = list(params.stop)
         self.include_stop = params.include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
@@ -87,7 +98,13 @@ class IncrementalDetokenizer:
             return self.stop_string
         self._ids.append(token_id)
         self._num_tokens += 1
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        if self._read_offset - self._prefix_offset == 1:  # after the first text: the token read last
+            token = self._ids[self._prefix_offset]
+            prefix_text = self._token_texts.get(token)
+            if prefix_text is None:
+                prefix_text = self._token_texts[token] = self._decode([token])
+        else:
+            prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         # "\ufffd" at the end: an incomplete multi-byte character; wait for more tokens
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):

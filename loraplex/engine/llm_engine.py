@@ -13,7 +13,7 @@ from loraplex import generation_defaults
 from loraplex.config import EngineConfig
 from loraplex.engine.admission_order import check_priority, check_tenant_weight
 from loraplex.engine.block_manager import BlockManager, peak_blocks_per_sequence
-from loraplex.engine.detokenizer import backend_decoder
+from loraplex.engine.detokenizer import backend_decoder, single_token_texts
 from loraplex.engine.grammar import GrammarFactory
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.reasoning_gate import ReasoningGate
@@ -68,6 +68,7 @@ class LLMEngine:
         self.runner = runner
         self.tokenizer = runner.tokenizer
         self._fast_decode = backend_decoder(self.tokenizer)
+        self._token_texts = single_token_texts()
         self.model_name = runner.model_name
         # what a request that leaves temperature, top_p, ... unset gets (vLLM's --generation-config)
         self.sampling_defaults = generation_defaults.resolve(
@@ -248,7 +249,7 @@ class LLMEngine:
             # start the device load before it is needed; first, so that an adapter whose files
             # fail to load refuses the request before anything of it is recorded
             self.lora_manager.prefetch(req.adapter_id)
-        state = RequestState(req, seqs, self.tokenizer, self._fast_decode)
+        state = RequestState(req, seqs, self.tokenizer, self._fast_decode, self._token_texts)
         self._requests[req.request_id] = state
         for seq in seqs:
             self._seq_to_request[seq.seq_id] = state

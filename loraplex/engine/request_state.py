@@ -43,10 +43,10 @@ class _SeqTrack:
 class RequestState:
     """A live request: ``n`` sequences sharing one prompt and sampling params."""
 
-    def __init__(self, req: PreparedRequest, seqs: list[Sequence], tokenizer, fast_decode=None):
+    def __init__(self, req: PreparedRequest, seqs: list[Sequence], tokenizer, fast_decode=None, token_texts=None):
         self.req = req
         self.tracks = [
-            _SeqTrack(s, IncrementalDetokenizer(tokenizer, req.prompt_token_ids, req.params, fast_decode))
+            _SeqTrack(s, IncrementalDetokenizer(tokenizer, req.prompt_token_ids, req.params, fast_decode, token_texts))
             for s in seqs
         ]
         self.finished_time: float | None = None

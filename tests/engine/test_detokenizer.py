@@ -88,6 +88,28 @@ def test_backend_decoder_gives_the_same_text_as_transformers(tok, skip_special_t
         assert _incremental_text(tok, prompt, ids, fast, **args) == _incremental_text(tok, prompt, ids, None, **args)
 
 
+def test_shared_single_token_texts_give_the_same_text(tok):
+    """One cache of single-token texts serves every detokenizer of an engine, whatever each one's
+    skip_special_tokens: the text is the one each would decode alone."""
+    import random
+
+    from loraplex.engine.detokenizer import backend_decoder, single_token_texts
+
+    shared = single_token_texts()
+    rng = random.Random(11)
+    special = [tok.eos_token_id] * 6  # decodes to "" or to its marker, depending on the flag
+    for fast in (backend_decoder(tok), None):
+        for i in range(30):
+            prompt = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 8))]
+            ids = [rng.choice(special + list(range(len(tok)))) for _ in range(rng.randint(1, 30))]
+            params = SamplingParams(skip_special_tokens=i % 2 == 0)
+            detok = IncrementalDetokenizer(tok, prompt, params, fast, shared)
+            for t in ids:
+                detok.add_token(t)
+            assert detok.text == _incremental_text(tok, prompt, ids, None, skip_special_tokens=i % 2 == 0)
+    assert shared[True] and shared[False]
+
+
 def test_backend_decoder_not_used_where_transformers_cleans_up_the_text():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
