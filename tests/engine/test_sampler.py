@@ -209,3 +209,22 @@ def test_tiny_temperatures_sample_the_best_token(temperature, extra):
     params = SamplingParams(temperature=temperature, **extra)
     tokens = Sampler(seed=0)(logits.clone(), [seq(params, seq_id=i) for i in range(16)])
     assert [t.token_id for t in tokens] == logits.argmax(-1).tolist()
+
+
+def test_row_argmax_is_torch_argmax_on_ties_nan_and_inf():
+    """The CPU fast path (numpy) picks what torch.argmax picks: the first maximum, NaN above all."""
+    from loraplex.engine.sampler import row_argmax
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        x = torch.randint(0, 4, (9, 33), generator=g).float()  # many ties
+        if trial % 3 == 0:
+            x[x == 0] = float("-inf")
+        if trial % 4 == 0:
+            x[torch.rand(x.shape, generator=g) < 0.05] = float("nan")
+        x[1] = float("-inf")
+        x[2, 5:] = float("nan")
+        got, want = row_argmax(x), x.argmax(dim=-1)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    bf16 = torch.randn(4, 10, generator=g).bfloat16()  # not a numpy dtype: torch's own
+    assert torch.equal(row_argmax(bf16), bf16.argmax(dim=-1))
