@@ -202,8 +202,10 @@ class ModelRunner:
         lora_ctx = None
         if self.lora_manager is not None:
             # each adapter's tokens contiguous, in slot order within a rank (see batch_order_key)
-            self.lora_manager.place([item.adapter_id for item in scheduled])
-            scheduled = sorted(scheduled, key=lambda item: self.lora_manager.batch_order_key(item.adapter_id))
+            adapter_ids = [item.adapter_id for item in scheduled]
+            self.lora_manager.place(adapter_ids)
+            order = {a: self.lora_manager.batch_order_key(a) for a in set(adapter_ids)}  # once per adapter
+            scheduled = sorted(scheduled, key=lambda item: order[item.adapter_id])
         if self.decode_graphs is not None and self.decode_graphs.can_run(scheduled):
             return self._execute_graph(scheduled)
         batch = self.prepare_batch(scheduled)
