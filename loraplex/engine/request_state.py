@@ -59,7 +59,7 @@ class RequestState:
     @property
     def finished(self) -> bool:
         for t in self.tracks:
-            if not t.seq.is_finished:
+            if t.seq.status not in FINISHED_STATUSES:
                 return False
         return True
 
@@ -76,27 +76,30 @@ class RequestState:
         Called for every running request after every step (the host-side cost of a decode step
         at large batches), so it reads each sequence's state once and builds nothing it
         does not return."""
-        delta = self.req.stream_deltas if delta is None else delta
+        req = self.req
+        delta = req.stream_deltas if delta is None else delta
         completions: list[CompletionOutput] = []
         finished = True
         first_token_time = None
         num_preemptions = 0
         for t in self.tracks:
             seq = t.seq
-            seq_finished = seq.status in FINISHED_STATUSES
+            status = seq.status
+            seq_finished = status in FINISHED_STATUSES
             finished = finished and seq_finished
             if seq.first_token_time is not None and (first_token_time is None or seq.first_token_time < first_token_time):
                 first_token_time = seq.first_token_time
             num_preemptions += seq.num_preemptions
             text = t.detok.visible_text(seq_finished)
             logprobs = seq.output_logprobs if seq.params.logprobs is not None else None
-            finish_reason = seq.status.value if seq_finished else None
+            finish_reason = status.value if seq_finished else None
+            token_ids = seq.output_token_ids
             if not delta:
                 completions.append(
-                    CompletionOutput(seq.index, text, list(seq.output_token_ids), finish_reason, logprobs, seq.stop_reason)
+                    CompletionOutput(seq.index, text, list(token_ids), finish_reason, logprobs, seq.stop_reason)
                 )
                 continue
-            num_tokens = len(seq.output_token_ids)
+            num_tokens = len(token_ids)
             sent_text_len, sent_tokens = t.sent_text_len, t.sent_tokens
             report_finish = seq_finished and not t.finish_sent
             if len(text) == sent_text_len and num_tokens == sent_tokens and not report_finish:
@@ -105,7 +108,7 @@ class RequestState:
                 CompletionOutput(
                     seq.index,
                     text[sent_text_len:],
-                    seq.output_token_ids[sent_tokens:],
+                    token_ids[sent_tokens:],
                     finish_reason,
                     logprobs[sent_tokens:] if logprobs is not None else None,
                     seq.stop_reason,
@@ -117,25 +120,19 @@ class RequestState:
         if delta and not completions:
             return None
         prompt_logprobs = None
-        if self.req.params.prompt_logprobs is not None and not (delta and self._prompt_logprobs_sent):
+        if req.params.prompt_logprobs is not None and not (delta and self._prompt_logprobs_sent):
             first = self.tracks[0].seq  # the request's sequences share the prompt; the first computes it
             if not first.needs_prompt_logprobs:
                 prompt_logprobs = [None] + first.prompt_logprobs
                 self._prompt_logprobs_sent = delta
         if finished and self.finished_time is None:
             self.finished_time = time.monotonic()  # same clock as arrival_time
-        return RequestOutput(
-            request_id=self.req.request_id,
-            prompt=self.req.prompt,
-            prompt_token_ids=self.req.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            adapter_id=self.req.adapter_id,
-            metrics={
-                "arrival_time": self.req.arrival_time,
-                "first_token_time": first_token_time,
-                "finished_time": self.finished_time,
-                "num_preemptions": num_preemptions,
-            },
-            prompt_logprobs=prompt_logprobs,
-        )
+        metrics = {
+            "arrival_time": req.arrival_time,
+            "first_token_time": first_token_time,
+            "finished_time": self.finished_time,
+            "num_preemptions": num_preemptions,
+        }
+        # positional (RequestOutput's field order): keywords cost about 0.7 us more per output
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished,
+                             req.adapter_id, metrics, prompt_logprobs)
