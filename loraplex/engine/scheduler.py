@@ -180,9 +180,9 @@ class Scheduler:
         return out
 
     def _admit(self, scheduled: dict[int, ScheduledSeq], budget: int) -> int:
-        adapters = self.running_adapters()
         if budget <= 0 or len(self.running) >= self.config.max_num_seqs or not self.waiting:
             return budget  # ordering thousands of waiting sequences for nothing costs a step time
+        adapters = self.running_adapters()
         for seq in self.waiting.admission_order(self.running):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -240,6 +240,8 @@ class Scheduler:
             if still_waiting and not not_ready:
                 return
             self._starving = None
+        if not self.waiting.adapters():
+            return  # nothing waits for a slot (running_adapters is a pass over every running sequence)
         adapters = self.running_adapters()
         # Only sequences that would need a new slot can starve, and S is the first of them (in
         # the policy's order over just those) whose adapter is ready, if that adapter cannot get
