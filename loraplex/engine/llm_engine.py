@@ -329,18 +329,7 @@ class LLMEngine:
             state = self._seq_to_request.get(seq.seq_id)
             if state is None:
                 continue
-            track = state.track(seq.seq_id)
-            if seq.status is SequenceStatus.FINISHED_STOPPED and not seq.params.include_stop_str_in_output:
-                # ended by EOS or one of stop_token_ids: that token stays in token_ids but its
-                # text is no part of the output (vLLM's rule, as for stop strings)
-                touched[state.request_id] = state
-                continue
-            stop = track.detok.add_token(seq.output_token_ids[-1])
-            if stop is not None:
-                if not seq.is_finished:
-                    self.scheduler.finish(seq.seq_id, "stop", stop)
-                else:  # the same token also hit max_tokens / eos: the stop string wins
-                    seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+            self._detokenize(seq, state.track(seq.seq_id))
             touched[state.request_id] = state
         outputs: list[RequestOutput] = failed
         for state in touched.values():
@@ -353,6 +342,32 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _detokenize(self, seq: Sequence, track) -> None:
+        """Feed the detokenizer the tokens ``seq`` got this step (several after a speculative
+        step), in order, and end ``seq`` at the first stop string."""
+        first = track.detok_tokens
+        new = seq.output_token_ids[first:]
+        track.detok_tokens = len(seq.output_token_ids)
+        if seq.status is SequenceStatus.FINISHED_STOPPED and not seq.params.include_stop_str_in_output:
+            # ended by EOS or one of stop_token_ids: that token stays in token_ids but its
+            # text is no part of the output (vLLM's rule, as for stop strings)
+            new = new[:-1]
+        for i, token in enumerate(new):
+            stop = track.detok.add_token(token)
+            if stop is None:
+                continue
+            keep = first + i + 1  # tokens after the one that completed the stop string never were
+            if keep < len(seq.output_token_ids):
+                self.scheduler.stats.num_generated_tokens -= len(seq.output_token_ids) - keep
+                del seq.output_token_ids[keep:]
+                del seq.output_logprobs[keep:]
+                track.detok_tokens = keep
+            if not seq.is_finished:
+                self.scheduler.finish(seq.seq_id, "stop", stop)
+            else:  # the same token also hit max_tokens / eos: the stop string wins
+                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+            return
 
     def _drop_adapter(self, exc: AdapterLoadFailedError) -> list[RequestOutput]:
         """A step's adapter could not be loaded (before anything of the step ran): its requests
@@ -412,6 +427,9 @@ class LLMEngine:
             "num_requests_aborted": self.num_requests_aborted,
             "prefix_cache_queries": bm.num_prefix_query_tokens,
             "prefix_cache_hits": bm.num_prefix_hit_tokens,
+            "spec_decode_num_drafts": s.num_spec_drafts,
+            "spec_decode_num_draft_tokens": s.num_spec_draft_tokens,
+            "spec_decode_num_accepted_tokens": s.num_spec_accepted_tokens,
             "running_adapters": sorted(sched.running_adapters()),
         }
         if self.lora_manager is not None:

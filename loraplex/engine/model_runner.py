@@ -31,6 +31,7 @@ from loraplex.engine.cuda_graphs import DecodeGraphs, cuda_capture
 from loraplex.engine.host_arrays import block_table_rows, to_tensor
 from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from loraplex.engine.sampler import Sampler
+from loraplex.engine.spec_verify import position_views
 from loraplex.lora.spec import LoRATargetSpec
 from loraplex.model.config import ModelSpec
 from loraplex.model.layers import AttentionMetadata
@@ -75,10 +76,14 @@ class FlatBatch:
     attn: AttentionMetadata
     token_adapter_ids: list[str | None]  # [T]
     sample_rows: list[int]  # flat row of each sampled sequence's last token
-    sample_seqs: list  # the Sequence behind each sample row
+    # the Sequence behind each sample row; for a speculative sequence, one spec_verify
+    # PositionView per verified row (its last 1 + len(draft) rows)
+    sample_seqs: list
     # (seq, first target prompt position, its flat row - 1, count): rows whose logits give the
     # logprobs of prompt tokens first .. first + count - 1 (each row predicts the next token)
     prompt_logprob_rows: list[tuple] = field(default_factory=list)
+    # (seq_id, index of its first row in sample_rows, number of rows) per speculative sequence
+    verify_spans: list[tuple] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -216,7 +221,7 @@ class ModelRunner:
         if not batch.sample_rows:
             return ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_logprobs)
         rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
-        out = self._sample(hidden[rows], batch.sample_seqs)
+        out = self._sample(hidden[rows], batch.sample_seqs, batch.verify_spans)
         out.prompt_logprobs = prompt_logprobs
         return out
 
@@ -228,10 +233,16 @@ class ModelRunner:
         hidden = self.decode_graphs.run(scheduled, token_slots, pool)  # [num_seqs, hidden_size]
         return self._sample(hidden, [item.seq for item in scheduled])
 
-    def _sample(self, hidden: torch.Tensor, seqs: list) -> ModelRunnerOutput:  # hidden: [num_sampled, H]
+    def _sample(self, hidden: torch.Tensor, seqs: list, verify_spans: list[tuple] = ()) -> ModelRunnerOutput:
+        # hidden: [num_sampled, H]
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
         tokens = self.sampler(logits, seqs, self.eos_token_ids)
-        return ModelRunnerOutput(sampled={seq.seq_id: tok for seq, tok in zip(seqs, tokens)})
+        if not verify_spans:
+            return ModelRunnerOutput(sampled={seq.seq_id: tok for seq, tok in zip(seqs, tokens)})
+        verified = {seq_id: tokens[first : first + count] for seq_id, first, count in verify_spans}
+        in_span = {row for _, first, count in verify_spans for row in range(first, first + count)}
+        sampled = {seq.seq_id: tok for row, (seq, tok) in enumerate(zip(seqs, tokens)) if row not in in_span}
+        return ModelRunnerOutput(sampled=sampled, verified=verified)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, specs: list[tuple]) -> dict[int, list[dict]]:
         """Logprob, rank and top-N of prompt tokens under the model (raw log-softmax, as for
@@ -277,6 +288,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs: list = []
         prompt_logprob_rows: list[tuple] = []
+        verify_spans: list[tuple] = []
         for item in scheduled:
             start, n, table = item.start_pos, item.num_tokens, item.block_table
             end = start + n
@@ -286,7 +298,9 @@ class ModelRunner:
                 slots.append(table[start // bs] * bs + start % bs)
                 adapters.append(item.adapter_id)
             else:
-                input_ids.extend(item.seq.token_slice(start, end))
+                draft = item.draft_token_ids  # speculative: the known tokens, then the draft
+                input_ids.extend(item.seq.token_slice(start, end - len(draft)))
+                input_ids.extend(draft)
                 positions.extend(range(start, end))
                 pos = start
                 while pos < end:  # one block at a time: its slots are a contiguous range
@@ -307,7 +321,12 @@ class ModelRunner:
             seq_lens.append(end)
             query_start.append(query_start[-1] + n)
             tables.append(table)
-            if item.needs_sample:
+            if item.draft_token_ids:  # sample at the last token and at every draft token
+                views = position_views(item.seq, item.draft_token_ids)
+                verify_spans.append((item.seq.seq_id, len(sample_rows), len(views)))
+                sample_rows.extend(range(query_start[-1] - len(views), query_start[-1]))
+                sample_seqs.extend(views)
+            elif item.needs_sample:
                 sample_rows.append(query_start[-1] - 1)
                 sample_seqs.append(item.seq)
         max_seq_len = max(seq_lens)
@@ -328,6 +347,7 @@ class ModelRunner:
             sample_rows=sample_rows,
             sample_seqs=sample_seqs,
             prompt_logprob_rows=prompt_logprob_rows,
+            verify_spans=verify_spans,
         )
 
 

@@ -25,6 +25,11 @@ class ScheduledSeq:
     the slots given by ``block_table`` (already allocated for all of them). ``needs_sample`` is
     true when this chunk reaches the end of the known tokens (last prefill chunk, or a decode),
     so a new token is sampled from the logits of its last position.
+
+    Speculative decoding: ``draft_token_ids`` (not yet the sequence's tokens) follow the known
+    tokens in the chunk and count in ``num_tokens``; a token is sampled at each of the last
+    ``1 + len(draft_token_ids)`` positions, and ``scheduler.update`` keeps the ones the draft
+    predicted right (spec_verify.py).
     """
 
     seq: "Sequence"
@@ -33,6 +38,7 @@ class ScheduledSeq:
     block_table: list[int]
     needs_sample: bool
     adapter_id: str | None  # content sha256 of the adapter version, None = base model
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -43,6 +49,7 @@ class SchedulerOutput:
     released_seq_ids: list[int] = field(default_factory=list)
     num_preempted: int = 0  # preemptions made while building this step (for stats and tests)
     num_chunked_prefills: int = 0  # scheduled prefills that did not reach the prompt's end
+    num_draft_tokens: int = 0  # speculative draft tokens scheduled in this step
 
     @property
     def is_empty(self) -> bool:
@@ -63,6 +70,9 @@ class ModelRunnerOutput:
     sampled: dict[int, SampledToken]  # seq_id -> token
     # seq_id -> the next prompt logprob entries of a sequence that asked for them, in order
     prompt_logprobs: dict[int, list[dict]] = field(default_factory=dict)
+    # seq_id -> for a sequence scheduled with drafts, the token sampled at each of its last
+    # 1 + len(draft) positions (instead of an entry in ``sampled``)
+    verified: dict[int, list[SampledToken]] = field(default_factory=dict)
 
 
 @dataclass

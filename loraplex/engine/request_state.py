@@ -37,6 +37,7 @@ class _SeqTrack:
     detok: IncrementalDetokenizer
     sent_text_len: int = 0
     sent_tokens: int = 0
+    detok_tokens: int = 0  # output tokens given to ``detok`` so far (a speculative step adds several)
     finish_sent: bool = False
 
 

@@ -45,6 +45,9 @@ from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledSeq
 from loraplex.engine.running_set import RunningSet
 from loraplex.engine.sequence import FINISH_STATUS, Sequence, SequenceStatus
+from loraplex.engine.spec_drafts import DraftPlanner
+from loraplex.engine.spec_verify import num_accepted
+from loraplex.speculative_config import parse_speculative_config
 from loraplex.engine.waiting_queue import WaitingQueue
 
 
@@ -70,6 +73,10 @@ class SchedulerStats:
     num_starvation_preemptions: int = 0
     num_prompt_tokens_computed: int = 0
     num_generated_tokens: int = 0
+    # speculative decoding (vLLM's spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens)
+    num_spec_drafts: int = 0  # sequence-steps that verified a non-empty draft
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
 
 class Scheduler:
@@ -99,6 +106,9 @@ class Scheduler:
         self._starving: Sequence | None = None  # S of the module doc
         self._starving_since = 0
         self.stats = SchedulerStats()
+        spec = parse_speculative_config(config.speculative_config)
+        # speculative decoding (None: off): decodes verify n-gram drafts (spec_drafts.py)
+        self.drafts = DraftPlanner(spec, self.max_model_len) if spec is not None else None
 
     # ---- queue management ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -138,13 +148,22 @@ class Scheduler:
 
         # 1. running: decodes first, then prompt chunks (stable within each group)
         order = sorted(self.running, key=lambda s: 0 if s.is_decode else 1)
+        # drafts get what the budget has left after one token for every decode: a short budget
+        # shrinks drafts instead of leaving decodes out
+        decodes_left = sum(1 for s in order if s.is_decode) if self.drafts is not None else 0
         for seq in order:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if budget <= 0:
                 break
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            if not self._may_cut(seq.num_uncomputed_tokens, num_tokens):
+            draft: list[int] = []
+            if self.drafts is not None and seq.is_decode:
+                decodes_left -= 1
+                draft = self.drafts.draft(seq, budget - 1 - decodes_left)
+                if draft and not self.block_manager.can_append(seq, 1 + len(draft)):
+                    draft = []  # memory is short: drop the draft rather than preempt for it
+            num_tokens = min(seq.num_uncomputed_tokens, budget) + len(draft)
+            if not self._may_cut(seq.num_uncomputed_tokens, num_tokens - len(draft)):
                 continue
             while not self.block_manager.can_append(seq, num_tokens):
                 victim = self.running.preemption_victim()
@@ -156,7 +175,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             self.block_manager.append(seq, num_tokens)
-            scheduled[seq.seq_id] = self._make_scheduled(seq, num_tokens)
+            scheduled[seq.seq_id] = self._make_scheduled(seq, num_tokens, draft)
             budget -= num_tokens
 
         # 2. waiting, in the policy's order; adapter-blocked ones are skipped, KV-blocked stop
@@ -173,6 +192,7 @@ class Scheduler:
             released_seq_ids=self._released,
             num_preempted=num_preempted,
             num_chunked_prefills=sum(1 for e in entries if not e.needs_sample),
+            num_draft_tokens=sum(len(e.draft_token_ids) for e in entries),
         )
         self._released = []
         self.stats.num_preemptions += num_preempted
@@ -281,15 +301,17 @@ class Scheduler:
         return len(victims)
 
     # ---- preemption / release --------------------------------------------------------------
-    def _make_scheduled(self, seq: Sequence, num_tokens: int) -> ScheduledSeq:
+    def _make_scheduled(self, seq: Sequence, num_tokens: int, draft: list[int] | None = None) -> ScheduledSeq:
         start = seq.num_computed_tokens
+        draft = draft or []
         return ScheduledSeq(
             seq=seq,
             start_pos=start,
             num_tokens=num_tokens,
             block_table=seq.block_table,
-            needs_sample=start + num_tokens == seq.num_tokens,
+            needs_sample=start + num_tokens - len(draft) == seq.num_tokens,
             adapter_id=seq.adapter_id,
+            draft_token_ids=draft,
         )
 
     @staticmethod
@@ -363,6 +385,10 @@ class Scheduler:
             seq = entry.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
+            if entry.draft_token_ids:
+                self._apply_verified(seq, entry.draft_token_ids, runner_out.verified[seq.seq_id], now)
+                changed.append(seq)
+                continue
             seq.num_computed_tokens = entry.start_pos + entry.num_tokens
             # blocks the next chunk will not read go back now, so KV usage says what is held
             self.block_manager.release_out_of_window(seq)
@@ -372,19 +398,44 @@ class Scheduler:
             if not entry.needs_sample:
                 continue
             sampled = runner_out.sampled[seq.seq_id]
-            seq.output_token_ids.append(sampled.token_id)
-            if seq.params.logprobs is not None:
-                seq.output_logprobs.append(
-                    {"token_id": sampled.token_id, "logprob": sampled.logprob, "top_logprobs": sampled.top_logprobs}
-                )
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            self.stats.num_generated_tokens += 1
+            self._append_token(seq, sampled, now)
             status, reason = self._check_stop(seq, sampled.token_id)
             if status is not None:
                 self._release(seq, status, reason)
             changed.append(seq)
         return changed
+
+    def _apply_verified(self, seq: Sequence, draft: list[int], sampled: list, now: float) -> None:
+        """A speculative step's result: append the accepted drafts and the token after them,
+        one at a time through the stop checks (tokens after a stop are dropped), then give back
+        the KV of what was rejected (spec_verify.py)."""
+        accepted = num_accepted(draft, [t.token_id for t in sampled])
+        self.stats.num_spec_drafts += 1
+        self.stats.num_spec_draft_tokens += len(draft)
+        self.stats.num_spec_accepted_tokens += accepted
+        status, reason = None, None
+        for token in sampled[: accepted + 1]:
+            self._append_token(seq, token, now)
+            status, reason = self._check_stop(seq, token.token_id)
+            if status is not None:
+                break
+        # every appended token but the last is computed (the step's last token and the
+        # accepted drafts); KV written for rejected drafts is not, and their blocks go back
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.block_manager.drop_uncomputed_blocks(seq)
+        self.block_manager.release_out_of_window(seq)
+        if status is not None:
+            self._release(seq, status, reason)
+
+    def _append_token(self, seq: Sequence, sampled, now: float) -> None:
+        seq.output_token_ids.append(sampled.token_id)
+        if seq.params.logprobs is not None:
+            seq.output_logprobs.append(
+                {"token_id": sampled.token_id, "logprob": sampled.logprob, "top_logprobs": sampled.top_logprobs}
+            )
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        self.stats.num_generated_tokens += 1
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[SequenceStatus | None, int | None]:
         params = seq.params
