@@ -1,0 +1,177 @@
+"""Speculative decoding changes no output: with n-gram drafts on, greedy outputs (and seeded
+sampled ones) are token for token those of plain one-token decoding, under prefix caching,
+chunked prefill, preemption, stop conditions inside a step's accepted drafts, penalties,
+logprobs and LoRA adapters; and every KV block comes back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.engine.block_manager import FREED_BLOCK
+from loraplex.sampling_params import SamplingParams
+from tests.engine.spec_helpers import (
+    assert_blocks_all_free,
+    assert_drafts_accepted_and_rejected,
+    make_llm,
+    repeating_prompts,
+)
+from tests.engine.test_engine_exact import kv_bytes_per_token
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
+
+
+def run_both(model_dir, home, prompts, params, adapters=None, **options):
+    """(outputs without speculation, outputs with it, the speculative LLM)."""
+    plain = make_llm(model_dir, home, spec=False, **options).generate(prompts, params, adapters=adapters)
+    llm = make_llm(model_dir, home, spec=True, **options)
+    spec = llm.generate(prompts, params, adapters=adapters)
+    return plain, spec, llm
+
+
+def token_ids(outputs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in out.outputs] for out in outputs]
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_identical_with_speculation(tiny_llama_dir, loraplex_home, prefix_caching):
+    prompts = repeating_prompts()
+    plain, spec, llm = run_both(tiny_llama_dir, loraplex_home, prompts, GREEDY,
+                                enable_prefix_caching=prefix_caching)
+    assert token_ids(spec) == token_ids(plain)
+    assert [o.text for o in spec] == [o.text for o in plain]
+    assert [o.finish_reason for o in spec] == [o.finish_reason for o in plain]
+    assert_drafts_accepted_and_rejected(llm)
+    assert_blocks_all_free(llm)
+
+
+def test_preemption_and_chunked_prefill(tiny_llama_dir, loraplex_home):
+    """A KV cache of 24 blocks of 16 tokens and 48 tokens a step for 11 sequences of up to ~80
+    tokens: prompts are chunked, sequences preempted, and drafts compete for the token budget."""
+    options = dict(block_size=16, kv_cache_bytes=24 * 16 * kv_bytes_per_token(tiny_llama_dir),
+                   max_num_batched_tokens=48, max_num_seqs=11)
+    prompts = repeating_prompts()
+    plain, spec, llm = run_both(tiny_llama_dir, loraplex_home, prompts, GREEDY, **options)
+    assert token_ids(spec) == token_ids(plain)
+    stats = llm.engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_chunked_prefills"] > 0, stats
+    assert_drafts_accepted_and_rejected(llm)
+    assert_blocks_all_free(llm)
+
+
+def test_prefix_cache_registers_only_accepted_tokens(tiny_llama_dir, loraplex_home):
+    """After every step, each block a sequence registered holds computed tokens only, under the
+    hash of the sequence's own tokens; a second round whose prompts are the first round's
+    prompt + output (so it takes those blocks from the cache) still matches plain decoding."""
+    llm = make_llm(tiny_llama_dir, loraplex_home, spec=True, block_size=4)
+    engine, bm = llm.engine, llm.engine.block_manager
+    prompts = repeating_prompts()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        for seq in engine.scheduler.running:
+            registered = bm._num_registered.get(seq.seq_id, 0)
+            assert registered * bm.block_size <= seq.num_computed_tokens
+            for i, block in enumerate(seq.block_table[:registered]):
+                if block != FREED_BLOCK and bm._block_hash[block] is not None:
+                    assert bm._block_hash[block] == seq.block_hashes[i]
+    assert_drafts_accepted_and_rejected(llm)
+    second = [p + finals[f"r{i}"].token_ids[:25] for i, p in enumerate(prompts)]
+    again = llm.generate(second, GREEDY)
+    assert engine.stats()["prefix_cache_hits"] > 0
+    plain = make_llm(tiny_llama_dir, loraplex_home, spec=False, enable_prefix_caching=False).generate(second, GREEDY)
+    assert token_ids(again) == token_ids(plain)
+    assert_blocks_all_free(llm)
+
+
+def test_stop_tokens_and_max_tokens_inside_drafts(tiny_llama_dir, loraplex_home):
+    """Stop tokens taken from the plain output's repeating part (where drafts get accepted), and
+    every max_tokens from 1 to 12: the speculative run stops at the same token."""
+    prompts = repeating_prompts(count=4)
+    reference = make_llm(tiny_llama_dir, loraplex_home, spec=False).generate(prompts, GREEDY)
+    params = []
+    for out in reference:
+        tail = out.token_ids[10:]
+        stop = tail[len(tail) // 2] if tail else 5
+        params.append(SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop]))
+    params += [SamplingParams(temperature=0.0, max_tokens=m) for m in range(1, 13)]
+    all_prompts = prompts + [prompts[m % len(prompts)] for m in range(1, 13)]
+    plain, spec, llm = run_both(tiny_llama_dir, loraplex_home, all_prompts, params)
+    assert token_ids(spec) == token_ids(plain)
+    assert [o.outputs[0].stop_reason for o in spec] == [o.outputs[0].stop_reason for o in plain]
+    assert any(o.finish_reason == "stop" for o in spec[: len(prompts)])
+    for out, p in zip(spec, params):
+        assert len(out.token_ids) <= p.max_tokens
+    assert_drafts_accepted_and_rejected(llm)
+    assert_blocks_all_free(llm)
+
+
+def test_stop_strings_and_min_tokens(tiny_llama_dir, loraplex_home):
+    prompts = repeating_prompts(count=4)
+    reference = make_llm(tiny_llama_dir, loraplex_home, spec=False).generate(prompts, GREEDY)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, stop=[out.text[12:14]] if len(out.text) > 14 else [],
+                             min_tokens=3) for out in reference]
+    plain, spec, llm = run_both(tiny_llama_dir, loraplex_home, prompts, params)
+    assert token_ids(spec) == token_ids(plain)
+    assert [o.text for o in spec] == [o.text for o in plain]
+    assert [o.outputs[0].stop_reason for o in spec] == [o.outputs[0].stop_reason for o in plain]
+    assert_blocks_all_free(llm)
+
+
+def test_penalties_logit_bias_and_logprobs(tiny_llama_dir, loraplex_home):
+    """Each verified position sees the earlier accepted tokens in its penalty counts; logprobs
+    of each token come from its own position."""
+    prompts = repeating_prompts(count=7)  # 10 prompts
+    params = 2 * [
+        SamplingParams(temperature=0.0, max_tokens=30, logprobs=3),
+        SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.2),
+        SamplingParams(temperature=0.0, max_tokens=30, frequency_penalty=0.3, presence_penalty=0.2),
+        SamplingParams(temperature=0.0, max_tokens=30, logit_bias={7: 3.0, 9: -2.0}),
+        SamplingParams(temperature=0.0, max_tokens=30, logprobs=2, repetition_penalty=1.1),
+    ]
+    plain, spec, llm = run_both(tiny_llama_dir, loraplex_home, prompts, params)
+    assert token_ids(spec) == token_ids(plain)
+    for a, b in zip(spec, plain):
+        if b.outputs[0].logprobs is None:
+            continue
+        for ea, eb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert ea["token_id"] == eb["token_id"]
+            assert ea["logprob"] == pytest.approx(eb["logprob"], abs=1e-4)
+            assert set(ea["top_logprobs"]) == set(eb["top_logprobs"])
+    assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_seeded_sampling_n2_identical(tiny_llama_dir, loraplex_home):
+    """Seeded sampling draws each token's noise from (seed, index, tokens so far), with drafts or
+    without: n=2 children speculate each on their own and match plain decoding exactly."""
+    prompts = repeating_prompts(count=4)
+    params = SamplingParams(temperature=0.3, top_k=5, max_tokens=30, n=2, seed=11)
+    plain, spec, llm = run_both(tiny_llama_dir, loraplex_home, prompts, params)
+    assert token_ids(spec) == token_ids(plain)
+    assert any(c.token_ids != out.outputs[0].token_ids for out in spec for c in out.outputs[1:])
+    assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert_blocks_all_free(llm)
+
+
+def test_lora_adapters_mixed_in_one_batch(tiny_llama_dir, loraplex_home, tmp_path):
+    """The verifying pass runs each sequence's drafts through its own adapter."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.fixtures.peft_adapters import make_peft_adapter
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    a = make_peft_adapter(base, tmp_path / "a", seed=1, r=4)
+    b = make_peft_adapter(base, tmp_path / "b", seed=2, r=8, target_modules=["o_proj", "down_proj"])
+    prompts = repeating_prompts(count=6)
+    adapters = [[None, str(a), str(b)][i % 3] for i in range(len(prompts))]
+    plain, spec, llm = run_both(tiny_llama_dir, loraplex_home, prompts, GREEDY, adapters=adapters,
+                                max_lora_rank=8)
+    assert token_ids(spec) == token_ids(plain)
+    base_only = make_llm(tiny_llama_dir, loraplex_home, spec=True).generate(prompts, GREEDY)
+    assert token_ids(base_only) != token_ids(spec)  # the adapters do change the outputs
+    assert_drafts_accepted_and_rejected(llm)
+    assert_blocks_all_free(llm)
