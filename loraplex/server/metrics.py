@@ -8,7 +8,10 @@ running_lora_adapters, waiting_lora_adapters, max_lora; value: the time of the s
 ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
 ``vllm:e2e_request_latency_seconds``, ``vllm:prompt_tokens_total``,
 ``vllm:generation_tokens_total``, ``vllm:prefix_cache_queries_total``,
-``vllm:prefix_cache_hits_total`` (prompt tokens; hit rate = hits / queries).
+``vllm:prefix_cache_hits_total`` (prompt tokens; hit rate = hits / queries),
+``vllm:spec_decode_num_drafts_total``, ``vllm:spec_decode_num_draft_tokens_total``,
+``vllm:spec_decode_num_accepted_tokens_total`` (speculative decoding; acceptance rate =
+accepted / draft tokens; all 0 without ``--speculative-config``).
 
 loraplex's own: ``loraplex_adapters{tier}``, ``loraplex_adapter_loads_total``,
 ``loraplex_adapter_evictions_total``, ``loraplex_adapter_load_seconds_total``,
@@ -287,6 +290,11 @@ class _EngineCollector:
         for name, doc, key in (  # vLLM v1's names; both count prompt tokens
             ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
             ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+            # speculative decoding (vLLM's names): verified drafts, their tokens, those accepted
+            ("vllm:spec_decode_num_drafts", "Speculative drafts verified (one per sequence and step).",
+             "spec_decode_num_drafts"),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", "spec_decode_num_draft_tokens"),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_decode_num_accepted_tokens"),
         ):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([m.model_name], _num(stats, key))
