@@ -132,6 +132,8 @@ class LLMEngine:
             cfg.enable_prefix_caching, cfg.max_loras, cfg.max_lora_rank, self._host_budget(),
             "on" if self.lora_manager is not None else "off",
         )
+        if cfg.speculative_config is not None:
+            logger.info("speculative decoding: %s", cfg.speculative_config)
         if self.sampling_defaults:  # as vLLM warns: outputs differ from the library defaults
             logger.warning("default sampling parameters of requests that leave them unset: %s; "
                            "--generation-config vllm turns this off", self.sampling_defaults.describe())

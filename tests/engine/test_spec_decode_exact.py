@@ -175,3 +175,17 @@ def test_lora_adapters_mixed_in_one_batch(tiny_llama_dir, loraplex_home, tmp_pat
     assert token_ids(base_only) != token_ids(spec)  # the adapters do change the outputs
     assert_drafts_accepted_and_rejected(llm)
     assert_blocks_all_free(llm)
+
+
+def test_sliding_window_frees_only_what_accepted_tokens_passed(tmp_path_factory, loraplex_home):
+    """A sliding-window model (window 24, blocks of 4): blocks slide out as accepted tokens
+    advance, and outputs still match plain decoding."""
+    from tests.fixtures.tiny_models import make_tiny_model_dir
+
+    model_dir = make_tiny_model_dir(tmp_path_factory.mktemp("swa"), "mistral", seed=8, sliding_window=24)
+    prompts = repeating_prompts()
+    plain, spec, llm = run_both(model_dir, loraplex_home, prompts, GREEDY, block_size=4)
+    assert llm.engine.block_manager.sliding_window == 24
+    assert token_ids(spec) == token_ids(plain)
+    assert_drafts_accepted_and_rejected(llm)
+    assert_blocks_all_free(llm)
