@@ -136,3 +136,25 @@ def test_verification_keeps_the_target_distribution(draft_token):
     # (about 0.003 measured); a rule that misplaces 1.5% of the mass fails
     assert tv < 0.015, (tv, counts / trials, expected)
     assert accepted / trials == pytest.approx(p1[draft_token], abs=6 * np.sqrt(0.25 / trials))
+
+
+def test_short_token_budget_shrinks_drafts_not_decodes():
+    """Four decoding sequences with drafts available and 7 tokens a step: all four are scheduled
+    (one token each), and drafts get only the 3 left over."""
+    from loraplex.engine.block_manager import BlockManager
+    from loraplex.engine.outputs import ModelRunnerOutput, SampledToken
+    from loraplex.engine.scheduler import Scheduler
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    config = EngineConfig(max_num_batched_tokens=200, speculative_config=spec)
+    sched = Scheduler(config, BlockManager(64, 4, True), max_model_len=512)
+    for i in range(4):
+        sched.add(Sequence(i, f"r{i}", [5, 6, 7, 8] * 4, SamplingParams(max_tokens=20)))
+    out = sched.schedule()
+    assert out.num_draft_tokens == 0  # prompts: nothing to draft yet
+    sched.update(out, ModelRunnerOutput(sampled={e.seq.seq_id: SampledToken(5) for e in out.scheduled}))
+    sched.config = config.replace(max_num_batched_tokens=7)
+    out = sched.schedule()
+    assert sorted(e.seq.seq_id for e in out.scheduled) == [0, 1, 2, 3]
+    assert out.num_batched_tokens == 7 and out.num_draft_tokens == 3
+    assert all(e.draft_token_ids == [6, 7, 8][: len(e.draft_token_ids)] for e in out.scheduled)
