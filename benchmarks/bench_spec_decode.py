@@ -72,8 +72,8 @@ def main() -> None:
     common = dict(model=args.model, dtype="float32", device="cpu", kv_cache_bytes=256 << 20)
     sides = {"plain": LLM(**common), "spec": LLM(**common, speculative_config=spec_config)}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    print(f"| batch | plain tok/s | ngram k={args.k} tok/s | ratio | acceptance | tokens/step |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"| batch | plain tok/s | ngram k={args.k} tok/s | ratio | acceptance | tokens/step | round ratios |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for batch in args.batches:
         convs = conversations(batch)
         for llm in sides.values():
@@ -95,7 +95,7 @@ def main() -> None:
         accepted = spec_totals.get("spec_decode_num_accepted_tokens", 0)
         print(f"| {batch} | {statistics.median(tps['plain']):.1f} | {statistics.median(tps['spec']):.1f} | "
               f"{statistics.median(ratios):.2f}x | {accepted / max(proposed, 1):.0%} | "
-              f"{1 + accepted / max(drafts, 1):.2f} |", flush=True)
+              f"{1 + accepted / max(drafts, 1):.2f} | {', '.join(f'{r:.2f}' for r in ratios)} |", flush=True)
 
 
 if __name__ == "__main__":
