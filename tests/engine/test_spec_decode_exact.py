@@ -88,37 +88,53 @@ def test_prefix_cache_registers_only_accepted_tokens(tiny_llama_dir, loraplex_ho
     assert_blocks_all_free(llm)
 
 
-def test_stop_tokens_and_max_tokens_inside_drafts(tiny_llama_dir, loraplex_home):
-    """Stop tokens taken from the plain output's repeating part (where drafts get accepted), and
-    every max_tokens from 1 to 12: the speculative run stops at the same token."""
+def looping_continuations(model_dir, home) -> tuple[list[list[int]], list]:
+    """Prompts that end inside the plain greedy output's own loop (prompt + its first 20 output
+    tokens), and their plain greedy outputs: drafts found in the prompt predict those outputs
+    from the first step, so a stop condition at a token's first occurrence in the output falls
+    inside a step's accepted drafts."""
     prompts = repeating_prompts(count=4)
-    reference = make_llm(tiny_llama_dir, loraplex_home, spec=False).generate(prompts, GREEDY)
-    params = []
-    for out in reference:
-        tail = out.token_ids[10:]
-        stop = tail[len(tail) // 2] if tail else 5
-        params.append(SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop]))
+    first = make_llm(model_dir, home, spec=False).generate(prompts, GREEDY)
+    continued = [p + out.token_ids[:20] for p, out in zip(prompts, first)]
+    return continued, make_llm(model_dir, home, spec=False).generate(continued, GREEDY)
+
+
+def test_stop_tokens_and_max_tokens_inside_drafts(tiny_llama_dir, loraplex_home):
+    """Stop tokens at their first occurrence in the output (mostly inside accepted drafts), and
+    every max_tokens from 1 to 12: the speculative run stops at the same token."""
+    prompts, reference = looping_continuations(tiny_llama_dir, loraplex_home)
+    params, all_prompts = [], []
+    for prompt, out in zip(prompts, reference):
+        for token in dict.fromkeys(out.token_ids[1:12]):
+            params.append(SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[token]))
+            all_prompts.append(prompt)
+    num_stop = len(params)
     params += [SamplingParams(temperature=0.0, max_tokens=m) for m in range(1, 13)]
-    all_prompts = prompts + [prompts[m % len(prompts)] for m in range(1, 13)]
+    all_prompts += [prompts[m % len(prompts)] for m in range(1, 13)]
     plain, spec, llm = run_both(tiny_llama_dir, loraplex_home, all_prompts, params)
     assert token_ids(spec) == token_ids(plain)
     assert [o.outputs[0].stop_reason for o in spec] == [o.outputs[0].stop_reason for o in plain]
-    assert any(o.finish_reason == "stop" for o in spec[: len(prompts)])
+    assert all(o.finish_reason == "stop" for o in spec[:num_stop])
     for out, p in zip(spec, params):
         assert len(out.token_ids) <= p.max_tokens
+    assert llm.engine.stats()["generation_tokens_total"] == sum(len(o.token_ids) for o in spec)
     assert_drafts_accepted_and_rejected(llm)
     assert_blocks_all_free(llm)
 
 
 def test_stop_strings_and_min_tokens(tiny_llama_dir, loraplex_home):
-    prompts = repeating_prompts(count=4)
-    reference = make_llm(tiny_llama_dir, loraplex_home, spec=False).generate(prompts, GREEDY)
-    params = [SamplingParams(temperature=0.0, max_tokens=40, stop=[out.text[12:14]] if len(out.text) > 14 else [],
-                             min_tokens=3) for out in reference]
-    plain, spec, llm = run_both(tiny_llama_dir, loraplex_home, prompts, params)
+    """Stop strings at many places of the output, so that some complete inside a step's
+    accepted drafts: the tokens after one are dropped (and not counted as generated)."""
+    prompts, reference = looping_continuations(tiny_llama_dir, loraplex_home)
+    cases = [(prompt, out.text[k : k + 2], m) for prompt, out in zip(prompts, reference)
+             for k in range(1, 24, 2) if len(out.text) >= k + 2 for m in (0, 3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, stop=[stop], min_tokens=m) for _, stop, m in cases]
+    plain, spec, llm = run_both(tiny_llama_dir, loraplex_home, [p for p, _, _ in cases], params)
     assert token_ids(spec) == token_ids(plain)
     assert [o.text for o in spec] == [o.text for o in plain]
     assert [o.outputs[0].stop_reason for o in spec] == [o.outputs[0].stop_reason for o in plain]
+    assert sum(o.finish_reason == "stop" for o in spec) > len(cases) // 2
+    assert llm.engine.stats()["generation_tokens_total"] == sum(len(o.token_ids) for o in spec)
     assert_blocks_all_free(llm)
 
 
