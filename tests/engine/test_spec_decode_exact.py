@@ -173,6 +173,7 @@ def test_seeded_sampling_n2_identical(tiny_llama_dir, loraplex_home):
     assert_blocks_all_free(llm)
 
 
+@pytest.mark.slow  # ~40 s on a shared 2-core VM (three engines and two PEFT adapters)
 def test_lora_adapters_mixed_in_one_batch(tiny_llama_dir, loraplex_home, tmp_path):
     """The verifying pass runs each sequence's drafts through its own adapter."""
     from transformers import AutoModelForCausalLM
