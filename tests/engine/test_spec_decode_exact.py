@@ -206,3 +206,24 @@ def test_sliding_window_frees_only_what_accepted_tokens_passed(tmp_path_factory,
     assert token_ids(spec) == token_ids(plain)
     assert_drafts_accepted_and_rejected(llm)
     assert_blocks_all_free(llm)
+
+
+def test_structured_output_and_unseeded_sampling_alongside_drafts(tiny_llama_dir, loraplex_home):
+    """A grammar-constrained request decodes one token a step (no drafts) in a batch whose
+    other requests speculate, and matches plain decoding; unseeded sampled requests finish
+    with their lengths and give every block back."""
+    import re
+
+    from loraplex.structured_output import StructuredOutputs
+
+    prompts = repeating_prompts(count=3)
+    pattern = "[a-c]{3,8}-[0-9]{2}"
+    params = [SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=StructuredOutputs(regex=pattern))]
+    params += [GREEDY] * (len(prompts) - 1)
+    plain, spec, llm = run_both(tiny_llama_dir, loraplex_home, prompts, params)
+    assert token_ids(spec) == token_ids(plain)
+    assert re.fullmatch(pattern, spec[0].text), spec[0].text
+    assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    sampled = llm.generate(prompts, SamplingParams(temperature=0.8, max_tokens=24, n=2, ignore_eos=True))
+    assert all(len(c.token_ids) == 24 for out in sampled for c in out.outputs)
+    assert_blocks_all_free(llm)
