@@ -18,6 +18,7 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
@@ -231,11 +232,12 @@ def create_app(
     if (admin_dir / "index.html").is_file():
         routes.append(Mount("/admin", app=StaticFiles(directory=admin_dir, html=True), name="admin-ui"))
 
-    # CORS outside the error handling, so that every answer carries it (http_options.py)
+    # CORS and the request ids outside the error handling, so that every answer carries them,
+    # Starlette's 500s and the body-size check's 413s included (http_options.py)
+    outer = [*http_options.cors_middleware(settings), Middleware(RequestIdMiddleware)]
     app = http_options.ServerApp(routes=routes, exception_handlers=exception_handlers(), lifespan=lifespan,
-                                 outer_middleware=http_options.cors_middleware(settings))
+                                 outer_middleware=outer)
     app.state.ctx = ctx
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(RequestIdMiddleware)  # outside the body-size check: its 413s carry the id too
     app.add_middleware(HttpMetricsMiddleware, metrics=ctx.metrics)
     return app

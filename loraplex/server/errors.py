@@ -112,12 +112,7 @@ def from_exception(exc: Exception, *, log_unknown: bool = True, request_id: str 
 
 
 async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    ids = request_ids(request)
-    response = from_exception(exc, request_id=ids.server).response()
-    # an unknown exception's 500 is sent by Starlette's outermost middleware, past
-    # RequestIdMiddleware: the ids go on here
-    response.headers.update(ids.headers())
-    return response
+    return from_exception(exc, request_id=request_ids(request).server).response()
 
 
 async def http_exception_handler(request: Request, exc: HTTPException) -> JSONResponse:
