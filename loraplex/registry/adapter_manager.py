@@ -33,10 +33,11 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from loraplex.lora.peft_format import CONFIG_NAME, WEIGHTS_NAME, compute_content_hash, inspect_adapter_dir
 from loraplex.lora.snapshot import adapter_snapshot
@@ -58,6 +59,7 @@ SYSTEM_ACTOR = "system"
 # An upload whose blob a concurrent delete removed stores it again; a blob deleted this many
 # times in a row during one upload means something deletes blobs without the lock protocol.
 UPLOAD_BLOB_ATTEMPTS = 5
+T = TypeVar("T")
 
 
 class AdapterManager:
@@ -182,6 +184,17 @@ class AdapterManager:
         activates all the versions (``RegistryService.add_versions_active``). On failure no
         version is added and blobs this call stored are removed again (unless used)."""
         validate_tenant_name(tenant)
+        return self.store_then_register(dirs, lambda versions, check_blob: self.registry.add_versions_active(
+            tenant, versions, uploader=uploader, check_blob=check_blob))
+
+    def store_then_register(self, dirs: Sequence[tuple[str, Path]],
+                            register: Callable[[list[NewVersion], Callable[[str], bool]], T]) -> T:
+        """Check every ``(name, directory)`` and store every blob, then call ``register(versions,
+        check_blob)``: one registry transaction writing those versions, which calls
+        ``check_blob(blob_key)`` holding the blobs' locks (``add_versions_active``'s). When it
+        raises ``BlobMissing`` (a concurrent delete) the blobs are stored again and it is called
+        again. On failure the blobs this call stored are removed again (unless used); a
+        ``BlobStoreError`` names its adapter as ``adapter``. Returns what ``register`` returned."""
         infos = [(name, inspect_adapter_dir(path, self.spec, self.max_lora_rank), path) for name, path in dirs]
         versions = [NewVersion(name, info.content_hash, self.spec.model_name, info.rank, info.alpha,
                                list(info.targets), info.size_bytes, content_key(info.content_hash))
@@ -199,8 +212,7 @@ class AdapterManager:
                         exc.adapter = name  # which one, for the caller's message
                         raise
                 try:
-                    return self.registry.add_versions_active(tenant, versions, uploader=uploader,
-                                                             check_blob=self.blobs.exists)
+                    return register(versions, self.blobs.exists)
                 except BlobMissing:
                     log.info("a blob was deleted by a concurrent delete during a batch upload; storing it again")
             raise BlobStoreError(f"blobs in {self.blobs.describe()} kept being deleted while uploading them; try again")

@@ -28,9 +28,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from loraplex.registry import repository as repo
-from loraplex.registry.errors import AlreadyExists, Conflict, InvalidName, NotFound
+from loraplex.registry.errors import Conflict, InvalidName, NotFound
 from loraplex.registry.keys import MAX_SECRET_LENGTH, hash_secret
-from loraplex.registry.models import KEY_ORIGIN_SERVE_FLAG, utcnow
+from loraplex.registry.models import KEY_ORIGIN_SERVE_FLAG, Tenant, utcnow
 
 FLAG_KEY_PREFIX = "(--api-key)"  # shown where loraplex's keys show their first characters
 FLAG_ACTOR = "serve --api-key"
@@ -63,24 +63,11 @@ class FlagKeysMixin:
     def _transaction(self) -> AbstractContextManager[Session]:  # provided by RegistryService
         raise NotImplementedError
 
-    def ensure_tenant(self, name: str, actor: str = "system") -> bool:
-        """Create tenant ``name`` unless it exists; True when this call created it."""
-        if self.get_tenant(name) is not None:  # type: ignore[attr-defined]
-            return False
-        try:
-            self.create_tenant(name, actor=actor)  # type: ignore[attr-defined]
-            return True
-        except AlreadyExists:  # another replica, just now
-            return False
-
     def sync_flag_keys(self, tenant: str, secrets: list[str], actor: str = FLAG_ACTOR) -> FlagKeySync:
         """Make ``secrets`` the flag keys of ``tenant`` (see the module doc). Raises
         ``InvalidName`` for a malformed key, ``NotFound`` without the tenant, ``Conflict`` for a
         key that belongs to another tenant or was revoked."""
-        positions: dict[str, int] = {}  # hash -> first position on the command line
-        for position, secret in enumerate(secrets, start=1):
-            check_flag_key(secret, position)
-            positions.setdefault(hash_secret(secret), position)
+        positions = flag_key_positions(secrets)
         for attempt in range(SYNC_ATTEMPTS):
             try:
                 return self._sync_once(tenant, positions, actor)
@@ -93,40 +80,57 @@ class FlagKeysMixin:
     def _sync_once(self, tenant: str, positions: dict[str, int], actor: str) -> FlagKeySync:
         with self._transaction() as session:
             tenant_row = repo.lock_tenant(session, tenant, exclusive=False)  # against a tenant delete
-            if tenant_row is None and positions:  # with no keys listed there is only revoking to do
-                raise NotFound(f"tenant {tenant!r} not found")
-            missing = []
-            for digest, position in positions.items():
-                found = repo.find_api_key_by_hash(session, digest)
-                if found is None:
-                    missing.append(digest)
-                    continue
-                key, owner = found
-                if owner != tenant:
-                    raise Conflict(
-                        f"--api-key #{position} is already a key of tenant {owner!r} (key id {key.id}); a key "
-                        f"belongs to one tenant: give another key, or serve that tenant with --vllm-tenant {owner}"
-                    )
-                if key.revoked_at is not None:
-                    raise Conflict(
-                        f"--api-key #{position} is key id {key.id} of tenant {tenant!r}, which was revoked; "
-                        "a revoked key is not restored: give a new key"
-                    )
-            revoked = 0
-            for key, owner in repo.live_api_keys_of_origin(session, KEY_ORIGIN_SERVE_FLAG):
-                if owner != tenant or key.secret_sha256 in positions:
-                    continue
-                key.revoked_at = utcnow()
-                revoked += 1
-                repo.add_audit_event(
-                    session, actor=actor, action="api_key.revoke", tenant=owner, object_type="api_key",
-                    object_name=str(key.id), detail={"prefix": key.prefix, "origin": KEY_ORIGIN_SERVE_FLAG},
-                )
-            for digest in missing:
-                key = repo.add_api_key(session, tenant_row, digest, FLAG_KEY_PREFIX, origin=KEY_ORIGIN_SERVE_FLAG)
-                repo.add_audit_event(
-                    session, actor=actor, action="api_key.create", tenant=tenant, object_type="api_key",
-                    object_name=str(key.id), detail={"prefix": key.prefix, "origin": KEY_ORIGIN_SERVE_FLAG},
-                )
-            session.flush()
-            return FlagKeySync(added=len(missing), kept=len(positions) - len(missing), revoked=revoked)
+            return sync_flag_keys_in(session, tenant_row, tenant, positions, actor)
+
+
+def flag_key_positions(secrets: list[str]) -> dict[str, int]:
+    """Each listed key's hash -> its first position on the command line (from 1), every key
+    checked first (``check_flag_key``)."""
+    positions: dict[str, int] = {}
+    for position, secret in enumerate(secrets, start=1):
+        check_flag_key(secret, position)
+        positions.setdefault(hash_secret(secret), position)
+    return positions
+
+
+def sync_flag_keys_in(session: Session, tenant_row: Tenant | None, tenant: str, positions: dict[str, int],
+                      actor: str) -> FlagKeySync:
+    """``sync_flag_keys``'s reads and writes in ``session``, which holds ``tenant_row``'s shared
+    lock (``repo.lock_tenant``; None: no such tenant). ``positions`` from ``flag_key_positions``."""
+    if tenant_row is None and positions:  # with no keys listed there is only revoking to do
+        raise NotFound(f"tenant {tenant!r} not found")
+    missing = []
+    for digest, position in positions.items():
+        found = repo.find_api_key_by_hash(session, digest)
+        if found is None:
+            missing.append(digest)
+            continue
+        key, owner = found
+        if owner != tenant:
+            raise Conflict(
+                f"--api-key #{position} is already a key of tenant {owner!r} (key id {key.id}); a key "
+                f"belongs to one tenant: give another key, or serve that tenant with --vllm-tenant {owner}"
+            )
+        if key.revoked_at is not None:
+            raise Conflict(
+                f"--api-key #{position} is key id {key.id} of tenant {tenant!r}, which was revoked; "
+                "a revoked key is not restored: give a new key"
+            )
+    revoked = 0
+    for key, owner in repo.live_api_keys_of_origin(session, KEY_ORIGIN_SERVE_FLAG):
+        if owner != tenant or key.secret_sha256 in positions:
+            continue
+        key.revoked_at = utcnow()
+        revoked += 1
+        repo.add_audit_event(
+            session, actor=actor, action="api_key.revoke", tenant=owner, object_type="api_key",
+            object_name=str(key.id), detail={"prefix": key.prefix, "origin": KEY_ORIGIN_SERVE_FLAG},
+        )
+    for digest in missing:
+        key = repo.add_api_key(session, tenant_row, digest, FLAG_KEY_PREFIX, origin=KEY_ORIGIN_SERVE_FLAG)
+        repo.add_audit_event(
+            session, actor=actor, action="api_key.create", tenant=tenant, object_type="api_key",
+            object_name=str(key.id), detail={"prefix": key.prefix, "origin": KEY_ORIGIN_SERVE_FLAG},
+        )
+    session.flush()
+    return FlagKeySync(added=len(missing), kept=len(positions) - len(missing), revoked=revoked)

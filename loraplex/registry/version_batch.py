@@ -24,10 +24,12 @@ from loraplex.registry import repository as repo
 from loraplex.registry.admin_key import SHA256_HEX
 from loraplex.registry.errors import Conflict, InvalidName, RegistryError
 from loraplex.registry.info import VersionInfo
+from loraplex.registry.models import Tenant
 from loraplex.registry.names import validate_adapter_name
 
 BATCH_WRITE_ATTEMPTS = 8  # as add_version: a lost race on a unique constraint is retried whole
 BATCH_RETRY_BACKOFF_S = 0.002
+VersionRow = tuple[str, dict[str, Any]]  # an adapter's name and its new version's fields
 
 
 @dataclass(frozen=True)
@@ -66,13 +68,7 @@ class VersionBatchMixin:
         must be distinct. ``check_blob(blob_key)`` is called holding the blobs' locks before a
         new row is written, as in ``add_version`` (False: ``BlobMissing``). Operator writes:
         a runtime-loaded adapter among them becomes the operator's (``adapter_origin``)."""
-        names = [v.name for v in versions]
-        for name in names:
-            validate_adapter_name(name)
-        if len(set(names)) != len(names):
-            raise InvalidName("each adapter may be named once in a batch")
-        rows = [(v.name, version_fields(v.sha256, v.base_model, v.rank, v.alpha, v.targets, v.size_bytes,
-                                        v.blob_key, uploader)) for v in versions]
+        rows = version_rows(versions, uploader)
         for attempt in range(BATCH_WRITE_ATTEMPTS):
             try:
                 return self._add_versions_active_once(tenant, rows, check_blob)
@@ -82,14 +78,21 @@ class VersionBatchMixin:
                 time.sleep(random.uniform(0, BATCH_RETRY_BACKOFF_S * 2**attempt))
         raise AssertionError("unreachable")
 
-    def _add_versions_active_once(self, tenant: str, rows: list[tuple[str, dict[str, Any]]],
+    def _add_versions_active_once(self, tenant: str, rows: list[VersionRow],
                                   check_blob: Callable[[str], bool] | None) -> list[ActiveVersion]:
         with self._transaction() as session:
-            for blob_key in sorted({fields["blob_key"] for _, fields in rows}):
-                repo.lock_blob(session, blob_key)
+            lock_blobs(session, rows)
             tenant_row = self._require_tenant(session, tenant, lock=True)  # type: ignore[attr-defined]
-            out = []
-            for name, fields in rows:
+            return self._put_versions_active(session, tenant_row, rows, check_blob)
+
+    def _put_versions_active(self, session: Session, tenant_row: Tenant, rows: list[VersionRow],
+                             check_blob: Callable[[str], bool] | None) -> list[ActiveVersion]:
+        """``add_versions_active``'s writes in ``session``, which holds the blobs' locks
+        (``lock_blobs``) and then the tenant's shared lock. A ``RegistryError`` about one adapter
+        carries its name as ``adapter``, for the caller's message."""
+        out = []
+        for name, fields in rows:
+            try:
                 before = repo.get_adapter(session, tenant_row, name, for_update=True)
                 served_before = before.active_version if before is not None and before.deleted_at is None else None
                 check = None if check_blob is None else (lambda key=fields["blob_key"]: check_blob(key))
@@ -97,9 +100,29 @@ class VersionBatchMixin:
                     session, tenant_row, name, fields, True, check, None)
                 adapter = repo.get_adapter(session, tenant_row, name)
                 if adapter.active_version != version.version:
-                    hot_swap(session, tenant, adapter, version, uploader=fields["uploader"])
-                out.append(ActiveVersion(version, created, served_before != version.version))
-            return out
+                    hot_swap(session, tenant_row.name, adapter, version, uploader=fields["uploader"])
+            except RegistryError as exc:
+                exc.adapter = name  # type: ignore[attr-defined]
+                raise
+            out.append(ActiveVersion(version, created, served_before != version.version))
+        return out
+
+
+def version_rows(versions: Sequence[NewVersion], uploader: str) -> list[VersionRow]:
+    """``versions`` checked (names valid and distinct, fields as ``version_fields``) as rows."""
+    names = [v.name for v in versions]
+    for name in names:
+        validate_adapter_name(name)
+    if len(set(names)) != len(names):
+        raise InvalidName("each adapter may be named once in a batch")
+    return [(v.name, version_fields(v.sha256, v.base_model, v.rank, v.alpha, v.targets, v.size_bytes,
+                                    v.blob_key, uploader)) for v in versions]
+
+
+def lock_blobs(session: Session, rows: list[VersionRow]) -> None:
+    """The blobs' locks of ``rows``, in key order (two replicas starting at once cannot deadlock)."""
+    for blob_key in sorted({fields["blob_key"] for _, fields in rows}):
+        repo.lock_blob(session, blob_key)
 
 
 def hot_swap(session: Session, tenant: str, adapter, version: VersionInfo, *, uploader: str) -> None:

@@ -3,22 +3,27 @@ listens, so that a ``vllm serve`` deployment and its clients run unchanged.
 
 Both flags act on one tenant, ``Settings.vllm_tenant`` (default ``default``), created when either
 flag is given (a tenant an operator deleted is not: the start is refused, naming it, since
-tenant names are never reused; start with another ``--vllm-tenant``). Clients then call ``/v1/...`` with one of the keys (the key picks the tenant, as
-every loraplex key does) and name an adapter in ``model``.
+tenant names are never reused; start with another ``--vllm-tenant``). Clients then call
+``/v1/...`` with one of the keys (the key picks the tenant, as every loraplex key does) and name
+an adapter in ``model``.
 
-* ``--api-key``: ``RegistryService.sync_flag_keys`` (loraplex/registry/flag_keys.py). The
+* ``--api-key``: as ``RegistryService.sync_flag_keys`` (loraplex/registry/flag_keys.py). The
   tenant's keys stored by an earlier start and no longer listed are revoked, also when the flag
   is left out entirely: every replica serving that tenant must be started with the same keys.
   Other tenants' flag keys are left alone.
 * ``--lora-modules``: every directory is checked first, exactly as an upload is (format, fit to
   the served model's shapes, ``--max-lora-rank``), so one invalid module stops the start with
-  nothing registered. Then all are registered at once (``AdapterManager.upload_all_active``):
-  every blob is stored (same content hash and blob as ``loraplex adapters upload``), then one
-  registry transaction adds each version (identical weights already live add none) and makes it
-  the name's active version; a changed directory becomes a new version and a hot-swap. Any
-  failure there (blob store, database) registers none of the modules: a start never serves some
-  of them. Replicas starting at once end with one version per content (the registry's
-  per-adapter lock and unique constraints).
+  nothing registered. Then every blob is stored (``AdapterManager.store_then_register``: same
+  content hash and blob as ``loraplex adapters upload``), and each version is added (identical
+  weights already live add none) and made the name's active version; a changed directory
+  becomes a new version and a hot-swap. Replicas starting at once end with one version per
+  content (the registry's per-adapter lock and unique constraints).
+
+All or nothing: the tenant, the keys and the modules' versions are written in one registry
+transaction (``RegistryService.apply_serve_flags``, loraplex/registry/serve_flags.py) after the
+blobs are stored. Any failure (a module's blob or rows, a refused key, a deleted tenant) writes
+none of them, and the blobs this start stored are removed again: a failed start leaves no tenant,
+key or module of its own behind, and a start never serves some of the modules.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from loraplex.lora.errors import InvalidAdapterError
 from loraplex.lora.peft_format import inspect_adapter_dir
 from loraplex.lora.snapshot import adapter_snapshot
 from loraplex.registry.errors import RegistryError
+from loraplex.registry.flag_keys import flag_key_positions
+from loraplex.registry.names import validate_tenant_name
 from loraplex.server.vllm_flags import LoRAModule, StartupFlags
 from loraplex.storage.base import BlobStoreError
 
@@ -80,17 +87,20 @@ class StartupOutcome:
 
 
 def apply_startup_flags(flags: StartupFlags, settings: Settings, registry, make_adapter_manager=None) -> StartupOutcome:
-    """Carry out ``flags`` in ``registry`` (a ``RegistryService``). ``make_adapter_manager()``
-    gives the ``AdapterManager`` uploads go through (default: the one ``loraplex adapters
-    upload`` builds, validating against the served model's config); it is called only when
-    there are modules. Raises ``StartupError``."""
+    """Carry out ``flags`` in ``registry`` (a ``RegistryService``), all or nothing: the tenant,
+    the keys and the modules are written in one registry transaction
+    (``RegistryService.apply_serve_flags``), after the modules' blobs are stored.
+    ``make_adapter_manager()`` gives the ``AdapterManager`` the blobs go through (default: the
+    one ``loraplex adapters upload`` builds, validating against the served model's config); it
+    is called only when there are modules. Raises ``StartupError``."""
     tenant = settings.vllm_tenant
-    outcome = StartupOutcome(tenant)
     # Each module's files are copied once, before the checks: the checks and the uploads read
     # the copies, so a directory changed or removed meanwhile cannot fail an upload after
     # earlier modules were registered, nor register bytes other than the checked ones.
     with ExitStack() as copies:
         try:
+            validate_tenant_name(tenant)  # as the transaction will, but before any blob is stored
+            flag_key_positions(list(flags.api_keys))
             manager = None
             checked: list[tuple[LoRAModule, Path]] = []
             if flags.lora_modules:
@@ -99,30 +109,36 @@ def apply_startup_flags(flags: StartupFlags, settings: Settings, registry, make_
                     copy = copies.enter_context(_module_snapshot(module))
                     check_module(LoRAModule(module.name, str(copy)), manager, shown_path=module.path)
                     checked.append((module, copy))
-            if flags.given:
-                outcome.tenant_created = registry.ensure_tenant(tenant, actor="system")
-            sync = registry.sync_flag_keys(tenant, list(flags.api_keys))
-            outcome.keys_added, outcome.keys_kept, outcome.keys_revoked = sync.added, sync.kept, sync.revoked
-            if checked:
-                outcome.modules = _register_modules(manager, tenant, checked)
+
+            def write(versions, check_blob=None):
+                return registry.apply_serve_flags(tenant, list(flags.api_keys), versions, create_tenant=flags.given,
+                                                  uploader=MODULES_ACTOR, check_blob=check_blob)
+
+            written = _register_modules(manager, tenant, checked, write) if checked else write([])
         except (RegistryError, BlobStoreError, InvalidAdapterError) as exc:
             raise StartupError(f"vLLM flags (tenant {tenant!r}): {exc}") from exc
+    outcome = StartupOutcome(tenant, written.tenant_created, written.keys.added, written.keys.kept,
+                             written.keys.revoked)
+    outcome.modules = [ModuleOutcome(m.name, d.version.version, d.version.sha256, d.created, d.activated)
+                       for (m, _), d in zip(checked, written.modules)]
     return outcome
 
 
-def _register_modules(manager, tenant: str, checked: list[tuple[LoRAModule, Path]]) -> list[ModuleOutcome]:
-    """All checked modules registered at once, or none (``StartupError`` naming the module that
-    failed, when one did, and saying that none was registered)."""
+def _register_modules(manager, tenant: str, checked: list[tuple[LoRAModule, Path]], write):
+    """The checked modules' blobs stored, then ``write(versions, check_blob)`` (the start's one
+    transaction). A failure of a module (its blob, its rows) is a ``StartupError`` naming the
+    module when one failed and saying that none was registered; other errors (a key, the
+    tenant) propagate."""
     try:
-        done = manager.upload_all_active(tenant, [(m.name, copy) for m, copy in checked], MODULES_ACTOR)
+        return manager.store_then_register([(m.name, copy) for m, copy in checked], write)
     except (RegistryError, BlobStoreError, InvalidAdapterError) as exc:
-        paths = {m.name: m.path for m, _ in checked}
         failed = getattr(exc, "adapter", None)
+        if isinstance(exc, RegistryError) and failed is None:
+            raise  # not about a module
+        paths = {m.name: m.path for m, _ in checked}
         which = f" {failed}={paths[failed]}" if failed in paths else ""
         raise StartupError(f"--lora-modules{which} (tenant {tenant!r}): {exc}; none of the {len(checked)} "
                            "module(s) was registered") from exc
-    return [ModuleOutcome(m.name, d.version.version, d.version.sha256, d.created, d.activated)
-            for (m, _), d in zip(checked, done)]
 
 
 @contextmanager

@@ -100,11 +100,9 @@ def test_keys_no_client_could_send_are_refused(registry_service, bad):
     assert _rows(registry_service) == []
 
 
-def test_keys_need_the_tenant_and_ensure_tenant_is_idempotent(registry_service):
+def test_keys_need_the_tenant(registry_service):
     with pytest.raises(NotFound):
         registry_service.sync_flag_keys("default", [VLLM_KEY])
-    assert registry_service.ensure_tenant("default") is True
-    assert registry_service.ensure_tenant("default") is False
     assert registry_service.sync_flag_keys("nobody", []).revoked == 0  # nothing to revoke, no tenant needed
 
 

@@ -96,7 +96,8 @@ def test_deleted_name_is_never_reused(registry):
         registry.create_tenant("acme")
     assert refused.value.http_status == 409
     with pytest.raises(TenantDeleted):
-        registry.ensure_tenant("acme")  # `serve --vllm-tenant acme` at its next start: refused, not recreated
+        # `serve --vllm-tenant acme` at its next start: refused, not recreated
+        registry.apply_serve_flags("acme", [], [], create_tenant=True, uploader="serve --lora-modules")
     with pytest.raises(NotFound):
         registry.delete_tenant("acme")  # already deleted
     with pytest.raises(NotFound):  # nothing can be added to the tombstone
@@ -128,7 +129,7 @@ def test_flag_keys_of_a_deleted_tenant_stay_revoked(registry):
     registry.delete_tenant("acme")
     assert registry.authenticate("flag-key-1") is None
     with pytest.raises(TenantDeleted):
-        registry.ensure_tenant("acme")
+        registry.apply_serve_flags("acme", [], [], create_tenant=True, uploader="serve --lora-modules")
     assert registry.sync_flag_keys("acme", []).revoked == 0  # a start without keys: nothing to do
     with pytest.raises(NotFound):
         registry.sync_flag_keys("acme", ["flag-key-1"])

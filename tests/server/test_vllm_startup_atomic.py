@@ -2,7 +2,9 @@
 the third of five modules (the blob store refusing its blob, the database refusing its rows)
 stops the start with an error naming that module, and leaves the registry's adapters and the
 blob store exactly as they were before the start, also when earlier modules would have been
-hot-swapped to new versions. On SQLite and PostgreSQL."""
+hot-swapped to new versions. The tenant and the ``--api-key`` keys are part of the same
+all-or-none start: a failed start leaves no tenant it would have created and no key it would
+have added or revoked. On SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -57,8 +59,8 @@ def world(registry_url, tmp_path, tiny_llama_dir):
     return settings, RegistryService.from_url(registry_url)
 
 
-def flags(paths: dict):
-    argv = ["serve", "m", "--api-key", "sk-team", "--lora-modules", *(f"{n}={p}" for n, p in paths.items())]
+def flags(paths: dict, key: str = "sk-team"):
+    argv = ["serve", "m", "--api-key", key, "--lora-modules", *(f"{n}={p}" for n, p in paths.items())]
     return startup_flags(build_parser().parse_args(argv))
 
 
@@ -67,6 +69,15 @@ def what_is_registered(settings, registry) -> tuple:
     blobs = settings.home / "blobs"
     files = sorted(str(p.relative_to(blobs)) for p in blobs.rglob("*") if p.is_file()) if blobs.exists() else []
     return adapters, files
+
+
+def everything_written(settings, registry) -> tuple:
+    """All a start can write: tenants, the tenant's keys (revoked ones too), its adapters, the
+    blob files, and the audit trail (one event per write, any tenant)."""
+    tenants = [t.name for t in registry.list_tenants()]
+    keys = [(k.id, k.revoked) for k in registry.list_api_keys("default")] if "default" in tenants else []
+    return (tenants, keys, *what_is_registered(settings, registry),
+            [(e.action, e.tenant, e.object_name) for e in registry.list_audit(limit=10_000)])
 
 
 def manager_with_store(settings, registry, wrap):
@@ -137,3 +148,55 @@ def test_a_changed_module_among_unchanged_ones_swaps_only_that_one(world, dirs, 
         ("m5", 1, False, False)]
     audit = registry.list_audit(limit=1000)[: len(registry.list_audit(limit=1000)) - events]
     assert sorted(e.action for e in audit) == ["adapter.activate", "adapter.upload"]  # m2's alone
+
+
+def refuse_m3_in_the_store(settings, registry, second):
+    refused = "sha256/" + compute_content_hash(second["m3"])
+    return manager_with_store(settings, registry, lambda s: PutFailsFor(s, refused))
+
+
+def refuse_m3_in_the_database(monkeypatch):
+    real_put = RegistryService._put_version
+
+    def refuse_m3(session, tenant_row, name, *args):
+        if name == "m3":
+            raise Conflict("the database refused m3's row")
+        return real_put(session, tenant_row, name, *args)
+
+    monkeypatch.setattr(RegistryService, "_put_version", staticmethod(refuse_m3))
+
+
+@pytest.mark.parametrize("failure", ["store", "database"])
+@pytest.mark.parametrize("earlier_start", [False, True], ids=["first-start", "restart-rotating-the-key"])
+def test_a_failed_module_leaves_no_tenant_and_no_key_change(world, dirs, failure, earlier_start, monkeypatch):
+    settings, registry = world
+    first, second = dirs
+    if earlier_start:  # served with sk-old; this start would rotate it to sk-new and swap all five
+        apply_startup_flags(flags(first, key="sk-old"), settings, registry)
+    before = everything_written(settings, registry)
+    make = None
+    if failure == "store":
+        make = refuse_m3_in_the_store(settings, registry, second)
+    else:
+        refuse_m3_in_the_database(monkeypatch)
+    with pytest.raises(StartupError, match=r"m3.*none of the 5 module\(s\) was registered"):
+        apply_startup_flags(flags(second, key="sk-new"), settings, registry, make_adapter_manager=make)
+    monkeypatch.undo()
+    assert everything_written(settings, registry) == before
+    assert registry.authenticate("sk-new") is None
+    assert registry.authenticate("sk-old") == ("default" if earlier_start else None)
+
+
+def test_a_key_refused_after_the_blobs_were_stored_leaves_nothing(world, dirs):
+    """The key check runs in the start's one transaction, after the modules' blobs are stored:
+    a key of another tenant refuses the start, and those blobs are removed again."""
+    settings, registry = world
+    first, _ = dirs
+    registry.create_tenant("other")
+    _, others_key = registry.create_api_key("other")
+    before = everything_written(settings, registry)
+    with pytest.raises(StartupError, match=r"^vLLM flags \(tenant 'default'\): --api-key #1 is already a key of "
+                                           r"tenant 'other'"):
+        apply_startup_flags(flags(first, key=others_key), settings, registry)
+    assert everything_written(settings, registry) == before
+    assert registry.authenticate(others_key) == "other"
