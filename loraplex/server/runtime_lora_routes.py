@@ -36,7 +36,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from loraplex.lora.snapshot import OutsideAllowedPaths, adapter_snapshot
-from loraplex.registry.adapter_manager import ADAPTER_FILES
+from loraplex.registry.adapter_upload import ADAPTER_FILES
 from loraplex.registry.errors import InvalidName, ManagedByOperator, NotFound
 from loraplex.registry.models import ADAPTER_ORIGIN_RUNTIME
 from loraplex.server.admin_routes import drop_unused_from_engine

@@ -10,7 +10,7 @@ import pytest
 from loraplex.lora.errors import InvalidAdapterError
 from loraplex.lora.peft_format import WEIGHTS_NAME, compute_content_hash
 from loraplex.lora.snapshot import SNAPSHOT_FILES
-from loraplex.registry import adapter_manager as manager_module
+from loraplex.registry import adapter_upload as upload_module
 from loraplex.storage.base import open_blob_store
 from tests.registry.adapter_manager_helpers import files_digest, make_manager
 
@@ -25,14 +25,14 @@ def test_weights_rewritten_after_the_check_do_not_reach_the_blob(manager, adapte
     _, dirs = adapters
     work = tmp_path / "work"
     shutil.copytree(dirs["a"], work)
-    real_inspect = manager_module.inspect_adapter_dir
+    real_inspect = upload_module.inspect_adapter_dir
 
     def inspect_then_rewrite(path, spec, max_rank):
         info = real_inspect(path, spec, max_rank)
         shutil.copyfile(dirs["b"] / WEIGHTS_NAME, work / WEIGHTS_NAME)  # another save lands now
         return info
 
-    monkeypatch.setattr(manager_module, "inspect_adapter_dir", inspect_then_rewrite)
+    monkeypatch.setattr(upload_module, "inspect_adapter_dir", inspect_then_rewrite)
     version, _ = manager.upload("acme", "support", work)
     # the version names adapter a's content; what it serves must be exactly that content
     assert version.sha256 == compute_content_hash(dirs["a"])
