@@ -25,6 +25,9 @@ Failures are of two kinds (``is_permanent``, default ``usage.is_permanent_usage_
   correction), counted in ``dropped_records`` (``loraplex_usage_records_dropped_total``) and
   dropped.
 
+Writing a taken batch, splitting or dropping what the database refuses, spooling and replaying
+are ``usage_outbox.UsageOutbox``'s; this module sums, holds (the bound) and decides when.
+
 With a ``spool`` (``usage_spool.UsageSpool``, the app's ``<home>/usage-spool``), usage the
 recorder cannot hold is written to disk instead of lost: what is left unwritten at ``stop``,
 and, when the bound is reached during an outage, the held batches (further keys are summed
@@ -43,11 +46,10 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from hashlib import sha256
 
-from loraplex.registry.usage import BATCH_ID_MAX_LENGTH, COUNTERS, UsageDelta, hour_of, is_permanent_usage_error
-from loraplex.server.usage_spool import SpoolFileError, UsageSpool
+from loraplex.registry.usage import COUNTERS, UsageDelta, hour_of, is_permanent_usage_error
+from loraplex.server.usage_outbox import FAILED, REFUSED, Batch, Key, UsageOutbox
+from loraplex.server.usage_spool import UsageSpool
 
 log = logging.getLogger("loraplex.server")
 
@@ -57,29 +59,6 @@ DEFAULT_MAX_PENDING_ROWS = 100_000
 # the thread's wait after n failed flushes in a row: flush_seconds * 2**n, at most this (or
 # flush_seconds when that is longer)
 DEFAULT_MAX_BACKOFF_S = 60.0
-Key = tuple[str, "str | None", object]  # (tenant, adapter or None for the base model, hour)
-WRITTEN, FAILED, REFUSED = "written", "failed", "refused"
-
-
-@dataclass(frozen=True)
-class Batch:
-    """Sums sent to the database under one id; resent unchanged until it is known written."""
-
-    id: str
-    rows: dict[Key, tuple[int, ...]]
-
-    def deltas(self) -> list[UsageDelta]:
-        return [UsageDelta(tenant, adapter, hour, **dict(zip(COUNTERS, counts)))
-                for (tenant, adapter, hour), counts in self.rows.items()]
-
-    def split(self) -> list[Batch]:
-        """One batch per row, each id derived from this one's (the same split every time)."""
-        return [Batch(_row_batch_id(self.id, i), {key: counts}) for i, (key, counts) in enumerate(self.rows.items())]
-
-
-def _row_batch_id(batch_id: str, index: int) -> str:
-    derived = f"{batch_id}.{index}"
-    return derived if len(derived) <= BATCH_ID_MAX_LENGTH else sha256(derived.encode()).hexdigest()[:32]
 
 
 class UsageRecorder:
@@ -101,14 +80,13 @@ class UsageRecorder:
     ):
         if flush_seconds <= 0:
             raise ValueError("flush_seconds must be positive (0 means: do not create a recorder)")
-        self._write = write
         self.flush_seconds = float(flush_seconds)
         self.max_pending_rows = int(max_pending_rows)
         self.max_backoff_seconds = max(float(max_backoff_seconds), self.flush_seconds)
         self._clock = clock
-        self._is_permanent = is_permanent
         self._new_batch_id = new_batch_id
         self.spool = spool
+        self._outbox = UsageOutbox(write, is_permanent, spool, requests_dropped=lambda: self.dropped_requests)
         self._pending: dict[Key, list[int]] = {}  # summed since the last batch was taken
         # taken, not yet known written; resent as they are. Changed only under _flush_lock
         # (appended to under _lock as well), so a batch being written stays where it is
@@ -122,11 +100,6 @@ class UsageRecorder:
         self._wake = threading.Event()  # the thread's wait: its interval, the bound reached, stop
         self._thread: threading.Thread | None = None
         self.dropped_requests = 0
-        self.dropped_records = 0
-        self.flushes = 0
-        self.failed_flushes = 0
-        self.spool_files_set_aside = 0
-        self._failures_in_a_row = 0
 
     def record(self, tenant: str, adapter: str | None, *, prompt_tokens: int, completion_tokens: int,
                ok: bool) -> None:
@@ -174,6 +147,24 @@ class UsageRecorder:
         return len(self._pending) + len(self._unsent_keys) - self._overlap
 
     @property
+    def flushes(self) -> int:
+        """Batches written."""
+        return self._outbox.flushes
+
+    @property
+    def failed_flushes(self) -> int:
+        return self._outbox.failed_flushes
+
+    @property
+    def dropped_records(self) -> int:
+        """Rows the database refused, logged and dropped."""
+        return self._outbox.dropped_records
+
+    @property
+    def spool_files_set_aside(self) -> int:
+        return self._outbox.spool_files_set_aside
+
+    @property
     def pending_rows(self) -> int:
         """Rows (tenant, adapter, hour) not yet written, nor spooled."""
         with self._lock:
@@ -200,7 +191,7 @@ class UsageRecorder:
         with self._flush_lock:
             if self._overflow:
                 self._spool_held(with_pending=False)
-            return self._write_held() and self._replay_spool()
+            return self._write_held() and self._outbox.replay()
 
     def _write_held(self) -> bool:
         took_pending = False
@@ -208,18 +199,18 @@ class UsageRecorder:
             with self._lock:
                 if not self._unsent:
                     if took_pending or not self._pending:
-                        self._failures_in_a_row = 0
+                        self._outbox.all_written()
                         return True
                     self._take_pending()
                     took_pending = True
                 batch = self._unsent[0]
-            result = self._send(batch, "kept for the next flush")
+            result = self._outbox.send(batch, "kept for the next flush")
             if result == FAILED:
                 return False
             with self._lock:
                 self._unsent.popleft()
                 if result == REFUSED:
-                    self._unsent.extendleft(reversed(self._split_or_drop(batch)))
+                    self._unsent.extendleft(reversed(self._outbox.split_or_drop(batch)))
                 self._unsent_keys = {key for b in self._unsent for key in b.rows}
                 self._overlap = sum(1 for key in self._pending if key in self._unsent_keys)
 
@@ -230,34 +221,6 @@ class UsageRecorder:
         self._overlap = 0
         self._unsent.append(batch)
         self._unsent_keys.update(batch.rows)
-
-    def _send(self, batch: Batch, if_failed: str) -> str:
-        """Write ``batch``: WRITTEN (or recorded before), FAILED (transient, logged) or REFUSED."""
-        try:
-            self._write(batch.deltas(), batch.id)
-        except Exception as exc:  # noqa: BLE001 - sorted here; serving goes on
-            if self._is_permanent(exc):
-                return REFUSED
-            self.failed_flushes += 1
-            self._failures_in_a_row += 1
-            log.exception("usage accounting: writing %d row(s) failed; %s (%d request(s) dropped so far)",
-                          len(batch.rows), if_failed, self.dropped_requests)
-            return FAILED
-        self.flushes += 1
-        return WRITTEN
-
-    def _split_or_drop(self, batch: Batch) -> list[Batch]:
-        """The database refused ``batch`` (nothing of it was written): its rows as batches of
-        one, or nothing when it is one row (logged with its counts and dropped)."""
-        if len(batch.rows) > 1:
-            log.warning("usage accounting: the database refused a batch of %d rows; writing them "
-                        "one by one to keep the good ones", len(batch.rows))
-            return batch.split()
-        (tenant, adapter, hour), counts = next(iter(batch.rows.items()))
-        log.error("usage accounting: DROPPED usage the database refused: tenant=%r adapter=%r hour=%s %s",
-                  tenant, adapter, hour.isoformat(), " ".join(f"{n}={v}" for n, v in zip(COUNTERS, counts)))
-        self.dropped_records += 1
-        return []
 
     def _spool_held(self, *, with_pending: bool) -> int:
         """Move the unsent batches and the sums past the bound (and with ``with_pending``, the
@@ -270,64 +233,17 @@ class UsageRecorder:
             if self._overflow:
                 batches.append(Batch(self._new_batch_id(), {k: tuple(c) for k, c in self._overflow.items()}))
             self._unsent, self._unsent_keys, self._overlap, self._overflow = deque(), set(), 0, {}
-        kept, spooled = [], 0
-        for batch in batches:
-            try:
-                path = self.spool.save(batch)
-            except Exception:  # noqa: BLE001 - a full disk, or a value JSON cannot hold: keep it, go on
-                log.exception("usage accounting: spooling %d row(s) to %s failed; kept in memory",
-                              len(batch.rows), self.spool.directory)
-                kept.append(batch)
-                continue
-            spooled += len(batch.rows)
-            log.warning("usage accounting: %d row(s) not written to the database spooled to %s "
-                        "(replayed once it takes them)", len(batch.rows), path)
+        kept, spooled = self._outbox.save(batches)
         with self._lock:
             self._unsent.extendleft(reversed(kept))
             self._unsent_keys = {key for b in self._unsent for key in b.rows}
             self._overlap = sum(1 for key in self._pending if key in self._unsent_keys)
         return spooled
 
-    def _replay_spool(self) -> bool:
-        """Write the spooled batches under their ids, deleting each file once written; False at
-        the first transient failure (the rest wait for the next flush). Flush lock held."""
-        if self.spool is None:
-            return True
-        for path in self.spool.files():
-            try:
-                batch = Batch(*self.spool.load(path))
-            except FileNotFoundError:
-                continue  # another process sharing this home replayed it
-            except SpoolFileError as exc:
-                moved_to = self.spool.set_aside(path)
-                if moved_to is not None:  # None: another process set it aside first
-                    self.spool_files_set_aside += 1
-                    log.error("usage accounting: UNREADABLE spool file %s (%s) set aside as %s; its usage is "
-                              "not counted until it is repaired and renamed back", path, exc, moved_to)
-                continue
-            except OSError:
-                log.exception("usage accounting: reading spool file %s failed; left for the next flush", path)
-                return False
-            waiting = deque([batch])
-            while waiting:
-                result = self._send(waiting[0], f"kept in {path}")
-                if result == FAILED:
-                    return False  # a row already written by a split is a no-op when replayed: same ids
-                sent = waiting.popleft()
-                if result == REFUSED:
-                    waiting.extendleft(reversed(self._split_or_drop(sent)))
-            try:
-                self.spool.remove(path)
-            except OSError:
-                log.exception("usage accounting: could not delete replayed spool file %s (its batch is "
-                              "written; replaying it again adds nothing)", path)
-            log.info("usage accounting: replayed spooled usage batch %s (%d row(s))", batch.id, len(batch.rows))
-        return True
-
     def next_wait(self) -> float:
         """The thread's wait before its next flush: ``flush_seconds``, doubled after each failed
         flush in a row, at most ``max_backoff_seconds``."""
-        return min(self.flush_seconds * 2 ** min(self._failures_in_a_row, 30), self.max_backoff_seconds)
+        return min(self.flush_seconds * 2 ** min(self._outbox.failures_in_a_row, 30), self.max_backoff_seconds)
 
     def _run(self) -> None:
         self.flush()  # at once: replays what an earlier process spooled

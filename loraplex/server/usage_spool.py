@@ -28,7 +28,7 @@ from pathlib import Path
 
 from loraplex.registry.usage import BATCH_ID_MAX_LENGTH, COUNTERS
 
-# (tenant, adapter, hour) -> the COUNTERS, in order: ``usage_recorder.Batch.rows``
+# (tenant, adapter, hour) -> the COUNTERS, in order: ``usage_outbox.Batch.rows``
 Rows = dict[tuple, tuple[int, ...]]
 
 FORMAT = "loraplex.usage-batch"
@@ -49,7 +49,7 @@ class UsageSpool:
         self.directory = Path(directory)
 
     def save(self, batch) -> Path:
-        """Write ``batch`` (a ``usage_recorder.Batch``: ``id`` and ``rows``) to its file,
+        """Write ``batch`` (a ``usage_outbox.Batch``: ``id`` and ``rows``) to its file,
         atomically and durably; returns the path. Raises OSError."""
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / _file_name(batch.id)

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from loraplex.server.usage_recorder import Batch
+from loraplex.server.usage_outbox import Batch
 from loraplex.server.usage_spool import FORMAT, FORMAT_VERSION, SpoolFileError, UsageSpool
 
 H0 = datetime(2026, 12, 3, 14, tzinfo=timezone.utc)
