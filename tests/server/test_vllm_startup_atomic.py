@@ -88,34 +88,36 @@ def manager_with_store(settings, registry, wrap):
     return make
 
 
-@pytest.mark.parametrize("earlier_start", [False, True], ids=["first-start", "restart-with-changes"])
+@pytest.mark.parametrize("earlier_start", [False, True], ids=["first-start", "restart-with-changes-and-a-new-key"])
 def test_a_blob_the_store_refuses_registers_no_module(world, dirs, earlier_start):
     settings, registry = world
     first, second = dirs
-    if earlier_start:  # all five served; this start would swap each to new weights
-        apply_startup_flags(flags(first), settings, registry)
-    before = what_is_registered(settings, registry)
+    if earlier_start:  # all five served with sk-old; this start would swap each and rotate the key
+        apply_startup_flags(flags(first, key="sk-old"), settings, registry)
+    before = everything_written(settings, registry)
     refused = "sha256/" + compute_content_hash(second["m3"])
     with pytest.raises(StartupError) as caught:
-        apply_startup_flags(flags(second), settings, registry,
+        apply_startup_flags(flags(second, key="sk-new"), settings, registry,
                             make_adapter_manager=manager_with_store(settings, registry,
                                                                     lambda s: PutFailsFor(s, refused)))
     message = str(caught.value)
     assert message.startswith(f"--lora-modules m3={second['m3']} (tenant 'default'): ")
     assert "the store is full" in message and "none of the 5 module(s) was registered" in message
-    assert what_is_registered(settings, registry) == before
+    assert everything_written(settings, registry) == before  # no tenant created, no key added or revoked
+    assert registry.authenticate("sk-new") is None
+    assert registry.authenticate("sk-old") == ("default" if earlier_start else None)
     if earlier_start:
         for name in NAMES:
             assert registry.resolve("default", name).sha256 == compute_content_hash(first[name])
 
 
-@pytest.mark.parametrize("earlier_start", [False, True], ids=["first-start", "restart-with-changes"])
+@pytest.mark.parametrize("earlier_start", [False, True], ids=["first-start", "restart-with-changes-and-a-new-key"])
 def test_a_database_failure_on_the_third_module_registers_none(world, dirs, earlier_start, monkeypatch):
     settings, registry = world
     first, second = dirs
     if earlier_start:
-        apply_startup_flags(flags(first), settings, registry)
-    before = what_is_registered(settings, registry)
+        apply_startup_flags(flags(first, key="sk-old"), settings, registry)
+    before = everything_written(settings, registry)
     real_put = RegistryService._put_version
 
     def refuse_m3(session, tenant_row, name, *args):
@@ -124,12 +126,16 @@ def test_a_database_failure_on_the_third_module_registers_none(world, dirs, earl
         return real_put(session, tenant_row, name, *args)
 
     monkeypatch.setattr(RegistryService, "_put_version", staticmethod(refuse_m3))
-    with pytest.raises(StartupError, match=r"refused m3's row; none of the 5 module\(s\) was registered"):
-        apply_startup_flags(flags(second), settings, registry)
+    with pytest.raises(StartupError, match=r"^--lora-modules m3=.*refused m3's row; none of the 5 module\(s\) "
+                                           "was registered"):
+        apply_startup_flags(flags(second, key="sk-new"), settings, registry)
     monkeypatch.undo()
-    assert what_is_registered(settings, registry) == before
+    assert everything_written(settings, registry) == before
+    assert registry.authenticate("sk-new") is None
+    assert registry.authenticate("sk-old") == ("default" if earlier_start else None)
     # and the same start without the failure registers all five
-    outcome = apply_startup_flags(flags(second), settings, registry)
+    outcome = apply_startup_flags(flags(second, key="sk-new"), settings, registry)
+    assert registry.authenticate("sk-new") == "default" and registry.authenticate("sk-old") is None
     assert [m.name for m in outcome.modules] == list(NAMES) and all(m.activated for m in outcome.modules)
     for name in NAMES:
         assert registry.resolve("default", name).sha256 == compute_content_hash(second[name])
@@ -148,43 +154,6 @@ def test_a_changed_module_among_unchanged_ones_swaps_only_that_one(world, dirs, 
         ("m5", 1, False, False)]
     audit = registry.list_audit(limit=1000)[: len(registry.list_audit(limit=1000)) - events]
     assert sorted(e.action for e in audit) == ["adapter.activate", "adapter.upload"]  # m2's alone
-
-
-def refuse_m3_in_the_store(settings, registry, second):
-    refused = "sha256/" + compute_content_hash(second["m3"])
-    return manager_with_store(settings, registry, lambda s: PutFailsFor(s, refused))
-
-
-def refuse_m3_in_the_database(monkeypatch):
-    real_put = RegistryService._put_version
-
-    def refuse_m3(session, tenant_row, name, *args):
-        if name == "m3":
-            raise Conflict("the database refused m3's row")
-        return real_put(session, tenant_row, name, *args)
-
-    monkeypatch.setattr(RegistryService, "_put_version", staticmethod(refuse_m3))
-
-
-@pytest.mark.parametrize("failure", ["store", "database"])
-@pytest.mark.parametrize("earlier_start", [False, True], ids=["first-start", "restart-rotating-the-key"])
-def test_a_failed_module_leaves_no_tenant_and_no_key_change(world, dirs, failure, earlier_start, monkeypatch):
-    settings, registry = world
-    first, second = dirs
-    if earlier_start:  # served with sk-old; this start would rotate it to sk-new and swap all five
-        apply_startup_flags(flags(first, key="sk-old"), settings, registry)
-    before = everything_written(settings, registry)
-    make = None
-    if failure == "store":
-        make = refuse_m3_in_the_store(settings, registry, second)
-    else:
-        refuse_m3_in_the_database(monkeypatch)
-    with pytest.raises(StartupError, match=r"m3.*none of the 5 module\(s\) was registered"):
-        apply_startup_flags(flags(second, key="sk-new"), settings, registry, make_adapter_manager=make)
-    monkeypatch.undo()
-    assert everything_written(settings, registry) == before
-    assert registry.authenticate("sk-new") is None
-    assert registry.authenticate("sk-old") == ("default" if earlier_start else None)
 
 
 def test_a_key_refused_after_the_blobs_were_stored_leaves_nothing(world, dirs):
