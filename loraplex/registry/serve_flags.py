@@ -57,7 +57,8 @@ class ServeFlagsMixin:
         ``sync_flag_keys`` does, and add and activate ``versions`` as ``add_versions_active``
         does (``check_blob`` as there; a ``RegistryError`` about one adapter carries its name as
         ``adapter``). Any error writes nothing."""
-        validate_tenant_name(tenant)
+        if create_tenant or secrets or versions:  # else only flag keys of an earlier start are revoked
+            validate_tenant_name(tenant)
         positions = flag_key_positions(secrets)
         rows = version_rows(versions, uploader)
         for attempt in range(SERVE_FLAGS_ATTEMPTS):

@@ -99,8 +99,9 @@ def apply_startup_flags(flags: StartupFlags, settings: Settings, registry, make_
     # earlier modules were registered, nor register bytes other than the checked ones.
     with ExitStack() as copies:
         try:
-            validate_tenant_name(tenant)  # as the transaction will, but before any blob is stored
-            flag_key_positions(list(flags.api_keys))
+            if flags.given:  # checked as the transaction will, but before any blob is stored
+                validate_tenant_name(tenant)
+                flag_key_positions(list(flags.api_keys))
             manager = None
             checked: list[tuple[LoRAModule, Path]] = []
             if flags.lora_modules:

@@ -165,6 +165,15 @@ def test_an_invalid_tenant_name_stops_start(world, adapter_dirs):
     assert registry.list_tenants() == []
 
 
+def test_without_the_flags_the_vllm_tenant_is_not_looked_at(world):
+    """A server started without --api-key and --lora-modules writes nothing for them and does not
+    check the (unused) tenant name."""
+    settings, registry = world
+    settings = settings.model_copy(update={"vllm_tenant": "../etc"})
+    outcome = apply_startup_flags(flags(), settings, registry)
+    assert outcome.notes() == [] and registry.list_tenants() == []
+
+
 def test_a_start_for_a_deleted_vllm_tenant_is_refused_and_recreates_nothing(world, adapter_dirs):
     """``serve --api-key K`` again after the operator deleted the ``--vllm-tenant``: refused with
     a message saying so (tenant names are never reused), the tenant stays deleted, K stays revoked."""
