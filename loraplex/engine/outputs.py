@@ -22,7 +22,8 @@ class ScheduledSeq:
     """One sequence's share of a step: ``num_tokens`` tokens starting at ``start_pos``.
 
     The tokens are ``seq.all_token_ids[start_pos : start_pos + num_tokens]``; their KV goes to
-    the slots given by ``block_table`` (already allocated for all of them). ``needs_sample`` is
+    the slots given by ``block_tables`` (one table per layer group, already allocated for all of
+    them; ``block_table`` alone stands for a model with one group). ``needs_sample`` is
     true when this chunk reaches the end of the known tokens (last prefill chunk, or a decode),
     so a new token is sampled from the logits of its last position.
 
@@ -39,6 +40,11 @@ class ScheduledSeq:
     needs_sample: bool
     adapter_id: str | None  # content sha256 of the adapter version, None = base model
     draft_token_ids: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] | None = None  # per layer group; None: [block_table]
+
+    def __post_init__(self):
+        if self.block_tables is None:
+            self.block_tables = [self.block_table]
 
 
 @dataclass

@@ -308,10 +308,11 @@ class Scheduler:
             seq=seq,
             start_pos=start,
             num_tokens=num_tokens,
-            block_table=seq.block_table,
+            block_table=seq.block_tables[0],
             needs_sample=start + num_tokens - len(draft) == seq.num_tokens,
             adapter_id=seq.adapter_id,
             draft_token_ids=draft,
+            block_tables=seq.block_tables,
         )
 
     @staticmethod

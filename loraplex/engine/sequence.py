@@ -43,7 +43,8 @@ FINISH_STATUS = {
 class Sequence:
     """A prompt and the tokens generated after it, plus its scheduling state.
 
-    The KV of ``all_token_ids[:num_computed_tokens]`` sits in the blocks of ``block_table``.
+    The KV of ``all_token_ids[:num_computed_tokens]`` sits in the blocks of ``block_tables``
+    (one table per layer group, see ``kv_layout``; ``block_table`` is the first group's).
     ``adapter_id`` is the adapter's content sha256 (None = base model).
     """
 
@@ -71,7 +72,8 @@ class Sequence:
     reasoning_gate: object | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    # per layer group, the pages of the sequence's blocks (block_manager.FREED_BLOCK: given back)
+    block_tables: list[list[int]] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     admitted_time: float | None = None  # last admission (RUNNING), for preemption order
     first_token_time: float | None = None
@@ -81,6 +83,18 @@ class Sequence:
     # prefix-cache keys of the leading full blocks of all_token_ids, filled in by the block
     # manager as it needs them; tokens are only ever appended, so they never go stale
     block_hashes: list[bytes] = field(default_factory=list)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first (for a model without layer groups, the only) group's block table; created
+        empty on first use, so a caller may grow it in place."""
+        if not self.block_tables:
+            self.block_tables = [[]]
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables = [table]
 
     @property
     def all_token_ids(self) -> list[int]:
