@@ -16,6 +16,7 @@ length); LoRA's ``num_segments`` is ``min(B, max_loras)``, ``max_seg_len`` the s
 (the next power of two of the longest segment, at most ``B``) and ``max_rank`` the pool's; the
 unused segments are empty. Which projections get a LoRA delta must not depend on the step, so
 under a graph every projection with a slot stack runs the kernels (zero weights add nothing).
+With layer groups (``kv_layout``) each group has its own static slot mapping and block tables.
 
 The capture function is injected: ``cuda_capture`` on a GPU; the tests replay eagerly on CPU
 (Triton interpreter) to check the padding and metadata against the unpadded forward.
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from loraplex.engine.host_arrays import block_table_rows, to_tensor
+from loraplex.engine.kv_layout import KVLayout
 from loraplex.engine.outputs import ScheduledSeq
 from loraplex.kernels.lora_meta import LoRABatchMeta
 from loraplex.lora.context import MAX_SLICES, LoRAStepContext, group_by_slot
@@ -105,8 +107,10 @@ class DecodeGraphs:
         max_model_len: int,
         max_num_seqs: int,
         capture: CaptureFn,
+        layout: KVLayout | None = None,  # None: one group of every layer
     ):
         self.model = model
+        self.layout = layout or KVLayout.single(len(kv_caches))
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -118,8 +122,9 @@ class DecodeGraphs:
         n, max_blocks = self.max_batch, -(-max_model_len // block_size)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        groups = self.layout.num_groups
+        self.slot_mappings = [torch.full((n,), -1, dtype=torch.int64, device=device) for _ in range(groups)]
+        self.block_tables = [torch.zeros(n, max_blocks, dtype=torch.int32, device=device) for _ in range(groups)]
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(n + 1, dtype=torch.int32, device=device)
         self.token_perm = torch.arange(n, dtype=torch.int64, device=device)
@@ -162,14 +167,15 @@ class DecodeGraphs:
         bs, n = self.block_size, len(scheduled)
         positions = [item.start_pos for item in scheduled]
         input_ids = [item.seq.token_at(pos) for item, pos in zip(scheduled, positions)]
-        slots = [item.block_table[pos // bs] * bs + pos % bs for item, pos in zip(scheduled, positions)]
         seq_lens = [p + 1 for p in positions]
         padding = batch - n
         self.input_ids[:batch].copy_(to_tensor(input_ids + [0] * padding, np.int64))
         self.positions[:batch].copy_(to_tensor(positions + [0] * padding, np.int64))
-        self.slot_mapping[:batch].copy_(to_tensor(slots + [-1] * padding, np.int64))
-        tables = block_table_rows([item.block_table for item in scheduled], seq_lens, bs)
-        self.block_tables[:n, : tables.shape[1]].copy_(torch.from_numpy(tables))
+        for g, (slot_mapping, block_tables) in enumerate(zip(self.slot_mappings, self.block_tables)):
+            slots = [item.block_tables[g][pos // bs] * bs + pos % bs for item, pos in zip(scheduled, positions)]
+            slot_mapping[:batch].copy_(to_tensor(slots + [-1] * padding, np.int64))
+            tables = block_table_rows([item.block_tables[g] for item in scheduled], seq_lens, bs)
+            block_tables[:n, : tables.shape[1]].copy_(torch.from_numpy(tables))
         self.seq_lens[:batch].copy_(to_tensor(seq_lens + [0] * padding, np.int32))
         self.query_start_loc[: batch + 1].copy_(to_tensor(list(range(n + 1)) + [n] * padding, np.int32))
 
@@ -184,13 +190,19 @@ class DecodeGraphs:
         return min(batch, _next_pow2(max(1, max_seg_len)))
 
     def _capture(self, batch: int, seg_class: int, pool: SlotPool | None) -> _Graph:
+        slot_mappings = [t[:batch] for t in self.slot_mappings]
+        block_tables = [t[:batch] for t in self.block_tables]
+        hybrid = self.layout.is_hybrid
         attn = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:batch],
-            block_tables=self.block_tables[:batch],
+            slot_mapping=slot_mappings[0],
+            block_tables=block_tables[0],
             seq_lens=self.seq_lens[:batch],
             query_start_loc=self.query_start_loc[: batch + 1],
             max_query_len=1,
             max_seq_len=self.max_model_len,  # an upper bound: sizes the split-KV choice only
+            group_slot_mappings=slot_mappings if hybrid else None,
+            group_block_tables=block_tables if hybrid else None,
+            layer_group=self.layout.layer_group if hybrid else None,
         )
         lora = None if seg_class == 0 else self._lora_context(batch, seg_class, pool)
         input_ids, positions = self.input_ids[:batch], self.positions[:batch]

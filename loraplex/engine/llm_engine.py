@@ -12,7 +12,8 @@ from typing import Any
 from loraplex import generation_defaults
 from loraplex.config import EngineConfig
 from loraplex.engine.admission_order import check_priority, check_tenant_weight
-from loraplex.engine.block_manager import BlockManager, peak_blocks_per_sequence
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.kv_layout import KVLayout
 from loraplex.engine.detokenizer import backend_decoder, single_token_texts
 from loraplex.engine.grammar import GrammarFactory
 from loraplex.engine.outputs import RequestOutput
@@ -74,11 +75,14 @@ class LLMEngine:
         self.sampling_defaults = generation_defaults.resolve(
             config.generation_config, getattr(runner, "model_dir", None), config.override_generation_config)
         spec = getattr(runner, "spec", None)
-        window = getattr(spec, "uniform_sliding_window", None)  # None: a model with a global layer
+        # how the layers share pages (a runner without one: a single group, windowed only when
+        # every layer is)
+        layout = getattr(runner, "kv_layout", None) or KVLayout.single(1, getattr(spec, "uniform_sliding_window", None))
         kv_capacity = runner.num_blocks * runner.block_size
         chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else None
         self.max_model_len = runner.max_model_len
-        if runner.num_blocks < peak_blocks_per_sequence(runner.max_model_len, runner.block_size, window, chunk):
+        if runner.num_blocks < layout.peak_pages_per_sequence(runner.max_model_len, runner.block_size, chunk):
+            kv_capacity = layout.longest_context_within(runner.num_blocks, runner.max_model_len, runner.block_size, chunk)
             self.max_model_len = min(runner.max_model_len, kv_capacity)
         if self.max_model_len < runner.max_model_len:
             logger.warning(
@@ -89,9 +93,9 @@ class LLMEngine:
             lora_manager = _build_lora_manager(config, runner)
         self.lora_manager = lora_manager or getattr(runner, "lora_manager", None)
         runner.lora_manager = self.lora_manager
-        # a model with some global layers reads every block: it keeps them all
+        # a windowed group gives back the pages before its window, a global one keeps them all
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_caching,
-                                          sliding_window=window)
+                                          group_windows=layout.group_windows)
         self.scheduler = Scheduler(
             config,
             self.block_manager,

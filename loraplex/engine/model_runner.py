@@ -9,6 +9,12 @@ GPU is present (float16 where the card lacks bf16), else CPU with float32 (exact
 transformers, and faster than bf16 on CPUs without native bf16 matmul). CPU accepts float32
 and bfloat16; CUDA bfloat16, float16 and float32.
 
+KV layout (``kv_layout.KVLayout``): the layers are grouped by the window they attend within;
+the cache is ``group_size`` storage tensors of ``[2, num_blocks, block_size, num_kv_heads,
+head_dim]`` pages, and layer ``l`` keeps its KV in tensor ``layer_slot[l]`` at its group's pages
+(``kv_caches[l]`` is that tensor). A model without windows, or with one window on every layer, is
+one group: a tensor per layer, as before.
+
 KV budget: ``kv_cache_bytes`` when given; else ``kv_cache_memory_fraction`` of the free device
 memory after the weights are loaded (CUDA), or of ``min(CPU_KV_CAP_BYTES, half the available
 RAM)`` on CPU. Never more blocks than ``max_num_seqs`` full-length sequences can use.
@@ -26,9 +32,9 @@ import numpy as np
 import torch
 
 from loraplex.config import GiB, EngineConfig
-from loraplex.engine.block_manager import peak_blocks_per_sequence
 from loraplex.engine.cuda_graphs import DecodeGraphs, cuda_capture
 from loraplex.engine.host_arrays import block_table_rows, to_tensor
+from loraplex.engine.kv_layout import KVLayout
 from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.spec_verify import position_views
@@ -101,12 +107,20 @@ class ModelRunner:
         self.eos_token_ids: set[int] = self._collect_eos_ids()
         self.block_size = config.block_size
         self.kv_bytes_per_token = self.spec.kv_bytes_per_token(self.dtype.itemsize)
+        self.kv_layout = KVLayout.from_layer_windows(self.spec.layer_windows)
+        # a page holds one block of tokens for the group_size layers of one group
+        self.kv_bytes_per_page = (
+            2 * self.kv_layout.group_size * self.spec.num_kv_heads * self.spec.head_dim * self.dtype.itemsize
+            * self.block_size
+        )
         self.num_blocks = self._size_kv_cache()
         self._limit_max_model_len_to_kv()
         cache_shape = (2, self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        self.kv_caches = [
-            torch.zeros(cache_shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)
+        self.kv_storage = [
+            torch.zeros(cache_shape, dtype=self.dtype, device=self.device) for _ in range(self.kv_layout.group_size)
         ]
+        # per layer: the storage tensor its group's pages index
+        self.kv_caches = [self.kv_storage[slot] for slot in self.kv_layout.layer_slot]
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.lora_manager = None  # set by the engine (loraplex.lora LoRAManager)
         # decode steps replayed from CUDA graphs (opt-in; see cuda_graphs); None = always eager
@@ -114,11 +128,11 @@ class ModelRunner:
         if config.cuda_graphs and self.device.type == "cuda":
             self.decode_graphs = DecodeGraphs(
                 self.model, self.kv_caches, self.block_size, self.max_model_len, config.max_num_seqs,
-                capture=cuda_capture(torch.cuda.graph_pool_handle()),
+                capture=cuda_capture(torch.cuda.graph_pool_handle()), layout=self.kv_layout,
             )
         logger.info(
             "model %s (%s, %d layers) on %s, dtype %s; KV cache: %d bytes per token, %d blocks of %d "
-            "tokens = %d max concurrent tokens (%.1f MiB); max_model_len %d",
+            "tokens = %d max concurrent tokens (%.1f MiB; %d layer groups of %d); max_model_len %d",
             self.model_name,
             self.spec.architecture,
             self.spec.num_layers,
@@ -128,7 +142,9 @@ class ModelRunner:
             self.num_blocks,
             self.block_size,
             self.max_concurrent_tokens,
-            self.num_blocks * self.block_size * self.kv_bytes_per_token / (1 << 20),
+            self.num_blocks * self.kv_bytes_per_page / (1 << 20),
+            self.kv_layout.num_groups,
+            self.kv_layout.group_size,
             self.max_model_len,
         )
 
@@ -166,13 +182,16 @@ class ModelRunner:
             return int(free * fraction)
         return int(min(CPU_KV_CAP_BYTES, _available_ram_bytes() // 2) * fraction)
 
+    def _max_chunk_tokens(self) -> int | None:
+        return self.config.max_num_batched_tokens if self.config.enable_chunked_prefill else None
+
     def peak_blocks_per_sequence(self) -> int:
-        """The most KV blocks one sequence holds at once (block_manager.peak_blocks_per_sequence)."""
-        chunk = self.config.max_num_batched_tokens if self.config.enable_chunked_prefill else None
-        return peak_blocks_per_sequence(self.max_model_len, self.block_size, self.spec.uniform_sliding_window, chunk)
+        """The most KV pages one sequence holds at once, over all layer groups
+        (``KVLayout.peak_pages_per_sequence``)."""
+        return self.kv_layout.peak_pages_per_sequence(self.max_model_len, self.block_size, self._max_chunk_tokens())
 
     def _size_kv_cache(self) -> int:
-        block_bytes = self.kv_bytes_per_token * self.block_size
+        block_bytes = self.kv_bytes_per_page
         num_blocks = self._kv_budget_bytes() // block_bytes
         useful = self.config.max_num_seqs * self.peak_blocks_per_sequence()
         num_blocks = min(num_blocks, useful)
@@ -183,10 +202,11 @@ class ModelRunner:
         return num_blocks
 
     def _limit_max_model_len_to_kv(self) -> None:
-        capacity = self.num_blocks * self.block_size
-        # a windowed model's sequence holds only its window's blocks, however long its context
-        if capacity >= self.max_model_len or self.num_blocks >= self.peak_blocks_per_sequence():
+        # a windowed group's table holds only its window's pages, however long the context
+        if self.num_blocks >= self.peak_blocks_per_sequence():
             return
+        capacity = self.kv_layout.longest_context_within(
+            self.num_blocks, self.max_model_len, self.block_size, self._max_chunk_tokens())
         if self.config.max_model_len is not None:
             raise ValueError(
                 f"max_model_len={self.max_model_len} does not fit the KV cache ({capacity} tokens); "
@@ -278,24 +298,27 @@ class ModelRunner:
 
     def prepare_batch(self, scheduled: list[ScheduledSeq]) -> FlatBatch:
         bs = self.block_size
+        num_groups = self.kv_layout.num_groups
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        group_slots: list[list[int]] = [[] for _ in range(num_groups)]  # per layer group
         adapters: list[str | None] = []
         seq_lens: list[int] = []
         query_start = [0]
-        tables: list[list[int]] = []
+        tables: list[list[list[int]]] = []  # per sequence, per group
         sample_rows: list[int] = []
         sample_seqs: list = []
         prompt_logprob_rows: list[tuple] = []
         verify_spans: list[tuple] = []
         for item in scheduled:
-            start, n, table = item.start_pos, item.num_tokens, item.block_table
+            start, n, item_tables = item.start_pos, item.num_tokens, item.block_tables
             end = start + n
             if n == 1:  # a decode token: the common case at large batches
                 input_ids.append(item.seq.token_at(start))
                 positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
+                block, offset = divmod(start, bs)
+                for slots, table in zip(group_slots, item_tables):
+                    slots.append(table[block] * bs + offset)
                 adapters.append(item.adapter_id)
             else:
                 draft = item.draft_token_ids  # speculative: the known tokens, then the draft
@@ -306,8 +329,9 @@ class ModelRunner:
                 while pos < end:  # one block at a time: its slots are a contiguous range
                     block, offset = divmod(pos, bs)
                     run = min(bs - offset, end - pos)
-                    first = table[block] * bs + offset
-                    slots.extend(range(first, first + run))
+                    for slots, table in zip(group_slots, item_tables):
+                        first = table[block] * bs + offset
+                        slots.extend(range(first, first + run))
                     pos += run
                 adapters.extend([item.adapter_id] * n)
             if item.seq.needs_prompt_logprobs:
@@ -320,7 +344,7 @@ class ModelRunner:
                     prompt_logprob_rows.append((seq, first, query_start[-1] + first - 1 - start, last - first + 1))
             seq_lens.append(end)
             query_start.append(query_start[-1] + n)
-            tables.append(table)
+            tables.append(item_tables)
             if item.draft_token_ids:  # sample at the last token and at every draft token
                 views = position_views(item.seq, item.draft_token_ids)
                 verify_spans.append((item.seq.seq_id, len(sample_rows), len(views)))
@@ -331,13 +355,21 @@ class ModelRunner:
                 sample_seqs.append(item.seq)
         max_seq_len = max(seq_lens)
         dev = self.device
+        slot_mappings = [to_tensor(slots, np.int64, dev) for slots in group_slots]
+        block_tables = [
+            to_tensor(block_table_rows([t[g] for t in tables], seq_lens, bs), np.int32, dev) for g in range(num_groups)
+        ]
+        hybrid = num_groups > 1
         attn = AttentionMetadata(
-            slot_mapping=to_tensor(slots, np.int64, dev),
-            block_tables=to_tensor(block_table_rows(tables, seq_lens, bs), np.int32, dev),
+            slot_mapping=slot_mappings[0],
+            block_tables=block_tables[0],
             seq_lens=to_tensor(seq_lens, np.int32, dev),
             query_start_loc=to_tensor(query_start, np.int32, dev),
             max_query_len=max(item.num_tokens for item in scheduled),
             max_seq_len=max_seq_len,
+            group_slot_mappings=slot_mappings if hybrid else None,
+            group_block_tables=block_tables if hybrid else None,
+            layer_group=self.kv_layout.layer_group if hybrid else None,
         )
         return FlatBatch(
             input_ids=to_tensor(input_ids, np.int64, dev),

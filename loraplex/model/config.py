@@ -126,6 +126,14 @@ class ModelSpec:
         return self.sliding_window
 
     @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer, the window it attends within (None: the whole context); what the engine
+        groups layers by for the KV pool (engine.kv_layout)."""
+        if self.gemma is not None:
+            return tuple(self.gemma.layer_window(i) for i in range(self.num_layers))
+        return (self.sliding_window,) * self.num_layers
+
+    @property
     def softmax_scale(self) -> float:
         """What attention multiplies q·k by before the softmax."""
         return self.head_dim**-0.5 if self.attention_multiplier is None else self.attention_multiplier

@@ -13,11 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.kernels import dispatch
 from loraplex.model.config import ModelSpec
 from loraplex.model.gemma_config import SLIDING
 from loraplex.model.layers import AttentionMetadata
-from loraplex.model.llama import DecoderLayer, LlamaForCausalLM, LoRAStepContext
+from loraplex.model.llama import DecoderLayer, LlamaForCausalLM, LoRAStepContext, plan_attention
 from loraplex.model.rope import RotaryEmbedding
 
 
@@ -75,13 +74,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
         hidden = F.embedding(input_ids, self.embed_tokens).mul_(self.embed_scale)  # [T, H]
         rope_global = self.rotary.lookup(positions)  # ([T, 1, head_dim], [T, 1, head_dim])
         rope_local = rope_global if self.rotary_local is None else self.rotary_local.lookup(positions)
-        plan = dispatch.plan_paged_attention(kv_caches[0], attn.block_tables, attn.seq_lens, attn.query_start_loc)
+        plans = plan_attention(kv_caches, attn)
         for i, layer in enumerate(self.layers):
             local = bool(gemma.layer_types) and gemma.layer_types[i] == SLIDING
             # attention block
             x = gemma_rms_norm(hidden, layer.input_layernorm, eps)  # [T, H]
             qk_norm = (gemma_rms_norm, layer.qk_norm) if spec.qk_norm else None  # Gemma 3
-            o = self._attention(i, x, qk_norm, rope_local if local else rope_global, attn, kv_caches, plan,
+            o = self._attention(i, x, qk_norm, rope_local if local else rope_global, attn, kv_caches, plans,
                                 lora, sliding_window=gemma.layer_window(i), softcap=gemma.attn_logit_softcap)
             if gemma.sandwich_norms:
                 hidden += gemma_rms_norm(o, layer.post_attention_layernorm, eps)

@@ -35,6 +35,15 @@ class LoRAStepContext(Protocol):
         """Add the LoRA delta of ``module`` in ``layer`` to ``y`` in place (``x`` is the input)."""
 
 
+def plan_attention(kv_caches: list[torch.Tensor], attn: AttentionMetadata) -> list:
+    """The step's attention work planned once per layer group (each has its own block tables),
+    for every layer of the group (``dispatch.plan_paged_attention``)."""
+    return [
+        dispatch.plan_paged_attention(kv_caches[0], attn.tables_of(g), attn.seq_lens, attn.query_start_loc)
+        for g in range(attn.num_groups)
+    ]
+
+
 def _linear_params(out_features: int, in_features: int, bias: bool, dtype, device):
     weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
     b = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
@@ -135,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def _attention(self, i: int, x: torch.Tensor, qk_norm, rope, attn: AttentionMetadata,
-                   kv_caches: list[torch.Tensor], plan, lora: LoRAStepContext | None,
+                   kv_caches: list[torch.Tensor], plans: list, lora: LoRAStepContext | None,
                    sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """Layer ``i``'s attention block from its normed input ``x`` [T, H] to the o projection's
         output [T, H]: the packed qkv projection, ``qk_norm`` ((norm function, weight) or None)
@@ -152,17 +161,18 @@ class LlamaForCausalLM(nn.Module):
         qk = apply_rotary(qk, *rope)
         q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
         v = qkv[:, k_end:].view(num_tokens, spec.num_kv_heads, spec.head_dim)
-        dispatch.write_kv_cache(k, v, kv_caches[i], attn.slot_mapping)
+        group = attn.group_of(i)  # the layer group whose pages hold this layer's KV
+        dispatch.write_kv_cache(k, v, kv_caches[i], attn.slots_of(group))
         attn_out = dispatch.paged_attention(
             q,
             kv_caches[i],
-            attn.block_tables,
+            attn.tables_of(group),
             attn.seq_lens,
             attn.query_start_loc,
             self.scale,
             attn.max_query_len,
             attn.max_seq_len,
-            plan=plan,
+            plan=plans[group],
             sliding_window=sliding_window,
             softcap=softcap,
         ).reshape(num_tokens, spec.q_size)  # [T, q_size]
@@ -184,12 +194,12 @@ class LlamaForCausalLM(nn.Module):
             hidden *= spec.embedding_multiplier  # in the model dtype, as transformers' Granite
         residual_multiplier = spec.residual_multiplier
         cos, sin = self.rotary.lookup(positions)  # [T, 1, head_dim] each
-        plan = dispatch.plan_paged_attention(kv_caches[0], attn.block_tables, attn.seq_lens, attn.query_start_loc)
+        plans = plan_attention(kv_caches, attn)
         for i, layer in enumerate(self.layers):
             # attention block
             x = rms_norm(hidden, layer.input_layernorm, eps)  # [T, H]
             qk_norm = (rms_norm, layer.qk_norm) if spec.qk_norm else None
-            o = self._attention(i, x, qk_norm, (cos, sin), attn, kv_caches, plan, lora,
+            o = self._attention(i, x, qk_norm, (cos, sin), attn, kv_caches, plans, lora,
                                 sliding_window=spec.sliding_window)  # Mistral's / Phi-3's window
             if residual_multiplier != 1.0:
                 o *= residual_multiplier  # rounded before the add, as in transformers' Granite
