@@ -8,7 +8,10 @@ wrong place or a stale prefix-cache hit all show up as a wrong context, and the 
 
 With ``sliding_window`` the fake model sees only the window (the last ``window`` tokens), and the
 runner reads back every key the chunk's queries attend to (from ``start - window + 1``): a block
-freed too early and reused by another sequence shows up as a wrong context.
+freed too early and reused by another sequence shows up as a wrong context. With
+``group_windows`` (layer groups, one block table each, see ``kv_layout``) every token is written
+through every group's table and each group's keys are read back through its own; the fake
+model sees the whole context when some group is global, else the (shared) window.
 """
 
 from __future__ import annotations
@@ -47,9 +50,12 @@ def reference_output(
 class FakeRunner:
     """Checks the scheduler's output against a paged token-id cache and samples ``next_token``."""
 
-    def __init__(self, num_blocks: int, block_size: int, sliding_window: int | None = None):
+    def __init__(self, num_blocks: int, block_size: int, sliding_window: int | None = None,
+                 group_windows: tuple[int | None, ...] | None = None):
         self.block_size = block_size
-        self.sliding_window = sliding_window
+        self.group_windows = group_windows or (sliding_window,)
+        # what the fake model sees: everything when some group is global
+        self.sliding_window = None if None in self.group_windows else max(self.group_windows)
         self.kv: dict[int, tuple[int, int]] = {}  # slot -> (position, token id)
         self.num_slots = num_blocks * block_size
         self.steps: list[SchedulerOutput] = []
@@ -65,27 +71,31 @@ class FakeRunner:
             assert entry.start_pos == seq.num_computed_tokens
             end = entry.start_pos + entry.num_tokens
             assert end <= seq.num_tokens
-            assert len(entry.block_table) * self.block_size >= end
+            assert len(entry.block_tables) == len(self.group_windows)
             tokens = seq.all_token_ids
-            for pos in range(entry.start_pos, end):
-                block = entry.block_table[pos // self.block_size]
-                # a block being written belongs to this sequence alone in this step
-                assert used_blocks.setdefault(block, seq.seq_id) == seq.seq_id
-                self.kv[block * self.block_size + pos % self.block_size] = (pos, tokens[pos])
+            for table in entry.block_tables:
+                assert len(table) * self.block_size >= end
+                for pos in range(entry.start_pos, end):
+                    block = table[pos // self.block_size]
+                    # a block being written belongs to this sequence (and group) alone in this step
+                    assert used_blocks.setdefault(block, (seq.seq_id, id(table))) == (seq.seq_id, id(table))
+                    self.kv[block * self.block_size + pos % self.block_size] = (pos, tokens[pos])
         for entry in out.scheduled:
             seq = entry.seq
             end = entry.start_pos + entry.num_tokens
             tokens = seq.all_token_ids
-            # every key some query of the chunk attends to: all before it, or its first window
-            first = 0 if self.sliding_window is None else max(0, entry.start_pos - self.sliding_window + 1)
-            context = []
-            for pos in range(first, end):
-                block = entry.block_table[pos // self.block_size]
-                assert block >= 0, f"position {pos} of seq {seq.seq_id} is in a freed block"
-                stored_pos, tok = self.kv[block * self.block_size + pos % self.block_size]
-                assert stored_pos == pos
-                context.append(tok)
-            assert context == tokens[first:end]
+            for window, table in zip(self.group_windows, entry.block_tables):
+                # every key some query of the chunk attends to: all before it, or its first window
+                first = 0 if window is None else max(0, entry.start_pos - window + 1)
+                context = []
+                for pos in range(first, end):
+                    block = table[pos // self.block_size]
+                    assert block >= 0, f"position {pos} of seq {seq.seq_id} is in a freed block"
+                    stored_pos, tok = self.kv[block * self.block_size + pos % self.block_size]
+                    assert stored_pos == pos
+                    context.append(tok)
+                assert context == tokens[first:end]
+            context = tokens[:end]
             if entry.needs_sample:
                 assert end == seq.num_tokens
                 if self.sliding_window is not None:
@@ -98,11 +108,13 @@ class Harness:
     """A scheduler, its block manager and a fake runner, driven step by step."""
 
     def __init__(self, num_blocks: int = 64, block_size: int = 4, gate=None, eos_token_ids=(),
-                 sliding_window: int | None = None, **config):
+                 sliding_window: int | None = None, group_windows: tuple[int | None, ...] | None = None,
+                 **config):
         self.config = EngineConfig(block_size=block_size, **config)
-        self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching, sliding_window)
+        self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching, sliding_window,
+                                          group_windows=group_windows)
         self.scheduler = Scheduler(self.config, self.block_manager, gate, eos_token_ids=eos_token_ids)
-        self.runner = FakeRunner(num_blocks, block_size, sliding_window)
+        self.runner = FakeRunner(num_blocks, block_size, sliding_window, group_windows)
         self._ids = itertools.count()
         self.seqs: list[Sequence] = []
         self.time = 0.0
