@@ -165,6 +165,9 @@ class DecodeGraphs:
 
     def _fill_inputs(self, scheduled: list[ScheduledSeq], batch: int) -> None:
         bs, n = self.block_size, len(scheduled)
+        if len(scheduled[0].block_tables) != self.layout.num_groups:  # built without the runner's layout
+            raise ValueError(f"{len(scheduled[0].block_tables)} block tables per sequence for "
+                             f"{self.layout.num_groups} layer groups")
         positions = [item.start_pos for item in scheduled]
         input_ids = [item.seq.token_at(pos) for item, pos in zip(scheduled, positions)]
         seq_lens = [p + 1 for p in positions]

@@ -20,7 +20,8 @@ def check_graph_decodes_match_peft(model_dir, hf, adapters: dict, prompts: list[
     for name, path in adapters.items():
         llm.add_adapter(name, str(path))
     runner = llm.engine.runner
-    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, runner.max_model_len, 4, eager_capture)
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, runner.max_model_len, 4, eager_capture,
+                          layout=runner.kv_layout)
     runner.decode_graphs = graphs
     peft_model = peft_model_for(hf, adapters)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
