@@ -174,7 +174,7 @@ class BlockManager:
         limit = (seq.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(seq, limit)
         cached = self._cached
-        rows: list[list[int | None]] = [[] for _ in range(self.num_groups)]
+        rows: list[list[int]] = [[] for _ in range(self.num_groups)]
         for g, window in enumerate(self.group_windows):
             if window is None:  # the cached prefix: up to the first miss
                 row = rows[g]
@@ -186,24 +186,34 @@ class BlockManager:
                 limit = len(row)
         if not self._windowed:
             return [row[:limit] for row in rows]
-        runs: dict[int, list[int]] = {}  # per windowed group: cached blocks in a row ending at block i
-        for g, _ in self._windowed:
-            row, run_row, run = rows[g], [], 0
-            for i in range(limit):
-                block = cached.get(_cache_key(hashes[i], g))
-                row.append(block)
-                run = run + 1 if block is not None else 0
-                run_row.append(run)
-            runs[g] = run_row
-        for k in range(limit, 0, -1):
-            # the read blocks, and at least the last one
-            if all(runs[g][k - 1] >= max(1, k - _out_of_window(w, k * self.block_size, self.block_size))
-                   for g, w in self._windowed):
+        # windowed groups: from the longest candidate down, look up only the blocks its first
+        # chunk reads (and at least the last one), each block at most once
+        looked_up: dict[tuple[int, int], int | None] = {}
+        k = limit
+        while k > 0:
+            miss = -1
+            for g, window in self._windowed:
+                first = min(_out_of_window(window, k * self.block_size, self.block_size), k - 1)
+                for i in range(k - 1, first - 1, -1):
+                    if (g, i) not in looked_up:
+                        looked_up[g, i] = cached.get(_cache_key(hashes[i], g))
+                    if looked_up[g, i] is None:
+                        miss = i
+                        break
+                if miss >= 0:
+                    break
+            if miss < 0:
                 hits = []
                 for g, window in enumerate(self.group_windows):
-                    skipped = _out_of_window(window, k * self.block_size, self.block_size)
-                    hits.append([FREED_BLOCK] * skipped + rows[g][skipped:k])
+                    if window is None:
+                        hits.append(rows[g][:k])
+                    else:
+                        skipped = _out_of_window(window, k * self.block_size, self.block_size)
+                        hits.append([FREED_BLOCK] * skipped + [looked_up[g, i] for i in range(skipped, k)])
                 return hits
+            # every shorter candidate whose read blocks include the missing one fails too: the
+            # read span's start only moves back as the candidate shrinks
+            k = miss
         return none
 
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:

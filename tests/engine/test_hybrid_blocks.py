@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from loraplex.engine.block_manager import FREED_BLOCK, BlockManager, peak_blocks_per_sequence
+from loraplex.engine.block_manager import FREED_BLOCK, BlockManager, _cache_key, peak_blocks_per_sequence
 from loraplex.engine.kv_layout import KVLayout
 from loraplex.engine.sequence import Sequence
 from loraplex.sampling_params import SamplingParams
@@ -183,3 +183,47 @@ def test_churn_over_groups_keeps_pages_exact(seed):
         want = expected[seq.seq_id]
         assert seq.output_token_ids == (want[: seq.num_output_tokens] if seq.seq_id in aborted else want)
     assert h.block_manager.num_free_blocks == num_blocks
+
+
+def expected_hit_blocks(bm: BlockManager, seq: Sequence) -> int:
+    """The rule over groups: the most leading full blocks k (leaving a token to compute) such
+    that every global group has blocks 0..k-1 cached and every windowed group the blocks a chunk
+    starting at k * block_size reads, and at least the last one."""
+    bs = bm.block_size
+    limit = (seq.num_tokens - 1) // bs
+    hashes = bm._block_hashes(seq, limit)
+
+    def cached(group: int, block: int) -> bool:
+        return _cache_key(hashes[block], group) in bm._cached
+
+    for k in range(limit, 0, -1):
+        ok = True
+        for g, window in enumerate(bm.group_windows):
+            first = 0 if window is None else min(max(0, k * bs - window + 1) // bs, k - 1)
+            ok = ok and all(cached(g, j) for j in range(first, k))
+        if ok:
+            return k
+    return 0
+
+
+def test_cached_prefix_is_the_rule_on_random_states():
+    rng = random.Random(8)
+    for trial in range(300):
+        bs = rng.choice([1, 2, 4])
+        w = rng.choice([1, 2, 5, 8, 13])
+        windows = rng.choice([(None, w), (w, None, w), (None, None, w + 2), (w, w + 3)])
+        bm = BlockManager(num_blocks=rng.randint(12, 60), block_size=bs, enable_prefix_caching=True,
+                          group_windows=windows)
+        base = [rng.randrange(4) for _ in range(40)]
+        for i in range(rng.randint(1, 8)):  # sequences that ran, some still running, evicting others
+            s = _seq(i, base[: rng.randint(1, 40)] + [rng.randrange(4) for _ in range(rng.randint(0, 6))])
+            n = s.num_tokens - bm.num_cached_prefix_tokens(s)
+            if not bm.can_allocate(s, n):
+                break
+            bm.allocate(s, n)
+            s.num_computed_tokens = s.num_tokens
+            bm.release_out_of_window(s)
+            if rng.random() < 0.5:
+                bm.free(s)
+        new = _seq(99, base[: rng.randint(1, 40)] + [rng.randrange(4) for _ in range(rng.randint(1, 6))])
+        assert bm.num_cached_prefix_tokens(new) == expected_hit_blocks(bm, new) * bs, trial
