@@ -148,3 +148,19 @@ def test_multi_lora_batch_matches_peft(model, loraplex_home, tmp_path):
         llm.engine.register_adapter(name, str(path))
     got = generate_checked(llm, prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), which)
     assert got == [reference(peft_model, p, w, 12) for p, w in zip(prompts, which)]
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_speculative_decoding_frees_every_groups_pages(model, loraplex_home, prefix_caching):
+    """n-gram drafts on repeating prompts: rejected drafts' pages go back in every group, the
+    outputs stay transformers' greedy ones, under preemption."""
+    from tests.engine.spec_helpers import NGRAM, assert_drafts_accepted_and_rejected, repeating_prompts
+
+    model_dir, ref, _, _ = model
+    prompts = repeating_prompts(count=5, seed=1)[:6]
+    want = [greedy(ref, p, 20) for p in prompts]
+    llm = _llm(model_dir, loraplex_home, num_pages=60, speculative_config=NGRAM, enable_prefix_caching=prefix_caching)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    assert generate_checked(llm, prompts, params) == want
+    assert_drafts_accepted_and_rejected(llm)
+    assert llm.engine.stats()["num_preemptions"] > 0
