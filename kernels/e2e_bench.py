@@ -137,7 +137,7 @@ def run_e2e(
             from loraplex.engine.cuda_graphs import DecodeGraphs, eager_capture
 
             graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, runner.max_model_len,
-                                  llm.engine.config.max_num_seqs, capture=eager_capture)
+                                  llm.engine.config.max_num_seqs, capture=eager_capture, layout=runner.kv_layout)
         names = [f"a{i:03d}" for i in range(num_adapters)]
         for name, path in zip(names, adapter_dirs):
             llm.add_adapter(name, str(path))
