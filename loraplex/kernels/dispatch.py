@@ -80,8 +80,8 @@ def paged_attention(
     into the attention has to finish every write before any read.
 
     ``sliding_window``: a query at position p attends to keys at positions > p - window only,
-    and no path reads a block wholly before its first query's window: when every layer is
-    windowed the block manager gives such blocks back, their table entries ``FREED_BLOCK`` (-1). ``softcap``: each scaled score s becomes
+    and no path reads a block wholly before its first query's window: a windowed layer group's
+    pages before it go back to the pool, their table entries ``FREED_BLOCK`` (-1). ``softcap``: each scaled score s becomes
     ``tanh(s / softcap) * softcap`` before the mask and softmax (Gemma 2). The defaults are the
     plain causal attention, with no extra work in any path.
     """
