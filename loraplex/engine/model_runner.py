@@ -302,10 +302,12 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         group_slots: list[list[int]] = [[] for _ in range(num_groups)]  # per layer group
+        slots0 = group_slots[0]
+        hybrid = num_groups > 1  # else the one group's lists directly: a decode step's host time
         adapters: list[str | None] = []
         seq_lens: list[int] = []
         query_start = [0]
-        tables: list[list[list[int]]] = []  # per sequence, per group
+        tables: list = []  # per sequence: its table (one group) or its tables (per group)
         sample_rows: list[int] = []
         sample_seqs: list = []
         prompt_logprob_rows: list[tuple] = []
@@ -316,9 +318,12 @@ class ModelRunner:
             if n == 1:  # a decode token: the common case at large batches
                 input_ids.append(item.seq.token_at(start))
                 positions.append(start)
-                block, offset = divmod(start, bs)
-                for slots, table in zip(group_slots, item_tables):
-                    slots.append(table[block] * bs + offset)
+                if hybrid:
+                    block, offset = divmod(start, bs)
+                    for slots, table in zip(group_slots, item_tables):
+                        slots.append(table[block] * bs + offset)
+                else:
+                    slots0.append(item_tables[0][start // bs] * bs + start % bs)
                 adapters.append(item.adapter_id)
             else:
                 draft = item.draft_token_ids  # speculative: the known tokens, then the draft
@@ -344,7 +349,7 @@ class ModelRunner:
                     prompt_logprob_rows.append((seq, first, query_start[-1] + first - 1 - start, last - first + 1))
             seq_lens.append(end)
             query_start.append(query_start[-1] + n)
-            tables.append(item_tables)
+            tables.append(item_tables if hybrid else item_tables[0])
             if item.draft_token_ids:  # sample at the last token and at every draft token
                 views = position_views(item.seq, item.draft_token_ids)
                 verify_spans.append((item.seq.seq_id, len(sample_rows), len(views)))
@@ -356,10 +361,11 @@ class ModelRunner:
         max_seq_len = max(seq_lens)
         dev = self.device
         slot_mappings = [to_tensor(slots, np.int64, dev) for slots in group_slots]
-        block_tables = [
-            to_tensor(block_table_rows([t[g] for t in tables], seq_lens, bs), np.int32, dev) for g in range(num_groups)
-        ]
-        hybrid = num_groups > 1
+        if hybrid:
+            block_tables = [to_tensor(block_table_rows([t[g] for t in tables], seq_lens, bs), np.int32, dev)
+                            for g in range(num_groups)]
+        else:
+            block_tables = [to_tensor(block_table_rows(tables, seq_lens, bs), np.int32, dev)]
         attn = AttentionMetadata(
             slot_mapping=slot_mappings[0],
             block_tables=block_tables[0],
