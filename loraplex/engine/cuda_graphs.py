@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from loraplex.engine.host_arrays import block_table_rows, to_tensor
-from loraplex.engine.kv_layout import KVLayout
+from loraplex.engine.kv_layout import KVLayout, window_first_blocks
 from loraplex.engine.outputs import ScheduledSeq
 from loraplex.kernels.lora_meta import LoRABatchMeta
 from loraplex.lora.context import MAX_SLICES, LoRAStepContext, group_by_slot
@@ -177,7 +177,9 @@ class DecodeGraphs:
         for g, (slot_mapping, block_tables) in enumerate(zip(self.slot_mappings, self.block_tables)):
             slots = [item.block_tables[g][pos // bs] * bs + pos % bs for item, pos in zip(scheduled, positions)]
             slot_mapping[:batch].copy_(to_tensor(slots + [-1] * padding, np.int64))
-            tables = block_table_rows([item.block_tables[g] for item in scheduled], seq_lens, bs)
+            window = self.layout.group_windows[g]
+            tables = block_table_rows([item.block_tables[g] for item in scheduled], seq_lens, bs,
+                                      first_blocks=window_first_blocks(positions, window, bs))
             block_tables[:n, : tables.shape[1]].copy_(torch.from_numpy(tables))
         self.seq_lens[:batch].copy_(to_tensor(seq_lens + [0] * padding, np.int32))
         self.query_start_loc[: batch + 1].copy_(to_tensor(list(range(n + 1)) + [n] * padding, np.int32))

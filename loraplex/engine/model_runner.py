@@ -34,7 +34,7 @@ import torch
 from loraplex.config import GiB, EngineConfig
 from loraplex.engine.cuda_graphs import DecodeGraphs, cuda_capture
 from loraplex.engine.host_arrays import block_table_rows, to_tensor
-from loraplex.engine.kv_layout import KVLayout
+from loraplex.engine.kv_layout import KVLayout, window_first_blocks
 from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.spec_verify import position_views
@@ -362,8 +362,12 @@ class ModelRunner:
         dev = self.device
         slot_mappings = [to_tensor(slots, np.int64, dev) for slots in group_slots]
         if hybrid:
-            block_tables = [to_tensor(block_table_rows([t[g] for t in tables], seq_lens, bs), np.int32, dev)
-                            for g in range(num_groups)]
+            starts = [end - (query_start[i + 1] - query_start[i]) for i, end in enumerate(seq_lens)]
+            block_tables = [
+                to_tensor(block_table_rows([t[g] for t in tables], seq_lens, bs,
+                                           first_blocks=window_first_blocks(starts, window, bs)), np.int32, dev)
+                for g, window in enumerate(self.kv_layout.group_windows)
+            ]
         else:
             block_tables = [to_tensor(block_table_rows(tables, seq_lens, bs), np.int32, dev)]
         attn = AttentionMetadata(

@@ -33,3 +33,18 @@ def test_to_tensor_keeps_values_and_dtype():
     t = to_tensor(values, np.int64)
     assert t.dtype == torch.int64 and t.tolist() == values
     assert to_tensor([[1, 2], [3, 4]], np.int32).dtype == torch.int32
+
+
+def test_block_table_rows_leave_entries_before_first_blocks_as_freed():
+    rng = random.Random(12)
+    block_size = 4
+    seq_lens = [rng.randint(1, 80) for _ in range(8)]
+    tables = [rng.sample(range(1, 1000), math.ceil(n / block_size)) for n in seq_lens]
+    first_blocks = [rng.randint(0, math.ceil(n / block_size) + 2) for n in seq_lens]  # some past the row
+    width = max(math.ceil(n / block_size) for n in seq_lens)
+    expected = []
+    for t, n, first in zip(tables, seq_lens, first_blocks):
+        length = math.ceil(n / block_size)
+        expected.append([-1 if i < first else t[i] for i in range(length)] + [0] * (width - length))
+    got = block_table_rows(tables, seq_lens, block_size, first_blocks=first_blocks)
+    assert torch.equal(torch.from_numpy(got), torch.tensor(expected, dtype=torch.int32))
