@@ -92,7 +92,9 @@ def test_preempted_sequences_recompute_exactly(mistral, loraplex_home, prefix_ca
     assert llm.engine.stats()["num_preemptions"] > 0
 
 
-def test_only_models_windowed_on_every_layer_free_blocks():
+def test_each_layers_window_decides_the_kv_groups():
+    from loraplex.engine.kv_layout import KVLayout
+
     base = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
             "num_attention_heads": 4, "max_position_embeddings": 4096}
     mistral = ModelSpec.from_dict({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 40})
@@ -103,9 +105,15 @@ def test_only_models_windowed_on_every_layer_free_blocks():
                                            "layer_types": ["sliding_attention"] * 3})
     assert mistral.uniform_sliding_window == 40
     assert no_window.uniform_sliding_window is None and llama.uniform_sliding_window is None
-    # Gemma 2 alternates global layers, which read every block: all kept
+    # Gemma 2 alternates global layers, which read every block: they keep theirs in a group of
+    # their own (3 layers: groups of one layer), the windowed layers give back theirs
     assert gemma2.gemma.layer_window(0) == 40 and gemma2.uniform_sliding_window is None
     assert gemma3_windowed.uniform_sliding_window == 40
+    groups = {name: KVLayout.from_layer_windows(spec.layer_windows).group_windows for name, spec in
+              [("mistral", mistral), ("no_window", no_window), ("llama", llama), ("gemma2", gemma2),
+               ("gemma3_windowed", gemma3_windowed)]}
+    assert groups == {"mistral": (40,), "no_window": (None,), "llama": (None,), "gemma2": (None, 40, 40),
+                      "gemma3_windowed": (40,)}
 
 
 def test_context_longer_than_the_kv_cache(mistral, loraplex_home):
