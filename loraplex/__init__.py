@@ -1,9 +1,10 @@
 """loraplex: multi-LoRA serving over one base model."""
 
 from loraplex.lora.spec import LoRARequest
+from loraplex.beam_search import BeamSearchOutput, BeamSearchParams
 from loraplex.sampling_params import InvalidRequestError, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "InvalidRequestError", "AsyncLLMEngine", "LoRARequest"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "InvalidRequestError", "AsyncLLMEngine", "LoRARequest"]
 __version__ = "0.1.0"
 
 

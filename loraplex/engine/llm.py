@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
 
+from loraplex.beam_search import BeamSearchOutput, BeamSearchParams
 from loraplex.chat_content import check_messages, shape_messages
+from loraplex.engine.beam_search_offline import run_offline_beam_search
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.outputs import RequestOutput
@@ -185,10 +187,18 @@ class LLM:
             req.adapter_id = engine.resolve_adapter(adapter)
             req.final_only = True  # only finished outputs are read below
             prepared.append(req)
+        finals = self._run_prepared(prepared)
+        return [finals[req.request_id] for req in prepared]
+
+    def _run_prepared(self, prepared: list) -> dict[str, RequestOutput]:
+        """Add the prepared requests and step the engine until they are all done; request id ->
+        final output. On any error (an adapter that fails to load refuses the whole call) every
+        one of them is aborted, so nothing stays queued or holds KV blocks."""
+        engine = self.engine
         finals: dict[str, RequestOutput] = {}
         idle_steps = 0
         try:
-            for req in prepared:  # an adapter that fails to load refuses the whole call
+            for req in prepared:
                 engine.add_prepared(req)
             while engine.has_unfinished():
                 for out in engine.step():
@@ -204,4 +214,13 @@ class LLM:
             for req in prepared:
                 engine.abort(req.request_id)
             raise
-        return [finals[req.request_id] for req in prepared]
+        return finals
+
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: for each prompt (a string, token ids or a prompt dict),
+        its best ``params.beam_width`` beams, best first (loraplex/beam_search.py has the
+        semantics). ``lora_request``: one for all prompts or one per prompt (None: the base
+        model). ``concurrency_limit``: at most this many prompts searched at once (None: all);
+        ``use_tqdm`` is accepted and shows nothing."""
+        return run_offline_beam_search(self, prompts, params, lora_request, concurrency_limit)
