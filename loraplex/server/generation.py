@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
+from loraplex.beam_search import BeamSearchParams
 from loraplex.chat_content import shape_messages
+from loraplex.engine.beam_search_async import beam_search_outputs
 from loraplex.lora.errors import InvalidAdapterError
 from loraplex.server.context import AppContext
 from loraplex.server.errors import APIError, bad_request, model_not_found
@@ -273,10 +275,10 @@ class RequestRun:
         engine = self.ctx.engine
         n = self.req.params.n
         salt = cache_salt(self.ctx.settings.prefix_cache_scope, self.tenant, self.req.prompt_options.cache_salt)
+        run = beam_search_run(self) if self.req.beam is not None else engine.generate
         gens = [
-            engine.generate(ids, self.req.params, request_id=rid, adapter=self.target.adapter, cache_salt=salt,
-                            priority=self.req.priority, tenant=self.tenant,
-                            tenant_weight=self.limits.scheduling_weight)
+            run(ids, self.req.params, request_id=rid, adapter=self.target.adapter, cache_salt=salt,
+                priority=self.req.priority, tenant=self.tenant, tenant_weight=self.limits.scheduling_weight)
             for ids, rid in zip(self.prompt_ids, self.engine_ids)
         ]
         last_token_at: dict[int, float] = {}
@@ -355,6 +357,23 @@ class RequestRun:
             "status": status,
         }
         access_log.info(json.dumps(record, separators=(",", ":")))
+
+
+def beam_search_run(run: RequestRun):
+    """``engine.generate``'s form for a beam search request: its one final output holds the n
+    best beams (loraplex/engine/beam_search_async.py)."""
+    ctx, req = run.ctx, run.req
+    core = ctx.engine.engine  # the LLMEngine: its end-of-sequence tokens
+
+    def generate(ids, params, **kwargs):
+        beam = BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                                temperature=params.temperature, length_penalty=req.beam.length_penalty,
+                                include_stop_str_in_output=params.include_stop_str_in_output)
+        return beam_search_outputs(ctx.engine, ids, beam, eos_token_ids=core.scheduler.eos_token_ids,
+                                   tokenizer=ctx.tokenizer, vocab_size=vocab_size(ctx),
+                                   max_model_len=ctx.max_model_len, **kwargs)
+
+    return generate
 
 
 def log_refused(kind: str, tenant: str | None, model: str | None, status: int, arrival: float,

@@ -1,14 +1,14 @@
 """Parsing and validating OpenAI request bodies into engine inputs.
 
-Unknown fields are ignored, as OpenAI does, except those that would change the output and are
-not implemented (``"auto"`` tool choice, ``suffix``, ``best_of`` != ``n``, beam search ...):
-refused_fields.py answers those with a 400. A known field of the wrong type or out of range is
-a 400 whose ``param`` names the field. vLLM's extra fields (``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``prompt_logprobs``, ``structured_outputs``
-and ``guided_*`` ...) are accepted under vLLM's names so clients written for vLLM work unchanged;
-structured output fields are read by structured_fields.py, tools and tool choice by
-tool_calls.py, the prompt-side fields (chat template options, ``truncate_prompt_tokens``,
-``add_special_tokens``) by prompt_fields.py.
+Unknown fields are ignored, as OpenAI does, except those that would change the output and are not
+implemented (``"auto"`` tool choice, ``suffix``, ``best_of`` != ``n`` ...): refused_fields.py
+answers those with a 400. vLLM's ``use_beam_search`` and its fields are read by beam_fields.py. A
+known field of the wrong type or out of range is a 400 whose ``param`` names the field. vLLM's
+extra fields (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``prompt_logprobs``, ``structured_outputs`` and ``guided_*`` ...) are accepted
+under vLLM's names so clients written for vLLM work unchanged; structured output fields are read by
+structured_fields.py, tools and tool choice by tool_calls.py, the prompt-side fields (chat template
+options, ``truncate_prompt_tokens``, ``add_special_tokens``) by prompt_fields.py.
 
 A sampling field left out or null (``temperature``, ``top_p``, ``top_k``, ``min_p``,
 ``repetition_penalty``, an open ``max_tokens``) takes the server's default where it has one
@@ -26,6 +26,7 @@ from loraplex.chat_content import text_part
 from loraplex.generation_defaults import SamplingDefaults
 from loraplex.sampling_params import InvalidRequestError, SamplingParams
 from loraplex.server.chat_output import REASONING_FIELDS
+from loraplex.server.beam_fields import BeamOptions, parse_beam_search
 from loraplex.server.errors import bad_request
 from loraplex.server.prompt_fields import PromptOptions, parse_prompt_options
 from loraplex.server.refused_fields import refuse_unsupported
@@ -61,6 +62,7 @@ class GenerationRequest:
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:<id>"; None: the server's
     response_role: str = "assistant"  # chat: the answer's role (request_defaults.py)
     priority: int = 0  # vLLM's: lower is admitted first (not under --scheduling-policy fcfs)
+    beam: BeamOptions | None = None  # vLLM's use_beam_search: n beams instead of n samples
 
     @property
     def endpoint(self) -> str:
@@ -363,6 +365,7 @@ def parse_completion_request(body, defaults: SamplingDefaults | None = None,
     defaults = defaults or SamplingDefaults()
     model = _model(body)
     refuse_unsupported(body, "completion")
+    beam = parse_beam_search(body, "completion")
     prompts = _prompts(body)
     # absent: OpenAI's (and vLLM's) 16; an explicit null leaves it open, as vLLM's
     # CompletionRequest (max_tokens: int | None = 16): the server's default, else the context
@@ -395,6 +398,7 @@ def parse_completion_request(body, defaults: SamplingDefaults | None = None,
         priority=_priority(body),
         max_tokens_given=max_tokens_given,
         user=body.get("user") if isinstance(body.get("user"), str) else None,
+        beam=beam,
     )
 
 
@@ -405,6 +409,7 @@ def parse_chat_request(body, defaults: SamplingDefaults | None = None,
     defaults = defaults or SamplingDefaults()
     model = _model(body)
     refuse_unsupported(body, "chat")
+    beam = parse_beam_search(body, "chat")
     messages = _messages(body)
     max_tokens = _int(body, "max_completion_tokens", None, lo=1)
     if max_tokens is None:
@@ -445,4 +450,5 @@ def parse_chat_request(body, defaults: SamplingDefaults | None = None,
         max_tokens_given=max_tokens_given,
         priority=_priority(body),
         user=body.get("user") if isinstance(body.get("user"), str) else None,
+        beam=beam,
     )

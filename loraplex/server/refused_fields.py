@@ -2,13 +2,13 @@
 
 OpenAI ignores fields it does not know, and so does loraplex (``metadata``, ``store``,
 ``service_tier``, ``prediction``, vLLM's ``priority`` ... change nothing a client can see in the
-answer). A field that asks for a different output (``"auto"`` tool calls, a suffix, beam
-search ...) is another matter: answering as if it had not been sent would hand the
+answer). A field that asks for a different output (``"auto"`` tool calls, a suffix ...) is
+another matter: answering as if it had not been sent would hand the
 client text it did not ask for, without a word. Such a field is refused with a 400 in the
 OpenAI envelope whose ``param`` names it, unless its value asks for nothing beyond what is
 served anyway (``best_of`` equal to ``n``, an empty list, ``null``, a vLLM default). Structured
 output is served (``structured_fields.py``), vLLM's prompt-side fields (chat template options,
-truncation, special tokens: ``prompt_fields.py``), and so are tools with ``tool_choice`` ``"none"``,
+truncation, special tokens: ``prompt_fields.py``), vLLM's beam search (``beam_fields.py``), and so are tools with ``tool_choice`` ``"none"``,
 ``"required"`` or a named function (``tool_calls.py``), and ``"auto"`` (the default when tools
 are sent) when the server runs with ``--tool-call-parser``; without one, chat_output.py refuses
 ``"auto"`` with ``AUTO_TOOLS`` (it needs the server's option, which this table cannot see), as
@@ -72,7 +72,6 @@ REFUSED_FIELDS: dict[str, tuple[tuple[str, ...], object, str]] = {
     "audio": (("chat",), _unset, "audio output is not supported"),
     "web_search_options": (("chat",), _unset, "web search is not supported"),
     # vLLM's extra fields
-    "use_beam_search": (BOTH, _falsy_or_null, "beam search is not supported"),
     "logits_processors": (BOTH, _unset, "custom logits processors are not supported"),
     "prompt_embeds": (("completion",), _unset, "prompt embeddings are not supported"),
 }

@@ -6,6 +6,7 @@ priority the policy takes, and each prompt's room in the context (which also fil
 
 from __future__ import annotations
 
+from loraplex.beam_search import check_beam_width_cap
 from loraplex.engine.admission_order import check_priority
 from loraplex.sampling_params import InvalidRequestError, check_logprobs_cap, check_token_ids_in_vocab
 from loraplex.server.context import AppContext
@@ -42,6 +43,8 @@ def prepare(ctx: AppContext, req: GenerationRequest, prompt_ids: list[list[int]]
                           "the model's text part only and serves no images",
                           param="messages" if req.kind == "chat" else "prompt")
     _check_logprobs_cap(ctx, req)
+    if req.beam is not None:  # each step asks for 2n logprobs per beam
+        check_beam_width_cap(req.params.n, ctx.settings.max_logprobs, vocab_size(ctx), param="n")
     s = ctx.settings
     check_priority(req.priority, s.scheduling_policy)
     effective = []

@@ -1,0 +1,78 @@
+"""Beam search over the async engine (the server's ``"use_beam_search": true``), vLLM's online
+form: each step submits one one-token request per live beam through ``AsyncLLMEngine.generate``,
+so the steps batch with every other request the engine runs, carry the request's adapter,
+tenant and priority, and find the shared prefix in the prefix cache. The search is
+loraplex/beam_search.py.
+
+Cancelling the consumer (a client gone) or closing the generator cancels the step in flight:
+each of its requests is aborted by ``generate`` itself, so no KV block outlives the search.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from loraplex.beam_search import (
+    BeamSearch, BeamSearchParams, returned_text_ids, returned_token_ids, step_candidates,
+)
+from loraplex.engine.outputs import CompletionOutput, RequestOutput
+
+
+async def _collect(gen) -> tuple[list[dict], str | None]:
+    """Drain one step request: its logprobs entries and its finish reason."""
+    logprobs: list[dict] = []
+    finish = None
+    try:
+        async for out in gen:
+            for comp in out.outputs:
+                logprobs.extend(comp.logprobs or [])
+                finish = comp.finish_reason or finish
+    finally:
+        await gen.aclose()
+    return logprobs, finish
+
+
+async def beam_search_outputs(engine, prompt_ids: list[int], params: BeamSearchParams, *, request_id: str,
+                              eos_token_ids, tokenizer, vocab_size: int, max_model_len: int, adapter=None,
+                              cache_salt: str | None = None, priority: int = 0, tenant: str | None = None,
+                              tenant_weight: float = 1.0) -> AsyncIterator[RequestOutput]:
+    """Yields one finished ``RequestOutput`` whose ``outputs`` are the ``beam_width`` best beams,
+    best first (``index`` 0..n-1): ``token_ids`` without the finishing EOS unless
+    ``include_stop_str_in_output``, ``text`` never with it, ``finish_reason`` "stop" (an EOS) or
+    "length" (vLLM's online output). A step request aborted from outside ends the search with
+    ``finish_reason == "abort"``."""
+    search = BeamSearch(prompt_ids, params, eos_token_ids, max_steps=max_model_len - len(prompt_ids))
+    step = 0
+    while not search.done:
+        step_params = search.step_params(vocab_size)
+        tasks = [
+            asyncio.ensure_future(_collect(engine.generate(
+                beam.tokens, step_params, request_id=f"{request_id}-beam{step}.{i}", adapter=adapter,
+                cache_salt=cache_salt, priority=priority, tenant=tenant, tenant_weight=tenant_weight)))
+            for i, beam in enumerate(search.live)
+        ]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:  # cancelled, closed, or one step refused: stop every other one
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        if any(finish == "abort" for _, finish in results):
+            yield RequestOutput(request_id, None, list(prompt_ids),
+                                [CompletionOutput(0, "", [], "abort")], finished=True)
+            return
+        search.advance([step_candidates(logprobs) for logprobs, _ in results])
+        step += 1
+    outputs = [
+        CompletionOutput(
+            index=i,
+            text=tokenizer.decode(returned_text_ids(beam)),
+            token_ids=returned_token_ids(beam, params.include_stop_str_in_output),
+            finish_reason=beam.finish_reason,
+            stop_reason=beam.stop_reason,
+        )
+        for i, beam in enumerate(search.best())
+    ]
+    yield RequestOutput(request_id, None, list(prompt_ids), outputs, finished=True)
