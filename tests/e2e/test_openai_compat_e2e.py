@@ -201,7 +201,7 @@ def test_logit_bias_through_the_client(client):
     "extra,param",
     [({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
      ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
-     ({"extra_body": {"use_beam_search": True}}, "use_beam_search")],
+     ({"extra_body": {"use_beam_search": True, "top_k": 5}}, "top_k")],
 )
 def test_refused_fields_raise_bad_request(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
@@ -326,3 +326,30 @@ def test_vllm_prompt_logprobs_field(client, model_dir):
         client.chat.completions.create(model="base-model", messages=MESSAGES, max_tokens=1, stream=True,
                                        extra_body={"prompt_logprobs": 0})
     assert info.value.body["param"] == "prompt_logprobs"
+
+
+def test_beam_search_through_the_openai_client(client, model_dir):
+    """vLLM's ``use_beam_search`` in ``extra_body``: n choices, the reference search's best beams
+    (tests/engine/beam_reference.py over the transformers model), streamed in one piece each."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.engine.beam_reference import naive_vllm_beam_search
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok("hi")["input_ids"]
+    expected = naive_vllm_beam_search(hf, ids, 3, 4, length_penalty=0.0, eos_ids=(EOS_ID,))
+    texts = [tok.decode(gen[:-1] if eos else gen) for gen, _, eos in expected]
+    extra = {"use_beam_search": True, "length_penalty": 0.0}
+    comp = client.completions.create(model="base-model", prompt="hi", max_tokens=4, n=3, extra_body=extra)
+    assert [c.index for c in comp.choices] == [0, 1, 2]
+    assert [c.text for c in comp.choices] == texts
+    assert comp.usage.prompt_tokens == len(ids)
+    assert comp.usage.completion_tokens == sum(len(gen) - eos for gen, _, eos in expected)
+    got = {}
+    for chunk in client.completions.create(model="base-model", prompt="hi", max_tokens=4, n=3, extra_body=extra,
+                                           stream=True):
+        for c in chunk.choices:
+            got[c.index] = got.get(c.index, "") + c.text
+    assert [got[i] for i in range(3)] == texts
