@@ -159,19 +159,58 @@ def test_what_beam_search_does_not_apply_is_a_400(world, path, extra, param):
     assert engine.stats()["num_requests_finished"] == before  # nothing ran
 
 
+def _limited_tenant(srv, name: str, tpm: int) -> str:
+    key = srv.make_tenant(name)
+    with srv.admin() as c:
+        assert c.patch(f"/admin/v1/tenants/{name}", json={"max_tokens_per_minute": tpm}).status_code == 200
+    return key
+
+
+def _assert_used(ctx, tenant: str, expected: int, since: float, tpm: int) -> None:
+    """The tenant's token bucket holds ``expected`` less what refilled since ``since``."""
+    used = ctx.rate_limiter.used(tenant, "tokens")
+    assert expected - (time.monotonic() - since) * tpm / 60 - 1e-6 <= used <= expected
+
+
+def test_usage_and_rate_limits_count_the_returned_beams_once(world):
+    srv, _, engine, refs = world
+    ctx = srv.app.state.ctx
+    key = _limited_tenant(srv, "bill", 600)  # refills 10 tokens a second
+    body = {"model": _model(srv, None), "prompt": PROMPT, "use_beam_search": True, "n": 3, "max_tokens": 6}
+    start = time.monotonic()
+    with srv.tenant_client(key) as c:
+        r = c.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    expected = _expected(refs, None, PROMPT, 3, 6)
+    completion = sum(len(gen) - eos for gen, _, eos in expected)
+    assert r.json()["usage"]["completion_tokens"] == completion
+    # the reservation (prompt + n x max_tokens) gave back what the returned beams did not use
+    _assert_used(ctx, "bill", len(PROMPT) + completion, start, 600)
+    assert ctx.usage.flush()
+    totals = srv.registry.usage_report(tenant="bill").totals
+    assert (totals["requests"], totals["prompt_tokens"], totals["completion_tokens"]) == (1, len(PROMPT), completion)
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_goes_away_stops_the_search(world, stream):
-    srv, key, engine, _ = world
+    srv, _, engine, _ = world
     ctx = srv.app.state.ctx
-    body = json.dumps({"model": _model(srv, "sql"), "prompt": PROMPT, "use_beam_search": True, "n": 4,
+    tenant = f"gone{int(stream)}"
+    key = _limited_tenant(srv, tenant, 6000)  # room for 4 x 900 tokens
+    body = json.dumps({"model": _model(srv, None), "prompt": PROMPT, "use_beam_search": True, "n": 4,
                        "max_tokens": 900, "ignore_eos": True, "stream": stream}).encode()
     steps = engine.stats()["num_steps"]
+    start = time.monotonic()
     sock = _raw_request(srv.url, "/v1/completions", key, body)
     _wait(lambda: engine.stats()["num_steps"] > steps + 20, 10.0)  # the search is well under way
-    assert engine.stats()["num_unfinished_requests"] > 0
     sock.close()
     _wait(lambda: _idle(engine), 2.0)
     _wait(lambda: ctx.limiter.in_flight() == 0 and ctx.lifecycle.in_flight == 0, 2.0)
     stopped_at = engine.stats()["num_steps"]
     time.sleep(0.3)
     assert engine.stats()["num_steps"] == stopped_at  # no step request comes after the disconnect
+    assert stopped_at - steps < 900  # the search (900 steps) was cut short
+    _assert_used(ctx, tenant, len(PROMPT), start, 6000)  # the unused reservation came back
+    assert ctx.usage.flush()
+    totals = srv.registry.usage_report(tenant=tenant).totals
+    assert (totals["requests"], totals["failed_requests"], totals["failed_prompt_tokens"]) == (0, 1, len(PROMPT))
