@@ -94,6 +94,13 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
+def step_sampling_params(params: BeamSearchParams, vocab_size: int | None = None) -> SamplingParams:
+    """What each live beam's one-token step request runs with (greedy: the token it samples is
+    not used, only its logprobs)."""
+    wanted = params.candidates_per_beam if vocab_size is None else min(params.candidates_per_beam, vocab_size)
+    return SamplingParams(max_tokens=1, temperature=0.0, logprobs=wanted, ignore_eos=True)
+
+
 def beam_search_score(seq: BeamSearchSequence, length_penalty: float) -> float:
     """vLLM's ``get_beam_search_score``: ``cum_logprob / length ** length_penalty``, the length
     counting the prompt and the generated tokens but not the EOS that finished the beam."""
@@ -120,12 +127,7 @@ class BeamSearch:
         return not self.live or self.steps_left <= 0
 
     def step_params(self, vocab_size: int | None = None) -> SamplingParams:
-        """What each live beam's one-token step request runs with (greedy: the token it samples
-        is not used, only its logprobs)."""
-        wanted = self.params.candidates_per_beam
-        if vocab_size is not None:
-            wanted = min(wanted, vocab_size)
-        return SamplingParams(max_tokens=1, temperature=0.0, logprobs=wanted, ignore_eos=True)
+        return step_sampling_params(self.params, vocab_size)
 
     def advance(self, candidates: list[dict[int, float] | None]) -> None:
         """One step: ``candidates[i]`` are the (token id -> logprob) choices of ``live[i]``; None

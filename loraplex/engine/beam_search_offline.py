@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from loraplex.beam_search import (
-    BeamSearch, BeamSearchOutput, BeamSearchParams, check_beam_width_cap, step_candidates,
+    BeamSearch, BeamSearchOutput, BeamSearchParams, check_beam_width_cap, step_candidates, step_sampling_params,
 )
 from loraplex.sampling_params import InvalidRequestError
 
@@ -40,7 +40,7 @@ def run_offline_beam_search(llm: "LLM", prompts, params: BeamSearchParams, lora_
     searches, salts, adapter_ids = [], [], []
     for (prompt, salt), adapter in zip(items, adapters):
         # validates and tokenizes the prompt as generate does; nothing is queued
-        probe = engine.prepare_request(None, prompt, _probe_params(params, engine.vocab_size), cache_salt=salt)
+        probe = engine.prepare_request(None, prompt, step_sampling_params(params, engine.vocab_size), cache_salt=salt)
         ids = probe.prompt_token_ids
         searches.append(BeamSearch(ids, params, eos, max_steps=engine.max_model_len - len(ids)))
         salts.append(salt)
@@ -60,10 +60,6 @@ def run_offline_beam_search(llm: "LLM", prompts, params: BeamSearchParams, lora_
             beam.text = tok.decode(beam.tokens)  # vLLM's offline text: prompt and output
         outputs.append(BeamSearchOutput(sequences=best))
     return outputs
-
-
-def _probe_params(params: BeamSearchParams, vocab_size: int):
-    return BeamSearch([0], params, ()).step_params(vocab_size)
 
 
 def _one_step(llm: "LLM", work: list[tuple[BeamSearch, str | None, str | None]]) -> None:

@@ -90,6 +90,18 @@ def test_completions_return_the_best_beams(world, adapter):
     _wait(lambda: _idle(engine), 2.0)
 
 
+def test_each_prompt_of_a_list_gets_its_own_n_beams(world):
+    srv, key, engine, refs = world
+    tok = srv.app.state.ctx.tokenizer
+    prompts = [PROMPT, [5, 6, 7]]
+    body = {"model": _model(srv, None), "prompt": prompts, "use_beam_search": True, "n": 2, "max_tokens": 4}
+    with srv.tenant_client(key) as c:
+        r = c.post("/v1/completions", json=body)
+    choices = sorted(r.json()["choices"], key=lambda ch: ch["index"])
+    expected = [tok.decode(gen[:-1] if eos else gen) for p in prompts for gen, _, eos in _expected(refs, None, p, 2, 4)]
+    assert [ch["text"] for ch in choices] == expected
+
+
 def test_include_stop_str_counts_the_eos_token(world):
     srv, key, engine, refs = world
     body = {"model": _model(srv, None), "prompt": PROMPT, "use_beam_search": True, "n": 3, "max_tokens": 6,
