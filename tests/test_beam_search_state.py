@@ -91,3 +91,63 @@ def test_neutral_sampling_fields_pass_and_others_are_refused():
         with pytest.raises(APIError) as info:
             parse_beam_search({"use_beam_search": True, **body}, "completion")
         assert (info.value.status, info.value.param) == (400, param)
+
+
+class _ScriptedEngine:
+    """``AsyncLLMEngine.generate``'s shape over scripted candidates: the next-token logprobs of a
+    sequence depend on its last token; a sequence reaching ``abort_at`` tokens is aborted."""
+
+    def __init__(self, table: dict[int, dict[int, float]], abort_at: int | None = None):
+        self.table, self.abort_at, self.requests = table, abort_at, []
+
+    async def generate(self, prompt, params, request_id=None, **kwargs):
+        from loraplex.engine.outputs import CompletionOutput, RequestOutput
+
+        self.requests.append((request_id, list(prompt), params.logprobs))
+        if self.abort_at is not None and len(prompt) >= self.abort_at:
+            yield RequestOutput(request_id, None, prompt, [CompletionOutput(0, "", [], "abort")], True)
+            return
+        top = dict(sorted(self.table[prompt[-1]].items(), key=lambda kv: -kv[1])[: params.logprobs])
+        best = max(top, key=top.get)
+        entry = {"token_id": best, "logprob": top[best], "top_logprobs": top}
+        yield RequestOutput(request_id, None, prompt, [CompletionOutput(0, "", [best], "length", [entry])], True)
+
+
+class _Tok:
+    def decode(self, ids):
+        return ",".join(map(str, ids))
+
+
+def _drive(engine, prompt, params):
+    import asyncio
+
+    from loraplex.engine.beam_search_async import beam_search_outputs
+
+    async def main():
+        return [out async for out in beam_search_outputs(engine, prompt, params, request_id="r", eos_token_ids={EOS},
+                                                          tokenizer=_Tok(), vocab_size=10, max_model_len=64)]
+    return asyncio.run(main())
+
+
+TABLE = {5: {6: -0.1, EOS: -0.3, 7: -2.0}, 6: {EOS: -0.05, 6: -3.0, 8: -3.5}, 7: {8: -0.1, EOS: -1.0},
+         8: {8: -0.2, EOS: -2.0}, EOS: {8: -0.1}}
+
+
+def test_the_async_driver_shapes_vllms_online_output():
+    engine = _ScriptedEngine(TABLE)
+    (out,) = _drive(engine, [5], BeamSearchParams(beam_width=2, max_tokens=3, length_penalty=0.0))
+    # by hand: finished [6, EOS] -0.15 and [EOS] -0.3 beat every live beam (-2.0 and below)
+    assert [(c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs] == \
+        [(0, [6], "6", "stop", EOS), (1, [], "", "stop", EOS)]
+    assert {logprobs for _, _, logprobs in engine.requests} == {4}  # 2 x beam_width candidates per step
+    assert engine.requests[0][0] == "r-beam0.0" and len({rid for rid, _, _ in engine.requests}) == len(engine.requests)
+    (kept,) = _drive(_ScriptedEngine(TABLE), [5], BeamSearchParams(beam_width=2, max_tokens=3, length_penalty=0.0,
+                                                                     include_stop_str_in_output=True))
+    assert [(c.token_ids, c.text) for c in kept.outputs] == [([6, EOS], "6"), ([EOS], "")]
+
+
+def test_an_aborted_step_ends_the_search_as_aborted():
+    engine = _ScriptedEngine(TABLE, abort_at=3)
+    (out,) = _drive(engine, [5], BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True))
+    assert out.finished and [c.finish_reason for c in out.outputs] == ["abort"]
+    assert max(len(p) for _, p, _ in engine.requests) == 3  # nothing was asked after the aborted step
