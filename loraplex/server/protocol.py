@@ -365,7 +365,6 @@ def parse_completion_request(body, defaults: SamplingDefaults | None = None,
     defaults = defaults or SamplingDefaults()
     model = _model(body)
     refuse_unsupported(body, "completion")
-    beam = parse_beam_search(body, "completion")
     prompts = _prompts(body)
     # absent: OpenAI's (and vLLM's) 16; an explicit null leaves it open, as vLLM's
     # CompletionRequest (max_tokens: int | None = 16): the server's default, else the context
@@ -398,7 +397,7 @@ def parse_completion_request(body, defaults: SamplingDefaults | None = None,
         priority=_priority(body),
         max_tokens_given=max_tokens_given,
         user=body.get("user") if isinstance(body.get("user"), str) else None,
-        beam=beam,
+        beam=parse_beam_search(body, "completion"),
     )
 
 
@@ -409,7 +408,6 @@ def parse_chat_request(body, defaults: SamplingDefaults | None = None,
     defaults = defaults or SamplingDefaults()
     model = _model(body)
     refuse_unsupported(body, "chat")
-    beam = parse_beam_search(body, "chat")
     messages = _messages(body)
     max_tokens = _int(body, "max_completion_tokens", None, lo=1)
     if max_tokens is None:
@@ -450,5 +448,5 @@ def parse_chat_request(body, defaults: SamplingDefaults | None = None,
         max_tokens_given=max_tokens_given,
         priority=_priority(body),
         user=body.get("user") if isinstance(body.get("user"), str) else None,
-        beam=beam,
+        beam=parse_beam_search(body, "chat"),
     )
