@@ -3,7 +3,9 @@
 PEFT matches ``target_modules`` etc. against the module names of the Hugging Face model it was
 trained on, e.g. ``model.layers.3.self_attn.q_proj``. loraplex rebuilds those names for every
 layer and target module of a Llama-family decoder (the ``prefix`` before ``layers.`` is read off
-the adapter's tensor names) and applies PEFT's ``check_target_module_exists`` rules to them.
+the adapter's tensor names), plus ``{prefix}embed_tokens`` and ``lm_head`` when the base model
+serves LoRA on them (``vocab_names``), and applies PEFT's ``check_target_module_exists`` rules
+to them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from loraplex.lora.adapter_config import LoRAConfigView
 from loraplex.lora.errors import InvalidAdapterError
 from loraplex.lora.spec import TARGET_MODULES, LoRATargetSpec
+from loraplex.lora.vocab_names import EMBED, lm_head_key, vocab_module
 
 PARENT = {
     "q_proj": "self_attn",
@@ -28,37 +31,54 @@ PARENT = {
 }
 TENSOR_PREFIX = "base_model.model."
 _TENSOR_RE = re.compile(r"^(?P<key>.+)\.lora_(?P<which>[AB])\.weight$")
+_EMBEDDING_TENSOR_RE = re.compile(r"^(?P<key>.+)\.lora_embedding_(?P<which>[AB])$")
 _KEY_RE = re.compile(r"^(?P<prefix>(?:.*\.)?)layers\.(?P<layer>\d+)\.(?P<parent>[^.]+)\.(?P<mod>[^.]+)$")
 
 
 @dataclass(frozen=True)
 class TensorName:
-    prefix: str  # e.g. "model."
+    prefix: str | None  # e.g. "model."; None for lm_head, which tells no layer prefix
     module_key: str  # e.g. "model.layers.3.self_attn.q_proj"
-    layer: int
+    layer: int  # -1 for the vocabulary modules (embed_tokens, lm_head)
     module: str  # e.g. "q_proj"
     which: str  # "A" or "B"
+
+
+def _servable_names(spec: LoRATargetSpec) -> str:
+    return ", ".join([*spec.module_shapes, *spec.vocab_shapes]) or "none"
 
 
 def parse_tensor_name(name: str, spec: LoRATargetSpec) -> TensorName:
     """Split a PEFT tensor name; refuse anything that is not lora_A/lora_B of a servable module."""
     if not name.startswith(TENSOR_PREFIX):
         raise InvalidAdapterError(f"unexpected tensor {name!r} (PEFT LoRA tensors start with {TENSOR_PREFIX!r})")
-    m = _TENSOR_RE.match(name[len(TENSOR_PREFIX) :])
+    rest = name[len(TENSOR_PREFIX) :]
+    m = _TENSOR_RE.match(rest)
+    embedding = m is None
+    if embedding:
+        m = _EMBEDDING_TENSOR_RE.match(rest)
     if not m:
-        raise InvalidAdapterError(f"unexpected tensor {name!r} (only lora_A.weight / lora_B.weight are served)")
+        raise InvalidAdapterError(
+            f"unexpected tensor {name!r} (only lora_A.weight / lora_B.weight, and lora_embedding_A / "
+            "lora_embedding_B on embed_tokens, are served)"
+        )
     key, which = m.group("key"), m.group("which")
+    vocab = vocab_module(key)
+    if vocab is not None:
+        return _vocab_tensor_name(name, key, which, embedding, vocab, spec)
+    if embedding:
+        raise InvalidAdapterError(f"tensor {name!r}: lora_embedding_A / lora_embedding_B belong to embed_tokens only")
     k = _KEY_RE.match(key)
     if not k or k.group("mod") not in PARENT or k.group("parent") != PARENT[k.group("mod")]:
         raise InvalidAdapterError(
             f"tensor {name!r} targets module {key!r}, which the base model does not have as a LoRA target "
-            f"(this base model's are {', '.join(spec.module_shapes) or 'none'})"
+            f"(this base model's are {_servable_names(spec)})"
         )
     mod = k.group("mod")
     if mod not in spec.module_shapes:
         raise InvalidAdapterError(
             f"tensor {name!r} targets {mod!r}, which base model {spec.model_name!r} lacks "
-            f"(its LoRA targets are {', '.join(spec.module_shapes) or 'none'})"
+            f"(its LoRA targets are {_servable_names(spec)})"
         )
     layer = int(k.group("layer"))
     if layer >= spec.num_layers:
@@ -66,6 +86,21 @@ def parse_tensor_name(name: str, spec: LoRATargetSpec) -> TensorName:
             f"tensor {name!r} is for layer {layer}, but the base model has {spec.num_layers} layers"
         )
     return TensorName(prefix=k.group("prefix"), module_key=key, layer=layer, module=mod, which=which)
+
+
+def _vocab_tensor_name(
+    name: str, key: str, which: str, embedding: bool, vocab: tuple[str, str | None], spec: LoRATargetSpec
+) -> TensorName:
+    mod, prefix = vocab
+    if mod not in spec.vocab_shapes:
+        raise InvalidAdapterError(
+            f"tensor {name!r} targets {mod!r}, which base model {spec.model_name!r} does not serve LoRA on "
+            f"(its LoRA targets are {_servable_names(spec)})"
+        )
+    if embedding != (mod == EMBED):  # PEFT's Embedding keeps lora_embedding_*, its Linear lora_*.weight
+        want = "lora_embedding_A / lora_embedding_B" if mod == EMBED else "lora_A.weight / lora_B.weight"
+        raise InvalidAdapterError(f"tensor {name!r}: PEFT saves LoRA on {mod} as {want}")
+    return TensorName(prefix=prefix, module_key=key, layer=-1, module=mod, which=which)
 
 
 def unserved_module_key(name: str, spec: LoRATargetSpec) -> str | None:
@@ -84,16 +119,20 @@ def unserved_module_key(name: str, spec: LoRATargetSpec) -> str | None:
 
 
 def base_module_keys(spec: LoRATargetSpec, prefix: str) -> dict[str, tuple[int, str]]:
-    """Every servable module of the base model: HF module name -> (layer, PEFT module name)."""
+    """Every servable module of the base model: HF module name -> (layer, PEFT module name);
+    layer -1 for the vocabulary modules."""
     mods = [m for m in TARGET_MODULES if m in spec.module_shapes]
-    return {f"{prefix}layers.{i}.{PARENT[m]}.{m}": (i, m) for i in range(spec.num_layers) for m in mods}
+    keys = {f"{prefix}layers.{i}.{PARENT[m]}.{m}": (i, m) for i in range(spec.num_layers) for m in mods}
+    vocab_keys = {f"{prefix}embed_tokens": (-1, "embed_tokens"), lm_head_key(prefix): (-1, "lm_head")}
+    keys.update({key: lm for key, lm in vocab_keys.items() if lm[1] in spec.vocab_shapes})
+    return keys
 
 
 def enumerate_target_keys(
     cfg: LoRAConfigView, spec: LoRATargetSpec, prefix: str, unserved_keys: frozenset[str] = frozenset()
 ) -> dict[str, tuple[int, str]]:
     """The base modules ``cfg`` targets, in layer order. Refuses a ``target_modules`` entry that
-    names no module the base model can serve (e.g. ``lm_head``), and a config that targets nothing.
+    names no module the base model can serve, and a config that targets nothing.
     An entry that names only modules of ``unserved_keys`` (the adapter's tensors on parts of the
     base model that are not run, e.g. ``fc1`` of a vision tower) is let through: PEFT found it."""
     keys = base_module_keys(spec, prefix)
@@ -107,7 +146,7 @@ def enumerate_target_keys(
             if not names_module:
                 raise InvalidAdapterError(
                     f"adapter_config.json: target_modules entry {entry!r} is not a module the base model has as "
-                    f"a LoRA target (its LoRA targets are {', '.join(spec.module_shapes)})"
+                    f"a LoRA target (its LoRA targets are {_servable_names(spec)})"
                 )
     targeted = {key: lm for key, lm in keys.items() if cfg_view.targets(key)}
     if not targeted:

@@ -16,6 +16,12 @@ a multimodal Gemma 3's vision tower, where ``target_modules="all-linear"`` puts 
 checked for their names only, left out of ``AdapterInfo.modules`` and reported in
 ``AdapterInfo.warnings``; an adapter with nothing else is refused.
 
+LoRA on the vocabulary modules (``embed_tokens``, ``lm_head``; ``vocab_names`` has PEFT's names)
+is validated like the layers' (shapes against the base vocabulary and hidden size, so an
+adapter trained on a resized vocabulary is refused naming both sizes) and kept apart in
+``AdapterInfo.vocab_modules``; the base-weight copies PEFT saves next to them are checked for
+shape and not kept.
+
 Every failure raises ``InvalidAdapterError`` with a message naming the problem. Pickle files are
 never opened. Tensors are built by ``safetensors_io`` from a header we parse and check ourselves.
 
@@ -28,16 +34,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from loraplex.lora.adapter_config import LoRAConfigView, parse_config
 from loraplex.lora.errors import InvalidAdapterError
-from loraplex.lora.module_match import enumerate_target_keys, parse_tensor_name, unserved_module_key
+from loraplex.lora.module_match import TENSOR_PREFIX, enumerate_target_keys, parse_tensor_name, unserved_module_key
 from loraplex.lora.safetensors_io import MAX_HEADER_BYTES, SafetensorsFile, parse_safetensors
-from loraplex.lora.spec import TARGET_MODULES, LoRATargetSpec
+from loraplex.lora.spec import TARGET_MODULES, VOCAB_TARGETS, LoRATargetSpec
+from loraplex.lora.vocab_names import EMBED, base_copy_module, prefix_for_lm_head
 
 __all__ = [
     "AdapterInfo",
@@ -73,16 +80,16 @@ class ParsedAdapter:
 
 @dataclass(frozen=True)
 class ModuleLoRA:
-    """One targeted linear: layer, PEFT module name, its rank, alpha and scaling, and the
-    names of its two tensors in ``ParsedAdapter.tensors``."""
+    """One targeted module: layer (-1 for embed_tokens and lm_head), PEFT module name, its
+    rank, alpha and scaling, and the names of its two tensors in ``ParsedAdapter.tensors``."""
 
     layer: int
     module: str  # e.g. "q_proj"
     rank: int
     alpha: float
     scaling: float
-    a_name: str  # lora_A.weight: [rank, in_features]
-    b_name: str  # lora_B.weight: [out_features, rank]
+    a_name: str  # lora_A.weight: [rank, in_features] (embed_tokens: lora_embedding_A [rank, vocab])
+    b_name: str  # lora_B.weight: [out_features, rank] (embed_tokens: lora_embedding_B [hidden, rank])
 
 
 @dataclass(frozen=True)
@@ -93,18 +100,21 @@ class AdapterInfo:
     rank: int  # max rank over modules
     alpha: float  # lora_alpha of the config (per-module values in ``modules``)
     use_rslora: bool
-    targets: tuple[str, ...]  # PEFT module names targeted in some layer, TARGET_MODULES order
+    targets: tuple[str, ...]  # PEFT module names targeted, TARGET_MODULES then VOCAB_TARGETS order
     layers: tuple[int, ...]  # layers with at least one targeted module
     size_bytes: int
     modules: dict[tuple[int, str], ModuleLoRA]  # (layer, module) -> per-module rank/scaling
     # what the uploader should know, e.g. LoRA on a vision tower this deployment never runs
     warnings: tuple[str, ...] = ()
+    vocab_modules: dict[str, ModuleLoRA] = field(default_factory=dict)  # "embed_tokens" / "lm_head"
 
     def module_ranks(self) -> dict[str, int]:
-        return {f"{layer}.{mod}": m.rank for (layer, mod), m in self.modules.items()}
+        ranks = {f"{layer}.{mod}": m.rank for (layer, mod), m in self.modules.items()}
+        return ranks | {mod: m.rank for mod, m in self.vocab_modules.items()}
 
     def module_scalings(self) -> dict[str, float]:
-        return {f"{layer}.{mod}": m.scaling for (layer, mod), m in self.modules.items()}
+        scalings = {f"{layer}.{mod}": m.scaling for (layer, mod), m in self.modules.items()}
+        return scalings | {mod: m.scaling for mod, m in self.vocab_modules.items()}
 
     def summary(self) -> dict:
         """JSON-friendly fields for the registry row and the admin API."""
@@ -217,20 +227,32 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
     # Which module keys the tensors belong to (and the key prefix PEFT saw, e.g. "model.").
     by_key: dict[str, dict[str, str]] = {}  # module key -> {"A": name, "B": name}
     unserved: set[str] = set()  # module keys on parts of the base model loraplex does not run
+    base_copies: dict[str, str] = {}  # vocabulary module key -> its saved base weight (not used)
+    lm_head_keys: set[str] = set()
     prefix: str | None = None
     for name in parsed.tensors:
         unserved_key = unserved_module_key(name, spec)
         if unserved_key is not None:
             unserved.add(unserved_key)
             continue
+        copy = _base_copy(name, parsed.tensors[name], spec)
+        if copy is not None:
+            base_copies[copy] = name
+            continue
         tn = parse_tensor_name(name, spec)
-        if prefix is None:
+        if tn.prefix is None:  # lm_head: no layer prefix in its name
+            lm_head_keys.add(tn.module_key)
+        elif prefix is None:
             prefix = tn.prefix
         elif tn.prefix != prefix:
             raise InvalidAdapterError(f"tensor {name!r} has module prefix {tn.prefix!r}, others {prefix!r}")
         by_key.setdefault(tn.module_key, {})[tn.which] = name
     if not parsed.tensors:
         raise InvalidAdapterError("adapter has no tensors")
+    if not by_key and not unserved:
+        raise InvalidAdapterError("adapter has no LoRA tensors (only copies of base-model weights)")
+    if prefix is None and lm_head_keys:
+        prefix = prefix_for_lm_head(min(lm_head_keys))
     if not by_key:
         raise InvalidAdapterError(
             f"adapter has LoRA weights only on modules base model {spec.model_name!r} does not run here "
@@ -243,8 +265,15 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
             raise InvalidAdapterError(
                 f"extra tensors for module {key!r}, which adapter_config.json does not target"
             )
+    for key, name in base_copies.items():
+        if key not in targeted:  # PEFT saves these only beside a targeted module's LoRA
+            raise InvalidAdapterError(
+                f"tensor {name!r} holds full weights of {key!r}, which adapter_config.json does not target "
+                "(fully trained modules, as modules_to_save, are not served)"
+            )
 
     modules: dict[tuple[int, str], ModuleLoRA] = {}
+    vocab_modules: dict[str, ModuleLoRA] = {}
     for key, (layer, mod) in targeted.items():
         names = by_key.get(key, {})
         for which in ("A", "B"):
@@ -256,8 +285,10 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
                 f"module {key!r} has rank {rank}, above this engine's max_lora_rank {max_lora_rank}",
                 param="adapter",
             )
-        in_f, out_f = spec.module_shapes[mod]
+        in_f, out_f = spec.module_shapes[mod] if layer >= 0 else spec.vocab_shapes[mod]
         a, b = parsed.tensors[names["A"]], parsed.tensors[names["B"]]
+        if layer < 0:
+            _check_vocab_shapes(mod, names, a, b, rank, spec)
         if tuple(a.shape) != (rank, in_f):
             raise InvalidAdapterError(
                 f"{names['A']!r} has shape {list(a.shape)}, base model needs [{rank}, {in_f}] (rank {rank})"
@@ -271,7 +302,7 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
             raise InvalidAdapterError(
                 f"module {key!r} has scaling {scaling:g} (lora_alpha {alpha:g}, rank {rank}), beyond float32"
             )
-        modules[(layer, mod)] = ModuleLoRA(
+        module = ModuleLoRA(
             layer=layer,
             module=mod,
             rank=rank,
@@ -280,18 +311,77 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
             a_name=names["A"],
             b_name=names["B"],
         )
+        if layer < 0:
+            vocab_modules[mod] = module
+        else:
+            modules[(layer, mod)] = module
 
     present = {mod for (_, mod) in modules}
+    warnings = []
+    if unserved:
+        warnings.append(_unserved_warning(unserved))
+    if base_copies:
+        warnings.append(_base_copies_warning(base_copies))
     return AdapterInfo(
         content_hash=parsed.content_hash,
-        rank=max(m.rank for m in modules.values()),
+        rank=max(m.rank for m in (*modules.values(), *vocab_modules.values())),
         alpha=cfg.lora_alpha,
         use_rslora=cfg.use_rslora,
-        targets=tuple(m for m in TARGET_MODULES if m in present),
+        targets=(*(m for m in TARGET_MODULES if m in present), *(m for m in VOCAB_TARGETS if m in vocab_modules)),
         layers=tuple(sorted({layer for (layer, _) in modules})),
         size_bytes=parsed.size_bytes,
         modules=dict(sorted(modules.items())),
-        warnings=(_unserved_warning(unserved),) if unserved else (),
+        warnings=tuple(warnings),
+        vocab_modules={m: vocab_modules[m] for m in VOCAB_TARGETS if m in vocab_modules},
+    )
+
+
+def _base_copy(name: str, tensor: torch.Tensor, spec: LoRATargetSpec) -> str | None:
+    """The module key when ``name`` is the base weight PEFT saves beside a targeted vocabulary
+    module (see ``vocab_names``), after checking its shape; else None."""
+    if not name.startswith(TENSOR_PREFIX):
+        return None
+    found = base_copy_module(name[len(TENSOR_PREFIX) :])
+    if found is None:
+        return None
+    mod, key = found
+    if mod not in spec.vocab_shapes:
+        raise InvalidAdapterError(
+            f"tensor {name!r} is a weight of {mod!r}, which base model {spec.model_name!r} does not serve LoRA on"
+        )
+    want = (spec.vocab_size, spec.hidden_size)
+    if tuple(tensor.shape) != want:
+        rows = tensor.shape[0] if tensor.dim() == 2 else None
+        if rows is not None and rows != spec.vocab_size and tensor.shape[1] == spec.hidden_size:
+            raise InvalidAdapterError(_resized_vocab(name, rows, spec))
+        raise InvalidAdapterError(f"{name!r} has shape {list(tensor.shape)}, base model needs {list(want)}")
+    return key
+
+
+def _check_vocab_shapes(
+    mod: str, names: dict[str, str], a: torch.Tensor, b: torch.Tensor, rank: int, spec: LoRATargetSpec
+) -> None:
+    """A vocabulary-sized dimension that differs from the base vocabulary: the adapter was
+    trained with added tokens, which cannot be served (vLLM dropped extra-vocab LoRA too)."""
+    if mod == EMBED:  # lora_embedding_A [rank, vocab]
+        name, t, dim = names["A"], a, 1
+    else:  # lm_head lora_B [vocab, rank]
+        name, t, dim = names["B"], b, 0
+    if t.dim() == 2 and t.shape[1 - dim] == rank and t.shape[dim] != spec.vocab_size:
+        raise InvalidAdapterError(_resized_vocab(name, int(t.shape[dim]), spec))
+
+
+def _resized_vocab(name: str, vocab: int, spec: LoRATargetSpec) -> str:
+    return (
+        f"tensor {name!r} is for a vocabulary of {vocab} tokens, but base model {spec.model_name!r} has "
+        f"{spec.vocab_size}: adapters trained with a resized vocabulary (added tokens) are not served"
+    )
+
+
+def _base_copies_warning(base_copies: dict[str, str]) -> str:
+    return (
+        f"ignored the base-model weights saved with the adapter for {', '.join(sorted(base_copies))} "
+        "(PEFT's save_embedding_layers): LoRA training leaves them frozen, so the base model's own are used"
     )
 
 

@@ -55,14 +55,17 @@ class PreparedAdapter:
 def host_nbytes(info: AdapterInfo, spec: LoRATargetSpec, dtype: torch.dtype) -> int:
     """Bytes ``AdapterWeights`` of this adapter take in host memory (without reading it)."""
     elem = torch.empty(0, dtype=dtype).element_size()
-    return elem * sum(m.rank * sum(spec.module_shapes[m.module]) for m in info.modules.values())
+    layers = sum(m.rank * sum(spec.module_shapes[m.module]) for m in info.modules.values())
+    vocab = sum(m.rank * sum(spec.vocab_shapes[mod]) for mod, m in info.vocab_modules.items())
+    return elem * (layers + vocab)
 
 
 def max_adapter_host_nbytes(spec: LoRATargetSpec, rank: int, dtype: torch.dtype) -> int:
     """``host_nbytes`` of the largest adapter an engine serves: ``rank`` on every targetable
-    projection of every layer."""
+    projection of every layer, and on embed_tokens and lm_head where the model serves them."""
     elem = torch.empty(0, dtype=dtype).element_size()
-    return elem * rank * spec.num_layers * sum(sum(shape) for shape in spec.module_shapes.values())
+    layers = spec.num_layers * sum(sum(shape) for shape in spec.module_shapes.values())
+    return elem * rank * (layers + sum(sum(shape) for shape in spec.vocab_shapes.values()))
 
 
 def host_budget_bytes(config: EngineConfig, spec: LoRATargetSpec, dtype: torch.dtype) -> int:

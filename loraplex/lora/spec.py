@@ -11,6 +11,10 @@ TARGET_MODULES = (
     "q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj"
 )
 
+# Modules outside the layers, keyed by the vocabulary: the token embedding and the output layer
+# (PEFT's ``EMBEDDING_LAYER_NAMES``). They come after TARGET_MODULES in an adapter's targets.
+VOCAB_TARGETS = ("embed_tokens", "lm_head")
+
 # loraplex's packed projections and the PEFT modules (slices) each holds, in slice order, for a
 # model with separate q/k/v and gate/up linears (Llama's layout).
 PACKED_MODULES: dict[str, tuple[str, ...]] = {
@@ -31,13 +35,28 @@ class LoRATargetSpec:
     ``unserved_module_prefixes``: module-name prefixes (as PEFT names modules, after
     ``base_model.model.``) of base-model parts that loraplex does not run, such as a multimodal
     checkpoint's vision tower when only its text model is served. LoRA on those modules can
-    never change an output, so an adapter carrying some is accepted with a warning."""
+    never change an output, so an adapter carrying some is accepted with a warning.
+
+    ``vocab_size`` / ``hidden_size``: the shapes of the embedding and the output layer, for LoRA
+    on ``embed_tokens`` and ``lm_head`` (``VOCAB_TARGETS``); 0 when not known, which refuses
+    such adapters."""
 
     model_name: str
     num_layers: int
     module_shapes: dict[str, tuple[int, int]]
     packed_modules: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(PACKED_MODULES))
     unserved_module_prefixes: tuple[str, ...] = ()
+    vocab_size: int = 0
+    hidden_size: int = 0
+
+    @property
+    def vocab_shapes(self) -> dict[str, tuple[int, int]]:
+        """``(in_features, out_features)`` of each vocabulary target, in PEFT's terms: the
+        embedding maps ``vocab`` ids to ``hidden`` (``lora_embedding_A [r, vocab]``,
+        ``lora_embedding_B [hidden, r]``); lm_head maps ``hidden`` to ``vocab`` logits."""
+        if self.vocab_size <= 0 or self.hidden_size <= 0:
+            return {}
+        return {"embed_tokens": (self.vocab_size, self.hidden_size), "lm_head": (self.hidden_size, self.vocab_size)}
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,15 @@
 Per layer and packed module (``LoRATargetSpec.packed_modules``: in Llama's layout qkv_proj =
 q, k, v; gate_up_proj = gate, up; o_proj; down_proj; in Phi-3's each fused module alone): for
 each slice, ``A [rank_s, in]``, ``B [out_s, rank_s]`` and its scaling, or nothing when the
-adapter does not target that slice in that layer. This is what the host cache holds and what a
-device slot is filled from.
+adapter does not target that slice in that layer. Apart from the layers, ``vocab`` holds the
+LoRA on ``embed_tokens`` (``A [rank, vocab]``, ``B [hidden, rank]``, PEFT's lora_embedding_A/B)
+and ``lm_head`` (``A [rank, hidden]``, ``B [vocab, rank]``) when targeted. This is what the host
+cache holds and what a device slot is filled from.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,6 +52,7 @@ class AdapterWeights:
     info: AdapterInfo
     layers: dict[tuple[int, str], PackedLoRA]  # (layer, packed module) -> weights; absent = untouched
     nbytes: int
+    vocab: dict[str, SliceLoRA] = field(default_factory=dict)  # "embed_tokens" / "lm_head" -> weights
 
     @property
     def rank(self) -> int:
@@ -75,7 +78,13 @@ class AdapterWeights:
                     slices.append(SliceLoRA(a=a, b=b, scaling=float(m.scaling)))
                 if any(s is not None for s in slices):
                     layers[(layer, packed)] = PackedLoRA(slices=tuple(slices))
-        return cls(adapter_id=info.content_hash, info=info, layers=layers, nbytes=nbytes)
+        vocab: dict[str, SliceLoRA] = {}
+        for mod, m in info.vocab_modules.items():
+            a = _cast(parsed, m.a_name, dtype)  # [rank, in]
+            b = _cast(parsed, m.b_name, dtype)  # [out, rank]
+            nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
+            vocab[mod] = SliceLoRA(a=a, b=b, scaling=float(m.scaling))
+        return cls(adapter_id=info.content_hash, info=info, layers=layers, nbytes=nbytes, vocab=vocab)
 
 
 def _cast(parsed: ParsedAdapter, name: str, dtype: torch.dtype) -> torch.Tensor:

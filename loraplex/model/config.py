@@ -151,6 +151,8 @@ class ModelSpec:
             model_name=self.name,
             num_layers=self.num_layers,
             unserved_module_prefixes=UNSERVED_PREFIXES if self.architecture == GEMMA3_MULTIMODAL else (),
+            vocab_size=self.vocab_size,
+            hidden_size=h,
             module_shapes={
                 "q_proj": (h, self.q_size),
                 "k_proj": (h, self.kv_size),

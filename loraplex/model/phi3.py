@@ -65,4 +65,6 @@ def phi3_lora_target_spec(spec) -> LoRATargetSpec:
             "down_proj": (i, h),
         },
         packed_modules={name: (name,) for name in PHI3_LORA_MODULES},
+        vocab_size=spec.vocab_size,
+        hidden_size=h,
     )

@@ -1,5 +1,6 @@
 """vLLM's ``max_cpu_loras`` (a count of adapters in the CPU cache) becomes a host byte budget: room
-for that many adapters of ``max_lora_rank`` on every projection of every layer. The budget is
+for that many adapters of ``max_lora_rank`` on every projection of every layer and on
+embed_tokens and lm_head. The budget is
 checked against one computed here from the model's config.json, and N such adapters loaded
 through ``LLM`` must all stay in host memory (and one more must not fit)."""
 
@@ -16,17 +17,20 @@ from loraplex.lora.manager import LoRAManager
 from tests.fixtures.peft_adapters import make_peft_adapter
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ALL_TARGETS = [*ALL_PROJECTIONS, "embed_tokens", "lm_head"]
 RANK = 8
 N = 3
 
 
 def max_adapter_bytes(config: dict, rank: int, elem: int) -> int:
-    """Bytes of A [r, in] and B [out, r] on every projection of every layer, from an HF config."""
+    """Bytes of A [r, in] and B [out, r] on every projection of every layer, and of the
+    embedding's A [r, vocab], B [h, r] and lm_head's A [r, h], B [vocab, r], from an HF config."""
     h, i = config["hidden_size"], config["intermediate_size"]
     head_dim = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
     in_out = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
-    return config["num_hidden_layers"] * rank * sum(a + b for a, b in in_out) * elem
+    vocab = 2 * rank * (config["vocab_size"] + h)
+    return (config["num_hidden_layers"] * rank * sum(a + b for a, b in in_out) + vocab) * elem
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +40,7 @@ def max_rank_adapters(tiny_llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("max-cpu-loras")
     base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
     return [
-        str(make_peft_adapter(base, root / f"a{k}", seed=k, r=RANK, target_modules=ALL_PROJECTIONS))
+        str(make_peft_adapter(base, root / f"a{k}", seed=k, r=RANK, target_modules=ALL_TARGETS))
         for k in range(N + 1)
     ]
 

@@ -135,7 +135,8 @@ def test_rejects_pickle_files(suffix, lora_base, make_adapter, tmp_path):
         (dict(peft_type="IA3"), "peft_type"),
         (dict(r=0), "r must be a positive integer"),
         (dict(lora_alpha="x"), "lora_alpha"),
-        (dict(target_modules=["q_proj", "lm_head"]), "lm_head"),
+        # lm_head is servable now: a config targeting it needs its tensors
+        (dict(target_modules=["q_proj", "v_proj", "lm_head"]), "missing tensor lora_A for targeted module 'lm_head'"),
         (dict(target_modules=["q_proj", "v_proj", "fc1"]), "fc1"),
         (dict(layers_to_transform=[5]), "layer 5"),
         (dict(rank_pattern={"[": 2}), "regular expression"),

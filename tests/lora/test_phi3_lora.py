@@ -77,7 +77,7 @@ def test_adapters_that_do_not_fit_phi3_are_refused(world, tmp_path):
     # trained on a Llama of the same width: q_proj etc. do not exist in Phi-3
     llama_adapter = make_peft_adapter(tiny_llama(seed=1), tmp_path / "llama", r=4, target_modules=["q_proj", "v_proj"])
     with pytest.raises(InvalidAdapterError, match=r"targets 'q_proj', which base model 'model' lacks "
-                       r"\(its LoRA targets are qkv_proj, o_proj, gate_up_proj, down_proj\)"):
+                       r"\(its LoRA targets are qkv_proj, o_proj, gate_up_proj, down_proj, embed_tokens, lm_head\)"):
         validate_adapter(load_adapter_files(llama_adapter), spec, max_lora_rank=8)
     # a config naming a Llama module beside the fused ones it has tensors for: the refusal names
     # this base's own targets in a readable sentence
@@ -86,7 +86,8 @@ def test_adapters_that_do_not_fit_phi3_are_refused(world, tmp_path):
     config = json.loads((listed / "adapter_config.json").read_text())
     (listed / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["qkv_proj", "q_proj"]}))
     with pytest.raises(InvalidAdapterError, match=r"entry 'q_proj' is not a module the base model has as a LoRA "
-                       r"target \(its LoRA targets are qkv_proj, o_proj, gate_up_proj, down_proj\)"):
+                       r"target \(its LoRA targets are qkv_proj, o_proj, gate_up_proj, down_proj, "
+                       r"embed_tokens, lm_head\)"):
         validate_adapter(load_adapter_files(listed), spec, max_lora_rank=8)
     # trained on a Phi-3 without GQA: its fused qkv_proj B has 192 rows, this base's 128
     mha = AutoModelForCausalLM.from_pretrained(
