@@ -15,7 +15,10 @@ attention's ``max_seq_len`` is ``max_model_len`` (each sequence still divides on
 length); LoRA's ``num_segments`` is ``min(B, max_loras)``, ``max_seg_len`` the segment class
 (the next power of two of the longest segment, at most ``B``) and ``max_rank`` the pool's; the
 unused segments are empty. Which projections get a LoRA delta must not depend on the step, so
-under a graph every projection with a slot stack runs the kernels (zero weights add nothing).
+under a graph every projection with a slot stack runs the kernels (zero weights add nothing);
+so does the embed_tokens LoRA once its stack exists (the LoRA graphs captured before it existed
+are dropped then, once).
+The LM head (and its LoRA) runs after the replay, eagerly.
 With layer groups (``kv_layout``) each group has its own static slot mapping and block tables.
 
 The capture function is injected: ``cuda_capture`` on a GPU; the tests replay eagerly on CPU
@@ -117,7 +120,8 @@ class DecodeGraphs:
         self.buckets = [b for b in BATCH_BUCKETS if b < max_num_seqs] + [max_num_seqs]
         self.max_batch = self.buckets[-1]
         self.capture = capture
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.graphs: dict[tuple[int, int], _Graph] = {}  # (bucket, segment class)
+        self._embed_lora = False  # the LoRA graphs include the embed_tokens LoRA
         device = kv_caches[0].device
         n, max_blocks = self.max_batch, -(-max_model_len // block_size)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -155,6 +159,10 @@ class DecodeGraphs:
         seg_class = 0
         if token_slots is not None:
             seg_class = self._fill_lora(token_slots, batch, pool)
+        if seg_class > 0 and not self._embed_lora and pool.vocab.get("embed_tokens") is not None:
+            # the first adapter with LoRA on embed_tokens: graphs captured before lack its ops
+            self.graphs = {k: g for k, g in self.graphs.items() if k[1] == 0}
+            self._embed_lora = True
         key = (batch, seg_class)
         graph = self.graphs.get(key)
         if graph is None:

@@ -38,6 +38,7 @@ from loraplex.engine.kv_layout import KVLayout, window_first_blocks
 from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.spec_verify import position_views
+from loraplex.lora.context import logits_lora
 from loraplex.lora.spec import LoRATargetSpec
 from loraplex.model.config import ModelSpec
 from loraplex.model.layers import AttentionMetadata
@@ -237,11 +238,14 @@ class ModelRunner:
         if self.lora_manager is not None:
             lora_ctx = self.lora_manager.step_context(batch.token_adapter_ids)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, lora=lora_ctx)
-        prompt_logprobs = self._prompt_logprobs(hidden, batch.prompt_logprob_rows) if batch.prompt_logprob_rows else {}
+        prompt_logprobs = {}
+        if batch.prompt_logprob_rows:
+            prompt_logprobs = self._prompt_logprobs(hidden, batch.prompt_logprob_rows, lora_ctx)
         if not batch.sample_rows:
             return ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_logprobs)
         rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
-        out = self._sample(hidden[rows], batch.sample_seqs, batch.verify_spans)
+        head_lora = None if lora_ctx is None else lora_ctx.logits_lora(batch.sample_rows)
+        out = self._sample(hidden[rows], batch.sample_seqs, batch.verify_spans, head_lora)
         out.prompt_logprobs = prompt_logprobs
         return out
 
@@ -251,11 +255,15 @@ class ModelRunner:
             token_slots = self.lora_manager.step_slots([item.adapter_id for item in scheduled])
             pool = self.lora_manager.pool
         hidden = self.decode_graphs.run(scheduled, token_slots, pool)  # [num_seqs, hidden_size]
-        return self._sample(hidden, [item.seq for item in scheduled])
+        # the LM head runs after the replay, eagerly, so its LoRA takes this step's own metadata
+        head_lora = None if token_slots is None else logits_lora(pool, token_slots)
+        return self._sample(hidden, [item.seq for item in scheduled], head_lora=head_lora)
 
-    def _sample(self, hidden: torch.Tensor, seqs: list, verify_spans: list[tuple] = ()) -> ModelRunnerOutput:
-        # hidden: [num_sampled, H]
-        logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
+    def _sample(
+        self, hidden: torch.Tensor, seqs: list, verify_spans: list[tuple] = (), head_lora=None
+    ) -> ModelRunnerOutput:
+        # hidden: [num_sampled, H]; head_lora: the lm_head LoRA of these rows (None = none)
+        logits = self.model.compute_logits(hidden, head_lora)  # [num_sampled, vocab] fp32
         tokens = self.sampler(logits, seqs, self.eos_token_ids)
         if not verify_spans:
             return ModelRunnerOutput(sampled={seq.seq_id: tok for seq, tok in zip(seqs, tokens)})
@@ -264,7 +272,7 @@ class ModelRunner:
         sampled = {seq.seq_id: tok for row, (seq, tok) in enumerate(zip(seqs, tokens)) if row not in in_span}
         return ModelRunnerOutput(sampled=sampled, verified=verified)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, specs: list[tuple]) -> dict[int, list[dict]]:
+    def _prompt_logprobs(self, hidden: torch.Tensor, specs: list[tuple], lora_ctx=None) -> dict[int, list[dict]]:
         """Logprob, rank and top-N of prompt tokens under the model (raw log-softmax, as for
         generated tokens), from the hidden rows before them; ``PROMPT_LOGPROB_ROWS`` rows at a
         time, so a long chunk never holds its whole [rows, vocab] logits at once."""
@@ -275,7 +283,9 @@ class ModelRunner:
             for lo in range(0, count, PROMPT_LOGPROB_ROWS):
                 hi = min(count, lo + PROMPT_LOGPROB_ROWS)
                 targets = seq.prompt_token_ids[first + lo : first + hi]
-                logprobs = torch.log_softmax(self.model.compute_logits(hidden[row0 + lo : row0 + hi]), dim=-1)
+                head_lora = None if lora_ctx is None else lora_ctx.logits_lora(list(range(row0 + lo, row0 + hi)))
+                logits = self.model.compute_logits(hidden[row0 + lo : row0 + hi], head_lora)
+                logprobs = torch.log_softmax(logits, dim=-1)
                 chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device).unsqueeze(1))  # [rows, 1]
                 ranks = (logprobs > chosen).sum(dim=1) + 1
                 top_ids = top_lps = None

@@ -1,5 +1,5 @@
-"""One step's LoRA state: the batch metadata (DESIGN.md "LoRA batch metadata") and the call the
-model makes after each base projection."""
+"""One step's LoRA state: the batch metadata (DESIGN.md "LoRA batch metadata") and the calls the
+model makes after each base projection, after the embedding lookup and after the LM head."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import torch
 from loraplex.kernels import dispatch
 from loraplex.kernels.lora_meta import LoRABatchMeta
 from loraplex.lora.slots import SlotPool
+from loraplex.lora.vocab_apply import LogitsLoRA, add_embedding_lora
+from loraplex.lora.vocab_names import EMBED, LM_HEAD
 
 MAX_SLICES = 3  # qkv_proj
 
@@ -57,6 +59,25 @@ def build_batch_meta(token_slots: list[int], slot_rank: torch.Tensor, slot_rank_
     )
 
 
+def vocab_meta(pool: SlotPool, module: str, token_slots: list[int]) -> LoRABatchMeta | None:
+    """The metadata of the tokens whose adapter targets vocabulary ``module`` (others count as
+    base-model rows, so they enter no kernel), or None when there are none."""
+    stack = pool.vocab.get(module)
+    if stack is None:
+        return None
+    slots = [s if s >= 0 and stack.active[s] else -1 for s in token_slots]
+    if all(s < 0 for s in slots):
+        return None
+    return build_batch_meta(slots, pool.slot_rank, pool.slot_rank_host)
+
+
+def logits_lora(pool: SlotPool, row_slots: list[int]) -> LogitsLoRA | None:
+    """The lm_head LoRA of logit rows whose device slots are ``row_slots`` (-1 = base model), or
+    None when no row's adapter targets lm_head."""
+    meta = vocab_meta(pool, LM_HEAD, row_slots)
+    return None if meta is None else LogitsLoRA(pool.vocab.get(LM_HEAD), meta, pool.max_rank)
+
+
 class LoRAStepContext:
     """Built by ``LoRAManager.step_context`` for one step; the model calls ``apply`` after each
     packed projection. Holds the step's metadata and, on CUDA, one fp32 shrink buffer reused by every call."""
@@ -68,9 +89,11 @@ class LoRAStepContext:
         *,
         shrunk: torch.Tensor | None = None,  # [MAX_SLICES, num_tokens, r_max] fp32, e.g. a graph's
         every_projection: bool = False,  # True under a CUDA graph: which kernels run is fixed
+        token_slots: list[int] | None = None,  # [num_tokens] each token's slot (-1 = base); eager steps
     ):
         self.pool = pool
         self.meta = meta
+        self.token_slots = token_slots
         self.slots = sorted(set(meta.seg_slot_host))
         self.every_projection = every_projection
         # [MAX_SLICES, num_tokens, r_max] fp32: shrink output, sliced per projection; only the
@@ -97,3 +120,27 @@ class LoRAStepContext:
         dispatch.lora_apply(
             x, stack.a, stack.b, stack.scaling, stack.slice_offsets, self.meta, y, shrunk, slot_rank=stack.rank
         )
+
+    def apply_embedding(self, input_ids: torch.Tensor, hidden: torch.Tensor, scale: float = 1.0) -> None:
+        """Add the embed_tokens LoRA delta to the embedding output ``hidden [num_tokens, hidden]``
+        (``input_ids [num_tokens]``); ``scale``: see ``vocab_apply.add_embedding_lora``."""
+        stack = self.pool.vocab.get(EMBED)
+        if stack is None:
+            return
+        if self.every_projection or self.token_slots is None:
+            meta = self.meta  # a graph's static metadata: slots without embed_tokens have rank 0
+        else:
+            meta = vocab_meta(self.pool, EMBED, self.token_slots)
+            if meta is None:
+                return
+        if self._shrunk is not None:
+            shrunk = self._shrunk[:1]  # free: the embedding runs before every projection
+        else:
+            shrunk = torch.empty(1, meta.num_tokens, self.pool.max_rank, dtype=torch.float32, device=hidden.device)
+        add_embedding_lora(stack, meta, input_ids, hidden, scale, shrunk)
+
+    def logits_lora(self, rows: list[int]) -> LogitsLoRA | None:
+        """The lm_head LoRA for logits computed from the flat batch's rows ``rows``."""
+        if self.token_slots is None or self.pool.vocab.get(LM_HEAD) is None:
+            return None
+        return logits_lora(self.pool, [self.token_slots[r] for r in rows])

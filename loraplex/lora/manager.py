@@ -364,7 +364,8 @@ class LoRAManager:
         token_slots = self.step_slots(token_adapter_ids)
         if token_slots is None:
             return None
-        return LoRAStepContext(self.pool, build_batch_meta(token_slots, self.pool.slot_rank, self.pool.slot_rank_host))
+        meta = build_batch_meta(token_slots, self.pool.slot_rank, self.pool.slot_rank_host)
+        return LoRAStepContext(self.pool, meta, token_slots=token_slots)
 
     def step_slots(self, token_adapter_ids: list[str | None]) -> list[int] | None:
         """Each token's device slot (-1 = base model), or None when no token uses an adapter, for
@@ -436,6 +437,10 @@ class LoRAManager:
             "adapters": adapters,
             "tiers": {"device": len(resident), "host": len(self.host)},
             "slots": {"max_loras": self.pool.max_loras, "used": len(resident), "pinned": len(self._device_pinned)},
+            # device bytes of the slot stacks; vocab_bytes: embed_tokens / lm_head stacks, allocated
+            # only once an adapter targeting them is loaded
+            "slot_bytes": self.pool.nbytes,
+            "slot_vocab_bytes": self.pool.vocab.nbytes,
             "host_bytes": self.host.used_bytes,
             "host_budget_bytes": self.host.budget_bytes,
             "host_reads_in_flight": 0 if self.loader is None else self.loader.num_reading,

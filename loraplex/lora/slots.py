@@ -13,6 +13,9 @@ not adapt it). Rows and columns beyond a module's rank are zero; the Triton kern
 weights past the stack's ``rank`` (a projection an adapter leaves alone costs it nothing, also
 under a CUDA graph, which runs every projection's kernels).
 
+LoRA on ``embed_tokens`` and ``lm_head`` lives in ``vocab`` (``vocab_slots.VocabStacks``), indexed
+by the same slots and allocated only once an adapter targeting them is loaded.
+
 Eviction is LRU among slots that are neither pinned nor protected by the caller (the adapters
 of the step being prepared); slots whose adapter still has requests (``refs``) go last.
 """
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.lora.spec import LoRATargetSpec
+from loraplex.lora.vocab_slots import VocabStacks
 from loraplex.lora.weights import AdapterWeights
 
 
@@ -50,6 +54,7 @@ class SlotPool:
         self.dtype = dtype
         # allocated at the first adapter load, so a base-model-only engine holds no LoRA memory
         self.stacks: list[dict[str, LoRAStack]] = []
+        self.vocab = VocabStacks(spec, max_loras, max_rank, self.device, dtype)
         self.slot_rank = torch.zeros(max_loras, dtype=torch.int32, device=self.device)  # [max_loras]
         self.slot_rank_host = [0] * max_loras
         self.adapter_in: list[str | None] = [None] * max_loras
@@ -82,9 +87,11 @@ class SlotPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(
+        """Bytes of the allocated weight stacks (the vocabulary targets' included)."""
+        layers = sum(
             t.numel() * t.element_size() for layer in self.stacks for st in layer.values() for t in (st.a, st.b)
         )
+        return layers + self.vocab.nbytes
 
     def slot_of(self, adapter_id: str) -> int | None:
         return self._slot_of.get(adapter_id)
@@ -145,6 +152,7 @@ class SlotPool:
                 st.scaling[:, slot] = torch.tensor(scales, dtype=torch.float32)
                 st.active[slot] = lora is not None
                 st.rank[slot] = module_rank
+        self.vocab.write(slot, weights)
         self.adapter_in[slot] = weights.adapter_id
         self._slot_of[weights.adapter_id] = slot
         self.slot_rank_host[slot] = weights.rank
@@ -166,4 +174,5 @@ class SlotPool:
             for st in layer.values():
                 st.active[slot] = False
                 st.rank[slot] = 0
+        self.vocab.clear(slot)
         return old

@@ -16,7 +16,7 @@ from torch import nn
 from loraplex.model.config import ModelSpec
 from loraplex.model.gemma_config import SLIDING
 from loraplex.model.layers import AttentionMetadata
-from loraplex.model.llama import DecoderLayer, LlamaForCausalLM, LoRAStepContext, plan_attention
+from loraplex.model.llama import DecoderLayer, LlamaForCausalLM, LogitsLoRA, LoRAStepContext, plan_attention
 from loraplex.model.rope import RotaryEmbedding
 
 
@@ -72,6 +72,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
         spec, gemma = self.spec, self.spec.gemma
         eps = spec.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed_tokens).mul_(self.embed_scale)  # [T, H]
+        if lora is not None:  # transformers scales inside the embedding module, and PEFT its LoRA too
+            lora.apply_embedding(input_ids, hidden, self.embed_scale)
         rope_global = self.rotary.lookup(positions)  # ([T, 1, head_dim], [T, 1, head_dim])
         rope_local = rope_global if self.rotary_local is None else self.rotary_local.lookup(positions)
         plans = plan_attention(kv_caches, attn)
@@ -98,8 +100,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return gemma_rms_norm(hidden, self.norm, eps)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, vocab] fp32
-        logits = super().compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, lora: LogitsLoRA | None = None) -> torch.Tensor:
+        # [N, H] -> [N, vocab] fp32, the lm_head LoRA added before the soft-cap
+        logits = super().compute_logits(hidden, lora)
         cap = self.spec.gemma.final_logit_softcap
         if cap is not None:  # Gemma 2: what sampling, logprobs and prompt logprobs all read
             logits = logits.div_(cap).tanh_().mul_(cap)

@@ -9,6 +9,8 @@ Granite's multipliers (``ModelSpec``) are applied where transformers' ``GraniteF
 vLLM's ``granite.py`` apply them: the embeddings are scaled, the softmax scale is
 ``attention_multiplier``, each sub-layer's output is scaled before its residual add, and
 ``compute_logits`` divides by ``logits_scaling``, so sampling and logprobs see Granite's logits.
+LoRA on embed_tokens is added to the embedding lookup before the embedding multiplier, and LoRA
+on lm_head to the head's logits before ``logits_scaling``, where PEFT's modules sit in transformers.
 A multiplier of 1 costs nothing: the multiply is skipped (the spec is fixed, so a captured CUDA
 graph holds the same ops every replay).
 """
@@ -33,6 +35,16 @@ class LoRAStepContext(Protocol):
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add the LoRA delta of ``module`` in ``layer`` to ``y`` in place (``x`` is the input)."""
+
+    def apply_embedding(self, input_ids: torch.Tensor, hidden: torch.Tensor, scale: float = 1.0) -> None:
+        """Add the embed_tokens LoRA delta (times ``scale``) to the embedding output ``hidden``."""
+
+
+class LogitsLoRA(Protocol):
+    """The lm_head LoRA of the rows whose logits ``compute_logits`` computes."""
+
+    def apply(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        """Add each row's lm_head LoRA delta to ``logits`` in place."""
 
 
 def plan_attention(kv_caches: list[torch.Tensor], attn: AttentionMetadata) -> list:
@@ -190,6 +202,8 @@ class LlamaForCausalLM(nn.Module):
         spec = self.spec
         eps = spec.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed_tokens)  # [T, H]
+        if lora is not None:
+            lora.apply_embedding(input_ids, hidden)
         if spec.embedding_multiplier != 1.0:
             hidden *= spec.embedding_multiplier  # in the model dtype, as transformers' Granite
         residual_multiplier = spec.residual_multiplier
@@ -216,11 +230,14 @@ class LlamaForCausalLM(nn.Module):
         return rms_norm(hidden, self.norm, eps)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, vocab] fp32
+    def compute_logits(self, hidden: torch.Tensor, lora: LogitsLoRA | None = None) -> torch.Tensor:
+        # [N, H] -> [N, vocab] fp32; ``lora``: the rows' lm_head LoRA, if any
         if self.prepacked_head is not None:
             logits = self.prepacked_head(hidden)
         else:
             logits = F.linear(hidden, self.lm_head_weight).float()
+        if lora is not None:
+            lora.apply(hidden, logits)
         if self.spec.logits_scaling != 1.0:
             # divided (not multiplied by the inverse) as transformers does; in fp32, after the head
             logits = logits.div_(self.spec.logits_scaling)

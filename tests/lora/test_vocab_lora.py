@@ -1,0 +1,90 @@
+"""LoRA on embed_tokens and lm_head (Unsloth's continued-pretraining targets), served on the CPU
+path: one batch mixing the base model, adapters on the embedding only, the head only, both plus
+attention (rank/alpha patterns, rsLoRA) and an attention-only adapter gives PEFT's own greedy
+tokens and logprobs, and prompt logprobs equal PEFT's log-softmax, on untied and tied Llama,
+Granite (embedding multiplier, logits scaling), Gemma 2 (final soft-cap) and Gemma 3 (scaled
+embedding module), float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from loraplex import LLM, SamplingParams
+from tests.fixtures.peft_adapters import make_peft_adapter, peft_model_for
+from tests.fixtures.tiny_models import make_tiny_model_dir
+from tests.lora.test_acceptance import reference
+
+MAX_TOKENS = 6
+ADAPTERS = {
+    "embed": dict(r=4, lora_alpha=8, target_modules=["embed_tokens"]),
+    "head": dict(r=4, lora_alpha=6, target_modules=["lm_head"]),
+    "both": dict(r=8, lora_alpha=5, use_rslora=True, target_modules=["embed_tokens", "lm_head", "q_proj", "v_proj"],
+                 rank_pattern={"lm_head": 2}, alpha_pattern={"embed_tokens": 7}),
+    "qv": dict(r=4, target_modules=["q_proj", "v_proj"]),
+}
+
+
+def _peft_logprobs(peft_model, adapter: str | None, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """PEFT's log-softmax at every position of prompt + generated (but the last): [n - 1, vocab]."""
+    ids = torch.tensor([prompt + generated])
+    with torch.no_grad():
+        if adapter is None:
+            with peft_model.disable_adapter():
+                logits = peft_model(input_ids=ids).logits[0]
+        else:
+            peft_model.set_adapter(adapter)
+            logits = peft_model(input_ids=ids).logits[0]
+    return torch.log_softmax(logits[:-1].float(), dim=-1)
+
+
+@pytest.fixture(scope="module", params=["llama", "tied", "granite", "gemma2", "gemma3"])
+def world(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"vocab-{request.param}")
+    model_dir = make_tiny_model_dir(root / "model", request.param, seed=5)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
+    dirs = {name: make_peft_adapter(base, root / name, seed=40 + i, **kw)
+            for i, (name, kw) in enumerate(ADAPTERS.items())}
+    llm = LLM(model=str(model_dir), dtype="float32", device="cpu", home=root / "home", max_loras=4, max_lora_rank=8,
+              max_num_batched_tokens=48)  # the long prompts are chunked
+    return llm, dirs, peft_model_for(base, dirs)
+
+
+def test_mixed_batch_tokens_and_logprobs_match_peft(world):
+    llm, dirs, peft_model = world
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(4, 300, (n,), generator=gen).tolist() for n in (6, 30, 11, 45, 20, 8, 13)]
+    which = [None, "embed", "head", "both", "qv", "both", "embed"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2),
+                        adapters=[None if w is None else str(dirs[w]) for w in which])
+    expected = [reference(peft_model, prompt, adapter, MAX_TOKENS) for prompt, adapter in zip(prompts, which)]
+    assert [out.outputs[0].token_ids for out in outs] == expected
+    for prompt, adapter, out in zip(prompts, which, outs):
+        ref = _peft_logprobs(peft_model, adapter, prompt, out.outputs[0].token_ids)[len(prompt) - 1 :]
+        for step, entry in enumerate(out.outputs[0].logprobs):
+            assert entry["logprob"] == pytest.approx(float(ref[step, entry["token_id"]]), abs=2e-4)
+            top = ref[step].topk(2)
+            assert list(entry["top_logprobs"].values()) == pytest.approx(top.values.tolist(), abs=2e-4)
+    # the vocabulary adapters matter: each changes the greedy tokens of some prompt it serves
+    base = [reference(peft_model, prompt, None, MAX_TOKENS) for prompt in prompts]
+    for name in ("embed", "head", "both"):
+        assert any(expected[i] != base[i] for i in range(len(prompts)) if which[i] == name), name
+
+
+def test_prompt_logprobs_match_peft(world):
+    llm, dirs, peft_model = world
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(4, 300, (n,), generator=gen).tolist() for n in (70, 9, 40)]  # 70: three chunks
+    which = ["both", None, "head"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3),
+                        adapters=[None if w is None else str(dirs[w]) for w in which])
+    for prompt, adapter, out in zip(prompts, which, outs):
+        ref = _peft_logprobs(peft_model, adapter, prompt, [])
+        entries = out.prompt_logprobs
+        assert entries[0] is None and len(entries) == len(prompt)
+        for pos, entry in enumerate(entries[1:], start=1):
+            row = ref[pos - 1]
+            assert entry["logprob"] == pytest.approx(float(row[prompt[pos]]), abs=2e-4)
+            assert entry["rank"] == int((row > row[prompt[pos]]).sum()) + 1
+            assert list(entry["top_logprobs"]) == row.topk(3).indices.tolist()
