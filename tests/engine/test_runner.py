@@ -131,6 +131,12 @@ class FakeLoRAManager:
                 if layer == 0 and module == "o_proj":
                     y[mask] += x[mask] @ manager.delta.T
 
+            def apply_embedding(self, input_ids, hidden, scale=1.0):
+                pass  # no LoRA on embed_tokens in this fake
+
+            def logits_lora(self, rows):
+                return None  # nor on lm_head
+
         return Ctx()
 
     step_context = prepare_step  # what the runner calls once it has placed the step's adapters

@@ -88,3 +88,26 @@ def test_prompt_logprobs_match_peft(world):
             assert entry["logprob"] == pytest.approx(float(row[prompt[pos]]), abs=2e-4)
             assert entry["rank"] == int((row > row[prompt[pos]]).sum()) + 1
             assert list(entry["top_logprobs"]) == row.topk(3).indices.tolist()
+
+
+def test_vocab_slot_buffers_exist_only_once_an_adapter_needs_them(tiny_llama_dir, tmp_path):
+    """Device bytes: none for embed_tokens / lm_head until an adapter targeting them is loaded,
+    then max_loras x r_max x (vocab + hidden) elements (+ per-slot scaling and rank) per target."""
+    import json
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    qv = make_peft_adapter(base, tmp_path / "qv", seed=1, **ADAPTERS["qv"])
+    head = make_peft_adapter(base, tmp_path / "head", seed=2, **ADAPTERS["head"])
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", device="cpu", home=tmp_path / "home", max_loras=2,
+              max_lora_rank=8, kv_cache_bytes=4 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate([[5, 6, 7]], params, adapters=[str(qv)])
+    stats = llm.engine.lora_manager.stats()
+    assert stats["slot_vocab_bytes"] == 0 and stats["slot_bytes"] > 0
+    llm.generate([[5, 6, 7]], params, adapters=[str(head)])
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    vocab, hidden = config["vocab_size"], config["hidden_size"]
+    head_bytes = 4 * 2 * 8 * (vocab + hidden) + 2 * (4 + 4)  # fp32 A and B; fp32 scaling, int32 rank
+    after = llm.engine.lora_manager.stats()
+    assert after["slot_vocab_bytes"] == head_bytes
+    assert after["slot_bytes"] == stats["slot_bytes"] + head_bytes
