@@ -111,3 +111,22 @@ def test_vocab_slot_buffers_exist_only_once_an_adapter_needs_them(tiny_llama_dir
     after = llm.engine.lora_manager.stats()
     assert after["slot_vocab_bytes"] == head_bytes
     assert after["slot_bytes"] == stats["slot_bytes"] + head_bytes
+
+
+def test_speculative_verification_rows_get_the_head_lora(tiny_llama_dir, tmp_path):
+    """n-gram drafts verified in one forward: every verified row's logits carry its adapter's
+    lm_head LoRA, so the accepted tokens are PEFT's greedy ones."""
+    from tests.engine.spec_helpers import assert_drafts_accepted_and_rejected, make_llm, repeating_prompts
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    dirs = {name: make_peft_adapter(base, tmp_path / name, seed=50 + i, **ADAPTERS[name])
+            for i, name in enumerate(("head", "both"))}
+    peft_model = peft_model_for(base, dirs)
+    llm = make_llm(tiny_llama_dir, tmp_path / "home", spec=True, max_loras=2, max_lora_rank=8)
+    prompts = repeating_prompts(count=4, seed=3)
+    which = ["head", "both", None, "both", "head", None, "head"][: len(prompts)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                        adapters=[None if w is None else str(dirs[w]) for w in which])
+    expected = [reference(peft_model, p, w, 12) for p, w in zip(prompts, which)]
+    assert [out.outputs[0].token_ids for out in outs] == expected
+    assert_drafts_accepted_and_rejected(llm)
