@@ -154,6 +154,19 @@ def enumerate_target_keys(
     return targeted
 
 
+def add_tied_lm_head(
+    cfg: LoRAConfigView, spec: LoRATargetSpec, prefix: str, targeted: dict[str, tuple[int, str]]
+) -> dict[str, tuple[int, str]]:
+    """PEFT's ``ensure_weight_tying`` on a model whose lm_head shares the embedding's weight:
+    with the embedding targeted, PEFT ties a LoRA on lm_head to it (``lora_A`` =
+    ``lora_embedding_B.T``, ``lora_B`` = ``lora_embedding_A.T``) and drops lm_head from the saved
+    ``target_modules``, yet saves its tensors. lm_head counts as targeted then."""
+    embed_key, head_key = f"{prefix}embed_tokens", lm_head_key(prefix)
+    if not (cfg.raw.get("ensure_weight_tying") and spec.tied_embeddings and embed_key in targeted):
+        return targeted
+    return {**targeted, head_key: (-1, "lm_head")}
+
+
 class _Matcher:
     """PEFT's ``check_target_module_exists`` (peft 0.21), restricted to the servable modules."""
 

@@ -41,7 +41,13 @@ import torch
 
 from loraplex.lora.adapter_config import LoRAConfigView, parse_config
 from loraplex.lora.errors import InvalidAdapterError
-from loraplex.lora.module_match import TENSOR_PREFIX, enumerate_target_keys, parse_tensor_name, unserved_module_key
+from loraplex.lora.module_match import (
+    TENSOR_PREFIX,
+    add_tied_lm_head,
+    enumerate_target_keys,
+    parse_tensor_name,
+    unserved_module_key,
+)
 from loraplex.lora.safetensors_io import MAX_HEADER_BYTES, SafetensorsFile, parse_safetensors
 from loraplex.lora.spec import TARGET_MODULES, VOCAB_TARGETS, LoRATargetSpec
 from loraplex.lora.vocab_names import EMBED, base_copy_module, prefix_for_lm_head
@@ -259,7 +265,7 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
             f"(e.g. {min(unserved)!r}; images are not served): it would change no output"
         )
 
-    targeted = enumerate_target_keys(cfg, spec, prefix, frozenset(unserved))
+    targeted = add_tied_lm_head(cfg, spec, prefix, enumerate_target_keys(cfg, spec, prefix, frozenset(unserved)))
     for key in by_key:
         if key not in targeted:
             raise InvalidAdapterError(

@@ -39,7 +39,8 @@ class LoRATargetSpec:
 
     ``vocab_size`` / ``hidden_size``: the shapes of the embedding and the output layer, for LoRA
     on ``embed_tokens`` and ``lm_head`` (``VOCAB_TARGETS``); 0 when not known, which refuses
-    such adapters."""
+    such adapters. ``tied_embeddings``: lm_head shares the embedding's weight (PEFT's
+    ``ensure_weight_tying`` then ties their LoRA too)."""
 
     model_name: str
     num_layers: int
@@ -48,6 +49,7 @@ class LoRATargetSpec:
     unserved_module_prefixes: tuple[str, ...] = ()
     vocab_size: int = 0
     hidden_size: int = 0
+    tied_embeddings: bool = False
 
     @property
     def vocab_shapes(self) -> dict[str, tuple[int, int]]:

@@ -153,6 +153,7 @@ class ModelSpec:
             unserved_module_prefixes=UNSERVED_PREFIXES if self.architecture == GEMMA3_MULTIMODAL else (),
             vocab_size=self.vocab_size,
             hidden_size=h,
+            tied_embeddings=self.tie_word_embeddings,
             module_shapes={
                 "q_proj": (h, self.q_size),
                 "k_proj": (h, self.kv_size),

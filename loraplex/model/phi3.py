@@ -67,4 +67,5 @@ def phi3_lora_target_spec(spec) -> LoRATargetSpec:
         packed_modules={name: (name,) for name in PHI3_LORA_MODULES},
         vocab_size=spec.vocab_size,
         hidden_size=h,
+        tied_embeddings=spec.tie_word_embeddings,
     )

@@ -130,3 +130,26 @@ def test_speculative_verification_rows_get_the_head_lora(tiny_llama_dir, tmp_pat
     expected = [reference(peft_model, p, w, 12) for p, w in zip(prompts, which)]
     assert [out.outputs[0].token_ids for out in outs] == expected
     assert_drafts_accepted_and_rejected(llm)
+
+
+def test_tied_adapters_from_ensure_weight_tying_match_peft(tiny_tied_dir, tmp_path):
+    """``ensure_weight_tying=True`` on a tied model ties lm_head's LoRA to the embedding's
+    (lora_A = lora_embedding_B.T, lora_B = lora_embedding_A.T); PEFT saves both, and serving them
+    as two deltas gives PEFT's tokens."""
+    from safetensors.torch import load_file
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_tied_dir), dtype=torch.float32).eval()
+    tied = make_peft_adapter(base, tmp_path / "tied", seed=9, r=4, target_modules=["embed_tokens", "lm_head"],
+                             ensure_weight_tying=True)
+    t = load_file(str(tied / "adapter_model.safetensors"))
+    assert torch.equal(t["base_model.model.lm_head.lora_A.weight"],
+                       t["base_model.model.model.embed_tokens.lora_embedding_B"].t())
+    peft_model = peft_model_for(base, {"tied": tied})
+    llm = LLM(model=str(tiny_tied_dir), dtype="float32", device="cpu", home=tmp_path / "home", max_loras=2,
+              max_lora_rank=8, kv_cache_bytes=4 << 20)
+    prompts = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        adapters=[str(tied), None])
+    expected = [reference(peft_model, p, w, MAX_TOKENS) for p, w in zip(prompts, ["tied", None])]
+    assert [out.outputs[0].token_ids for out in outs] == expected
+    assert expected[0] != reference(peft_model, prompts[0], None, MAX_TOKENS)
