@@ -147,3 +147,10 @@ def test_refused_when_the_base_model_has_no_vocabulary_shapes(base, vocab_adapte
     spec = replace(spec_for(base), vocab_size=0, hidden_size=0)
     with pytest.raises(InvalidAdapterError, match=r"does not serve LoRA on"):
         inspect_adapter_dir(vocab_adapter, spec, max_lora_rank=8)
+
+
+def test_adapter_saved_without_base_copies_is_accepted_without_warning(base, vocab_adapter, tmp_path):
+    """``save_pretrained(save_embedding_layers=False)``: only the LoRA tensors."""
+    slim = edit_tensors(vocab_adapter, tmp_path / "slim", lambda t: [t.pop(EMBED_COPY), t.pop(HEAD_COPY)])
+    info = inspect_adapter_dir(slim, spec_for(base), max_lora_rank=8)
+    assert info.targets == ("q_proj", "embed_tokens", "lm_head") and info.warnings == ()
