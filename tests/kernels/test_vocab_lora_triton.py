@@ -172,3 +172,41 @@ def test_graph_decode_steps_with_vocab_lora_match_peft(triton_on_cpu, tmp_path):
     prompts = [torch.randint(4, 300, (n,), generator=gen).tolist() for n in (12, 3, 9, 5)]
     check_graph_decodes_match_peft(model_dir, hf, {"both": both, "head": head}, prompts,
                                    ["both", None, "head", "both"], tmp_path / "home")
+
+
+@pytest.mark.slow
+def test_graphs_captured_before_the_embedding_stack_existed_are_not_replayed(triton_on_cpu, tmp_path):
+    """Decodes with an lm_head-only adapter capture LoRA graphs without the embedding LoRA; once
+    an adapter with embed_tokens is loaded a CUDA graph's replay would skip its delta, so they are
+    dropped and recaptured, and the tokens stay PEFT's. (The eager stand-in reruns the Python
+    forward on replay, so it would pick the new stack up anyway: recapture is what is checked.)"""
+    from transformers import AutoModelForCausalLM
+
+    from loraplex.engine.cuda_graphs import DecodeGraphs, eager_capture
+    from loraplex.engine.llm import LLM
+    from loraplex.sampling_params import SamplingParams
+    from tests.fixtures.peft_adapters import peft_model_for
+    from tests.fixtures.tiny_models import make_tiny_model_dir
+    from tests.lora.test_acceptance import reference
+
+    model_dir = make_tiny_model_dir(tmp_path / "model", "llama", seed=4)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    dirs = {
+        "head": make_peft_adapter(hf, tmp_path / "head", seed=81, r=4, target_modules=["lm_head"]),
+        "embed": make_peft_adapter(hf, tmp_path / "embed", seed=82, r=4, lora_alpha=32, target_modules=["embed_tokens"]),
+    }
+    llm = LLM(model=str(model_dir), dtype="float32", device="cpu", home=tmp_path / "home", kv_cache_bytes=1 << 20,
+              max_loras=2, max_lora_rank=8, max_num_seqs=4, max_model_len=128)
+    runner = llm.engine.runner
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, runner.max_model_len, 4, eager_capture)
+    runner.decode_graphs = graphs
+    peft_model = peft_model_for(hf, dirs)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[7, 8, 9, 10, 11], [40, 3, 77]]
+    for name in ("head", "embed"):
+        outs = llm.generate(prompts, params, adapters=[str(dirs[name])] * 2)
+        assert [o.outputs[0].token_ids for o in outs] == [reference(peft_model, p, name, 8) for p in prompts], name
+        if name == "head":
+            stale = {key: g for key, g in graphs.graphs.items() if key[1] > 0}
+            assert stale  # LoRA graphs captured without the embedding stack
+    assert all(graphs.graphs.get(key) is not g for key, g in stale.items())
