@@ -153,3 +153,21 @@ def test_tied_adapters_from_ensure_weight_tying_match_peft(tiny_tied_dir, tmp_pa
     expected = [reference(peft_model, p, w, MAX_TOKENS) for p, w in zip(prompts, ["tied", None])]
     assert [out.outputs[0].token_ids for out in outs] == expected
     assert expected[0] != reference(peft_model, prompts[0], None, MAX_TOKENS)
+
+
+def test_one_slot_reused_by_adapters_with_and_without_vocab_targets(tiny_llama_dir, tmp_path):
+    """max_loras=1: each adapter evicts the last from the one device slot, so the slot's
+    embed_tokens / lm_head rows go from set to cleared and back; every output is PEFT's."""
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    dirs = {name: make_peft_adapter(base, tmp_path / name, seed=60 + i, **ADAPTERS[name])
+            for i, name in enumerate(("both", "qv", "embed"))}
+    peft_model = peft_model_for(base, dirs)
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", device="cpu", home=tmp_path / "home", max_loras=1,
+              max_lora_rank=8, kv_cache_bytes=4 << 20, enable_prefix_caching=False)
+    prompt = [9, 30, 31, 12, 50]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for name in ("both", "qv", "embed", "qv", "both", None):
+        out = llm.generate([prompt], params, adapters=[None if name is None else str(dirs[name])])[0]
+        assert out.outputs[0].token_ids == reference(peft_model, prompt, name, MAX_TOKENS), name
+    stats = llm.engine.lora_manager.stats()["adapters"]
+    assert sum(s["evictions"] for s in stats.values()) >= 4  # the slot changed hands each time
