@@ -127,10 +127,17 @@ def new_context(settings: Settings, *, engine=None, registry=None, adapters=None
 
 
 def use_parts(ctx: AppContext, engine, registry, adapters) -> None:
-    """Put the built parts in ``ctx``: the server's chat template goes onto the engine's
+    """Put the built parts in ``ctx``: a reasoning parser is checked against the engine's tokenizer
+    (ValueError when its tags are not single tokens), the server's chat template goes onto the
     tokenizer, and without ``served_model_name`` the base model is served under the engine's
     name for it."""
     ctx.engine, ctx.registry, ctx.adapters = engine, registry, adapters
+    if ctx.reasoning_parser is not None:
+        try:
+            ctx.reasoning_parser.check_tokenizer(ctx.tokenizer)
+        except ValueError as exc:
+            log.error("%s", exc)  # the reason, on one line above uvicorn's traceback
+            raise
     if ctx.chat_template is not None:  # every chat render and /tokenize reads it from here
         ctx.tokenizer.chat_template = ctx.chat_template
     if not ctx.settings.served_model_name and getattr(ctx.engine, "model_name", None):

@@ -119,6 +119,23 @@ class ReasoningParser:
                                  starts_in=starts_in)
 
 
+    def check_tokenizer(self, tokenizer) -> None:
+        """Refuse (ValueError) a tokenizer without ``<think>`` and ``</think>`` as single tokens,
+        as vLLM's thinking parsers refuse to start (BaseThinkingReasoningParser: "could not
+        locate think start/end tokens in the tokenizer"): structured output after reasoning
+        finds the boundary by these tokens (``boundary``), and a tag spelt in several tokens is
+        never seen there. Each must be a vocabulary entry that encodes as itself alone."""
+        vocab = tokenizer.get_vocab()
+        for tag in (THINK, END_THINK):
+            ids = list(tokenizer(tag, add_special_tokens=False)["input_ids"])
+            if tag not in vocab or ids != [vocab[tag]]:
+                raise ValueError(
+                    f"--reasoning-parser {self.name}: {tag} is not one token of the model's tokenizer "
+                    f"(it encodes as {len(ids)} tokens); this parser needs {THINK} and {END_THINK} as single "
+                    "tokens, as vLLM's does, which refuses to start the same way: serve a thinking model "
+                    "(Qwen3, DeepSeek-R1) or leave --reasoning-parser out")
+
+
 class DeepSeekR1Parser(ReasoningParser):
     """Everything up to ``</think>`` is reasoning."""
 

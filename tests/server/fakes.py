@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import threading
 from pathlib import Path
 
@@ -21,8 +22,15 @@ VOCAB_OFFSET = 3  # 0 pad, 1 bos, 2 eos
 LETTERS = "abcdefghijklmnopqrstuvwxyz "
 
 
+# a thinking model's tags, one token each as in Qwen3's and DeepSeek-R1's vocabularies, so that a
+# server with --reasoning-parser starts on the fake (the parser refuses a tokenizer without them)
+THINK_TAGS = {"<think>": VOCAB_OFFSET + len(LETTERS), "</think>": VOCAB_OFFSET + len(LETTERS) + 1}
+_TAG_SPLIT = re.compile("(" + "|".join(map(re.escape, THINK_TAGS)) + ")")
+
+
 class FakeTokenizer:
-    """Character-level tokenizer: one token per character of ``LETTERS`` (others dropped)."""
+    """Character-level tokenizer: one token per character of ``LETTERS`` (others dropped), and
+    ``<think>`` / ``</think>`` as one token each."""
 
     chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
     eos_token_id = 2
@@ -31,11 +39,21 @@ class FakeTokenizer:
         return VOCAB_OFFSET + len(LETTERS) + 4
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
-        ids = [VOCAB_OFFSET + LETTERS.index(c) for c in text.lower() if c in LETTERS]
+        ids = []
+        for part in _TAG_SPLIT.split(text):
+            if part in THINK_TAGS:
+                ids.append(THINK_TAGS[part])
+            else:
+                ids += [VOCAB_OFFSET + LETTERS.index(c) for c in part.lower() if c in LETTERS]
         return {"input_ids": ([1] if add_special_tokens else []) + ids}
 
+    def get_vocab(self) -> dict[str, int]:
+        return {**{c: VOCAB_OFFSET + i for i, c in enumerate(LETTERS)}, **THINK_TAGS}
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(LETTERS[i - VOCAB_OFFSET] for i in ids if VOCAB_OFFSET <= i < VOCAB_OFFSET + len(LETTERS))
+        tags = {i: tag for tag, i in THINK_TAGS.items()}
+        return "".join(LETTERS[i - VOCAB_OFFSET] if VOCAB_OFFSET <= i < VOCAB_OFFSET + len(LETTERS) else tags.get(i, "")
+                       for i in ids)
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, tools=None):
         # tools and earlier tool calls are named in the prompt, so tests can see them reach it

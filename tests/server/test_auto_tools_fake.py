@@ -7,6 +7,7 @@ tool-call history the chat template renders."""
 from __future__ import annotations
 
 import json
+import re
 
 import jinja2
 import openai
@@ -258,17 +259,27 @@ def test_parser_flags_and_startup_check(tmp_path, capsys):
 
 
 class Qwen3StyleTokenizer(FakeTokenizer):
-    """One token per character (any character), and a template that, as Qwen3's, writes an
-    empty think block after the assistant header when ``enable_thinking`` is false."""
+    """One token per character (any character) but ``<think>`` and ``</think>``, one token each as
+    in Qwen3's vocabulary, and a template that, as Qwen3's, writes an empty think block after the
+    assistant header when ``enable_thinking`` is false."""
+
+    TAGS = {"<think>": 0x110000 + 3, "</think>": 0x110000 + 4}
 
     def __len__(self) -> int:
-        return 0x110000 + 3
+        return 0x110000 + 5
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
-        return {"input_ids": [ord(c) + 3 for c in text]}
+        ids = []
+        for part in re.split("(</?think>)", text):
+            ids += [self.TAGS[part]] if part in self.TAGS else [ord(c) + 3 for c in part]
+        return {"input_ids": ids}
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.TAGS)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i - 3) for i in ids)
+        tags = {i: tag for tag, i in self.TAGS.items()}
+        return "".join(tags.get(i) or chr(i - 3) for i in ids)
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, tools=None, **kwargs):
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
