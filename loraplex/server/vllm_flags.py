@@ -20,7 +20,10 @@ are made from ``Settings`` (loraplex/server/cli.py). This module adds the rest:
   ``VLLM_API_KEY`` stands for ``--api-key``, so that a deployment's environment runs unchanged
   (the entry point passes its environment in; nothing here reads it);
 * refused, with what to use instead: ``--gpu-memory-utilization``, ``--tensor-parallel-size`` above
-  1, ``--quantization``, several served model names.
+  1, ``--quantization``, several served model names;
+* vLLM's other engine flags that launch commands carry (``--kv-cache-dtype``, ``--swap-space``,
+  ``--task``, ``-O`` ...): taken where the value means what loraplex does, refused otherwise
+  (loraplex/server/vllm_engine_flags.py).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 
 from loraplex.config import Settings
 from loraplex.registry.errors import InvalidName
+from loraplex.server import vllm_engine_flags
 from loraplex.registry.names import validate_adapter_name
 
 
@@ -217,6 +221,7 @@ def add_vllm_flags(parser: argparse.ArgumentParser, taken: frozenset[str] = froz
                            type=parse_lora_module, metavar="MODULE",
                            help='name=path or {"name": ..., "path": ...}: registered in the --vllm-tenant '
                                 "tenant at start (a changed directory becomes the name's new active version)")
+    vllm_engine_flags.add_engine_flags(group)
     for dest, (flags, options, _) in REFUSED.items():
         if dest in taken:
             continue
@@ -230,6 +235,7 @@ def translate(args: argparse.Namespace, overrides: dict, environ: Mapping[str, s
     ``VllmFlagError`` naming every refused flag. ``environ`` is read for vLLM's
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` only (the entry point passes the process's)."""
     refused = [f"{REFUSED[dest][0][0]}: {REFUSED[dest][2]}" for dest in REFUSED if _is_refused(args, dest)]
+    refused += vllm_engine_flags.refusals(args)
     if refused:
         raise VllmFlagError("vLLM flag(s) loraplex does not take:\n  " + "\n  ".join(refused))
     out = dict(overrides)
@@ -257,15 +263,21 @@ def translate(args: argparse.Namespace, overrides: dict, environ: Mapping[str, s
         out["cuda_graphs"] = False  # also over LORAPLEX_CUDA_GRAPHS=true
     if "allow_runtime_lora_updating" not in out and runtime_updating_from_env(environ or {}):
         out["allow_runtime_lora_updating"] = True
-    return out
+    try:
+        return vllm_engine_flags.apply(args, out)
+    except ValueError as exc:
+        raise VllmFlagError(str(exc)) from None
 
 
 def check(args: argparse.Namespace, settings: Settings) -> None:
     """What vLLM checks once everything is known (a tool-call parser may come from the
-    environment)."""
+    environment; the flags whose meaning depends on the model)."""
     if getattr(args, "enable_auto_tool_choice", False) and settings.tool_call_parser is None:
         # vLLM's words ("Error: --enable-auto-tool-choice requires --tool-call-parser")
         raise VllmFlagError("--enable-auto-tool-choice requires --tool-call-parser")
+    refused = vllm_engine_flags.model_refusals(args, settings.model, settings.max_model_len)
+    if refused:
+        raise VllmFlagError("vLLM flag(s) loraplex does not take:\n  " + "\n  ".join(refused))
 
 
 def _is_refused(args: argparse.Namespace, dest: str) -> bool:
