@@ -35,7 +35,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # vLLM's `serve --config FILE.yaml`
+        from loraplex.server.vllm_config_file import ConfigFileError, expand
+
+        serve = parser._subparsers._group_actions[0].choices["serve"]
+        try:
+            argv = expand(argv, serve)
+        except ConfigFileError as exc:
+            serve.error(str(exc))  # argparse's way: usage, the message, exit status 2
+    args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 
 

@@ -26,10 +26,12 @@ from pathlib import Path
 from loraplex.config import SCHEDULING_POLICIES, Settings
 from loraplex.generation_defaults import GenerationConfigError
 from loraplex.generation_defaults import check_options as check_generation_options
-from loraplex.server import http_options, vllm_flags
+from loraplex.server import http_options, vllm_engine_flags, vllm_flags
 from loraplex.server.reasoning_parsers import REASONING_PARSERS
 from loraplex.server.tool_parsers import TOOL_PARSERS
 from loraplex.template_content_format import CONTENT_FORMAT_OPTIONS
+
+log = logging.getLogger(__name__)
 
 # Settings fields that are not flags: secrets go through the environment only.
 NOT_FLAGS = {"admin_key"}
@@ -68,6 +70,9 @@ def add_parser(subparsers) -> None:
     vllm_flags.add_vllm_flags(p)
     http_options.add_http_flags(p)  # vLLM's front-end flags, their own help group
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    # read by loraplex.cli before parsing (loraplex/server/vllm_config_file.py); here for --help
+    p.add_argument("--config", dest="vllm_config", metavar="FILE.yaml",
+                   help="vLLM's config file: flags as YAML keys (`max-loras: 4`); the command line wins")
     p.set_defaults(func=run_serve)
 
 
@@ -170,6 +175,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"loraplex serve: error: {exc}", file=sys.stderr)
         return 2
     _configure_logging(args.log_level, access_lines=not args.disable_uvicorn_access_log)
+    for note in vllm_engine_flags.notes(args):
+        log.info("vLLM flag taken: %s", note)
     embedded = settings.database_url is None
     setup = prepare_registry(settings, create_demo=embedded)
     base = f"{http_options.scheme(settings)}://{settings.host}:{settings.port}"

@@ -1,0 +1,104 @@
+"""vLLM's ``serve --config FILE.yaml``: flags read from a YAML mapping of long flag names to
+values, with the command line winning, as vLLM's argument parser does it.
+
+Each entry becomes flags inserted right after ``serve`` (and after a positional model), so a flag
+also given on the command line is read later and wins, and list flags (``--api-key``,
+``--lora-modules``) take both: ``key: true`` is ``--key``, ``key: false`` is ``--no-key`` where
+that flag exists (else nothing), a list is ``--key item ...``, a mapping is ``--key '<JSON>'`` and
+anything else ``--key str(value)``. ``model: M`` yields to a model on the command line. Keys may
+use ``_`` for ``-``. Where vLLM leaves an unknown key to argparse ("unrecognized arguments"),
+this names the key and the file; every error exits with status 2 before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+CONFIG_FLAG = "--config"
+
+
+class ConfigFileError(ValueError):
+    """The config file cannot be read as ``serve`` flags; the message says why."""
+
+
+def config_path(argv: list[str]) -> tuple[str, list[str]] | None:
+    """``(path, argv without --config PATH)``, or None when no ``--config`` is given."""
+    found = [i for i, arg in enumerate(argv) if arg == CONFIG_FLAG or arg.startswith(CONFIG_FLAG + "=")]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ConfigFileError("--config is given more than once: give one file")
+    i = found[0]
+    if argv[i] != CONFIG_FLAG:
+        return argv[i].split("=", 1)[1], argv[:i] + argv[i + 1:]
+    if i + 1 >= len(argv):
+        raise ConfigFileError("--config needs a file: --config FILE.yaml")
+    return argv[i + 1], argv[:i] + argv[i + 2:]
+
+
+def read_entries(path: str) -> dict:
+    """The file's top-level mapping; a file that is missing, not ``.yaml``/``.yml`` (as vLLM
+    requires) or not a mapping is a ``ConfigFileError``."""
+    import yaml
+
+    if Path(path).suffix not in (".yaml", ".yml"):
+        raise ConfigFileError(f"--config {path}: the file must be YAML (.yaml or .yml), as in vLLM")
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigFileError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    try:
+        entries = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigFileError(f"--config {path}: not valid YAML ({exc})") from None
+    if entries is None:
+        return {}
+    if not isinstance(entries, dict):
+        raise ConfigFileError(f"--config {path}: expected a mapping of flag names to values")
+    return entries
+
+
+def entries_to_args(entries: dict, path: str, options: dict[str, argparse.Action]) -> list[str]:
+    """The flags ``entries`` stand for, each checked against ``options`` (the command's option
+    strings)."""
+    out: list[str] = []
+    for key, value in entries.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag not in options or flag == CONFIG_FLAG:
+            raise ConfigFileError(f"--config {path}: unknown key {key!r}: no `loraplex serve` flag {flag} "
+                                  "(see `loraplex serve --help`)")
+        if value is None:
+            raise ConfigFileError(f"--config {path}: {key}: null; give a value or leave the key out")
+        if isinstance(value, bool):
+            if value:
+                out.append(flag)
+            elif f"--no-{flag[2:]}" in options:
+                out.append(f"--no-{flag[2:]}")
+        elif isinstance(value, list):
+            if value:  # vLLM's --lora-modules JSON form may be a mapping in the list
+                out += [flag, *(json.dumps(item) if isinstance(item, dict) else str(item) for item in value)]
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def expand(argv: list[str], serve_parser: argparse.ArgumentParser) -> list[str]:
+    """``argv`` (starting with ``serve``) with its ``--config`` file's flags in place of
+    ``--config FILE``, placed so that the command line wins."""
+    found = config_path(argv[1:])
+    if found is None:
+        return argv
+    path, rest = found
+    entries = read_entries(path)
+    if "model" in entries:
+        given, _ = serve_parser.parse_known_args(rest)
+        if given.model_tag is not None or given.model is not None:
+            entries = {k: v for k, v in entries.items() if k != "model"}  # the command line's wins
+    config_args = entries_to_args(entries, path, serve_parser._option_string_actions)
+    # after a leading positional model (vLLM's place), before every other command-line flag
+    head = 1 if rest and not rest[0].startswith("-") else 0
+    return ["serve", *rest[:head], *config_args, *rest[head:]]
