@@ -3,10 +3,12 @@ its value means what loraplex does anyway (a no-op, logged once at start), refus
 what to use instead. None is ignored silently: a value that would change outputs or memory in
 vLLM and has no loraplex equivalent stops the start.
 
-The flags are those of ``vllm serve --help`` ("engine args") that launch commands carry: the vLLM
-production-stack Helm chart's ``vllmConfig`` and KServe's vLLM runtime examples pass
-``--kv-cache-dtype``, ``--swap-space``, ``--max-seq-len-to-capture``, ``--disable-log-requests``,
-``--enable-chunked-prefill``, ``--pipeline-parallel-size`` and the CUDA-graph / compilation options.
+The flags are vLLM's engine arguments (docs.vllm.ai "Engine Arguments": ``--kv-cache-dtype``,
+``--swap-space``, ``--disable-sliding-window``, ``--max-parallel-loading-workers``, the revisions...)
+that launch templates carry: the vLLM production-stack Helm chart
+(helm/templates/deployment-vllm-multi.yaml) writes ``--no-enable-prefix-caching``,
+``--kv-transfer-config`` for LMCache and ``extraArgs``; CAST AI's vLLM chart sets
+``kvCacheDtype: auto`` and ``dtype: half``.
 ``--disable-sliding-window`` and the revisions depend on the model, so they are read once the
 model is known (``check``).
 """
@@ -173,6 +175,11 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
         "--cpu-offload-gb 0: the weights stay on the device",
         "loraplex keeps every weight on the device: use a smaller model or --dtype, or a lower "
         "--kv-cache-bytes to leave room"),
+    "kv_transfer_config": EngineFlag(
+        ("--kv-transfer-config",), {"type": json_object}, lambda value: False, "",
+        "loraplex keeps the KV cache in its own memory, with no KV connector (LMCache, NIXL, "
+        "disaggregated prefill): leave the flag out; its prefix cache (--enable-prefix-caching) reuses "
+        "prompt blocks within the process"),
     "hf_overrides": EngineFlag(
         ("--hf-overrides",), {"type": json_object}, lambda value: not value, "",
         "loraplex reads the model's config.json as saved: edit a copy of the model directory"),

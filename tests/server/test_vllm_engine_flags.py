@@ -93,6 +93,8 @@ REFUSED = [
     (["--otlp-traces-endpoint", "http://otel:4317"], "--otlp-traces-endpoint http://otel:4317", "x-request-id"),
     (["--cpu-offload-gb", "8"], "--cpu-offload-gb 8.0", "on the device"),
     (["--hf-overrides", '{"rope_theta": 1}'], '--hf-overrides {"rope_theta": 1}', "config.json"),
+    (["--kv-transfer-config", '{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}'],
+     '--kv-transfer-config {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}', "no KV connector"),
 ]
 
 
@@ -173,3 +175,22 @@ def test_mm_limits_take_vllms_forms():
     assert vllm_engine_flags.mm_limits("image=0, audio=2") == {"image": 0, "audio": 2}
     with pytest.raises(Exception, match="expected a count"):
         vllm_engine_flags.mm_limits(json.dumps({"image": -1}))
+
+
+def test_the_production_stack_charts_command_line_runs(tmp_path, monkeypatch):
+    """The flags vllm-project/production-stack's deployment template writes, underscores and all
+    (vLLM's parser reads ``--max_loras`` as ``--max-loras``), through the entry point."""
+    seen = {}
+    parser = build_parser()
+    parser._subparsers._group_actions[0].choices["serve"].set_defaults(func=lambda a: seen.__setitem__("args", a))
+    monkeypatch.setattr("loraplex.cli.build_parser", lambda: parser)
+    assert main(["serve", "/data/model", "--host", "0.0.0.0", "--port", "8000", "--enable-lora",
+                 "--no-enable-chunked-prefill", "--no-enable-prefix-caching", "--max-model-len", "4096",
+                 "--dtype", "bfloat16", "--tensor-parallel-size", "1", "--max-num-seqs", "32",
+                 "--max_loras", "4", "--max_lora_rank=32", "--kv_cache_dtype", "auto",
+                 "--lora-modules", "my_adapter=/data/lora_a"]) == 0
+    s = settings_from_args(seen["args"])
+    assert (s.model, s.host, s.max_loras, s.max_lora_rank, s.max_num_seqs) == ("/data/model", "0.0.0.0", 4, 32, 32)
+    assert (s.enable_chunked_prefill, s.enable_prefix_caching, s.max_model_len) == (False, False, 4096)
+    # values are never rewritten: an adapter name with "_" stays as given
+    assert [m.name for m in seen["args"].vllm_lora_modules] == ["my_adapter"]
