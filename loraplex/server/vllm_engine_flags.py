@@ -121,7 +121,7 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
         "--swap-space: no CPU swap space is reserved; preempted requests are recomputed, as in vLLM's V1 "
         "engine, which reads no swap space either"),
     "enable_log_requests": EngineFlag(
-        ("--enable-log-requests",), {"action": "store_true", "default": None}, _always,
+        ("--enable-log-requests",), {"action": argparse.BooleanOptionalAction}, _always,
         "--enable-log-requests: loraplex logs no prompts; each request has one JSON access line of counts"),
     "task": EngineFlag(
         ("--task",), {}, _equals("generate", "auto"),
@@ -158,17 +158,17 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
         "loraplex exports no OpenTelemetry traces: correlate requests by x-request-id (in each JSON "
         "access line) and watch the vllm:* metrics on /metrics"),
     "fully_sharded_loras": EngineFlag(
-        ("--fully-sharded-loras",), {"action": "store_true", "default": None}, _always,
+        ("--fully-sharded-loras",), {"action": argparse.BooleanOptionalAction}, _always,
         "--fully-sharded-loras: how LoRA is split across tensor-parallel devices; on one device, as "
         "loraplex runs, both layouts compute the same"),
     "disable_custom_all_reduce": EngineFlag(
-        ("--disable-custom-all-reduce",), {"action": "store_true", "default": None}, _always,
+        ("--disable-custom-all-reduce",), {"action": argparse.BooleanOptionalAction}, _always,
         "--disable-custom-all-reduce: one device has no all-reduce"),
     "distributed_executor_backend": EngineFlag(
         ("--distributed-executor-backend",), {}, _always,
         "--distributed-executor-backend: one device in the server's own process"),
     "disable_frontend_multiprocessing": EngineFlag(
-        ("--disable-frontend-multiprocessing",), {"action": "store_true", "default": None}, _always,
+        ("--disable-frontend-multiprocessing",), {"action": argparse.BooleanOptionalAction}, _always,
         "--disable-frontend-multiprocessing: loraplex runs the HTTP server and the engine in one process"),
     "cpu_offload_gb": EngineFlag(
         ("--cpu-offload-gb",), {"type": float}, _equals(0, 0.0),
@@ -192,7 +192,7 @@ MODEL_FLAGS = {
     "tokenizer_revision": (("--tokenizer-revision",), {}),
     "code_revision": (("--code-revision",), {}),
     "download_dir": (("--download-dir",), {}),
-    "disable_sliding_window": (("--disable-sliding-window",), {"action": "store_true", "default": None}),
+    "disable_sliding_window": (("--disable-sliding-window",), {"action": argparse.BooleanOptionalAction}),
 }
 
 
@@ -299,13 +299,9 @@ def _sliding_window(model: str, max_model_len: int | None) -> str | None:
                 "--max-model-len W (its sliding window) instead, the same outputs as vLLM's")
     spec = ModelSpec.from_dir(directory)
     window = spec.uniform_sliding_window
-    gemma_windowed = spec.gemma is not None and "sliding_attention" in (spec.gemma.layer_types or ())
-    if window is None and not gemma_windowed:
+    if spec.gemma is not None and "sliding_attention" in (spec.gemma.layer_types or ()):
+        window = spec.gemma.sliding_window  # Gemma 2/3: some layers windowed, the others global
+    if window is None or (max_model_len is not None and max_model_len <= window):
         return None
-    if window is not None and max_model_len is not None and max_model_len <= window:
-        return None
-    if window is not None:
-        return (f"loraplex keeps the model's sliding window ({window} tokens); vLLM's flag caps the context at "
-                f"the window, so give --max-model-len {window} for the same outputs")
-    return ("loraplex keeps the model's windowed layers; vLLM's flag caps the context at the window: give "
-            "--max-model-len W (the sliding_window in config.json) for the same outputs")
+    return (f"loraplex keeps the model's sliding window ({window} tokens); vLLM's flag caps the context at "
+            f"the window, so give --max-model-len {window} for the same outputs")

@@ -76,6 +76,9 @@ def test_vllms_boolean_optional_forms_turn_the_engine_options_off():
 
 def test_a_command_line_without_these_flags_logs_no_notes():
     assert notes("m", "--max-loras", "4") == []
+    # vLLM's --no- forms of its switches ask for nothing either
+    off = ["--no-enable-log-requests", "--no-fully-sharded-loras", "--no-async-scheduling", "--no-disable-sliding-window"]
+    assert notes("m", *off) == [] and settings("m", *off) == settings("m")
 
 
 # values vLLM gives another meaning (outputs or memory): (argv, flag named, what to use instead)
@@ -168,6 +171,10 @@ def test_disable_sliding_window_as_vllm_caps_the_context_at_the_window(llama_dir
         settings(str(mistral), "--disable-sliding-window", "--max-model-len", "64")
     # within the window, windowed and full attention attend to the same keys: taken
     assert settings(str(mistral), "--disable-sliding-window", "--max-model-len", "16").max_model_len == 16
+    gemma = make_tiny_model_dir(tmp_path / "gemma2", "gemma2", sliding_window=32, max_position_embeddings=128)
+    with pytest.raises(VllmFlagError, match=r"\(32 tokens\).*--max-model-len 32"):
+        settings(str(gemma), "--disable-sliding-window")  # every other layer windowed
+    assert settings(str(gemma), "--disable-sliding-window", "--max-model-len", "32").max_model_len == 32
 
 
 def test_mm_limits_take_vllms_forms():
