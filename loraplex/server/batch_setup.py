@@ -37,7 +37,10 @@ def build_batch_context(settings: Settings, modules: list, tenant: str | None, e
     if engine is None:
         engine = _load_engine(settings)
     try:
-        use_parts(ctx, engine, registry, None)
+        try:
+            use_parts(ctx, engine, registry, None)
+        except ValueError as exc:  # a reasoning parser whose tags the model's tokenizer splits
+            raise SetupError(str(exc), 2) from None
         spec = engine.engine.runner.lora_target_spec()
         fallback = None
         if registry is not None:

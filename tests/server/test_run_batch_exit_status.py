@@ -69,3 +69,14 @@ def test_an_output_path_that_is_a_directory_is_status_2_before_the_model_loads(b
                 tmp_path / "h") == 2
     assert "cannot write the output file" in capsys.readouterr().err
     assert _left_behind(folder) == ["results"] and _left_behind(folder / "results") == []
+
+
+def test_a_reasoning_parser_the_tokenizer_cannot_serve_is_status_2(batch, tiny_llama_dir, tmp_path, capsys):
+    """The tiny model's byte-level tokenizer spells <think> in 7 tokens: refused as `serve` does."""
+    source, out = batch
+    out.parent.mkdir()
+    argv = ["-i", str(source), "-o", str(out), "--model", str(tiny_llama_dir), "--dtype", "float32",
+            "--kv-cache-bytes", str(1 << 20), "--reasoning-parser", "deepseek_r1"]
+    assert _run(argv, tmp_path / "h") == 2
+    assert "--reasoning-parser deepseek_r1: <think> is not one token" in capsys.readouterr().err
+    assert _left_behind(out.parent) == []
