@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 from loraplex.config import Settings
 from loraplex.registry.errors import InvalidName
-from loraplex.server import vllm_engine_flags
 from loraplex.registry.names import validate_adapter_name
+from loraplex.server import vllm_engine_flags
 
 
 class VllmFlagError(ValueError):
