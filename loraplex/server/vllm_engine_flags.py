@@ -180,6 +180,22 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
         "loraplex keeps the KV cache in its own memory, with no KV connector (LMCache, NIXL, "
         "disaggregated prefill): leave the flag out; its prefix cache (--enable-prefix-caching) reuses "
         "prompt blocks within the process"),
+    "guided_decoding_backend": EngineFlag(
+        ("--guided-decoding-backend",), {}, _equals("auto", "guidance"),
+        "--guided-decoding-backend: structured output is enforced by llguidance, vLLM's guidance backend",
+        "loraplex enforces structured output with llguidance (vLLM's guidance backend), whose accepted "
+        "schemas and whitespace differ from other backends': give guidance or auto, or leave it out"),
+    "structured_outputs_config": EngineFlag(
+        ("--structured-outputs-config",), {"type": json_object},
+        lambda value: set(value) <= {"backend", "disable_fallback"} and value.get("backend", "auto") in ("auto", "guidance"),
+        "--structured-outputs-config: structured output is enforced by llguidance, vLLM's guidance backend",
+        "loraplex enforces structured output with llguidance (vLLM's guidance backend), whose accepted "
+        'schemas and whitespace differ from other backends\'; only {"backend": "guidance"} (or auto) is '
+        "taken: server-wide whitespace, additional-properties and reasoning switches are not (a request's "
+        "structured_outputs.disable_any_whitespace is served)"),
+    "enable_reasoning": EngineFlag(
+        ("--enable-reasoning",), {"action": argparse.BooleanOptionalAction}, _always,
+        "--enable-reasoning: older vLLM's switch for --reasoning-parser, which alone turns reasoning on"),
     "hf_overrides": EngineFlag(
         ("--hf-overrides",), {"type": json_object}, lambda value: not value, "",
         "loraplex reads the model's config.json as saved: edit a copy of the model directory"),
@@ -259,9 +275,13 @@ def is_local(model: str) -> bool:
     return model == DEFAULT_MODEL or Path(model).expanduser().exists()
 
 
-def model_refusals(args: argparse.Namespace, model: str, max_model_len: int | None) -> list[str]:
-    """The refusals of ``MODEL_FLAGS`` for the model being served (``model`` as in Settings)."""
+def model_refusals(args: argparse.Namespace, model: str, max_model_len: int | None,
+                   reasoning_parser: str | None = None) -> list[str]:
+    """The refusals of ``MODEL_FLAGS`` for the model being served (``model`` as in Settings), and
+    older vLLM's ``--enable-reasoning`` without a parser (its start-up error)."""
     out = []
+    if given(args, "enable_reasoning") and reasoning_parser is None:
+        out.append("--enable-reasoning: requires --reasoning-parser, as in vLLM")
     tokenizer = given(args, "tokenizer")
     if tokenizer is not None and not _same_path(tokenizer, model):
         out.append(f"--tokenizer {tokenizer}: loraplex reads the tokenizer from the model ({model}); copy "

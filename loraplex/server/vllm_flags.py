@@ -275,7 +275,8 @@ def check(args: argparse.Namespace, settings: Settings) -> None:
     if getattr(args, "enable_auto_tool_choice", False) and settings.tool_call_parser is None:
         # vLLM's words ("Error: --enable-auto-tool-choice requires --tool-call-parser")
         raise VllmFlagError("--enable-auto-tool-choice requires --tool-call-parser")
-    refused = vllm_engine_flags.model_refusals(args, settings.model, settings.max_model_len)
+    refused = vllm_engine_flags.model_refusals(args, settings.model, settings.max_model_len,
+                                               settings.reasoning_parser)
     if refused:
         raise VllmFlagError("vLLM flag(s) loraplex does not take:\n  " + "\n  ".join(refused))
 

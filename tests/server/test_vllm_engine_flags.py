@@ -59,12 +59,16 @@ NO_OPS = [
     (["--distributed-executor-backend", "mp"], "--distributed-executor-backend"),
     (["--disable-frontend-multiprocessing"], "--disable-frontend-multiprocessing"),
     (["--cpu-offload-gb", "0"], "--cpu-offload-gb"),
+    (["--guided-decoding-backend", "guidance"], "--guided-decoding-backend"),
+    (["--structured-outputs-config", '{"backend": "guidance"}'], "--structured-outputs-config"),
+    (["--enable-reasoning", "--reasoning-parser", "qwen3"], "--enable-reasoning"),
 ]
 
 
 @pytest.mark.parametrize("argv,flag", NO_OPS, ids=[" ".join(a) for a, _ in NO_OPS])
 def test_a_value_that_means_what_loraplex_does_is_taken_and_noted(argv, flag):
-    assert settings("m", *argv) == settings("m")
+    rest = ["--reasoning-parser", "qwen3"] if "--reasoning-parser" in argv else []
+    assert settings("m", *argv) == settings("m", *rest)
     assert [n for n in notes("m", *argv) if n.startswith(flag)], notes("m", *argv)
 
 
@@ -96,6 +100,11 @@ REFUSED = [
     (["--otlp-traces-endpoint", "http://otel:4317"], "--otlp-traces-endpoint http://otel:4317", "x-request-id"),
     (["--cpu-offload-gb", "8"], "--cpu-offload-gb 8.0", "on the device"),
     (["--hf-overrides", '{"rope_theta": 1}'], '--hf-overrides {"rope_theta": 1}', "config.json"),
+    (["--guided-decoding-backend", "xgrammar"], "--guided-decoding-backend xgrammar", "llguidance"),
+    (["--structured-outputs-config", '{"backend": "outlines"}'], '--structured-outputs-config {"backend": "outlines"}',
+     "llguidance"),
+    (["--structured-outputs-config", '{"disable_any_whitespace": true}'],
+     '--structured-outputs-config {"disable_any_whitespace": true}', "disable_any_whitespace is served"),
     (["--kv-transfer-config", '{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}'],
      '--kv-transfer-config {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}', "no KV connector"),
 ]
@@ -118,6 +127,11 @@ def test_refused_engine_flags_stop_serve_with_status_2_before_anything_is_built(
     for flag in ("--kv-cache-dtype fp8:", "--data-parallel-size 2:", "--gpu-memory-utilization:"):
         assert f"\n  {flag}" in err  # every one named at once
     assert not (tmp_path / "home").exists()  # no registry, no model: nothing started
+
+
+def test_enable_reasoning_needs_a_parser_as_in_older_vllm():
+    with pytest.raises(VllmFlagError, match="--enable-reasoning: requires --reasoning-parser"):
+        settings("m", "--enable-reasoning")
 
 
 def test_cudagraph_mode_none_is_eager_as_enforce_eager_is(monkeypatch):
