@@ -214,12 +214,15 @@ MODEL_FLAGS = {
 
 def add_engine_flags(group) -> None:
     """The flags above, into ``group`` (the "vLLM flags" argument group)."""
+    def named(dest: str, options: dict) -> dict:  # --kv-cache-dtype KV_CACHE_DTYPE in --help
+        return {"default": None, **({} if "action" in options else {"metavar": dest.upper()}), **options}
+
     for dest, flag in ENGINE_FLAGS.items():
         kind = "taken" if flag.note else "refused"
-        group.add_argument(*flag.flags, dest=f"vllm_{dest}", **{"default": None, **flag.options},
+        group.add_argument(*flag.flags, dest=f"vllm_{dest}", **named(dest, flag.options),
                            help=f"{kind} as in vLLM where the value means what loraplex does (see README)")
     for dest, (flags, options) in MODEL_FLAGS.items():
-        group.add_argument(*flags, dest=f"vllm_{dest}", **{"default": None, **options},
+        group.add_argument(*flags, dest=f"vllm_{dest}", **named(dest, options),
                            help="taken when it means what loraplex does with this model (see README)")
 
 
