@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +16,7 @@ from loraplex.lora.spec import LoRATargetSpec
 from loraplex.model.gemma3_multimodal import GEMMA3_MULTIMODAL, UNSERVED_PREFIXES, gemma3_text_config, image_token_id
 from loraplex.model.longrope import LongRopeConfigError, parse_longrope
 from loraplex.model.phi3 import PHI3_ARCHITECTURE, PHI3_ROPE_TYPES, phi3_config_view, phi3_lora_target_spec
+from loraplex.model.qwen_windows import QWEN_ARCHITECTURES, qwen_layer_windows
 
 # architecture name in config.json -> whether q/k/v carry a bias by design, whether each
 # q and k head is RMS-normed before the rotary embedding (Qwen3's q_norm / k_norm), and whether
@@ -92,6 +93,9 @@ class ModelSpec:
     # Mistral's / Phi-3's sliding-window attention span (every layer), when it is shorter than
     # the positions: a query at position p attends to keys at positions > p - sliding_window
     sliding_window: int | None = None
+    # Qwen2 / Qwen3 with use_sliding_window: per layer, its window (None: global), when the layers
+    # differ (max_window_layers); () = every layer attends within ``sliding_window``
+    per_layer_windows: tuple[int | None, ...] = ()
     # a multimodal checkpoint's image placeholder token: it stands for vision features loraplex
     # never computes, so a prompt holding it is refused
     image_token_id: int | None = None
@@ -123,6 +127,9 @@ class ModelSpec:
             if gemma.sliding_window is not None and gemma.layer_types and set(gemma.layer_types) == {"sliding_attention"}:
                 return gemma.sliding_window
             return None
+        if self.per_layer_windows:
+            first = self.per_layer_windows[0]
+            return first if all(w == first for w in self.per_layer_windows) else None
         return self.sliding_window
 
     @property
@@ -131,7 +138,7 @@ class ModelSpec:
         groups layers by for the KV pool (engine.kv_layout)."""
         if self.gemma is not None:
             return tuple(self.gemma.layer_window(i) for i in range(self.num_layers))
-        return (self.sliding_window,) * self.num_layers
+        return self.per_layer_windows or (self.sliding_window,) * self.num_layers
 
     @property
     def softmax_scale(self) -> float:
@@ -193,14 +200,20 @@ class ModelSpec:
             raise UnsupportedModelError(f"unsupported hidden_act {act!r} for {arch}; only silu (SwiGLU)")
         head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
         attention_bias = bool(cfg.get("attention_bias", False))  # Llama: on q, k, v and o
-        if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
+        per_layer_windows: tuple[int | None, ...] = ()
+        if arch in QWEN_ARCHITECTURES:  # use_sliding_window + max_window_layers (qwen_windows.py)
+            try:
+                per_layer_windows = qwen_layer_windows(cfg, arch, int(cfg["num_hidden_layers"]))
+            except ValueError as exc:
+                raise UnsupportedModelError(str(exc)) from exc
+        elif cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
             raise UnsupportedModelError(f"sliding-window attention is not supported ({arch})")
         # Qwen2's window needs the flag; Mistral's and Phi-3's apply whenever set
         window = cfg.get("sliding_window") if arch in ("MistralForCausalLM", PHI3_ARCHITECTURE) else None
         max_positions = int(cfg.get("max_position_embeddings", 2048))
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise UnsupportedModelError(f"{arch}: sliding_window must be a positive integer or null, got {window!r}")
-        return cls(
+        spec = cls(
             **common_spec_fields(cfg, arch, name),
             head_dim=int(head_dim),
             max_position_embeddings=max_positions,
@@ -213,6 +226,11 @@ class ModelSpec:
             **(parse_multipliers(cfg, arch) if SUPPORTED_ARCHITECTURES[arch]["multipliers"] else {}),
             sliding_window=int(window) if window is not None and int(window) < max_positions else None,
         )
+        # a window no context served reaches masks nothing: those layers are global
+        per_layer_windows = tuple(w if w is not None and w < spec.max_context_len else None for w in per_layer_windows)
+        if any(w is not None for w in per_layer_windows):
+            spec = replace(spec, per_layer_windows=per_layer_windows)
+        return spec
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, name: str | None = None) -> "ModelSpec":

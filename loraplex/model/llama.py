@@ -209,12 +209,13 @@ class LlamaForCausalLM(nn.Module):
         residual_multiplier = spec.residual_multiplier
         cos, sin = self.rotary.lookup(positions)  # [T, 1, head_dim] each
         plans = plan_attention(kv_caches, attn)
+        windows = spec.layer_windows  # Mistral's / Phi-3's window on every layer, Qwen's on some
         for i, layer in enumerate(self.layers):
             # attention block
             x = rms_norm(hidden, layer.input_layernorm, eps)  # [T, H]
             qk_norm = (rms_norm, layer.qk_norm) if spec.qk_norm else None
             o = self._attention(i, x, qk_norm, (cos, sin), attn, kv_caches, plans, lora,
-                                sliding_window=spec.sliding_window)  # Mistral's / Phi-3's window
+                                sliding_window=windows[i])
             if residual_multiplier != 1.0:
                 o *= residual_multiplier  # rounded before the add, as in transformers' Granite
             hidden += o  # hidden is this forward's own tensor (the embedding gather's output)
