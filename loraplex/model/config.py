@@ -36,6 +36,7 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     PHI3_ARCHITECTURE: {"qkv_bias": False, "qk_norm": False, "multipliers": False},  # see loraplex.model.phi3
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+MISTRAL_DEFAULT_SLIDING_WINDOW = 4096  # transformers' MistralConfig, for a config without the key
 
 if TYPE_CHECKING:
     from loraplex.model.gemma_config import GemmaSpec
@@ -208,8 +209,13 @@ class ModelSpec:
                 raise UnsupportedModelError(str(exc)) from exc
         elif cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
             raise UnsupportedModelError(f"sliding-window attention is not supported ({arch})")
-        # Qwen2's window needs the flag; Mistral's and Phi-3's apply whenever set
-        window = cfg.get("sliding_window") if arch in ("MistralForCausalLM", PHI3_ARCHITECTURE) else None
+        # Mistral's and Phi-3's apply whenever set (Qwen's: per_layer_windows); a Mistral config
+        # that leaves the key out gets MistralConfig's default window, an explicit null none
+        window = None
+        if arch == "MistralForCausalLM":
+            window = cfg.get("sliding_window", MISTRAL_DEFAULT_SLIDING_WINDOW)
+        elif arch == PHI3_ARCHITECTURE:
+            window = cfg.get("sliding_window")
         max_positions = int(cfg.get("max_position_embeddings", 2048))
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise UnsupportedModelError(f"{arch}: sliding_window must be a positive integer or null, got {window!r}")

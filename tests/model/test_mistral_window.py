@@ -67,3 +67,19 @@ def test_a_window_that_is_not_a_positive_integer_is_refused(window):
            "num_hidden_layers": 2, "num_attention_heads": 4, "sliding_window": window}
     with pytest.raises(UnsupportedModelError, match="sliding_window"):
         ModelSpec.from_dict(cfg)
+
+
+@pytest.mark.parametrize("keys", [{"max_position_embeddings": 8192}, {"sliding_window": None}, {"sliding_window": 512},
+                                  {"max_position_embeddings": 4096}, {}])
+def test_window_left_out_is_transformers_default(keys):
+    """``MistralConfig`` fills in a 4096-position window when config.json leaves the key out (an
+    explicit null: none), so such a checkpoint slides in transformers past 4096 tokens."""
+    from transformers import MistralConfig
+
+    shape = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4}
+    spec = ModelSpec.from_dict({"architectures": ["MistralForCausalLM"], **shape, **keys})
+    hf = MistralConfig(**shape, **keys)
+    # a window no served context reaches masks nothing (loraplex then keeps every block)
+    want = hf.sliding_window if hf.sliding_window is not None and hf.sliding_window < spec.max_context_len else None
+    assert spec.layer_windows == (want,) * 2
