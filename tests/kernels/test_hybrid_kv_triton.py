@@ -115,3 +115,34 @@ def test_engine_on_triton_kernels_with_graph_decodes_matches_transformers(kind, 
     assert [o.token_ids for o in outs] == [greedy(ref, p, 6) for p in prompts]
     assert sum(g.graph.replays for g in runner.decode_graphs.graphs.values()) >= 4  # the decodes ran as graphs
     assert llm.engine.stats()["num_blocks_free"] == llm.engine.stats()["num_blocks_total"]
+
+
+def test_graph_decodes_over_shrinking_buckets_on_qwen2_sliding_layers(triton_on_cpu, tmp_path):
+    """Qwen2 with ``use_sliding_window`` on its last two layers: five sequences of different
+    lengths (some inside the window, some past it) finish one after another, so decode graphs
+    of buckets 5, 4, 2 and 1 replay over static tables whose rows still hold an earlier, larger
+    batch's entries; prefix caching on. Tokens equal transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from loraplex.engine.cuda_graphs import DecodeGraphs, eager_capture
+    from loraplex.engine.llm import LLM
+    from tests.fixtures.tiny_models import make_tiny_model_dir
+    from tests.lora.test_acceptance import greedy
+
+    model_dir = make_tiny_model_dir(tmp_path / "qwen2", "qwen2", seed=3, num_hidden_layers=3,
+                                    use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(4, 300, (n,), generator=gen).tolist() for n in (2, 14, 3, 9, 21)]
+    max_tokens = [3, 9, 5, 7, 4]
+    llm = LLM(model=str(model_dir), dtype="float32", device="cpu", home=tmp_path / "home", block_size=2,
+              kv_cache_bytes=1 << 20, max_num_seqs=5, max_model_len=40, max_num_batched_tokens=64,
+              enable_prefix_caching=True)
+    runner = llm.engine.runner
+    assert runner.kv_layout.group_windows == (None, 5, 5)
+    runner.decode_graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, runner.max_model_len, 5,
+                                        eager_capture, layout=runner.kv_layout)
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens])
+    assert [o.token_ids for o in outs] == [greedy(ref, p, m) for p, m in zip(prompts, max_tokens)]
+    assert {batch for batch, _ in runner.decode_graphs.graphs} >= {5, 4, 2, 1}
+    assert llm.engine.stats()["num_blocks_free"] == llm.engine.stats()["num_blocks_total"]
