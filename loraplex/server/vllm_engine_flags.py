@@ -321,9 +321,9 @@ def _sliding_window(model: str, max_model_len: int | None) -> str | None:
         return ("loraplex reads the model's window from a model directory's config.json; for a .gguf give "
                 "--max-model-len W (its sliding window) instead, the same outputs as vLLM's")
     spec = ModelSpec.from_dir(directory)
-    window = spec.uniform_sliding_window
-    if spec.gemma is not None and "sliding_attention" in (spec.gemma.layer_types or ()):
-        window = spec.gemma.sliding_window  # Gemma 2/3: some layers windowed, the others global
+    # every layer's window (Gemma 2/3 and Qwen with use_sliding_window mix windowed and global
+    # layers): within the smallest, windowed and full attention read the same keys
+    window = min((w for w in spec.layer_windows if w is not None), default=None)
     if window is None or (max_model_len is not None and max_model_len <= window):
         return None
     return (f"loraplex keeps the model's sliding window ({window} tokens); vLLM's flag caps the context at "

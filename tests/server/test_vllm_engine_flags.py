@@ -189,6 +189,12 @@ def test_disable_sliding_window_as_vllm_caps_the_context_at_the_window(llama_dir
     with pytest.raises(VllmFlagError, match=r"\(32 tokens\).*--max-model-len 32"):
         settings(str(gemma), "--disable-sliding-window")  # every other layer windowed
     assert settings(str(gemma), "--disable-sliding-window", "--max-model-len", "32").max_model_len == 32
+    # Qwen2 with use_sliding_window: layers from max_window_layers on are windowed
+    qwen = make_tiny_model_dir(tmp_path / "qwen2", "qwen2", num_hidden_layers=3, use_sliding_window=True,
+                               sliding_window=24, max_window_layers=1, max_position_embeddings=128)
+    with pytest.raises(VllmFlagError, match=r"\(24 tokens\).*--max-model-len 24"):
+        settings(str(qwen), "--disable-sliding-window")
+    assert settings(str(qwen), "--disable-sliding-window", "--max-model-len", "24").max_model_len == 24
 
 
 def test_mm_limits_take_vllms_forms():
