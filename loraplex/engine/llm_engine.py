@@ -40,6 +40,12 @@ def _build_lora_manager(config: EngineConfig, runner) -> Any | None:
     return LoRAManager(spec=runner.lora_target_spec(), config=config, device=runner.device, dtype=runner.dtype)
 
 
+def _max_concurrency(runner) -> str:
+    """The runner's ``max_concurrency`` for the start-up log; "?" for a runner without one (test fakes)."""
+    value = getattr(runner, "max_concurrency", None)
+    return f"{value:.1f}" if isinstance(value, float) else "?"
+
+
 def _kv_bytes_per_token(runner) -> int | None:
     value = getattr(runner, "kv_bytes_per_token", None)
     if isinstance(value, int):
@@ -127,11 +133,11 @@ class LLMEngine:
         kv_bytes = _kv_bytes_per_token(self.runner)
         logger.info(
             "loraplex engine: model=%s dtype=%s device=%s kv_bytes_per_token=%s num_blocks=%d "
-            "block_size=%d max_concurrent_tokens=%d max_model_len=%d max_num_seqs=%d "
+            "block_size=%d max_concurrency=%s max_model_len=%d max_num_seqs=%d "
             "max_num_batched_tokens=%d chunked_prefill=%s prefix_caching=%s max_loras=%d "
             "max_lora_rank=%d max_cpu_lora_bytes=%s lora=%s",
             self.model_name, self.runner.dtype, self.runner.device, kv_bytes, self.runner.num_blocks,
-            self.runner.block_size, self.runner.num_blocks * self.runner.block_size, self.max_model_len,
+            self.runner.block_size, _max_concurrency(self.runner), self.max_model_len,
             cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill,
             cfg.enable_prefix_caching, cfg.max_loras, cfg.max_lora_rank, self._host_budget(),
             "on" if self.lora_manager is not None else "off",

@@ -133,7 +133,7 @@ class ModelRunner:
             )
         logger.info(
             "model %s (%s, %d layers) on %s, dtype %s; KV cache: %d bytes per token, %d blocks of %d "
-            "tokens = %d max concurrent tokens (%.1f MiB; %d layer groups of %d); max_model_len %d",
+            "tokens (%.1f MiB; %d layer groups of %d); max_model_len %d, at which %.1f sequences fit at once",
             self.model_name,
             self.spec.architecture,
             self.spec.num_layers,
@@ -142,18 +142,21 @@ class ModelRunner:
             self.kv_bytes_per_token,
             self.num_blocks,
             self.block_size,
-            self.max_concurrent_tokens,
             self.num_blocks * self.kv_bytes_per_page / (1 << 20),
             self.kv_layout.num_groups,
             self.kv_layout.group_size,
             self.max_model_len,
+            self.max_concurrency,
         )
 
     # ---- set-up -------------------------------------------------------------------------------
 
     @property
-    def max_concurrent_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+    def max_concurrency(self) -> float:
+        """How many sequences of ``max_model_len`` tokens the KV pool holds at once (vLLM logs the
+        same figure). Not ``num_blocks * block_size`` tokens: with layer groups a page holds one
+        group's layers, and a long sequence takes pages in every group."""
+        return self.num_blocks / self.peak_blocks_per_sequence()
 
     def lora_target_spec(self) -> LoRATargetSpec:
         return self.spec.lora_target_spec()

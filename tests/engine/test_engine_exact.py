@@ -82,7 +82,9 @@ def test_llm_api_options_prompts_and_errors(tiny_llama_dir, loraplex_home, caplo
     with caplog.at_level(logging.INFO, logger="loraplex.engine"):
         llm = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=64, max_loras=3)
     # 2 (K and V) x 2 layers x 2 KV heads x 16 head dim x 4 bytes
-    for fragment in ("kv_bytes_per_token=512", "num_blocks=64", "max_concurrent_tokens=1024", "max_loras=3",
+    # sequences of max_model_len tokens that 64 blocks of 16 hold at once (no window: every block kept)
+    concurrency = 64 / -(-llm.engine.max_model_len // 16)
+    for fragment in ("kv_bytes_per_token=512", "num_blocks=64", f"max_concurrency={concurrency:.1f}", "max_loras=3",
                      "max_lora_rank=64", "max_cpu_lora_bytes="):
         assert fragment in caplog.text
     params = SamplingParams(temperature=0.0, max_tokens=5)
