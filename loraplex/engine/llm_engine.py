@@ -117,7 +117,7 @@ class LLMEngine:
         if getattr(runner, "sampler", None) is not None:
             runner.sampler.grammar_masks = self.grammars.allowed_tokens
         self._requests: dict[str, RequestState] = {}
-        self._seq_to_request: dict[int, RequestState] = {}
+        self._seq_tracks: dict[int, tuple[RequestState, object]] = {}  # seq id -> its request and track
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.last_step_was_empty = False  # nothing could run (e.g. every adapter still loading)
@@ -263,8 +263,8 @@ class LLMEngine:
             self.lora_manager.prefetch(req.adapter_id)
         state = RequestState(req, seqs, self.tokenizer, self._fast_decode, self._token_texts)
         self._requests[req.request_id] = state
-        for seq in seqs:
-            self._seq_to_request[seq.seq_id] = state
+        for track in state.tracks:
+            self._seq_tracks[track.seq.seq_id] = (state, track)
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -301,7 +301,7 @@ class LLMEngine:
         out = state.make_output()
         self._requests.pop(state.request_id, None)
         for t in state.tracks:
-            self._seq_to_request.pop(t.seq.seq_id, None)
+            self._seq_tracks.pop(t.seq.seq_id, None)
         self.num_requests_finished += 1
         if state.req.adapter_id is not None and self.lora_manager is not None:
             gen_tokens = sum(t.seq.num_output_tokens for t in state.tracks)
@@ -336,15 +336,26 @@ class LLMEngine:
             self.scheduler.requeue_unrun(sched_out)
             return failed
         changed = self.scheduler.update(sched_out, run_out)
-        touched: dict[str, RequestState] = {}
+        # per sequence per step (the host time of a decode step at large batches): one dict
+        # read finds the request and the track, and the usual one new token skips _detokenize
+        seq_tracks = self._seq_tracks
+        touched: dict[RequestState, None] = {}  # insertion-ordered: outputs in first-touch order
         for seq in changed:
-            state = self._seq_to_request.get(seq.seq_id)
-            if state is None:
+            found = seq_tracks.get(seq.seq_id)
+            if found is None:
                 continue
-            self._detokenize(seq, state.track(seq.seq_id))
-            touched[state.request_id] = state
+            state, track = found
+            out_ids = seq.output_token_ids
+            if len(out_ids) == track.detok_tokens + 1 and seq.status is SequenceStatus.RUNNING:
+                track.detok_tokens += 1
+                stop = track.detok.add_token(out_ids[-1])
+                if stop is not None:
+                    self._end_at_stop_string(seq, track, len(out_ids), stop)
+            else:
+                self._detokenize(seq, track)
+            touched[state] = None
         outputs: list[RequestOutput] = failed
-        for state in touched.values():
+        for state in touched:
             if state.finished:
                 out = self._finish_request(state)
             elif state.req.final_only:
@@ -367,19 +378,22 @@ class LLMEngine:
             new = new[:-1]
         for i, token in enumerate(new):
             stop = track.detok.add_token(token)
-            if stop is None:
-                continue
-            keep = first + i + 1  # tokens after the one that completed the stop string never were
-            if keep < len(seq.output_token_ids):
-                self.scheduler.stats.num_generated_tokens -= len(seq.output_token_ids) - keep
-                del seq.output_token_ids[keep:]
-                del seq.output_logprobs[keep:]
-                track.detok_tokens = keep
-            if not seq.is_finished:
-                self.scheduler.finish(seq.seq_id, "stop", stop)
-            else:  # the same token also hit max_tokens / eos: the stop string wins
-                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
-            return
+            if stop is not None:
+                self._end_at_stop_string(seq, track, first + i + 1, stop)
+                return
+
+    def _end_at_stop_string(self, seq: Sequence, track, keep: int, stop: str) -> None:
+        """The detokenizer found ``stop`` once ``seq`` had ``keep`` output tokens: tokens after
+        that one never were, and ``seq`` ends with the stop string as its reason."""
+        if keep < len(seq.output_token_ids):
+            self.scheduler.stats.num_generated_tokens -= len(seq.output_token_ids) - keep
+            del seq.output_token_ids[keep:]
+            del seq.output_logprobs[keep:]
+            track.detok_tokens = keep
+        if not seq.is_finished:
+            self.scheduler.finish(seq.seq_id, "stop", stop)
+        else:  # the same token also hit max_tokens / eos: the stop string wins
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
 
     def _drop_adapter(self, exc: AdapterLoadFailedError) -> list[RequestOutput]:
         """A step's adapter could not be loaded (before anything of the step ran): its requests
