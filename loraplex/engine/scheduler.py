@@ -18,6 +18,8 @@ Each ``schedule()`` builds one step under two budgets, ``max_num_batched_tokens`
    first sequence that cannot get KV blocks stops admission (strict order for memory). A sequence whose adapter cannot
    get a slot, or is not loaded yet, is skipped without holding up the ones behind it.
 
+A step's results are applied by ``update`` (step_results.py).
+
 Adapter slots: the distinct adapters of the RUNNING sequences never exceed
 ``max_loras - gate.num_reserved_slots(running)``, so the runner can always place a step's
 adapters in device slots.
@@ -42,11 +44,11 @@ from typing import Iterable, Protocol
 from loraplex.config import EngineConfig
 from loraplex.engine.admission_order import admission_order
 from loraplex.engine.block_manager import BlockManager
-from loraplex.engine.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledSeq
+from loraplex.engine.outputs import SchedulerOutput, ScheduledSeq
 from loraplex.engine.running_set import RunningSet
 from loraplex.engine.sequence import FINISH_STATUS, Sequence, SequenceStatus
 from loraplex.engine.spec_drafts import DraftPlanner
-from loraplex.engine.spec_verify import num_accepted
+from loraplex.engine.step_results import StepResults
 from loraplex.speculative_config import parse_speculative_config
 from loraplex.engine.waiting_queue import WaitingQueue
 
@@ -79,7 +81,7 @@ class SchedulerStats:
     num_spec_accepted_tokens: int = 0
 
 
-class Scheduler:
+class Scheduler(StepResults):
     """Decides, step by step, which sequences run and how many tokens each (see module doc)."""
 
     def __init__(
@@ -146,36 +148,67 @@ class Scheduler:
             num_preempted += self._preempt_for_starving()
         num_preempted_for_kv = 0
 
-        # 1. running: decodes first, then prompt chunks (stable within each group)
-        order = sorted(self.running, key=lambda s: 0 if s.is_decode else 1)
+        # 1. running: decodes first, then prompt chunks (each group in running order). A decode
+        # (only its last token lacks KV) takes one token, or 1 + a draft: its own loop spares
+        # the general one's sums and checks, per sequence per step
+        decodes: list[Sequence] = []
+        others: list[Sequence] = []
+        for seq in self.running:
+            out = seq.output_token_ids  # Sequence.is_decode, spelled out
+            if len(seq.prompt_token_ids) + len(out) - seq.num_computed_tokens == 1 and out:
+                decodes.append(seq)
+            else:
+                others.append(seq)
         # drafts get what the budget has left after one token for every decode: a short budget
         # shrinks drafts instead of leaving decodes out
-        decodes_left = sum(1 for s in order if s.is_decode) if self.drafts is not None else 0
-        for seq in order:
-            if seq.status is not SequenceStatus.RUNNING:
+        decodes_left = len(decodes)
+        drafts, block_manager = self.drafts, self.block_manager
+        running_status = SequenceStatus.RUNNING
+        for seq in decodes:
+            if seq.status is not running_status:
                 continue  # preempted earlier in this loop
             if budget <= 0:
                 break
             draft: list[int] = []
-            if self.drafts is not None and seq.is_decode:
+            if drafts is not None:
                 decodes_left -= 1
-                draft = self.drafts.draft(seq, budget - 1 - decodes_left)
-                if draft and not self.block_manager.can_append(seq, 1 + len(draft)):
+                draft = drafts.draft(seq, budget - 1 - decodes_left)
+                if draft and not block_manager.can_append(seq, 1 + len(draft)):
                     draft = []  # memory is short: drop the draft rather than preempt for it
-            num_tokens = min(seq.num_uncomputed_tokens, budget) + len(draft)
-            if not self._may_cut(seq.num_uncomputed_tokens, num_tokens - len(draft)):
-                continue
-            while not self.block_manager.can_append(seq, num_tokens):
+            num_tokens = 1 + len(draft)
+            while not block_manager.can_append(seq, num_tokens):
                 victim = self.running.preemption_victim()
                 budget += self._unschedule(scheduled, victim)
                 self._preempt(victim)
                 num_preempted_for_kv += 1
                 if victim is seq:
                     break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running_status:
                 continue
-            self.block_manager.append(seq, num_tokens)
-            scheduled[seq.seq_id] = self._make_scheduled(seq, num_tokens, draft)
+            block_manager.append(seq, num_tokens)
+            # _make_scheduled's entry: a decode's chunk reaches the end of the known tokens
+            scheduled[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, num_tokens, seq.block_table, True,
+                                                 seq.adapter_id, draft)
+            budget -= num_tokens
+        for seq in others:
+            if seq.status is not running_status:
+                continue  # preempted earlier in this loop
+            if budget <= 0:
+                break
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            if not self._may_cut(seq.num_uncomputed_tokens, num_tokens):
+                continue
+            while not block_manager.can_append(seq, num_tokens):
+                victim = self.running.preemption_victim()
+                budget += self._unschedule(scheduled, victim)
+                self._preempt(victim)
+                num_preempted_for_kv += 1
+                if victim is seq:
+                    break
+            if seq.status is not running_status:
+                continue
+            block_manager.append(seq, num_tokens)
+            scheduled[seq.seq_id] = self._make_scheduled(seq, num_tokens)
             budget -= num_tokens
 
         # 2. waiting, in the policy's order; adapter-blocked ones are skipped, KV-blocked stop
@@ -186,13 +219,18 @@ class Scheduler:
             budget = self._admit(scheduled, budget)
 
         entries = list(scheduled.values())
+        num_batched_tokens = num_chunked_prefills = num_draft_tokens = 0
+        for e in entries:  # one pass for the three sums
+            num_batched_tokens += e.num_tokens
+            num_chunked_prefills += not e.needs_sample
+            num_draft_tokens += len(e.draft_token_ids)
         out = SchedulerOutput(
             scheduled=entries,
-            num_batched_tokens=sum(e.num_tokens for e in entries),
+            num_batched_tokens=num_batched_tokens,
             released_seq_ids=self._released,
             num_preempted=num_preempted,
-            num_chunked_prefills=sum(1 for e in entries if not e.needs_sample),
-            num_draft_tokens=sum(len(e.draft_token_ids) for e in entries),
+            num_chunked_prefills=num_chunked_prefills,
+            num_draft_tokens=num_draft_tokens,
         )
         self._released = []
         self.stats.num_preemptions += num_preempted
@@ -371,83 +409,3 @@ class Scheduler:
         for seq in seqs:
             self._release(seq, SequenceStatus.FINISHED_ABORTED)
         return seqs
-
-    # ---- results ---------------------------------------------------------------------------
-    def update(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Sequence]:
-        """Apply a step's results: advance computed tokens, append sampled tokens, stop checks.
-        Returns the sequences that got a new token (finished ones included)."""
-        changed: list[Sequence] = []
-        now = time.monotonic()
-        for seq_id, entries in runner_out.prompt_logprobs.items():
-            seq = self._seqs.get(seq_id)
-            if seq is not None:
-                seq.prompt_logprobs.extend(entries)
-        for entry in sched_out.scheduled:
-            seq = entry.seq
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted while the step ran
-            if entry.draft_token_ids:
-                self._apply_verified(seq, entry.draft_token_ids, runner_out.verified[seq.seq_id], now)
-                changed.append(seq)
-                continue
-            seq.num_computed_tokens = entry.start_pos + entry.num_tokens
-            # blocks the next chunk will not read go back now, so KV usage says what is held
-            self.block_manager.release_out_of_window(seq)
-            is_decode = entry.needs_sample and entry.num_tokens == 1 and seq.num_output_tokens > 0
-            if not is_decode:
-                self.stats.num_prompt_tokens_computed += entry.num_tokens
-            if not entry.needs_sample:
-                continue
-            sampled = runner_out.sampled[seq.seq_id]
-            self._append_token(seq, sampled, now)
-            status, reason = self._check_stop(seq, sampled.token_id)
-            if status is not None:
-                self._release(seq, status, reason)
-            changed.append(seq)
-        return changed
-
-    def _apply_verified(self, seq: Sequence, draft: list[int], sampled: list, now: float) -> None:
-        """A speculative step's result: append the accepted drafts and the token after them,
-        one at a time through the stop checks (tokens after a stop are dropped), then give back
-        the KV of what was rejected (spec_verify.py)."""
-        accepted = num_accepted(draft, [t.token_id for t in sampled])
-        self.stats.num_spec_drafts += 1
-        self.stats.num_spec_draft_tokens += len(draft)
-        self.stats.num_spec_accepted_tokens += accepted
-        status, reason = None, None
-        for token in sampled[: accepted + 1]:
-            self._append_token(seq, token, now)
-            status, reason = self._check_stop(seq, token.token_id)
-            if status is not None:
-                break
-        # every appended token but the last is computed (the step's last token and the
-        # accepted drafts); KV written for rejected drafts is not, and their blocks go back
-        seq.num_computed_tokens = seq.num_tokens - 1
-        self.block_manager.drop_uncomputed_blocks(seq)
-        self.block_manager.release_out_of_window(seq)
-        if status is not None:
-            self._release(seq, status, reason)
-
-    def _append_token(self, seq: Sequence, sampled, now: float) -> None:
-        seq.output_token_ids.append(sampled.token_id)
-        if seq.params.logprobs is not None:
-            seq.output_logprobs.append(
-                {"token_id": sampled.token_id, "logprob": sampled.logprob, "top_logprobs": sampled.top_logprobs}
-            )
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        self.stats.num_generated_tokens += 1
-
-    def _check_stop(self, seq: Sequence, token: int) -> tuple[SequenceStatus | None, int | None]:
-        params = seq.params
-        num_output_tokens = len(seq.output_token_ids)  # once: every sampled token is checked
-        if num_output_tokens >= params.min_tokens:
-            if token in params.stop_token_ids:
-                return SequenceStatus.FINISHED_STOPPED, token
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return SequenceStatus.FINISHED_STOPPED, None
-        if params.max_tokens is not None and num_output_tokens >= params.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH, None
-        if self.max_model_len is not None and len(seq.prompt_token_ids) + num_output_tokens >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH, None
-        return None, None
