@@ -71,30 +71,35 @@ class Sampler:
         self, logits: torch.Tensor, seqs: Seq["Sequence"], eos_token_ids: set[int] | frozenset[int] = frozenset()
     ) -> list[SampledToken]:
         params = [s.params for s in seqs]
-        want_logprobs = [p.logprobs is not None for p in params]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-        logits = apply_logit_bias(logits, seqs)
-        logits = apply_min_tokens(logits, seqs, eos_token_ids)
-        logits = apply_penalties(logits, seqs)
-        logits = apply_allowed_token_ids(logits, seqs)
-        logits = apply_bad_words(logits, seqs)
-        grammar_rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
+        uses = _logit_changes(seqs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if uses.logprobs else None
+        # each apply_* below does nothing to a batch without its option (so is skipped for it)
+        if uses.logit_bias:
+            logits = apply_logit_bias(logits, seqs)
+        if uses.min_tokens:
+            logits = apply_min_tokens(logits, seqs, eos_token_ids)
+        if uses.penalties:
+            logits = apply_penalties(logits, seqs)
+        if uses.allowed_token_ids:
+            logits = apply_allowed_token_ids(logits, seqs)
+        if uses.bad_words:
+            logits = apply_bad_words(logits, seqs)
+        grammar_rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None] if uses.grammar else []
         # rows still reasoning are left free (their grammar starts after it)
         masked_rows = [r for r in grammar_rows if seqs[r].reasoning_gate is None or seqs[r].reasoning_gate.masks]
         if masked_rows:
             logits = apply_grammars(logits, seqs, masked_rows, eos_token_ids, self.grammar_masks)
 
-        greedy = [p.temperature == 0.0 for p in params]
-        token_ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
-        greedy_rows = [i for i, g in enumerate(greedy) if g]
-        random_rows = [i for i, g in enumerate(greedy) if not g]
-        if greedy_rows:
-            if len(greedy_rows) == len(params):
-                token_ids = row_argmax(logits)
-            else:
+        if uses.all_greedy:
+            token_ids = row_argmax(logits)
+        else:
+            greedy = [p.temperature == 0.0 for p in params]
+            token_ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
+            greedy_rows = [i for i, g in enumerate(greedy) if g]
+            random_rows = [i for i, g in enumerate(greedy) if not g]
+            if greedy_rows:
                 index = torch.tensor(greedy_rows, device=logits.device)
                 token_ids[index] = row_argmax(logits[index])
-        if random_rows:
             index = torch.tensor(random_rows, device=logits.device)
             chosen = self._sample_random(logits[index], [seqs[i] for i in random_rows])
             token_ids[index] = chosen
@@ -107,7 +112,7 @@ class Sampler:
             else:
                 gate.advance(ids[row], seqs[row].grammar)
         if raw_logprobs is None:
-            return [SampledToken(token_id=t) for t in ids]
+            return [SampledToken(t) for t in ids]  # positional: a keyword costs more, per row
         return _with_logprobs(ids, raw_logprobs, params)
 
     def _sample_random(self, logits: torch.Tensor, seqs: list["Sequence"]) -> torch.Tensor:
@@ -132,6 +137,43 @@ class Sampler:
                 gen.manual_seed(row_seed(p.seed, getattr(seq, "index", 0), len(seq.output_token_ids)))
                 noise[i].exponential_(generator=gen)
         return row_argmax(probs / noise)
+
+
+class _LogitChanges:
+    """Which of the per-request options some row of a batch uses (``_logit_changes``)."""
+
+    __slots__ = ("logprobs", "logit_bias", "min_tokens", "penalties", "allowed_token_ids", "bad_words", "grammar",
+                 "all_greedy")
+
+
+def _logit_changes(seqs: Seq["Sequence"]) -> _LogitChanges:
+    """One pass over the batch for what each ``apply_*`` and the draw would each look for in a
+    pass of their own (most batches use none of them). A row counts for an option exactly
+    where that function would change its logits."""
+    logprobs = logit_bias = min_tokens = penalties = allowed = bad_words = grammar = False
+    all_greedy = True
+    for seq in seqs:
+        p = seq.params
+        if p.logprobs is not None:
+            logprobs = True
+        if p.logit_bias:
+            logit_bias = True
+        if p.min_tokens and len(seq.output_token_ids) < p.min_tokens:
+            min_tokens = True
+        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            penalties = True
+        if p.allowed_token_ids:
+            allowed = True
+        if p.bad_words_token_ids:
+            bad_words = True
+        if seq.grammar is not None:
+            grammar = True
+        if p.temperature != 0.0:
+            all_greedy = False
+    uses = _LogitChanges()
+    uses.logprobs, uses.logit_bias, uses.min_tokens, uses.penalties = logprobs, logit_bias, min_tokens, penalties
+    uses.allowed_token_ids, uses.bad_words, uses.grammar, uses.all_greedy = allowed, bad_words, grammar, all_greedy
+    return uses
 
 
 def row_argmax(values: torch.Tensor) -> torch.Tensor:
