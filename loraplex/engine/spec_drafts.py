@@ -10,7 +10,7 @@ Pure Python: the scheduler calls this.
 
 from __future__ import annotations
 
-from loraplex.engine.ngram_proposer import NgramProposer
+from loraplex.engine.ngram_proposer import NgramProposer, TokenHistory
 from loraplex.engine.sequence import Sequence
 from loraplex.speculative_config import NgramSpeculation
 
@@ -35,4 +35,7 @@ class DraftPlanner:
             limit = min(limit, self.max_model_len - seq.num_tokens - 1)
         if limit <= 0:
             return []
-        return self.proposer.propose(seq.all_token_ids, limit)
+        history = seq.token_history
+        if history is None:
+            history = seq.token_history = TokenHistory()
+        return self.proposer.propose_array(history.view(seq), limit)
