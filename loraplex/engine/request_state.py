@@ -83,6 +83,11 @@ class RequestState:
         delta = req.stream_deltas if delta is None else delta
         if self._single is not None and req.params.prompt_logprobs is None:
             return self._single_output(delta)
+        return self._tracks_output(delta)
+
+    def _tracks_output(self, delta: bool) -> RequestOutput | None:
+        """``make_output`` for any request: a loop over its sequences."""
+        req = self.req
         completions: list[CompletionOutput] = []
         finished = True
         first_token_time = None
