@@ -121,6 +121,9 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.last_step_was_empty = False  # nothing could run (e.g. every adapter still loading)
+        # a sequence with one new token is detokenized inline in ``step``; False sends every one
+        # through ``_detokenize`` (tests compare the two)
+        self.inline_one_token = True
         # the AsyncLLMEngine whose thread steps this engine, while it runs: nothing else may step
         # it meanwhile (the engine and the LoRA manager have no locks)
         self.driver = None
@@ -338,7 +341,7 @@ class LLMEngine:
         changed = self.scheduler.update(sched_out, run_out)
         # per sequence per step (the host time of a decode step at large batches): one dict
         # read finds the request and the track, and the usual one new token skips _detokenize
-        seq_tracks = self._seq_tracks
+        seq_tracks, inline_one_token = self._seq_tracks, self.inline_one_token
         touched: dict[RequestState, None] = {}  # insertion-ordered: outputs in first-touch order
         for seq in changed:
             found = seq_tracks.get(seq.seq_id)
@@ -346,7 +349,7 @@ class LLMEngine:
                 continue
             state, track = found
             out_ids = seq.output_token_ids
-            if len(out_ids) == track.detok_tokens + 1 and seq.status is SequenceStatus.RUNNING:
+            if inline_one_token and len(out_ids) == track.detok_tokens + 1 and seq.status is SequenceStatus.RUNNING:
                 track.detok_tokens += 1
                 stop = track.detok.add_token(out_ids[-1])
                 if stop is not None:
