@@ -21,7 +21,7 @@ from loraplex.engine.reasoning_gate import ReasoningGate
 from loraplex.engine.request_state import PreparedRequest, RequestState
 from loraplex.engine.sampler import bad_words_token_ids
 from loraplex.engine.scheduler import Scheduler
-from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.engine.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
 from loraplex.lora.errors import AdapterLoadFailedError
 from loraplex.sampling_params import InvalidRequestError, SamplingParams, check_logprobs_cap, check_token_ids_in_vocab
 
@@ -359,7 +359,8 @@ class LLMEngine:
             touched[state] = None
         outputs: list[RequestOutput] = failed
         for state in touched:
-            if state.finished:
+            single = state.single  # one sequence: its status says it all, without the loop
+            if single.seq.status in FINISHED_STATUSES if single is not None else state.finished:
                 out = self._finish_request(state)
             elif state.req.final_only:
                 continue

@@ -234,7 +234,8 @@ class ModelRunner:
             adapter_ids = [item.adapter_id for item in scheduled]
             self.lora_manager.place(adapter_ids)
             order = {a: self.lora_manager.batch_order_key(a) for a in set(adapter_ids)}  # once per adapter
-            scheduled = sorted(scheduled, key=lambda item: order[item.adapter_id])
+            if len(order) > 1:  # one adapter (or the base model alone): already in order
+                scheduled = sorted(scheduled, key=lambda item: order[item.adapter_id])
         if self.decode_graphs is not None and self.decode_graphs.can_run(scheduled):
             return self._execute_graph(scheduled)
         batch = self.prepare_batch(scheduled)

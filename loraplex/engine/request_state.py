@@ -53,7 +53,7 @@ class RequestState:
         self.finished_time: float | None = None
         self._prompt_logprobs_sent = False
         # the common request of one sequence gets its outputs built without the loop over tracks
-        self._single = self.tracks[0] if len(self.tracks) == 1 else None
+        self.single = self.tracks[0] if len(self.tracks) == 1 else None
 
     @property
     def request_id(self) -> str:
@@ -81,7 +81,7 @@ class RequestState:
         does not return."""
         req = self.req
         delta = req.stream_deltas if delta is None else delta
-        if self._single is not None and req.params.prompt_logprobs is None:
+        if self.single is not None and req.params.prompt_logprobs is None:
             return self._single_output(delta)
         return self._tracks_output(delta)
 
@@ -151,11 +151,12 @@ class RequestState:
         """``make_output`` for a request of one sequence without prompt logprobs: the same
         output, built without the loops and sums over sequences (checked against the general
         path in tests/engine/test_request_output_fast_path.py)."""
-        t = self._single
+        t = self.single
         seq = t.seq
         status = seq.status
         finished = status in FINISHED_STATUSES
-        text = t.detok.visible_text(finished)
+        detok = t.detok
+        text = detok.visible_text(finished) if detok.stop else detok.text  # nothing held back without stops
         logprobs = seq.output_logprobs if seq.params.logprobs is not None else None
         finish_reason = status.value if finished else None
         token_ids = seq.output_token_ids

@@ -70,7 +70,6 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, seqs: Seq["Sequence"], eos_token_ids: set[int] | frozenset[int] = frozenset()
     ) -> list[SampledToken]:
-        params = [s.params for s in seqs]
         uses = _logit_changes(seqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if uses.logprobs else None
         # each apply_* below does nothing to a batch without its option (so is skipped for it)
@@ -93,6 +92,7 @@ class Sampler:
         if uses.all_greedy:
             token_ids = row_argmax(logits)
         else:
+            params = [s.params for s in seqs]
             greedy = [p.temperature == 0.0 for p in params]
             token_ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
             greedy_rows = [i for i, g in enumerate(greedy) if g]
@@ -113,7 +113,7 @@ class Sampler:
                 gate.advance(ids[row], seqs[row].grammar)
         if raw_logprobs is None:
             return [SampledToken(t) for t in ids]  # positional: a keyword costs more, per row
-        return _with_logprobs(ids, raw_logprobs, params)
+        return _with_logprobs(ids, raw_logprobs, [s.params for s in seqs])
 
     def _sample_random(self, logits: torch.Tensor, seqs: list["Sequence"]) -> torch.Tensor:
         params = [s.params for s in seqs]
