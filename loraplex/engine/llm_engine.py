@@ -342,7 +342,10 @@ class LLMEngine:
         # per sequence per step (the host time of a decode step at large batches): one dict
         # read finds the request and the track, and the usual one new token skips _detokenize
         seq_tracks, inline_one_token = self._seq_tracks, self.inline_one_token
-        touched: dict[RequestState, None] = {}  # insertion-ordered: outputs in first-touch order
+        outputs: list[RequestOutput] = failed
+        # a request of several sequences reports once all of them are detokenized: a slot
+        # keeps its place among the outputs (the order is first touch, as for the others)
+        pending: dict[RequestState, int] = {}
         for seq in changed:
             found = seq_tracks.get(seq.seq_id)
             if found is None:
@@ -356,11 +359,13 @@ class LLMEngine:
                     self._end_at_stop_string(seq, track, len(out_ids), stop)
             else:
                 self._detokenize(seq, track)
-            touched[state] = None
-        outputs: list[RequestOutput] = failed
-        for state in touched:
-            single = state.single  # one sequence: its status says it all, without the loop
-            if single.seq.status in FINISHED_STATUSES if single is not None else state.finished:
+            if state.single is None:
+                if state not in pending:
+                    pending[state] = len(outputs)
+                    outputs.append(None)
+                continue
+            # one sequence (once per step in ``changed``): its output is ready now
+            if seq.status in FINISHED_STATUSES:
                 out = self._finish_request(state)
             elif state.req.final_only:
                 continue
@@ -368,6 +373,13 @@ class LLMEngine:
                 out = state.make_output()
             if out is not None:
                 outputs.append(out)
+        if pending:
+            for state, slot in pending.items():
+                if state.finished:
+                    outputs[slot] = self._finish_request(state)
+                elif not state.req.final_only:
+                    outputs[slot] = state.make_output()
+            outputs[:] = [out for out in outputs if out is not None]
         return outputs
 
     def _detokenize(self, seq: Sequence, track) -> None:
@@ -436,10 +448,12 @@ class LLMEngine:
     def stats(self) -> dict:
         bm, sched = self.block_manager, self.scheduler
         s = sched.stats
+        # refreshed by the async engine after every step that finishes a request: one pass
+        num_requests_running = len({seq.request_id for seq in sched.running})
         out = {
             "model": self.model_name,
-            "num_requests_running": len({seq.request_id for seq in sched.running}),
-            "num_requests_waiting": len(self._requests) - len({seq.request_id for seq in sched.running}),
+            "num_requests_running": num_requests_running,
+            "num_requests_waiting": len(self._requests) - num_requests_running,
             "num_seqs_running": sched.num_running,
             "num_seqs_waiting": sched.num_waiting,
             "num_unfinished_requests": len(self._requests),
