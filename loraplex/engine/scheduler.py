@@ -187,8 +187,9 @@ class Scheduler(StepResults):
                 continue
             block_manager.append(seq, num_tokens)
             # _make_scheduled's entry: a decode's chunk reaches the end of the known tokens
-            scheduled[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, num_tokens, seq.block_table, True,
-                                                 seq.adapter_id, draft)
+            tables = seq.block_tables
+            scheduled[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, num_tokens, tables[0], True,
+                                                 seq.adapter_id, draft, tables)
             budget -= num_tokens
         for seq in others:
             if seq.status is not running_status:
