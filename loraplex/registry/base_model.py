@@ -65,23 +65,33 @@ def _read_value(handle: BinaryIO, kind: int) -> Any:
 
 def gguf_metadata(path: str | Path) -> dict[str, Any]:
     """GGUF key-value metadata (arrays replaced by their length)."""
+    return _gguf_header(path, with_tensor_names=False)[0]
+
+
+def _gguf_header(path: str | Path, with_tensor_names: bool) -> tuple[dict[str, Any], set[str]]:
+    """The key-value metadata and, when asked, the names in the tensor-info table that follows it."""
     with open(path, "rb") as handle:
         if handle.read(4) != b"GGUF":
             raise GGUFFormatError(f"{path} is not a GGUF file")
         version = _read(handle, "<I")
         if version < 2:
             raise GGUFFormatError(f"GGUF version {version} is too old")
-        _tensor_count, kv_count = _read(handle, "<Q"), _read(handle, "<Q")
+        tensor_count, kv_count = _read(handle, "<Q"), _read(handle, "<Q")
         metadata = {}
         for _ in range(kv_count):
             key = _read_string(handle)
             metadata[key] = _read_value(handle, _read(handle, "<I"))
-        return metadata
+        names: set[str] = set()
+        if with_tensor_names:
+            for _ in range(tensor_count):  # name, n_dims, dims (uint64 each), type, offset
+                names.add(_read_string(handle))
+                handle.seek(8 * _read(handle, "<I") + 4 + 8, 1)
+        return metadata, names
 
 
 def gguf_config(path: str | Path) -> dict[str, Any]:
     """A Hugging Face style ``config.json`` dict from a GGUF file's metadata (shape fields)."""
-    meta = gguf_metadata(path)
+    meta, tensor_names = _gguf_header(path, with_tensor_names=True)
     arch = meta.get("general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         raise GGUFFormatError(f"GGUF architecture {arch!r} is not supported ({', '.join(_GGUF_ARCHITECTURES)})")
@@ -106,6 +116,8 @@ def gguf_config(path: str | Path) -> dict[str, Any]:
         "max_position_embeddings": int(field("context_length", 2048)),
         "rms_norm_eps": float(field("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(field("rope.freq_base", 10000.0)),
+        # llama.cpp writes no output.weight for a model whose lm_head is the embedding
+        "tie_word_embeddings": "output.weight" not in tensor_names,
     }
     return config
 

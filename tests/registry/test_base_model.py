@@ -18,7 +18,7 @@ def _transformers_spec(gguf_path, name):
     return ModelSpec.from_dict(config, name=name).lora_target_spec()
 
 
-def write_tiny_gguf(path, *, layers=3, hidden=64, ffn=96, heads=4, kv_heads=2, vocab=100):
+def write_tiny_gguf(path, *, layers=3, hidden=64, ffn=96, heads=4, kv_heads=2, vocab=100, untied=False):
     import gguf
     import numpy as np
 
@@ -35,6 +35,8 @@ def write_tiny_gguf(path, *, layers=3, hidden=64, ffn=96, heads=4, kv_heads=2, v
     writer.add_token_list([f"tok{i}" for i in range(vocab)])  # a string array the parser skips
     writer.add_token_types([1] * vocab)
     writer.add_tensor("token_embd.weight", np.zeros((vocab, hidden), dtype=np.float32))
+    if untied:  # an lm_head of its own (llama.cpp's name for it)
+        writer.add_tensor("output.weight", np.zeros((vocab, hidden), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -50,6 +52,18 @@ def test_gguf_config_reads_what_the_writer_wrote(tmp_path):
     assert {k: config[k] for k in expected} == expected
     spec = ModelSpec.from_dict(config, name="tiny").lora_target_spec()
     assert spec.module_shapes["k_proj"] == (64, 32) and spec.module_shapes["down_proj"] == (96, 64)
+    assert spec.tied_embeddings  # no output.weight: the embedding is the head
+
+
+def test_gguf_config_knows_a_head_of_its_own(tmp_path):
+    """Tied or not decides whether an adapter may tie its lm_head LoRA to embed_tokens' (PEFT's
+    ensure_weight_tying), so it must match what transformers reads from the same file."""
+    from transformers import AutoConfig
+
+    for untied in (False, True):
+        path = write_tiny_gguf(tmp_path / f"m{int(untied)}.gguf", untied=untied)
+        hf = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        assert gguf_config(path)["tie_word_embeddings"] is (not untied) is hf.tie_word_embeddings
 
 
 def test_gguf_model_setting_uses_the_file_and_the_converted_copy(tmp_path, monkeypatch):
