@@ -176,15 +176,12 @@ class Scheduler(StepResults):
                 if draft and not block_manager.can_append(seq, 1 + len(draft)):
                     draft = []  # memory is short: drop the draft rather than preempt for it
             num_tokens = 1 + len(draft)
-            while not block_manager.can_append(seq, num_tokens):
-                victim = self.running.preemption_victim()
-                budget += self._unschedule(scheduled, victim)
-                self._preempt(victim)
-                num_preempted_for_kv += 1
-                if victim is seq:
-                    break
-            if seq.status is not running_status:
-                continue
+            if not block_manager.can_append(seq, num_tokens):
+                freed, preempted = self._make_room(scheduled, seq, num_tokens)
+                budget += freed
+                num_preempted_for_kv += preempted
+                if seq.status is not running_status:
+                    continue
             block_manager.append(seq, num_tokens)
             # _make_scheduled's entry: a decode's chunk reaches the end of the known tokens
             tables = seq.block_tables
@@ -199,15 +196,12 @@ class Scheduler(StepResults):
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if not self._may_cut(seq.num_uncomputed_tokens, num_tokens):
                 continue
-            while not block_manager.can_append(seq, num_tokens):
-                victim = self.running.preemption_victim()
-                budget += self._unschedule(scheduled, victim)
-                self._preempt(victim)
-                num_preempted_for_kv += 1
-                if victim is seq:
-                    break
-            if seq.status is not running_status:
-                continue
+            if not block_manager.can_append(seq, num_tokens):
+                freed, preempted = self._make_room(scheduled, seq, num_tokens)
+                budget += freed
+                num_preempted_for_kv += preempted
+                if seq.status is not running_status:
+                    continue
             block_manager.append(seq, num_tokens)
             scheduled[seq.seq_id] = self._make_scheduled(seq, num_tokens)
             budget -= num_tokens
@@ -353,6 +347,20 @@ class Scheduler(StepResults):
             draft_token_ids=draft,
             block_tables=seq.block_tables,
         )
+
+    def _make_room(self, scheduled: dict[int, ScheduledSeq], seq: Sequence, num_tokens: int) -> tuple[int, int]:
+        """Preempt running sequences (the policy's victims, last first) until ``seq`` can append
+        ``num_tokens`` or is itself preempted; (budget given back by unscheduled victims, number
+        preempted)."""
+        freed = preempted = 0
+        while not self.block_manager.can_append(seq, num_tokens):
+            victim = self.running.preemption_victim()
+            freed += self._unschedule(scheduled, victim)
+            self._preempt(victim)
+            preempted += 1
+            if victim is seq:
+                break
+        return freed, preempted
 
     @staticmethod
     def _unschedule(scheduled: dict[int, ScheduledSeq], seq: Sequence) -> int:
