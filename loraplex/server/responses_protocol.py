@@ -76,6 +76,9 @@ REFUSED_FIELDS.update({
     "n": (lambda v: v in (None, 1), "one output per response (`n` other than 1 is not served on /responses)"),
     "logprobs": (lambda v: v in (None, False), "logprobs are not supported on /responses"),
     "prompt_logprobs": (lambda v: v is None, "logprobs are not supported on /responses"),
+    # vLLM's beam search (beam_fields.py) is served on completions and chat only; vLLM drops it here
+    "use_beam_search": (lambda v: v in (None, False),
+                        "beam search is not served on /responses: use /v1/chat/completions"),
 })
 
 # chat's field names in errors -> the Responses field that sent them

@@ -65,6 +65,8 @@ REFUSED = [
     # stateless: an output needs its call in the same input
     ({"input": [{"role": "user", "content": "hi"},
                 {"type": "function_call_output", "call_id": "c9", "output": "x"}]}, "input[1].call_id", None),
+    # chat's beam search (beam_fields.py) is not served here: told, not answered with a sampled reply
+    ({"use_beam_search": True}, "use_beam_search", UNSUPPORTED),
     ({"store": "yes"}, "store", None),
     ({"model": None}, "model", None),
 ]
@@ -109,6 +111,7 @@ ACCEPTED = [
     {"include": []}, {"truncation": "disabled"}, {"background": False}, {"previous_response_id": None},
     {"text": {"format": {"type": "text"}}}, {"service_tier": "auto"}, {"user": "u1"}, {"tools": []},
     {"tools": [FN], "tool_choice": "none"}, {"parallel_tool_calls": False}, {"top_logprobs": 0},
+    {"use_beam_search": False},
     {"input": [{"role": "developer", "content": "be brief"}, {"type": "message", "role": "user", "content": "hi"}]},
 ]
 
