@@ -2,10 +2,12 @@
 values, with the command line winning, as vLLM's argument parser does it.
 
 Each entry becomes flags inserted right after ``serve`` (and after a positional model), so a flag
-also given on the command line is read later and wins, and list flags (``--api-key``,
-``--lora-modules``) take both: ``key: true`` is ``--key``, ``key: false`` is ``--no-key`` where
-that flag exists (else nothing), a list is ``--key item ...``, a mapping is ``--key '<JSON>'`` and
-anything else ``--key str(value)``. ``model: M`` yields to a model on the command line. Keys may
+also given on the command line is read later and wins: ``key: true`` is ``--key``, ``key: false``
+is ``--no-key`` where that flag exists (else nothing), a list is ``--key item ...``, a mapping is
+``--key '<JSON>'`` and anything else ``--key str(value)``. ``model: M`` yields to a model on the
+command line, and a list flag (``--api-key``, ``--lora-modules``) given on the command line
+replaces the file's list, as vLLM's ``nargs="+"`` flags do (loraplex's add up, so a key rotated on
+the command line would otherwise leave the file's old key served). Keys may
 use ``_`` for ``-``. Where vLLM leaves an unknown key to argparse ("unrecognized arguments"),
 this names the key and the file; every error exits with status 2 before anything starts.
 """
@@ -86,6 +88,19 @@ def entries_to_args(entries: dict, path: str, options: dict[str, argparse.Action
     return out
 
 
+def _given_on_command_line(key, given: argparse.Namespace, serve_parser: argparse.ArgumentParser) -> bool:
+    """Whether the command line (parsed as ``given``) sets what file key ``key`` would, for the
+    keys whose file value would not simply be overridden by a later flag: ``model`` (also the
+    positional) and the multi-valued flags, which add up in loraplex where vLLM's ``nargs="+"``
+    lets the last use replace the others."""
+    if key == "model":
+        return given.model_tag is not None or given.model is not None
+    action = serve_parser._option_string_actions.get("--" + str(key).replace("_", "-"))
+    if action is None or not isinstance(action, (argparse._AppendAction, argparse._ExtendAction)):
+        return False
+    return getattr(given, action.dest, None) != action.default
+
+
 def expand(argv: list[str], serve_parser: argparse.ArgumentParser) -> list[str]:
     """``argv`` (starting with ``serve``) with its ``--config`` file's flags in place of
     ``--config FILE``, placed so that the command line wins."""
@@ -94,10 +109,9 @@ def expand(argv: list[str], serve_parser: argparse.ArgumentParser) -> list[str]:
         return argv
     path, rest = found
     entries = read_entries(path)
-    if "model" in entries:
+    if entries:
         given, _ = serve_parser.parse_known_args(rest)
-        if given.model_tag is not None or given.model is not None:
-            entries = {k: v for k, v in entries.items() if k != "model"}  # the command line's wins
+        entries = {k: v for k, v in entries.items() if not _given_on_command_line(k, given, serve_parser)}
     config_args = entries_to_args(entries, path, serve_parser._option_string_actions)
     # after a leading positional model (vLLM's place), before every other command-line flag
     head = 1 if rest and not rest[0].startswith("-") else 0

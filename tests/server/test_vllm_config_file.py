@@ -136,3 +136,20 @@ def test_expand_places_the_files_flags_after_a_leading_model(tmp_path):
     assert expand(["serve", "m", "--config", path, "--port", "1"], serve) == [
         "serve", "m", "--max-loras", "4", "--port", "1"]
     assert expand(["serve", "--port", "1"], serve) == ["serve", "--port", "1"]
+
+
+def test_a_list_flag_on_the_command_line_replaces_the_files_list(tmp_path, parsed):
+    """vLLM's list flags are ``nargs="+"`` (arg_utils makes one from a ``list[...]`` field), so a
+    later use replaces an earlier one and the command line's ``--api-key`` / ``--lora-modules``
+    win over the file's: a key rotated on the command line leaves the file's old key revoked,
+    not served beside the new one. A list the command line leaves alone comes from the file."""
+    path = write(tmp_path, CONFIG)
+    flags = startup_flags(parsed(["serve", "--config", path, "--api-key", "sk-new"]))
+    assert flags.api_keys == ("sk-new",)
+    assert flags.lora_modules == (LoRAModule("sql", "/adapters/sql"), LoRAModule("chat", "/adapters/chat"))
+    flags = startup_flags(parsed(["serve", "--config", path, "--lora-modules=other=/adapters/other"]))
+    assert flags.lora_modules == (LoRAModule("other", "/adapters/other"),)
+    assert flags.api_keys == ("sk-one", "sk-two")
+    # repeating the flag on the command line still adds up there (loraplex's own reading)
+    flags = startup_flags(parsed(["serve", "--config", path, "--api-key", "a", "--api-key", "b"]))
+    assert flags.api_keys == ("a", "b")
