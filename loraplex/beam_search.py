@@ -27,6 +27,7 @@ sampled at that temperature to the candidates, which makes its result random).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from loraplex.sampling_params import InvalidRequestError, SamplingParams
@@ -104,8 +105,7 @@ def step_sampling_params(params: BeamSearchParams, vocab_size: int | None = None
 def beam_search_score(seq: BeamSearchSequence, length_penalty: float) -> float:
     """vLLM's ``get_beam_search_score``: ``cum_logprob / length ** length_penalty``, the length
     counting the prompt and the generated tokens but not the EOS that finished the beam."""
-    length = len(seq.tokens) - (1 if seq.finish_reason == "stop" else 0)
-    return seq.cum_logprob / (length ** length_penalty)
+    return seq.cum_logprob / (_score_length(seq) ** length_penalty)
 
 
 class BeamSearch:
@@ -157,9 +157,34 @@ class BeamSearch:
         """The best ``beam_width`` of the finished and live beams by ``beam_search_score``."""
         for beam in self.live:
             beam.finish_reason = "length"
-        ranked = sorted(self.finished + self.live,
-                        key=lambda b: beam_search_score(b, self.params.length_penalty), reverse=True)
+        beams = self.finished + self.live
+        ranked = sorted(beams, key=_ranking_key(beams, self.params.length_penalty), reverse=True)
         return ranked[: self.params.beam_width]
+
+
+def _score_length(seq: BeamSearchSequence) -> int:
+    return len(seq.tokens) - (1 if seq.finish_reason == "stop" else 0)
+
+
+def _ranking_key(beams: list[BeamSearchSequence], length_penalty: float):
+    """A sort key ordering ``beams`` as ``beam_search_score`` does. That score in floats, where
+    every beam's is a normal float; else (``length ** length_penalty`` past the float range: a
+    penalty in the hundreds) the same order from logarithms, ``penalty * log(length) -
+    log(-cum_logprob)``, which cannot overflow (vLLM's float formula raises or ties them all)."""
+    try:
+        scores = {id(b): beam_search_score(b, length_penalty) for b in beams}
+    except (OverflowError, ZeroDivisionError):
+        scores = None
+    if scores is not None and all(1e-300 < abs(v) < 1e300 or b.cum_logprob == 0.0
+                                  for b, v in zip(beams, scores.values())):
+        return lambda b: scores[id(b)]
+
+    def log_key(b: BeamSearchSequence) -> float:
+        if b.cum_logprob >= 0.0:  # score 0, the best there is (logprobs are <= 0)
+            return math.inf
+        return length_penalty * math.log(_score_length(b)) - math.log(-b.cum_logprob)
+
+    return log_key
 
 
 def step_candidates(completion_logprobs: list[dict] | None) -> dict[int, float] | None:

@@ -151,3 +151,29 @@ def test_an_aborted_step_ends_the_search_as_aborted():
     (out,) = _drive(engine, [5], BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True))
     assert out.finished and [c.finish_reason for c in out.outputs] == ["abort"]
     assert max(len(p) for _, p, _ in engine.requests) == 3  # nothing was asked after the aborted step
+
+
+def _exact_score(beam, length_penalty: float):
+    """vLLM's score in exact decimal arithmetic (no float overflow or underflow), as the reference."""
+    from decimal import MAX_EMAX, MIN_EMIN, Decimal, localcontext
+
+    length = len(beam.tokens) - (1 if beam.finish_reason == "stop" else 0)
+    with localcontext() as ctx:
+        ctx.prec, ctx.Emax, ctx.Emin = 60, MAX_EMAX, MIN_EMIN
+        return Decimal(beam.cum_logprob) / Decimal(length) ** Decimal(length_penalty)
+
+
+@pytest.mark.parametrize("length_penalty", [1000.0, 1e6, -1000.0, -1e6, 350.0])
+def test_extreme_length_penalties_rank_as_the_exact_score_does(length_penalty):
+    """A length penalty whose ``length ** penalty`` leaves the float range (any |penalty| in the
+    hundreds with a prompt of a few tokens) ranks the beams as exact arithmetic does, rather than
+    raising (OverflowError / ZeroDivisionError: a 500 after the whole search ran)."""
+    params = BeamSearchParams(beam_width=3, max_tokens=3, length_penalty=length_penalty)
+    search = BeamSearch(list(range(10, 30)), params, {EOS})
+    search.advance([{EOS: -0.5, 3: -0.7, 4: -2.0, 5: -0.9}])
+    search.advance([{EOS: -0.3, 6: -0.1}, {7: -0.2, EOS: -1.5}, {8: -0.05}])
+    search.advance([{9: -0.4}, {EOS: -0.6, 10: -0.01}, {11: -0.3}])
+    beams = search.finished + search.live
+    best = search.best()
+    expected = sorted(beams, key=lambda b: _exact_score(b, length_penalty), reverse=True)[:3]
+    assert [_exact_score(b, length_penalty) for b in best] == [_exact_score(b, length_penalty) for b in expected]

@@ -226,3 +226,17 @@ def test_a_client_that_goes_away_stops_the_search(world, stream):
     assert ctx.usage.flush()
     totals = srv.registry.usage_report(tenant=tenant).totals
     assert (totals["requests"], totals["failed_requests"], totals["failed_prompt_tokens"]) == (0, 1, len(PROMPT))
+
+
+@pytest.mark.parametrize("length_penalty", [1000.0, -1000.0])
+def test_an_extreme_length_penalty_is_answered(world, length_penalty):
+    """``length ** length_penalty`` past the float range (vLLM's formula raises there) still
+    ranks the beams: a 200 with n choices, the search's blocks all given back."""
+    srv, key, engine, refs = world
+    body = {"model": _model(srv, None), "prompt": PROMPT, "use_beam_search": True, "n": 2, "max_tokens": 4,
+            "length_penalty": length_penalty}
+    with srv.tenant_client(key) as c:
+        r = c.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert sorted(ch["index"] for ch in r.json()["choices"]) == [0, 1]
+    _wait(lambda: _idle(engine), 2.0)
