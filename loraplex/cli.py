@@ -37,15 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve"]:  # vLLM's `serve --config FILE.yaml` and `--flag_name` spellings
+    if argv[:1] in (["serve"], ["run-batch"]):  # vLLM's `--config FILE.yaml` and `--flag_name` spellings
         from loraplex.server.vllm_argv import dashed_flag_names
         from loraplex.server.vllm_config_file import ConfigFileError, expand
 
-        serve = parser._subparsers._group_actions[0].choices["serve"]
+        command = parser._subparsers._group_actions[0].choices[argv[0]]
         try:
-            argv = expand(dashed_flag_names(argv), serve)
+            argv = expand(dashed_flag_names(argv), command)
         except ConfigFileError as exc:
-            serve.error(str(exc))  # argparse's way: usage, the message, exit status 2
+            command.error(str(exc))  # argparse's way: usage, the message, exit status 2
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -1,5 +1,6 @@
-"""vLLM's ``serve --config FILE.yaml``: flags read from a YAML mapping of long flag names to
-values, with the command line winning, as vLLM's argument parser does it.
+"""vLLM's ``serve --config FILE.yaml`` (and ``run-batch --config``: vLLM parses both commands with
+its FlexibleArgumentParser): flags read from a YAML mapping of long flag names to values, with the
+command line winning, as vLLM's argument parser does it.
 
 Each entry becomes flags inserted right after ``serve`` (and after a positional model), so a flag
 also given on the command line is read later and wins: ``key: true`` is ``--key``, ``key: false``
@@ -62,15 +63,15 @@ def read_entries(path: str) -> dict:
     return entries
 
 
-def entries_to_args(entries: dict, path: str, options: dict[str, argparse.Action]) -> list[str]:
-    """The flags ``entries`` stand for, each checked against ``options`` (the command's option
-    strings)."""
+def entries_to_args(entries: dict, path: str, options: dict[str, argparse.Action], command: str = "serve") -> list[str]:
+    """The flags ``entries`` stand for, each checked against ``options`` (the option strings of
+    ``loraplex command``)."""
     out: list[str] = []
     for key, value in entries.items():
         flag = "--" + str(key).replace("_", "-")
         if flag not in options or flag == CONFIG_FLAG:
-            raise ConfigFileError(f"--config {path}: unknown key {key!r}: no `loraplex serve` flag {flag} "
-                                  "(see `loraplex serve --help`)")
+            raise ConfigFileError(f"--config {path}: unknown key {key!r}: no `loraplex {command}` flag {flag} "
+                                  f"(see `loraplex {command} --help`)")
         if value is None:
             raise ConfigFileError(f"--config {path}: {key}: null; give a value or leave the key out")
         if isinstance(value, bool):
@@ -88,31 +89,46 @@ def entries_to_args(entries: dict, path: str, options: dict[str, argparse.Action
     return out
 
 
-def _given_on_command_line(key, given: argparse.Namespace, serve_parser: argparse.ArgumentParser) -> bool:
+def _given_on_command_line(key, given: argparse.Namespace, parser: argparse.ArgumentParser) -> bool:
     """Whether the command line (parsed as ``given``) sets what file key ``key`` would, for the
     keys whose file value would not simply be overridden by a later flag: ``model`` (also the
     positional) and the multi-valued flags, which add up in loraplex where vLLM's ``nargs="+"``
     lets the last use replace the others."""
     if key == "model":
-        return given.model_tag is not None or given.model is not None
-    action = serve_parser._option_string_actions.get("--" + str(key).replace("_", "-"))
+        return getattr(given, "model_tag", None) is not None or given.model is not None
+    action = parser._option_string_actions.get("--" + str(key).replace("_", "-"))
     if action is None or not isinstance(action, (argparse._AppendAction, argparse._ExtendAction)):
         return False
     return getattr(given, action.dest, None) != action.default
 
 
-def expand(argv: list[str], serve_parser: argparse.ArgumentParser) -> list[str]:
-    """``argv`` (starting with ``serve``) with its ``--config`` file's flags in place of
-    ``--config FILE``, placed so that the command line wins."""
+def _parse_command_line(parser: argparse.ArgumentParser, rest: list[str]) -> argparse.Namespace:
+    """What ``rest`` alone sets, with required flags (run-batch's ``-i`` / ``-o``) let off: the
+    file may be what gives them."""
+    required = [action for action in parser._actions if action.required]
+    for action in required:
+        action.required = False
+    try:
+        return parser.parse_known_args(rest)[0]
+    finally:
+        for action in required:
+            action.required = True
+
+
+def expand(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``argv`` (starting with the command, ``serve`` or ``run-batch``; ``parser`` is its
+    subparser) with its ``--config`` file's flags in place of ``--config FILE``, placed so that
+    the command line wins."""
+    command = argv[0]
     found = config_path(argv[1:])
     if found is None:
         return argv
     path, rest = found
     entries = read_entries(path)
     if entries:
-        given, _ = serve_parser.parse_known_args(rest)
-        entries = {k: v for k, v in entries.items() if not _given_on_command_line(k, given, serve_parser)}
-    config_args = entries_to_args(entries, path, serve_parser._option_string_actions)
+        given = _parse_command_line(parser, rest)
+        entries = {k: v for k, v in entries.items() if not _given_on_command_line(k, given, parser)}
+    config_args = entries_to_args(entries, path, parser._option_string_actions, command)
     # after a leading positional model (vLLM's place), before every other command-line flag
     head = 1 if rest and not rest[0].startswith("-") else 0
-    return ["serve", *rest[:head], *config_args, *rest[head:]]
+    return [command, *rest[:head], *config_args, *rest[head:]]

@@ -153,3 +153,36 @@ def test_a_list_flag_on_the_command_line_replaces_the_files_list(tmp_path, parse
     # repeating the flag on the command line still adds up there (loraplex's own reading)
     flags = startup_flags(parsed(["serve", "--config", path, "--api-key", "a", "--api-key", "b"]))
     assert flags.api_keys == ("a", "b")
+
+
+@pytest.fixture
+def parsed_batch(monkeypatch):
+    """What ``loraplex run-batch ...`` parses to, through the entry point, without running it."""
+    seen = {}
+
+    def run(argv: list[str]):
+        parser = loraplex_cli.build_parser()
+        batch = parser._subparsers._group_actions[0].choices["run-batch"]
+        batch.set_defaults(func=lambda args: seen.__setitem__("args", args))
+        monkeypatch.setattr(loraplex_cli, "build_parser", lambda: parser)
+        assert loraplex_cli.main(argv) == 0
+        return seen["args"]
+
+    return run
+
+
+def test_run_batch_reads_config_files_and_underscored_flags_as_vllm_run_batch_does(tmp_path, parsed_batch, capsys):
+    """``vllm run-batch`` parses with vLLM's FlexibleArgumentParser as ``serve`` does: ``--config
+    FILE.yaml`` (the input and output files may be in it) and ``--flag_name`` spellings."""
+    path = write(tmp_path, "input_file: in.jsonl\noutput-file: out.jsonl\nmax-model-len: 2k\n"
+                           "lora-modules: [sql=/adapters/sql]\nenforce-eager: true\n")
+    args = parsed_batch(["run-batch", "--config", path, "--model", "/models/m", "--max_model_len", "1k"])
+    assert (args.input_file, args.output_file, args.model) == ("in.jsonl", "out.jsonl", "/models/m")
+    assert args.max_model_len == 1000  # the command line wins
+    assert args.lora_modules == ["sql=/adapters/sql"] and args.enforce_eager
+    args = parsed_batch(["run-batch", "--config", path, "--lora-modules", "b=/b"])
+    assert args.lora_modules == ["b=/b"]  # replaces the file's list, as vLLM's nargs="+"
+    with pytest.raises(SystemExit) as caught:
+        loraplex_cli.main(["run-batch", "--config", write(tmp_path, "no-such-flag: 1\n")])
+    assert caught.value.code == 2
+    assert "loraplex run-batch: error: --config " in capsys.readouterr().err
