@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any
 
 from loraplex import generation_defaults
 from loraplex.config import EngineConfig
 from loraplex.engine.admission_order import check_priority, check_tenant_weight
 from loraplex.engine.block_manager import BlockManager
-from loraplex.engine.kv_layout import KVLayout
+from loraplex.engine.engine_start import build_lora_manager, kv_layout_of, log_start, served_context
 from loraplex.engine.detokenizer import backend_decoder, single_token_texts
 from loraplex.engine.grammar import GrammarFactory
 from loraplex.engine.outputs import RequestOutput
@@ -26,35 +25,6 @@ from loraplex.lora.errors import AdapterLoadFailedError
 from loraplex.sampling_params import InvalidRequestError, SamplingParams, check_logprobs_cap, check_token_ids_in_vocab
 
 logger = logging.getLogger("loraplex.engine")
-
-
-def _build_lora_manager(config: EngineConfig, runner) -> Any | None:
-    if not hasattr(runner, "lora_target_spec"):  # a runner without LoRA support
-        return None
-    try:
-        from loraplex.lora.manager import LoRAManager
-    except ModuleNotFoundError as exc:
-        if exc.name != "loraplex.lora.manager":
-            raise
-        return None
-    return LoRAManager(spec=runner.lora_target_spec(), config=config, device=runner.device, dtype=runner.dtype)
-
-
-def _max_concurrency(runner) -> str:
-    """The runner's ``max_concurrency`` for the start-up log; "?" for a runner without one (test fakes)."""
-    value = getattr(runner, "max_concurrency", None)
-    return f"{value:.1f}" if isinstance(value, float) else "?"
-
-
-def _kv_bytes_per_token(runner) -> int | None:
-    value = getattr(runner, "kv_bytes_per_token", None)
-    if isinstance(value, int):
-        return value
-    spec = getattr(runner, "spec", None) or getattr(runner, "model_spec", None)
-    dtype = getattr(runner, "kv_dtype", None) or getattr(runner, "dtype", None)
-    if spec is not None and hasattr(spec, "kv_bytes_per_token") and hasattr(dtype, "itemsize"):
-        return spec.kv_bytes_per_token(dtype.itemsize)
-    return None
 
 
 class LLMEngine:
@@ -81,22 +51,11 @@ class LLMEngine:
         self.sampling_defaults = generation_defaults.resolve(
             config.generation_config, getattr(runner, "model_dir", None), config.override_generation_config)
         spec = getattr(runner, "spec", None)
-        # how the layers share pages (a runner without one: a single group, windowed only when
-        # every layer is)
-        layout = getattr(runner, "kv_layout", None) or KVLayout.single(1, getattr(spec, "uniform_sliding_window", None))
-        kv_capacity = runner.num_blocks * runner.block_size
+        layout = kv_layout_of(runner)
         chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else None
-        self.max_model_len = runner.max_model_len
-        if runner.num_blocks < layout.peak_pages_per_sequence(runner.max_model_len, runner.block_size, chunk):
-            kv_capacity = layout.longest_context_within(runner.num_blocks, runner.max_model_len, runner.block_size, chunk)
-            self.max_model_len = min(runner.max_model_len, kv_capacity)
-        if self.max_model_len < runner.max_model_len:
-            logger.warning(
-                "KV cache holds only %d tokens: max_model_len lowered from %d to %d",
-                kv_capacity, runner.max_model_len, self.max_model_len,
-            )
+        self.max_model_len = served_context(runner, layout, chunk)
         if lora_manager is None and getattr(runner, "lora_manager", None) is None:
-            lora_manager = _build_lora_manager(config, runner)
+            lora_manager = build_lora_manager(config, runner)
         self.lora_manager = lora_manager or getattr(runner, "lora_manager", None)
         runner.lora_manager = self.lora_manager
         # a windowed group gives back the pages before its window, a global one keeps them all
@@ -129,32 +88,7 @@ class LLMEngine:
         self.driver = None
         self.num_requests_finished = 0
         self.num_requests_aborted = 0
-        self._log_start()
-
-    def _log_start(self) -> None:
-        cfg = self.config
-        kv_bytes = _kv_bytes_per_token(self.runner)
-        logger.info(
-            "loraplex engine: model=%s dtype=%s device=%s kv_bytes_per_token=%s num_blocks=%d "
-            "block_size=%d max_concurrency=%s max_model_len=%d max_num_seqs=%d "
-            "max_num_batched_tokens=%d chunked_prefill=%s prefix_caching=%s max_loras=%d "
-            "max_lora_rank=%d max_cpu_lora_bytes=%s lora=%s",
-            self.model_name, self.runner.dtype, self.runner.device, kv_bytes, self.runner.num_blocks,
-            self.runner.block_size, _max_concurrency(self.runner), self.max_model_len,
-            cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill,
-            cfg.enable_prefix_caching, cfg.max_loras, cfg.max_lora_rank, self._host_budget(),
-            "on" if self.lora_manager is not None else "off",
-        )
-        if cfg.speculative_config is not None:
-            logger.info("speculative decoding: %s", cfg.speculative_config)
-        if self.sampling_defaults:  # as vLLM warns: outputs differ from the library defaults
-            logger.warning("default sampling parameters of requests that leave them unset: %s; "
-                           "--generation-config vllm turns this off", self.sampling_defaults.describe())
-
-    def _host_budget(self):
-        """The host cache's budget as built (``max_cpu_loras`` becomes bytes only here)."""
-        host = getattr(self.lora_manager, "host", None)
-        return getattr(host, "budget_bytes", self.config.max_cpu_lora_bytes)
+        log_start(self, runner.num_blocks / layout.peak_pages_per_sequence(self.max_model_len, runner.block_size, chunk))
 
     # ---- requests --------------------------------------------------------------------------
     def resolve_adapter(self, adapter, prepared=None) -> str | None:
