@@ -140,6 +140,12 @@ def run_checks(report: Report, on_gpu: bool) -> None:
     slots = [t % n4 for t in range(decode_tokens)]
     _lora_case(report, shape, gen, "decode gate_up", slots, [16] * n4, hidden, (inter, inter), dtype, device)
     _lora_case(report, shape, gen, "decode down", slots, [16] * n4, inter, (hidden,), dtype, device)
+    # LoRA on lm_head runs the same kernels with the vocabulary as the output width (Llama 3:
+    # 128256 columns, far wider than any projection): one rank-16 adapter per decode token
+    vocab = 128256 if on_gpu else 320
+    head_slots = list(range(decode_tokens - 2)) + [-1, -1]
+    _lora_case(report, f"{shape}, vocab {vocab}", gen, "decode lm_head", head_slots, [16] * (decode_tokens - 2),
+               hidden, (vocab,), dtype, device)
     # prefill-shaped: long segments beside short ones, ranks 1..128 in one batch
     mixed_ranks = [1, 3, 8, 16, 64, 128]
     slots = [g % len(mixed_ranks) for g, n in enumerate(prefill_lens) for _ in range(n)]
@@ -155,10 +161,12 @@ def run_checks(report: Report, on_gpu: bool) -> None:
     # Gemma 2's windowed layers: head_dim 256 (gemma-2-9b: 16 heads over 8 KV heads), a window
     # shorter than the contexts and a soft-cap small enough to bite on random inputs
     g_heads, g_kv, g_dim, window = (16, 8, 256, 1000) if on_gpu else (4, 2, 32, 10)
-    for name, seqs, split in (("gemma2 window+softcap bs16", attn_seqs, None),
-                              ("gemma2 window+softcap decode split-KV", split_seqs, splits)):
+    # (a windowed layer group gives back the pages before its window, -1 in its table: the
+    # second case reads such tables; the first the intact ones)
+    for name, seqs, split, freed in (("gemma2 window+softcap bs16", attn_seqs, None, False),
+                                     ("gemma2 window+softcap, freed blocks, split-KV", split_seqs, splits, True)):
         _attention_case(report, gen, name, seqs, g_heads, g_kv, g_dim, 16, dtype, device, split,
-                        sliding_window=window, softcap=2.0)
+                        free_out_of_window=freed, sliding_window=window, softcap=2.0)
     # Mistral v0.1: every layer windowed (4096), so blocks before the window are given back and
     # their table entries are -1: the kernel must never read them (a read faults or gives NaN)
     m_window = 4096 if on_gpu else 12

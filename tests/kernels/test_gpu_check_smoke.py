@@ -25,7 +25,8 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
     # every kernel was checked against its reference
     for name in ("decode qkv shrink", "decode qkv expand", "prefill qkv mixed ranks expand",
                  "bs16 kv write", "bs16 attention", "bs32 attention", "gemma2 window+softcap bs16 attention",
-                 "gemma2 window+softcap decode split-KV attention"):
+                 "gemma2 window+softcap, freed blocks, split-KV attention", "decode lm_head shrink",
+                 "decode lm_head expand"):
         assert f"PASS {name}:" in results
     assert "copy bandwidth:" in results and "## Paged attention" in results
     # the end-to-end part ran both decode modes (graphs: interpreter + eager stand-in capture),
