@@ -196,6 +196,23 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
     "enable_reasoning": EngineFlag(
         ("--enable-reasoning",), {"action": argparse.BooleanOptionalAction}, _always,
         "--enable-reasoning: older vLLM's switch for --reasoning-parser, which alone turns reasoning on"),
+    "cuda_graph_sizes": EngineFlag(
+        ("--cuda-graph-sizes",), {"type": int, "nargs": "+"}, _always,
+        "--cuda-graph-sizes: which batch sizes get a CUDA graph changes speed, not outputs; loraplex "
+        "captures its own batch buckets (--cuda-graphs / --enforce-eager)"),
+    "api_server_count": EngineFlag(
+        ("--api-server-count",), {"type": int}, _equals(1),
+        "--api-server-count 1: one HTTP server process, as loraplex runs",
+        "loraplex runs one HTTP server process per replica (prompts are tokenized off its event loop): "
+        "to serve more, run more replicas behind a balancer on a shared database and blob store"),
+    "headless": EngineFlag(
+        ("--headless",), {"action": argparse.BooleanOptionalAction}, lambda value: value is False, "",
+        "loraplex always serves its own HTTP API; engines without one (vLLM's data-parallel ranks) are "
+        f"not served: {ONE_DEVICE}"),
+    "enable_sleep_mode": EngineFlag(
+        ("--enable-sleep-mode",), {"action": argparse.BooleanOptionalAction}, lambda value: value is False, "",
+        "loraplex has no /sleep and /wake_up endpoints: to give the GPU back stop the replica (SIGTERM "
+        "drains it); adapters stay in the registry and load again on demand"),
     "hf_overrides": EngineFlag(
         ("--hf-overrides",), {"type": json_object}, lambda value: not value, "",
         "loraplex reads the model's config.json as saved: edit a copy of the model directory"),

@@ -62,6 +62,8 @@ NO_OPS = [
     (["--guided-decoding-backend", "guidance"], "--guided-decoding-backend"),
     (["--structured-outputs-config", '{"backend": "guidance"}'], "--structured-outputs-config"),
     (["--enable-reasoning", "--reasoning-parser", "qwen3"], "--enable-reasoning"),
+    (["--cuda-graph-sizes", "1", "2", "4", "8"], "--cuda-graph-sizes"),
+    (["--api-server-count", "1"], "--api-server-count"),
 ]
 
 
@@ -81,7 +83,8 @@ def test_vllms_boolean_optional_forms_turn_the_engine_options_off():
 def test_a_command_line_without_these_flags_logs_no_notes():
     assert notes("m", "--max-loras", "4") == []
     # vLLM's --no- forms of its switches ask for nothing either
-    off = ["--no-enable-log-requests", "--no-fully-sharded-loras", "--no-async-scheduling", "--no-disable-sliding-window"]
+    off = ["--no-enable-log-requests", "--no-fully-sharded-loras", "--no-async-scheduling", "--no-disable-sliding-window",
+           "--no-headless", "--no-enable-sleep-mode"]
     assert notes("m", *off) == [] and settings("m", *off) == settings("m")
 
 
@@ -98,6 +101,9 @@ REFUSED = [
     (["--load-format", "dummy"], "--load-format dummy", "safetensors"),
     (["--limit-mm-per-prompt", '{"image": 2}'], '--limit-mm-per-prompt {"image": 2}', "text only"),
     (["--otlp-traces-endpoint", "http://otel:4317"], "--otlp-traces-endpoint http://otel:4317", "x-request-id"),
+    (["--api-server-count", "4"], "--api-server-count 4", "more replicas"),
+    (["--headless"], "--headless", "one replica per GPU"),
+    (["--enable-sleep-mode"], "--enable-sleep-mode", "/wake_up"),
     (["--cpu-offload-gb", "8"], "--cpu-offload-gb 8.0", "on the device"),
     (["--hf-overrides", '{"rope_theta": 1}'], '--hf-overrides {"rope_theta": 1}', "config.json"),
     (["--guided-decoding-backend", "xgrammar"], "--guided-decoding-backend xgrammar", "llguidance"),
