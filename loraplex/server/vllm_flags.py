@@ -29,7 +29,6 @@ are made from ``Settings`` (loraplex/server/cli.py). This module adds the rest:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -83,12 +82,7 @@ def parse_lora_module(text: str) -> LoRAModule:
     """vLLM's two forms: ``name=path``, or a JSON object with ``name``, ``path`` and optionally
     ``base_model_name``. Raises ``argparse.ArgumentTypeError`` saying what is wrong."""
     if text.lstrip().startswith("{"):
-        try:
-            fields = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {exc.msg}") from None
-        if not isinstance(fields, dict):
-            raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON object")
+        fields = vllm_engine_flags.json_object(text)
         unknown = sorted(set(fields) - LORA_MODULE_FIELDS)
         if unknown:
             raise argparse.ArgumentTypeError(f"{text!r}: unknown field(s) {', '.join(unknown)} "
