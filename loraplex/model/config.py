@@ -37,6 +37,17 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MISTRAL_DEFAULT_SLIDING_WINDOW = 4096  # transformers' MistralConfig, for a config without the key
+# transformers' config-class defaults, for a config.json that leaves the key out: the context
+# (which caps max_model_len) and the norm epsilon (which changes every output) differ by family
+DEFAULT_MAX_POSITIONS = {
+    "LlamaForCausalLM": 2048,
+    "MistralForCausalLM": 131_072,
+    "Qwen2ForCausalLM": 32_768,
+    "Qwen3ForCausalLM": 32_768,
+    "GraniteForCausalLM": 2048,
+    PHI3_ARCHITECTURE: 4096,
+}
+DEFAULT_RMS_NORM_EPS = {PHI3_ARCHITECTURE: 1e-5}
 
 if TYPE_CHECKING:
     from loraplex.model.gemma_config import GemmaSpec
@@ -216,7 +227,7 @@ class ModelSpec:
             window = cfg.get("sliding_window", MISTRAL_DEFAULT_SLIDING_WINDOW)
         elif arch == PHI3_ARCHITECTURE:
             window = cfg.get("sliding_window")
-        max_positions = int(cfg.get("max_position_embeddings", 2048))
+        max_positions = int(cfg.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS[arch])
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise UnsupportedModelError(f"{arch}: sliding_window must be a positive integer or null, got {window!r}")
         spec = cls(
@@ -259,7 +270,7 @@ def common_spec_fields(cfg: dict[str, Any], arch: str, name: str) -> dict[str, A
         num_layers=int(cfg["num_hidden_layers"]),
         num_heads=num_heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps") or DEFAULT_RMS_NORM_EPS.get(arch, 1e-6)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
         checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),

@@ -1,0 +1,41 @@
+"""Config keys a checkpoint's config.json leaves out read as transformers' config class for that
+family reads them. They differ by family: the context (``max_position_embeddings``, which caps
+``max_model_len``) and the norm epsilon (which changes every output)."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from loraplex.model.config import ModelSpec
+
+SHAPE = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2)
+FAMILIES = [
+    ("LlamaForCausalLM", "LlamaConfig"),
+    ("MistralForCausalLM", "MistralConfig"),
+    ("Qwen2ForCausalLM", "Qwen2Config"),
+    ("Qwen3ForCausalLM", "Qwen3Config"),
+    ("GraniteForCausalLM", "GraniteConfig"),
+    ("Phi3ForCausalLM", "Phi3Config"),
+    ("GemmaForCausalLM", "GemmaConfig"),
+    ("Gemma2ForCausalLM", "Gemma2Config"),
+    ("Gemma3ForCausalLM", "Gemma3TextConfig"),
+]
+
+
+@pytest.mark.parametrize("arch, hf_class", FAMILIES)
+def test_context_and_norm_eps_left_out_take_transformers_defaults(arch, hf_class):
+    hf = getattr(transformers, hf_class)(**SHAPE)
+    spec = ModelSpec.from_dict({"architectures": [arch], **SHAPE})
+    assert spec.max_position_embeddings == hf.max_position_embeddings
+    assert spec.rms_norm_eps == hf.rms_norm_eps
+    assert spec.tie_word_embeddings == hf.tie_word_embeddings
+
+
+@pytest.mark.parametrize("arch, hf_class", FAMILIES)
+def test_given_keys_win_over_defaults(arch, hf_class):
+    keys = dict(SHAPE, max_position_embeddings=12_345, rms_norm_eps=3e-7)
+    spec = ModelSpec.from_dict({"architectures": [arch], **keys})
+    hf = getattr(transformers, hf_class)(**keys)
+    assert (spec.max_position_embeddings, spec.rms_norm_eps) == (hf.max_position_embeddings, hf.rms_norm_eps)
