@@ -17,7 +17,11 @@ one group: a tensor per layer, as before.
 
 KV budget: ``kv_cache_bytes`` when given; else ``kv_cache_memory_fraction`` of the free device
 memory after the weights are loaded (CUDA), or of ``min(CPU_KV_CAP_BYTES, half the available
-RAM)`` on CPU. Never more blocks than ``max_num_seqs`` full-length sequences can use.
+RAM)`` on CPU. On CUDA the LoRA slot pool (``lora_slot_bytes``) is left out of the budget: the
+pool is allocated at the first adapter load, after the cache, and without the reserve
+``--max-loras 32 --max-lora-rank 64`` on an 8B model (about 11 GiB of slots) would fail that
+first load for lack of memory instead of sizing the cache smaller at start, as vLLM's memory
+profile does. Never more blocks than ``max_num_seqs`` full-length sequences can use.
 
 With ``cuda_graphs`` on a GPU, steps of one token per sequence replay a captured forward
 (``cuda_graphs.DecodeGraphs``); every other step runs eagerly.
@@ -39,6 +43,7 @@ from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOu
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.spec_verify import position_views
 from loraplex.lora.context import logits_lora
+from loraplex.lora.records import max_adapter_host_nbytes
 from loraplex.lora.spec import LoRATargetSpec
 from loraplex.model.config import ModelSpec
 from loraplex.model.layers import AttentionMetadata
@@ -133,7 +138,8 @@ class ModelRunner:
             )
         logger.info(
             "model %s (%s, %d layers) on %s, dtype %s; KV cache: %d bytes per token, %d blocks of %d "
-            "tokens (%.1f MiB; %d layer groups of %d); max_model_len %d, at which %.1f sequences fit at once",
+            "tokens (%.1f MiB; %d layer groups of %d); max_model_len %d, at which %.1f sequences fit at once; "
+            "LoRA slot pool up to %.1f MiB (%d slots of rank %d)",
             self.model_name,
             self.spec.architecture,
             self.spec.num_layers,
@@ -147,6 +153,9 @@ class ModelRunner:
             self.kv_layout.group_size,
             self.max_model_len,
             self.max_concurrency,
+            self.lora_slot_bytes() / (1 << 20),
+            self.config.max_loras,
+            self.config.max_lora_rank,
         )
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -183,8 +192,26 @@ class ModelRunner:
         fraction = self.config.kv_cache_memory_fraction
         if self.device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(self.device)
-            return int(free * fraction)
+            return self._leave_lora_slots(int(free * fraction))
+        # on CPU the cap is a choice, not memory the slot pool competes for: that comes from RAM
         return int(min(CPU_KV_CAP_BYTES, _available_ram_bytes() // 2) * fraction)
+
+    def _leave_lora_slots(self, budget: int) -> int:
+        """``budget`` less the LoRA slot pool, which will come out of the same device memory."""
+        reserve = self.lora_slot_bytes()
+        if budget - reserve < self.kv_bytes_per_page:
+            raise ValueError(
+                f"no memory left for the KV cache: the LoRA slot pool ({self.config.max_loras} slots of rank "
+                f"{self.config.max_lora_rank}) needs {reserve / GiB:.2f} GiB of the {budget / GiB:.2f} GiB "
+                "budget; lower max_loras or max_lora_rank, or give kv_cache_bytes"
+            )
+        return budget - reserve
+
+    def lora_slot_bytes(self) -> int:
+        """Bytes of the LoRA slot pool at its largest: ``max_loras`` slots of ``max_lora_rank`` on every
+        targetable module, embed_tokens and lm_head included (``lora.slots.SlotPool``)."""
+        per_slot = max_adapter_host_nbytes(self.lora_target_spec(), self.config.max_lora_rank, self.dtype)
+        return self.config.max_loras * per_slot
 
     def _max_chunk_tokens(self) -> int | None:
         return self.config.max_num_batched_tokens if self.config.enable_chunked_prefill else None
