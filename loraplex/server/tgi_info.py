@@ -27,10 +27,10 @@ from starlette.routing import Route
 
 import loraplex
 from loraplex.server.admission import authenticate
+from loraplex.server.body_fields import read_bool, read_int
 from loraplex.server.context import AppContext
 from loraplex.server.errors import bad_request, from_exception
 from loraplex.server.limits import max_prompt_len
-from loraplex.server.protocol import _bool, _int
 from loraplex.server.request_ids import request_ids
 from loraplex.server.tgi_protocol import parameters
 from loraplex.server.tgi_routes import error_response
@@ -83,8 +83,8 @@ def parse_tokenize_request(body: dict) -> tuple[str, bool, int | None]:
     inputs = body.get("inputs")
     if not isinstance(inputs, str):
         raise bad_request("`inputs` must be a string", param="inputs")
-    add_special = _bool(body, "add_special_tokens", True)
-    truncate = _int(parameters(body), "truncate", None)
+    add_special = read_bool(body, "add_special_tokens", True)
+    truncate = read_int(parameters(body), "truncate", None)
     if truncate is not None and truncate < 1:
         raise bad_request("`truncate` must be strictly positive", param="truncate")
     return inputs, add_special, truncate

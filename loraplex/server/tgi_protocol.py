@@ -36,8 +36,10 @@ import random
 from dataclasses import dataclass
 
 from loraplex.sampling_params import InvalidRequestError, SamplingParams
+from loraplex.server.body_fields import read_bool, read_int, read_number
 from loraplex.server.errors import bad_request
-from loraplex.server.protocol import MAX_TOP_LOGPROBS, GenerationRequest, _bool, _int, _num, _stop
+from loraplex.server.protocol import MAX_TOP_LOGPROBS, GenerationRequest
+from loraplex.server.sampling_fields import parse_stop
 from loraplex.server.structured_fields import checked_constraint
 from loraplex.structured_output import StructuredOutputs
 
@@ -71,23 +73,23 @@ def _refuse_unsupported(p: dict, stream: bool) -> None:
                           "(upload them through the admin API); leave it out or send \"local\"")
     if p.get("merged_adapters") is not None:
         raise unsupported("merged_adapters", "merging adapters per request is not supported")
-    if _bool(p, "watermark", False):
+    if read_bool(p, "watermark", False):
         raise unsupported("watermark", "watermarking is not supported")
-    typical_p = _num(p, "typical_p", None)
+    typical_p = read_number(p, "typical_p", None)
     if typical_p is not None and not 0.0 < typical_p <= 1.0:
         raise bad_request("`typical_p` must be > 0.0 and < 1.0", param="typical_p")
     if typical_p is not None and typical_p < 1.0:
         raise unsupported("typical_p", "typical sampling is not supported")
-    best_of = _int(p, "best_of", None)
+    best_of = read_int(p, "best_of", None)
     if best_of is not None and best_of < 1:
         raise bad_request("`best_of` must be strictly positive", param="best_of")
     if best_of is not None and best_of > 1:
         raise unsupported("best_of", "`best_of` > 1 is not supported")
-    if _bool(p, "apply_chat_template", False):
+    if read_bool(p, "apply_chat_template", False):
         raise unsupported("apply_chat_template", "use /v1/chat/completions for chat messages")
-    if _int(p, "top_n_tokens", None):
+    if read_int(p, "top_n_tokens", None):
         raise unsupported("top_n_tokens", "not supported; `return_k_alternatives` gives the top k of each step")
-    if stream and _bool(p, "decoder_input_details", False):
+    if stream and read_bool(p, "decoder_input_details", False):
         raise bad_request("`decoder_input_details` == true is not supported when streaming tokens",
                           param="decoder_input_details")
 
@@ -135,7 +137,7 @@ def parameters(body: dict) -> dict:
 
 
 def _positive(p: dict, name: str, message: str):
-    v = _num(p, name, None)
+    v = read_number(p, name, None)
     if v is not None and v <= 0:
         raise bad_request(message, param=name)
     return v
@@ -154,38 +156,38 @@ def parse_generate_request(body, served_model: str, *, stream: bool | None,
     if not inputs:
         raise bad_request("`inputs` cannot be empty", param="inputs")
     if stream is None:
-        stream = _bool(body, "stream", False)
+        stream = read_bool(body, "stream", False)
     p = parameters(body)
     _refuse_unsupported(p, stream)
 
     adapter_id = p.get("adapter_id")
     if adapter_id is not None and not isinstance(adapter_id, str):
         raise bad_request("`adapter_id` must be a string", param="adapter_id")
-    temperature = _num(p, "temperature", None, lo=0.0)
-    top_k = _int(p, "top_k", None)
+    temperature = read_number(p, "temperature", None, lo=0.0)
+    top_k = read_int(p, "top_k", None)
     if top_k is not None and top_k <= 0:
         raise bad_request("`top_k` must be strictly positive", param="top_k")
     top_p = _positive(p, "top_p", "`top_p` must be > 0.0 and < 1.0")
     if top_p is not None and top_p > 1.0:
         raise bad_request("`top_p` must be > 0.0 and < 1.0", param="top_p")
     repetition_penalty = _positive(p, "repetition_penalty", "`repetition_penalty` must be strictly positive")
-    max_new_tokens = _int(p, "max_new_tokens", None)
+    max_new_tokens = read_int(p, "max_new_tokens", None)
     if max_new_tokens is not None and max_new_tokens < 1:
         raise bad_request("`max_new_tokens` must be strictly positive", param="max_new_tokens")
-    seed = _int(p, "seed", None, lo=0)
-    truncate = _int(p, "truncate", None)
+    seed = read_int(p, "seed", None, lo=0)
+    truncate = read_int(p, "truncate", None)
     if truncate is not None and truncate < 1:
         raise bad_request("`truncate` must be strictly positive", param="truncate")
-    alternatives = _int(p, "return_k_alternatives", None)
+    alternatives = read_int(p, "return_k_alternatives", None)
     if alternatives is not None and (alternatives < 1 or -1 < max_logprobs < alternatives):
         bound = "" if max_logprobs == -1 else f", at most {max_logprobs} (--max-logprobs)"
         raise bad_request(f"`return_k_alternatives` must be >= 1{bound}", param="return_k_alternatives")
-    decoder_input_details = _bool(p, "decoder_input_details", False)
-    details = _bool(p, "details", False) or decoder_input_details
+    decoder_input_details = read_bool(p, "decoder_input_details", False)
+    details = read_bool(p, "details", False) or decoder_input_details
 
     # LoRAX's NextTokenChooser: a warper turns sampling on; temperature 0 turns it off
     warped = (temperature not in (None, 0.0, 1.0)) or top_k is not None or (top_p is not None and top_p < 1.0)
-    sampling = (_bool(p, "do_sample", False) or warped) and temperature != 0.0
+    sampling = (read_bool(p, "do_sample", False) or warped) and temperature != 0.0
     if sampling and seed is None:
         seed = random.getrandbits(SEED_BITS)
     try:
@@ -195,11 +197,11 @@ def parse_generate_request(body, served_model: str, *, stream: bool | None,
             top_k=top_k or 0,
             top_p=top_p or 1.0,
             repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
-            frequency_penalty=_num(p, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
-            presence_penalty=_num(p, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+            frequency_penalty=read_number(p, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+            presence_penalty=read_number(p, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
             seed=seed if sampling else None,
-            stop=_stop(p),
-            ignore_eos=_bool(p, "ignore_eos_token", False),
+            stop=parse_stop(p),
+            ignore_eos=read_bool(p, "ignore_eos_token", False),
             # every streamed token carries its logprob, as does every token of `details`
             logprobs=alternatives or (0 if details or stream else None),
             prompt_logprobs=0 if decoder_input_details else None,

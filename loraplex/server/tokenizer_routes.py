@@ -32,12 +32,14 @@ from starlette.routing import Route
 from loraplex.sampling_params import SamplingParams
 from loraplex.server import tgi_info
 from loraplex.server.admission import authenticate, check_model
+from loraplex.server.body_fields import is_int, read_bool
+from loraplex.server.chat_messages import parse_messages
 from loraplex.server.context import AppContext
 from loraplex.server.errors import bad_request
 from loraplex.server.generation import tokenize_prompts, vocab_size
 from loraplex.server.limits import read_json
 from loraplex.server.prompt_fields import parse_prompt_options
-from loraplex.server.protocol import GenerationRequest, _bool, _is_int, _messages
+from loraplex.server.protocol import GenerationRequest
 from loraplex.server.tool_calls import parse_tools
 
 
@@ -66,7 +68,7 @@ def parse_tokenize_request(body, served_model: str) -> tuple[GenerationRequest, 
         raise bad_request("Only one of `prompt` or `messages` should be provided.", param="messages")
     if not has_prompt and not has_messages:
         raise bad_request("`prompt` (a string) or `messages` (a chat) is required", param="prompt")
-    token_strs = _bool(body, "return_token_strs", False)
+    token_strs = read_bool(body, "return_token_strs", False)
     params = SamplingParams()
     if has_prompt:
         prompt = body["prompt"]
@@ -74,7 +76,7 @@ def parse_tokenize_request(body, served_model: str) -> tuple[GenerationRequest, 
             raise bad_request("`prompt` must be a string", param="prompt")
         return GenerationRequest(kind="completion", model=model, params=params, prompts=[prompt],
                                  prompt_options=parse_prompt_options(body, "completion")), token_strs
-    messages = _messages(body)
+    messages = parse_messages(body)
     # tools reach the template; tool_choice asks for nothing here (nothing is generated)
     tools = parse_tools({"tools": body.get("tools")})
     return GenerationRequest(kind="chat", model=model, params=params, messages=messages, tools=tools,
@@ -85,7 +87,7 @@ def parse_detokenize_request(body, served_model: str) -> tuple[str, list[int]]:
     body = _object(body)
     model = _model(body, served_model)
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(_is_int(t) and t >= 0 for t in tokens):
+    if not isinstance(tokens, list) or not all(is_int(t) and t >= 0 for t in tokens):
         raise bad_request("`tokens` must be a list of non-negative integers (token ids)", param="tokens")
     return model, tokens
 

@@ -1,0 +1,61 @@
+"""Typed readers of a JSON request body's fields: a field left out or null is the default; one
+of the wrong type or out of range is a 400 whose ``param`` names it (errors.py). Shared by the
+OpenAI (protocol.py), TGI (tgi_protocol.py) and tokenizer request parsers."""
+
+from __future__ import annotations
+
+from loraplex.server.errors import bad_request
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _typed(body: dict, name: str, check, kind: str, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not check(value):
+        raise bad_request(f"`{name}` must be {kind}, got {type(value).__name__}", param=name)
+    return value
+
+
+def read_int(body, name, default=None, lo=None, hi=None):
+    """An integer (not a boolean) in ``[lo, hi]`` where given."""
+    v = _typed(body, name, is_int, "an integer", default)
+    _check_range(name, v, lo, hi)
+    return v
+
+
+def read_number(body, name, default=None, lo=None, hi=None):
+    """An integer or float (not a boolean) in ``[lo, hi]`` where given, as a float."""
+    v = _typed(body, name, is_number, "a number", default)
+    _check_range(name, v, lo, hi)
+    return float(v) if v is not None else None
+
+
+def read_bool(body, name, default=False):
+    return _typed(body, name, lambda v: isinstance(v, bool), "a boolean", default)
+
+
+def _check_range(name, v, lo, hi) -> None:
+    if v is None:
+        return
+    if lo is not None and v < lo:
+        raise bad_request(f"`{name}` must be >= {lo}, got {v}", param=name)
+    if hi is not None and v > hi:
+        raise bad_request(f"`{name}` must be <= {hi}, got {v}", param=name)
+
+
+def read_int_list(body, name) -> list[int]:
+    """A list of non-negative integers (token ids); [] when left out."""
+    v = body.get(name)
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(is_int(t) and t >= 0 for t in v):
+        raise bad_request(f"`{name}` must be a list of non-negative integers", param=name)
+    return v
