@@ -142,6 +142,17 @@ def _priority(body: dict) -> int:
 # --- the two endpoints ------------------------------------------------------------------------
 
 
+def _start(body, kind: str, defaults: SamplingDefaults | None) -> tuple[SamplingDefaults, str]:
+    """What both endpoints check first: a JSON object, its ``model``, no refused field (of
+    ``kind``'s); with the server's sampling defaults (none: the library's)."""
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    defaults = defaults or SamplingDefaults()
+    model = _model(body)
+    refuse_unsupported(body, kind)
+    return defaults, model
+
+
 def _open_max_tokens(given: int | None, defaults: SamplingDefaults) -> tuple[int | None, bool]:
     """``(max_tokens, given)``: the request's own (under the operator's ceiling), else the
     server's default, which ``request_checks.prepare`` caps by what the context leaves."""
@@ -152,11 +163,7 @@ def _open_max_tokens(given: int | None, defaults: SamplingDefaults) -> tuple[int
 
 def parse_completion_request(body, defaults: SamplingDefaults | None = None,
                              max_logprobs: int = MAX_TOP_LOGPROBS) -> GenerationRequest:
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
-    defaults = defaults or SamplingDefaults()
-    model = _model(body)
-    refuse_unsupported(body, "completion")
+    defaults, model = _start(body, "completion", defaults)
     prompts = _prompts(body)
     # absent: OpenAI's (and vLLM's) 16; an explicit null leaves it open, as vLLM's
     # CompletionRequest (max_tokens: int | None = 16): the server's default, else the context
@@ -195,11 +202,7 @@ def parse_completion_request(body, defaults: SamplingDefaults | None = None,
 
 def parse_chat_request(body, defaults: SamplingDefaults | None = None,
                        max_logprobs: int = MAX_TOP_LOGPROBS) -> GenerationRequest:
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
-    defaults = defaults or SamplingDefaults()
-    model = _model(body)
-    refuse_unsupported(body, "chat")
+    defaults, model = _start(body, "chat", defaults)
     messages = parse_messages(body)
     max_tokens = read_int(body, "max_completion_tokens", None, lo=1)
     if max_tokens is None:
