@@ -4,7 +4,7 @@ An adapter evicted from host memory has to be read again (files, validation, con
 ``AdapterWeights``) when a request for it comes back. For a rank-16 adapter on every projection
 of a Llama-3-8B that is about 84 MB and a quarter of a second here, page cache warm; done on the
 engine thread, every running stream would stall that long on each such host miss.
-``LoRAManager`` hands those reads to a ``HostLoader`` instead: it submits and collects on the
+``HostTier`` (host_tier.py) hands those reads to a ``HostLoader`` instead: it submits and collects on the
 engine thread, the workers only run the pure read function and touch no manager state. Requests
 for an adapter being read wait (the scheduler's gate: not ready) while the others keep decoding.
 """

@@ -17,8 +17,9 @@ Request lifecycle, as the engine drives it:
   (``prepare_step`` does both).
 * ``on_request_finished(id, ...)`` once per request (finished or aborted).
 
-Host entries of adapters with queued requests and no slot are protected from eviction; when the
-budget is full of those, others wait (not ready) and are loaded as room frees up.
+The disk -> host stage is ``HostTier`` (host_tier.py): host entries of adapters with queued
+requests and no slot are protected from eviction; when the budget is full of those, others wait
+(not ready) and are loaded as room frees up.
 """
 
 from __future__ import annotations
@@ -36,11 +37,10 @@ from loraplex.lora.context import LoRAStepContext, build_batch_meta
 from loraplex.lora.catalog import AdapterCatalog
 from loraplex.lora.errors import AdapterBusyError, AdapterLoadFailedError, InvalidAdapterError
 from loraplex.lora.host_cache import HostCache
-from loraplex.lora.host_loader import HostLoader
+from loraplex.lora.host_tier import HostTier
 from loraplex.lora.records import PreparedAdapter, host_budget_bytes
 from loraplex.lora.slots import SlotPool
 from loraplex.lora.spec import AdapterRef, LoRATargetSpec
-from loraplex.lora.weights import AdapterWeights
 
 
 class LoRAManager:
@@ -59,17 +59,15 @@ class LoRAManager:
         self.host = HostCache(host_budget_bytes(config, spec, dtype))
         self.catalog = AdapterCatalog(spec, config.max_lora_rank, dtype)
         self._records = self.catalog.records  # the same dict: adapter id -> AdapterRecord
-        # adapters with requests, not in host memory: no room yet, or being read (``loader``)
-        self._wanted: "OrderedDict[str, None]" = OrderedDict()
+        self.host_tier = HostTier(self.catalog, self.host, lambda adapter_id: self.pool.slot_of(adapter_id) is not None)
         self._last_step: set[str] = set()
         self._queued: "OrderedDict[str, None]" = OrderedDict()  # adapters with requests, by first arrival
         self._device_pinned: set[str] = set()
-        self.loader: HostLoader | None = None  # set: host misses are read off the engine thread
 
     # ---- AdapterGate ---------------------------------------------------------------------
     def is_ready(self, adapter_id: str) -> bool:
         """In host memory or already in a device slot: a slot can be filled without disk I/O."""
-        return adapter_id in self.host or self.pool.slot_of(adapter_id) is not None
+        return self.host_tier.is_ready(adapter_id)
 
     def num_reserved_slots(self, running: set[str]) -> int:
         return sum(1 for a in self._device_pinned if a not in running)
@@ -79,44 +77,20 @@ class LoRAManager:
         """From now on an adapter with requests that is in neither tier is read on a worker
         thread (``on_done`` wakes the engine loop when a read ends) and its requests wait for it,
         instead of every running request waiting while the engine thread reads it."""
-        if self.loader is None:
-            self.loader = HostLoader(lambda path, adapter_id: self.catalog.parse(path, adapter_id), on_done)
+        self.host_tier.start_background_reads(on_done)
 
     def stop_background_reads(self) -> None:
         """Back to reading on the calling thread; reads in flight are dropped (their adapters stay
         wanted, so the next step reads them here)."""
-        if self.loader is not None:
-            for adapter_id in self.loader.close():
-                self.host.cancel(adapter_id)
-                # a request that came while the read ran did not queue it again (``_warm``)
-                rec = self._records.get(adapter_id)
-                if rec is not None and rec.outstanding > 0:
-                    self._wanted[adapter_id] = None
-            self.loader = None
+        self.host_tier.stop_background_reads()
 
     def collect_reads(self) -> list[AdapterLoadFailedError]:
         """On the engine thread, before scheduling: file the reads that ended into host memory
         (and free slots). A read that failed is returned, so the engine fails that adapter's
         requests (nothing of it was kept)."""
-        if self.loader is None:
-            return []
-        failed = []
-        for done in self.loader.take_finished():
-            if done.error is not None:
-                self.host.cancel(done.adapter_id)
-                self._wanted.pop(done.adapter_id, None)
-                if self.is_ready(done.adapter_id):  # loaded meanwhile (an operator's load): serving
-                    continue
-                error = AdapterLoadFailedError(done.adapter_id, str(done.error))
-                error.__cause__ = done.error
-                failed.append(error)
-                continue
-            self.catalog.count_read(done.adapter_id, done.seconds)
-            if self._records[done.adapter_id].outstanding > 0:
-                self._host_put(done.weights)  # into its reservation
-            else:  # nobody waits for it any more (aborted, or unloaded meanwhile): not kept
-                self.host.cancel(done.adapter_id)
-        self._service_wanted()
+        failed = self.host_tier.collect_reads()
+        if self.host_tier.loader is not None:
+            self._service_wanted()
         return failed
 
     # ---- names and references (AdapterCatalog) -------------------------------------------
@@ -125,7 +99,7 @@ class LoRAManager:
         to host memory."""
         adapter_id, weights = self.catalog.resolve(adapter, prepared)
         if weights is not None:
-            self._host_put(weights)
+            self.host_tier.put(weights)
         return adapter_id
 
     def read_ahead(self, adapter: None | str | AdapterRef) -> PreparedAdapter | None:
@@ -137,7 +111,7 @@ class LoRAManager:
         registration in place). Returns the adapter id."""
         adapter_id, weights = self.catalog.register(name, path)
         if weights is not None:
-            self._host_put(weights)
+            self.host_tier.put(weights)
         return adapter_id
 
     def unregister(self, name: str) -> None:
@@ -149,78 +123,8 @@ class LoRAManager:
         return dict(self.catalog.names)
 
     # ---- loading -------------------------------------------------------------------------
-    def _host_protected(self, adapter_id: str) -> bool:
-        rec = self._records.get(adapter_id)
-        return rec is not None and rec.outstanding > 0 and self.pool.slot_of(adapter_id) is None
-
-    def _count_evictions(self, evicted: list[str]) -> None:
-        for other in evicted:
-            if other in self._records:
-                self._records[other].stats.host_evictions += 1
-
-    def _host_put(self, weights: AdapterWeights) -> bool:
-        stored, evicted = self.host.put(weights, self._host_protected)
-        self._count_evictions(evicted)
-        if stored:
-            self._wanted.pop(weights.adapter_id, None)
-        elif self._records[weights.adapter_id].outstanding > 0:
-            self._wanted[weights.adapter_id] = None
-        return stored
-
-    def _host_load(self, adapter_id: str) -> bool:
-        """Disk -> host for an adapter with requests; when there is no room now, it is queued
-        (``_wanted``) without reading the files."""
-        rec = self._records[adapter_id]
-        nbytes = rec.host_bytes
-        if self.loader is not None:  # lands in ``collect_reads``, into room held for it meanwhile
-            reserved = False
-            if not self._waits_behind(adapter_id):
-                reserved, evicted = self.host.reserve(adapter_id, nbytes, self._host_protected)
-                self._count_evictions(evicted)
-            if reserved:
-                self.loader.submit(adapter_id, rec.path)
-            if rec.outstanding > 0:
-                self._wanted[adapter_id] = None
-            return False
-        if not self.host.can_fit(nbytes, self._host_protected):
-            if rec.outstanding > 0:
-                self._wanted[adapter_id] = None
-            return False
-        return self._host_put(self.catalog.read(rec.path, expected_id=adapter_id))
-
-    def _check_could_fit(self, adapter_id: str) -> None:
-        """Refuse a request (409, transient) for an adapter that host pins leave no room to be
-        read into: it would wait for as long as they stay."""
-        nbytes = self._records[adapter_id].host_bytes
-        if not self.host.could_fit(nbytes):
-            raise AdapterBusyError(
-                f"adapter needs {nbytes} bytes of host memory; adapters pinned there leave too little of "
-                f"the {self.host.budget_bytes}-byte budget: unpin one, or try again later", param="model")
-
-    def _waits_behind(self, adapter_id: str) -> bool:
-        """Whether an adapter queued before ``adapter_id`` (or any, if it is not queued) still
-        waits for host room: room that frees up is then that one's. Taking it first would let
-        steady traffic to small adapters keep a large one out for ever."""
-        for other in self._wanted:
-            if other == adapter_id:
-                return False
-            if not self.loader.is_reading(other) and not self.is_ready(other):
-                rec = self._records.get(other)
-                # one that host pins leave no room for would hold everyone behind it for ever
-                if rec is not None and rec.outstanding > 0 and self.host.could_fit(rec.host_bytes):
-                    return True
-        return False
-
-    def _weights_for(self, adapter_id: str) -> AdapterWeights:
-        w = self.host.get(adapter_id)
-        if w is None:
-            rec = self._records[adapter_id]
-            w = self.catalog.read(rec.path, expected_id=adapter_id)
-            self._host_put(w)
-        return w
-
     def _load_slot(self, adapter_id: str, slot: int) -> None:
-        weights = self._weights_for(adapter_id)
+        weights = self.host_tier.weights_for(adapter_id)
         t0 = time.perf_counter()
         old = self.pool.adapter_in[slot]
         if old is not None:
@@ -229,7 +133,7 @@ class LoRAManager:
             if rec_old is not None:
                 rec_old.stats.evictions += 1
                 if rec_old.outstanding > 0 and old not in self.host:
-                    self._wanted[old] = None
+                    self.host_tier.wanted[old] = None
         self.pool.write(slot, weights)
         stats = self._records[adapter_id].stats
         stats.loads += 1
@@ -256,17 +160,18 @@ class LoRAManager:
             if newly_queued:
                 self._queued.pop(adapter_id, None)
             if rec.outstanding == 0:
-                self._wanted.pop(adapter_id, None)
+                self.host_tier.wanted.pop(adapter_id, None)
             self._sync_refs(adapter_id)
             raise
 
     def _warm(self, adapter_id: str) -> None:
         if self.pool.slot_of(adapter_id) is not None:
             return
-        if self.loader is not None and adapter_id not in self.host:
-            if not self.loader.is_reading(adapter_id):
-                self._check_could_fit(adapter_id)
-                self._host_load(adapter_id)  # a free slot is filled when the read lands
+        loader = self.host_tier.loader
+        if loader is not None and adapter_id not in self.host:
+            if not loader.is_reading(adapter_id):
+                self.host_tier.check_could_fit(adapter_id)
+                self.host_tier.load(adapter_id)  # a free slot is filled when the read lands
             return
         slot = self.pool.free_slot()
         if slot is None:
@@ -274,7 +179,7 @@ class LoRAManager:
         if slot is not None:
             self._load_slot(adapter_id, slot)
         elif adapter_id not in self.host:
-            self._host_load(adapter_id)
+            self.host_tier.load(adapter_id)
 
     def load(self, ref: str | AdapterRef, tier: str = "device", pin: bool = False,
              prepared: PreparedAdapter | None = None) -> str:
@@ -284,7 +189,7 @@ class LoRAManager:
             raise InvalidAdapterError(f"tier must be 'device' or 'host', not {tier!r}", param="tier")
         adapter_id = self.resolve(ref, prepared)
         if tier == "host":
-            if adapter_id not in self.host and not self._host_put(self._weights_for(adapter_id)):
+            if adapter_id not in self.host and not self.host_tier.put(self.host_tier.weights_for(adapter_id)):
                 raise AdapterBusyError("host cache is full of adapters in use; try again later")
             if pin:
                 self.host.pinned.add(adapter_id)
@@ -309,7 +214,7 @@ class LoRAManager:
     def unload(self, adapter_id: str) -> None:
         """Drop from device and host, pins included. Requests still using it reload it from its
         local copy: running ones when their next step places it; queued ones at once (into host
-        memory, or ``_wanted`` when there is no room), because the scheduler admits a waiting
+        memory, or ``host_tier.wanted`` when there is no room), because the scheduler admits a waiting
         request only once its adapter is ready, and nothing else would bring it back."""
         self._device_pinned.discard(adapter_id)
         self.pool.pinned.discard(adapter_id)
@@ -317,10 +222,10 @@ class LoRAManager:
         if slot is not None:
             self.pool.clear(slot)
         self.host.remove(adapter_id)
-        self._wanted.pop(adapter_id, None)
+        self.host_tier.wanted.pop(adapter_id, None)
         rec = self._records.get(adapter_id)
         if rec is not None and rec.outstanding > 0:
-            self._host_load(adapter_id)
+            self.host_tier.load(adapter_id)
 
     # ---- per step ------------------------------------------------------------------------
     def place(self, adapter_ids: list[str | None]) -> None:
@@ -393,15 +298,7 @@ class LoRAManager:
 
     def _service_wanted(self) -> None:
         """Bring queued adapters that lacked host room into host memory, then free slots."""
-        for adapter_id in list(self._wanted):
-            rec = self._records.get(adapter_id)
-            if rec is None or rec.outstanding == 0 or self.is_ready(adapter_id):
-                self._wanted.pop(adapter_id, None)
-                continue
-            if self.loader is not None and self.loader.is_reading(adapter_id):
-                continue
-            if not self._host_load(adapter_id) and not (self.loader and self.loader.is_reading(adapter_id)):
-                break  # no room: the oldest waits first
+        self.host_tier.service_wanted()
         # queued adapters (oldest first) into free or idle slots: later steps find them loaded
         for adapter_id in list(self._queued):
             if self.pool.slot_of(adapter_id) is not None or adapter_id not in self.host:
@@ -443,5 +340,5 @@ class LoRAManager:
             "slot_vocab_bytes": self.pool.vocab.nbytes,
             "host_bytes": self.host.used_bytes,
             "host_budget_bytes": self.host.budget_bytes,
-            "host_reads_in_flight": 0 if self.loader is None else self.loader.num_reading,
+            "host_reads_in_flight": 0 if self.host_tier.loader is None else self.host_tier.loader.num_reading,
         }

@@ -106,7 +106,7 @@ def test_many_adapters_over_the_host_budget_with_flaky_reads(adapters, tiny_llam
     stats = engine.stats()
     assert stats["num_unfinished_requests"] == 0
     assert all(a["outstanding_requests"] == 0 for a in stats["lora"]["adapters"].values())
-    assert manager.host.reserved_bytes == 0 and not manager._wanted and manager.loader is None
+    assert manager.host.reserved_bytes == 0 and not manager.host_tier.wanted and manager.host_tier.loader is None
     assert sum(manager.pool.refs.values()) == 0
     assert engine.block_manager.usage == 0.0
     _check_budget(manager)

@@ -43,7 +43,7 @@ class GatedParse:
 
 
 def _wait_read(m, woke: threading.Event) -> None:
-    assert m.loader.wait(30) and woke.wait(30)  # the read ended, and said so
+    assert m.host_tier.loader.wait(30) and woke.wait(30)  # the read ended, and said so
     woke.clear()
 
 
@@ -99,7 +99,7 @@ def test_manager_failed_background_read_keeps_nothing(lora_base, make_adapter, t
     failed = m.collect_reads()
     assert [e.adapter_id for e in failed] == [x] and isinstance(failed[0], AdapterLoadFailedError)
     assert isinstance(failed[0].__cause__, InvalidAdapterError)
-    assert m.tier_of(x) == "disk" and not m._wanted and m.stats()["host_reads_in_flight"] == 0
+    assert m.tier_of(x) == "disk" and not m.host_tier.wanted and m.stats()["host_reads_in_flight"] == 0
     m.stop_background_reads()
 
 
@@ -117,7 +117,7 @@ def test_read_nobody_waits_for_any_more_is_not_kept(lora_base, make_adapter, mon
     gate.release.set()
     _wait_read(m, woke)
     assert m.collect_reads() == []
-    assert m.tier_of(a) == "disk" and m.host.reserved_bytes == 0 and not m._wanted
+    assert m.tier_of(a) == "disk" and m.host.reserved_bytes == 0 and not m.host_tier.wanted
     m.stop_background_reads()
 
 
@@ -164,9 +164,9 @@ def test_failed_read_of_an_adapter_loaded_meanwhile_fails_nothing(lora_base, mak
     assert entered.wait(30)
     m.load("a", tier="device")
     release.set()
-    assert m.loader.wait(30)
+    assert m.host_tier.loader.wait(30)
     assert m.collect_reads() == []
-    assert m.tier_of(a) == "device" and m.host.reserved_bytes == 0 and not m._wanted
+    assert m.tier_of(a) == "device" and m.host.reserved_bytes == 0 and not m.host_tier.wanted
     m.stop_background_reads()
 
 
@@ -292,7 +292,7 @@ def test_failed_background_read_fails_only_its_waiting_requests(world, tiny_llam
     assert isinstance(err1, InvalidAdapterError) and isinstance(err2, InvalidAdapterError)
     stats = engine.stats()
     assert stats["num_unfinished_requests"] == 0 and stats["lora"]["adapters"][doomed]["outstanding_requests"] == 0
-    assert stats["lora"]["host_reads_in_flight"] == 0 and not manager._wanted and manager.loader is None
+    assert stats["lora"]["host_reads_in_flight"] == 0 and not manager.host_tier.wanted and manager.host_tier.loader is None
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks or engine.config.enable_prefix_caching
 
 
@@ -375,7 +375,7 @@ def test_shutdown_mid_read_then_a_second_async_engine(world, tiny_llama_dir, lor
             return "dead"
 
     assert asyncio.run(main1()) == "dead"
-    assert manager.loader is None and manager.host.reserved_bytes == 0
+    assert manager.host_tier.loader is None and manager.host.reserved_bytes == 0
     assert engine.stats()["lora"]["adapters"][slow]["outstanding_requests"] == 0
     gate.release.set()
     gate.gated.clear()

@@ -1,5 +1,5 @@
 """Adapters waiting for host room are served in arrival order. A large adapter that found the
-host cache full of adapters in use waited in ``_wanted``, but every new request for a small
+host cache full of adapters in use waited in ``HostTier.wanted``, but every new request for a small
 adapter reserved whatever room freed up first (``_warm`` -> ``_host_load``), so under steady
 traffic to small adapters the large one never got in: its requests waited for ever."""
 
@@ -25,7 +25,7 @@ def test_a_large_adapter_waiting_for_host_room_is_not_overtaken(lora_base, make_
     m.start_background_reads(on_done=woke.set)
 
     def settle():
-        assert m.loader.wait(30)
+        assert m.host_tier.loader.wait(30)
         m.collect_reads()
 
     m.prefetch(small[0])  # read, then into the free slot: running
@@ -68,7 +68,7 @@ def test_an_adapter_host_pins_leave_no_room_for_holds_nobody_up(lora_base, make_
     m.start_background_reads(on_done=lambda: None)
 
     def settle():
-        assert m.loader.wait(30)
+        assert m.host_tier.loader.wait(30)
         m.collect_reads()
 
     m.prefetch(run)  # takes the one slot and keeps it
@@ -78,7 +78,7 @@ def test_an_adapter_host_pins_leave_no_room_for_holds_nobody_up(lora_base, make_
     m.prefetch(run)
     m.prefetch(big)  # 1 + 2 + 4 > 5 with nothing to evict: waits for room
     settle()
-    assert not m.is_ready(big) and big in m._wanted
+    assert not m.is_ready(big) and big in m.host_tier.wanted
     m.host.pinned.add(pin)  # an operator pins it: big can never get in now
     m.prefetch(small)  # not held up behind big
     settle()
@@ -86,5 +86,5 @@ def test_an_adapter_host_pins_leave_no_room_for_holds_nobody_up(lora_base, make_
     m.on_request_finished(big, 1, 0)
     with pytest.raises(AdapterBusyError, match="pinned"):  # a new request for it is refused
         m.prefetch(big)
-    assert m.stats()["adapters"][big]["outstanding_requests"] == 0 and big not in m._wanted
+    assert m.stats()["adapters"][big]["outstanding_requests"] == 0 and big not in m.host_tier.wanted
     m.stop_background_reads()
