@@ -173,9 +173,7 @@ class LoRAManager:
                 self.host_tier.check_could_fit(adapter_id)
                 self.host_tier.load(adapter_id)  # a free slot is filled when the read lands
             return
-        slot = self.pool.free_slot()
-        if slot is None:
-            slot = self.pool.victim(protected=self._last_step, idle_only=True)
+        slot = self.pool.slot_to_fill(self._last_step, idle_only=True)
         if slot is not None:
             self._load_slot(adapter_id, slot)
         elif adapter_id not in self.host:
@@ -200,9 +198,7 @@ class LoRAManager:
                 param="pin",
             )
         if self.pool.slot_of(adapter_id) is None:
-            slot = self.pool.free_slot()
-            if slot is None:
-                slot = self.pool.victim(protected=self._last_step)
+            slot = self.pool.slot_to_fill(self._last_step)
             if slot is None:
                 raise AdapterBusyError("every device slot is in use or pinned; try again later")
             self._load_slot(adapter_id, slot)
@@ -235,9 +231,7 @@ class LoRAManager:
         self._last_step = set(step)
         for adapter_id in step:
             if self.pool.slot_of(adapter_id) is None:
-                slot = self.pool.free_slot()
-                if slot is None:
-                    slot = self.pool.victim(protected=self._last_step)
+                slot = self.pool.slot_to_fill(self._last_step)
                 if slot is None:
                     raise RuntimeError(
                         f"{len(step)} adapters in one step do not fit {self.pool.max_loras} device slots "
@@ -303,9 +297,7 @@ class LoRAManager:
         for adapter_id in list(self._queued):
             if self.pool.slot_of(adapter_id) is not None or adapter_id not in self.host:
                 continue
-            slot = self.pool.free_slot()
-            if slot is None:
-                slot = self.pool.victim(protected=self._last_step, idle_only=True)
+            slot = self.pool.slot_to_fill(self._last_step, idle_only=True)
             if slot is None:
                 break
             self._load_slot(adapter_id, slot)

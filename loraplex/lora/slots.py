@@ -109,6 +109,11 @@ class SlotPool:
     def free_slot(self) -> int | None:
         return next((i for i, a in enumerate(self.adapter_in) if a is None), None)
 
+    def slot_to_fill(self, protected: set[str], idle_only: bool = False) -> int | None:
+        """A free slot, else the ``victim``'s; None when every slot is taken and none may go."""
+        slot = self.free_slot()
+        return self.victim(protected, idle_only) if slot is None else slot
+
     def victim(self, protected: set[str], idle_only: bool = False) -> int | None:
         """The slot to evict: not pinned, not protected; idle adapters (no refs) first, then LRU."""
         best, best_key = None, None
