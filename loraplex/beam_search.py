@@ -109,25 +109,43 @@ def beam_search_score(seq: BeamSearchSequence, length_penalty: float) -> float:
 
 
 class BeamSearch:
-    """The search state of one prompt. Drive it with ``step_params`` / ``advance`` until
-    ``done``; ``best`` gives the result. ``max_steps`` (the room the context leaves) bounds
-    ``params.max_tokens``."""
+    """The search state of one prompt. Until ``done``, each step runs one request per entry of
+    ``step_prompts()`` with ``step_sampling`` and hands their logprobs to ``advance_from_outputs``
+    (the drivers: loraplex/engine/beam_search_offline.py and beam_search_async.py); ``best``
+    gives the result. ``max_steps`` (the room the context leaves) bounds ``params.max_tokens``;
+    ``vocab_size`` bounds the candidates asked for."""
 
     def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams, eos_token_ids,
-                 max_steps: int | None = None):
+                 max_steps: int | None = None, vocab_size: int | None = None):
         self.params = params
         self.eos_token_ids = frozenset(eos_token_ids)
         prompt = list(prompt_token_ids)
         self.live: list[BeamSearchSequence] = [BeamSearchSequence(tokens=prompt, prompt_len=len(prompt))]
         self.finished: list[BeamSearchSequence] = []
         self.steps_left = params.max_tokens if max_steps is None else max(0, min(params.max_tokens, max_steps))
+        # the same for every step request of the search (requests only read their parameters)
+        self.step_sampling = step_sampling_params(params, vocab_size)
+
+    @classmethod
+    def in_context(cls, prompt_token_ids: list[int], params: BeamSearchParams, eos_token_ids,
+                   max_model_len: int, vocab_size: int) -> "BeamSearch":
+        """A search over an engine: at most the steps its context of ``max_model_len`` tokens
+        leaves after the prompt."""
+        return cls(prompt_token_ids, params, eos_token_ids, max_steps=max_model_len - len(prompt_token_ids),
+                   vocab_size=vocab_size)
 
     @property
     def done(self) -> bool:
         return not self.live or self.steps_left <= 0
 
-    def step_params(self, vocab_size: int | None = None) -> SamplingParams:
-        return step_sampling_params(self.params, vocab_size)
+    def step_prompts(self) -> list[list[int]]:
+        """This step's requests, one per live beam: the beam's tokens as the prompt."""
+        return [beam.tokens for beam in self.live]
+
+    def advance_from_outputs(self, step_logprobs: list[list[dict] | None]) -> None:
+        """``advance`` from each step request's ``CompletionOutput.logprobs``, in
+        ``step_prompts`` order."""
+        self.advance([step_candidates(logprobs) for logprobs in step_logprobs])
 
     def advance(self, candidates: list[dict[int, float] | None]) -> None:
         """One step: ``candidates[i]`` are the (token id -> logprob) choices of ``live[i]``; None

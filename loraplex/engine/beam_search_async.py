@@ -13,9 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from loraplex.beam_search import (
-    BeamSearch, BeamSearchParams, returned_text_ids, returned_token_ids, step_candidates,
-)
+from loraplex.beam_search import BeamSearch, BeamSearchParams, returned_text_ids, returned_token_ids
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 
 
@@ -42,15 +40,14 @@ async def beam_search_outputs(engine, prompt_ids: list[int], params: BeamSearchP
     ``include_stop_str_in_output``, ``text`` never with it, ``finish_reason`` "stop" (an EOS) or
     "length" (vLLM's online output). A step request aborted from outside ends the search with
     ``finish_reason == "abort"``."""
-    search = BeamSearch(prompt_ids, params, eos_token_ids, max_steps=max_model_len - len(prompt_ids))
+    search = BeamSearch.in_context(prompt_ids, params, eos_token_ids, max_model_len, vocab_size)
     step = 0
     while not search.done:
-        step_params = search.step_params(vocab_size)
         tasks = [
             asyncio.ensure_future(_collect(engine.generate(
-                beam.tokens, step_params, request_id=f"{request_id}-beam{step}.{i}", adapter=adapter,
+                tokens, search.step_sampling, request_id=f"{request_id}-beam{step}.{i}", adapter=adapter,
                 cache_salt=cache_salt, priority=priority, tenant=tenant, tenant_weight=tenant_weight)))
-            for i, beam in enumerate(search.live)
+            for i, tokens in enumerate(search.step_prompts())
         ]
         try:
             results = await asyncio.gather(*tasks)
@@ -63,7 +60,7 @@ async def beam_search_outputs(engine, prompt_ids: list[int], params: BeamSearchP
             yield RequestOutput(request_id, None, list(prompt_ids),
                                 [CompletionOutput(0, "", [], "abort")], finished=True)
             return
-        search.advance([step_candidates(logprobs) for logprobs, _ in results])
+        search.advance_from_outputs([logprobs for logprobs, _ in results])
         step += 1
     outputs = [
         CompletionOutput(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from loraplex.beam_search import (
-    BeamSearch, BeamSearchOutput, BeamSearchParams, check_beam_width_cap, step_candidates, step_sampling_params,
+    BeamSearch, BeamSearchOutput, BeamSearchParams, check_beam_width_cap, step_sampling_params,
 )
 from loraplex.sampling_params import InvalidRequestError
 
@@ -42,7 +42,7 @@ def run_offline_beam_search(llm: "LLM", prompts, params: BeamSearchParams, lora_
         # validates and tokenizes the prompt as generate does; nothing is queued
         probe = engine.prepare_request(None, prompt, step_sampling_params(params, engine.vocab_size), cache_salt=salt)
         ids = probe.prompt_token_ids
-        searches.append(BeamSearch(ids, params, eos, max_steps=engine.max_model_len - len(ids)))
+        searches.append(BeamSearch.in_context(ids, params, eos, engine.max_model_len, engine.vocab_size))
         salts.append(salt)
         adapter_ids.append(engine.resolve_adapter(adapter))
 
@@ -67,10 +67,9 @@ def _one_step(llm: "LLM", work: list[tuple[BeamSearch, str | None, str | None]])
     engine = llm.engine
     prepared, owners = [], []
     for search, salt, adapter_id in work:
-        step = search.step_params(engine.vocab_size)
         reqs = []
-        for beam in search.live:
-            req = engine.prepare_request(None, beam.tokens, step, cache_salt=salt)
+        for tokens in search.step_prompts():
+            req = engine.prepare_request(None, tokens, search.step_sampling, cache_salt=salt)
             req.adapter_id = adapter_id
             req.final_only = True
             reqs.append(req)
@@ -78,4 +77,4 @@ def _one_step(llm: "LLM", work: list[tuple[BeamSearch, str | None, str | None]])
         owners.append((search, reqs))
     finals = llm._run_prepared(prepared)
     for search, reqs in owners:
-        search.advance([step_candidates(finals[r.request_id].outputs[0].logprobs) for r in reqs])
+        search.advance_from_outputs([finals[r.request_id].outputs[0].logprobs for r in reqs])
