@@ -27,9 +27,7 @@ def run_offline_beam_search(llm: "LLM", prompts, params: BeamSearchParams, lora_
     params.validate()
     if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
         raise InvalidRequestError("concurrency_limit must be a positive integer or None", param="concurrency_limit")
-    engine = llm.engine
-    if getattr(engine.driver, "is_running", False):
-        raise RuntimeError("this LLM's engine is driven by a running AsyncLLMEngine: shut that one down first")
+    engine = llm._idle_engine()
     items = _normalize_prompts(prompts)
     adapters = [None] * len(items) if lora_request is None else _adapters_of(lora_request, len(items))
     if len(adapters) != len(items):

@@ -178,9 +178,7 @@ class LLM:
         priorities = [0] * len(items) if priority is None else list(priority)
         if len(priorities) != len(items):
             raise InvalidRequestError("priority must have one entry per prompt", param="priority")
-        engine = self.engine
-        if getattr(engine.driver, "is_running", False):
-            raise RuntimeError("this LLM's engine is driven by a running AsyncLLMEngine: shut that one down first")
+        engine = self._idle_engine()
         prepared = []
         for (prompt, salt), p, adapter, prio in zip(items, params_list, adapter_list, priorities):
             req = engine.prepare_request(None, prompt, p, cache_salt=salt, priority=prio)
@@ -189,6 +187,13 @@ class LLM:
             prepared.append(req)
         finals = self._run_prepared(prepared)
         return [finals[req.request_id] for req in prepared]
+
+    def _idle_engine(self):
+        """The engine, for a call that steps it itself: refused while a running AsyncLLMEngine
+        steps it (the engine has no locks)."""
+        if getattr(self.engine.driver, "is_running", False):
+            raise RuntimeError("this LLM's engine is driven by a running AsyncLLMEngine: shut that one down first")
+        return self.engine
 
     def _run_prepared(self, prepared: list) -> dict[str, RequestOutput]:
         """Add the prepared requests and step the engine until they are all done; request id ->

@@ -1,5 +1,5 @@
 """An LLMEngine is stepped by one thread at a time (it has no locks): a second AsyncLLMEngine, or
-the offline LLM.generate, is refused while an AsyncLLMEngine runs on the same engine, and both
+the offline LLM.generate or LLM.beam_search, is refused while an AsyncLLMEngine runs on the same engine, and both
 work again once it has shut down."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from loraplex import SamplingParams
+from loraplex import BeamSearchParams, SamplingParams
 from loraplex.engine.async_engine import AsyncLLMEngine
 from tests.engine.test_engine_exact import tight_llm
 
@@ -24,6 +24,8 @@ def test_one_driver_at_a_time(tiny_llama_dir, loraplex_home):
             AsyncLLMEngine(llm.config, engine=llm.engine)
         with pytest.raises(RuntimeError, match="driven by a running AsyncLLMEngine"):
             llm.generate([[5, 6, 7]], PARAMS)
+        with pytest.raises(RuntimeError, match="driven by a running AsyncLLMEngine"):
+            llm.beam_search([{"prompt_token_ids": [5, 6, 7]}], BeamSearchParams(beam_width=2, max_tokens=2))
     finally:
         first.shutdown()
     assert llm.generate([[5, 6, 7]], PARAMS)[0].token_ids == expected
