@@ -54,9 +54,17 @@ def kv_bytes_per_token(runner) -> int | None:
     return None
 
 
+def max_concurrency(num_pages: int, layout: KVLayout, max_model_len: int, block_size: int,
+                    chunk: int | None) -> float:
+    """How many sequences of ``max_model_len`` tokens a pool of ``num_pages`` holds at once (vLLM
+    logs the same figure). Not ``num_pages * block_size`` tokens: with layer groups a page holds
+    one group's layers, and a long sequence takes pages in every group."""
+    return num_pages / layout.peak_pages_per_sequence(max_model_len, block_size, chunk)
+
+
 def log_start(engine, max_concurrency: float) -> None:
-    """One line with what the engine was built with; ``max_concurrency``: sequences of
-    ``max_model_len`` tokens the pool holds at once (vLLM logs the same figure)."""
+    """The start-up line with what the engine was built with (the one place the KV pool's
+    ``max_concurrency`` is logged: ``max_concurrency`` above, at the context served)."""
     cfg, runner = engine.config, engine.runner
     host = getattr(engine.lora_manager, "host", None)
     logger.info(

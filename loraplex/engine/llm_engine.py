@@ -12,7 +12,7 @@ from loraplex import generation_defaults
 from loraplex.config import EngineConfig
 from loraplex.engine.admission_order import check_priority, check_tenant_weight
 from loraplex.engine.block_manager import BlockManager
-from loraplex.engine.engine_start import build_lora_manager, kv_layout_of, log_start, served_context
+from loraplex.engine.engine_start import build_lora_manager, kv_layout_of, log_start, max_concurrency, served_context
 from loraplex.engine.detokenizer import backend_decoder, single_token_texts
 from loraplex.engine.grammar import GrammarFactory
 from loraplex.engine.outputs import RequestOutput
@@ -88,7 +88,7 @@ class LLMEngine:
         self.driver = None
         self.num_requests_finished = 0
         self.num_requests_aborted = 0
-        log_start(self, runner.num_blocks / layout.peak_pages_per_sequence(self.max_model_len, runner.block_size, chunk))
+        log_start(self, max_concurrency(runner.num_blocks, layout, self.max_model_len, runner.block_size, chunk))
 
     # ---- requests --------------------------------------------------------------------------
     def resolve_adapter(self, adapter, prepared=None) -> str | None:
