@@ -138,7 +138,7 @@ class ModelRunner:
             )
         logger.info(
             "model %s (%s, %d layers) on %s, dtype %s; KV cache: %d bytes per token, %d blocks of %d "
-            "tokens (%.1f MiB; %d layer groups of %d); max_model_len %d, at which %.1f sequences fit at once; "
+            "tokens (%.1f MiB; %d layer groups of %d); max_model_len %d; "
             "LoRA slot pool up to %.1f MiB (%d slots of rank %d)",
             self.model_name,
             self.spec.architecture,
@@ -152,20 +152,12 @@ class ModelRunner:
             self.kv_layout.num_groups,
             self.kv_layout.group_size,
             self.max_model_len,
-            self.max_concurrency,
             self.lora_slot_bytes() / (1 << 20),
             self.config.max_loras,
             self.config.max_lora_rank,
         )
 
     # ---- set-up -------------------------------------------------------------------------------
-
-    @property
-    def max_concurrency(self) -> float:
-        """How many sequences of ``max_model_len`` tokens the KV pool holds at once (vLLM logs the
-        same figure). Not ``num_blocks * block_size`` tokens: with layer groups a page holds one
-        group's layers, and a long sequence takes pages in every group."""
-        return self.num_blocks / self.peak_blocks_per_sequence()
 
     def lora_target_spec(self) -> LoRATargetSpec:
         return self.spec.lora_target_spec()
