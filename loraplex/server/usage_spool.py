@@ -27,6 +27,7 @@ from hashlib import sha256
 from pathlib import Path
 
 from loraplex.registry.usage import BATCH_ID_MAX_LENGTH, COUNTERS
+from loraplex.storage.durable import fsync_directory
 
 # (tenant, adapter, hour) -> the COUNTERS, in order: ``usage_outbox.Batch.rows``
 Rows = dict[tuple, tuple[int, ...]]
@@ -64,7 +65,7 @@ class UsageSpool:
         except BaseException:
             temp.unlink(missing_ok=True)
             raise
-        _fsync_directory(self.directory)  # the rename itself survives a power loss
+        fsync_directory(self.directory)  # the rename itself survives a power loss
         return path
 
     def files(self) -> list[Path]:
@@ -96,7 +97,7 @@ class UsageSpool:
     def remove(self, path: Path) -> None:
         """Delete a replayed batch's file (gone already: another process replayed it too)."""
         path.unlink(missing_ok=True)
-        _fsync_directory(self.directory)
+        fsync_directory(self.directory)
 
     def set_aside(self, path: Path) -> Path | None:
         """Rename an unreadable file to a ``.bad`` name no other file has; None when it was gone."""
@@ -154,16 +155,3 @@ def _from_json(doc) -> tuple[str, Rows]:
             raise SpoolFileError(f"row {key!r} twice")
         rows[key] = counts
     return batch_id, rows
-
-
-def _fsync_directory(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # not every file system fsyncs a directory
-    finally:
-        os.close(fd)

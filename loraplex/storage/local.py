@@ -16,22 +16,9 @@ from loraplex.storage.base import (
     BlobStore,
     check_key,
 )
+from loraplex.storage.durable import fsync_directory
 
 _TMP_DIR = ".tmp"  # not a valid first key segment, so it never collides with a blob
-
-
-def _fsync_dir(path: Path) -> None:
-    # The rename is only durable once the directory entry is on disk.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class LocalBlobStore(BlobStore):
@@ -70,7 +57,7 @@ class LocalBlobStore(BlobStore):
                 )
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, final)
-            _fsync_dir(final.parent)
+            fsync_directory(final.parent)  # the rename is durable once the entry is on disk
         finally:
             tmp.unlink(missing_ok=True)
 
