@@ -1,6 +1,6 @@
 """Adapters waiting for host room are served in arrival order. A large adapter that found the
 host cache full of adapters in use waited in ``HostTier.wanted``, but every new request for a small
-adapter reserved whatever room freed up first (``_warm`` -> ``_host_load``), so under steady
+adapter reserved whatever room freed up first (``_warm`` -> ``HostTier.load``), so under steady
 traffic to small adapters the large one never got in: its requests waited for ever."""
 
 from __future__ import annotations
