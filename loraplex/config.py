@@ -50,6 +50,16 @@ def check_scheduling_policy(policy: str) -> None:
         raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, not {policy!r}")
 
 
+# vLLM's --kv-cache-dtype values loraplex serves: "auto" keeps K/V in the model's dtype; the fp8
+# ones store one byte per element ("fp8" is e4m3, as in vLLM), loraplex/kernels/kv_quant.py
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype!r}")
+
+
 def check_max_logprobs(max_logprobs: int) -> None:
     if max_logprobs < -1:
         raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, not {max_logprobs}")
@@ -79,6 +89,9 @@ class EngineConfig:
     seed: int = 0
     # paged KV cache
     block_size: int = 16
+    # KV_CACHE_DTYPES: "auto" = the model's dtype; "fp8" / "fp8_e4m3" / "fp8_e5m2" = one byte per
+    # K/V element (twice the tokens of bf16 in the same bytes), written with a scale of 1.0
+    kv_cache_dtype: str = "auto"
     kv_cache_bytes: int | None = None  # explicit KV budget; wins over the fraction
     kv_cache_memory_fraction: float = 0.9  # of free memory (CUDA) / of a CPU cap (see engine)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
@@ -122,6 +135,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_positive_options(dataclasses.asdict(self))
         check_scheduling_policy(self.scheduling_policy)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         check_max_logprobs(self.max_logprobs)
         check_host_cache_options(self.max_cpu_loras, self.max_cpu_lora_bytes, self.max_loras)
         parse_speculative_config(self.speculative_config)
@@ -148,6 +162,7 @@ class Settings(BaseSettings):
     device: str = "auto"
     seed: int = 0
     block_size: int = 16
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"  # see EngineConfig
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float = 0.9
     max_model_len: int | None = None

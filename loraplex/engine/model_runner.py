@@ -15,6 +15,8 @@ head_dim]`` pages, and layer ``l`` keeps its KV in tensor ``layer_slot[l]`` at i
 (``kv_caches[l]`` is that tensor). A model without windows, or with one window on every layer, is
 one group: a tensor per layer, as before.
 
+KV dtype (``kv_cache_dtype``): the model's, or fp8 (``kv_quant``): twice bf16's pages per byte.
+
 KV budget: ``kv_cache_bytes`` when given; else ``kv_cache_memory_fraction`` of the free device
 memory after the weights are loaded (CUDA), or of ``min(CPU_KV_CAP_BYTES, half the available
 RAM)`` on CPU. On CUDA the LoRA slot pool (``lora_slot_bytes``) is left out of the budget: the
@@ -42,6 +44,7 @@ from loraplex.engine.kv_layout import KVLayout, window_first_blocks
 from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.spec_verify import position_views
+from loraplex.kernels.kv_quant import check_kv_dtype_device, kv_cache_torch_dtype
 from loraplex.lora.context import logits_lora
 from loraplex.lora.records import max_adapter_host_nbytes
 from loraplex.lora.spec import LoRATargetSpec
@@ -112,18 +115,20 @@ class ModelRunner:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids: set[int] = self._collect_eos_ids()
         self.block_size = config.block_size
-        self.kv_bytes_per_token = self.spec.kv_bytes_per_token(self.dtype.itemsize)
+        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)  # fp8: 1 byte per element
+        check_kv_dtype_device(self.kv_dtype, self.device)
+        self.kv_bytes_per_token = self.spec.kv_bytes_per_token(self.kv_dtype.itemsize)
         self.kv_layout = KVLayout.from_layer_windows(self.spec.layer_windows)
         # a page holds one block of tokens for the group_size layers of one group
         self.kv_bytes_per_page = (
-            2 * self.kv_layout.group_size * self.spec.num_kv_heads * self.spec.head_dim * self.dtype.itemsize
+            2 * self.kv_layout.group_size * self.spec.num_kv_heads * self.spec.head_dim * self.kv_dtype.itemsize
             * self.block_size
         )
         self.num_blocks = self._size_kv_cache()
         self._limit_max_model_len_to_kv()
         cache_shape = (2, self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.kv_storage = [
-            torch.zeros(cache_shape, dtype=self.dtype, device=self.device) for _ in range(self.kv_layout.group_size)
+            torch.zeros(cache_shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.kv_layout.group_size)
         ]
         # per layer: the storage tensor its group's pages index
         self.kv_caches = [self.kv_storage[slot] for slot in self.kv_layout.layer_slot]
@@ -137,7 +142,7 @@ class ModelRunner:
                 capture=cuda_capture(torch.cuda.graph_pool_handle()), layout=self.kv_layout,
             )
         logger.info(
-            "model %s (%s, %d layers) on %s, dtype %s; KV cache: %d bytes per token, %d blocks of %d "
+            "model %s (%s, %d layers) on %s, dtype %s; KV cache (%s): %d bytes per token, %d blocks of %d "
             "tokens (%.1f MiB; %d layer groups of %d); max_model_len %d; "
             "LoRA slot pool up to %.1f MiB (%d slots of rank %d)",
             self.model_name,
@@ -145,6 +150,7 @@ class ModelRunner:
             self.spec.num_layers,
             self.device,
             str(self.dtype).removeprefix("torch."),
+            str(self.kv_dtype).removeprefix("torch."),
             self.kv_bytes_per_token,
             self.num_blocks,
             self.block_size,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from loraplex.kernels.kv_quant import as_bytes, is_fp8, quantize_kv
 from loraplex.kernels.padding import padded_groups
 
 # A prefill group's padded work (chunks x longest query x longest key run) may exceed its real
@@ -160,19 +161,25 @@ def write_kv_cache_cpu(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; slot < 0 = skip (padding)
 ) -> None:
-    """``index_copy_`` into the cache seen as one row per slot (no boolean-mask indexing)."""
+    """``index_copy_`` into the cache seen as one row per slot (no boolean-mask indexing). An
+    fp8 cache takes the quantized K/V (``kv_quant.quantize_kv``) as bytes: torch has no CPU
+    ``index_copy_`` for fp8."""
     if key.shape[0] == 0:
         return
     if int(slot_mapping.min()) < 0:
         valid = slot_mapping >= 0
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     rows = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, num_blocks * block_size, kvh, d]
-    rows[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    rows[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    key, value = quantize_kv(key, kv_cache.dtype), quantize_kv(value, kv_cache.dtype)
+    if is_fp8(kv_cache.dtype):
+        rows, key, value = as_bytes(rows), as_bytes(key), as_bytes(value)
+    rows[0].index_copy_(0, slot_mapping, key)
+    rows[1].index_copy_(0, slot_mapping, value)
 
 
 def _gather_kv(kv_cache: torch.Tensor, group: _Group, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of a group's sequences, ``[P, kvh, L, d]`` each (transposed views of the gather)."""
+    """K and V of a group's sequences in the compute ``dtype`` (an fp8 cache is dequantized by
+    the cast: scale 1.0), ``[P, kvh, L, d]`` each (transposed views of the gather)."""
     shape = (-1, group.num_blocks * kv_cache.shape[2], *kv_cache.shape[3:])
     # index_select on dim 0 copies whole blocks (memcpy); advanced indexing is ~5x slower here
     k, v = (torch.index_select(kv_cache[i], 0, group.blocks).view(shape)[:, : group.longest] for i in (0, 1))

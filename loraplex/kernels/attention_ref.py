@@ -1,12 +1,15 @@
 """Torch reference of the paged-KV attention kernels (CPU path and the kernels' test oracle).
 
 Same arguments as ``dispatch.write_kv_cache`` / ``dispatch.paged_attention``. Written for
-clarity: one sequence at a time, K/V gathered through the block table.
+clarity: one sequence at a time, K/V gathered through the block table. An fp8 cache is read
+back with ``.float()`` (scale 1.0): attention over the fp8-rounded K/V.
 """
 
 from __future__ import annotations
 
 import torch
+
+from loraplex.kernels.kv_quant import quantize_kv
 
 
 def write_kv_cache_ref(
@@ -19,8 +22,8 @@ def write_kv_cache_ref(
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[0, blocks, offsets] = key[valid].to(kv_cache.dtype)
-    kv_cache[1, blocks, offsets] = value[valid].to(kv_cache.dtype)
+    kv_cache[0, blocks, offsets] = quantize_kv(key[valid], kv_cache.dtype)  # fp8: saturating, scale 1.0
+    kv_cache[1, blocks, offsets] = quantize_kv(value[valid], kv_cache.dtype)
 
 
 def gather_kv(

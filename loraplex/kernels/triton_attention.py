@@ -28,6 +28,10 @@ Two per-layer options are constexprs, so a kernel without them compiles as befor
 window (``SLIDING``; a query at position p sees keys at positions > p - window, and the key loop
 starts at the first query's window, so a long context costs only the window) and logit
 soft-capping (``SOFTCAP``; scores pass through ``softcap * tanh(s / softcap)``, Gemma 2).
+
+An fp8 KV cache (``kv_quant``): the write quantizes in torch and the kernel stores the bytes;
+the attention kernel loads fp8 K/V tiles and casts them to the query's dtype before the dot
+products (a no-op for a cache in the model's dtype).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from loraplex.kernels.kv_quant import as_bytes, is_fp8, quantize_kv
 
 
 @triton.jit
@@ -171,7 +177,7 @@ def _paged_attention_kernel(
             k_base + kv_off[None, :] + d[:, None] * stride_cd,
             mask=n_mask[None, :] & d_mask[:, None],
             other=0.0,
-        )  # [BLOCK_D, BLOCK_N]
+        ).to(q.dtype)  # [BLOCK_D, BLOCK_N]; an fp8 cache dequantized (scale 1.0)
         s = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units (without SOFTCAP)
         if SOFTCAP:  # s is q.k * scale / softcap: tanh(s) written with exp2 (2 * log2(e) = 2.885...)
             s = softcap_log2 * (1.0 - 2.0 / (tl.exp2(s * 2.885390081777927) + 1.0))
@@ -187,7 +193,7 @@ def _paged_attention_kernel(
             v_base + kv_off[:, None] + d[None, :] * stride_cd,
             mask=n_mask[:, None] & d_mask[None, :],
             other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
+        ).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
@@ -266,6 +272,9 @@ def write_kv_cache_triton(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    if is_fp8(kv_cache.dtype):  # quantized in torch (kv_quant), so the kernel copies bytes
+        key, value = as_bytes(quantize_kv(key, kv_cache.dtype)), as_bytes(quantize_kv(value, kv_cache.dtype))
+        kv_cache = as_bytes(kv_cache)
     _write_kv_kernel[(num_tokens,)](
         key,
         value,

@@ -1,0 +1,63 @@
+"""The KV cache's storage dtype: the model's (``"auto"``), or one byte per element (fp8).
+
+vLLM's ``--kv-cache-dtype fp8`` (= ``fp8_e4m3``) and ``fp8_e5m2``: keys and values are stored as
+``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` with a per-tensor scale of 1.0 (what vLLM uses
+when a checkpoint brings no calibrated scales), and turned back into the compute dtype before
+any product. Every fp8 value is exact in bfloat16, float16 and float32, so reading is a plain
+cast; writing rounds to the nearest fp8 value and saturates at the format's largest finite value
+(448 for e4m3, 57344 for e5m2), as vLLM's fp8 conversion does, instead of letting an outlier
+become inf (torch's e5m2 cast) or relying on the cast's own overflow rule. NaN stays NaN.
+
+Writes quantize in torch on every path (CPU and CUDA), so one rounding rule holds everywhere;
+the Triton write kernel then copies bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_KV_DTYPES = {
+    "fp8": torch.float8_e4m3fn,  # vLLM's "fp8" is e4m3
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The storage dtype for ``EngineConfig.kv_cache_dtype`` ``name`` (``"auto"``: ``model_dtype``)."""
+    if name == "auto":
+        return model_dtype
+    if name not in FP8_KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(FP8_KV_DTYPES)}, not {name!r}")
+    return FP8_KV_DTYPES[name]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``cache_dtype``; into fp8 with saturation at the format's finite maximum."""
+    if not is_fp8(cache_dtype):
+        return x.to(cache_dtype)
+    limit = torch.finfo(cache_dtype).max
+    return x.clamp(-limit, limit).to(cache_dtype)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor's storage as uint8 (same shape): copies and index ops that torch's CPU
+    kernels lack for fp8 (``index_copy_``) run on the bytes."""
+    return t.view(torch.uint8)
+
+
+def check_kv_dtype_device(cache_dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse (ValueError) an fp8 cache the device's Triton kernels cannot read: Triton's e4m3
+    (``fp8e4nv``) needs compute capability 8.9 or later (Ada, Hopper); e5m2 has no such limit."""
+    if cache_dtype != torch.float8_e4m3fn or device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ValueError(
+            f"kv_cache_dtype fp8 / fp8_e4m3 needs a GPU of compute capability 8.9 or later (this one is "
+            f"{capability[0]}.{capability[1]}); use fp8_e5m2 or auto"
+        )
