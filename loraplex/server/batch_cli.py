@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from loraplex.server import http_options, vllm_flags
-from loraplex.server.cli import add_settings_flags, settings_or_error
+from loraplex.server.cli import WithoutFlags, add_settings_flags, settings_or_error
 
 # Settings that mean nothing without an HTTP server (or that a batch sets itself)
 SKIPPED_SETTINGS = frozenset({
@@ -58,8 +58,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tenant", default=None,
                    help="also resolve `model` to this tenant's adapters in the loraplex registry")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    add_settings_flags(p, SKIPPED_SETTINGS)
-    vllm_flags.add_vllm_flags(p, taken=frozenset({"lora_modules", "api_key"}))
+    native = add_settings_flags(p, SKIPPED_SETTINGS)
+    vllm_flags.add_vllm_flags(WithoutFlags(p, native), taken=frozenset({"lora_modules", "api_key"}))
     p.set_defaults(func=run_batch_command)
 
 

@@ -35,7 +35,6 @@ def notes(*argv: str) -> list[str]:
 
 # vLLM flags whose value asks for what loraplex does anyway: (argv, the start-up note's flag)
 NO_OPS = [
-    (["--kv-cache-dtype", "auto"], "--kv-cache-dtype"),
     (["--tokenizer-mode", "auto"], "--tokenizer-mode"),
     (["--pipeline-parallel-size", "1"], "--pipeline-parallel-size"),
     (["-pp", "1"], "--pipeline-parallel-size"),
@@ -90,8 +89,6 @@ def test_a_command_line_without_these_flags_logs_no_notes():
 
 # values vLLM gives another meaning (outputs or memory): (argv, flag named, what to use instead)
 REFUSED = [
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8", "--kv-cache-bytes"),
-    (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype fp8_e5m2", "--dtype"),
     (["--tokenizer-mode", "mistral"], "--tokenizer-mode mistral", "Hugging Face tokenizer"),
     (["-pp", "2"], "--pipeline-parallel-size 2", "one replica per GPU"),
     (["--data-parallel-size", "4"], "--data-parallel-size 4", "one replica per GPU"),
@@ -126,11 +123,11 @@ def test_a_value_with_another_meaning_is_refused_naming_loraplexs_way(argv, name
 
 def test_refused_engine_flags_stop_serve_with_status_2_before_anything_is_built(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "home"))
-    argv = ["serve", "m", "--kv-cache-dtype", "fp8", "-dp", "2", "--gpu-memory-utilization", "0.9"]
+    argv = ["serve", "m", "--lora-dtype", "float16", "-dp", "2", "--gpu-memory-utilization", "0.9"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("loraplex serve: error: vLLM flag(s) loraplex does not take:")
-    for flag in ("--kv-cache-dtype fp8:", "--data-parallel-size 2:", "--gpu-memory-utilization:"):
+    for flag in ("--lora-dtype float16:", "--data-parallel-size 2:", "--gpu-memory-utilization:"):
         assert f"\n  {flag}" in err  # every one named at once
     assert not (tmp_path / "home").exists()  # no registry, no model: nothing started
 

@@ -1,0 +1,75 @@
+"""``--kv-cache-dtype`` is a loraplex setting under vLLM's name and values (auto, fp8, fp8_e4m3,
+fp8_e5m2) on ``serve`` and ``run-batch``, in a vLLM config file and as ``LORAPLEX_KV_CACHE_DTYPE``;
+any other value stops the start with status 2 naming the flag and the values, before anything is
+built (vLLM's own flag rejects an unknown value the same way, argparse's choices)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from loraplex.cli import build_parser, main
+from loraplex.config import EngineConfig
+from loraplex.server.cli import settings_from_args
+
+
+@pytest.fixture(autouse=True)
+def _no_loraplex_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("LORAPLEX_") or name.startswith("VLLM_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize("command", ["serve", "run-batch"])
+@pytest.mark.parametrize("value", ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_each_vllm_value_reaches_the_engine_config(command, value):
+    argv = [command, "m"] if command == "serve" else [command, "-i", "in.jsonl", "-o", "out.jsonl", "--model", "m"]
+    settings = settings_from_args(build_parser().parse_args([*argv, "--kv-cache-dtype", value]))
+    assert settings.kv_cache_dtype == value
+    assert settings.engine_config().kv_cache_dtype == value
+
+
+def test_the_default_is_auto():
+    assert settings_from_args(build_parser().parse_args(["serve", "m"])).engine_config().kv_cache_dtype == "auto"
+
+
+def test_a_vllm_config_file_sets_it(tmp_path):
+    path = tmp_path / "vllm.yaml"
+    path.write_text("kv-cache-dtype: fp8_e5m2\n")
+    from loraplex.server.vllm_config_file import expand
+
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]  # as loraplex.cli.main expands it
+    argv = expand(["serve", "m", "--config", str(path)], serve)
+    assert settings_from_args(parser.parse_args(argv)).kv_cache_dtype == "fp8_e5m2"
+
+
+def test_an_unknown_value_stops_serve_naming_the_choices(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "home"))
+    with pytest.raises(SystemExit) as caught:
+        main(["serve", "m", "--kv-cache-dtype", "int8"])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --kv-cache-dtype: invalid choice: 'int8'" in err
+    assert all(v in err for v in ("'auto'", "'fp8'", "'fp8_e4m3'", "'fp8_e5m2'"))
+    assert not (tmp_path / "home").exists()  # no registry, no model: nothing started
+
+
+def test_an_unknown_value_from_the_environment_stops_serve(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("LORAPLEX_KV_CACHE_DTYPE", "int8")
+    assert main(["serve", "m"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("loraplex serve: error: kv_cache_dtype: ") and "'fp8_e5m2'" in err
+    assert not (tmp_path / "home").exists()
+
+
+@pytest.mark.parametrize("value", ["int8", "fp16", "FP8", ""])
+def test_engine_config_and_llm_refuse_an_unknown_value(value, tmp_path):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2"):
+        EngineConfig(kv_cache_dtype=value)
+    from loraplex.engine.llm import LLM
+
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):  # before any model is looked for
+        LLM(model=str(tmp_path / "no-such-model"), kv_cache_dtype=value)
