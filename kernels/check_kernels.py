@@ -55,18 +55,19 @@ def _lora_case(report, shape, gen, name, token_slots, ranks, in_features, widths
 
 
 def _attention_case(report, gen, name, seqs, heads, kv_heads, head_dim, block_size, dtype, device, num_kv_splits=None,
-                    free_out_of_window=False, **options):
+                    free_out_of_window=False, cache_dtype=None, **options):
     """Mixed prefill-with-prefix + decode batch through shuffled block tables (``num_kv_splits``:
     None lets the launcher choose, as the engine does; ``options``: sliding_window, softcap).
     ``free_out_of_window``: the kernel gets the tables the block manager leaves for a model
     windowed on every layer (entries wholly before each sequence's first query's window are -1,
-    FREED_BLOCK); the reference reads the intact tables."""
+    FREED_BLOCK); the reference reads the intact tables. ``cache_dtype``: an fp8 KV cache
+    (``--kv-cache-dtype``), which the reference reads upcast to fp32."""
     seq_lens = [c + q for c, q in seqs]
     per_seq = [math.ceil(n / block_size) for n in seq_lens]
     num_blocks = sum(per_seq) + 4
     physical = torch.randperm(num_blocks, generator=gen).tolist()
     tables = torch.zeros(len(seqs), max(per_seq), dtype=torch.int32)
-    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan")).to(cache_dtype or dtype)
     for i, n in enumerate(per_seq):
         tables[i, :n] = torch.tensor([physical.pop() for _ in range(n)])
     # write every position's K/V with the Triton kernel, checked against the reference write
@@ -82,8 +83,9 @@ def _attention_case(report, gen, name, seqs, heads, kv_heads, head_dim, block_si
     cache_ref = cache.clone()
     write_kv_cache_triton(keys, values, cache, slot_t)
     write_kv_cache_ref(keys, values, cache_ref, slot_t)
-    same = bool(torch.equal(torch.nan_to_num(cache), torch.nan_to_num(cache_ref)))
-    same = same and bool(torch.equal(cache.isnan(), cache_ref.isnan()))
+    wrote, wrote_ref = cache.float(), cache_ref.float()  # fp8 has no nan_to_num
+    same = bool(torch.equal(torch.nan_to_num(wrote), torch.nan_to_num(wrote_ref)))
+    same = same and bool(torch.equal(wrote.isnan(), wrote_ref.isnan()))
     report.check(f"{name} kv write", same, f"{n_tok} tokens, block size {block_size}, bit-exact={same}")
 
     q_lens = [q for _, q in seqs]
@@ -109,6 +111,7 @@ def _attention_case(report, gen, name, seqs, heads, kv_heads, head_dim, block_si
     err = rel_err(out, ref)
     splits = "" if num_kv_splits is None else f", {num_kv_splits} KV splits"
     splits += "".join(f", {k} {v}" for k, v in options.items()) + (", freed entries" if free_out_of_window else "")
+    splits += f", {cache_dtype} cache" if cache_dtype is not None else ""
     report.check(f"{name} attention", err < TOLERANCE, f"rel err {err:.2e}, seqs (prefix, query)={seqs}{splits}")
 
 
@@ -158,6 +161,11 @@ def run_checks(report: Report, on_gpu: bool) -> None:
     _attention_case(
         report, gen, "decode split-KV bs16", split_seqs, heads, kv_heads, head_dim, 16, dtype, device, splits
     )
+    # --kv-cache-dtype fp8 (e4m3) / fp8_e5m2: one-byte K/V, dequantized in the kernel
+    _attention_case(report, gen, "fp8 e4m3 cache bs16", attn_seqs, heads, kv_heads, head_dim, 16, dtype, device,
+                    cache_dtype=torch.float8_e4m3fn)
+    _attention_case(report, gen, "fp8 e5m2 cache split-KV", split_seqs, heads, kv_heads, head_dim, 16, dtype, device,
+                    splits, cache_dtype=torch.float8_e5m2)
     # Gemma 2's windowed layers: head_dim 256 (gemma-2-9b: 16 heads over 8 KV heads), a window
     # shorter than the contexts and a soft-cap small enough to bite on random inputs
     g_heads, g_kv, g_dim, window = (16, 8, 256, 1000) if on_gpu else (4, 2, 32, 10)

@@ -52,7 +52,8 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def check_kv_dtype_device(cache_dtype: torch.dtype, device: torch.device) -> None:
     """Refuse (ValueError) an fp8 cache the device's Triton kernels cannot read: Triton's e4m3
-    (``fp8e4nv``) needs compute capability 8.9 or later (Ada, Hopper); e5m2 has no such limit."""
+    (``fp8e4nv``) needs compute capability 8.9 or later (Ada, Hopper), e5m2 (``fp8e5``) runs on
+    every CUDA target (triton/backends/nvidia/compiler.py, ``supported_fp8_dtypes``)."""
     if cache_dtype != torch.float8_e4m3fn or device.type != "cuda":
         return
     capability = torch.cuda.get_device_capability(device)

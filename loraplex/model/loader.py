@@ -69,6 +69,10 @@ def read_safetensors(model_dir: Path, rename: Callable[[str], str | None] | None
     return tensors
 
 
+# per-layer K/V scales that fp8-KV checkpoints (llm-compressor, ModelOpt) store beside the weights
+KV_SCALE_SUFFIXES = ("k_scale", "v_scale")
+
+
 def _strip_prefix(name: str) -> str:
     # "model.layers.0...." in *ForCausalLM checkpoints; bare "layers.0...." in base-model ones
     return name[len("model.") :] if name.startswith("model.") else name
@@ -133,6 +137,13 @@ def load_model(
         if not spec.qkv_bias and (f"{attn}q_proj.bias" in raw or f"{attn}qkv_proj.bias" in raw):
             raise ValueError(f"{model_dir}: q/k/v biases present but the config does not declare them")
     unused = sorted(k for k in raw if k not in used and "rotary_emb" not in k)
+    kv_scales = [k for k in unused if k.endswith(KV_SCALE_SUFFIXES)]
+    if kv_scales:  # said apart from other leftovers: an fp8 KV cache would have used them in vLLM
+        logger.warning(
+            "the checkpoint's calibrated KV-cache scales are not read (%d tensors, e.g. %s): an fp8 KV cache "
+            "(kv_cache_dtype) is written with a scale of 1.0, values beyond the format's range saturate",
+            len(kv_scales), kv_scales[:2])
+        unused = [k for k in unused if k not in kv_scales]
     if unused:
         logger.warning("ignoring %d unexpected tensors in %s (e.g. %s)", len(unused), model_dir, unused[:3])
 

@@ -160,3 +160,20 @@ def test_values_beyond_the_format_saturate(path, fp8):
     # a tiny query keeps the softmax away from the max-shift limits of fp32; outputs must be finite
     out = attend(query * 1e-6, cache, **meta)
     assert out.isfinite().all()
+
+
+@pytest.mark.parametrize("capability,fp8,refused", [
+    ((8, 0), torch.float8_e4m3fn, True), ((8, 6), torch.float8_e4m3fn, True), ((8, 9), torch.float8_e4m3fn, False),
+    ((9, 0), torch.float8_e4m3fn, False), ((8, 0), torch.float8_e5m2, False), ((7, 5), torch.float8_e5m2, False),
+])
+def test_e4m3_is_refused_where_tritons_cuda_backend_lacks_it(monkeypatch, capability, fp8, refused):
+    """Triton's CUDA backend adds fp8e4nv to its fp8 types from sm_89 on; fp8e5 is always there."""
+    from loraplex.kernels.kv_quant import check_kv_dtype_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    if refused:
+        with pytest.raises(ValueError, match="compute capability 8.9 or later .* use fp8_e5m2 or auto"):
+            check_kv_dtype_device(fp8, torch.device("cuda"))
+    else:
+        check_kv_dtype_device(fp8, torch.device("cuda"))
+    check_kv_dtype_device(fp8, torch.device("cpu"))  # the CPU path reads either format

@@ -1,0 +1,48 @@
+"""An fp8 KV cache on the CUDA path, checked on CPU: the Triton write and attention kernels
+(interpreter, dispatch forced to them) inside decode steps replayed from stand-in captured graphs
+(``cuda_graphs.DecodeGraphs`` with ``eager_capture``) generate what the eager CPU engine does when
+its model's-dtype cache is written with K/V rounded through fp8 by torch's cast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.engine.cuda_graphs import DecodeGraphs, eager_capture
+from loraplex.engine.llm import LLM
+from loraplex.kernels import dispatch
+from loraplex.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
+PROMPTS = [[5, 17, 99, 4, 250, 31, 8], [77, 3, 12], [140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151,
+                                                     152, 153, 154, 155, 156, 157, 158]]
+
+
+def make_llm(model_dir, home, kv_cache_dtype: str) -> LLM:
+    return LLM(model=str(model_dir), dtype="float32", device="cpu", home=home, kv_cache_bytes=1 << 20,
+               max_num_seqs=4, max_model_len=64, kv_cache_dtype=kv_cache_dtype)
+
+
+@pytest.mark.parametrize("kind,fp8,limit", [("fp8", torch.float8_e4m3fn, 448.0),
+                                            ("fp8_e5m2", torch.float8_e5m2, 57344.0)])
+def test_graph_decodes_over_fp8_cache_match_rounded_kv(tiny_llama_dir, loraplex_home, monkeypatch, kind, fp8, limit):
+    write = dispatch.write_kv_cache
+    with monkeypatch.context() as triton:
+        triton.setattr(dispatch, "uses_triton", lambda t: True)
+        llm = make_llm(tiny_llama_dir, loraplex_home, kind)
+        runner = llm.engine.runner
+        assert runner.kv_storage[0].dtype == fp8
+        runner.decode_graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, runner.max_model_len,
+                                            4, eager_capture, layout=runner.kv_layout)
+        got = llm.generate(PROMPTS, PARAMS)
+        assert sum(g.graph.replays for g in runner.decode_graphs.graphs.values()) >= 3
+
+    def rounded(x):
+        return x.float().clamp(-limit, limit).to(fp8).to(x.dtype)
+
+    monkeypatch.setattr(dispatch, "write_kv_cache", lambda k, v, cache, slots: write(rounded(k), rounded(v), cache, slots))
+    want = make_llm(tiny_llama_dir, loraplex_home, "auto").generate(PROMPTS, PARAMS)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for g, w in zip(got, want):
+        assert [e["logprob"] for e in g.outputs[0].logprobs] == pytest.approx(
+            [e["logprob"] for e in w.outputs[0].logprobs], abs=1e-4)
