@@ -1,7 +1,8 @@
 """An fp8 KV cache on the CUDA path, checked on CPU: the Triton write and attention kernels
 (interpreter, dispatch forced to them) inside decode steps replayed from stand-in captured graphs
 (``cuda_graphs.DecodeGraphs`` with ``eager_capture``) generate what the eager CPU engine does when
-its model's-dtype cache is written with K/V rounded through fp8 by torch's cast."""
+its model's-dtype cache is written with K/V rounded through fp8 by torch's cast; the replayed
+forward, the fp8 write included, reads nothing back to the host."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from loraplex.engine.cuda_graphs import DecodeGraphs, eager_capture
 from loraplex.engine.llm import LLM
 from loraplex.kernels import dispatch
 from loraplex.sampling_params import SamplingParams
+from tests.kernels.test_no_host_sync import trap_host_reads
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
 PROMPTS = [[5, 17, 99, 4, 250, 31, 8], [77, 3, 12], [140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151,
@@ -36,6 +38,10 @@ def test_graph_decodes_over_fp8_cache_match_rounded_kv(tiny_llama_dir, loraplex_
                                             4, eager_capture, layout=runner.kv_layout)
         got = llm.generate(PROMPTS, PARAMS)
         assert sum(g.graph.replays for g in runner.decode_graphs.graphs.values()) >= 3
+        with trap_host_reads() as reads, torch.inference_mode():  # the fp8 write is capturable too
+            for graph in runner.decode_graphs.graphs.values():
+                graph.graph.replay()
+        assert reads == []
 
     def rounded(x):
         return x.float().clamp(-limit, limit).to(fp8).to(x.dtype)
