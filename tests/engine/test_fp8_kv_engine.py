@@ -72,7 +72,8 @@ def round_kv_writes(monkeypatch, kind: str) -> None:
     def rounded(x: torch.Tensor) -> torch.Tensor:
         return x.float().clamp(-limit, limit).to(fp8).to(x.dtype)
 
-    monkeypatch.setattr(dispatch, "write_kv_cache", lambda k, v, cache, slots: write(rounded(k), rounded(v), cache, slots))
+    monkeypatch.setattr(dispatch, "write_kv_cache",
+                        lambda k, v, cache, slots: write(rounded(k), rounded(v), cache, slots))
 
 
 def logprobs(outputs) -> list[list[float]]:
