@@ -188,6 +188,7 @@ class ModelSpec:
     def from_dict(cls, cfg: dict[str, Any], name: str = "model") -> "ModelSpec":
         architectures = cfg.get("architectures") or []
         arch = architectures[0] if architectures else _arch_from_model_type(cfg.get("model_type"))
+        refuse_quantized(cfg, arch)
         from loraplex.model.gemma_config import GEMMA_VERSIONS, gemma_spec_fields  # it imports this module
 
         if arch == GEMMA3_MULTIMODAL:  # the text model inside (text_config); the vision tower is not served
@@ -254,6 +255,21 @@ class ModelSpec:
         model_dir = Path(model_dir)
         cfg = json.loads((model_dir / "config.json").read_text())
         return cls.from_dict(cfg, name=name or model_dir.name)
+
+
+def refuse_quantized(cfg: dict[str, Any], arch: str) -> None:
+    """A checkpoint whose weights are stored quantized (fp8 with ``weight_scale``, GPTQ, AWQ,
+    bitsandbytes, compressed-tensors, ...) is refused: the loader would cast the stored integers
+    or fp8 bytes as if they were the weights and serve garbage without an error."""
+    quant = cfg.get("quantization_config")
+    if not quant:
+        return
+    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+    raise UnsupportedModelError(
+        f"{arch}: the checkpoint's weights are quantized (quantization_config.quant_method={method!r}); "
+        "loraplex serves unquantized bfloat16/float16/float32 weights only: serve the unquantized "
+        "checkpoint (KV memory can be halved with --kv-cache-dtype fp8)"
+    )
 
 
 def common_spec_fields(cfg: dict[str, Any], arch: str, name: str) -> dict[str, Any]:

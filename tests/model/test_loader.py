@@ -131,3 +131,20 @@ def test_served_context_follows_yarn_not_sliding_window(tmp_path, tiny_llama_dir
     assert llm.engine.max_model_len == 1024
     with pytest.raises(ValueError, match="max_position_embeddings"):
         LLM(model=str(windowed), dtype="float32", home=loraplex_home, kv_cache_bytes=4 << 20, max_model_len=1025)
+
+
+@pytest.mark.parametrize("quantization_config", [
+    {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    {"quant_method": "compressed-tensors", "format": "float-quantized"},
+    {"quant_method": "gptq", "bits": 4, "group_size": 128},
+    {"quant_method": "awq", "bits": 4},
+    {"quant_method": "bitsandbytes", "load_in_4bit": True},
+])
+def test_quantized_checkpoint_is_refused_not_cast(tmp_path, tiny_llama_dir, quantization_config):
+    """A quantized checkpoint stores integers or fp8 bytes with scales beside them: loading would
+    cast them as if they were the weights, so it is refused at start, naming the method."""
+    model_dir = tmp_path / "quantized"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    _edit_config(model_dir, quantization_config=quantization_config)
+    with pytest.raises(UnsupportedModelError, match=f"quant_method='{quantization_config['quant_method']}'"):
+        ModelSpec.from_dir(model_dir)
