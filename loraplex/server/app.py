@@ -1,8 +1,8 @@
 """The app factory: ``create_app(settings, engine=..., registry=..., adapters=...)``.
 
 Parts not passed in are built at startup from ``settings`` (``components.build_components``),
-off the event loop, so ``/health`` answers while the model loads and ``/ready`` turns 200 when
-it is done. Once started, a background thread collects unreferenced blobs every
+on a worker thread inside the lifespan's startup; uvicorn opens the port only once that is done
+(as vLLM's server does), so ``/health`` and ``/ready`` first answer with the model loaded. Once started, a background thread collects unreferenced blobs every
 ``blob_gc_interval_seconds`` (``blob_gc.BlobGarbageCollector``; stopped at shutdown), and
 another writes finished requests' usage to the registry every ``usage_flush_seconds``
 (``usage_recorder.UsageRecorder``; flushed last at shutdown, what the database does not take
