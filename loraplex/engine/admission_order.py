@@ -113,8 +113,8 @@ def check_priority(priority, policy: str) -> None:
                                   param="priority")
     if priority != 0 and policy == "fcfs":
         raise InvalidRequestError(
-            "priority is not used by this server's scheduling policy (fcfs): start it with "
-            "--scheduling-policy fair or priority, or send priority 0", param="priority")
+            "priority is not used by the scheduling policy fcfs: choose fair or priority "
+            "(`--scheduling-policy` for a server, `scheduling_policy=` for LLM), or send priority 0", param="priority")
 
 
 def _finite(value: int | float) -> bool:
