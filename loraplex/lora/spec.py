@@ -40,7 +40,9 @@ class LoRATargetSpec:
     ``vocab_size`` / ``hidden_size``: the shapes of the embedding and the output layer, for LoRA
     on ``embed_tokens`` and ``lm_head`` (``VOCAB_TARGETS``); 0 when not known, which refuses
     such adapters. ``tied_embeddings``: lm_head shares the embedding's weight (PEFT's
-    ``ensure_weight_tying`` then ties their LoRA too)."""
+    ``ensure_weight_tying`` then ties their LoRA too).
+
+    ``module_layers`` / ``moe_module_names``: see the fields (mixture-of-experts models)."""
 
     model_name: str
     num_layers: int
@@ -50,6 +52,22 @@ class LoRATargetSpec:
     vocab_size: int = 0
     hidden_size: int = 0
     tied_embeddings: bool = False
+    # modules present in some layers only (an MoE model's dense MLP layers): module -> its layers;
+    # a module not listed here is in every layer
+    module_layers: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # module-name segments of an MoE model's experts / routers / shared expert (below
+    # ``layers.N.``): LoRA on them is refused as not supported yet
+    moe_module_names: tuple[str, ...] = ()
+
+    def module_in_layer(self, module: str, layer: int) -> bool:
+        """Whether layer ``layer`` has the targetable ``module``."""
+        layers = self.module_layers.get(module)
+        return module in self.module_shapes and (layers is None or layer in layers)
+
+    def num_layers_with(self, module: str) -> int:
+        """How many layers have the targetable ``module``."""
+        layers = self.module_layers.get(module)
+        return self.num_layers if layers is None else len(layers)
 
     @property
     def vocab_shapes(self) -> dict[str, tuple[int, int]]:

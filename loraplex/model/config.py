@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING, Any
 from loraplex.lora.spec import LoRATargetSpec
 from loraplex.model.gemma3_multimodal import GEMMA3_MULTIMODAL, UNSERVED_PREFIXES, gemma3_text_config, image_token_id
 from loraplex.model.longrope import LongRopeConfigError, parse_longrope
+from loraplex.model.moe_config import (
+    MIXTRAL, MOE_ARCHITECTURES, MOE_MODEL_TYPES, QWEN2_MOE, QWEN3_MOE, MoESpec, moe_lora_target_spec, moe_spec_from_config,
+)
 from loraplex.model.phi3 import PHI3_ARCHITECTURE, PHI3_ROPE_TYPES, phi3_config_view, phi3_lora_target_spec
 from loraplex.model.qwen_windows import QWEN_ARCHITECTURES, qwen_layer_windows
 
@@ -34,6 +37,7 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "multipliers": False},
     "GraniteForCausalLM": {"qkv_bias": False, "qk_norm": False, "multipliers": True},
     PHI3_ARCHITECTURE: {"qkv_bias": False, "qk_norm": False, "multipliers": False},  # see loraplex.model.phi3
+    **MOE_ARCHITECTURES,  # Mixtral, Qwen2-MoE, Qwen3-MoE: see loraplex.model.moe_config
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MISTRAL_DEFAULT_SLIDING_WINDOW = 4096  # transformers' MistralConfig, for a config without the key
@@ -46,8 +50,11 @@ DEFAULT_MAX_POSITIONS = {
     "Qwen3ForCausalLM": 32_768,
     "GraniteForCausalLM": 2048,
     PHI3_ARCHITECTURE: 4096,
+    MIXTRAL: 131_072,
+    QWEN2_MOE: 32_768,
+    QWEN3_MOE: 32_768,
 }
-DEFAULT_RMS_NORM_EPS = {PHI3_ARCHITECTURE: 1e-5}
+DEFAULT_RMS_NORM_EPS = {PHI3_ARCHITECTURE: 1e-5, MIXTRAL: 1e-5}
 
 if TYPE_CHECKING:
     from loraplex.model.gemma_config import GemmaSpec
@@ -111,6 +118,7 @@ class ModelSpec:
     # a multimodal checkpoint's image placeholder token: it stands for vision features loraplex
     # never computes, so a prompt holding it is refused
     image_token_id: int | None = None
+    moe: MoESpec | None = None  # the sparse MLP blocks of a mixture-of-experts model (moe_config.py)
 
     @property
     def q_size(self) -> int:
@@ -165,6 +173,8 @@ class ModelSpec:
         """``(in_features, out_features)`` of each LoRA-targetable linear (same in every layer)."""
         if self.architecture == PHI3_ARCHITECTURE:  # fused qkv_proj / gate_up_proj
             return phi3_lora_target_spec(self)
+        if self.moe is not None:  # attention everywhere, MLP on the dense layers only
+            return moe_lora_target_spec(self)
         h, i = self.hidden_size, self.intermediate_size
         return LoRATargetSpec(
             model_name=self.name,
@@ -226,8 +236,17 @@ class ModelSpec:
         window = None
         if arch == "MistralForCausalLM":
             window = cfg.get("sliding_window", MISTRAL_DEFAULT_SLIDING_WINDOW)
-        elif arch == PHI3_ARCHITECTURE:
+        elif arch in (PHI3_ARCHITECTURE, MIXTRAL):  # MixtralConfig's default: none
             window = cfg.get("sliding_window")
+        moe = None
+        if arch in MOE_ARCHITECTURES:
+            try:
+                moe = moe_spec_from_config(cfg, arch, int(cfg["num_hidden_layers"]))
+            except ValueError as exc:
+                raise UnsupportedModelError(str(exc)) from exc
+        qkv_bias = SUPPORTED_ARCHITECTURES[arch]["qkv_bias"] or attention_bias
+        if arch == QWEN2_MOE:  # Qwen2MoeConfig.qkv_bias, on unless the config turns it off
+            qkv_bias = bool(cfg.get("qkv_bias", True))
         max_positions = int(cfg.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS[arch])
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise UnsupportedModelError(f"{arch}: sliding_window must be a positive integer or null, got {window!r}")
@@ -237,12 +256,13 @@ class ModelSpec:
             max_position_embeddings=max_positions,
             rope=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=SUPPORTED_ARCHITECTURES[arch]["qkv_bias"] or attention_bias,
+            qkv_bias=qkv_bias,
             o_bias=attention_bias,
             qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             **(parse_multipliers(cfg, arch) if SUPPORTED_ARCHITECTURES[arch]["multipliers"] else {}),
             sliding_window=int(window) if window is not None and int(window) < max_positions else None,
+            moe=moe,
         )
         # a window no context served reaches masks nothing: those layers are global
         per_layer_windows = tuple(w if w is not None and w < spec.max_context_len else None for w in per_layer_windows)
@@ -305,6 +325,7 @@ def _arch_from_model_type(model_type: str | None) -> str:
         "qwen3": "Qwen3ForCausalLM",
         "granite": "GraniteForCausalLM",
         "phi3": PHI3_ARCHITECTURE,
+        **MOE_MODEL_TYPES,
     }
     return known.get(model_type or "", f"<model_type {model_type!r}>")
 

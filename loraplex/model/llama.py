@@ -65,18 +65,20 @@ def _linear_params(out_features: int, in_features: int, bias: bool, dtype, devic
 class DecoderLayer(nn.Module):
     """One pre-norm block: attention then SwiGLU MLP, each with a residual."""
 
-    def __init__(self, spec: ModelSpec, dtype, device):
+    def __init__(self, spec: ModelSpec, dtype, device, mlp_size: int | None = None):
+        # mlp_size: the dense SwiGLU's width (None: spec.intermediate_size; 0: no dense MLP, as in
+        # a mixture-of-experts layer without a shared expert)
         super().__init__()
         h = spec.hidden_size
+        mlp_size = spec.intermediate_size if mlp_size is None else mlp_size
         qkv_out = spec.q_size + 2 * spec.kv_size
         self.input_layernorm = nn.Parameter(torch.empty(h, dtype=dtype, device=device), requires_grad=False)
         self.qkv_weight, self.qkv_bias = _linear_params(qkv_out, h, spec.qkv_bias, dtype, device)
         self.o_weight, self.o_bias = _linear_params(h, spec.q_size, spec.o_bias, dtype, device)
         self.post_attention_layernorm = nn.Parameter(torch.empty(h, dtype=dtype, device=device), requires_grad=False)
-        self.gate_up_weight, self.gate_up_bias = _linear_params(
-            2 * spec.intermediate_size, h, spec.mlp_bias, dtype, device
-        )
-        self.down_weight, self.down_bias = _linear_params(h, spec.intermediate_size, spec.mlp_bias, dtype, device)
+        if mlp_size:
+            self.gate_up_weight, self.gate_up_bias = _linear_params(2 * mlp_size, h, spec.mlp_bias, dtype, device)
+            self.down_weight, self.down_bias = _linear_params(h, mlp_size, spec.mlp_bias, dtype, device)
         if spec.qk_norm:  # [num_heads + num_kv_heads, head_dim]: q_norm's row per q head, k_norm's per k head
             self.qk_norm = nn.Parameter(
                 torch.empty(spec.num_heads + spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device),
@@ -96,7 +98,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Parameter(
             torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
-        self.layers = nn.ModuleList(self.layer_class(spec, dtype, device) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(self.build_layer(i, dtype, device) for i in range(spec.num_layers))
         self.norm = nn.Parameter(torch.empty(spec.hidden_size, dtype=dtype, device=device), requires_grad=False)
         if spec.tie_word_embeddings:
             self.lm_head = None
@@ -109,6 +111,10 @@ class LlamaForCausalLM(nn.Module):
         # CPU only: per layer {"qkv", "o", "gate_up", "down"} -> PrepackedLinear (see cpu_linear)
         self.prepacked: list[dict[str, PrepackedLinear]] | None = None
         self.prepacked_head: PrepackedLinear | None = None
+
+    def build_layer(self, index: int, dtype, device) -> nn.Module:
+        """Layer ``index``'s parameters (a family whose layers differ overrides it)."""
+        return self.layer_class(self.spec, dtype, device)
 
     def build_rotary(self, max_positions: int, dtype, device) -> None:
         """(Re)build the rotary tables for ``max_positions`` (the loader builds the model on meta first)."""
@@ -128,6 +134,7 @@ class LlamaForCausalLM(nn.Module):
             {
                 name: PrepackedLinear(getattr(layer, f"{name}_weight"), getattr(layer, f"{name}_bias"), dtype)
                 for name in ("qkv", "o", "gate_up", "down")
+                if getattr(layer, f"{name}_weight", None) is not None  # an MoE layer may have no dense MLP
             }
             for layer in self.layers
         ]
@@ -219,16 +226,19 @@ class LlamaForCausalLM(nn.Module):
             if residual_multiplier != 1.0:
                 o *= residual_multiplier  # rounded before the add, as in transformers' Granite
             hidden += o  # hidden is this forward's own tensor (the embedding gather's output)
-            # MLP block (SwiGLU)
+            # MLP block
             x = rms_norm(hidden, layer.post_attention_layernorm, eps)
-            gate_up = self._project(i, "gate_up", x, lora)  # [T, 2 * intermediate]
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate).mul_(up)  # [T, intermediate]
-            down = self._project(i, "down", act, lora)  # [T, H]
+            down = self._mlp(i, x, lora)  # [T, H]
             if residual_multiplier != 1.0:
                 down *= residual_multiplier
             hidden += down
         return rms_norm(hidden, self.norm, eps)
+
+    def _mlp(self, i: int, x: torch.Tensor, lora: LoRAStepContext | None) -> torch.Tensor:
+        """Layer ``i``'s SwiGLU MLP from its normed input ``x`` [T, H] to [T, H] (a mixture-of-experts
+        family overrides it)."""
+        gate, up = self._project(i, "gate_up", x, lora).chunk(2, dim=-1)  # [T, intermediate] each
+        return self._project(i, "down", F.silu(gate).mul_(up), lora)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, lora: LogitsLoRA | None = None) -> torch.Tensor:

@@ -22,6 +22,7 @@ from loraplex.model.gguf import ModelNotFoundError, convert_gguf, smollm2_gguf_p
 from loraplex.model.gemma import GemmaForCausalLM
 from loraplex.model.gemma3_multimodal import GEMMA3_MULTIMODAL, language_model_key
 from loraplex.model.llama import LlamaForCausalLM
+from loraplex.model.moe import MoEForCausalLM, sparse_layer_params
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,8 @@ def load_model(
         used.add(name)
         return raw[name]
 
-    model_class = LlamaForCausalLM if spec.gemma is None else GemmaForCausalLM
+    model_class = GemmaForCausalLM if spec.gemma is not None else MoEForCausalLM if spec.moe is not None \
+        else LlamaForCausalLM
     model = model_class(spec, dtype, "meta", max_positions=1)
     params: dict[str, torch.Tensor] = {"embed_tokens": take("embed_tokens.weight"), "norm": take("norm.weight")}
     if not spec.tie_word_embeddings:
@@ -127,15 +129,18 @@ def load_model(
                 params[p + norm] = take(f"{p}{norm}.weight")
         if spec.o_bias:
             params[p + "o_bias"] = take(attn + "o_proj.bias")
+        # dropping a bias would change the model
+        if not spec.qkv_bias and (f"{attn}q_proj.bias" in raw or f"{attn}qkv_proj.bias" in raw):
+            raise ValueError(f"{model_dir}: q/k/v biases present but the config does not declare them")
+        if spec.moe is not None and spec.moe.sparse_layers[i]:  # router + experts (moe.py)
+            params.update(sparse_layer_params(raw, take, p, spec.moe))
+            continue
         gate_up_parts = [mlp + "gate_proj", mlp + "up_proj"]
         params[p + "gate_up_weight"] = _packed(raw, take, mlp + "gate_up_proj", gate_up_parts, "weight")
         params[p + "down_weight"] = take(mlp + "down_proj.weight")
         if spec.mlp_bias:
             params[p + "gate_up_bias"] = _packed(raw, take, mlp + "gate_up_proj", gate_up_parts, "bias")
             params[p + "down_bias"] = take(mlp + "down_proj.bias")
-        # dropping a bias would change the model
-        if not spec.qkv_bias and (f"{attn}q_proj.bias" in raw or f"{attn}qkv_proj.bias" in raw):
-            raise ValueError(f"{model_dir}: q/k/v biases present but the config does not declare them")
     unused = sorted(k for k in raw if k not in used and "rotary_emb" not in k)
     kv_scales = [k for k in unused if k.endswith(KV_SCALE_SUFFIXES)]
     if kv_scales:  # said apart from other leftovers: an fp8 KV cache would have used them in vLLM

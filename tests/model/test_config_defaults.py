@@ -21,6 +21,9 @@ FAMILIES = [
     ("GemmaForCausalLM", "GemmaConfig"),
     ("Gemma2ForCausalLM", "Gemma2Config"),
     ("Gemma3ForCausalLM", "Gemma3TextConfig"),
+    ("MixtralForCausalLM", "MixtralConfig"),
+    ("Qwen2MoeForCausalLM", "Qwen2MoeConfig"),
+    ("Qwen3MoeForCausalLM", "Qwen3MoeConfig"),
 ]
 
 

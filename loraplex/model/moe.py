@@ -1,0 +1,157 @@
+"""Mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE) on loraplex's Llama decoder.
+
+Attention, norms, the paged KV cache and LoRA on the attention projections are the Llama
+decoder's; a sparse layer's MLP is a router plus ``num_experts`` SwiGLU experts (``moe_config``
+says which layers are sparse and how the router weighs the experts), computed as transformers 5's
+``*SparseMoeBlock`` computes it:
+
+1. router logits ``x @ router.T`` [T, E], softmax in fp32, top-k, optionally renormalised;
+2. the (token, expert) pairs sorted by expert; for each expert that got tokens, one
+   ``gate_up`` matmul on its tokens, SiLU(gate) * up, one ``down`` matmul, times the routing
+   weight; ``index_add`` back into the token rows. Experts that got no token cost nothing.
+
+Weights are stacked per layer: ``experts_gate_up [E, 2 * I, H]`` (gate rows then up rows) and
+``experts_down [E, H, I]``, transformers 5's in-memory layout. The per-expert counts are read on
+the host (one sync per sparse layer), so shapes depend on the data: the engine does not capture
+CUDA graphs for these models. No fused (Triton) MoE kernel yet: each expert is a plain matmul.
+
+Qwen2-MoE's shared expert is held as the layer's dense ``gate_up`` / ``down`` projections of
+``shared_expert_intermediate_size``, scaled by ``sigmoid(x @ shared_expert_gate.T)``.
+
+Checkpoints: the per-expert layout published models use and ``save_pretrained`` writes
+(``block_sparse_moe.experts.{e}.w1/w2/w3`` for Mixtral, ``mlp.experts.{e}.gate_proj/up_proj/
+down_proj`` for the Qwen MoEs) and the fused one (``mlp.experts.gate_up_proj`` /
+``mlp.experts.down_proj``, ``save_pretrained(save_original_format=False)``) both load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraplex.model.config import ModelSpec
+from loraplex.model.llama import DecoderLayer, LlamaForCausalLM, LoRAStepContext
+from loraplex.model.moe_config import MoESpec
+
+
+class MoEDecoderLayer(DecoderLayer):
+    """Llama's attention parameters; a sparse layer adds the router and the stacked experts (and
+    Qwen2-MoE's shared expert as the dense MLP), a dense layer keeps Llama's MLP."""
+
+    def __init__(self, spec: ModelSpec, dtype, device, sparse: bool):
+        moe = spec.moe
+        super().__init__(spec, dtype, device, mlp_size=moe.shared_expert_intermediate_size if sparse else None)
+        if not sparse:
+            return
+        h, e, i = spec.hidden_size, moe.num_experts, moe.expert_intermediate_size
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.router_weight = param(e, h)
+        self.experts_gate_up = param(e, 2 * i, h)
+        self.experts_down = param(e, h, i)
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert_gate = param(1, h)
+
+
+def route_tokens(x: torch.Tensor, router_weight: torch.Tensor, moe: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [T, k], experts [T, k])``: each token's top-k experts and their routing weights,
+    as transformers' ``*TopKRouter`` computes them (``x`` [T, H], ``router_weight`` [E, H])."""
+    logits = F.linear(x, router_weight)  # [T, E]
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, moe.top_k, dim=-1)  # [T, k] each
+    if moe.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if not moe.routing_weights_fp32:
+        weights = weights.to(x.dtype)
+    return weights, experts
+
+
+def run_experts(
+    x: torch.Tensor,  # [T, H]
+    weights: torch.Tensor,  # [T, k] routing weights
+    experts: torch.Tensor,  # [T, k] int64 expert ids
+    gate_up: torch.Tensor,  # [E, 2 * I, H]
+    down: torch.Tensor,  # [E, H, I]
+) -> torch.Tensor:  # [T, H]
+    """The weighted sum of each token's experts' SwiGLU outputs: tokens sorted by expert, one
+    pair of matmuls per expert that got any, ``index_add`` back (the counts sync with the host)."""
+    num_experts, top_k = gate_up.shape[0], experts.shape[1]
+    flat_experts = experts.reshape(-1)  # [T * k]
+    order = torch.argsort(flat_experts, stable=True)  # pair indices grouped by expert
+    counts = torch.bincount(flat_experts, minlength=num_experts).tolist()
+    flat_weights = weights.reshape(-1)
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start : start + count]
+        start += count
+        tokens = pairs // top_k  # [count]
+        gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)  # [count, I] each
+        y = F.linear(F.silu(gate) * up, down[expert])  # [count, H]
+        y = y * flat_weights[pairs, None]  # fp32 for Mixtral's fp32 weights, rounded below
+        out.index_add_(0, tokens, y.to(out.dtype))
+    return out
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """Mixtral / Qwen2-MoE / Qwen3-MoE decoder plus LM head; the interface of ``LlamaForCausalLM``."""
+
+    def build_layer(self, index: int, dtype, device) -> nn.Module:
+        return MoEDecoderLayer(self.spec, dtype, device, sparse=self.spec.moe.sparse_layers[index])
+
+    def _mlp(self, i: int, x: torch.Tensor, lora: LoRAStepContext | None) -> torch.Tensor:
+        # [T, H] -> [T, H]
+        moe = self.spec.moe
+        if not moe.sparse_layers[i]:
+            return super()._mlp(i, x, lora)
+        layer = self.layers[i]
+        weights, experts = route_tokens(x, layer.router_weight, moe)
+        out = run_experts(x, weights, experts, layer.experts_gate_up, layer.experts_down)
+        if moe.shared_expert_intermediate_size:  # Qwen2-MoE: the dense MLP is the shared expert
+            shared = super()._mlp(i, x, lora)  # [T, H]
+            out = out + torch.sigmoid(F.linear(x, layer.shared_expert_gate)) * shared
+        return out
+
+
+def sparse_layer_params(
+    raw: dict[str, torch.Tensor], take: Callable[[str], torch.Tensor], prefix: str, moe: MoESpec
+) -> dict[str, torch.Tensor]:
+    """The parameters of sparse layer ``prefix`` (``"layers.3."``) from either checkpoint layout
+    (module docstring); ``take(name)`` returns a stored tensor and marks it used."""
+    if moe.checkpoint_style == "mixtral" and f"{prefix}block_sparse_moe.gate.weight" in raw:
+        block = prefix + "block_sparse_moe."
+        parts = ("w1", "w3", "w2")  # gate, up, down
+    else:
+        block = prefix + "mlp."
+        parts = ("gate_proj", "up_proj", "down_proj")
+    params = {prefix + "router_weight": take(block + "gate.weight")}
+    if block + "experts.gate_up_proj" in raw:  # fused: transformers 5's own layout
+        params[prefix + "experts_gate_up"] = take(block + "experts.gate_up_proj")
+        params[prefix + "experts_down"] = take(block + "experts.down_proj")
+    else:
+        gate, up, down = parts
+        experts = [f"{block}experts.{e}." for e in range(moe.num_experts)]
+        params[prefix + "experts_gate_up"] = torch.stack(
+            [torch.cat([take(f"{ex}{gate}.weight"), take(f"{ex}{up}.weight")]) for ex in experts]
+        )
+        params[prefix + "experts_down"] = torch.stack([take(f"{ex}{down}.weight") for ex in experts])
+    want = {"experts_gate_up": (moe.num_experts, 2 * moe.expert_intermediate_size),
+            "experts_down": (moe.num_experts, None)}
+    for name, (e, rows) in want.items():
+        shape = params[prefix + name].shape
+        if shape[0] != e or (rows is not None and shape[1] != rows):
+            raise ValueError(f"{prefix}{name}: checkpoint experts have shape {list(shape)}, the config "
+                             f"needs {e} experts of intermediate size {moe.expert_intermediate_size}")
+    if moe.shared_expert_intermediate_size:
+        shared = prefix + "mlp.shared_expert."
+        params[prefix + "gate_up_weight"] = torch.cat([take(shared + "gate_proj.weight"), take(shared + "up_proj.weight")])
+        params[prefix + "down_weight"] = take(shared + "down_proj.weight")
+        params[prefix + "shared_expert_gate"] = take(prefix + "mlp.shared_expert_gate.weight")
+    return params
