@@ -26,7 +26,8 @@ first load for lack of memory instead of sizing the cache smaller at start, as v
 profile does. Never more blocks than ``max_num_seqs`` full-length sequences can use.
 
 With ``cuda_graphs`` on a GPU, steps of one token per sequence replay a captured forward
-(``cuda_graphs.DecodeGraphs``); every other step runs eagerly.
+(``cuda_graphs.DecodeGraphs``); every other step runs eagerly. Mixture-of-experts models always
+run eagerly (their expert batches have data-dependent shapes; a warning says so).
 """
 
 from __future__ import annotations
@@ -68,6 +69,19 @@ def resolve_device(name: str) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {name!r}; use auto, cpu or cuda[:N]")
     return device
+
+
+def decode_graphs_wanted(cuda_graphs: bool, device: torch.device, spec: ModelSpec) -> bool:
+    """Whether decode steps are captured as CUDA graphs: when asked for on a GPU, except for a
+    mixture-of-experts model (logged), whose MoE blocks read per-expert token counts on the host
+    (``loraplex.model.moe``): shapes that depend on the data, which a captured graph cannot replay."""
+    if not cuda_graphs or device.type != "cuda":
+        return False
+    if spec.moe is not None:
+        logger.warning("cuda_graphs is off for %s: its mixture-of-experts layers have data-dependent shapes "
+                       "(every step runs eagerly)", spec.architecture)
+        return False
+    return True
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -136,7 +150,7 @@ class ModelRunner:
         self.lora_manager = None  # set by the engine (loraplex.lora LoRAManager)
         # decode steps replayed from CUDA graphs (opt-in; see cuda_graphs); None = always eager
         self.decode_graphs: DecodeGraphs | None = None
-        if config.cuda_graphs and self.device.type == "cuda":
+        if decode_graphs_wanted(config.cuda_graphs, self.device, self.spec):
             self.decode_graphs = DecodeGraphs(
                 self.model, self.kv_caches, self.block_size, self.max_model_len, config.max_num_seqs,
                 capture=cuda_capture(torch.cuda.graph_pool_handle()), layout=self.kv_layout,

@@ -15,7 +15,6 @@ UNSUPPORTED_FEATURES = {
     "use_dora": "DoRA (use_dora)",
     "modules_to_save": "modules_to_save (fully trained extra modules)",
     "lora_bias": "lora_bias (a bias on lora_B)",
-    "target_parameters": "target_parameters (LoRA on raw parameters)",
     "layer_replication": "layer_replication",
     "trainable_token_indices": "trainable_token_indices",
     "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)",
@@ -135,6 +134,11 @@ def parse_config(data: bytes) -> LoRAConfigView:
     for key, what in UNSUPPORTED_FEATURES.items():
         if cfg.get(key):
             raise _bad(f"{what} is not supported")
+    if cfg.get("target_parameters"):  # how PEFT on transformers 5 adapts fused MoE experts and routers
+        raise _bad(
+            f"target_parameters {cfg['target_parameters']!r}: LoRA on raw parameters (PEFT's form of LoRA on "
+            "the experts and routers of a mixture-of-experts model) is not supported yet"
+        )
     bias = cfg.get("bias", "none")
     if bias != "none":
         raise _bad(f"bias={bias!r} is not supported (only 'none')")

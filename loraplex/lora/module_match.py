@@ -33,6 +33,7 @@ TENSOR_PREFIX = "base_model.model."
 _TENSOR_RE = re.compile(r"^(?P<key>.+)\.lora_(?P<which>[AB])\.weight$")
 _EMBEDDING_TENSOR_RE = re.compile(r"^(?P<key>.+)\.lora_embedding_(?P<which>[AB])$")
 _KEY_RE = re.compile(r"^(?P<prefix>(?:.*\.)?)layers\.(?P<layer>\d+)\.(?P<parent>[^.]+)\.(?P<mod>[^.]+)$")
+_LAYER_PATH_RE = re.compile(r"(?:^|\.)layers\.\d+\.(?P<path>.+)$")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,27 @@ class TensorName:
 
 def _servable_names(spec: LoRATargetSpec) -> str:
     return ", ".join([*spec.module_shapes, *spec.vocab_shapes]) or "none"
+
+
+def is_moe_module(key: str, spec: LoRATargetSpec) -> bool:
+    """Whether module ``key`` (``model.layers.0.mlp.experts.3.gate_proj``, ``...mlp.gate``) is part
+    of an MoE model's sparse blocks: a segment below ``layers.N.`` is in ``spec.moe_module_names``."""
+    if not spec.moe_module_names:
+        return False
+    m = _LAYER_PATH_RE.search(key)
+    return m is not None and any(seg in spec.moe_module_names for seg in m.group("path").split("."))
+
+
+MOE_MODULE = "a mixture-of-experts module (expert, router or shared expert)"
+
+
+def moe_lora_error(what: str, spec: LoRATargetSpec) -> InvalidAdapterError:
+    """The refusal of LoRA on an MoE model's experts, routers or shared expert (``what`` says
+    which tensor or config entry)."""
+    return InvalidAdapterError(
+        f"{what}: LoRA on the experts of a mixture-of-experts model is not supported yet (base model "
+        f"{spec.model_name!r} takes LoRA on {_servable_names(spec)})"
+    )
 
 
 def parse_tensor_name(name: str, spec: LoRATargetSpec) -> TensorName:
@@ -68,6 +90,8 @@ def parse_tensor_name(name: str, spec: LoRATargetSpec) -> TensorName:
         return _vocab_tensor_name(name, key, which, embedding, vocab, spec)
     if embedding:
         raise InvalidAdapterError(f"tensor {name!r}: lora_embedding_A / lora_embedding_B belong to embed_tokens only")
+    if is_moe_module(key, spec):
+        raise moe_lora_error(f"tensor {name!r} targets {key!r}, {MOE_MODULE}", spec)
     k = _KEY_RE.match(key)
     if not k or k.group("mod") not in PARENT or k.group("parent") != PARENT[k.group("mod")]:
         raise InvalidAdapterError(
@@ -84,6 +108,11 @@ def parse_tensor_name(name: str, spec: LoRATargetSpec) -> TensorName:
     if layer >= spec.num_layers:
         raise InvalidAdapterError(
             f"tensor {name!r} is for layer {layer}, but the base model has {spec.num_layers} layers"
+        )
+    if not spec.module_in_layer(mod, layer):  # an MoE model's sparse layer has no dense MLP
+        raise moe_lora_error(
+            f"tensor {name!r} targets {mod!r} in layer {layer}, whose MLP is a sparse block of experts "
+            f"(a dense {mod} is in layers {list(spec.module_layers[mod])} only)", spec,
         )
     return TensorName(prefix=k.group("prefix"), module_key=key, layer=layer, module=mod, which=which)
 
@@ -122,7 +151,10 @@ def base_module_keys(spec: LoRATargetSpec, prefix: str) -> dict[str, tuple[int, 
     """Every servable module of the base model: HF module name -> (layer, PEFT module name);
     layer -1 for the vocabulary modules."""
     mods = [m for m in TARGET_MODULES if m in spec.module_shapes]
-    keys = {f"{prefix}layers.{i}.{PARENT[m]}.{m}": (i, m) for i in range(spec.num_layers) for m in mods}
+    keys = {
+        f"{prefix}layers.{i}.{PARENT[m]}.{m}": (i, m)
+        for i in range(spec.num_layers) for m in mods if spec.module_in_layer(m, i)
+    }
     vocab_keys = {f"{prefix}embed_tokens": (-1, "embed_tokens"), lm_head_key(prefix): (-1, "lm_head")}
     keys.update({key: lm for key, lm in vocab_keys.items() if lm[1] in spec.vocab_shapes})
     return keys
@@ -143,6 +175,12 @@ def enumerate_target_keys(
     if not isinstance(target_modules, str):
         for entry in target_modules:
             names_module = any(key == entry or key.endswith(f".{entry}") for key in (*keys, *unserved_keys))
+            # on an MoE model, an unmatched w1 / gate / experts / gate_proj ... can only mean experts
+            if not names_module and spec.moe_module_names and (
+                entry.rsplit(".", 1)[-1] in (*spec.moe_module_names, "gate_proj", "up_proj", "down_proj")
+                or is_moe_module(entry, spec)
+            ):
+                raise moe_lora_error(f"adapter_config.json: target_modules entry {entry!r} names {MOE_MODULE}", spec)
             if not names_module:
                 raise InvalidAdapterError(
                     f"adapter_config.json: target_modules entry {entry!r} is not a module the base model has as "

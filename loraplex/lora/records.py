@@ -64,7 +64,7 @@ def max_adapter_host_nbytes(spec: LoRATargetSpec, rank: int, dtype: torch.dtype)
     """``host_nbytes`` of the largest adapter an engine serves: ``rank`` on every targetable
     projection of every layer, and on embed_tokens and lm_head where the model serves them."""
     elem = torch.empty(0, dtype=dtype).element_size()
-    layers = spec.num_layers * sum(sum(shape) for shape in spec.module_shapes.values())
+    layers = sum(spec.num_layers_with(m) * sum(shape) for m, shape in spec.module_shapes.items())
     return elem * rank * (layers + sum(sum(shape) for shape in spec.vocab_shapes.values()))
 
 

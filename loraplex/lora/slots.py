@@ -66,11 +66,11 @@ class SlotPool:
 
     def _allocate(self) -> None:
         spec, max_loras, max_rank, dtype = self.spec, self.max_loras, self.max_rank, self.dtype
-        for _ in range(spec.num_layers):
+        for layer_idx in range(spec.num_layers):
             layer: dict[str, LoRAStack] = {}
             for packed, names in spec.packed_modules.items():
-                if not all(n in spec.module_shapes for n in names):
-                    continue
+                if not all(spec.module_in_layer(n, layer_idx) for n in names):
+                    continue  # not in this model, or not in this layer (an MoE model's sparse MLP)
                 in_f = spec.module_shapes[names[0]][0]
                 offsets = [0]
                 for n in names:
