@@ -8,7 +8,8 @@ says which layers are sparse and how the router weighs the experts), computed as
 1. router logits ``x @ router.T`` [T, E], softmax in fp32, top-k, optionally renormalised;
 2. the (token, expert) pairs sorted by expert; for each expert that got tokens, one
    ``gate_up`` matmul on its tokens, SiLU(gate) * up, one ``down`` matmul, times the routing
-   weight; ``index_add`` back into the token rows. Experts that got no token cost nothing.
+   weight; ``index_add`` back into the token rows in fp32, rounded once (transformers 5's default
+   ``grouped_mm`` experts path sums a token's k outputs so). Experts that got no token cost nothing.
 
 Weights are stacked per layer: ``experts_gate_up [E, 2 * I, H]`` (gate rows then up rows) and
 ``experts_down [E, H, I]``, transformers 5's in-memory layout. The per-expert counts are read on
@@ -85,7 +86,9 @@ def run_experts(
     order = torch.argsort(flat_experts, stable=True)  # pair indices grouped by expert
     counts = torch.bincount(flat_experts, minlength=num_experts).tolist()
     flat_weights = weights.reshape(-1)
-    out = torch.zeros_like(x)
+    # the k weighted outputs of a token are summed in fp32 and rounded once, as transformers 5's
+    # default (grouped_mm) experts path does (an index_add in bf16 would round after each add)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
@@ -95,9 +98,9 @@ def run_experts(
         tokens = pairs // top_k  # [count]
         gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)  # [count, I] each
         y = F.linear(F.silu(gate) * up, down[expert])  # [count, H]
-        y = y * flat_weights[pairs, None]  # fp32 for Mixtral's fp32 weights, rounded below
-        out.index_add_(0, tokens, y.to(out.dtype))
-    return out
+        y = y * flat_weights[pairs, None]  # fp32 with Mixtral's fp32 weights, else the model dtype
+        out.index_add_(0, tokens, y.float())
+    return out.to(x.dtype)
 
 
 class MoEForCausalLM(LlamaForCausalLM):

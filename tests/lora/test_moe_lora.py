@@ -1,7 +1,8 @@
 """LoRA on mixture-of-experts base models (Mixtral, Qwen3-MoE, Qwen2-MoE; tiny, random, fp32).
 
-* Attention adapters made by PEFT on transformers' own MoE models: one mixed batch per family
-  (base rows and several adapters), greedy tokens identical to PEFT's unmerged model.
+* Attention adapters (one also on embed_tokens and lm_head) made by PEFT on transformers' own MoE
+  models: one mixed batch per family (base rows and several adapters), greedy tokens identical to
+  PEFT's unmerged model.
 * A Qwen3-MoE adapter on the dense MLP of its ``mlp_only_layers`` layer: PEFT 0.21 on
   transformers 5 cannot make one (it turns gate_proj / up_proj / down_proj targets into
   ``target_parameters`` on the experts and leaves the dense layer alone), so it is written by hand
@@ -39,9 +40,10 @@ ADAPTERS = {
     "attn": dict(r=8, lora_alpha=16, target_modules=ATTENTION),
     "qv_layer2": dict(r=4, lora_alpha=6, target_modules=["q_proj", "v_proj"], layers_to_transform=[2]),
     "ko_rslora": dict(r=2, lora_alpha=3, use_rslora=True, target_modules=["k_proj", "o_proj"]),
+    "v_vocab": dict(r=4, lora_alpha=8, target_modules=["v_proj", "embed_tokens", "lm_head"]),
 }
 LAYOUTS = {"mixtral": "fused", "qwen3_moe": "per_expert", "qwen2_moe": "per_expert"}
-PROMPTS = [[5 + (7 * i + j) % 250 for j in range(4 + 3 * i)] for i in range(6)]
+PROMPTS = [[5 + (7 * i + j) % 250 for j in range(4 + 3 * i)] for i in range(7)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 P = "base_model.model.model.layers."
 
@@ -128,7 +130,7 @@ def test_dense_layer_mlp_adapter_matches_merged_weights(bases):
             merged.get_submodule(module).weight += 6 / 4 * b @ tensors[key]
     llm = LLM(model=str(model_dir), dtype="float32", device="cpu", home=root / "home-dense", max_loras=2,
               max_lora_rank=8, kv_cache_bytes=4 << 20)
-    which = [None, "dense", "dense", None, "dense", "dense"]
+    which = [None, "dense", "dense", None, "dense", "dense", "dense"]
     outs = llm.generate(PROMPTS, GREEDY, adapters=[None if w is None else str(dense) for w in which])
     for prompt, adapter, out in zip(PROMPTS, which, outs):
         assert out.token_ids == greedy(base if adapter is None else merged, prompt, 6)

@@ -179,3 +179,46 @@ def test_checkpoint_with_too_few_experts_is_refused(tmp_path):
     spec = ModelSpec.from_dir(model_dir)
     with pytest.raises(ValueError, match=r"checkpoint experts have shape \[6, 64, 64\], the config needs 8"):
         load_model(model_dir, spec, torch.float32, "cpu", 64)
+
+
+def test_cuda_graphs_are_off_for_moe_models(caplog):
+    """The experts' token counts are read on the host every step, so a decode graph would replay
+    stale shapes: asked for on a GPU, graphs stay off for an MoE model (saying why) and on for a
+    dense one. (Decided without a GPU: the device is only compared.)"""
+    from loraplex.engine.model_runner import decode_graphs_wanted
+
+    cuda = torch.device("cuda")
+    dense = ModelSpec.from_dict({**moe_hf_config("qwen3_moe").to_dict(), "architectures": ["Qwen3ForCausalLM"]})
+    moe = ModelSpec.from_dict(moe_hf_config("qwen3_moe").to_dict())
+    assert dense.moe is None and moe.moe is not None
+    assert decode_graphs_wanted(True, cuda, dense)
+    with caplog.at_level("WARNING", logger="loraplex.engine.model_runner"):
+        assert not decode_graphs_wanted(True, cuda, moe)
+    assert "cuda_graphs is off for Qwen3MoeForCausalLM: its mixture-of-experts layers" in caplog.text
+    assert not decode_graphs_wanted(False, cuda, dense) and not decode_graphs_wanted(True, torch.device("cpu"), dense)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_sparse_block_in_bfloat16_rounds_as_transformers(family):
+    """In bf16 the roundings matter: Mixtral scales each expert's output by the fp32 weight, the
+    Qwen MoEs round the weights to bf16 first, and a token's k outputs are summed in fp32 and
+    rounded once (transformers 5's default grouped_mm path; an index_add in bf16 differs):
+    bit-equal to transformers' bf16 block."""
+    torch.manual_seed(7)
+    block = _hf_sparse_block(family)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.3)
+    block = block.to(torch.bfloat16)
+    x = torch.randn(9, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        want = block(x[None])[0]
+    moe = ModelSpec.from_dict(moe_hf_config(family).to_dict()).moe
+    weights, experts = route_tokens(x, block.gate.weight, moe)
+    assert weights.dtype == (torch.float32 if family == "mixtral" else torch.bfloat16)
+    got = run_experts(x, weights, experts, block.experts.gate_up_proj, block.experts.down_proj)
+    if moe.shared_expert_intermediate_size:
+        shared = block.shared_expert
+        got = got + torch.sigmoid(torch.nn.functional.linear(x, block.shared_expert_gate.weight)) * shared(x)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
