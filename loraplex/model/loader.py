@@ -98,10 +98,12 @@ def load_model(
     used: set[str] = set()
 
     def take(name: str) -> torch.Tensor:
+        # popped: a tensor concatenated or stacked into a packed parameter (an MoE model's experts,
+        # most of its bytes) is freed once copied, so loading peaks near one copy of the weights
         if name not in raw:
             raise ValueError(f"checkpoint {model_dir} is missing tensor {name!r}")
         used.add(name)
-        return raw[name]
+        return raw.pop(name)
 
     model_class = GemmaForCausalLM if spec.gemma is not None else MoEForCausalLM if spec.moe is not None \
         else LlamaForCausalLM
@@ -110,7 +112,7 @@ def load_model(
     if not spec.tie_word_embeddings:
         params["lm_head"] = take("lm_head.weight")
     elif "lm_head.weight" in raw:
-        used.add("lm_head.weight")  # tied: the embedding is the head
+        take("lm_head.weight")  # tied: the embedding is the head
     for i in range(spec.num_layers):
         p = f"layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
