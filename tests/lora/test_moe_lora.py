@@ -120,6 +120,9 @@ def test_dense_layer_mlp_adapter_matches_merged_weights(bases):
     assert [sorted(layer) for layer in pool.stacks] == [["o_proj", "qkv_proj"],
                                                         ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"],
                                                         ["o_proj", "qkv_proj"]]
+    # what the engine reserves for the pool (max_adapter_host_nbytes per slot) is what it holds:
+    # no MLP stacks in the sparse layers (vocab stacks come with the first vocab adapter)
+    assert pool.nbytes == 2 * (max_adapter_host_nbytes(spec, 8, torch.float32) - 4 * 8 * (320 * 2 + 64 * 2))
 
     merged = copy.deepcopy(base)
     tensors = load_file(dense / "adapter_model.safetensors")
