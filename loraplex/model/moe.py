@@ -145,13 +145,11 @@ def sparse_layer_params(
             [torch.cat([take(f"{ex}{gate}.weight"), take(f"{ex}{up}.weight")]) for ex in experts]
         )
         params[prefix + "experts_down"] = torch.stack([take(f"{ex}{down}.weight") for ex in experts])
-    want = {"experts_gate_up": (moe.num_experts, 2 * moe.expert_intermediate_size),
-            "experts_down": (moe.num_experts, None)}
-    for name, (e, rows) in want.items():
-        shape = params[prefix + name].shape
-        if shape[0] != e or (rows is not None and shape[1] != rows):
-            raise ValueError(f"{prefix}{name}: checkpoint experts have shape {list(shape)}, the config "
-                             f"needs {e} experts of intermediate size {moe.expert_intermediate_size}")
+    e, i = moe.num_experts, moe.expert_intermediate_size
+    gate_up, down = params[prefix + "experts_gate_up"].shape, params[prefix + "experts_down"].shape
+    if (gate_up[0], gate_up[1], down[0], down[2]) != (e, 2 * i, e, i):  # [E, 2I, H], [E, H, I]
+        raise ValueError(f"{prefix}experts: the checkpoint's have shapes {list(gate_up)} (gate_up) and "
+                         f"{list(down)} (down); the config needs {e} experts of intermediate size {i}")
     if moe.shared_expert_intermediate_size:
         shared = prefix + "mlp.shared_expert."
         params[prefix + "gate_up_weight"] = torch.cat([take(shared + "gate_proj.weight"), take(shared + "up_proj.weight")])

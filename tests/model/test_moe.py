@@ -177,7 +177,8 @@ def test_checkpoint_with_too_few_experts_is_refused(tmp_path):
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "num_experts": 8}))
     spec = ModelSpec.from_dir(model_dir)
-    with pytest.raises(ValueError, match=r"checkpoint experts have shape \[6, 64, 64\], the config needs 8"):
+    with pytest.raises(ValueError, match=r"shapes \[6, 64, 64\] \(gate_up\) and \[6, 64, 32\] \(down\); "
+                                         r"the config needs 8 experts of intermediate size 32"):
         load_model(model_dir, spec, torch.float32, "cpu", 64)
 
 
