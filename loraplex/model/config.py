@@ -16,7 +16,8 @@ from loraplex.lora.spec import LoRATargetSpec
 from loraplex.model.gemma3_multimodal import GEMMA3_MULTIMODAL, UNSERVED_PREFIXES, gemma3_text_config, image_token_id
 from loraplex.model.longrope import LongRopeConfigError, parse_longrope
 from loraplex.model.moe_config import (
-    MIXTRAL, MOE_ARCHITECTURES, MOE_MODEL_TYPES, QWEN2_MOE, QWEN3_MOE, MoESpec, moe_lora_target_spec, moe_spec_from_config,
+    MIXTRAL, MOE_ARCHITECTURES, MOE_MODEL_TYPES, QWEN2_MOE, QWEN3_MOE, MoESpec, moe_lora_target_spec,
+    moe_spec_from_config,
 )
 from loraplex.model.phi3 import PHI3_ARCHITECTURE, PHI3_ROPE_TYPES, phi3_config_view, phi3_lora_target_spec
 from loraplex.model.qwen_windows import QWEN_ARCHITECTURES, qwen_layer_windows

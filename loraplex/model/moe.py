@@ -152,7 +152,8 @@ def sparse_layer_params(
                          f"{list(down)} (down); the config needs {e} experts of intermediate size {i}")
     if moe.shared_expert_intermediate_size:
         shared = prefix + "mlp.shared_expert."
-        params[prefix + "gate_up_weight"] = torch.cat([take(shared + "gate_proj.weight"), take(shared + "up_proj.weight")])
+        gate_up = [take(shared + "gate_proj.weight"), take(shared + "up_proj.weight")]
+        params[prefix + "gate_up_weight"] = torch.cat(gate_up)
         params[prefix + "down_weight"] = take(shared + "down_proj.weight")
         params[prefix + "shared_expert_gate"] = take(prefix + "mlp.shared_expert_gate.weight")
     return params

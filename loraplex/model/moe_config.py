@@ -106,7 +106,8 @@ def moe_spec_from_config(cfg: dict[str, Any], arch: str, num_layers: int) -> MoE
         raise ValueError(f"{arch}: norm_topk_prob must be a boolean, got {norm!r}")
     shared = _positive_int(cfg, arch, "shared_expert_intermediate_size") if arch == QWEN2_MOE else 0
     return MoESpec(
-        num_experts=num_experts, top_k=top_k, expert_intermediate_size=_positive_int(cfg, arch, "moe_intermediate_size"),
+        num_experts=num_experts, top_k=top_k,
+        expert_intermediate_size=_positive_int(cfg, arch, "moe_intermediate_size"),
         norm_topk_prob=norm,
         # transformers' Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer rule
         sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
