@@ -28,11 +28,17 @@ PARENT = {
     "up_proj": "mlp",
     "gate_up_proj": "mlp",  # Phi-3
     "down_proj": "mlp",
+    "shared_expert.gate_proj": "mlp",  # Qwen2-MoE
+    "shared_expert.up_proj": "mlp",
+    "shared_expert.down_proj": "mlp",
 }
 TENSOR_PREFIX = "base_model.model."
 _TENSOR_RE = re.compile(r"^(?P<key>.+)\.lora_(?P<which>[AB])\.weight$")
 _EMBEDDING_TENSOR_RE = re.compile(r"^(?P<key>.+)\.lora_embedding_(?P<which>[AB])$")
-_KEY_RE = re.compile(r"^(?P<prefix>(?:.*\.)?)layers\.(?P<layer>\d+)\.(?P<parent>[^.]+)\.(?P<mod>[^.]+)$")
+# mod: one name, or two for a module inside a sub-block (Qwen2-MoE's shared_expert.gate_proj)
+_KEY_RE = re.compile(
+    r"^(?P<prefix>(?:.*\.)?)layers\.(?P<layer>\d+)\.(?P<parent>[^.]+)\.(?P<mod>[^.]+(?:\.[^.]+)?)$"
+)
 _LAYER_PATH_RE = re.compile(r"(?:^|\.)layers\.\d+\.(?P<path>.+)$")
 
 

@@ -6,10 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # PEFT module names that loraplex can serve, in the order the packed projections use them;
-# qkv_proj and gate_up_proj are Phi-3's fused modules (a model has either those or their parts).
+# qkv_proj and gate_up_proj are Phi-3's fused modules (a model has either those or their parts);
+# the shared_expert.* ones are Qwen2-MoE's shared expert (below ``mlp.``)
 TARGET_MODULES = (
-    "q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj"
+    "q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj",
+    "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
 )
+# Qwen2-MoE's shared expert as loraplex packs it (after PACKED_MODULES' four)
+SHARED_EXPERT_PACKED: dict[str, tuple[str, ...]] = {
+    "shared_expert.gate_up_proj": ("shared_expert.gate_proj", "shared_expert.up_proj"),
+    "shared_expert.down_proj": ("shared_expert.down_proj",),
+}
 
 # Modules outside the layers, keyed by the vocabulary: the token embedding and the output layer
 # (PEFT's ``EMBEDDING_LAYER_NAMES``). They come after TARGET_MODULES in an adapter's targets.

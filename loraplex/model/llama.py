@@ -140,8 +140,10 @@ class LlamaForCausalLM(nn.Module):
         ]
         self.prepacked_head = PrepackedLinear(self.lm_head_weight, None, torch.float32)
 
-    def _project(self, i: int, name: str, x: torch.Tensor, lora: LoRAStepContext | None) -> torch.Tensor:
-        """Packed projection ``name`` of layer ``i`` plus its LoRA delta (``{name}_proj``).
+    def _project(self, i: int, name: str, x: torch.Tensor, lora: LoRAStepContext | None,
+                 lora_prefix: str = "") -> torch.Tensor:
+        """Packed projection ``name`` of layer ``i`` plus its LoRA delta (``{lora_prefix}{name}_proj``:
+        Qwen2-MoE's shared expert is the layer's gate_up / down, adapted as ``shared_expert.*``).
 
         Prepacked CPU path: the delta is added to the fp32 product before rounding to the model
         dtype, and LoRA reads the same fp32 input the GEMM did (one conversion, one rounding)."""
@@ -150,12 +152,12 @@ class LlamaForCausalLM(nn.Module):
             x32 = x.float()
             y = linear.fp32(x32)
             if lora is not None:
-                lora.apply(i, f"{name}_proj", x32, y)
+                lora.apply(i, f"{lora_prefix}{name}_proj", x32, y)
             return y if y.dtype == linear.out_dtype else y.to(linear.out_dtype)
         layer = self.layers[i]
         y = F.linear(x, getattr(layer, f"{name}_weight"), getattr(layer, f"{name}_bias"))
         if lora is not None:
-            lora.apply(i, f"{name}_proj", x, y)
+            lora.apply(i, f"{lora_prefix}{name}_proj", x, y)
         return y
 
     @property
@@ -234,11 +236,11 @@ class LlamaForCausalLM(nn.Module):
             hidden += down
         return rms_norm(hidden, self.norm, eps)
 
-    def _mlp(self, i: int, x: torch.Tensor, lora: LoRAStepContext | None) -> torch.Tensor:
+    def _mlp(self, i: int, x: torch.Tensor, lora: LoRAStepContext | None, lora_prefix: str = "") -> torch.Tensor:
         """Layer ``i``'s SwiGLU MLP from its normed input ``x`` [T, H] to [T, H] (a mixture-of-experts
-        family overrides it)."""
-        gate, up = self._project(i, "gate_up", x, lora).chunk(2, dim=-1)  # [T, intermediate] each
-        return self._project(i, "down", F.silu(gate).mul_(up), lora)
+        family overrides it; ``lora_prefix``: see ``_project``)."""
+        gate, up = self._project(i, "gate_up", x, lora, lora_prefix).chunk(2, dim=-1)  # [T, intermediate] each
+        return self._project(i, "down", F.silu(gate).mul_(up), lora, lora_prefix)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, lora: LogitsLoRA | None = None) -> torch.Tensor:

@@ -17,7 +17,9 @@ the host (one sync per sparse layer), so shapes depend on the data: the engine d
 CUDA graphs for these models. No fused (Triton) MoE kernel yet: each expert is a plain matmul.
 
 Qwen2-MoE's shared expert is held as the layer's dense ``gate_up`` / ``down`` projections of
-``shared_expert_intermediate_size``, scaled by ``sigmoid(x @ shared_expert_gate.T)``.
+``shared_expert_intermediate_size``, scaled by ``sigmoid(x @ shared_expert_gate.T)``; its LoRA
+(PEFT's ``mlp.shared_expert.gate_proj`` ...) is the packed ``shared_expert.gate_up_proj`` /
+``shared_expert.down_proj`` of the slot pool.
 
 Checkpoints: the per-expert layout published models use and ``save_pretrained`` writes
 (``block_sparse_moe.experts.{e}.w1/w2/w3`` for Mixtral, ``mlp.experts.{e}.gate_proj/up_proj/
@@ -118,7 +120,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         weights, experts = route_tokens(x, layer.router_weight, moe)
         out = run_experts(x, weights, experts, layer.experts_gate_up, layer.experts_down)
         if moe.shared_expert_intermediate_size:  # Qwen2-MoE: the dense MLP is the shared expert
-            shared = super()._mlp(i, x, lora)  # [T, H]
+            shared = super()._mlp(i, x, lora, lora_prefix="shared_expert.")  # [T, H]
             out = out + torch.sigmoid(F.linear(x, layer.shared_expert_gate)) * shared
         return out
 

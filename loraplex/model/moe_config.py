@@ -13,9 +13,10 @@ LoRA targets loraplex serves on them.
   same sparse layers, plus a shared expert on every sparse layer (a SwiGLU of
   ``shared_expert_intermediate_size``) whose output is scaled by ``sigmoid(shared_expert_gate(x))``.
 
-LoRA: the attention projections of every layer, and gate/up/down on the dense MLP layers only
-(``LoRATargetSpec.module_layers``). LoRA on experts, routers or the shared expert is refused with
-an error that says so (``LoRATargetSpec.moe_module_names``): vLLM itself only served LoRA on MoE
+LoRA: the attention projections of every layer, gate/up/down on the dense MLP layers only
+(``LoRATargetSpec.module_layers``) and Qwen2-MoE's shared expert (``mlp.shared_expert.gate_proj``
+...; not its ``shared_expert_gate``). LoRA on experts, routers or the shared expert's gate is
+refused with an error that says so (``LoRATargetSpec.moe_module_names``): vLLM itself only served LoRA on MoE
 experts from late 2025 (vllm-project/vllm#21229, "FusedMoE LoRA", released in v0.11.2; SGLang in
 sgl-project/sglang#14105); loraplex has no kernel for it yet.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.lora.spec import LoRATargetSpec
+from loraplex.lora.spec import PACKED_MODULES, SHARED_EXPERT_PACKED, LoRATargetSpec
 
 MIXTRAL = "MixtralForCausalLM"
 QWEN2_MOE = "Qwen2MoeForCausalLM"
@@ -117,22 +118,35 @@ def moe_spec_from_config(cfg: dict[str, Any], arch: str, num_layers: int) -> MoE
 
 def moe_lora_target_spec(spec) -> LoRATargetSpec:
     """LoRA targets of an MoE model (``spec``: its ``ModelSpec``): q/k/v/o in every layer,
-    gate/up/down in the dense MLP layers only; experts, routers and the shared expert are
-    named in ``moe_module_names`` so that an adapter on them is refused saying why."""
+    gate/up/down in the dense MLP layers only, Qwen2-MoE's shared expert in the sparse ones;
+    experts and routers are named in ``moe_module_names`` so that an adapter on them is
+    refused saying why."""
     h, i = spec.hidden_size, spec.intermediate_size
     shapes = {"q_proj": (h, spec.q_size), "k_proj": (h, spec.kv_size), "v_proj": (h, spec.kv_size),
               "o_proj": (spec.q_size, h)}
     module_layers: dict[str, tuple[int, ...]] = {}
-    dense = spec.moe.dense_layers
+    moe = spec.moe
+    dense = moe.dense_layers
     if dense:
         shapes.update({"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)})
         module_layers = {m: dense for m in ("gate_proj", "up_proj", "down_proj")}
+    packed, moe_names = dict(PACKED_MODULES), MOE_MODULE_NAMES
+    si = moe.shared_expert_intermediate_size
+    if si:  # Qwen2-MoE's shared expert: a plain SwiGLU in every sparse layer
+        sparse = tuple(layer for layer, is_sparse in enumerate(moe.sparse_layers) if is_sparse)
+        shared = {"shared_expert.gate_proj": (h, si), "shared_expert.up_proj": (h, si),
+                  "shared_expert.down_proj": (si, h)}
+        shapes.update(shared)
+        module_layers.update({m: sparse for m in shared})
+        packed.update(SHARED_EXPERT_PACKED)
+        moe_names = tuple(n for n in MOE_MODULE_NAMES if n != "shared_expert")  # its gate stays refused
     return LoRATargetSpec(
         model_name=spec.name,
         num_layers=spec.num_layers,
         module_shapes=shapes,
+        packed_modules=packed,
         module_layers=module_layers,
-        moe_module_names=MOE_MODULE_NAMES,
+        moe_module_names=moe_names,
         vocab_size=spec.vocab_size,
         hidden_size=h,
         tied_embeddings=spec.tie_word_embeddings,

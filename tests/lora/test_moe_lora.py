@@ -8,7 +8,9 @@
   ``target_parameters`` on the experts and leaves the dense layer alone), so it is written by hand
   in PEFT's layout (as transformers 4 + PEFT save it) and checked against transformers' model
   with ``W + scaling * B @ A`` merged in. Its slot stacks exist in that layer only.
-* Adapters on experts, routers or the shared expert, in every form they come in (PEFT's
+* Qwen2-MoE adapters on its shared expert (``mlp.shared_expert.gate_proj`` ...), made by PEFT:
+  served as PEFT serves them.
+* Adapters on experts, routers or the shared expert's gate, in every form they come in (PEFT's
   ``target_parameters``, per-expert tensors as on the Hub, router tensors, a config entry), are
   refused naming the module and saying expert LoRA is not supported yet.
 """
@@ -77,6 +79,42 @@ def test_attention_adapters_match_peft(bases, family):
     assert [out.token_ids for out in outs] == expected
     base_tokens = [reference(peft_model, prompt, None, n=6) for prompt in PROMPTS]
     assert any(e != b for e, b, w in zip(expected, base_tokens, which) if w is not None)  # adapters matter
+
+
+def test_qwen2_moe_shared_expert_adapters_match_peft(bases):
+    """LoRA on Qwen2-MoE's shared expert (``mlp.shared_expert.gate_proj`` ..., a plain SwiGLU scaled
+    by its sigmoid gate), with and without attention targets: held in the shared expert's own
+    stacks and served as PEFT serves it."""
+    root, models = bases
+    model_dir, base, spec = models["qwen2_moe"]
+    shared = ["shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"]
+    dirs = {
+        "shared_qv": make_peft_adapter(base, root / "shared-qv", seed=60, r=4, lora_alpha=8,
+                                       target_modules=["q_proj", "v_proj", *shared]),
+        "shared_down": make_peft_adapter(base, root / "shared-down", seed=61, r=8, lora_alpha=4,
+                                         target_modules=["shared_expert.down_proj"]),
+    }
+    # PEFT keeps these as modules (gate_proj alone it would turn into target_parameters on the experts)
+    assert not json.loads((dirs["shared_qv"] / "adapter_config.json").read_text()).get("target_parameters")
+    parsed = load_adapter_files(dirs["shared_qv"])
+    info = validate_adapter(parsed, spec, max_lora_rank=8)
+    assert info.targets == ("q_proj", "v_proj", *shared) and info.layers == (0, 1, 2)
+    pool = SlotPool(spec, max_loras=2, max_rank=8, device="cpu", dtype=torch.float32)
+    pool.write(1, AdapterWeights.build(parsed, info, spec, torch.float32))
+    stack = pool.stacks[2]["shared_expert.gate_up_proj"]
+    assert stack.slice_offsets == (0, 48, 96) and "gate_up_proj" not in pool.stacks[2]
+    key = f"{P}2.mlp.shared_expert.up_proj.lora_B.weight"
+    assert torch.equal(stack.b[1, 48:, :4], parsed.tensors[key])
+    peft_model = peft_model_for(base, dirs)
+    llm = LLM(model=str(model_dir), dtype="float32", device="cpu", home=root / "home-shared", max_loras=2,
+              max_lora_rank=8, kv_cache_bytes=4 << 20)
+    which = [None, "shared_qv", "shared_down", "shared_qv", None, "shared_down", "shared_down"]
+    outs = llm.generate(PROMPTS, GREEDY, adapters=[None if w is None else str(dirs[w]) for w in which])
+    expected = [reference(peft_model, prompt, adapter, n=6) for prompt, adapter in zip(PROMPTS, which)]
+    assert [out.token_ids for out in outs] == expected
+    base_tokens = [reference(peft_model, prompt, None, n=6) for prompt in PROMPTS]
+    for name in dirs:  # each adapter changes some output
+        assert any(e != b for e, b, w in zip(expected, base_tokens, which) if w == name), name
 
 
 def _rewrite(src, dst, target_modules, extra: dict[str, torch.Tensor] | None = None, **config):
@@ -169,9 +207,9 @@ def _expert_adapters(root, models):
         f"{P}0.block_sparse_moe.gate.lora_A.weight": torch.zeros(2, 64),
         f"{P}0.block_sparse_moe.gate.lora_B.weight": torch.zeros(6, 2)})
     out.append(("mixtral", router, r"targets 'model\.layers\.0\.block_sparse_moe\.gate', a mixture-of-experts"))
-    # PEFT's all-linear on Qwen2-MoE takes the shared expert and its gate
+    # PEFT's all-linear on Qwen2-MoE takes the shared expert (served) and its gate (refused)
     shared = make_peft_adapter(base["qwen2_moe"], root / "shared", r=2, target_modules="all-linear")
-    out.append(("qwen2_moe", shared, r"targets 'model\.layers\.\d\.mlp\.shared_expert(_gate|\.\w+)', a mixture-of-"))
+    out.append(("qwen2_moe", shared, r"targets 'model\.layers\.0\.mlp\.shared_expert_gate', a mixture-of-"))
     # the config names expert modules its tensors leave out
     named = _rewrite(q["mixtral"], root / "named-w1", ["q_proj", "w1"])
     out.append(("mixtral", named, r"target_modules entry 'w1' names a mixture-of-experts module .*not supported yet"))
