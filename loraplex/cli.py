@@ -37,18 +37,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["serve"], ["run-batch"]):  # vLLM's `--config FILE.yaml` and `--flag_name` spellings
-        from loraplex.server.vllm_argv import dashed_flag_names
+    choices = parser._subparsers._group_actions[0].choices
+    command = choices.get(argv[0]) if argv else None
+    if argv[:1] in (["serve"], ["run-batch"]):
+        # vLLM's `--flag_name` spellings, dotted JSON flags and `--config FILE.yaml`
+        from loraplex.server.vllm_argv import FlagSyntaxError, dashed_flag_names, json_flag_groups
         from loraplex.server.vllm_config_file import ConfigFileError, expand
 
-        command = parser._subparsers._group_actions[0].choices[argv[0]]
         try:
-            argv = expand(dashed_flag_names(argv), command)
-        except ConfigFileError as exc:
+            argv = [argv[0], *json_flag_groups(dashed_flag_names(argv[1:]), command._option_string_actions)]
+            argv = expand(argv, command)
+        except (ConfigFileError, FlagSyntaxError) as exc:
             command.error(str(exc))  # argparse's way: usage, the message, exit status 2
-    args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse's error, with the closest known flags
+        from loraplex.flag_suggestions import unrecognized_message
 
+        (command or parser).error(unrecognized_message(unknown, (command or parser)._option_string_actions))
+    return int(args.func(args) or 0)
 
 if __name__ == "__main__":
     sys.exit(main())

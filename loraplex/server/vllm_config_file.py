@@ -9,8 +9,13 @@ is ``--no-key`` where that flag exists (else nothing), a list is ``--key item ..
 command line, and a list flag (``--api-key``, ``--lora-modules``) given on the command line
 replaces the file's list, as vLLM's ``nargs="+"`` flags do (loraplex's add up, so a key rotated on
 the command line would otherwise leave the file's old key served). Keys may
-use ``_`` for ``-``. Where vLLM leaves an unknown key to argparse ("unrecognized arguments"),
-this names the key and the file; every error exits with status 2 before anything starts.
+use ``_`` for ``-``. A nested mapping is the flag's JSON (``speculative-config: {method: ngram,
+num_speculative_tokens: 4}``), and dotted keys are vLLM's dotted flags (``compilation-config.level:
+3``, ``speculative-config.method: ngram``), merged into that flag's JSON (after a mapping given
+under the flag's own key), as vLLM reads ``--compilation-config.level 3`` (vLLM itself passes a
+nested mapping on as Python's repr, which its JSON flags cannot read). Where vLLM leaves an
+unknown key to argparse ("unrecognized arguments"), this names the key and the file; every
+error exits with status 2 before anything starts.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from loraplex.server.vllm_argv import merge_into, nested
 
 CONFIG_FLAG = "--config"
 
@@ -63,12 +70,45 @@ def read_entries(path: str) -> dict:
     return entries
 
 
+def _flag_name(key) -> str:
+    """A file key's flag: ``_`` read as ``-`` in the name (not in the keys after a ``.``)."""
+    base, dot, keys = str(key).partition(".")
+    return "--" + base.replace("_", "-") + dot + keys
+
+
+def fold_dotted_keys(entries: dict, path: str) -> dict:
+    """``entries`` with each dotted key (``compilation-config.level: 3``) merged into its flag's
+    mapping, in the place of the flag's own key if it has one."""
+    out: dict = {}
+    names: dict[str, object] = {}  # flag -> its key in ``out``
+    for key, value in entries.items():
+        flag, dot, keys = _flag_name(key).partition(".")
+        if not dot:
+            names.setdefault(flag, key)
+            out[key] = value
+            continue
+        if not keys:
+            raise ConfigFileError(f"--config {path}: {key}: a key is missing after the '.'")
+        target = names.setdefault(flag, flag[2:])
+        current = out.get(target, {})
+        if isinstance(current, str):  # the flag's JSON as a string
+            try:
+                current = json.loads(current)
+            except json.JSONDecodeError:
+                current = None
+        if not isinstance(current, dict):
+            raise ConfigFileError(f"--config {path}: {key}: {target} is not a mapping to add {keys} to")
+        merge_into(current, nested(keys.split("."), value))
+        out[target] = current
+    return out
+
+
 def entries_to_args(entries: dict, path: str, options: dict[str, argparse.Action], command: str = "serve") -> list[str]:
     """The flags ``entries`` stand for, each checked against ``options`` (the option strings of
     ``loraplex command``)."""
     out: list[str] = []
     for key, value in entries.items():
-        flag = "--" + str(key).replace("_", "-")
+        flag = _flag_name(key)
         if flag not in options or flag == CONFIG_FLAG:
             raise ConfigFileError(f"--config {path}: unknown key {key!r}: no `loraplex {command}` flag {flag} "
                                   f"(see `loraplex {command} --help`)")
@@ -124,7 +164,7 @@ def expand(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     if found is None:
         return argv
     path, rest = found
-    entries = read_entries(path)
+    entries = fold_dotted_keys(read_entries(path), path)
     if entries:
         given = _parse_command_line(parser, rest)
         entries = {k: v for k, v in entries.items() if not _given_on_command_line(k, given, parser)}

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -38,6 +37,7 @@ from loraplex.config import Settings
 from loraplex.registry.errors import InvalidName
 from loraplex.registry.names import validate_adapter_name
 from loraplex.server import vllm_engine_flags
+from loraplex.server.vllm_flag_kinds import human_readable_int
 
 
 class VllmFlagError(ValueError):
@@ -149,23 +149,6 @@ def runtime_updating_from_env(environ: Mapping[str, str]) -> bool:
 
 # vLLM's other names for dtypes (its --dtype choices)
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
-
-
-def human_readable_int(text: str) -> int:
-    """vLLM's ``--max-model-len`` values: ``4096``, or with a suffix: ``k``/``m``/``g`` are powers
-    of 1000 (decimals allowed: ``25.6k``), ``K``/``M``/``G`` powers of 1024 (whole numbers)."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])", text.strip())
-    if match is None:
-        try:
-            return int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid integer: {text!r}") from None
-    number, suffix = match.groups()
-    if suffix.islower():
-        return int(float(number) * 1000 ** ("kmg".index(suffix) + 1))
-    if "." in number:
-        raise argparse.ArgumentTypeError(f"{text!r}: a binary suffix ({suffix}) takes a whole number")
-    return int(number) * 1024 ** ("KMG".index(suffix) + 1)
 
 
 AUTO = "auto"

@@ -1,0 +1,128 @@
+"""Every flag ``vllm serve`` documents (tests/fixtures/vllm_serve_flags.py, written from vLLM's
+parser and docs) on ``loraplex serve``, and its engine flags on ``loraplex run-batch``: each
+parses, through the entry point, to loraplex settings (a flag of loraplex's vLLM table then logs
+why it changes nothing) or to loraplex's refusal naming the flag; never argparse's generic
+"unrecognized arguments". A flag that is no one's gets the closest known one suggested."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from pydantic import ValidationError
+
+from loraplex import cli as loraplex_cli
+from loraplex.generation_defaults import GenerationConfigError
+from loraplex.server import vllm_engine_flags, vllm_flags
+from loraplex.server.cli import settings_from_args
+from loraplex.server.vllm_flags import VllmFlagError
+from tests.fixtures import vllm_serve_flags as reference
+
+BATCH_PREFIX = ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--model", "m"]
+
+
+@pytest.fixture(autouse=True)
+def _no_loraplex_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("LORAPLEX_") or name.startswith("VLLM_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def parsed(monkeypatch):
+    """What ``loraplex COMMAND ...`` parses to through the entry point, without running it."""
+    seen = {}
+
+    def run(argv: list[str]):
+        parser = loraplex_cli.build_parser()
+        for command in ("serve", "run-batch"):
+            parser._subparsers._group_actions[0].choices[command].set_defaults(
+                func=lambda args: seen.__setitem__("args", args))
+        monkeypatch.setattr(loraplex_cli, "build_parser", lambda: parser)
+        assert loraplex_cli.main(argv) == 0
+        return seen["args"]
+
+    return run
+
+
+def _names(args, flag: str) -> list[str]:
+    """The option strings of the action ``flag`` is one of (``-tp`` -> ``--tensor-parallel-size``)."""
+    parser = loraplex_cli.build_parser()
+    for command in parser._subparsers._group_actions[0].choices.values():
+        action = command._option_string_actions.get(flag)
+        if action is not None:
+            return [*action.option_strings, action.dest.removeprefix("vllm_")]
+    return [flag]
+
+
+def _check_flag(parsed, capsys, prefix: list[str], flag: str, values: list[str]) -> None:
+    try:
+        args = parsed([*prefix, flag, *values])
+    except SystemExit:
+        pytest.fail(f"{flag} {' '.join(values)}: argparse refused it: {capsys.readouterr().err[-400:]}")
+    names = _names(args, flag)
+    try:
+        settings_from_args(args)
+    except (VllmFlagError, GenerationConfigError, ValidationError) as exc:
+        assert any(name in str(exc) for name in names), f"{flag}: the refusal does not name it: {exc}"
+        return
+    dest = names[-1]
+    if dest in vllm_engine_flags.ENGINE_FLAGS or dest in vllm_engine_flags.MODEL_FLAGS:
+        notes = vllm_engine_flags.notes(args)
+        assert any(note.startswith(tuple(names)) for note in notes), f"{flag}: taken without a note: {notes}"
+
+
+@pytest.mark.parametrize("flag", list(reference.SERVE_FLAGS))
+def test_every_vllm_serve_flag_is_taken_or_refused_by_name(flag, parsed, capsys):
+    prefix = ["serve"] if flag == "--model" else ["serve", "m"]
+    _check_flag(parsed, capsys, prefix, flag, reference.SERVE_FLAGS[flag])
+
+
+@pytest.mark.parametrize("flag", list(reference.ENGINE_FLAGS))
+def test_every_vllm_engine_flag_is_taken_or_refused_by_run_batch(flag, parsed, capsys):
+    _check_flag(parsed, capsys, BATCH_PREFIX, flag, reference.ENGINE_FLAGS[flag])
+
+
+def test_loraplexs_table_holds_only_vllms_flags():
+    documented = set(reference.SERVE_FLAGS)
+    rows = [flag.flags for flag in vllm_engine_flags.ENGINE_FLAGS.values()]
+    rows += [flags for flags, _ in vllm_engine_flags.MODEL_FLAGS.values()]
+    rows += [flags for flags, _, _ in vllm_flags.REFUSED.values()]
+    assert [flags for flags in rows if not set(flags) <= documented] == []
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--kv-cache-dtype", "fp8"], "no fp8 KV cache"),
+    (["--quantization", "awq"], "unquantized"),
+    (["--tokenizer-mode", "slow"], "Hugging Face tokenizer"),
+    (["--logprobs-mode", "processed_logprobs"], "raw_logprobs"),
+    (["--rope-scaling", '{"rope_type": "dynamic", "factor": 2.0}'], "rope scaling"),
+    (["--default-chat-template-kwargs", '{"enable_thinking": false}'], "chat_template_kwargs"),
+    (["--kv-sharing-fast-prefill"], "changes outputs"),
+    (["--data-parallel-address", "10.0.0.1"], "one device"),
+])
+def test_values_that_change_outputs_are_refused_with_loraplexs_way(argv, named, parsed):
+    with pytest.raises(VllmFlagError, match=named):
+        settings_from_args(parsed(["serve", "m", *argv]))
+
+
+def test_taken_flags_with_loraplexs_own_settings(parsed):
+    s = settings_from_args(parsed(["serve", "m", "--kv-cache-memory-bytes", "8G"]))
+    assert s.kv_cache_bytes == 8 * 1024**3  # vLLM's human-readable G: powers of 1024
+    assert settings_from_args(parsed(["serve", "m", "--dtype", "float32", "--seed", "7"])).dtype == "float32"
+    with pytest.raises(VllmFlagError, match="size the same KV cache: give one"):
+        settings_from_args(parsed(["serve", "m", "--kv-cache-memory-bytes", "8G", "--kv-cache-bytes", "1000"]))
+
+
+def test_an_unknown_flag_gets_the_closest_known_one(parsed, capsys):
+    with pytest.raises(SystemExit) as caught:
+        parsed(["serve", "m", "--max-lorass", "4", "--kv-cache-dtpye=auto", "--frobnicate"])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2
+    assert "unrecognized arguments: --max-lorass 4 --kv-cache-dtpye=auto --frobnicate" in err
+    assert "--max-lorass: did you mean --max-loras?" in err
+    assert "--kv-cache-dtpye: did you mean --kv-cache-dtype?" in err
+    assert "--frobnicate: no such flag" in err
+    with pytest.raises(SystemExit):
+        parsed([*BATCH_PREFIX, "--max-num-seq", "4", "--max-num-seqz", "4"])
+    assert "--max-num-seqz: did you mean --max-num-seqs?" in capsys.readouterr().err
