@@ -89,9 +89,11 @@ def apply(args: argparse.Namespace, overrides: dict) -> dict:
 
 
 def notes(args: argparse.Namespace) -> list[str]:
-    """What each taken flag means in loraplex, for the start-up log (info, once)."""
+    """What each taken flag means in loraplex, for the start-up log (info, once). A refused flag
+    given as what loraplex does anyway (``--no-X``, an empty JSON object) has nothing to say."""
     out = [flag.note for dest, flag in ENGINE_FLAGS.items()
-           if given(args, dest) is not None and given(args, dest) is not False and flag.takes(given(args, dest))]
+           if flag.note and given(args, dest) is not None and given(args, dest) is not False
+           and flag.takes(given(args, dest))]
     for dest in MODEL_FLAGS:
         if given(args, dest):
             out.append(MODEL_NOTES[dest])

@@ -126,3 +126,9 @@ def test_an_unknown_flag_gets_the_closest_known_one(parsed, capsys):
     with pytest.raises(SystemExit):
         parsed([*BATCH_PREFIX, "--max-num-seq", "4", "--max-num-seqz", "4"])
     assert "--max-num-seqz: did you mean --max-num-seqs?" in capsys.readouterr().err
+
+
+def test_a_refused_flag_given_as_loraplex_runs_is_taken_without_an_empty_note(parsed):
+    args = parsed(["serve", "m", "--no-enable-prompt-tokens-details", "--rope-scaling", "{}", "--hf-overrides", "{}"])
+    assert settings_from_args(args) == settings_from_args(parsed(["serve", "m"]))
+    assert vllm_engine_flags.notes(args) == []
