@@ -27,8 +27,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from loraplex.server import http_options, vllm_flags
+from loraplex.server import http_options, vllm_engine_flags, vllm_flags
 from loraplex.server.cli import WithoutFlags, add_settings_flags, settings_or_error
+
+log = logging.getLogger(__name__)
 
 # Settings that mean nothing without an HTTP server (or that a batch sets itself)
 SKIPPED_SETTINGS = frozenset({
@@ -59,7 +61,8 @@ def add_parser(subparsers) -> None:
                    help="also resolve `model` to this tenant's adapters in the loraplex registry")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     native = add_settings_flags(p, SKIPPED_SETTINGS)
-    vllm_flags.add_vllm_flags(WithoutFlags(p, native), taken=frozenset({"lora_modules", "api_key"}))
+    vllm_flags.add_vllm_flags(WithoutFlags(p, native), taken=frozenset({"lora_modules", "api_key"}),
+                              command="run-batch")
     p.set_defaults(func=run_batch_command)
 
 
@@ -131,6 +134,8 @@ def run_batch_command(args: argparse.Namespace) -> int:
     settings = settings_or_error(args, "run-batch", max_concurrent_requests_per_tenant=args.max_concurrency)
     if settings is None:
         return USAGE_ERROR
+    for note in vllm_engine_flags.notes(args):
+        log.info("vLLM flag taken: %s", note)
     try:
         items = parse_lines(read_input(args.input_file))
     except OSError as exc:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from loraplex.config import DEFAULT_MODEL
 from loraplex.server.vllm_flag_kinds import NO_DOWNLOADS, ONE_DEVICE, EngineFlag, json_object, mm_limits
-from loraplex.server.vllm_flag_table import ENGINE_FLAGS
+from loraplex.server.vllm_flag_table import BATCH_ONLY, ENGINE_FLAGS
 
 __all__ = ["ENGINE_FLAGS", "MODEL_FLAGS", "ONE_DEVICE", "EngineFlag", "json_object", "mm_limits"]
 
@@ -36,12 +36,15 @@ MODEL_FLAGS = {
 }
 
 
-def add_engine_flags(group) -> None:
-    """The flags above, into ``group`` (the "vLLM flags" argument group)."""
+def add_engine_flags(group, command: str = "serve") -> None:
+    """The table's flags, and ``MODEL_FLAGS``, into ``group`` (the "vLLM flags" argument group of
+    ``loraplex command``; vLLM's run_batch flags only for ``run-batch``)."""
     def named(dest: str, options: dict) -> dict:  # --kv-cache-dtype KV_CACHE_DTYPE in --help
         return {"default": None, **({} if "action" in options else {"metavar": dest.upper()}), **options}
 
     for dest, flag in ENGINE_FLAGS.items():
+        if dest in BATCH_ONLY and command != "run-batch":
+            continue
         kind = "taken" if flag.note else "refused"
         group.add_argument(*flag.flags, dest=f"vllm_{dest}", **named(dest, flag.options),
                            help=f"{kind} as in vLLM where the value means what loraplex does (see README)")

@@ -44,6 +44,9 @@ from loraplex.server.vllm_flag_kinds import (
     taken_if,
 )
 
+# flags of vLLM's run_batch alone (`serve` has its own --port and --max-log-len)
+BATCH_ONLY = frozenset({"output_tmp_dir", "enable_metrics", "url", "port", "max_log_len"})
+
 # dest (stored as vllm_<dest>) -> flag; dests match vLLM's
 ENGINE_FLAGS: dict[str, EngineFlag] = {
     "kv_cache_dtype": EngineFlag(
@@ -390,6 +393,14 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
     # VllmConfig
     "kv_events_config": refused("--kv-events-config", JSON, "loraplex publishes no KV cache events"),
     "additional_config": refused("--additional-config", JSON, "loraplex takes no platform-specific options"),
+    # vLLM's run_batch's own flags (vllm/entrypoints/openai/run_batch.py): `loraplex run-batch` only
+    "output_tmp_dir": taken("--output-tmp-dir", STR, "vLLM stages uploads to an output URL there; loraplex "
+                            "writes a local file (a hidden file beside it, renamed once every line is answered)"),
+    "enable_metrics": refused("--enable-metrics", BOOL, "loraplex run-batch serves no Prometheus metrics: "
+                              "progress goes to stderr and each line's usage is in the output file"),
+    "url": taken("--url", STR, "the metrics server's address, which only --enable-metrics uses"),
+    "port": taken("--port", INT, "the metrics server's port, which only --enable-metrics uses"),
+    "max_log_len": taken("--max-log-len", INT, "loraplex logs no prompts"),
     # speculative decoding's older flags, before --speculative-config
     **{dest: refused(flags, options, "give --speculative-config '{\"method\": \"ngram\", "
                      "\"num_speculative_tokens\": K}' (n-gram is the method loraplex runs)")

@@ -171,10 +171,12 @@ SETTINGS_FLAG_OPTIONS: dict[str, dict] = {
 }
 
 
-def add_vllm_flags(parser: argparse.ArgumentParser, taken: frozenset[str] = frozenset()) -> None:
+def add_vllm_flags(parser: argparse.ArgumentParser, taken: frozenset[str] = frozenset(),
+                   command: str = "serve") -> None:
     """The vLLM flags that are not loraplex settings (see the module doc); those named in
     ``taken`` (``api_key``, ``lora_modules`` or a ``REFUSED`` one) are left out, for the command
-    to add as its own or not at all (``run-batch`` has its own ``--lora-modules`` and no keys)."""
+    to add as its own or not at all (``run-batch`` has its own ``--lora-modules`` and no keys);
+    ``command`` ``run-batch`` adds vLLM's run_batch flags too."""
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
                         help="the model, as in `vllm serve MODEL` (the same as --model)")
     group = parser.add_argument_group("vLLM flags", "taken so that a `vllm serve` command line runs")
@@ -198,7 +200,7 @@ def add_vllm_flags(parser: argparse.ArgumentParser, taken: frozenset[str] = froz
                            type=parse_lora_module, metavar="MODULE",
                            help='name=path or {"name": ..., "path": ...}: registered in the --vllm-tenant '
                                 "tenant at start (a changed directory becomes the name's new active version)")
-    vllm_engine_flags.add_engine_flags(group)
+    vllm_engine_flags.add_engine_flags(group, command)
     for dest, (flags, options, _) in REFUSED.items():
         if dest in taken:
             continue

@@ -45,14 +45,9 @@ def parsed(monkeypatch):
     return run
 
 
-def _names(args, flag: str) -> list[str]:
-    """The option strings of the action ``flag`` is one of (``-tp`` -> ``--tensor-parallel-size``)."""
-    parser = loraplex_cli.build_parser()
-    for command in parser._subparsers._group_actions[0].choices.values():
-        action = command._option_string_actions.get(flag)
-        if action is not None:
-            return [*action.option_strings, action.dest.removeprefix("vllm_")]
-    return [flag]
+def _action(command: str, flag: str):
+    """The argparse action ``flag`` is an option string of in ``loraplex command``."""
+    return loraplex_cli.build_parser()._subparsers._group_actions[0].choices[command]._option_string_actions[flag]
 
 
 def _check_flag(parsed, capsys, prefix: list[str], flag: str, values: list[str]) -> None:
@@ -60,14 +55,16 @@ def _check_flag(parsed, capsys, prefix: list[str], flag: str, values: list[str])
         args = parsed([*prefix, flag, *values])
     except SystemExit:
         pytest.fail(f"{flag} {' '.join(values)}: argparse refused it: {capsys.readouterr().err[-400:]}")
-    names = _names(args, flag)
+    action = _action(prefix[0], flag)
+    names = [*action.option_strings, action.dest.removeprefix("vllm_")]  # -tp: --tensor-parallel-size
     try:
         settings_from_args(args)
     except (VllmFlagError, GenerationConfigError, ValidationError) as exc:
         assert any(name in str(exc) for name in names), f"{flag}: the refusal does not name it: {exc}"
         return
-    dest = names[-1]
-    if dest in vllm_engine_flags.ENGINE_FLAGS or dest in vllm_engine_flags.MODEL_FLAGS:
+    dest = action.dest.removeprefix("vllm_")
+    in_table = dest in vllm_engine_flags.ENGINE_FLAGS or dest in vllm_engine_flags.MODEL_FLAGS
+    if action.dest.startswith("vllm_") and in_table:
         notes = vllm_engine_flags.notes(args)
         assert any(note.startswith(tuple(names)) for note in notes), f"{flag}: taken without a note: {notes}"
 
@@ -78,13 +75,13 @@ def test_every_vllm_serve_flag_is_taken_or_refused_by_name(flag, parsed, capsys)
     _check_flag(parsed, capsys, prefix, flag, reference.SERVE_FLAGS[flag])
 
 
-@pytest.mark.parametrize("flag", list(reference.ENGINE_FLAGS))
-def test_every_vllm_engine_flag_is_taken_or_refused_by_run_batch(flag, parsed, capsys):
-    _check_flag(parsed, capsys, BATCH_PREFIX, flag, reference.ENGINE_FLAGS[flag])
+@pytest.mark.parametrize("flag", list(reference.RUN_BATCH_FLAGS))
+def test_every_vllm_run_batch_flag_is_taken_or_refused_by_run_batch(flag, parsed, capsys):
+    _check_flag(parsed, capsys, BATCH_PREFIX, flag, reference.RUN_BATCH_FLAGS[flag])
 
 
 def test_loraplexs_table_holds_only_vllms_flags():
-    documented = set(reference.SERVE_FLAGS)
+    documented = set(reference.SERVE_FLAGS) | set(reference.RUN_BATCH_FLAGS)
     rows = [flag.flags for flag in vllm_engine_flags.ENGINE_FLAGS.values()]
     rows += [flags for flags, _ in vllm_engine_flags.MODEL_FLAGS.values()]
     rows += [flags for flags, _, _ in vllm_flags.REFUSED.values()]
@@ -126,6 +123,14 @@ def test_an_unknown_flag_gets_the_closest_known_one(parsed, capsys):
     with pytest.raises(SystemExit):
         parsed([*BATCH_PREFIX, "--max-num-seq", "4", "--max-num-seqz", "4"])
     assert "--max-num-seqz: did you mean --max-num-seqs?" in capsys.readouterr().err
+
+
+def test_run_batchs_metrics_server_is_refused_and_its_address_taken(parsed):
+    with pytest.raises(VllmFlagError, match="--enable-metrics: loraplex run-batch serves no Prometheus metrics"):
+        settings_from_args(parsed([*BATCH_PREFIX, "--enable-metrics", "--port", "9000"]))
+    args = parsed([*BATCH_PREFIX, "--url", "0.0.0.0", "--port", "9000", "--output-tmp-dir", "/tmp"])
+    assert settings_from_args(args) == settings_from_args(parsed(BATCH_PREFIX))
+    assert [n.split(":")[0] for n in vllm_engine_flags.notes(args)] == ["--output-tmp-dir", "--url", "--port"]
 
 
 def test_a_refused_flag_given_as_loraplex_runs_is_taken_without_an_empty_note(parsed):
