@@ -255,6 +255,7 @@ def run_serve(args: argparse.Namespace) -> int:
         host=settings.host,
         port=settings.port,
         **http_options.uvicorn_options(settings, args.log_level, args.uvicorn_log_level),  # TLS, root path
+        **vllm_engine_flags.uvicorn_options(args),  # vLLM's --h11-max-incomplete-event-size
         access_log=False,  # one JSON line per request comes from loraplex.access instead
         lifespan="on",
         timeout_graceful_shutdown=1,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from loraplex.config import DEFAULT_MODEL
 from loraplex.server.vllm_flag_kinds import NO_DOWNLOADS, ONE_DEVICE, EngineFlag, json_object, mm_limits
-from loraplex.server.vllm_flag_table import BATCH_ONLY, ENGINE_FLAGS
+from loraplex.server.vllm_flag_table import BATCH_ONLY, ENGINE_FLAGS, SERVE_ONLY
 
 __all__ = ["ENGINE_FLAGS", "MODEL_FLAGS", "ONE_DEVICE", "EngineFlag", "json_object", "mm_limits"]
 
@@ -38,12 +38,13 @@ MODEL_FLAGS = {
 
 def add_engine_flags(group, command: str = "serve") -> None:
     """The table's flags, and ``MODEL_FLAGS``, into ``group`` (the "vLLM flags" argument group of
-    ``loraplex command``; vLLM's run_batch flags only for ``run-batch``)."""
+    ``loraplex command``: vLLM's run_batch flags only for ``run-batch``, its HTTP front end's only
+    for ``serve``)."""
     def named(dest: str, options: dict) -> dict:  # --kv-cache-dtype KV_CACHE_DTYPE in --help
         return {"default": None, **({} if "action" in options else {"metavar": dest.upper()}), **options}
 
     for dest, flag in ENGINE_FLAGS.items():
-        if dest in BATCH_ONLY and command != "run-batch":
+        if dest in (SERVE_ONLY if command == "run-batch" else BATCH_ONLY):
             continue
         kind = "taken" if flag.note else "refused"
         group.add_argument(*flag.flags, dest=f"vllm_{dest}", **named(dest, flag.options),
@@ -89,6 +90,12 @@ def apply(args: argparse.Namespace, overrides: dict) -> dict:
                              "size the same KV cache: give one")
         out["kv_cache_bytes"] = size
     return out
+
+
+def uvicorn_options(args: argparse.Namespace) -> dict:
+    """``uvicorn.Config`` keywords the taken front-end flags ask for."""
+    size = given(args, "h11_max_incomplete_event_size")
+    return {} if size is None else {"h11_max_incomplete_event_size": size}
 
 
 def notes(args: argparse.Namespace) -> list[str]:

@@ -46,6 +46,13 @@ from loraplex.server.vllm_flag_kinds import (
 
 # flags of vLLM's run_batch alone (`serve` has its own --port and --max-log-len)
 BATCH_ONLY = frozenset({"output_tmp_dir", "enable_metrics", "url", "port", "max_log_len"})
+# vLLM's HTTP front-end flags, which its run_batch does not take either
+SERVE_ONLY = frozenset({
+    "uds", "enable_ssl_refresh", "middleware", "exclude_tools_when_tool_choice_none", "tool_parser_plugin",
+    "tool_server", "log_config_file", "enable_server_load_tracking", "enable_tokenizer_info_endpoint",
+    "enable_log_outputs", "h11_max_incomplete_event_size", "h11_max_header_count", "log_error_stack", "tokens_only",
+    "default_chat_template_kwargs",
+})
 
 # dest (stored as vllm_<dest>) -> flag; dests match vLLM's
 ENGINE_FLAGS: dict[str, EngineFlag] = {
@@ -209,12 +216,12 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
         "/tokenize and /detokenize are served"),
     "enable_log_outputs": taken("--enable-log-outputs", BOOL, "loraplex logs no generations (one JSON "
                                 "access line of counts per request)"),
-    "h11_max_incomplete_event_size": taken_if(
-        "--h11-max-incomplete-event-size", INT, _equals(4194304), "vLLM's default, uvicorn's own",
-        "loraplex keeps uvicorn's HTTP parsing limits; request bodies are bounded by --max-body-bytes"),
-    "h11_max_header_count": taken_if(
-        "--h11-max-header-count", INT, _equals(256), "vLLM's default",
-        "loraplex keeps uvicorn's HTTP parsing limits; request bodies are bounded by --max-body-bytes"),
+    "h11_max_incomplete_event_size": taken(
+        "--h11-max-incomplete-event-size", INT, "the same limit, passed to uvicorn's h11 parser (its own default "
+        "is 16 KiB, vLLM's 4 MiB)"),
+    "h11_max_header_count": refused(
+        "--h11-max-header-count", INT, "loraplex's HTTP server (uvicorn on h11) counts no headers: "
+        "--h11-max-incomplete-event-size bounds a request's head, --max-body-bytes its body"),
     "log_error_stack": taken("--log-error-stack", BOOL, "error answers are unchanged; loraplex logs every "
                              "internal error (500) with its traceback"),
     "tokens_only": refused("--tokens-only", BOOL, "loraplex serves the whole OpenAI-compatible API"),

@@ -41,7 +41,8 @@ def test_a_recent_vllm_launch_with_dotted_flags_serves_chat(tmp_path):
         "-O.cudagraph_mode", "NONE", "--attention-backend", "FLASHINFER", "--prefix-caching-hash-algo", "sha256_cbor",
         "--disable-cascade-attn", "--mm-processor-cache-gb", "0", "--enable-expert-parallel",
         "--hf-config-path", str(model_dir), "--safetensors-load-strategy", "lazy", "-asc", "1",
-        "--logprobs-mode", "raw_logprobs", "--max_num_partial_prefills", "1", "--api-key", KEY, "--log-level", "info",
+        "--logprobs-mode", "raw_logprobs", "--max_num_partial_prefills", "1", "--h11-max-incomplete-event-size", "4194304",
+        "--api-key", KEY, "--log-level", "info",
     )
     try:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0, timeout=120)

@@ -137,3 +137,15 @@ def test_a_refused_flag_given_as_loraplex_runs_is_taken_without_an_empty_note(pa
     args = parsed(["serve", "m", "--no-enable-prompt-tokens-details", "--rope-scaling", "{}", "--hf-overrides", "{}"])
     assert settings_from_args(args) == settings_from_args(parsed(["serve", "m"]))
     assert vllm_engine_flags.notes(args) == []
+
+
+def test_h11_event_size_reaches_uvicorn_and_front_end_flags_stay_off_run_batch(parsed, capsys):
+    import uvicorn
+
+    args = parsed(["serve", "m", "--h11-max-incomplete-event-size", "8388608"])
+    config = uvicorn.Config(lambda scope, receive, send: None, **vllm_engine_flags.uvicorn_options(args))
+    assert config.h11_max_incomplete_event_size == 8388608
+    assert vllm_engine_flags.uvicorn_options(parsed(["serve", "m"])) == {}
+    with pytest.raises(SystemExit):  # vLLM's run_batch has no HTTP front end either
+        parsed([*BATCH_PREFIX, "--uds", "/tmp/s.sock"])
+    assert "unrecognized arguments: --uds" in capsys.readouterr().err
