@@ -21,9 +21,10 @@ are made from ``Settings`` (loraplex/server/cli.py). This module adds the rest:
   (the entry point passes its environment in; nothing here reads it);
 * refused, with what to use instead: ``--gpu-memory-utilization``, ``--tensor-parallel-size`` above
   1, ``--quantization``, several served model names;
-* vLLM's other engine flags that launch commands carry (``--kv-cache-dtype``, ``--swap-space``,
-  ``--task``, ``-O`` ...): taken where the value means what loraplex does, refused otherwise
-  (loraplex/server/vllm_engine_flags.py).
+* every other flag of ``vllm serve`` (``--kv-cache-dtype``, ``--swap-space``, ``--task``, ``-O``,
+  ``--rope-scaling`` ...): taken where the value means what loraplex does, refused otherwise, as
+  one table says (loraplex/server/vllm_flag_table.py, read by vllm_engine_flags.py). vLLM's dotted
+  JSON flags (``--compilation-config.level 3``) are merged before parsing (vllm_argv.py).
 """
 
 from __future__ import annotations
