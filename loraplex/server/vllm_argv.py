@@ -7,8 +7,9 @@ FlexibleArgumentParser, vllm/utils/argparse_utils.py):
 * a JSON flag may be given key by key: ``--compilation-config.level 3``,
   ``--speculative-config.method ngram``, ``--hf-overrides.rope_scaling.factor=2`` (each value read
   as JSON, else as a string; ``key+ a,b`` appends to a list), and ``-O.cudagraph_mode NONE`` is
-  ``--compilation-config``'s. The keys of one flag are merged into one JSON object, passed after
-  the other arguments as vLLM does (so a whole ``--flag '{...}'`` given too is replaced by it).
+  ``--compilation-config``'s (so is ``-O '{...}'``; ``-O 3`` is the optimization level). The keys
+  of one flag are merged into one JSON object, passed after the other arguments as vLLM does (so
+  a whole ``--flag '{...}'`` given too is replaced by it).
 
 A dotted name whose flag is not known is left for argparse to report.
 """
@@ -89,6 +90,10 @@ def json_flag_groups(argv: list[str], option_strings: Collection[str]) -> list[s
     groups: dict[str, dict] = {}
     i = 0
     while i < len(argv):
+        if argv[i] == "-O" and i + 1 < len(argv) and argv[i + 1].lstrip().startswith("{"):
+            rest += ["--compilation-config", argv[i + 1]]  # vLLM: -O with a JSON object is that flag
+            i += 2
+            continue
         found = _dotted_flag(argv[i], option_strings)
         if found is None:
             rest.append(argv[i])

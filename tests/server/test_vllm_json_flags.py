@@ -97,6 +97,8 @@ def test_O0_and_cudagraph_mode_none_turn_cuda_graphs_off(parsed, monkeypatch):
 
 def test_compilation_config_takes_vllms_bare_level_and_dotted_keys(parsed):
     assert parsed(["serve", "m", "--compilation-config", "3"]).vllm_compilation_config == {"level": 3}
+    assert parsed(["serve", "m", "-O", '{"cudagraph_mode": "NONE"}']).vllm_compilation_config == {
+        "cudagraph_mode": "NONE"}  # vLLM's -O with a JSON object is --compilation-config
     args = parsed(["serve", "m", "--compilation-config.level", "3", "--compilation-config.cudagraph_capture_sizes+",
                    "1,2"])
     assert args.vllm_compilation_config == {"level": 3, "cudagraph_capture_sizes": ["1", "2"]}
