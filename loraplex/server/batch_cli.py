@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from loraplex.server import http_options, vllm_engine_flags, vllm_flags
-from loraplex.server.cli import WithoutFlags, add_settings_flags, settings_or_error
+from loraplex.server.cli import add_settings_flags, settings_or_error
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +60,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tenant", default=None,
                    help="also resolve `model` to this tenant's adapters in the loraplex registry")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    native = add_settings_flags(p, SKIPPED_SETTINGS)
-    vllm_flags.add_vllm_flags(WithoutFlags(p, native), taken=frozenset({"lora_modules", "api_key"}),
-                              command="run-batch")
+    add_settings_flags(p, SKIPPED_SETTINGS)
+    vllm_flags.add_vllm_flags(p, taken=frozenset({"lora_modules", "api_key"}), command="run-batch")
     p.set_defaults(func=run_batch_command)
 
 

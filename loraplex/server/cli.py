@@ -43,26 +43,6 @@ CHOICES = {"tool_call_parser": list(TOOL_PARSERS), "reasoning_parser": list(REAS
            "chat_template_content_format": list(CONTENT_FORMAT_OPTIONS), "kv_cache_dtype": list(KV_CACHE_DTYPES)}
 
 
-class WithoutFlags:
-    """``parser`` (and its argument groups) as seen by ``vllm_flags.add_vllm_flags``, leaving out
-    the flags in ``native``: a vLLM flag that became a loraplex setting under vLLM's own name
-    (``--kv-cache-dtype``) is the setting's flag, not also an entry of vLLM's taken/refused table."""
-
-    def __init__(self, parser, native: set[str]):
-        self._parser, self._native = parser, native
-
-    def add_argument(self, *flags, **options):
-        if any(flag in self._native for flag in flags):
-            return None
-        return self._parser.add_argument(*flags, **options)
-
-    def add_argument_group(self, *args, **kwargs) -> "WithoutFlags":
-        return WithoutFlags(self._parser.add_argument_group(*args, **kwargs), self._native)
-
-    def __getattr__(self, name):
-        return getattr(self._parser, name)
-
-
 # list settings take one value per flag, under a singular name: --lora-path-root A --lora-path-root B
 LIST_FLAG_NAMES = {"lora_path_roots": (("--lora-path-root",), "DIR")}
 
@@ -88,8 +68,8 @@ def add_parser(subparsers) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    native = add_settings_flags(p, skip=frozenset(http_options.FIELDS))
-    vllm_flags.add_vllm_flags(WithoutFlags(p, native))
+    add_settings_flags(p, skip=frozenset(http_options.FIELDS))
+    vllm_flags.add_vllm_flags(p)
     http_options.add_http_flags(p)  # vLLM's front-end flags, their own help group
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--gc-debug", action="store_true",
@@ -101,15 +81,13 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run_serve)
 
 
-def add_settings_flags(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> set[str]:
+def add_settings_flags(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
     """A flag for every ``Settings`` field but the secrets and ``skip`` (fields that mean nothing
-    to the command); ``settings_from_args`` reads them back. Returns the flags added."""
-    added = set()
+    to the command); ``settings_from_args`` reads them back."""
     for name, field in Settings.model_fields.items():
         if name in NOT_FLAGS or name in skip:
             continue
         flag = "--" + name.replace("_", "-")
-        added.add(flag)
         kind, is_bool = _flag_type(field.annotation)
         env = f"LORAPLEX_{name.upper()}"
         if is_bool:
@@ -123,7 +101,6 @@ def add_settings_flags(parser: argparse.ArgumentParser, skip: frozenset[str] = f
         else:
             options = {"type": kind, "choices": CHOICES.get(name), **vllm_flags.SETTINGS_FLAG_OPTIONS.get(name, {})}
             parser.add_argument(flag, dest=name, default=None, help=f"(env {env})", **options)
-    return added
 
 
 def settings_from_args(args: argparse.Namespace, **fixed) -> Settings:

@@ -56,11 +56,6 @@ SERVE_ONLY = frozenset({
 
 # dest (stored as vllm_<dest>) -> flag; dests match vLLM's
 ENGINE_FLAGS: dict[str, EngineFlag] = {
-    "kv_cache_dtype": EngineFlag(
-        ("--kv-cache-dtype",), {}, _equals("auto"),
-        "--kv-cache-dtype auto: the KV cache is kept in the model's dtype (--dtype), as in vLLM",
-        "loraplex keeps the KV cache in the model's dtype (--dtype); there is no fp8 KV cache: to hold "
-        "more tokens give --kv-cache-bytes N (or --kv-cache-memory-fraction) or a lower --max-model-len"),
     "tokenizer_mode": EngineFlag(
         ("--tokenizer-mode",), {}, _equals("auto", "hf"),
         "--tokenizer-mode: the model directory's Hugging Face tokenizer is used, as vLLM's auto/hf do",

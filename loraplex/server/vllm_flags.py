@@ -21,7 +21,7 @@ are made from ``Settings`` (loraplex/server/cli.py). This module adds the rest:
   (the entry point passes its environment in; nothing here reads it);
 * refused, with what to use instead: ``--gpu-memory-utilization``, ``--tensor-parallel-size`` above
   1, ``--quantization``, several served model names;
-* every other flag of ``vllm serve`` (``--kv-cache-dtype``, ``--swap-space``, ``--task``, ``-O``,
+* every other flag of ``vllm serve`` (``--swap-space``, ``--task``, ``-O``,
   ``--rope-scaling`` ...): taken where the value means what loraplex does, refused otherwise, as
   one table says (loraplex/server/vllm_flag_table.py, read by vllm_engine_flags.py). vLLM's dotted
   JSON flags (``--compilation-config.level 3``) are merged before parsing (vllm_argv.py).

@@ -89,7 +89,6 @@ def test_loraplexs_table_holds_only_vllms_flags():
 
 
 @pytest.mark.parametrize("argv,named", [
-    (["--kv-cache-dtype", "fp8"], "no fp8 KV cache"),
     (["--quantization", "awq"], "unquantized"),
     (["--tokenizer-mode", "slow"], "Hugging Face tokenizer"),
     (["--logprobs-mode", "processed_logprobs"], "raw_logprobs"),

@@ -136,10 +136,10 @@ def test_config_file_nested_mappings_and_dotted_keys(parsed, tmp_path):
 
 def test_config_file_refuses_what_the_command_line_refuses(parsed, tmp_path):
     config = tmp_path / "config.yaml"
-    config.write_text("kv-transfer-config.kv_connector: LMCacheConnectorV1\nkv-cache-dtype: fp8\n")
+    config.write_text("kv-transfer-config.kv_connector: LMCacheConnectorV1\nrope-theta: 500000\n")
     with pytest.raises(VllmFlagError) as caught:
         settings_from_args(parsed(["serve", "m", "--config", str(config)]))
-    assert "--kv-transfer-config" in str(caught.value) and "--kv-cache-dtype fp8" in str(caught.value)
+    assert "--kv-transfer-config" in str(caught.value) and "--rope-theta" in str(caught.value)
 
 
 def test_run_batch_reads_the_same_forms(parsed, tmp_path):
@@ -151,5 +151,5 @@ def test_run_batch_reads_the_same_forms(parsed, tmp_path):
     config.write_text("override-generation-config.top_p: 0.9\n")
     s = settings_from_args(parsed([*base, "--config", str(config)]))
     assert json.loads(s.override_generation_config) == {"top_p": 0.9}
-    with pytest.raises(VllmFlagError, match="--kv-cache-dtype fp8"):
-        settings_from_args(parsed([*base, "--kv-cache-dtype", "fp8"]))
+    with pytest.raises(VllmFlagError, match="--rope-theta"):
+        settings_from_args(parsed([*base, "--rope-theta", "500000"]))
