@@ -168,3 +168,22 @@ def lora_apply(
     from loraplex.kernels.lora_cpu import lora_apply_cpu
 
     lora_apply_cpu(x, a_stack, b_stack, scaling, slice_offsets, meta, y)
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, H]
+    weights: torch.Tensor,  # [T, k] routing weights (fp32, or x's dtype)
+    experts: torch.Tensor,  # [T, k] int64 expert ids
+    gate_up: torch.Tensor,  # [E, 2 * I, H]: gate rows then up rows
+    down: torch.Tensor,  # [E, H, I]
+) -> torch.Tensor:  # [T, H]
+    """Each token's routing-weighted sum of its k experts' SwiGLU outputs, summed in fp32 and
+    rounded once. On CUDA the fused Triton kernels (no host sync, a grid from host ints only:
+    capturable in a CUDA graph); on CPU the torch loop over the experts that got tokens."""
+    if uses_triton(x):
+        from loraplex.kernels.triton_moe import fused_moe_triton
+
+        return fused_moe_triton(x, weights, experts, gate_up, down)
+    from loraplex.kernels.moe_torch import run_experts
+
+    return run_experts(x, weights, experts, gate_up, down)

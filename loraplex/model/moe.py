@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplex.kernels import dispatch
+from loraplex.kernels.moe_torch import run_experts  # noqa: F401  (the CPU path; tests import it from here)
 from loraplex.model.config import ModelSpec
 from loraplex.model.llama import DecoderLayer, LlamaForCausalLM, LoRAStepContext
 from loraplex.model.moe_config import MoESpec
@@ -74,37 +76,6 @@ def route_tokens(x: torch.Tensor, router_weight: torch.Tensor, moe: MoESpec) -> 
     return weights, experts
 
 
-def run_experts(
-    x: torch.Tensor,  # [T, H]
-    weights: torch.Tensor,  # [T, k] routing weights
-    experts: torch.Tensor,  # [T, k] int64 expert ids
-    gate_up: torch.Tensor,  # [E, 2 * I, H]
-    down: torch.Tensor,  # [E, H, I]
-) -> torch.Tensor:  # [T, H]
-    """The weighted sum of each token's experts' SwiGLU outputs: tokens sorted by expert, one
-    pair of matmuls per expert that got any, ``index_add`` back (the counts sync with the host)."""
-    num_experts, top_k = gate_up.shape[0], experts.shape[1]
-    flat_experts = experts.reshape(-1)  # [T * k]
-    order = torch.argsort(flat_experts, stable=True)  # pair indices grouped by expert
-    counts = torch.bincount(flat_experts, minlength=num_experts).tolist()
-    flat_weights = weights.reshape(-1)
-    # the k weighted outputs of a token are summed in fp32 and rounded once, as transformers 5's
-    # default (grouped_mm) experts path does (an index_add in bf16 would round after each add)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        pairs = order[start : start + count]
-        start += count
-        tokens = pairs // top_k  # [count]
-        gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)  # [count, I] each
-        y = F.linear(F.silu(gate) * up, down[expert])  # [count, H]
-        y = y * flat_weights[pairs, None]  # fp32 with Mixtral's fp32 weights, else the model dtype
-        out.index_add_(0, tokens, y.float())
-    return out.to(x.dtype)
-
-
 class MoEForCausalLM(LlamaForCausalLM):
     """Mixtral / Qwen2-MoE / Qwen3-MoE decoder plus LM head; the interface of ``LlamaForCausalLM``."""
 
@@ -118,7 +89,7 @@ class MoEForCausalLM(LlamaForCausalLM):
             return super()._mlp(i, x, lora)
         layer = self.layers[i]
         weights, experts = route_tokens(x, layer.router_weight, moe)
-        out = run_experts(x, weights, experts, layer.experts_gate_up, layer.experts_down)
+        out = dispatch.fused_moe(x, weights, experts, layer.experts_gate_up, layer.experts_down)
         if moe.shared_expert_intermediate_size:  # Qwen2-MoE: the dense MLP is the shared expert
             shared = super()._mlp(i, x, lora, lora_prefix="shared_expert.")  # [T, H]
             out = out + torch.sigmoid(F.linear(x, layer.shared_expert_gate)) * shared

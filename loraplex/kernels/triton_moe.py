@@ -1,0 +1,228 @@
+"""Fused mixture-of-experts experts in Triton: the CUDA path of ``dispatch.fused_moe``.
+
+Same result as ``moe_torch.run_experts`` (each token's k experts' SwiGLU outputs, times the
+routing weights, summed in fp32 and rounded once), in three steps that read nothing back to the
+host:
+
+1. ``align_pairs`` (torch ops with fixed output sizes) groups the (token, expert) pairs into row
+   blocks of ``BLOCK_M``, one expert per block, each expert's pairs padded to a whole block
+   (padding rows hold the id ``num_pairs``); the grid is the bound ``max_pair_blocks`` and a
+   program whose block lies past ``num_padded`` (a device value it loads) returns at once.
+2. ``_moe_gate_up_kernel``: one program per (block, column tile of I): its expert's gate and up
+   weight tiles over the block's gathered token rows, fp32 accumulators, then
+   ``SiLU(gate) * up`` written to ``act[pair]`` (the activation never goes through memory as
+   gate and up).
+3. ``_moe_down_kernel``: one program per (block, column tile of H) over ``act``'s rows of the
+   block's pairs and its expert's ``down``, times the routing weight, written in fp32 to
+   ``pair_out[pair]``; then a torch sum over each token's k rows, rounded once.
+
+The roundings follow the torch path's: gate and up are rounded to the model dtype, then the
+SiLU and the product; the down output is rounded before the routing weight multiplies it (in
+fp32 for Mixtral's fp32 weights; rounded again for the Qwen MoEs' model-dtype weights).
+
+Row indices are int64 before they meet a stride; per-step counts are ``do_not_specialize``.
+The grid comes from host ints only (T, k, E and the tile sizes), so the launches can be captured
+in a CUDA graph and replayed for any routing of the same number of tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.kernels.moe_torch import PairBlocks, align_pairs
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_gate_up_kernel(
+    x_ptr,  # [T, H]
+    w_ptr,  # [E, 2 * I, H]: gate rows 0..I-1, up rows I..2I-1
+    act_ptr,  # [P, I] model dtype: SiLU(gate) * up per pair
+    sorted_ids_ptr,  # [max_blocks * BLOCK_M] int64
+    block_expert_ptr,  # [max_blocks] int64
+    num_padded_ptr,  # [1] int64
+    num_pairs,
+    top_k,
+    hidden,
+    inter,
+    stride_xt,
+    stride_xh,
+    stride_we,
+    stride_wn,
+    stride_wh,
+    stride_at,
+    stride_ai,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # hidden % BLOCK_K == 0: no K mask, so loads vectorise
+):
+    block = tl.program_id(0)
+    n_tile = tl.program_id(1)
+    row_lo = block.to(tl.int64) * BLOCK_M
+    if row_lo >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + block)
+    rows = row_lo + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + rows)  # int64
+    valid = pair < num_pairs
+    token = pair // top_k
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+
+    x_rows = x_ptr + token[:, None] * stride_xt  # [BLOCK_M, 1]
+    w_expert = w_ptr + expert * stride_we
+    gate_rows = w_expert + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
+    up_rows = gate_rows + inter * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + offs_k
+        if EVEN_K:
+            xt = tl.load(x_rows + k[None, :] * stride_xh, mask=valid[:, None], other=0.0)
+            gt = tl.load(gate_rows + k[None, :] * stride_wh, mask=n_mask[:, None], other=0.0)
+            ut = tl.load(up_rows + k[None, :] * stride_wh, mask=n_mask[:, None], other=0.0)
+        else:
+            k_mask = k < hidden
+            xt = tl.load(x_rows + k[None, :] * stride_xh, mask=valid[:, None] & k_mask[None, :], other=0.0)
+            gt = tl.load(gate_rows + k[None, :] * stride_wh, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            ut = tl.load(up_rows + k[None, :] * stride_wh, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc_gate += tl.dot(xt, tl.trans(gt))
+        acc_up += tl.dot(xt, tl.trans(ut))
+
+    dtype = act_ptr.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)  # the torch path rounds each matmul's output
+    up = acc_up.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    act = (silu * up).to(dtype)
+    act_ptrs = act_ptr + pair[:, None] * stride_at + offs_n[None, :] * stride_ai
+    tl.store(act_ptrs, act, mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_down_kernel(
+    act_ptr,  # [P, I] model dtype
+    w_ptr,  # [E, H, I]
+    weight_ptr,  # [P] routing weights (fp32 or the model dtype)
+    out_ptr,  # [P, H] fp32: each pair's weighted output
+    sorted_ids_ptr,  # [max_blocks * BLOCK_M] int64
+    block_expert_ptr,  # [max_blocks] int64
+    num_padded_ptr,  # [1] int64
+    num_pairs,
+    hidden,
+    inter,
+    stride_at,
+    stride_ai,
+    stride_we,
+    stride_wh,
+    stride_wi,
+    stride_ot,
+    stride_oh,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # inter % BLOCK_K == 0
+    ROUND_WEIGHTED: tl.constexpr,  # model-dtype routing weights: the product is rounded too
+):
+    block = tl.program_id(0)
+    n_tile = tl.program_id(1)
+    row_lo = block.to(tl.int64) * BLOCK_M
+    if row_lo >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + block)
+    rows = row_lo + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + rows)  # int64
+    valid = pair < num_pairs
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_rows = act_ptr + pair[:, None] * stride_at  # [BLOCK_M, 1]
+    w_rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wh  # [BLOCK_N, 1]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + offs_k
+        if EVEN_K:
+            at = tl.load(a_rows + k[None, :] * stride_ai, mask=valid[:, None], other=0.0)
+            wt = tl.load(w_rows + k[None, :] * stride_wi, mask=n_mask[:, None], other=0.0)
+        else:
+            k_mask = k < inter
+            at = tl.load(a_rows + k[None, :] * stride_ai, mask=valid[:, None] & k_mask[None, :], other=0.0)
+            wt = tl.load(w_rows + k[None, :] * stride_wi, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.dot(at, tl.trans(wt))
+
+    dtype = act_ptr.dtype.element_ty
+    routing = tl.load(weight_ptr + pair, mask=valid, other=0.0).to(tl.float32)  # [BLOCK_M]
+    y = acc.to(dtype).to(tl.float32) * routing[:, None]
+    if ROUND_WEIGHTED:
+        y = y.to(dtype).to(tl.float32)
+    out_ptrs = out_ptr + pair[:, None] * stride_ot + offs_n[None, :] * stride_oh
+    tl.store(out_ptrs, y, mask=valid[:, None] & n_mask[None, :])
+
+
+def _pow2_tile(n: int, cap: int) -> int:
+    return max(16, min(cap, triton.next_power_of_2(n)))
+
+
+def moe_tiles(num_pairs: int, num_experts: int, hidden: int, inter: int) -> dict[str, int]:
+    """Tile sizes from host ints. ``BLOCK_M`` follows the mean pairs per expert: decode batches
+    give most experts one or two pairs, and a 16-row tile (the smallest ``tl.dot`` takes) wastes
+    least; prefill-sized batches fill 64-row tiles and read each weight tile fewer times."""
+    mean = num_pairs / num_experts
+    block_m = 16 if mean <= 16 else 32 if mean <= 48 else 64
+    return {
+        "BLOCK_M": block_m,
+        "gate_up_n": _pow2_tile(inter, 64),
+        "gate_up_k": _pow2_tile(hidden, 64),
+        "down_n": _pow2_tile(hidden, 64),
+        "down_k": _pow2_tile(inter, 64),
+    }
+
+
+def fused_moe_triton(
+    x: torch.Tensor,  # [T, H]
+    weights: torch.Tensor,  # [T, k] routing weights (fp32, or x's dtype)
+    experts: torch.Tensor,  # [T, k] int64 expert ids
+    gate_up: torch.Tensor,  # [E, 2 * I, H]
+    down: torch.Tensor,  # [E, H, I]
+    *,
+    blocks: PairBlocks | None = None,  # a prebuilt alignment (tests); else built here
+    act: torch.Tensor | None = None,  # [T * k, I] x's dtype: scratch, else allocated here
+    pair_out: torch.Tensor | None = None,  # [T * k, H] fp32: scratch, else allocated here
+) -> torch.Tensor:  # [T, H]
+    """``dispatch.fused_moe`` on CUDA (or under the interpreter): align, then the two kernels."""
+    num_tokens, hidden = x.shape
+    top_k = experts.shape[1]
+    num_experts, inter = gate_up.shape[0], down.shape[2]
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    tiles = moe_tiles(num_pairs, num_experts, hidden, inter)
+    if blocks is None:
+        blocks = align_pairs(experts, num_experts, tiles["BLOCK_M"])
+    block_m = blocks.block_m
+    if act is None:
+        act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    if pair_out is None:
+        pair_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    flat_weights = weights.reshape(-1)  # [P]
+    common = (blocks.sorted_pair_ids, blocks.block_expert, blocks.num_padded, num_pairs)
+    n_tile, k_tile = tiles["gate_up_n"], tiles["gate_up_k"]
+    _moe_gate_up_kernel[(blocks.max_blocks, triton.cdiv(inter, n_tile))](
+        x, gate_up, act, *common, top_k, hidden, inter,
+        x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
+        act.stride(0), act.stride(1),
+        BLOCK_M=block_m, BLOCK_N=n_tile, BLOCK_K=k_tile, EVEN_K=hidden % k_tile == 0,
+    )
+    n_tile, k_tile = tiles["down_n"], tiles["down_k"]
+    _moe_down_kernel[(blocks.max_blocks, triton.cdiv(hidden, n_tile))](
+        act, down, flat_weights, pair_out, *common, hidden, inter,
+        act.stride(0), act.stride(1), down.stride(0), down.stride(1), down.stride(2),
+        pair_out.stride(0), pair_out.stride(1),
+        BLOCK_M=block_m, BLOCK_N=n_tile, BLOCK_K=k_tile, EVEN_K=inter % k_tile == 0,
+        ROUND_WEIGHTED=flat_weights.dtype != torch.float32,
+    )
+    # each token's k rows summed in fp32, rounded once
+    return pair_out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
