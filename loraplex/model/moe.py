@@ -6,15 +6,18 @@ says which layers are sparse and how the router weighs the experts), computed as
 ``*SparseMoeBlock`` computes it:
 
 1. router logits ``x @ router.T`` [T, E], softmax in fp32, top-k, optionally renormalised;
-2. the (token, expert) pairs sorted by expert; for each expert that got tokens, one
-   ``gate_up`` matmul on its tokens, SiLU(gate) * up, one ``down`` matmul, times the routing
-   weight; ``index_add`` back into the token rows in fp32, rounded once (transformers 5's default
-   ``grouped_mm`` experts path sums a token's k outputs so). Experts that got no token cost nothing.
+2. each token's k experts' SwiGLU outputs times the routing weights, summed in fp32 and rounded
+   once (transformers 5's default ``grouped_mm`` experts path sums a token's k outputs so):
+   ``dispatch.fused_moe``. On CPU that is a torch loop (``kernels/moe_torch.run_experts``: pairs
+   sorted by expert, one ``gate_up`` and one ``down`` matmul per expert that got tokens, the
+   per-expert counts read on the host). On CUDA it is the fused Triton kernels
+   (``kernels/triton_moe``): the pairs grouped into per-expert row blocks on the device, one
+   grouped GEMM over ``gate_up`` with SiLU(gate) * up fused, one over ``down`` times the routing
+   weight; no host sync and a grid from the token count alone, so decode steps of these models
+   are captured as CUDA graphs like a dense model's.
 
 Weights are stacked per layer: ``experts_gate_up [E, 2 * I, H]`` (gate rows then up rows) and
-``experts_down [E, H, I]``, transformers 5's in-memory layout. The per-expert counts are read on
-the host (one sync per sparse layer), so shapes depend on the data: the engine does not capture
-CUDA graphs for these models. No fused (Triton) MoE kernel yet: each expert is a plain matmul.
+``experts_down [E, H, I]``, transformers 5's in-memory layout.
 
 Qwen2-MoE's shared expert is held as the layer's dense ``gate_up`` / ``down`` projections of
 ``shared_expert_intermediate_size``, scaled by ``sigmoid(x @ shared_expert_gate.T)``; its LoRA
