@@ -32,12 +32,13 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from loraplex.kernels import triton_attention as ta  # noqa: E402
 from loraplex.kernels import triton_lora as tl_lora  # noqa: E402
+from loraplex.kernels import triton_moe as tm  # noqa: E402
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-UNIT = {"stride_xk", "stride_ak", "stride_or", "stride_sr", "stride_br", "stride_yn", "stride_cl",
+UNIT = {"stride_xk", "stride_wk", "stride_ai", "stride_on", "stride_ak", "stride_or", "stride_sr", "stride_br", "stride_yn", "stride_cl",
         "stride_kd", "stride_vd", "stride_cd", "stride_qd", "stride_od", "stride_pd", "stride_lh"}
 I64 = {"stride_ckv", "stride_cb"}  # a KV cache of tens of GB: these exceed int32
-NOT_DIV16 = {"tiles_per_seg", "k_blocks_per_split", "num_kv_heads", "num_kv_splits", "window"}  # do_not_specialize, or small
+NOT_DIV16 = {"num_pairs", "top_k", "tiles_per_seg", "k_blocks_per_split", "num_kv_heads", "num_kv_splits", "window"}  # do_not_specialize, or small
 
 
 def _variants(quick: bool) -> list[tuple[str, object, dict, dict]]:
@@ -84,6 +85,17 @@ def _variants(quick: bool) -> list[tuple[str, object, dict, dict]]:
         out.append((f"merge {block_s} KV splits d128", ta._merge_kv_splits_kernel, attn_ptrs,
                     dict(BLOCK_S=block_s, BLOCK_D=128)))
     out.append(("kv write 8x128 bs16", ta._write_kv_kernel, attn_ptrs, dict(BLOCK_SIZE=16, BLOCK=1024)))
+    # fused MoE at Qwen3-30B-A3B's expert shapes (E=128, top-8, H=2048, I=768): decode and prefill tiles
+    moe_ptrs = {"x_ptr": "bf16", "w_ptr": "bf16", "act_ptr": "bf16", "sorted_ids_ptr": "i64",
+                "block_expert_ptr": "i64", "num_padded_ptr": "i64", "weight_ptr": "bf16", "out_ptr": "fp32"}
+    for tokens in ([1] if quick else [1, 1024]):
+        tiles = tm.moe_tiles(tokens * 8, 128, 2048, 768)
+        m = tiles["BLOCK_M"]
+        out.append((f"moe gate_up BLOCK_M {m}", tm._moe_gate_up_kernel, moe_ptrs,
+                    dict(BLOCK_M=m, BLOCK_N=tiles["gate_up_n"], BLOCK_K=tiles["gate_up_k"], EVEN_K=True)))
+        out.append((f"moe down BLOCK_M {m}", tm._moe_down_kernel, moe_ptrs,
+                    dict(BLOCK_M=m, BLOCK_N=tiles["down_n"], BLOCK_K=tiles["down_k"], EVEN_K=True,
+                         ROUND_WEIGHTED=True)))
     return out
 
 

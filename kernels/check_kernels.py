@@ -11,6 +11,7 @@ import os
 
 import torch
 from lab_common import Report, make_meta, rel_err
+from moe_lab import check_moe
 
 from loraplex.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
 from loraplex.kernels.lora_ref import lora_expand_ref, lora_shrink_ref
@@ -182,3 +183,5 @@ def run_checks(report: Report, on_gpu: bool) -> None:
     for name, split in (("mistral window, freed blocks, bs16", None), ("mistral window, freed blocks, split-KV", splits)):
         _attention_case(report, gen, name, m_seqs, heads, kv_heads, head_dim, 16, dtype, device, split,
                         free_out_of_window=True, sliding_window=m_window)
+    # the fused MoE kernels at Qwen3-30B-A3B's expert shapes (moe_lab.py)
+    check_moe(report, on_gpu, gen, dtype, device)

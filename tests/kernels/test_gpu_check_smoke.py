@@ -26,9 +26,10 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
     for name in ("decode qkv shrink", "decode qkv expand", "prefill qkv mixed ranks expand",
                  "bs16 kv write", "bs16 attention", "bs32 attention", "gemma2 window+softcap bs16 attention",
                  "gemma2 window+softcap, freed blocks, split-KV attention", "decode lm_head shrink",
-                 "decode lm_head expand"):
+                 "decode lm_head expand", "fused moe T=1 torch.float16 (Qwen) weights",
+                 "fused moe T=17 fp32 (Mixtral) weights"):
         assert f"PASS {name}:" in results
-    assert "copy bandwidth:" in results and "## Paged attention" in results
+    assert "copy bandwidth:" in results and "## Paged attention" in results and "## Fused MoE" in results
     # the end-to-end part ran both decode modes (graphs: interpreter + eager stand-in capture),
     # and the graph path gave the eager path's tokens (float32 on CPU)
     assert "## End to end" in results and "end-to-end run FAILED" not in results

@@ -18,7 +18,8 @@ from tests.kernels.test_no_host_sync import trap_host_reads
 from loraplex.kernels.moe_torch import align_pairs, max_pair_blocks, run_experts  # noqa: E402
 from loraplex.kernels.triton_moe import fused_moe_triton, moe_tiles  # noqa: E402
 
-HIDDEN, INTER = 32, 24  # INTER not a multiple of the 16-wide tiles: masked columns and K steps
+# neither a multiple of the 64-wide K tiles: two K steps, the second masked; masked column tiles
+HIDDEN, INTER = 96, 72
 
 
 def python_blocks(experts: list[list[int]], num_experts: int, block_m: int) -> tuple[list[int], list[int]]:
@@ -75,12 +76,13 @@ def test_block_bound_holds_for_the_worst_routings():
             assert align_pairs(experts, num_experts, block_m).num_padded.item() == need * block_m
 
 
-def make_case(seed: int, num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype, style: str):
+def make_case(seed: int, num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype, style: str,
+              hidden: int = HIDDEN, inter: int = INTER):
     """x, routing weights and ids from random router logits, stacked expert weights."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype)
-    gate_up = (torch.randn(num_experts, 2 * INTER, HIDDEN, generator=gen) * HIDDEN**-0.5).to(dtype)
-    down = (torch.randn(num_experts, HIDDEN, INTER, generator=gen) * INTER**-0.5).to(dtype)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).to(dtype)
+    down = (torch.randn(num_experts, hidden, inter, generator=gen) * inter**-0.5).to(dtype)
     probs = torch.softmax(torch.randn(num_tokens, num_experts, generator=gen) * 2, dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -123,8 +125,9 @@ def test_fused_moe_against_torch_path_and_per_token_loop(num_tokens, num_experts
 
 def test_fused_moe_with_blocks_of_several_experts_and_unpicked_ones():
     """Tokens pushed onto experts 0 and 5 of 8 (more than a block each, six experts unpicked),
-    with a 16-row block while the launcher would pick another: the kernels follow the blocks."""
-    x, weights, experts, gate_up, down = make_case(77, 40, 8, 2, torch.float32, "mixtral")
+    with a 16-row block while the launcher would pick another: the kernels follow the blocks.
+    H=128, I=64: whole K tiles (the unmasked loads), two of them in gate_up."""
+    x, weights, experts, gate_up, down = make_case(77, 40, 8, 2, torch.float32, "mixtral", hidden=128, inter=64)
     experts = torch.stack([torch.zeros(40, dtype=torch.int64), torch.full((40,), 5)], dim=1)
     blocks = align_pairs(experts, 8, 16)
     assert blocks.num_padded.item() == 2 * 48
@@ -136,7 +139,9 @@ def test_tiles_follow_pairs_per_expert():
     assert moe_tiles(8, 128, 2048, 768)["BLOCK_M"] == 16  # Qwen3-30B-A3B decode of one token
     assert moe_tiles(256 * 8, 128, 2048, 768)["BLOCK_M"] == 16  # 16 pairs per expert on average
     assert moe_tiles(4096 * 8, 128, 2048, 768)["BLOCK_M"] == 64
-    assert moe_tiles(24, 4, 32, 24)["gate_up_n"] == 32 and moe_tiles(24, 4, 32, 24)["down_k"] == 32
+    decode, prefill = moe_tiles(8, 128, 2048, 768), moe_tiles(4096 * 8, 128, 2048, 768)
+    assert (decode["gate_up_n"], decode["down_n"], prefill["gate_up_n"], prefill["down_n"]) == (32, 32, 64, 64)
+    assert moe_tiles(24, 4, 32, 24)["down_k"] == 32  # never wider than the dimension's power of two
 
 
 def test_launch_path_reads_nothing_on_the_host():
