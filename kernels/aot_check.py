@@ -35,10 +35,12 @@ from loraplex.kernels import triton_lora as tl_lora  # noqa: E402
 from loraplex.kernels import triton_moe as tm  # noqa: E402
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-UNIT = {"stride_xk", "stride_wk", "stride_ai", "stride_on", "stride_ak", "stride_or", "stride_sr", "stride_br", "stride_yn", "stride_cl",
-        "stride_kd", "stride_vd", "stride_cd", "stride_qd", "stride_od", "stride_pd", "stride_lh"}
+UNIT = {"stride_xk", "stride_ak", "stride_or", "stride_sr", "stride_br", "stride_yn", "stride_cl",
+        "stride_kd", "stride_vd", "stride_cd", "stride_qd", "stride_od", "stride_pd", "stride_lh",
+        "stride_wk", "stride_ai", "stride_on"}
 I64 = {"stride_ckv", "stride_cb"}  # a KV cache of tens of GB: these exceed int32
-NOT_DIV16 = {"num_pairs", "top_k", "tiles_per_seg", "k_blocks_per_split", "num_kv_heads", "num_kv_splits", "window"}  # do_not_specialize, or small
+# do_not_specialize, or small
+NOT_DIV16 = {"num_pairs", "top_k", "tiles_per_seg", "k_blocks_per_split", "num_kv_heads", "num_kv_splits", "window"}
 
 
 def _variants(quick: bool) -> list[tuple[str, object, dict, dict]]:

@@ -26,8 +26,8 @@ first load for lack of memory instead of sizing the cache smaller at start, as v
 profile does. Never more blocks than ``max_num_seqs`` full-length sequences can use.
 
 With ``cuda_graphs`` on a GPU, steps of one token per sequence replay a captured forward
-(``cuda_graphs.DecodeGraphs``); every other step runs eagerly. Mixture-of-experts models always
-run eagerly (their expert batches have data-dependent shapes; a warning says so).
+(``cuda_graphs.DecodeGraphs``); every other step runs eagerly. Mixture-of-experts models too:
+on CUDA their experts are the fused Triton kernels, which read no routing back to the host.
 """
 
 from __future__ import annotations
