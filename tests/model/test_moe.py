@@ -224,3 +224,20 @@ def test_sparse_block_in_bfloat16_rounds_as_transformers(family):
         got = got + torch.sigmoid(torch.nn.functional.linear(x, block.shared_expert_gate.weight)) * shared(x)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, want)
+
+
+def test_cpu_dispatch_keeps_the_torch_path(monkeypatch):
+    """On CPU tensors ``dispatch.fused_moe`` is the torch loop, bit for bit, and never the Triton
+    launcher (the engine's CPU outputs stay what they were)."""
+    from loraplex.kernels import dispatch, triton_moe
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Triton MoE path ran on CPU tensors")
+
+    monkeypatch.setattr(triton_moe, "fused_moe_triton", refuse)
+    torch.manual_seed(8)
+    x = torch.randn(6, 16).to(torch.bfloat16)
+    gate_up, down = torch.randn(4, 20, 16).to(torch.bfloat16), torch.randn(4, 16, 10).to(torch.bfloat16)
+    weights, experts = torch.topk(torch.softmax(torch.randn(6, 4), dim=-1), 2, dim=-1)
+    got = dispatch.fused_moe(x, weights, experts, gate_up, down)
+    assert torch.equal(got, run_experts(x, weights, experts, gate_up, down))
