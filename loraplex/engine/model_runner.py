@@ -71,15 +71,6 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def decode_graphs_wanted(cuda_graphs: bool, device: torch.device, spec: ModelSpec) -> bool:
-    """Whether decode steps are captured as CUDA graphs: when asked for, on a GPU. Mixture-of-
-    experts models included: on CUDA their experts run as the fused Triton kernels
-    (``dispatch.fused_moe``), whose shapes and grid come from the token count alone and which
-    read no routing back to the host, so a captured step replays for any routing. (``spec``: no
-    model kind is excluded today; kept so the decision can depend on the model.)"""
-    return cuda_graphs and device.type == "cuda"
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         if device.type == "cuda":
@@ -146,7 +137,7 @@ class ModelRunner:
         self.lora_manager = None  # set by the engine (loraplex.lora LoRAManager)
         # decode steps replayed from CUDA graphs (opt-in; see cuda_graphs); None = always eager
         self.decode_graphs: DecodeGraphs | None = None
-        if decode_graphs_wanted(config.cuda_graphs, self.device, self.spec):
+        if config.cuda_graphs and self.device.type == "cuda":
             self.decode_graphs = DecodeGraphs(
                 self.model, self.kv_caches, self.block_size, self.max_model_len, config.max_num_seqs,
                 capture=cuda_capture(torch.cuda.graph_pool_handle()), layout=self.kv_layout,

@@ -182,24 +182,6 @@ def test_checkpoint_with_too_few_experts_is_refused(tmp_path):
         load_model(model_dir, spec, torch.float32, "cpu", 64)
 
 
-def test_cuda_graphs_are_on_for_moe_models(caplog):
-    """On CUDA the experts run as the fused Triton kernels, which read nothing back to the host
-    (``tests/kernels/test_moe_triton_engine.py`` replays such decode graphs): asked for on a GPU,
-    graphs are on for an MoE model as for a dense one, with no warning; off when not asked for or
-    on CPU. (Decided without a GPU: the device is only compared.)"""
-    from loraplex.engine.model_runner import decode_graphs_wanted
-
-    cuda = torch.device("cuda")
-    dense = ModelSpec.from_dict({**moe_hf_config("qwen3_moe").to_dict(), "architectures": ["Qwen3ForCausalLM"]})
-    moe = ModelSpec.from_dict(moe_hf_config("qwen3_moe").to_dict())
-    assert dense.moe is None and moe.moe is not None
-    with caplog.at_level("WARNING", logger="loraplex.engine.model_runner"):
-        assert decode_graphs_wanted(True, cuda, dense) and decode_graphs_wanted(True, cuda, moe)
-    assert caplog.text == ""
-    for spec in (dense, moe):
-        assert not decode_graphs_wanted(False, cuda, spec) and not decode_graphs_wanted(True, torch.device("cpu"), spec)
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_sparse_block_in_bfloat16_rounds_as_transformers(family):
     """In bf16 the roundings matter: Mixtral scales each expert's output by the fp32 weight, the
