@@ -56,6 +56,11 @@ DEFAULT_MAX_POSITIONS = {
     QWEN3_MOE: 32_768,
 }
 DEFAULT_RMS_NORM_EPS = {PHI3_ARCHITECTURE: 1e-5, MIXTRAL: 1e-5}
+# rope_theta (transformers' ``default_theta``, 10000 elsewhere) and head_dim (hidden_size //
+# num_attention_heads elsewhere): a Mixtral config without rope_theta rotates with 1e6, a Qwen3
+# config without head_dim has heads of 128 whatever its hidden size
+DEFAULT_ROPE_THETA = {MIXTRAL: 1_000_000.0}
+DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128}
 
 if TYPE_CHECKING:
     from loraplex.model.gemma_config import GemmaSpec
@@ -214,7 +219,8 @@ class ModelSpec:
         if arch == PHI3_ARCHITECTURE:
             cfg = phi3_config_view(cfg)
         try:
-            rope = parse_rope(cfg, PHI3_ROPE_TYPES if arch == PHI3_ARCHITECTURE else SUPPORTED_ROPE_TYPES)
+            rope = parse_rope(cfg, PHI3_ROPE_TYPES if arch == PHI3_ARCHITECTURE else SUPPORTED_ROPE_TYPES,
+                              default_theta=DEFAULT_ROPE_THETA.get(arch, 10000.0))
         except LongRopeConfigError as exc:
             raise UnsupportedModelError(f"{arch}: {exc}") from exc
         if arch != PHI3_ARCHITECTURE and rope.partial_rotary_factor != 1.0:
@@ -222,7 +228,9 @@ class ModelSpec:
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"unsupported hidden_act {act!r} for {arch}; only silu (SwiGLU)")
-        head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+        # a key left out takes the family's default; an explicit null means hidden_size // heads
+        head_dim = cfg.get("head_dim", DEFAULT_HEAD_DIM.get(arch)) or int(cfg["hidden_size"]) // int(
+            cfg["num_attention_heads"])
         attention_bias = bool(cfg.get("attention_bias", False))  # Llama: on q, k, v and o
         per_layer_windows: tuple[int | None, ...] = ()
         if arch in QWEN_ARCHITECTURES:  # use_sliding_window + max_window_layers (qwen_windows.py)
@@ -362,8 +370,10 @@ def parse_multipliers(cfg: dict[str, Any], arch: str) -> dict[str, float]:
     return out
 
 
-def parse_rope(cfg: dict[str, Any], rope_types: tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> RopeConfig:
-    """Rope settings from either config form; a scaling type not in ``rope_types`` is a clear error."""
+def parse_rope(cfg: dict[str, Any], rope_types: tuple[str, ...] = SUPPORTED_ROPE_TYPES,
+               default_theta: float = 10000.0) -> RopeConfig:
+    """Rope settings from either config form; a scaling type not in ``rope_types`` is a clear error.
+    ``default_theta``: the family's, for a config that gives no ``rope_theta``."""
     params = cfg.get("rope_parameters")
     if params:
         if "rope_type" not in params and "type" not in params and "rope_theta" not in params:
@@ -373,7 +383,7 @@ def parse_rope(cfg: dict[str, Any], rope_types: tuple[str, ...] = SUPPORTED_ROPE
         params = dict(cfg.get("rope_scaling") or {})
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    theta = params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
+    theta = params.pop("rope_theta", None) or cfg.get("rope_theta") or default_theta
     if rope_type == "mrope":  # an older alias of the default rotary embedding
         rope_type = "default"
     if rope_type not in rope_types:

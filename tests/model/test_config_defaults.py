@@ -42,3 +42,15 @@ def test_given_keys_win_over_defaults(arch, hf_class):
     spec = ModelSpec.from_dict({"architectures": [arch], **keys})
     hf = getattr(transformers, hf_class)(**keys)
     assert (spec.max_position_embeddings, spec.rms_norm_eps) == (hf.max_position_embeddings, hf.rms_norm_eps)
+
+
+@pytest.mark.parametrize("arch, hf_class", FAMILIES)
+def test_rope_theta_and_head_dim_left_out_take_transformers_defaults(arch, hf_class):
+    """MixtralConfig's default_theta is 1e6 and Qwen3Config's head_dim 128 (not hidden // heads):
+    a config.json without the key rotates and shapes its heads as transformers builds them."""
+    hf = getattr(transformers, hf_class)(**SHAPE)
+    spec = ModelSpec.from_dict({"architectures": [arch], **SHAPE})
+    params = hf.rope_parameters
+    # Gemma 3 keeps one rope per layer type: the global layers' is spec.rope
+    assert spec.rope.theta == params.get("rope_theta", params.get("full_attention", {}).get("rope_theta"))
+    assert spec.head_dim == (getattr(hf, "head_dim", None) or SHAPE["hidden_size"] // SHAPE["num_attention_heads"])
