@@ -291,13 +291,29 @@ def refuse_quantized(cfg: dict[str, Any], arch: str) -> None:
     bitsandbytes, compressed-tensors, ...) is refused: the loader would cast the stored integers
     or fp8 bytes as if they were the weights and serve garbage without an error."""
     quant = cfg.get("quantization_config")
-    if not quant:
+    if not quant or _kv_cache_only(quant):
         return
     method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
     raise UnsupportedModelError(
         f"{arch}: the checkpoint's weights are quantized (quantization_config.quant_method={method!r}); "
         "loraplex serves unquantized bfloat16/float16/float32 weights only: serve the unquantized "
         "checkpoint (KV memory can be halved with --kv-cache-dtype fp8)"
+    )
+
+
+def _kv_cache_only(quant: Any) -> bool:
+    """Whether a ``quantization_config`` quantizes the KV cache alone: compressed-tensors writes one
+    for a recipe with only a ``kv_cache_scheme`` (compressed-tensors#135, transformers#33874), and
+    the weights stay plain (vLLM serves such a checkpoint; its k_scale / v_scale tensors are named
+    at load as not read). It is that when no config group targets modules with a scheme."""
+    if not isinstance(quant, dict) or quant.get("quant_method") != "compressed-tensors":
+        return False
+    groups = quant.get("config_groups") or {}
+    if not quant.get("kv_cache_scheme") or not isinstance(groups, dict):
+        return False
+    schemes = ("weights", "input_activations", "output_activations")
+    return not any(
+        not isinstance(g, dict) or (g.get("targets") and any(g.get(k) for k in schemes)) for g in groups.values()
     )
 
 
