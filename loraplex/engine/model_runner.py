@@ -48,6 +48,7 @@ from loraplex.engine.spec_verify import position_views
 from loraplex.kernels.kv_quant import check_kv_dtype_device, kv_cache_torch_dtype
 from loraplex.lora.context import logits_lora
 from loraplex.lora.records import max_adapter_host_nbytes
+from loraplex.lora.slots import slot_pool_dtype
 from loraplex.lora.spec import LoRATargetSpec
 from loraplex.model.config import ModelSpec
 from loraplex.model.layers import AttentionMetadata
@@ -208,8 +209,10 @@ class ModelRunner:
 
     def lora_slot_bytes(self) -> int:
         """Bytes of the LoRA slot pool at its largest: ``max_loras`` slots of ``max_lora_rank`` on every
-        targetable module, embed_tokens and lm_head included (``lora.slots.SlotPool``)."""
-        per_slot = max_adapter_host_nbytes(self.lora_target_spec(), self.config.max_lora_rank, self.dtype)
+        targetable module, embed_tokens and lm_head included (``lora.slots.SlotPool``, in its dtype:
+        fp32 on CPU whatever the model's)."""
+        pool_dtype = slot_pool_dtype(self.device, self.dtype)
+        per_slot = max_adapter_host_nbytes(self.lora_target_spec(), self.config.max_lora_rank, pool_dtype)
         return self.config.max_loras * per_slot
 
     def _max_chunk_tokens(self) -> int | None:

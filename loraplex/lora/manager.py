@@ -39,7 +39,7 @@ from loraplex.lora.errors import AdapterBusyError, AdapterLoadFailedError, Inval
 from loraplex.lora.host_cache import HostCache
 from loraplex.lora.host_tier import HostTier
 from loraplex.lora.records import PreparedAdapter, host_budget_bytes
-from loraplex.lora.slots import SlotPool
+from loraplex.lora.slots import SlotPool, slot_pool_dtype
 from loraplex.lora.spec import AdapterRef, LoRATargetSpec
 
 
@@ -52,10 +52,8 @@ class LoRAManager:
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_lora_rank = config.max_lora_rank
-        # CPU matmuls on small bf16 batches are ~10x slower than fp32 (AVX2): keep CPU stacks in
-        # fp32; host copies stay in the engine dtype and are converted when a slot is filled
-        pool_dtype = torch.float32 if self.device.type == "cpu" else dtype
-        self.pool = SlotPool(spec, config.max_loras, config.max_lora_rank, self.device, pool_dtype)
+        self.pool = SlotPool(spec, config.max_loras, config.max_lora_rank, self.device,
+                             slot_pool_dtype(self.device, dtype))
         self.host = HostCache(host_budget_bytes(config, spec, dtype))
         self.catalog = AdapterCatalog(spec, config.max_lora_rank, dtype)
         self._records = self.catalog.records  # the same dict: adapter id -> AdapterRecord

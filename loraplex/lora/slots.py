@@ -31,6 +31,13 @@ from loraplex.lora.vocab_slots import VocabStacks
 from loraplex.lora.weights import AdapterWeights
 
 
+def slot_pool_dtype(device: torch.device | str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the slot pool's stacks for an engine of ``dtype`` on ``device``: CPU matmuls on
+    small bf16 batches are ~10x slower than fp32 (AVX2), so CPU stacks are fp32 (host copies stay
+    in the engine dtype and are converted when a slot is filled)."""
+    return torch.float32 if torch.device(device).type == "cpu" else dtype
+
+
 @dataclass
 class LoRAStack:
     """The stacked buffers of one packed projection in one layer (see module doc)."""

@@ -61,3 +61,17 @@ def test_cpu_budget_and_given_bytes_are_the_cache_alone(llama_dir, loraplex_home
     assert few.num_blocks == many.num_blocks
     given = _runner(llama_dir, loraplex_home, max_loras=64, kv_cache_bytes=1 << 20)
     assert given.num_blocks == (1 << 20) // given.kv_bytes_per_page
+
+
+def test_figure_is_the_pools_own_dtype_on_cpu(llama_dir, loraplex_home):
+    """The start-up line's pool figure on a bfloat16 CPU engine: its stacks are fp32 there (CPU
+    bf16 matmuls are slow), so the figure is what that engine's own pool holds, not half of it."""
+    from loraplex.engine.llm import LLM
+
+    llm = LLM(model=str(llama_dir), dtype="bfloat16", device="cpu", home=loraplex_home, block_size=BLOCK,
+              max_lora_rank=RANK, max_loras=3, kv_cache_bytes=1 << 20)
+    pool = llm.engine.lora_manager.pool
+    pool._allocate()
+    for module in VOCAB_TARGETS:
+        pool.vocab._allocate(module)
+    assert pool.nbytes - 1024 <= llm.engine.runner.lora_slot_bytes() <= pool.nbytes
