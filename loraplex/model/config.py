@@ -61,6 +61,12 @@ DEFAULT_RMS_NORM_EPS = {PHI3_ARCHITECTURE: 1e-5, MIXTRAL: 1e-5}
 # config without head_dim has heads of 128 whatever its hidden size
 DEFAULT_ROPE_THETA = {MIXTRAL: 1_000_000.0}
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128}
+# num_key_value_heads left out: the config class's default (an explicit null, or a family not
+# listed, means one KV head per query head)
+DEFAULT_NUM_KV_HEADS = {
+    "MistralForCausalLM": 8, "Qwen2ForCausalLM": 32, "Qwen3ForCausalLM": 32, MIXTRAL: 8, QWEN2_MOE: 16, QWEN3_MOE: 4,
+    "GemmaForCausalLM": 16, "Gemma2ForCausalLM": 4, "Gemma3ForCausalLM": 4, GEMMA3_MULTIMODAL: 4,
+}
 
 if TYPE_CHECKING:
     from loraplex.model.gemma_config import GemmaSpec
@@ -330,7 +336,7 @@ def common_spec_fields(cfg: dict[str, Any], arch: str, name: str) -> dict[str, A
         intermediate_size=int(cfg["intermediate_size"]),
         num_layers=int(cfg["num_hidden_layers"]),
         num_heads=num_heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        num_kv_heads=int(cfg.get("num_key_value_heads", DEFAULT_NUM_KV_HEADS.get(arch)) or num_heads),
         rms_norm_eps=float(cfg.get("rms_norm_eps") or DEFAULT_RMS_NORM_EPS.get(arch, 1e-6)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),

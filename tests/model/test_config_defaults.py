@@ -54,3 +54,22 @@ def test_rope_theta_and_head_dim_left_out_take_transformers_defaults(arch, hf_cl
     # Gemma 3 keeps one rope per layer type: the global layers' is spec.rope
     assert spec.rope.theta == params.get("rope_theta", params.get("full_attention", {}).get("rope_theta"))
     assert spec.head_dim == (getattr(hf, "head_dim", None) or SHAPE["hidden_size"] // SHAPE["num_attention_heads"])
+
+
+@pytest.mark.parametrize("arch, hf_class", FAMILIES)
+def test_kv_heads_left_out_take_transformers_defaults(arch, hf_class):
+    """num_key_value_heads left out is the config class's default (Mistral and Mixtral 8, Qwen2-MoE
+    16, Qwen3-MoE 4, ...), not one KV head per query head for every family; an explicit null, where
+    the config class takes one, is one per query head in both."""
+    shape = {k: v for k, v in SHAPE.items() if k != "num_key_value_heads"} | dict(hidden_size=256,
+                                                                                 num_attention_heads=32)
+    hf = getattr(transformers, hf_class)(**shape)
+    assert ModelSpec.from_dict({"architectures": [arch], **shape}).num_kv_heads == hf.num_key_value_heads
+    null = dict(shape, num_key_value_heads=None)
+    try:
+        hf = getattr(transformers, hf_class)(**null)
+    except Exception:  # noqa: BLE001 - this config class takes no null (strict int field)
+        return
+    if hf.num_key_value_heads is None:  # kept as null (Qwen2-MoE): transformers cannot build that model
+        return
+    assert ModelSpec.from_dict({"architectures": [arch], **null}).num_kv_heads == hf.num_key_value_heads == 32
