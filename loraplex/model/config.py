@@ -208,6 +208,16 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], name: str = "model") -> "ModelSpec":
+        """The spec a checkpoint's config.json describes; ``UnsupportedModelError`` names what
+        loraplex cannot serve, or a key every family needs (``hidden_size``, ...) that is missing."""
+        try:
+            return cls._from_config(cfg, name)
+        except KeyError as exc:
+            raise UnsupportedModelError(f"{name}: config.json has no {exc.args[0]!r}, which the model's shape needs") \
+                from exc
+
+    @classmethod
+    def _from_config(cls, cfg: dict[str, Any], name: str) -> "ModelSpec":
         architectures = cfg.get("architectures") or []
         arch = architectures[0] if architectures else _arch_from_model_type(cfg.get("model_type"))
         refuse_quantized(cfg, arch)

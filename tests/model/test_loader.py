@@ -148,3 +148,15 @@ def test_quantized_checkpoint_is_refused_not_cast(tmp_path, tiny_llama_dir, quan
     _edit_config(model_dir, quantization_config=quantization_config)
     with pytest.raises(UnsupportedModelError, match=f"quant_method='{quantization_config['quant_method']}'"):
         ModelSpec.from_dir(model_dir)
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                 "vocab_size"])
+def test_a_config_without_a_shape_key_is_named(tmp_path, tiny_llama_dir, key):
+    model_dir = tmp_path / "no-key"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    del cfg[key]
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match=f"config.json has no '{key}'"):
+        ModelSpec.from_dir(model_dir)
