@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraplex.lora.spec import LoRATargetSpec
+from loraplex.model.fp8_config import Fp8WeightFormat, QuantizationRefused, fp8_weight_format
 from loraplex.model.gemma3_multimodal import GEMMA3_MULTIMODAL, UNSERVED_PREFIXES, gemma3_text_config, image_token_id
 from loraplex.model.longrope import LongRopeConfigError, parse_longrope
 from loraplex.model.moe_config import (
@@ -131,6 +132,8 @@ class ModelSpec:
     # never computes, so a prompt holding it is refused
     image_token_id: int | None = None
     moe: MoESpec | None = None  # the sparse MLP blocks of a mixture-of-experts model (moe_config.py)
+    # an FP8 checkpoint's weight format (fp8_config.py); None: the weights are stored unquantized
+    weight_format: Fp8WeightFormat | None = None
 
     @property
     def q_size(self) -> int:
@@ -220,7 +223,21 @@ class ModelSpec:
     def _from_config(cls, cfg: dict[str, Any], name: str) -> "ModelSpec":
         architectures = cfg.get("architectures") or []
         arch = architectures[0] if architectures else _arch_from_model_type(cfg.get("model_type"))
-        refuse_quantized(cfg, arch)
+        try:
+            weight_format = fp8_weight_format(cfg)
+        except QuantizationRefused as exc:
+            raise UnsupportedModelError(f"{arch}: {exc}") from exc
+        spec = cls._from_unquantized_dict(cfg, arch, name)
+        if weight_format is None:
+            return spec
+        if spec.moe is not None:  # experts are stacked and run by moe.py, which has no fp8 path
+            raise UnsupportedModelError(
+                f"{arch}: fp8 weights ({weight_format.describe()}) are served for dense models only, "
+                "not mixture-of-experts ones: serve the unquantized checkpoint")
+        return replace(spec, weight_format=weight_format)
+
+    @classmethod
+    def _from_unquantized_dict(cls, cfg: dict[str, Any], arch: str, name: str) -> "ModelSpec":
         from loraplex.model.gemma_config import GEMMA_VERSIONS, gemma_spec_fields  # it imports this module
 
         if arch == GEMMA3_MULTIMODAL:  # the text model inside (text_config); the vision tower is not served
@@ -300,37 +317,6 @@ class ModelSpec:
         model_dir = Path(model_dir)
         cfg = json.loads((model_dir / "config.json").read_text())
         return cls.from_dict(cfg, name=name or model_dir.name)
-
-
-def refuse_quantized(cfg: dict[str, Any], arch: str) -> None:
-    """A checkpoint whose weights are stored quantized (fp8 with ``weight_scale``, GPTQ, AWQ,
-    bitsandbytes, compressed-tensors, ...) is refused: the loader would cast the stored integers
-    or fp8 bytes as if they were the weights and serve garbage without an error."""
-    quant = cfg.get("quantization_config")
-    if not quant or _kv_cache_only(quant):
-        return
-    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-    raise UnsupportedModelError(
-        f"{arch}: the checkpoint's weights are quantized (quantization_config.quant_method={method!r}); "
-        "loraplex serves unquantized bfloat16/float16/float32 weights only: serve the unquantized "
-        "checkpoint (KV memory can be halved with --kv-cache-dtype fp8)"
-    )
-
-
-def _kv_cache_only(quant: Any) -> bool:
-    """Whether a ``quantization_config`` quantizes the KV cache alone: compressed-tensors writes one
-    for a recipe with only a ``kv_cache_scheme`` (compressed-tensors#135, transformers#33874), and
-    the weights stay plain (vLLM serves such a checkpoint; its k_scale / v_scale tensors are named
-    at load as not read). It is that when no config group targets modules with a scheme."""
-    if not isinstance(quant, dict) or quant.get("quant_method") != "compressed-tensors":
-        return False
-    groups = quant.get("config_groups") or {}
-    if not quant.get("kv_cache_scheme") or not isinstance(groups, dict):
-        return False
-    schemes = ("weights", "input_activations", "output_activations")
-    return not any(
-        not isinstance(g, dict) or (g.get("targets") and any(g.get(k) for k in schemes)) for g in groups.values()
-    )
 
 
 def common_spec_fields(cfg: dict[str, Any], arch: str, name: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from torch import nn
 from loraplex.kernels import dispatch
 from loraplex.model.config import ModelSpec
 from loraplex.model.cpu_linear import PrepackedLinear, use_prepacked_linears
+from loraplex.model.fp8_weights import dequantize
 from loraplex.model.layers import AttentionMetadata, rms_norm
 from loraplex.model.rope import RotaryEmbedding, apply_rotary
 
@@ -130,15 +131,27 @@ class LlamaForCausalLM(nn.Module):
             self.prepacked = self.prepacked_head = None
             return
         dtype = weight.dtype
+        # an fp8 weight is dequantized to fp32 here, once: the prepacked GEMM then runs as for fp32
         self.prepacked = [
             {
-                name: PrepackedLinear(getattr(layer, f"{name}_weight"), getattr(layer, f"{name}_bias"), dtype)
+                name: PrepackedLinear(self.linear_weight(i, name, torch.float32), getattr(layer, f"{name}_bias"), dtype)
                 for name in ("qkv", "o", "gate_up", "down")
                 if getattr(layer, f"{name}_weight", None) is not None  # an MoE layer may have no dense MLP
             }
-            for layer in self.layers
+            for i, layer in enumerate(self.layers)
         ]
         self.prepacked_head = PrepackedLinear(self.lm_head_weight, None, torch.float32)
+
+    def linear_weight(self, i: int, name: str, dtype: torch.dtype) -> torch.Tensor:  # [out, in]
+        """Layer ``i``'s packed ``name`` weight for a matmul in ``dtype``: the parameter itself, or an
+        fp8 one (an FP8 checkpoint's, with its ``{name}_weight_scale``) dequantized (fp8_weights)."""
+        layer = self.layers[i]
+        weight = getattr(layer, f"{name}_weight")
+        scale = getattr(layer, f"{name}_weight_scale", None)
+        if scale is None:
+            return weight
+        block = self.spec.weight_format.block_size
+        return dequantize(weight, scale, dtype, block[1] if block else None)
 
     def _project(self, i: int, name: str, x: torch.Tensor, lora: LoRAStepContext | None,
                  lora_prefix: str = "") -> torch.Tensor:
@@ -154,8 +167,7 @@ class LlamaForCausalLM(nn.Module):
             if lora is not None:
                 lora.apply(i, f"{lora_prefix}{name}_proj", x32, y)
             return y if y.dtype == linear.out_dtype else y.to(linear.out_dtype)
-        layer = self.layers[i]
-        y = F.linear(x, getattr(layer, f"{name}_weight"), getattr(layer, f"{name}_bias"))
+        y = F.linear(x, self.linear_weight(i, name, x.dtype), getattr(self.layers[i], f"{name}_bias"))
         if lora is not None:
             lora.apply(i, f"{lora_prefix}{name}_proj", x, y)
         return y

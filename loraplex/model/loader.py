@@ -18,6 +18,9 @@ from safetensors import safe_open
 
 from loraplex.config import DEFAULT_MODEL
 from loraplex.model.config import ModelSpec
+from loraplex.model.cpu_linear import use_prepacked_linears
+from loraplex.model.fp8_config import Fp8WeightFormat
+from loraplex.model.fp8_weights import IGNORED_SUFFIXES, Fp8Weight, dequantize, pack_fp8, take_fp8_weight
 from loraplex.model.gguf import ModelNotFoundError, convert_gguf, smollm2_gguf_path
 from loraplex.model.gemma import GemmaForCausalLM
 from loraplex.model.gemma3_multimodal import GEMMA3_MULTIMODAL, language_model_key
@@ -88,14 +91,58 @@ def _packed(raw: dict[str, torch.Tensor], take, fused: str, parts: list[str], ki
     return torch.cat([take(f"{part}.{kind}") for part in parts])
 
 
+def _packed_weight(raw: dict[str, torch.Tensor], take, fused: str, parts: list[str],
+                   fmt: Fp8WeightFormat | None) -> torch.Tensor | Fp8Weight:
+    """A packed projection's weight (see ``_packed``); of an FP8 checkpoint, its parts' fp8 rows
+    and scales packed alike (``fp8_weights``) unless the checkpoint stores them unquantized."""
+    if fmt is not None:
+        names = [fused] if f"{fused}.weight" in raw else parts
+        packed = pack_fp8([take_fp8_weight(raw, take, name, fmt) for name in names], names)
+        if packed is not None:
+            return packed
+    return _packed(raw, take, fused, parts, "weight")
+
+
+def _dense_weight(raw: dict[str, torch.Tensor], take, module: str, fmt: Fp8WeightFormat | None) -> torch.Tensor:
+    """``module``'s weight in full precision: an fp8 one outside the packed projections (an lm_head
+    a checkpoint did not ``ignore``) is dequantized here, in fp32, and takes its usual memory."""
+    quantized = None if fmt is None else take_fp8_weight(raw, take, module, fmt)
+    if quantized is None:
+        return take(f"{module}.weight")
+    block_cols = fmt.block_size[1] if fmt.block_size else None
+    return dequantize(quantized.weight, quantized.scale, torch.float32, block_cols)
+
+
+def _install_fp8(model: torch.nn.Module, fp8: dict[str, Fp8Weight]) -> None:
+    """Register each fp8 weight's scale beside it (``layers.{i}.{name}_weight`` ->
+    ``{name}_weight_scale``), a buffer, so it moves with the model and the decoder finds it."""
+    for param_name, quantized in fp8.items():
+        layer_path, attr = param_name.rsplit(".", 1)
+        model.get_submodule(layer_path).register_buffer(f"{attr}_scale", quantized.scale)
+
+
+def _log_fp8(spec: ModelSpec, fp8: dict[str, Fp8Weight], dtype: torch.dtype, device) -> None:
+    fp8_mib = sum(w.nbytes for w in fp8.values()) / (1 << 20)
+    full_mib = sum(w.weight.numel() for w in fp8.values()) * dtype.itemsize / (1 << 20)
+    how = ("dequantized to fp32 once at load for the CPU prepacked GEMM" if use_prepacked_linears(device, dtype)
+           else f"kept fp8 on the device, dequantized to {str(dtype).removeprefix('torch.')} at each matmul "
+                "(W8A16: activations are not quantized)")
+    static = "; the checkpoint's static input_scale tensors are not applied" \
+        if spec.weight_format.activation_scheme == "static" else ""
+    logger.info("weights: %s on %d packed projections, %.1f MiB with scales (%.1f MiB unquantized); %s%s",
+                spec.weight_format.describe(), len(fp8), fp8_mib, full_mib, how, static)
+
+
 def load_model(
     model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, max_positions: int
 ) -> LlamaForCausalLM:
     """Build the decoder and fill its packed parameters from the HF checkpoint (of a multimodal
-    one, the language model's tensors only: see ``gemma3_multimodal``)."""
+    one, the language model's tensors only: see ``gemma3_multimodal``). The packed projections of
+    an FP8 checkpoint stay fp8 with their scales (``fp8_weights``; the decoder dequantizes them)."""
     rename = language_model_key if spec.architecture == GEMMA3_MULTIMODAL else None
     raw = {_strip_prefix(k): v for k, v in read_safetensors(Path(model_dir), rename).items()}
     used: set[str] = set()
+    fmt = spec.weight_format
 
     def take(name: str) -> torch.Tensor:
         # popped: a tensor concatenated or stacked into a packed parameter (an MoE model's experts,
@@ -110,7 +157,7 @@ def load_model(
     model = model_class(spec, dtype, "meta", max_positions=1)
     params: dict[str, torch.Tensor] = {"embed_tokens": take("embed_tokens.weight"), "norm": take("norm.weight")}
     if not spec.tie_word_embeddings:
-        params["lm_head"] = take("lm_head.weight")
+        params["lm_head"] = _dense_weight(raw, take, "lm_head", fmt)
     elif "lm_head.weight" in raw:
         take("lm_head.weight")  # tied: the embedding is the head
     for i in range(spec.num_layers):
@@ -119,10 +166,10 @@ def load_model(
         params[p + "input_layernorm"] = take(p + "input_layernorm.weight")
         params[p + "post_attention_layernorm"] = take(p + "post_attention_layernorm.weight")
         qkv_parts = [f"{attn}{m}_proj" for m in "qkv"]
-        params[p + "qkv_weight"] = _packed(raw, take, attn + "qkv_proj", qkv_parts, "weight")
+        params[p + "qkv_weight"] = _packed_weight(raw, take, attn + "qkv_proj", qkv_parts, fmt)
         if spec.qkv_bias:
             params[p + "qkv_bias"] = _packed(raw, take, attn + "qkv_proj", qkv_parts, "bias")
-        params[p + "o_weight"] = take(attn + "o_proj.weight")
+        params[p + "o_weight"] = _packed_weight(raw, take, attn + "o_proj", [attn + "o_proj"], fmt)
         if spec.qk_norm:
             q_norm, k_norm = take(attn + "q_norm.weight"), take(attn + "k_norm.weight")
             params[p + "qk_norm"] = torch.cat([q_norm.expand(spec.num_heads, -1), k_norm.expand(spec.num_kv_heads, -1)])
@@ -138,8 +185,8 @@ def load_model(
             params.update(sparse_layer_params(raw, take, p, spec.moe))
             continue
         gate_up_parts = [mlp + "gate_proj", mlp + "up_proj"]
-        params[p + "gate_up_weight"] = _packed(raw, take, mlp + "gate_up_proj", gate_up_parts, "weight")
-        params[p + "down_weight"] = take(mlp + "down_proj.weight")
+        params[p + "gate_up_weight"] = _packed_weight(raw, take, mlp + "gate_up_proj", gate_up_parts, fmt)
+        params[p + "down_weight"] = _packed_weight(raw, take, mlp + "down_proj", [mlp + "down_proj"], fmt)
         if spec.mlp_bias:
             params[p + "gate_up_bias"] = _packed(raw, take, mlp + "gate_up_proj", gate_up_parts, "bias")
             params[p + "down_bias"] = take(mlp + "down_proj.bias")
@@ -151,11 +198,17 @@ def load_model(
             "(kv_cache_dtype) is written with a scale of 1.0, values beyond the format's range saturate",
             len(kv_scales), kv_scales[:2])
         unused = [k for k in unused if k not in kv_scales]
+    if fmt is not None:  # static activation scales: W8A16 computes activations in the model dtype
+        unused = [k for k in unused if not k.endswith(IGNORED_SUFFIXES)]
     if unused:
         logger.warning("ignoring %d unexpected tensors in %s (e.g. %s)", len(unused), model_dir, unused[:3])
 
-    state = {name: tensor.to(dtype=dtype) for name, tensor in params.items()}
+    fp8 = {name: w for name, w in params.items() if isinstance(w, Fp8Weight)}
+    state = {name: fp8[name].weight if name in fp8 else tensor.to(dtype=dtype) for name, tensor in params.items()}
     model.load_state_dict(state, strict=True, assign=True)
+    _install_fp8(model, fp8)
+    if fmt is not None:
+        _log_fp8(spec, fp8, dtype, device)
     model = model.to(device)
     for param in model.parameters():
         param.requires_grad_(False)

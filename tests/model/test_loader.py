@@ -133,16 +133,30 @@ def test_served_context_follows_yarn_not_sliding_window(tmp_path, tiny_llama_dir
         LLM(model=str(windowed), dtype="float32", home=loraplex_home, kv_cache_bytes=4 << 20, max_model_len=1025)
 
 
+INT8_W8A8 = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                           "strategy": "channel"},
+                          "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}}}
+W4A16 = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                       "strategy": "group", "group_size": 128}}}
+
+
 @pytest.mark.parametrize("quantization_config", [
-    {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
-    {"quant_method": "compressed-tensors", "format": "float-quantized"},
     {"quant_method": "gptq", "bits": 4, "group_size": 128},
     {"quant_method": "awq", "bits": 4},
     {"quant_method": "bitsandbytes", "load_in_4bit": True},
+    {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": INT8_W8A8, "ignore": ["lm_head"]},
+    {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": W4A16},
+    {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}},
+     "sparsity_config": {"format": "sparse-24-bitmask", "targets": ["Linear"]}},
+    {"quant_method": "compressed-tensors", "format": "float-quantized"},  # no config_groups to say how
+    {"quant_method": "fp8", "fmt": "e5m2"},
+    {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128]},
 ])
-def test_quantized_checkpoint_is_refused_not_cast(tmp_path, tiny_llama_dir, quantization_config):
-    """A quantized checkpoint stores integers or fp8 bytes with scales beside them: loading would
-    cast them as if they were the weights, so it is refused at start, naming the method."""
+def test_non_fp8_quantized_checkpoint_is_refused_not_cast(tmp_path, tiny_llama_dir, quantization_config):
+    """A quantized checkpoint whose weights are not fp8 stores integers (or packed 4-bit values) with
+    scales beside them: loading would cast them as if they were the weights, so it is refused at
+    start, naming the method. FP8 weights are served (tests/model/test_fp8_weights.py)."""
     model_dir = tmp_path / "quantized"
     shutil.copytree(tiny_llama_dir, model_dir)
     _edit_config(model_dir, quantization_config=quantization_config)
