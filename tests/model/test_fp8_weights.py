@@ -14,6 +14,7 @@ from loraplex.model.fp8_weights import FP8_DTYPE
 from loraplex.model.loader import load_model, read_safetensors
 from tests.fixtures.fp8_checkpoints import SCHEMES, write_fp8_pair
 from tests.fixtures.tiny_models import make_tiny_model_dir
+from tests.fixtures.tiny_phi3 import make_tiny_phi3_dir
 from tests.model.helpers import chunk_metadata, new_kv_caches, relative_error
 
 BLOCK_SIZE = 16
@@ -24,6 +25,8 @@ CASES = {  # name -> (model kind, scheme)
     "qwen2-ct-channel": ("qwen2", "ct-channel"),
     "llama-ct-tensor": ("llama", "ct-tensor"),
     "qwen3-ct-block": ("qwen3", "ct-block"),
+    "gemma2-fp8-block": ("gemma2", "fp8-block"),
+    "phi3-fused-ct-tensor": ("phi3", "ct-tensor"),  # one scale for the fused qkv_proj / gate_up_proj
 }
 
 
@@ -31,7 +34,7 @@ CASES = {  # name -> (model kind, scheme)
 def pair(request, tmp_path_factory):
     kind, scheme = CASES[request.param]
     root = tmp_path_factory.mktemp(request.param)
-    src = make_tiny_model_dir(root / "src", kind, seed=5)
+    src = make_tiny_phi3_dir(root / "src", seed=5) if kind == "phi3" else make_tiny_model_dir(root / "src", kind, seed=5)
     write_fp8_pair(src, root / "fp8", root / "reference", scheme)
     ref = AutoModelForCausalLM.from_pretrained(root / "reference", dtype=torch.float32).eval()
     return root / "fp8", scheme, ref
@@ -76,12 +79,14 @@ def test_projections_stay_fp8_with_per_part_scales(pair):
     spec, ours = _load(model_dir, resident=True)
     raw = read_safetensors(model_dir)
     layer = ours.layers[0]
-    q, k, v = (raw[f"model.layers.0.self_attn.{m}_proj.weight"] for m in "qkv")
+    fused = raw.get("model.layers.0.self_attn.qkv_proj.weight")  # Phi-3 stores qkv_proj fused
+    stored = fused if fused is not None else torch.cat(
+        [raw[f"model.layers.0.self_attn.{m}_proj.weight"] for m in "qkv"])
+    assert torch.equal(layer.qkv_weight.view(torch.uint8), stored.view(torch.uint8))
     assert layer.qkv_weight.dtype == FP8_DTYPE and layer.qkv_weight.element_size() == 1
-    assert torch.equal(layer.qkv_weight.view(torch.uint8), torch.cat([q, k, v]).view(torch.uint8))
     assert layer.qkv_weight_scale.dtype == torch.float32
     assert layer.qkv_weight_scale.shape[0] == spec.q_size + 2 * spec.kv_size
-    if SCHEMES[scheme][1][0].startswith("tensor"):  # each part's scalar on its own rows
+    if SCHEMES[scheme][1][0].startswith("tensor") and fused is None:  # each part's scalar on its own rows
         suffix = SCHEMES[scheme][2]
         parts = [raw[f"model.layers.0.self_attn.{m}_proj.{suffix}"].float().reshape(()) for m in "qkv"]
         sizes = [spec.q_size, spec.kv_size, spec.kv_size]
