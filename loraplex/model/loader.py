@@ -121,12 +121,24 @@ def _install_fp8(model: torch.nn.Module, fp8: dict[str, Fp8Weight]) -> None:
         model.get_submodule(layer_path).register_buffer(f"{attr}_scale", quantized.scale)
 
 
-def _log_fp8(spec: ModelSpec, fp8: dict[str, Fp8Weight], dtype: torch.dtype, device) -> None:
+def fp8_stays_resident(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether an FP8 checkpoint's projections stay fp8 in memory, dequantized at each matmul (on
+    a CPU with the prepacked GEMM, beside their fp32 prepacked copies, which are what runs), or
+    are dequantized to ``dtype`` once at load: on a CPU without the prepacked path a dequantization
+    per matmul would cost more than the decode-sized matmul itself, and memory is not the limit."""
+    return torch.device(device).type != "cpu" or use_prepacked_linears(device, dtype)
+
+
+def _log_fp8(spec: ModelSpec, fp8: dict[str, Fp8Weight], dtype: torch.dtype, device, resident: bool) -> None:
     fp8_mib = sum(w.nbytes for w in fp8.values()) / (1 << 20)
     full_mib = sum(w.weight.numel() for w in fp8.values()) * dtype.itemsize / (1 << 20)
-    how = ("dequantized to fp32 once at load for the CPU prepacked GEMM" if use_prepacked_linears(device, dtype)
-           else f"kept fp8 on the device, dequantized to {str(dtype).removeprefix('torch.')} at each matmul "
-                "(W8A16: activations are not quantized)")
+    dtype_name = str(dtype).removeprefix("torch.")
+    if not resident:
+        how = f"dequantized to {dtype_name} once at load (CPU)"
+    elif use_prepacked_linears(device, dtype):
+        how = "dequantized to fp32 once at load for the CPU prepacked GEMM"
+    else:
+        how = f"kept fp8 on the device, dequantized to {dtype_name} at each matmul (W8A16: activations are not quantized)"
     static = "; the checkpoint's static input_scale tensors are not applied" \
         if spec.weight_format.activation_scheme == "static" else ""
     logger.info("weights: %s on %d packed projections, %.1f MiB with scales (%.1f MiB unquantized); %s%s",
@@ -134,11 +146,13 @@ def _log_fp8(spec: ModelSpec, fp8: dict[str, Fp8Weight], dtype: torch.dtype, dev
 
 
 def load_model(
-    model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, max_positions: int
+    model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, max_positions: int,
+    fp8_resident: bool | None = None,
 ) -> LlamaForCausalLM:
     """Build the decoder and fill its packed parameters from the HF checkpoint (of a multimodal
     one, the language model's tensors only: see ``gemma3_multimodal``). The packed projections of
-    an FP8 checkpoint stay fp8 with their scales (``fp8_weights``; the decoder dequantizes them)."""
+    an FP8 checkpoint stay fp8 with their scales (``fp8_weights``; the decoder dequantizes them) where
+    ``fp8_resident`` says so (None: ``fp8_stays_resident``), else are dequantized here."""
     rename = language_model_key if spec.architecture == GEMMA3_MULTIMODAL else None
     raw = {_strip_prefix(k): v for k, v in read_safetensors(Path(model_dir), rename).items()}
     used: set[str] = set()
@@ -204,11 +218,16 @@ def load_model(
         logger.warning("ignoring %d unexpected tensors in %s (e.g. %s)", len(unused), model_dir, unused[:3])
 
     fp8 = {name: w for name, w in params.items() if isinstance(w, Fp8Weight)}
+    resident = fp8_stays_resident(device, dtype) if fp8_resident is None else fp8_resident
+    if fmt is not None:
+        _log_fp8(spec, fp8, dtype, device, resident)
+    if not resident:
+        block_cols = fmt.block_size[1] if fmt is not None and fmt.block_size else None
+        params.update({name: dequantize(w.weight, w.scale, dtype, block_cols) for name, w in fp8.items()})
+        fp8 = {}
     state = {name: fp8[name].weight if name in fp8 else tensor.to(dtype=dtype) for name, tensor in params.items()}
     model.load_state_dict(state, strict=True, assign=True)
     _install_fp8(model, fp8)
-    if fmt is not None:
-        _log_fp8(spec, fp8, dtype, device)
     model = model.to(device)
     for param in model.parameters():
         param.requires_grad_(False)

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from loraplex import LLM, SamplingParams
-from loraplex.model import llama
+from loraplex.model import llama, loader
 from tests.fixtures.fp8_checkpoints import write_fp8_pair
 from tests.fixtures.peft_adapters import make_peft_adapter, peft_model_for
 from tests.fixtures.tiny_models import make_tiny_model_dir
@@ -29,17 +29,18 @@ def world(tmp_path_factory):
     return root, dirs, peft_model_for(base, dirs)
 
 
-@pytest.mark.parametrize("resident", [False, True], ids=["prepacked", "dequant-per-matmul"])
-def test_mixed_batch_on_fp8_base_matches_peft_on_dequantized_base(world, resident):
+@pytest.mark.parametrize("path", ["prepacked", "dequant-per-matmul", "dequantized-at-load"])
+def test_mixed_batch_on_fp8_base_matches_peft_on_dequantized_base(world, path):
     root, dirs, peft_model = world
     with pytest.MonkeyPatch.context() as mp:
-        if resident:  # what CUDA runs: no prepacked copies, the fp8 weights dequantized at each matmul
+        if path != "prepacked":  # no prepacked copies; fp8 resident is what CUDA runs
             mp.setattr(llama, "use_prepacked_linears", lambda device, dtype: False)
+            mp.setattr(loader, "fp8_stays_resident", lambda device, dtype: path == "dequant-per-matmul")
         llm = LLM(model=str(root / "fp8"), dtype="float32", device="cpu", home=root / "home",
                   max_loras=2, max_lora_rank=8)
     model = llm.engine.runner.model
-    assert (model.prepacked is None) == resident
-    assert model.layers[0].qkv_weight.dtype == torch.float8_e4m3fn
+    assert (model.prepacked is None) == (path != "prepacked")
+    assert (model.layers[0].qkv_weight.dtype == torch.float8_e4m3fn) == (path != "dequantized-at-load")
     prompts = [[5 + (7 * i + j) % 250 for j in range(6 + i)] for i in range(6)]
     which = [None, "all", "qv", "all", None, "qv"]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),

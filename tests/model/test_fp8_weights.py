@@ -1,7 +1,8 @@
 """FP8 checkpoints (quant_method fp8 and compressed-tensors float-quantized) against transformers
 on the same model's dequantized weights: logits of a prefill and of a mixed prefill + decode step,
-on the CPU prepacked path (dequantized at load) and on the fp8-resident path that dequantizes at
-each matmul (what CUDA runs; forced here on CPU)."""
+on each path: the CPU prepacked GEMM (dequantized to fp32 at load), fp8 kept resident and
+dequantized at each matmul (what CUDA runs; forced here on CPU), and dequantized to the model
+dtype at load (a CPU without the prepacked GEMM)."""
 
 from __future__ import annotations
 
@@ -40,10 +41,14 @@ def pair(request, tmp_path_factory):
     return root / "fp8", scheme, ref
 
 
-def _load(model_dir, resident: bool):
+PATHS = ("prepacked", "dequant-per-matmul", "dequantized-at-load")
+
+
+def _load(model_dir, path: str):
     spec = ModelSpec.from_dir(model_dir)
-    model = load_model(model_dir, spec, torch.float32, "cpu", max_positions=512)
-    if resident:  # the device path: fp8 weights dequantized per matmul, no prepacked copies
+    model = load_model(model_dir, spec, torch.float32, "cpu", max_positions=512,
+                       fp8_resident=None if path == "prepacked" else path == "dequant-per-matmul")
+    if path != "prepacked":  # no prepacked copies: the model's own weights run
         model.prepacked = model.prepacked_head = None
     return spec, model
 
@@ -53,10 +58,11 @@ def _ref_logits(ref, tokens: list[int]) -> torch.Tensor:  # [len, vocab]
         return ref(torch.tensor([tokens])).logits[0].float()
 
 
-@pytest.mark.parametrize("resident", [False, True], ids=["prepacked", "dequant-per-matmul"])
-def test_prefill_and_mixed_step_match_transformers_on_dequantized_weights(pair, resident):
+@pytest.mark.parametrize("path", PATHS)
+def test_prefill_and_mixed_step_match_transformers_on_dequantized_weights(pair, path):
     model_dir, scheme, ref = pair
-    spec, ours = _load(model_dir, resident)
+    spec, ours = _load(model_dir, path)
+    assert (ours.layers[0].qkv_weight.dtype == FP8_DTYPE) == (path != "dequantized-at-load")
     torch.manual_seed(0)
     seq_a = torch.randint(0, spec.vocab_size, (45,)).tolist()
     seq_b = torch.randint(0, spec.vocab_size, (18,)).tolist()
@@ -76,7 +82,7 @@ def test_prefill_and_mixed_step_match_transformers_on_dequantized_weights(pair, 
 def test_projections_stay_fp8_with_per_part_scales(pair):
     """The packed weights are the stored fp8 bytes (one byte each), the scales fp32 per row."""
     model_dir, scheme, _ = pair
-    spec, ours = _load(model_dir, resident=True)
+    spec, ours = _load(model_dir, "dequant-per-matmul")
     raw = read_safetensors(model_dir)
     layer = ours.layers[0]
     fused = raw.get("model.layers.0.self_attn.qkv_proj.weight")  # Phi-3 stores qkv_proj fused
@@ -99,7 +105,7 @@ def test_ignored_modules_stay_unquantized(tmp_path):
     precision; every other projection is fp8."""
     src = make_tiny_model_dir(tmp_path / "src", "qwen2", seed=2)
     write_fp8_pair(src, tmp_path / "fp8", tmp_path / "ref", "ct-channel")
-    _, ours = _load(tmp_path / "fp8", resident=True)
+    _, ours = _load(tmp_path / "fp8", "dequant-per-matmul")
     hf = read_safetensors(src)
     assert ours.lm_head.dtype == torch.float32 and torch.equal(ours.lm_head, hf["lm_head.weight"])
     assert ours.layers[1].down_weight.dtype == torch.float32
@@ -108,14 +114,16 @@ def test_ignored_modules_stay_unquantized(tmp_path):
     assert ours.layers[0].down_weight.dtype == FP8_DTYPE and ours.layers[1].gate_up_weight.dtype == FP8_DTYPE
 
 
-def test_bfloat16_dequant_per_matmul_matches_the_prepacked_path(tmp_path):
-    """In bf16 the per-matmul dequantization rounds the bf16 scale product once (compressed-tensors
-    stores bf16 scales, so the product is exact before that rounding): the weights it multiplies
-    with are the reference weights rounded to bf16."""
+@pytest.mark.parametrize("resident", [True, False], ids=["dequant-per-matmul", "dequantized-at-load"])
+def test_bfloat16_dequantized_weights_are_the_reference_rounded_once(tmp_path, resident):
+    """In bf16 the dequantization rounds the product of the fp8 value and the bf16 scale once
+    (compressed-tensors stores bf16 scales, so the product is exact before that rounding): the
+    weights the matmuls use are the reference weights rounded to bf16."""
     src = make_tiny_model_dir(tmp_path / "src", "llama", seed=4)
     write_fp8_pair(src, tmp_path / "fp8", tmp_path / "ref", "ct-channel")
     spec = ModelSpec.from_dir(tmp_path / "fp8")
-    ours = load_model(tmp_path / "fp8", spec, torch.bfloat16, "cpu", max_positions=64)
+    ours = load_model(tmp_path / "fp8", spec, torch.bfloat16, "cpu", max_positions=64, fp8_resident=resident)
+    assert (ours.layers[0].qkv_weight.dtype == FP8_DTYPE) == resident
     ref = read_safetensors(tmp_path / "ref")
     for name, parts in (("qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
                         ("gate_up", ("mlp.gate_proj", "mlp.up_proj"))):
