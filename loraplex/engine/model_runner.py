@@ -111,7 +111,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir, self.model_name = resolve_model_dir(config.model, config.home)
-        self.spec = ModelSpec.from_dir(self.model_dir, name=self.model_name)
+        self.spec = ModelSpec.from_dir(self.model_dir, name=self.model_name, quantization=config.quantization)
         self.max_model_len = self._resolve_max_model_len()
         self.model = load_model(self.model_dir, self.spec, self.dtype, self.device, self.max_model_len)
         self.tokenizer = load_tokenizer(self.model_dir)

@@ -210,21 +210,23 @@ class ModelSpec:
         )
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any], name: str = "model") -> "ModelSpec":
+    def from_dict(cls, cfg: dict[str, Any], name: str = "model", quantization: str | None = None) -> "ModelSpec":
         """The spec a checkpoint's config.json describes; ``UnsupportedModelError`` names what
-        loraplex cannot serve, or a key every family needs (``hidden_size``, ...) that is missing."""
+        loraplex cannot serve, or a key every family needs (``hidden_size``, ...) that is missing.
+        ``quantization``: vLLM's option, "fp8" to quantize an unquantized checkpoint at load
+        (``fp8_config``); an FP8 checkpoint is read as fp8 either way."""
         try:
-            return cls._from_config(cfg, name)
+            return cls._from_config(cfg, name, quantization)
         except KeyError as exc:
             raise UnsupportedModelError(f"{name}: config.json has no {exc.args[0]!r}, which the model's shape needs") \
                 from exc
 
     @classmethod
-    def _from_config(cls, cfg: dict[str, Any], name: str) -> "ModelSpec":
+    def _from_config(cls, cfg: dict[str, Any], name: str, quantization: str | None) -> "ModelSpec":
         architectures = cfg.get("architectures") or []
         arch = architectures[0] if architectures else _arch_from_model_type(cfg.get("model_type"))
         try:
-            weight_format = fp8_weight_format(cfg)
+            weight_format = fp8_weight_format(cfg, quantization)
         except QuantizationRefused as exc:
             raise UnsupportedModelError(f"{arch}: {exc}") from exc
         spec = cls._from_unquantized_dict(cfg, arch, name)
@@ -313,10 +315,10 @@ class ModelSpec:
         return spec
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, name: str | None = None) -> "ModelSpec":
+    def from_dir(cls, model_dir: str | Path, name: str | None = None, quantization: str | None = None) -> "ModelSpec":
         model_dir = Path(model_dir)
         cfg = json.loads((model_dir / "config.json").read_text())
-        return cls.from_dict(cfg, name=name or model_dir.name)
+        return cls.from_dict(cfg, name=name or model_dir.name, quantization=quantization)
 
 
 def common_spec_fields(cfg: dict[str, Any], arch: str, name: str) -> dict[str, Any]:

@@ -17,6 +17,10 @@ at each matmul, and activations are never quantized.
   (``weight_scale`` [1]), "channel" (``weight_scale`` [out, 1]) or "block" (``block_structure``
   [rows, cols]); ``ignore`` (typically ``lm_head``) lists modules left unquantized.
 
+vLLM's ``quantization="fp8"`` (``LLM(quantization=...)``, ``--quantization fp8``) on an
+unquantized checkpoint: its projections are quantized to fp8 at load, one scale per output row
+(``QUANTIZE_AT_LOAD``), then served the same way. On an FP8 checkpoint it changes nothing.
+
 Everything else with a ``quantization_config`` (GPTQ, AWQ, bitsandbytes, integer or 4-bit
 compressed-tensors, sparse formats) is refused naming the method: loading would cast stored
 integers as if they were weights.
@@ -31,6 +35,7 @@ FP8_METHOD = "fp8"
 COMPRESSED_TENSORS = "compressed-tensors"
 ACTIVATION_SCHEMES = ("dynamic", "static")
 CHANNEL_STRATEGIES = ("tensor", "channel", "block")
+QUANTIZATION_OPTIONS = (None, "fp8")  # vLLM's quantization option: the values loraplex serves
 
 
 class QuantizationRefused(ValueError):
@@ -51,6 +56,18 @@ class Fp8WeightFormat:
     def describe(self) -> str:
         scales = f"{self.block_size[0]}x{self.block_size[1]} block" if self.block_size else f"per-{self.strategy}"
         return f"fp8 e4m3 ({self.method}, {scales} scales)"
+
+
+# an unquantized checkpoint quantized by the loader (fp8_weights.quantize_per_channel)
+QUANTIZE_AT_LOAD = Fp8WeightFormat("quantized at load", "channel")
+
+
+def check_quantization(quantization: str | None) -> None:
+    """vLLM's ``quantization`` option: None (the checkpoint's own) or "fp8"."""
+    if quantization not in QUANTIZATION_OPTIONS:
+        raise ValueError(f"quantization={quantization!r} is not served: give 'fp8' (an unquantized checkpoint's "
+                         "weights quantized to fp8 at load) or leave it unset (FP8 checkpoints are read as "
+                         "stored; GPTQ, AWQ, bitsandbytes and integer formats are not served)")
 
 
 def _refuse(method: Any, why: str) -> QuantizationRefused:
@@ -120,12 +137,14 @@ def _compressed_tensors(quant: dict[str, Any]) -> Fp8WeightFormat:
     return Fp8WeightFormat(method, strategy, block, "static" if static else "dynamic", tuple(quant.get("ignore") or ()))
 
 
-def fp8_weight_format(cfg: dict[str, Any]) -> Fp8WeightFormat | None:
-    """The FP8 weight format of a ``config.json``; None when the weights are not quantized.
+def fp8_weight_format(cfg: dict[str, Any], quantization: str | None = None) -> Fp8WeightFormat | None:
+    """The FP8 weight format of a ``config.json`` (with vLLM's ``quantization`` option: "fp8"
+    quantizes an unquantized checkpoint at load); None when the weights are served unquantized.
     Raises ``QuantizationRefused`` for any other quantization."""
+    check_quantization(quantization)
     quant = cfg.get("quantization_config")
     if not quant or _kv_cache_only(quant):
-        return None
+        return QUANTIZE_AT_LOAD if quantization == "fp8" else None
     method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
     if method == FP8_METHOD:
         return _fp8_method(quant)

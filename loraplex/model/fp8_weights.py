@@ -27,6 +27,7 @@ import torch
 from loraplex.model.fp8_config import Fp8WeightFormat
 
 FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")  # transformers' block scales; vLLM / compressed-tensors
 # per-module tensors of a quantized checkpoint read past: static activation scales (W8A16 does
 # not quantize activations) and compressed-tensors' all-zero symmetric zero points
@@ -91,6 +92,15 @@ def pack_fp8(parts: list[Fp8Weight | None], names: list[str]) -> Fp8Weight | Non
     if len(groups) > 1:
         raise ValueError(f"{names}: the parts' scales cover different input groups ({sorted(groups)})")
     return Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]))
+
+
+def quantize_per_channel(weight: torch.Tensor) -> Fp8Weight:
+    """``weight`` [out, in] quantized to fp8 with one scale per output row (its largest magnitude
+    maps to the format's largest value; an all-zero row gets scale 1), rounding to nearest."""
+    w32 = weight.float()
+    amax = w32.abs().amax(dim=1, keepdim=True)  # [out, 1]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return Fp8Weight((w32 / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block_cols: int | None) -> torch.Tensor:

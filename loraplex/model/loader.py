@@ -19,8 +19,10 @@ from safetensors import safe_open
 from loraplex.config import DEFAULT_MODEL
 from loraplex.model.config import ModelSpec
 from loraplex.model.cpu_linear import use_prepacked_linears
-from loraplex.model.fp8_config import Fp8WeightFormat
-from loraplex.model.fp8_weights import IGNORED_SUFFIXES, Fp8Weight, dequantize, pack_fp8, take_fp8_weight
+from loraplex.model.fp8_config import QUANTIZE_AT_LOAD, Fp8WeightFormat
+from loraplex.model.fp8_weights import (
+    IGNORED_SUFFIXES, Fp8Weight, dequantize, pack_fp8, quantize_per_channel, take_fp8_weight,
+)
 from loraplex.model.gguf import ModelNotFoundError, convert_gguf, smollm2_gguf_path
 from loraplex.model.gemma import GemmaForCausalLM
 from loraplex.model.gemma3_multimodal import GEMMA3_MULTIMODAL, language_model_key
@@ -75,6 +77,8 @@ def read_safetensors(model_dir: Path, rename: Callable[[str], str | None] | None
 
 # per-layer K/V scales that fp8-KV checkpoints (llm-compressor, ModelOpt) store beside the weights
 KV_SCALE_SUFFIXES = ("k_scale", "v_scale")
+# the decoder's packed projection weights: what an FP8 checkpoint stores fp8 (and quantization="fp8" quantizes)
+PACKED_WEIGHTS = (".qkv_weight", ".o_weight", ".gate_up_weight", ".down_weight")
 
 
 def _strip_prefix(name: str) -> str:
@@ -217,6 +221,9 @@ def load_model(
     if unused:
         logger.warning("ignoring %d unexpected tensors in %s (e.g. %s)", len(unused), model_dir, unused[:3])
 
+    if fmt == QUANTIZE_AT_LOAD:  # vLLM's quantization="fp8" on an unquantized checkpoint
+        params.update({name: quantize_per_channel(w) for name, w in params.items()
+                       if name.endswith(PACKED_WEIGHTS) and not isinstance(w, Fp8Weight)})
     fp8 = {name: w for name, w in params.items() if isinstance(w, Fp8Weight)}
     resident = fp8_stays_resident(device, dtype) if fp8_resident is None else fp8_resident
     if fmt is not None:
