@@ -142,7 +142,8 @@ def _log_fp8(spec: ModelSpec, fp8: dict[str, Fp8Weight], dtype: torch.dtype, dev
     elif use_prepacked_linears(device, dtype):
         how = "dequantized to fp32 once at load for the CPU prepacked GEMM"
     else:
-        how = f"kept fp8 on the device, dequantized to {dtype_name} at each matmul (W8A16: activations are not quantized)"
+        how = (f"kept fp8 on the device, dequantized to {dtype_name} at each matmul "
+               "(W8A16: activations are not quantized)")
     static = "; the checkpoint's static input_scale tensors are not applied" \
         if spec.weight_format.activation_scheme == "static" else ""
     logger.info("weights: %s on %d packed projections, %.1f MiB with scales (%.1f MiB unquantized); %s%s",

@@ -35,7 +35,10 @@ CASES = {  # name -> (model kind, scheme)
 def pair(request, tmp_path_factory):
     kind, scheme = CASES[request.param]
     root = tmp_path_factory.mktemp(request.param)
-    src = make_tiny_phi3_dir(root / "src", seed=5) if kind == "phi3" else make_tiny_model_dir(root / "src", kind, seed=5)
+    if kind == "phi3":
+        src = make_tiny_phi3_dir(root / "src", seed=5)
+    else:
+        src = make_tiny_model_dir(root / "src", kind, seed=5)
     write_fp8_pair(src, root / "fp8", root / "reference", scheme)
     ref = AutoModelForCausalLM.from_pretrained(root / "reference", dtype=torch.float32).eval()
     return root / "fp8", scheme, ref

@@ -144,7 +144,8 @@ W4A16 = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "
     {"quant_method": "gptq", "bits": 4, "group_size": 128},
     {"quant_method": "awq", "bits": 4},
     {"quant_method": "bitsandbytes", "load_in_4bit": True},
-    {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": INT8_W8A8, "ignore": ["lm_head"]},
+    {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": INT8_W8A8,
+     "ignore": ["lm_head"]},
     {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": W4A16},
     {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
         "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}},
