@@ -85,3 +85,18 @@ def test_malformed_fp8_checkpoint_fails_clearly(tmp_path, edit, message):
     _edit_weights(tmp_path / "fp8", edit)
     with pytest.raises(ValueError, match=message):
         load_model(tmp_path / "fp8", ModelSpec.from_dir(tmp_path / "fp8"), torch.float32, "cpu", 64)
+
+
+def test_adapters_are_checked_against_the_unquantized_shapes(tmp_path):
+    """The registry validates an upload against the base model's LoRA target shapes
+    (``base_model_spec``, from its config.json): an FP8 checkpoint's are its unquantized model's."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from loraplex.registry.base_model import base_model_spec
+
+    src = make_tiny_model_dir(tmp_path / "src", "qwen3", seed=1)
+    write_fp8_pair(src, tmp_path / "fp8", tmp_path / "ref", "fp8-block")
+    fp8 = base_model_spec(SimpleNamespace(model=str(tmp_path / "fp8"), home=tmp_path / "home"))
+    plain = base_model_spec(SimpleNamespace(model=str(src), home=tmp_path / "home"))
+    assert fp8.model_name == "fp8" and replace(fp8, model_name="m") == replace(plain, model_name="m")
