@@ -3,7 +3,9 @@
 Tokens of many sequences are concatenated without padding; prefill chunks and decodes share one
 forward. K/V go to the paged cache and attention reads it back, both only through
 ``loraplex.kernels.dispatch``. Projections are packed: ``qkv_proj`` (q, k, v along out) and
-``gate_up_proj`` (gate, up), so a step runs four matmuls per layer.
+``gate_up_proj`` (gate, up), so a step runs four matmuls per layer. An FP8 checkpoint's packed
+weights are fp8 with a scale per row beside them (``fp8_weights``); ``linear_weight`` dequantizes
+one for its matmul (W8A16), and LoRA acts on the activations as for any base.
 
 Granite's multipliers (``ModelSpec``) are applied where transformers' ``GraniteForCausalLM`` and
 vLLM's ``granite.py`` apply them: the embeddings are scaled, the softmax scale is
