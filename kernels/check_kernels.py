@@ -17,6 +17,7 @@ from loraplex.kernels.attention_ref import paged_attention_ref, write_kv_cache_r
 from loraplex.kernels.lora_ref import lora_expand_ref, lora_shrink_ref
 from loraplex.kernels.triton_attention import paged_attention_triton, write_kv_cache_triton
 from loraplex.kernels.triton_lora import lora_expand_triton, lora_shrink_triton
+from loraplex.model.fp8_weights import dequantize, quantize_per_channel
 
 TOLERANCE = 1e-2  # bf16 operands land between 1e-3 and 1e-2 against an fp32 reference
 
@@ -116,6 +117,20 @@ def _attention_case(report, gen, name, seqs, heads, kv_heads, head_dim, block_si
     report.check(f"{name} attention", err < TOLERANCE, f"rel err {err:.2e}, seqs (prefix, query)={seqs}{splits}")
 
 
+def _fp8_weight_case(report, gen, name, tokens, in_features, out_features, dtype, device):
+    """An FP8 checkpoint's projection (W8A16): fp8 weight and per-row scales on the device,
+    dequantized to ``dtype`` for the matmul, against the fp32 product with the same fp8 weight."""
+    weight = torch.randn(out_features, in_features, generator=gen) * in_features**-0.5
+    fp8 = quantize_per_channel(weight)
+    x = torch.randn(tokens, in_features, generator=gen).to(device=device, dtype=dtype)
+    w_dev, s_dev = fp8.weight.to(device), fp8.scale.to(device)
+    y = torch.nn.functional.linear(x, dequantize(w_dev, s_dev, dtype, None))
+    ref = x.float() @ (fp8.weight.float() * fp8.scale).to(device).T
+    err = rel_err(y, ref)
+    report.check(name, err < TOLERANCE and w_dev.dtype == torch.float8_e4m3fn,
+                 f"rel err {err:.2e} ({tokens} tokens, {in_features} -> {out_features})")
+
+
 def run_checks(report: Report, on_gpu: bool) -> None:
     device = "cuda" if on_gpu else "cpu"
     # the interpreter multiplies bf16 wrongly in tl.dot (triton-lang/triton#11584): fp16 there
@@ -183,5 +198,7 @@ def run_checks(report: Report, on_gpu: bool) -> None:
     for name, split in (("mistral window, freed blocks, bs16", None), ("mistral window, freed blocks, split-KV", splits)):
         _attention_case(report, gen, name, m_seqs, heads, kv_heads, head_dim, 16, dtype, device, split,
                         free_out_of_window=True, sliding_window=m_window)
+    # an FP8 checkpoint's gate_up projection, dequantized on the device for a bf16 matmul
+    _fp8_weight_case(report, gen, "fp8 weights (W8A16) gate_up", decode_tokens, hidden, 2 * inter, dtype, device)
     # the fused MoE kernels at Qwen3-30B-A3B's expert shapes (moe_lab.py)
     check_moe(report, on_gpu, gen, dtype, device)

@@ -27,7 +27,8 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
                  "bs16 kv write", "bs16 attention", "bs32 attention", "gemma2 window+softcap bs16 attention",
                  "gemma2 window+softcap, freed blocks, split-KV attention", "decode lm_head shrink",
                  "decode lm_head expand", "fused moe T=1 torch.float16 (Qwen) weights",
-                 "fused moe T=17 fp32 (Mixtral) weights"):
+                 "fused moe T=17 fp32 (Mixtral) weights", "fp8 weights (W8A16) gate_up",
+                 "fp8 e4m3 cache bs16 attention"):
         assert f"PASS {name}:" in results
     assert "copy bandwidth:" in results and "## Paged attention" in results and "## Fused MoE" in results
     # the end-to-end part ran both decode modes (graphs: interpreter + eager stand-in capture),
