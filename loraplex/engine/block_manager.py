@@ -288,6 +288,8 @@ class BlockManager:
                 self._unregister(block)
                 self._release(block)
                 dropped += 1
+        if dropped:
+            seq.block_tables_version += 1  # entries removed in place (Sequence.block_tables_version)
         if self.enable_prefix_caching:
             self._register(seq, seq.num_computed_tokens)
         return dropped
@@ -318,6 +320,8 @@ class BlockManager:
                 self._release(table[i])
                 table[i] = FREED_BLOCK
             released += end - start
+        if released:
+            seq.block_tables_version += 1  # entries changed in place (Sequence.block_tables_version)
         return released
 
     def _release(self, block: int) -> None:

@@ -20,6 +20,8 @@ so does the embed_tokens LoRA once its stack exists (the LoRA graphs captured be
 are dropped then, once).
 The LM head (and its LoRA) runs after the replay, eagerly.
 With layer groups (``kv_layout``) each group has its own static slot mapping and block tables.
+The step's inputs come from ``decode_inputs`` (the runner builds them as it does for an eager
+decode step); this module only pads them to the bucket and copies them in.
 
 The capture function is injected: ``cuda_capture`` on a GPU; the tests replay eagerly on CPU
 (Triton interpreter) to check the padding and metadata against the unpadded forward.
@@ -33,8 +35,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from loraplex.engine.host_arrays import block_table_rows, to_tensor
-from loraplex.engine.kv_layout import KVLayout, window_first_blocks
+from loraplex.engine.decode_inputs import DecodeInputs
+from loraplex.engine.host_arrays import to_tensor
+from loraplex.engine.kv_layout import KVLayout
 from loraplex.engine.outputs import ScheduledSeq
 from loraplex.kernels.lora_meta import LoRABatchMeta
 from loraplex.lora.context import MAX_SLICES, LoRAStepContext, group_by_slot
@@ -87,6 +90,13 @@ class EagerReplay:
 def eager_capture(forward: Callable[[], torch.Tensor]) -> tuple[EagerReplay, torch.Tensor]:
     graph = EagerReplay(forward)
     return graph, graph.hidden
+
+
+def _padded(values: np.ndarray, length: int, fill: int) -> torch.Tensor:
+    """``values`` [n] followed by ``fill`` up to ``length`` (a bucket's padding rows)."""
+    out = np.full(length, fill, dtype=values.dtype)
+    out[: len(values)] = values
+    return torch.from_numpy(out)
 
 
 def _next_pow2(n: int) -> int:
@@ -149,13 +159,13 @@ class DecodeGraphs:
     # ---- one step ------------------------------------------------------------------------
     def run(
         self,
-        scheduled: list[ScheduledSeq],
+        inputs: DecodeInputs,  # the step's one token per sequence (decode_inputs.decode_inputs)
         token_slots: list[int] | None,  # per sequence (one token each); None = no adapter in the step
         pool: SlotPool | None,
-    ) -> torch.Tensor:  # [num_seqs, hidden_size], in ``scheduled`` order
-        num_seqs = len(scheduled)
+    ) -> torch.Tensor:  # [num_seqs, hidden_size], in ``inputs`` order
+        num_seqs = inputs.num_seqs
         batch = self.bucket_for(num_seqs)
-        self._fill_inputs(scheduled, batch)
+        self._fill_inputs(inputs, batch)
         seg_class = 0
         if token_slots is not None:
             seg_class = self._fill_lora(token_slots, batch, pool)
@@ -171,26 +181,21 @@ class DecodeGraphs:
         graph.graph.replay()
         return graph.hidden[:num_seqs]
 
-    def _fill_inputs(self, scheduled: list[ScheduledSeq], batch: int) -> None:
-        bs, n = self.block_size, len(scheduled)
-        if len(scheduled[0].block_tables) != self.layout.num_groups:  # built without the runner's layout
-            raise ValueError(f"{len(scheduled[0].block_tables)} block tables per sequence for "
+    def _fill_inputs(self, inputs: DecodeInputs, batch: int) -> None:
+        """Copy the step's inputs into the static buffers, rows ``n..batch-1`` as padding."""
+        n = inputs.num_seqs
+        if len(inputs.slot_mappings) != self.layout.num_groups:  # built without the runner's layout
+            raise ValueError(f"{len(inputs.slot_mappings)} block tables per sequence for "
                              f"{self.layout.num_groups} layer groups")
-        positions = [item.start_pos for item in scheduled]
-        input_ids = [item.seq.token_at(pos) for item, pos in zip(scheduled, positions)]
-        seq_lens = [p + 1 for p in positions]
-        padding = batch - n
-        self.input_ids[:batch].copy_(to_tensor(input_ids + [0] * padding, np.int64))
-        self.positions[:batch].copy_(to_tensor(positions + [0] * padding, np.int64))
-        for g, (slot_mapping, block_tables) in enumerate(zip(self.slot_mappings, self.block_tables)):
-            slots = [item.block_tables[g][pos // bs] * bs + pos % bs for item, pos in zip(scheduled, positions)]
-            slot_mapping[:batch].copy_(to_tensor(slots + [-1] * padding, np.int64))
-            window = self.layout.group_windows[g]
-            tables = block_table_rows([item.block_tables[g] for item in scheduled], seq_lens, bs,
-                                      first_blocks=window_first_blocks(positions, window, bs))
+        self.input_ids[:batch].copy_(_padded(inputs.input_ids, batch, 0))
+        self.positions[:batch].copy_(_padded(inputs.positions, batch, 0))
+        for slots, tables, slot_mapping, block_tables in zip(
+            inputs.slot_mappings, inputs.block_tables, self.slot_mappings, self.block_tables
+        ):
+            slot_mapping[:batch].copy_(_padded(slots, batch, -1))
             block_tables[:n, : tables.shape[1]].copy_(torch.from_numpy(tables))
-        self.seq_lens[:batch].copy_(to_tensor(seq_lens + [0] * padding, np.int32))
-        self.query_start_loc[: batch + 1].copy_(to_tensor(list(range(n + 1)) + [n] * padding, np.int32))
+        self.seq_lens[:batch].copy_(_padded(inputs.seq_lens, batch, 0))
+        self.query_start_loc[: batch + 1].copy_(to_tensor(list(range(n + 1)) + [n] * (batch - n), np.int32))
 
     def _fill_lora(self, token_slots: list[int], batch: int, pool: SlotPool) -> int:
         """Copy the step's segments into the static metadata; returns the segment class."""

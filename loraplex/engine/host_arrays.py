@@ -19,6 +19,8 @@ def to_tensor(values, dtype: np.dtype | type, device: torch.device | str = "cpu"
 def block_table_rows(tables: list[list[int]], seq_lens: list[int], block_size: int, width: int | None = None,
                      first_blocks: list[int] | None = None) -> np.ndarray:
     """[num_seqs, width] int32: each sequence's first ``ceil(seq_len / block_size)`` blocks,
+    copied afresh from the lists (the runner keeps a ``BlockTableMirror`` instead, updated by
+    what changed, and is tested against this),
     padded with 0 (``width`` defaults to the longest row). ``first_blocks``: per row, the entries
     before it are -1 without being read from the table (a windowed layer group's entries before
     its window, which no kernel reads: copying only the window keeps a long context's rows cheap)."""

@@ -110,14 +110,6 @@ class KVLayout:
         return lo
 
 
-def window_first_blocks(starts: list[int], window: int | None, block_size: int) -> list[int] | None:
-    """Per sequence whose step's queries start at ``starts[i]``, the first block a layer with
-    ``window`` reads (the block manager has given back the ones before it); None without a window."""
-    if window is None:
-        return None
-    return [max(0, start - window + 1) // block_size for start in starts]
-
-
 def _group_size(counts: list[int], num_layers: int) -> int:
     """The largest group size (at most the smallest kind's layer count) whose padding stays
     within ``MAX_PADDING_FRACTION`` of the layers; 1 never pads."""

@@ -40,8 +40,10 @@ import torch
 
 from loraplex.config import GiB, EngineConfig
 from loraplex.engine.cuda_graphs import DecodeGraphs, cuda_capture
-from loraplex.engine.host_arrays import block_table_rows, to_tensor
-from loraplex.engine.kv_layout import KVLayout, window_first_blocks
+from loraplex.engine.block_table_mirror import BlockTableMirror
+from loraplex.engine.decode_inputs import decode_inputs, is_one_token_step, window_first_blocks
+from loraplex.engine.host_arrays import to_tensor
+from loraplex.engine.kv_layout import KVLayout
 from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.spec_verify import position_views
@@ -135,6 +137,8 @@ class ModelRunner:
         # per layer: the storage tensor its group's pages index
         self.kv_caches = [self.kv_storage[slot] for slot in self.kv_layout.layer_slot]
         self.sampler = Sampler(seed=config.seed, device=self.device)
+        # host copy of the running sequences' block tables, updated by what changed each step
+        self.table_mirror = BlockTableMirror(self.kv_layout.num_groups, rows=config.max_num_seqs)
         self.lora_manager = None  # set by the engine (loraplex.lora LoRAManager)
         # decode steps replayed from CUDA graphs (opt-in; see cuda_graphs); None = always eager
         self.decode_graphs: DecodeGraphs | None = None
@@ -287,7 +291,8 @@ class ModelRunner:
         if self.lora_manager is not None:
             token_slots = self.lora_manager.step_slots([item.adapter_id for item in scheduled])
             pool = self.lora_manager.pool
-        hidden = self.decode_graphs.run(scheduled, token_slots, pool)  # [num_seqs, hidden_size]
+        inputs = decode_inputs(scheduled, self.block_size, self.kv_layout.group_windows, self.table_mirror)
+        hidden = self.decode_graphs.run(inputs, token_slots, pool)  # [num_seqs, hidden_size]
         # the LM head runs after the replay, eagerly, so its LoRA takes this step's own metadata
         head_lora = None if token_slots is None else logits_lora(pool, token_slots)
         return self._sample(hidden, [item.seq for item in scheduled], head_lora=head_lora)
@@ -336,21 +341,21 @@ class ModelRunner:
         return out
 
     def release(self, seq_ids) -> None:
-        """Drop per-sequence state. The runner keeps none today (seeded sampling derives its
-        generator per draw), so this only exists as the engine's hook."""
+        """Drop per-sequence state: the sequences' rows in the host copy of the block tables
+        (seeded sampling derives its generator per draw, so it keeps none)."""
+        self.table_mirror.forget(seq_ids)
 
     def prepare_batch(self, scheduled: list[ScheduledSeq]) -> FlatBatch:
+        if is_one_token_step(scheduled):  # decodes: most steps at large batches
+            return self._one_token_batch(scheduled)
         bs = self.block_size
         num_groups = self.kv_layout.num_groups
         input_ids: list[int] = []
         positions: list[int] = []
         group_slots: list[list[int]] = [[] for _ in range(num_groups)]  # per layer group
-        slots0 = group_slots[0]
-        hybrid = num_groups > 1  # else the one group's lists directly: a decode step's host time
         adapters: list[str | None] = []
         seq_lens: list[int] = []
         query_start = [0]
-        tables: list = []  # per sequence: its table (one group) or its tables (per group)
         sample_rows: list[int] = []
         sample_seqs: list = []
         prompt_logprob_rows: list[tuple] = []
@@ -358,15 +363,12 @@ class ModelRunner:
         for item in scheduled:
             start, n, item_tables = item.start_pos, item.num_tokens, item.block_tables
             end = start + n
-            if n == 1:  # a decode token: the common case at large batches
+            if n == 1:  # a decode token beside prompt chunks
                 input_ids.append(item.seq.token_at(start))
                 positions.append(start)
-                if hybrid:
-                    block, offset = divmod(start, bs)
-                    for slots, table in zip(group_slots, item_tables):
-                        slots.append(table[block] * bs + offset)
-                else:
-                    slots0.append(item_tables[0][start // bs] * bs + start % bs)
+                block, offset = divmod(start, bs)
+                for slots, table in zip(group_slots, item_tables):
+                    slots.append(table[block] * bs + offset)
                 adapters.append(item.adapter_id)
             else:
                 draft = item.draft_token_ids  # speculative: the known tokens, then the draft
@@ -392,7 +394,6 @@ class ModelRunner:
                     prompt_logprob_rows.append((seq, first, query_start[-1] + first - 1 - start, last - first + 1))
             seq_lens.append(end)
             query_start.append(query_start[-1] + n)
-            tables.append(item_tables if hybrid else item_tables[0])
             if item.draft_token_ids:  # sample at the last token and at every draft token
                 views = position_views(item.seq, item.draft_token_ids)
                 verify_spans.append((item.seq.seq_id, len(sample_rows), len(views)))
@@ -401,32 +402,52 @@ class ModelRunner:
             elif item.needs_sample:
                 sample_rows.append(query_start[-1] - 1)
                 sample_seqs.append(item.seq)
-        max_seq_len = max(seq_lens)
         dev = self.device
+        starts = np.array([item.start_pos for item in scheduled], dtype=np.int64)
+        tables = self.table_mirror.gather(
+            self.table_mirror.sync(scheduled), [-(-n // bs) for n in seq_lens],
+            [window_first_blocks(starts, window, bs) for window in self.kv_layout.group_windows])
+        return self._flat_batch(
+            to_tensor(input_ids, np.int64, dev), to_tensor(positions, np.int64, dev), group_slots, tables,
+            seq_lens, max(seq_lens), to_tensor(query_start, np.int32, dev), max(item.num_tokens for item in scheduled), adapters,
+            sample_rows, sample_seqs, prompt_logprob_rows, verify_spans)
+
+    def _one_token_batch(self, scheduled: list[ScheduledSeq]) -> FlatBatch:
+        """``prepare_batch`` for a step of one token per sequence (``decode_inputs``)."""
+        dev = self.device
+        inputs = decode_inputs(scheduled, self.block_size, self.kv_layout.group_windows, self.table_mirror)
+        sample_rows = [i for i, item in enumerate(scheduled) if item.needs_sample]
+        sample_seqs = [scheduled[i].seq for i in sample_rows]
+        return self._flat_batch(
+            torch.from_numpy(inputs.input_ids).to(dev), torch.from_numpy(inputs.positions).to(dev),
+            inputs.slot_mappings, inputs.block_tables, inputs.seq_lens, int(inputs.seq_lens.max()),
+            torch.arange(len(scheduled) + 1, dtype=torch.int32, device=dev), 1,
+            [item.adapter_id for item in scheduled], sample_rows, sample_seqs, [], [])
+
+    def _flat_batch(self, input_ids: torch.Tensor, positions: torch.Tensor, group_slots: list,
+                    tables: list[np.ndarray], seq_lens, max_seq_len: int, query_start_loc: torch.Tensor,
+                    max_query_len: int, adapters: list, sample_rows: list[int], sample_seqs: list,
+                    prompt_logprob_rows: list[tuple], verify_spans: list[tuple]) -> FlatBatch:
+        # group_slots: per layer group [T] (lists or int64 arrays); tables: per layer group
+        # [num_seqs, width] int32; seq_lens: [num_seqs] (a list or an int32 array)
+        dev = self.device
+        hybrid = self.kv_layout.num_groups > 1
         slot_mappings = [to_tensor(slots, np.int64, dev) for slots in group_slots]
-        if hybrid:
-            starts = [end - (query_start[i + 1] - query_start[i]) for i, end in enumerate(seq_lens)]
-            block_tables = [
-                to_tensor(block_table_rows([t[g] for t in tables], seq_lens, bs,
-                                           first_blocks=window_first_blocks(starts, window, bs)), np.int32, dev)
-                for g, window in enumerate(self.kv_layout.group_windows)
-            ]
-        else:
-            block_tables = [to_tensor(block_table_rows(tables, seq_lens, bs), np.int32, dev)]
+        block_tables = [torch.from_numpy(table).to(dev) for table in tables]
         attn = AttentionMetadata(
             slot_mapping=slot_mappings[0],
             block_tables=block_tables[0],
             seq_lens=to_tensor(seq_lens, np.int32, dev),
-            query_start_loc=to_tensor(query_start, np.int32, dev),
-            max_query_len=max(item.num_tokens for item in scheduled),
+            query_start_loc=query_start_loc,
+            max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             group_slot_mappings=slot_mappings if hybrid else None,
             group_block_tables=block_tables if hybrid else None,
             layer_group=self.kv_layout.layer_group if hybrid else None,
         )
         return FlatBatch(
-            input_ids=to_tensor(input_ids, np.int64, dev),
-            positions=to_tensor(positions, np.int64, dev),
+            input_ids=input_ids,
+            positions=positions,
             attn=attn,
             token_adapter_ids=adapters,
             sample_rows=sample_rows,

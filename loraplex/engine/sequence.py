@@ -74,6 +74,9 @@ class Sequence:
     num_computed_tokens: int = 0
     # per layer group, the pages of the sequence's blocks (block_manager.FREED_BLOCK: given back)
     block_tables: list[list[int]] = field(default_factory=list)
+    # bumped by the block manager whenever it changes or removes table entries in place
+    # (appending needs no bump): the runner's host copy of the tables recopies them then
+    block_tables_version: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     admitted_time: float | None = None  # last admission (RUNNING), for preemption order
     first_token_time: float | None = None
