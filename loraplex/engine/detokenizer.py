@@ -11,6 +11,11 @@ start of a stop string is held back until the next tokens decide.
 ``min_tokens`` holds for stop strings too (as vLLM's detokenizer, vllm-project/vllm#22014): a
 stop string counts only once more than ``min_tokens`` tokens were generated, and only where it
 ends in text those later tokens added (it may start in the earlier text).
+
+The text is kept as the pieces each token added (``text_between`` reads a span of it): growing
+one string with ``+=`` copies it whole per token, which is quadratic in the output's length
+(a stream of 8,000 tokens copied about 180 MB of text that way); the whole text is joined only
+when someone reads ``text``.
 """
 
 from __future__ import annotations
@@ -84,8 +89,34 @@ class IncrementalDetokenizer:
         self._ids = context  # decode window: prompt tail + every generated token
         self._prefix_offset = max(len(context) - _CONTEXT_TOKENS, 0)
         self._read_offset = len(context)
-        self.text = ""  # decoded generated text (cut at a stop string once one was found)
+        # the decoded generated text (cut at a stop string once one was found), as pieces
+        self._pieces: list[str] = []
+        self.text_len = 0  # len(text)
         self.stop_string: str | None = None
+
+    @property
+    def text(self) -> str:
+        """All of the generated text (joined once, then kept as one piece)."""
+        pieces = self._pieces
+        if len(pieces) > 1:
+            pieces[:] = ["".join(pieces)]
+        return pieces[0] if pieces else ""
+
+    def text_between(self, start: int, stop: int) -> str:
+        """``text[start:stop]``, joining only the pieces from ``start`` on (a streamed output
+        reads what is new since it last sent: the last piece or few)."""
+        if start >= stop:
+            return ""
+        if start == 0:  # the whole text (a cumulative output): joined once, kept as one piece
+            text = self.text
+            return text if stop >= len(text) else text[:stop]
+        pieces = self._pieces
+        i, begin = len(pieces), self.text_len  # begin: where pieces[i:] starts in the text
+        while begin > start:
+            i -= 1
+            begin -= len(pieces[i])
+        tail = pieces[i] if i == len(pieces) - 1 else "".join(pieces[i:])
+        return tail[start - begin : stop - begin]
 
     def _decode(self, ids: list[int]) -> str:
         if self._fast_decode is not None:  # positional: a keyword costs ~0.4 us per Rust call
@@ -120,39 +151,47 @@ class IncrementalDetokenizer:
             return None
         self._prefix_offset = read_offset
         self._read_offset = len(ids)
-        stop = self.stop
-        if not stop:
-            self.text += new_text[num_prefix_chars:]
+        piece = new_text[num_prefix_chars:]
+        start = self.text_len - self._max_stop_len + 1  # where a stop string ending in ``piece`` starts
+        self._pieces.append(piece)
+        self.text_len += len(piece)
+        if not self.stop or self._num_tokens <= self.min_tokens:
             return None
-        text = self.text
-        start = max(len(text) - self._max_stop_len + 1, 0)
-        self.text = text + new_text[num_prefix_chars:]
-        if self._num_tokens <= self.min_tokens:
-            return None
-        return self._find_stop(start)
+        return self._find_stop(max(start, 0))
 
     def _find_stop(self, start: int) -> str | None:
+        tail = self.text_between(start, self.text_len)
         best: tuple[int, str] | None = None
         for stop in self.stop:
-            pos = self.text.find(stop, start)
+            pos = tail.find(stop)
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, stop)
         if best is None:
             return None
         pos, stop = best
-        self.text = self.text[: pos + len(stop)] if self.include_stop else self.text[:pos]
+        cut = start + pos + (len(stop) if self.include_stop else 0)
+        text = self.text[:cut]
+        self._pieces[:] = [text] if text else []
+        self.text_len = cut
         self.stop_string = stop
         return stop
+
+    def held_back(self, finished: bool) -> int:
+        """How many characters at the end of the text to hold back now: none when finished or
+        without stop strings, else the longest tail that could still grow into a stop string."""
+        if finished or not self.stop:
+            return 0
+        tail = self.text_between(max(self.text_len - self._max_stop_len + 1, 0), self.text_len)
+        hold = 0
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(tail)), hold, -1):
+                if tail.endswith(stop[:k]):
+                    hold = k
+                    break
+        return hold
 
     def visible_text(self, finished: bool) -> str:
         """Text safe to show now: all of it when finished, else without a tail that could
         still grow into a stop string."""
-        if finished or not self.stop:
-            return self.text
-        hold = 0
-        for stop in self.stop:
-            for k in range(min(len(stop) - 1, len(self.text)), hold, -1):
-                if self.text.endswith(stop[:k]):
-                    hold = k
-                    break
-        return self.text[: len(self.text) - hold] if hold else self.text
+        hold = self.held_back(finished)
+        return self.text[: self.text_len - hold] if hold else self.text

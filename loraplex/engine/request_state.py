@@ -100,31 +100,31 @@ class RequestState:
             if seq.first_token_time is not None and (first_token_time is None or seq.first_token_time < first_token_time):
                 first_token_time = seq.first_token_time
             num_preemptions += seq.num_preemptions
-            text = t.detok.visible_text(seq_finished)
+            detok = t.detok
+            text_len = detok.text_len - detok.held_back(seq_finished)  # what may show now
             logprobs = seq.output_logprobs if seq.params.logprobs is not None else None
             finish_reason = status.value if seq_finished else None
             token_ids = seq.output_token_ids
             if not delta:
-                completions.append(
-                    CompletionOutput(seq.index, text, list(token_ids), finish_reason, logprobs, seq.stop_reason)
-                )
+                completions.append(CompletionOutput(seq.index, detok.text_between(0, text_len), list(token_ids),
+                                                    finish_reason, logprobs, seq.stop_reason))
                 continue
             num_tokens = len(token_ids)
             sent_text_len, sent_tokens = t.sent_text_len, t.sent_tokens
             report_finish = seq_finished and not t.finish_sent
-            if len(text) == sent_text_len and num_tokens == sent_tokens and not report_finish:
+            if text_len == sent_text_len and num_tokens == sent_tokens and not report_finish:
                 continue
             completions.append(
                 CompletionOutput(
                     seq.index,
-                    text[sent_text_len:],
+                    detok.text_between(sent_text_len, text_len),
                     token_ids[sent_tokens:],
                     finish_reason,
                     logprobs[sent_tokens:] if logprobs is not None else None,
                     seq.stop_reason,
                 )
             )
-            t.sent_text_len = len(text)
+            t.sent_text_len = text_len
             t.sent_tokens = num_tokens
             t.finish_sent = seq_finished
         if delta and not completions:
@@ -156,26 +156,29 @@ class RequestState:
         status = seq.status
         finished = status in FINISHED_STATUSES
         detok = t.detok
-        text = detok.visible_text(finished) if detok.stop else detok.text  # nothing held back without stops
+        text_len = detok.text_len  # what may show now: nothing held back without stop strings
+        if detok.stop:
+            text_len -= detok.held_back(finished)
         logprobs = seq.output_logprobs if seq.params.logprobs is not None else None
         finish_reason = status.value if finished else None
         token_ids = seq.output_token_ids
         if not delta:
-            completion = CompletionOutput(seq.index, text, list(token_ids), finish_reason, logprobs, seq.stop_reason)
+            completion = CompletionOutput(seq.index, detok.text_between(0, text_len), list(token_ids),
+                                          finish_reason, logprobs, seq.stop_reason)
         else:
             num_tokens = len(token_ids)
             sent_text_len, sent_tokens = t.sent_text_len, t.sent_tokens
-            if len(text) == sent_text_len and num_tokens == sent_tokens and (t.finish_sent or not finished):
+            if text_len == sent_text_len and num_tokens == sent_tokens and (t.finish_sent or not finished):
                 return None
             completion = CompletionOutput(
                 seq.index,
-                text[sent_text_len:],
+                detok.text_between(sent_text_len, text_len),
                 token_ids[sent_tokens:],
                 finish_reason,
                 logprobs[sent_tokens:] if logprobs is not None else None,
                 seq.stop_reason,
             )
-            t.sent_text_len = len(text)
+            t.sent_text_len = text_len
             t.sent_tokens = num_tokens
             t.finish_sent = finished
         if finished and self.finished_time is None:
