@@ -409,8 +409,9 @@ class ModelRunner:
             [window_first_blocks(starts, window, bs) for window in self.kv_layout.group_windows])
         return self._flat_batch(
             to_tensor(input_ids, np.int64, dev), to_tensor(positions, np.int64, dev), group_slots, tables,
-            seq_lens, max(seq_lens), to_tensor(query_start, np.int32, dev), max(item.num_tokens for item in scheduled), adapters,
-            sample_rows, sample_seqs, prompt_logprob_rows, verify_spans)
+            seq_lens, max(seq_lens), to_tensor(query_start, np.int32, dev),
+            max(item.num_tokens for item in scheduled), adapters, sample_rows, sample_seqs, prompt_logprob_rows,
+            verify_spans)
 
     def _one_token_batch(self, scheduled: list[ScheduledSeq]) -> FlatBatch:
         """``prepare_batch`` for a step of one token per sequence (``decode_inputs``)."""
