@@ -39,9 +39,10 @@ import numpy as np
 import torch
 
 from loraplex.config import GiB, EngineConfig
-from loraplex.engine.cuda_graphs import DecodeGraphs, cuda_capture
 from loraplex.engine.block_table_mirror import BlockTableMirror
+from loraplex.engine.cuda_graphs import DecodeGraphs, cuda_capture
 from loraplex.engine.decode_inputs import decode_inputs, is_one_token_step, window_first_blocks
+from loraplex.engine.device_choice import available_ram_bytes, resolve_device, resolve_dtype
 from loraplex.engine.host_arrays import to_tensor
 from loraplex.engine.kv_layout import KVLayout
 from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
@@ -60,32 +61,6 @@ logger = logging.getLogger(__name__)
 
 PROMPT_LOGPROB_ROWS = 256  # prompt rows per logits block: 256 x a 128k vocab in fp32 is 128 MiB
 CPU_KV_CAP_BYTES = 1 * GiB  # CPU KV budget cap before the fraction (vLLM's CPU default is 4 GiB)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"unsupported device {name!r}; use auto, cpu or cuda[:N]")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; use auto, {', '.join(DTYPES)}")
-    if device.type == "cpu" and name == "float16":
-        raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
-    return DTYPES[name]
-
-
 @dataclass
 class FlatBatch:
     """One step's tokens, concatenated over sequences (no padding)."""
@@ -198,7 +173,7 @@ class ModelRunner:
             free, _total = torch.cuda.mem_get_info(self.device)
             return self._leave_lora_slots(int(free * fraction))
         # on CPU the cap is a choice, not memory the slot pool competes for: that comes from RAM
-        return int(min(CPU_KV_CAP_BYTES, _available_ram_bytes() // 2) * fraction)
+        return int(min(CPU_KV_CAP_BYTES, available_ram_bytes() // 2) * fraction)
 
     def _leave_lora_slots(self, budget: int) -> int:
         """``budget`` less the LoRA slot pool, which will come out of the same device memory."""
@@ -456,17 +431,3 @@ class ModelRunner:
             prompt_logprob_rows=prompt_logprob_rows,
             verify_spans=verify_spans,
         )
-
-
-def _available_ram_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux); total physical memory elsewhere."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

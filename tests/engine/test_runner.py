@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from loraplex.config import EngineConfig
-from loraplex.engine.model_runner import ModelRunner, resolve_dtype
+from loraplex.engine.device_choice import resolve_dtype
+from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.outputs import SchedulerOutput, ScheduledSeq
 from loraplex.engine.sequence import Sequence
 from loraplex.sampling_params import SamplingParams
