@@ -5,9 +5,10 @@ vLLM and has no loraplex equivalent stops the start. The flags and their meaning
 loraplex/server/vllm_flag_table.py; this module adds them to a parser and reads them back.
 
 Some taken flags set a loraplex setting: ``--kv-cache-memory-bytes`` is ``--kv-cache-bytes``,
-``-O0`` (vLLM's "no compilation, no CUDA graphs") and a compilation config with ``cudagraph_mode``
-``NONE`` turn CUDA graphs off as ``--enforce-eager`` does (``apply``). ``--tokenizer``,
-``--hf-config-path``, ``--disable-sliding-window`` and the revisions depend on the model, so they
+``-O0`` (vLLM's "no compilation, no CUDA graphs") and a compilation config vLLM runs without CUDA
+graphs (``cudagraph_mode`` ``NONE``, or ``level`` / ``mode`` 0 without a full-graph mode:
+``compilation_without_graphs``) turn CUDA graphs off as ``--enforce-eager`` does (``apply``).
+``--tokenizer``, ``--hf-config-path``, ``--disable-sliding-window`` and the revisions depend on the model, so they
 are read once the model is known (``model_refusals``).
 """
 
@@ -71,14 +72,14 @@ def refusals(args: argparse.Namespace) -> list[str]:
 
 def apply(args: argparse.Namespace, overrides: dict) -> dict:
     """``overrides`` with what a taken flag asks of loraplex's settings: ``-O0`` or a compilation
-    config with ``cudagraph_mode`` ``NONE`` turns CUDA graphs off (vLLM's eager mode), and
+    config vLLM runs without CUDA graphs (``compilation_without_graphs``) turns them off, and
     ``--kv-cache-memory-bytes`` is ``--kv-cache-bytes``. Raises ``ValueError`` for a loraplex flag
     that says otherwise."""
     out = dict(overrides)
     config = given(args, "compilation_config") or {}
     eager = [f"-O {given(args, 'optimization_level')}"] if given(args, "optimization_level") == "0" else []
-    if str(config.get("cudagraph_mode", "")).upper() == "NONE":
-        eager.append('--compilation-config {"cudagraph_mode": "NONE"}')
+    if compilation_without_graphs(config):
+        eager.append(f"--compilation-config {json.dumps(config)}")
     if eager:
         if out.get("cuda_graphs"):
             raise ValueError(f"{eager[0]} turns CUDA graphs off and --cuda-graphs on: give one")
@@ -90,6 +91,38 @@ def apply(args: argparse.Namespace, overrides: dict) -> dict:
                              "size the same KV cache: give one")
         out["kv_cache_bytes"] = size
     return out
+
+
+# vLLM's CompilationMode (older CompilationLevel) names -> number; 3 is its own compiler's
+COMPILATION_MODES = {"NONE": 0, "NO_COMPILATION": 0, "STOCK_TORCH_COMPILE": 1, "DYNAMO_AS_IS": 1,
+                     "DYNAMO_TRACE_ONCE": 2, "DYNAMO_ONCE": 2, "VLLM_COMPILE": 3, "PIECEWISE": 3}
+# CUDA-graph modes that capture the whole forward, which vLLM runs without its compiler too
+FULL_GRAPH_MODES = ("FULL", "FULL_DECODE_ONLY")
+
+
+def _compilation_mode(config: dict) -> int | None:
+    mode = config.get("mode", config.get("level"))
+    if isinstance(mode, bool):
+        return None
+    if isinstance(mode, int):
+        return mode
+    if isinstance(mode, str):
+        text = mode.strip().upper()
+        return int(text) if text.isdigit() else COMPILATION_MODES.get(text)
+    return None
+
+
+def compilation_without_graphs(config: dict) -> bool:
+    """Whether vLLM runs a ``--compilation-config`` without CUDA graphs: ``cudagraph_mode``
+    ``NONE`` (or the older ``use_cudagraph: false``), or a mode (``level``) other than its own
+    compiler (3) without a full-graph ``cudagraph_mode``: vLLM's default graph mode is then NONE,
+    and a piecewise one is overridden to NONE, since piecewise graphs need its compiler
+    (vllm/config/vllm.py; ``-cc.mode=0`` is its "no compile or cudagraph")."""
+    graph_mode = str(config.get("cudagraph_mode", "")).strip().upper()
+    if graph_mode == "NONE" or config.get("use_cudagraph") is False:
+        return True
+    mode = _compilation_mode(config)
+    return mode is not None and mode != 3 and graph_mode not in FULL_GRAPH_MODES
 
 
 def uvicorn_options(args: argparse.Namespace) -> dict:

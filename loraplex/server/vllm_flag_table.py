@@ -105,7 +105,8 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
     "compilation_config": EngineFlag(
         ("--compilation-config",), {"type": compilation_config}, _always,
         "--compilation-config: loraplex does not compile the model (torch.compile); CUDA graphs follow "
-        "--cuda-graphs / --enforce-eager (cudagraph_mode NONE turns them off)"),
+        "--cuda-graphs / --enforce-eager, and are off where vLLM would run without them (cudagraph_mode "
+        "NONE, or level / mode 0-2 without a FULL cudagraph_mode)"),
     "load_format": EngineFlag(
         ("--load-format",), {}, _equals("auto", "safetensors"),
         "--load-format: safetensors weights are read, as vLLM's auto does",

@@ -95,6 +95,31 @@ def test_O0_and_cudagraph_mode_none_turn_cuda_graphs_off(parsed, monkeypatch):
         settings_from_args(parsed(["serve", "m", "-O0", "--cuda-graphs"]))
 
 
+@pytest.mark.parametrize("argv, graphs", [
+    # vLLM (vllm/config/vllm.py): a mode other than its compiler (3) defaults cudagraph_mode to
+    # NONE and overrides a piecewise one to NONE; FULL graphs need no compiler and are kept
+    (["--compilation-config", '{"level": 0}'], False),
+    (["--compilation-config", "0"], False),  # the bare level, older -O0
+    (["--compilation-config.mode", "0"], False),
+    (["-O.level", "0"], False),
+    (["--compilation-config", '{"mode": "NONE"}'], False),
+    (["--compilation-config", '{"level": 2}'], False),
+    (["--compilation-config", '{"mode": 0, "cudagraph_mode": "PIECEWISE"}'], False),
+    (["--compilation-config", '{"use_cudagraph": false}'], False),
+    (["--compilation-config", '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}'], True),
+    (["--compilation-config", '{"level": 3}'], True),
+    (["--compilation-config", '{"cudagraph_capture_sizes": [1, 2]}'], True),
+])
+def test_compilation_config_without_graphs_turns_cuda_graphs_off(argv, graphs, parsed, monkeypatch):
+    monkeypatch.setenv("LORAPLEX_CUDA_GRAPHS", "true")
+    assert settings_from_args(parsed(["serve", "m", *argv])).cuda_graphs is graphs
+
+
+def test_compilation_level_0_and_cuda_graphs_conflict(parsed):
+    with pytest.raises(VllmFlagError, match="turns CUDA graphs off and --cuda-graphs on: give one"):
+        settings_from_args(parsed(["serve", "m", "--compilation-config", '{"level": 0}', "--cuda-graphs"]))
+
+
 def test_compilation_config_takes_vllms_bare_level_and_dotted_keys(parsed):
     assert parsed(["serve", "m", "--compilation-config", "3"]).vllm_compilation_config == {"level": 3}
     assert parsed(["serve", "m", "-O", '{"cudagraph_mode": "NONE"}']).vllm_compilation_config == {
