@@ -321,8 +321,9 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
                                        "bytes: --kv-cache-bytes N (blocks of --block-size tokens)"),
     "prefix_caching_hash_algo": taken("--prefix-caching-hash-algo", STR, "loraplex names prefix blocks by "
                                       "sha256 (of the adapter, cache salt and tokens), whatever the value"),
-    "calculate_kv_scales": taken("--calculate-kv-scales", BOOL, "scales of an fp8 KV cache, which loraplex "
-                                 "does not have (the cache is in --dtype)"),
+    # with an fp8 --kv-cache-dtype it is refused once the settings are known (vllm_engine_flags)
+    "calculate_kv_scales": taken("--calculate-kv-scales", BOOL, "scales of an fp8 KV cache; with "
+                                 "--kv-cache-dtype auto the cache is in the model's dtype and has none"),
     "kv_sharing_fast_prefill": refused("--kv-sharing-fast-prefill", BOOL, "it skips prefill work of "
                                        "KV-sharing layers, which changes outputs; loraplex computes every layer"),
     "mamba_cache_dtype": taken_if("--mamba-cache-dtype", STR, _equals("auto"), "the model's dtype",

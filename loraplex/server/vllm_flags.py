@@ -253,7 +253,7 @@ def check(args: argparse.Namespace, settings: Settings) -> None:
         # vLLM's words ("Error: --enable-auto-tool-choice requires --tool-call-parser")
         raise VllmFlagError("--enable-auto-tool-choice requires --tool-call-parser")
     refused = vllm_engine_flags.model_refusals(args, settings.model, settings.max_model_len,
-                                               settings.reasoning_parser)
+                                               settings.reasoning_parser, settings.kv_cache_dtype)
     if refused:
         raise VllmFlagError("vLLM flag(s) loraplex does not take:\n  " + "\n  ".join(refused))
 

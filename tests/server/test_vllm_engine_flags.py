@@ -224,3 +224,14 @@ def test_the_production_stack_charts_command_line_runs(tmp_path, monkeypatch):
     assert (s.enable_chunked_prefill, s.enable_prefix_caching, s.max_model_len) == (False, False, 4096)
     # values are never rewritten: an adapter name with "_" stays as given
     assert [m.name for m in seen["args"].vllm_lora_modules] == ["my_adapter"]
+
+
+def test_calculate_kv_scales_is_refused_with_an_fp8_kv_cache():
+    # vLLM's CacheConfig.calculate_kv_scales: with an fp8 cache, k/v scales computed from the
+    # first forward pass instead of the checkpoint's or 1.0; loraplex writes fp8 with 1.0
+    assert settings("m", "--calculate-kv-scales").kv_cache_dtype == "auto"  # no scales to compute
+    assert any(n.startswith("--calculate-kv-scales") for n in notes("m", "--calculate-kv-scales"))
+    assert settings("m", "--no-calculate-kv-scales", "--kv-cache-dtype", "fp8").kv_cache_dtype == "fp8"
+    for dtype in ("fp8", "fp8_e5m2"):
+        with pytest.raises(VllmFlagError, match=f"--calculate-kv-scales: .*--kv-cache-dtype {dtype} cache"):
+            settings("m", "--calculate-kv-scales", "--kv-cache-dtype", dtype)
