@@ -71,6 +71,26 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype!r}")
 
 
+# vLLM's SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS: the step budget with chunked prefill
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def unchunked_token_budget(max_num_batched_tokens: int | None, max_model_len: int) -> int:
+    """The step budget without chunked prefill, as vLLM sets it: a prompt runs whole in one step,
+    so the budget must hold the longest context. Left out, it is ``max(max_model_len, 2048)``
+    (vLLM's default then); given below ``max_model_len`` it is vLLM's start-up error
+    (``SchedulerConfig.verify_max_model_len``), not prompts refused one by one later."""
+    if max_num_batched_tokens is None:
+        return max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    if max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than max_model_len ({max_model_len}): "
+            "without chunked prefill a prompt runs whole in one step, so longer ones could never run; raise "
+            "max_num_batched_tokens (or leave it out), lower max_model_len, or turn chunked prefill on (vLLM "
+            "refuses this too)")
+    return max_num_batched_tokens
+
+
 def check_max_logprobs(max_logprobs: int) -> None:
     if max_logprobs < -1:
         raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, not {max_logprobs}")
@@ -112,7 +132,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # scheduler
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # tokens one step computes; None: vLLM's default, DEFAULT_MAX_NUM_BATCHED_TOKENS with chunked
+    # prefill, else the engine's unchunked_token_budget (a prompt runs whole in one step)
+    max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     # on, as in vLLM v1: requests that share a prefix (a chat template's system prompt, a
     # tenant's few-shot preamble) compute its full KV blocks once, even within one step
@@ -148,6 +170,8 @@ class EngineConfig:
     home: Path = dataclasses.field(default_factory=lambda: Path("~/.loraplex").expanduser())
 
     def __post_init__(self) -> None:
+        if self.max_num_batched_tokens is None and self.enable_chunked_prefill:
+            self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
         check_positive_options(dataclasses.asdict(self))
         check_scheduling_policy(self.scheduling_policy)
         check_kv_cache_dtype(self.kv_cache_dtype)
@@ -184,7 +208,7 @@ class Settings(BaseSettings):
     kv_cache_memory_fraction: float = 0.9
     max_model_len: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # see EngineConfig
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     cuda_graphs: bool = False

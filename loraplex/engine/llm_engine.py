@@ -5,11 +5,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 
 from loraplex import generation_defaults
-from loraplex.config import EngineConfig
+from loraplex.config import EngineConfig, unchunked_token_budget
 from loraplex.engine.admission_order import check_priority, check_tenant_weight
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.engine_start import build_lora_manager, kv_layout_of, log_start, max_concurrency, served_context
@@ -54,6 +55,9 @@ class LLMEngine:
         layout = kv_layout_of(runner)
         chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else None
         self.max_model_len = served_context(runner, layout, chunk)
+        if not config.enable_chunked_prefill:  # the budget follows the context served (vLLM's rule)
+            budget = unchunked_token_budget(config.max_num_batched_tokens, self.max_model_len)
+            self.config = config = dataclasses.replace(config, max_num_batched_tokens=budget)
         if lora_manager is None and getattr(runner, "lora_manager", None) is None:
             lora_manager = build_lora_manager(config, runner)
         self.lora_manager = lora_manager or getattr(runner, "lora_manager", None)
@@ -155,12 +159,6 @@ class LLMEngine:
                 "and at least one must be left to generate",
                 param="prompt",
                 code="context_length_exceeded",
-            )
-        if not self.config.enable_chunked_prefill and len(token_ids) > self.config.max_num_batched_tokens:
-            raise InvalidRequestError(
-                f"prompt is {len(token_ids)} tokens, more than max_num_batched_tokens="
-                f"{self.config.max_num_batched_tokens} without chunked prefill",
-                param="prompt",
             )
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
