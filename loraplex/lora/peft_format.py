@@ -67,6 +67,9 @@ __all__ = [
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+# vLLM's former format for an adapter's added tokens (their embed_tokens / lm_head rows, read
+# with --lora-extra-vocab-size until vllm-project/vllm#28382 removed it)
+NEW_EMBEDDINGS_NAME = "new_embeddings.safetensors"
 MAX_CONFIG_BYTES = 1024 * 1024
 HASH_VERSION = b"loraplex-adapter-v1\n"
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -147,6 +150,11 @@ def load_adapter_files(path: str | Path, weights_path: str | Path | None = None)
         if not path.is_dir():
             raise InvalidAdapterError(f"adapter path {str(path)!r} is not a directory")
         reject_pickles(path)
+        if (path / NEW_EMBEDDINGS_NAME).exists():
+            # served without them, the added tokens would have no embedding and no logit
+            raise InvalidAdapterError(
+                f"{NEW_EMBEDDINGS_NAME} holds embeddings of tokens the adapter adds to the vocabulary: adapters "
+                "with added tokens are not served (vLLM dropped them too); train without new tokens")
         config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
     else:
         config_file, weights_file = path, Path(weights_path)

@@ -355,8 +355,9 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
         ("disable_chunked_mm_input", "--disable-chunked-mm-input", BOOL),
     )},
     # LoRAConfig
-    "lora_extra_vocab_size": taken("--lora-extra-vocab-size", INT, "adapters that add tokens are refused at "
-                                   "upload (vLLM dropped extra-vocabulary LoRA too), so no room is reserved"),
+    "lora_extra_vocab_size": taken("--lora-extra-vocab-size", INT, "adapters that add tokens (a resized "
+                                   "vocabulary, or vLLM's new_embeddings.safetensors) are refused when loaded "
+                                   "(vLLM dropped extra-vocabulary LoRA too, #28382), so no room is reserved"),
     # ObservabilityConfig
     "show_hidden_metrics_for_version": taken("--show-hidden-metrics-for-version", STR, "loraplex's "
                                              "/metrics has one fixed set of vllm:* names, none hidden"),

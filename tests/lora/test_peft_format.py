@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from loraplex.lora.errors import InvalidAdapterError
 from loraplex.lora.peft_format import compute_content_hash, inspect_adapter_dir, load_adapter_files
@@ -119,6 +120,15 @@ def test_rejects_pickle_files(suffix, lora_base, make_adapter, tmp_path):
     # a real pickle that would run code if loaded: it must never be opened
     (d / f"extra{suffix}").write_bytes(b"cos\nsystem\n(S'touch /tmp/loraplex_pwned'\ntR.")
     _rejects(d, lora_base.spec, "pickle")
+
+
+def test_rejects_vllms_extra_vocabulary_file(lora_base, make_adapter, tmp_path):
+    """vLLM's old extra-vocab adapters keep the added tokens' rows in new_embeddings.safetensors
+    (vllm-project/vllm#2816), read with --lora-extra-vocab-size: loraplex reserves no extra
+    vocabulary, so such an adapter is refused, not served with the file left unread."""
+    d = copy_adapter(make_adapter("extra", seed=1), tmp_path / "extra")
+    save_file({"input_embeddings": torch.zeros(2, lora_base.spec.hidden_size)}, str(d / "new_embeddings.safetensors"))
+    _rejects(d, lora_base.spec, "new_embeddings.safetensors holds embeddings of tokens the adapter adds")
 
 
 @pytest.mark.parametrize(
