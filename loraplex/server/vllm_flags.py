@@ -184,8 +184,10 @@ def add_vllm_flags(parser: argparse.ArgumentParser, taken: frozenset[str] = froz
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (--no-cuda-graphs)")
     group.add_argument("--trust-remote-code", action="store_true",
                        help="accepted: loraplex runs its own model code, never code from a model directory")
-    group.add_argument("--disable-log-requests", "--disable-log-stats", action="store_true",
+    group.add_argument("--disable-log-requests", action="store_true",
                        help="accepted: loraplex logs no prompts (one access line of counts per request)")
+    group.add_argument("--disable-log-stats", action="store_true",
+                       help="accepted: loraplex logs no periodic engine statistics (they are on /metrics)")
     group.add_argument("--enable-request-id-headers", action="store_true",
                        help="accepted: every response carries x-request-id (and a client's own X-Request-Id "
                             "comes back as x-client-request-id)")
