@@ -137,6 +137,34 @@ def test_logprobs_are_raw_model_logprobs(temperature):
     assert zero.top_logprobs == {} and zero.logprob == pytest.approx(raw.max().item(), abs=1e-6)
 
 
+STEERING = {
+    "temperature": dict(temperature=0.3),
+    "hot": dict(temperature=2.0, top_k=3),
+    "logit_bias": dict(temperature=0.0, logit_bias={7: 100.0, 2: -100.0}),
+    "allowed_token_ids": dict(temperature=0.8, allowed_token_ids=[1, 9, 11]),
+    "bad_words": dict(temperature=0.0, bad_words_token_ids=[[4, 5], [6]]),
+    "top_p_min_p": dict(temperature=1.0, top_p=0.3, min_p=0.4),
+    "min_tokens": dict(temperature=0.0, min_tokens=5, stop_token_ids=[0, 1]),
+    "penalties": dict(temperature=0.5, frequency_penalty=1.5, presence_penalty=-0.5),
+}
+
+
+@pytest.mark.parametrize("options", STEERING.values(), ids=list(STEERING))
+def test_logprobs_are_the_models_before_any_steering(options):
+    """vLLM's default --logprobs-mode raw_logprobs (vllm/config/model.py): the log-softmax of
+    the model's logits before temperature, penalties, logit_bias, allowed/bad tokens, min_tokens
+    and top-k/p/min-p; loraplex takes only that mode, so every per-request option must leave them
+    as the plain torch reference computes them, for the chosen token and for the top N."""
+    logits = random_logits(seed=11)
+    raw = torch.log_softmax(logits[0], -1)
+    params = SamplingParams(logprobs=5, seed=3, **options)
+    token = Sampler()(logits.clone(), [seq(params, output=[4, 4, 6])], eos_token_ids={0})[0]
+    assert token.logprob == pytest.approx(raw[token.token_id].item(), abs=1e-6)
+    top = raw.topk(5)
+    assert list(token.top_logprobs) == top.indices.tolist()
+    assert list(token.top_logprobs.values()) == pytest.approx(top.values.tolist(), abs=1e-6)
+
+
 def test_greedy_sees_penalised_logits():
     logits = torch.zeros(1, VOCAB)
     logits[0, 7], logits[0, 9] = 3.0, 2.0
