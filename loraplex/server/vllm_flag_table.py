@@ -73,7 +73,8 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
         "graphs follow --cuda-graphs / --enforce-eager"),
     "lora_dtype": EngineFlag(
         ("--lora-dtype",), {}, _equals("auto"),
-        "--lora-dtype auto: adapters run in the model's dtype, as in vLLM",
+        "--lora-dtype auto: adapters run in the model's dtype, as in vLLM (on CPU in float32, the more "
+        "precise, since CPU bfloat16 matmuls are slow)",
         "loraplex runs adapters in the model's dtype: choose it with --dtype"),
     "max_parallel_loading_workers": EngineFlag(
         ("--max-parallel-loading-workers",), {"type": int}, _always,
