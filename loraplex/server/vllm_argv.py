@@ -6,10 +6,11 @@ FlexibleArgumentParser, vllm/utils/argparse_utils.py):
   ``.`` is changed (``--speculative_config.num_speculative_tokens`` keeps its key), values never;
 * a JSON flag may be given key by key: ``--compilation-config.level 3``,
   ``--speculative-config.method ngram``, ``--hf-overrides.rope_scaling.factor=2`` (each value read
-  as JSON, else as a string; ``key+ a,b`` appends to a list), and ``-O.cudagraph_mode NONE`` is
-  ``--compilation-config``'s (so is ``-O '{...}'``; ``-O 3`` is the optimization level). The keys
-  of one flag are merged into one JSON object, passed after the other arguments as vLLM does (so
-  a whole ``--flag '{...}'`` given too is replaced by it).
+  as JSON, else as a string; ``key+ a,b`` appends to a list), and ``-O.cudagraph_mode NONE`` and
+  ``-cc.mode=0`` are ``--compilation-config``'s (``-cc`` is its short name, and so is ``-O
+  '{...}'``; ``-O 3`` is the optimization level). The keys of one flag are merged into one JSON
+  object, passed after the other arguments as vLLM does (so a whole ``--flag '{...}'`` given too
+  is replaced by it).
 
 A dotted name whose flag is not known is left for argparse to report.
 """
@@ -19,8 +20,8 @@ from __future__ import annotations
 import json
 from collections.abc import Collection
 
-# vLLM's -O.<key> is its --compilation-config's
-DOTTED_ALIASES = {"-O": "--compilation-config"}
+# vLLM's -O.<key> and -cc.<key> are its --compilation-config's (``-cc.mode=0``)
+DOTTED_ALIASES = {"-O": "--compilation-config", "-cc": "--compilation-config"}
 
 
 class FlagSyntaxError(ValueError):
@@ -73,7 +74,7 @@ def nested(keys: list[str], value) -> dict:
 
 def _dotted_flag(arg: str, option_strings: Collection[str]) -> tuple[str, list[str], str | None] | None:
     """``(flag, keys, value after "=" or None)`` for a dotted argument of a known flag."""
-    if not (arg.startswith("--") or arg.startswith("-O.")):
+    if not (arg.startswith("--") or arg.startswith(("-O.", "-cc."))):
         return None
     name, sep, value = arg.partition("=")
     base, dot, keys = name.partition(".")

@@ -104,7 +104,7 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
         "-O / --optimization-level: loraplex does not compile the model (torch.compile); -O0 turns CUDA "
         "graphs off (vLLM's level without them), other levels leave them to --cuda-graphs / --enforce-eager"),
     "compilation_config": EngineFlag(
-        ("--compilation-config",), {"type": compilation_config}, _always,
+        ("--compilation-config", "-cc"), {"type": compilation_config}, _always,
         "--compilation-config: loraplex does not compile the model (torch.compile); CUDA graphs follow "
         "--cuda-graphs / --enforce-eager, and are off where vLLM would run without them (cudagraph_mode "
         "NONE, or level / mode 0-2 without a FULL cudagraph_mode)"),

@@ -102,6 +102,8 @@ def test_O0_and_cudagraph_mode_none_turn_cuda_graphs_off(parsed, monkeypatch):
     (["--compilation-config", "0"], False),  # the bare level, older -O0
     (["--compilation-config.mode", "0"], False),
     (["-O.level", "0"], False),
+    (["-cc.mode=0"], False),  # vLLM's short name, as its VllmConfig doc writes it (-cc.mode=3)
+    (["-cc", '{"level": 0}'], False),
     (["--compilation-config", '{"mode": "NONE"}'], False),
     (["--compilation-config", '{"level": 2}'], False),
     (["--compilation-config", '{"mode": 0, "cudagraph_mode": "PIECEWISE"}'], False),
