@@ -5,20 +5,16 @@ built (vLLM's own flag rejects an unknown value the same way, argparse's choices
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
 from loraplex.cli import build_parser, main
 from loraplex.config import EngineConfig
 from loraplex.server.cli import settings_from_args
+from tests.server.cli_parsing import no_cli_env  # noqa: F401 (a fixture)
 
 
-@pytest.fixture(autouse=True)
-def _no_loraplex_env(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("LORAPLEX_") or name.startswith("VLLM_"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("no_cli_env")
 
 
 @pytest.mark.parametrize("command", ["serve", "run-batch"])

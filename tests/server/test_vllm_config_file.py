@@ -4,7 +4,6 @@ flag, a file that is not YAML or cannot be read stops the start with status 2 na
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -14,29 +13,10 @@ from loraplex.config import Settings
 from loraplex.server.cli import settings_from_args
 from loraplex.server.vllm_config_file import expand
 from loraplex.server.vllm_flags import LoRAModule, startup_flags
+from tests.server.cli_parsing import no_cli_env, parsed  # noqa: F401 (fixtures)
 
 
-@pytest.fixture(autouse=True)
-def _no_loraplex_env(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("LORAPLEX_") or name.startswith("VLLM_"):
-            monkeypatch.delenv(name)
-
-
-@pytest.fixture
-def parsed(monkeypatch):
-    """What ``loraplex serve ...`` parses to, through the entry point, without running it."""
-    seen = {}
-
-    def run(argv: list[str]):
-        parser = loraplex_cli.build_parser()
-        serve = parser._subparsers._group_actions[0].choices["serve"]
-        serve.set_defaults(func=lambda args: seen.__setitem__("args", args))  # in place of run_serve
-        monkeypatch.setattr(loraplex_cli, "build_parser", lambda: parser)
-        assert loraplex_cli.main(argv) == 0
-        return seen["args"]
-
-    return run
+pytestmark = pytest.mark.usefixtures("no_cli_env")
 
 
 def write(tmp_path: Path, text: str, name: str = "config.yaml") -> str:
@@ -155,32 +135,16 @@ def test_a_list_flag_on_the_command_line_replaces_the_files_list(tmp_path, parse
     assert flags.api_keys == ("a", "b")
 
 
-@pytest.fixture
-def parsed_batch(monkeypatch):
-    """What ``loraplex run-batch ...`` parses to, through the entry point, without running it."""
-    seen = {}
-
-    def run(argv: list[str]):
-        parser = loraplex_cli.build_parser()
-        batch = parser._subparsers._group_actions[0].choices["run-batch"]
-        batch.set_defaults(func=lambda args: seen.__setitem__("args", args))
-        monkeypatch.setattr(loraplex_cli, "build_parser", lambda: parser)
-        assert loraplex_cli.main(argv) == 0
-        return seen["args"]
-
-    return run
-
-
-def test_run_batch_reads_config_files_and_underscored_flags_as_vllm_run_batch_does(tmp_path, parsed_batch, capsys):
+def test_run_batch_reads_config_files_and_underscored_flags_as_vllm_run_batch_does(tmp_path, parsed, capsys):
     """``vllm run-batch`` parses with vLLM's FlexibleArgumentParser as ``serve`` does: ``--config
     FILE.yaml`` (the input and output files may be in it) and ``--flag_name`` spellings."""
     path = write(tmp_path, "input_file: in.jsonl\noutput-file: out.jsonl\nmax-model-len: 2k\n"
                            "lora-modules: [sql=/adapters/sql]\nenforce-eager: true\n")
-    args = parsed_batch(["run-batch", "--config", path, "--model", "/models/m", "--max_model_len", "1k"])
+    args = parsed(["run-batch", "--config", path, "--model", "/models/m", "--max_model_len", "1k"])
     assert (args.input_file, args.output_file, args.model) == ("in.jsonl", "out.jsonl", "/models/m")
     assert args.max_model_len == 1000  # the command line wins
     assert args.lora_modules == ["sql=/adapters/sql"] and args.enforce_eager
-    args = parsed_batch(["run-batch", "--config", path, "--lora-modules", "b=/b"])
+    args = parsed(["run-batch", "--config", path, "--lora-modules", "b=/b"])
     assert args.lora_modules == ["b=/b"]  # replaces the file's list, as vLLM's nargs="+"
     with pytest.raises(SystemExit) as caught:
         loraplex_cli.main(["run-batch", "--config", write(tmp_path, "no-such-flag: 1\n")])

@@ -6,7 +6,6 @@ built. The reference is each flag's meaning in vLLM's engine arguments."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -15,14 +14,11 @@ from loraplex.config import Settings
 from loraplex.server import vllm_engine_flags
 from loraplex.server.cli import settings_from_args
 from loraplex.server.vllm_flags import VllmFlagError
+from tests.server.cli_parsing import no_cli_env  # noqa: F401 (a fixture)
 from tests.fixtures.tiny_models import make_tiny_model_dir
 
 
-@pytest.fixture(autouse=True)
-def _no_loraplex_env(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("LORAPLEX_") or name.startswith("VLLM_"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("no_cli_env")
 
 
 def settings(*argv: str) -> Settings:

@@ -6,7 +6,6 @@ why it changes nothing) or to loraplex's refusal naming the flag; never argparse
 
 from __future__ import annotations
 
-import os
 
 import pytest
 from pydantic import ValidationError
@@ -16,33 +15,13 @@ from loraplex.generation_defaults import GenerationConfigError
 from loraplex.server import vllm_engine_flags, vllm_flags
 from loraplex.server.cli import settings_from_args
 from loraplex.server.vllm_flags import VllmFlagError
+from tests.server.cli_parsing import no_cli_env, parsed  # noqa: F401 (fixtures)
 from tests.fixtures import vllm_serve_flags as reference
 
 BATCH_PREFIX = ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--model", "m"]
 
 
-@pytest.fixture(autouse=True)
-def _no_loraplex_env(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("LORAPLEX_") or name.startswith("VLLM_"):
-            monkeypatch.delenv(name)
-
-
-@pytest.fixture
-def parsed(monkeypatch):
-    """What ``loraplex COMMAND ...`` parses to through the entry point, without running it."""
-    seen = {}
-
-    def run(argv: list[str]):
-        parser = loraplex_cli.build_parser()
-        for command in ("serve", "run-batch"):
-            parser._subparsers._group_actions[0].choices[command].set_defaults(
-                func=lambda args: seen.__setitem__("args", args))
-        monkeypatch.setattr(loraplex_cli, "build_parser", lambda: parser)
-        assert loraplex_cli.main(argv) == 0
-        return seen["args"]
-
-    return run
+pytestmark = pytest.mark.usefixtures("no_cli_env")
 
 
 def _action(command: str, flag: str):

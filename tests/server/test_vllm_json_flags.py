@@ -13,39 +13,17 @@ are the same, and ``-O3`` / ``-O 3`` / ``-O=3`` is ``--optimization-level 3`` (d
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
-from loraplex import cli as loraplex_cli
 from loraplex.server import vllm_engine_flags
 from loraplex.server.cli import settings_from_args
 from loraplex.server.vllm_argv import dashed_flag_names
 from loraplex.server.vllm_flags import VllmFlagError
+from tests.server.cli_parsing import no_cli_env, parsed  # noqa: F401 (fixtures)
 
 
-@pytest.fixture(autouse=True)
-def _no_loraplex_env(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("LORAPLEX_") or name.startswith("VLLM_"):
-            monkeypatch.delenv(name)
-
-
-@pytest.fixture
-def parsed(monkeypatch):
-    """What ``loraplex COMMAND ...`` parses to through the entry point, without running it."""
-    seen = {}
-
-    def run(argv: list[str]):
-        parser = loraplex_cli.build_parser()
-        for command in ("serve", "run-batch"):
-            parser._subparsers._group_actions[0].choices[command].set_defaults(
-                func=lambda args: seen.__setitem__("args", args))
-        monkeypatch.setattr(loraplex_cli, "build_parser", lambda: parser)
-        assert loraplex_cli.main(argv) == 0
-        return seen["args"]
-
-    return run
+pytestmark = pytest.mark.usefixtures("no_cli_env")
 
 
 def test_dotted_keys_are_the_json_object_vllm_documents(parsed):
