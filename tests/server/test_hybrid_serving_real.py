@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import pytest
 import torch
@@ -62,6 +63,12 @@ def test_completions_match_transformers_and_kv_usage_counts_held_pages(world):
     step = engine.step
 
     def step_then_pause():
+        # all three requests in before the first step, however late their HTTP threads arrive
+        # under load (the engine thread runs the queued adds between steps: this is that thread)
+        deadline = time.monotonic() + 30
+        while steps[0] == 0 and engine.scheduler.num_waiting < 3 and time.monotonic() < deadline:
+            async_engine._run_commands()
+            time.sleep(0.005)
         out = step()
         steps[0] += 1
         if steps[0] == 6:
