@@ -16,7 +16,7 @@ blocks popped). Appending is the only in-place change that needs no bump. Rows o
 the runner releases go back to a free list; rows of sequences never released (none should be)
 are dropped once the array would otherwise grow past twice what the steps use.
 
-The result equals ``host_arrays.block_table_rows`` (tests/engine/test_block_table_mirror.py).
+The result equals a fresh copy of every table (tests/engine/test_block_table_mirror.py).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class BlockTableMirror:
                first_blocks: list[np.ndarray | None] | None = None) -> list[np.ndarray]:
         """Per group, ``[len(indices), max(lengths)]`` int32: row ``i`` holds its first
         ``lengths[i]`` entries, then 0; entries before ``first_blocks[g][i]`` are -1 (a windowed
-        group's head, which no kernel reads). As ``host_arrays.block_table_rows``."""
+        group's head, which no kernel reads). As a fresh copy of the tables would."""
         lengths = np.asarray(lengths, dtype=np.int64)
         width = int(lengths.max())
         if width > self._arrays[0].shape[1]:  # only when a table is shorter than its length

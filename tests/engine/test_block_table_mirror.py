@@ -1,4 +1,4 @@
-"""``BlockTableMirror`` against ``host_arrays.block_table_rows`` (a fresh copy of every table)
+"""``BlockTableMirror`` against ``block_table_rows`` (block_table_reference.py: a fresh copy of every table)
 over random histories of many sequences and several layer groups: tables growing, shrinking and
 rewritten in place (with ``block_tables_version`` bumped, as the block manager does), replaced
 by new lists (free, preempt, resume), sequences released or never released, rows reused, the
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from loraplex.engine.block_table_mirror import BlockTableMirror
-from loraplex.engine.host_arrays import block_table_rows
+from tests.engine.block_table_reference import block_table_rows
 from loraplex.engine.outputs import ScheduledSeq
 from loraplex.engine.sequence import Sequence
 from loraplex.sampling_params import SamplingParams

@@ -8,7 +8,8 @@ import random
 import numpy as np
 import torch
 
-from loraplex.engine.host_arrays import block_table_rows, to_tensor
+from loraplex.engine.host_arrays import to_tensor
+from tests.engine.block_table_reference import block_table_rows
 
 
 def test_block_table_rows_cut_each_table_at_its_length_and_pad_with_zero():
