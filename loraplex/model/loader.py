@@ -160,15 +160,14 @@ def load_model(
     ``fp8_resident`` says so (None: ``fp8_stays_resident``), else are dequantized here."""
     rename = language_model_key if spec.architecture == GEMMA3_MULTIMODAL else None
     raw = {_strip_prefix(k): v for k, v in read_safetensors(Path(model_dir), rename).items()}
-    used: set[str] = set()
     fmt = spec.weight_format
 
     def take(name: str) -> torch.Tensor:
         # popped: a tensor concatenated or stacked into a packed parameter (an MoE model's experts,
-        # most of its bytes) is freed once copied, so loading peaks near one copy of the weights
+        # most of its bytes) is freed once copied, so loading peaks near one copy of the weights;
+        # what is left in ``raw`` afterwards is what the model did not use
         if name not in raw:
             raise ValueError(f"checkpoint {model_dir} is missing tensor {name!r}")
-        used.add(name)
         return raw.pop(name)
 
     model_class = GemmaForCausalLM if spec.gemma is not None else MoEForCausalLM if spec.moe is not None \
@@ -209,7 +208,7 @@ def load_model(
         if spec.mlp_bias:
             params[p + "gate_up_bias"] = _packed(raw, take, mlp + "gate_up_proj", gate_up_parts, "bias")
             params[p + "down_bias"] = take(mlp + "down_proj.bias")
-    unused = sorted(k for k in raw if k not in used and "rotary_emb" not in k)
+    unused = sorted(k for k in raw if "rotary_emb" not in k)
     kv_scales = [k for k in unused if k.endswith(KV_SCALE_SUFFIXES)]
     if kv_scales:  # said apart from other leftovers: an fp8 KV cache would have used them in vLLM
         logger.warning(
