@@ -24,12 +24,9 @@ FP8_KV_DTYPES = {
 
 
 def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The storage dtype for ``EngineConfig.kv_cache_dtype`` ``name`` (``"auto"``: ``model_dtype``)."""
-    if name == "auto":
-        return model_dtype
-    if name not in FP8_KV_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(FP8_KV_DTYPES)}, not {name!r}")
-    return FP8_KV_DTYPES[name]
+    """The storage dtype for ``EngineConfig.kv_cache_dtype`` ``name`` (``"auto"``: ``model_dtype``);
+    the name was checked when the config was built (``config.check_kv_cache_dtype``)."""
+    return model_dtype if name == "auto" else FP8_KV_DTYPES[name]
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
