@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraplex.lora.spec import LoRATargetSpec
+from loraplex.model.family_defaults import family_defaults
 from loraplex.model.fp8_config import Fp8WeightFormat, QuantizationRefused, fp8_weight_format
 from loraplex.model.gemma3_multimodal import GEMMA3_MULTIMODAL, UNSERVED_PREFIXES, gemma3_text_config, image_token_id
 from loraplex.model.longrope import LongRopeConfigError, parse_longrope
@@ -43,31 +44,7 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MISTRAL_DEFAULT_SLIDING_WINDOW = 4096  # transformers' MistralConfig, for a config without the key
-# transformers' config-class defaults, for a config.json that leaves the key out: the context
-# (which caps max_model_len) and the norm epsilon (which changes every output) differ by family
-DEFAULT_MAX_POSITIONS = {
-    "LlamaForCausalLM": 2048,
-    "MistralForCausalLM": 131_072,
-    "Qwen2ForCausalLM": 32_768,
-    "Qwen3ForCausalLM": 32_768,
-    "GraniteForCausalLM": 2048,
-    PHI3_ARCHITECTURE: 4096,
-    MIXTRAL: 131_072,
-    QWEN2_MOE: 32_768,
-    QWEN3_MOE: 32_768,
-}
-DEFAULT_RMS_NORM_EPS = {PHI3_ARCHITECTURE: 1e-5, MIXTRAL: 1e-5}
-# rope_theta (transformers' ``default_theta``, 10000 elsewhere) and head_dim (hidden_size //
-# num_attention_heads elsewhere): a Mixtral config without rope_theta rotates with 1e6, a Qwen3
-# config without head_dim has heads of 128 whatever its hidden size
-DEFAULT_ROPE_THETA = {MIXTRAL: 1_000_000.0}
-DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128}
-# num_key_value_heads left out: the config class's default (an explicit null, or a family not
-# listed, means one KV head per query head)
-DEFAULT_NUM_KV_HEADS = {
-    "MistralForCausalLM": 8, "Qwen2ForCausalLM": 32, "Qwen3ForCausalLM": 32, MIXTRAL: 8, QWEN2_MOE: 16, QWEN3_MOE: 4,
-    "GemmaForCausalLM": 16, "Gemma2ForCausalLM": 4, "Gemma3ForCausalLM": 4, GEMMA3_MULTIMODAL: 4,
-}
+# a key config.json leaves out takes the family's transformers default: family_defaults.py
 
 if TYPE_CHECKING:
     from loraplex.model.gemma_config import GemmaSpec
@@ -253,9 +230,10 @@ class ModelSpec:
             )
         if arch == PHI3_ARCHITECTURE:
             cfg = phi3_config_view(cfg)
+        defaults = family_defaults(arch)
         try:
             rope = parse_rope(cfg, PHI3_ROPE_TYPES if arch == PHI3_ARCHITECTURE else SUPPORTED_ROPE_TYPES,
-                              default_theta=DEFAULT_ROPE_THETA.get(arch, 10000.0))
+                              default_theta=defaults.rope_theta)
         except LongRopeConfigError as exc:
             raise UnsupportedModelError(f"{arch}: {exc}") from exc
         if arch != PHI3_ARCHITECTURE and rope.partial_rotary_factor != 1.0:
@@ -264,7 +242,7 @@ class ModelSpec:
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"unsupported hidden_act {act!r} for {arch}; only silu (SwiGLU)")
         # a key left out takes the family's default; an explicit null means hidden_size // heads
-        head_dim = cfg.get("head_dim", DEFAULT_HEAD_DIM.get(arch)) or int(cfg["hidden_size"]) // int(
+        head_dim = cfg.get("head_dim", defaults.head_dim) or int(cfg["hidden_size"]) // int(
             cfg["num_attention_heads"])
         attention_bias = bool(cfg.get("attention_bias", False))  # Llama: on q, k, v and o
         per_layer_windows: tuple[int | None, ...] = ()
@@ -291,7 +269,7 @@ class ModelSpec:
         qkv_bias = SUPPORTED_ARCHITECTURES[arch]["qkv_bias"] or attention_bias
         if arch == QWEN2_MOE:  # Qwen2MoeConfig.qkv_bias, on unless the config turns it off
             qkv_bias = bool(cfg.get("qkv_bias", True))
-        max_positions = int(cfg.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS[arch])
+        max_positions = int(cfg.get("max_position_embeddings") or defaults.max_position_embeddings)
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise UnsupportedModelError(f"{arch}: sliding_window must be a positive integer or null, got {window!r}")
         spec = cls(
@@ -326,6 +304,7 @@ def common_spec_fields(cfg: dict[str, Any], arch: str, name: str) -> dict[str, A
     defaults (Gemma's reader, gemma_config.py, adds its own defaults for the rest)."""
     num_heads = int(cfg["num_attention_heads"])
     eos = cfg.get("eos_token_id")
+    defaults = family_defaults(arch)
     return dict(
         name=name,
         architecture=arch,
@@ -334,8 +313,8 @@ def common_spec_fields(cfg: dict[str, Any], arch: str, name: str) -> dict[str, A
         intermediate_size=int(cfg["intermediate_size"]),
         num_layers=int(cfg["num_hidden_layers"]),
         num_heads=num_heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads", DEFAULT_NUM_KV_HEADS.get(arch)) or num_heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps") or DEFAULT_RMS_NORM_EPS.get(arch, 1e-6)),
+        num_kv_heads=int(cfg.get("num_key_value_heads", defaults.num_kv_heads) or num_heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps") or defaults.rms_norm_eps),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
         checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplex.model.config import RopeConfig, UnsupportedModelError, common_spec_fields, parse_rope
+from loraplex.model.family_defaults import family_defaults
 
 # Gemma3ForConditionalGeneration: its text model (gemma3_multimodal.gemma3_text_config)
 GEMMA_VERSIONS = {"GemmaForCausalLM": 1, "Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 3, "Gemma3ForConditionalGeneration": 3}
@@ -97,6 +98,7 @@ def gemma_spec_fields(cfg: dict[str, Any], arch: str, name: str) -> dict[str, An
     """Every ``ModelSpec`` field of a Gemma config, with transformers' Gemma defaults (tied head,
     no biases); unsupported options are refused by name."""
     version = GEMMA_VERSIONS[arch]
+    defaults = family_defaults(arch)
     # transformers' Gemma reads hidden_act, where the legacy "gelu" of the official releases means
     # the tanh approximation (transformers#29402); Gemma 2 and 3 read hidden_activation, as written
     act_key = "hidden_act" if version == 1 else "hidden_activation"
@@ -128,8 +130,9 @@ def gemma_spec_fields(cfg: dict[str, Any], arch: str, name: str) -> dict[str, An
         raise UnsupportedModelError(f"{arch}: attention_bias / mlp_bias are not part of Gemma")
     return dict(
         **common_spec_fields(cfg, arch, name),
-        head_dim=int(cfg.get("head_dim") or 256),  # transformers' Gemma default, whatever hidden / heads
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or (131_072 if version == 3 else 8192)),
+        # transformers' Gemma default, whatever hidden / heads (an explicit null too)
+        head_dim=int(cfg.get("head_dim") or defaults.head_dim),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or defaults.max_position_embeddings),
         rope=rope,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         qk_norm=version == 3,

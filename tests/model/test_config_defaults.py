@@ -73,3 +73,12 @@ def test_kv_heads_left_out_take_transformers_defaults(arch, hf_class):
     if hf.num_key_value_heads is None:  # kept as null (Qwen2-MoE): transformers cannot build that model
         return
     assert ModelSpec.from_dict({"architectures": [arch], **null}).num_kv_heads == hf.num_key_value_heads == 32
+
+
+def test_every_supported_architecture_has_one_row_of_defaults():
+    """One table (family_defaults.FAMILY_DEFAULTS) serves every family: a supported architecture
+    without a row would fail on its first config.json instead of at review."""
+    from loraplex.model.config import SUPPORTED_ARCHITECTURES
+    from loraplex.model.family_defaults import FAMILY_DEFAULTS
+
+    assert set(FAMILY_DEFAULTS) == set(SUPPORTED_ARCHITECTURES)
