@@ -78,7 +78,6 @@ class AsyncLLMEngine:
     """Async API used by the HTTP server (and anything else on an asyncio loop)."""
 
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
-        self.config = config
         self.engine = engine if engine is not None else LLMEngine(config)
         driver = getattr(self.engine, "driver", None)
         if driver is not None and driver.is_running:
@@ -227,6 +226,11 @@ class AsyncLLMEngine:
         """Engine state as of the last step or command (running, waiting, KV usage, blocks
         free/total, counters, adapter tiers and per-adapter counters under ``"lora"``)."""
         return dict(self._stats)
+
+    @property
+    def config(self) -> EngineConfig:
+        """The config the engine runs with (``LLMEngine.config``: its step budget is final)."""
+        return self.engine.config
 
     @property
     def is_running(self) -> bool:

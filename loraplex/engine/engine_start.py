@@ -1,12 +1,12 @@
 """What ``LLMEngine`` works out once, at start: its LoRA manager, the context its KV pool can
-serve, and the start-up log line (sizes and limits an operator compares with vLLM's)."""
+serve, the config as it runs (``finalised_config``), and the start-up log line (sizes and limits an operator compares with vLLM's)."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from loraplex.config import EngineConfig
+from loraplex.config import EngineConfig, unchunked_token_budget
 from loraplex.engine.kv_layout import KVLayout
 
 logger = logging.getLogger("loraplex.engine")
@@ -41,6 +41,16 @@ def served_context(runner, layout: KVLayout, chunk: int | None) -> int:
     fits = min(wanted, layout.longest_context_within(num_pages, wanted, block_size, chunk))
     logger.warning("KV cache holds only %d tokens: max_model_len lowered from %d to %d", fits, wanted, fits)
     return fits
+
+
+def finalised_config(config: EngineConfig, max_model_len: int) -> EngineConfig:
+    """``config`` as the engine runs it, once the context served is known: without chunked prefill
+    the step budget follows that context (vLLM's rule, ``unchunked_token_budget``). The engine
+    hands this one object to the runner, scheduler and LoRA manager, so all of them, the start-up
+    line and ``stats()`` read the same ``max_num_batched_tokens``."""
+    if config.enable_chunked_prefill:
+        return config
+    return config.replace(max_num_batched_tokens=unchunked_token_budget(config.max_num_batched_tokens, max_model_len))
 
 
 def kv_bytes_per_token(runner) -> int | None:

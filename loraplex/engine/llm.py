@@ -77,10 +77,14 @@ class LLM:
             options["model"] = model
         if dtype is not None:
             options["dtype"] = dtype
-        self.config = EngineConfig(**options)
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(EngineConfig(**options))
         # chat's content format under "auto", detected once per chat template
         self._detected_content_format = ContentFormatResolver("auto")
+
+    @property
+    def config(self) -> EngineConfig:
+        """The config the engine runs with (``LLMEngine.config``: its step budget is final)."""
+        return self.engine.config
 
     def get_tokenizer(self):
         return self.engine.tokenizer

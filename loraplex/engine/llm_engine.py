@@ -5,15 +5,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 
 from loraplex import generation_defaults
-from loraplex.config import EngineConfig, unchunked_token_budget
+from loraplex.config import EngineConfig
 from loraplex.engine.admission_order import check_priority, check_tenant_weight
 from loraplex.engine.block_manager import BlockManager
-from loraplex.engine.engine_start import build_lora_manager, kv_layout_of, log_start, max_concurrency, served_context
+from loraplex.engine.engine_start import (
+    build_lora_manager, finalised_config, kv_layout_of, log_start, max_concurrency, served_context,
+)
 from loraplex.engine.detokenizer import backend_decoder, single_token_texts
 from loraplex.engine.grammar import GrammarFactory
 from loraplex.engine.outputs import RequestOutput
@@ -55,9 +56,8 @@ class LLMEngine:
         layout = kv_layout_of(runner)
         chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else None
         self.max_model_len = served_context(runner, layout, chunk)
-        if not config.enable_chunked_prefill:  # the budget follows the context served (vLLM's rule)
-            budget = unchunked_token_budget(config.max_num_batched_tokens, self.max_model_len)
-            self.config = config = dataclasses.replace(config, max_num_batched_tokens=budget)
+        # one config from here on: the runner was built before the context served was known
+        self.config = runner.config = config = finalised_config(config, self.max_model_len)
         if lora_manager is None and getattr(runner, "lora_manager", None) is None:
             lora_manager = build_lora_manager(config, runner)
         self.lora_manager = lora_manager or getattr(runner, "lora_manager", None)
@@ -392,6 +392,7 @@ class LLMEngine:
             "num_blocks_total": bm.num_blocks,
             "num_blocks_free": bm.num_free_blocks,
             "block_size": bm.block_size,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,  # the step budget run with
             "kv_cache_usage": bm.usage,
             "num_steps": s.num_steps,
             "num_preemptions": s.num_preemptions,

@@ -58,3 +58,29 @@ def test_a_budget_below_the_context_stops_the_start(long_llama, tmp_path):
     kept = engine(long_llama, tmp_path / "b", max_model_len=128, max_num_batched_tokens=200,
                   enable_chunked_prefill=False)
     assert kept.engine.config.max_num_batched_tokens == 200
+
+
+def test_one_budget_everywhere_the_engine_reads_it(long_llama, tmp_path):
+    """The budget the engine works out (vLLM's rule: max(max_model_len, 2048) when left out) is the
+    one config every part reads: the engine, its runner, scheduler and LoRA manager, ``LLM.config``,
+    the async engine, and ``/admin/v1/status``. The runner used to keep the config it was built
+    with (budget None) while the scheduler ran with 2600."""
+    from loraplex.engine.async_engine import AsyncLLMEngine
+    from tests.server.conftest import start_server
+
+    llm = engine(long_llama, tmp_path / "home", max_model_len=2600, enable_chunked_prefill=False)
+    core = llm.engine
+    expected = max(2600, 2048)  # vllm/config/scheduler.py: the unchunked default
+    assert core.runner.config is core.config is core.scheduler.config is llm.config
+    assert core.lora_manager.config is core.config
+    assert core.config.max_num_batched_tokens == expected
+    assert core.stats()["max_num_batched_tokens"] == expected
+    server = start_server(tmp_path / "srv", engine=AsyncLLMEngine(llm.config, engine=core))
+    try:
+        assert server.engine.config is core.config
+        with server.admin() as admin:
+            status = admin.get("/admin/v1/status").json()
+        assert status["engine"]["max_num_batched_tokens"] == expected
+        assert status["max_model_len"] == core.max_model_len == core.runner.max_model_len == 2600
+    finally:
+        server.stop()
