@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from loraplex.speculative_config import parse_speculative_config
@@ -63,12 +63,30 @@ def check_quantization(quantization: str | None) -> None:
 
 # vLLM's --kv-cache-dtype values loraplex serves: "auto" keeps K/V in the model's dtype; the fp8
 # ones store one byte per element ("fp8" is e4m3, as in vLLM), loraplex/kernels/kv_quant.py
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# vLLM's --kv-cache-dtype values loraplex serves: "auto" = the model's dtype; "bfloat16" / "float16"
+# the same where that is the model's dtype (refused otherwise when the engine starts: loraplex keeps
+# a cache that is not fp8 in the dtype attention computes in, kernels.kv_quant); "fp8" / "fp8_e4m3"
+# / "fp8_e5m2" one byte per K/V element
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# vLLM's other values, refused by what they are
+UNSERVED_KV_CACHE_DTYPES = {
+    "fp8_inc": "Intel Gaudi's fp8 KV cache (vLLM's HPU backend, calibrated with Intel Neural Compressor)",
+    "fp8_ds_mla": "DeepSeek's packed fp8 layout of an MLA latent cache (FlashMLA sparse attention of "
+                  "DeepSeek-V3.2 / V4; loraplex serves no MLA models)",
+}
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype in UNSERVED_KV_CACHE_DTYPES:
+        raise ValueError(unserved_kv_cache_dtype(kv_cache_dtype))
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype!r}")
+
+
+def unserved_kv_cache_dtype(name: str) -> str:
+    """Why vLLM's kv_cache_dtype ``name`` (one of ``UNSERVED_KV_CACHE_DTYPES``) is not served."""
+    return (f"kv_cache_dtype {name} is {UNSERVED_KV_CACHE_DTYPES[name]}, which loraplex does not serve; "
+            f"use one of {', '.join(KV_CACHE_DTYPES)}")
 
 
 # vLLM's SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS: the step budget with chunked prefill
@@ -120,8 +138,9 @@ class EngineConfig:
     seed: int = 0
     # paged KV cache
     block_size: int = 16
-    # KV_CACHE_DTYPES: "auto" = the model's dtype; "fp8" / "fp8_e4m3" / "fp8_e5m2" = one byte per
-    # K/V element (twice the tokens of bf16 in the same bytes), written with a scale of 1.0
+    # KV_CACHE_DTYPES: "auto" = the model's dtype (so is "bfloat16" / "float16", which must be it);
+    # "fp8" / "fp8_e4m3" / "fp8_e5m2" = one byte per K/V element (twice the tokens of bf16 in the
+    # same bytes), written with a scale of 1.0
     kv_cache_dtype: str = "auto"
     # vLLM's quantization: None serves the checkpoint as stored (an FP8 one as fp8); "fp8" also
     # quantizes an unquantized checkpoint's projections to fp8 at load, per output channel
@@ -202,7 +221,7 @@ class Settings(BaseSettings):
     device: str = "auto"
     seed: int = 0
     block_size: int = 16
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"  # see EngineConfig
+    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"  # see EngineConfig
     quantization: str | None = None  # "fp8": see EngineConfig
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float = 0.9
@@ -292,6 +311,13 @@ class Settings(BaseSettings):
     max_logprobs: int = Field(default=20, ge=-1)  # see EngineConfig
     # vLLM's --speculative-config, a JSON object: '{"method": "ngram", "num_speculative_tokens": 4}'
     speculative_config: str | None = None  # see EngineConfig; checked at start
+
+    @field_validator("kv_cache_dtype", mode="before")
+    @classmethod
+    def _served_kv_cache_dtype(cls, value):
+        if value in UNSERVED_KV_CACHE_DTYPES:  # named by what it is, not only "not one of ..."
+            raise ValueError(unserved_kv_cache_dtype(value))
+        return value
 
     @model_validator(mode="after")
     def _one_host_cache_size(self) -> "Settings":

@@ -87,6 +87,10 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # refused before the model is loaded (a 16-bit name that is not the model's dtype, fp8 e4m3
+        # on a GPU without it)
+        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)  # fp8: 1 byte per element
+        check_kv_dtype_device(self.kv_dtype, self.device)
         self.model_dir, self.model_name = resolve_model_dir(config.model, config.home)
         self.spec = ModelSpec.from_dir(self.model_dir, name=self.model_name, quantization=config.quantization)
         self.max_model_len = self._resolve_max_model_len()
@@ -94,8 +98,6 @@ class ModelRunner:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids: set[int] = self._collect_eos_ids()
         self.block_size = config.block_size
-        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)  # fp8: 1 byte per element
-        check_kv_dtype_device(self.kv_dtype, self.device)
         self.kv_bytes_per_token = self.spec.kv_bytes_per_token(self.kv_dtype.itemsize)
         self.kv_layout = KVLayout.from_layer_windows(self.spec.layer_windows)
         # a page holds one block of tokens for the group_size layers of one group

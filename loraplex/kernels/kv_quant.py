@@ -1,4 +1,5 @@
-"""The KV cache's storage dtype: the model's (``"auto"``), or one byte per element (fp8).
+"""The KV cache's storage dtype: the model's (``"auto"``, or vLLM's ``bfloat16`` / ``float16``
+where that is the model's dtype), or one byte per element (fp8).
 
 vLLM's ``--kv-cache-dtype fp8`` (= ``fp8_e4m3``) and ``fp8_e5m2``: keys and values are stored as
 ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` with a per-tensor scale of 1.0 (what vLLM uses
@@ -23,9 +24,23 @@ FP8_KV_DTYPES = {
 }
 
 
+# vLLM's names for a cache in a 16-bit float dtype: taken when that is the model's dtype
+MODEL_DTYPE_KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The storage dtype for ``EngineConfig.kv_cache_dtype`` ``name`` (``"auto"``: ``model_dtype``);
-    the name was checked when the config was built (``config.check_kv_cache_dtype``)."""
+    the name was checked when the config was built (``config.check_kv_cache_dtype``). A 16-bit
+    name other than the model's dtype is refused (ValueError): vLLM would store K/V in it whatever
+    the model computes in; loraplex's kernels read a cache that is not fp8 in the compute dtype."""
+    if name in MODEL_DTYPE_KV_DTYPES:
+        if MODEL_DTYPE_KV_DTYPES[name] != model_dtype:
+            model = str(model_dtype).removeprefix("torch.")
+            raise ValueError(
+                f"kv_cache_dtype {name}: the model runs in {model}, and loraplex keeps a KV cache that is "
+                f"not fp8 in the model's dtype; give dtype {name} (--dtype {name}) for a {name} cache, or "
+                "kv_cache_dtype auto")
+        return model_dtype
     return model_dtype if name == "auto" else FP8_KV_DTYPES[name]
 
 

@@ -34,7 +34,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from loraplex.config import Settings
+from loraplex.config import UNSERVED_KV_CACHE_DTYPES, Settings, unserved_kv_cache_dtype
 from loraplex.registry.errors import InvalidName
 from loraplex.registry.names import validate_adapter_name
 from loraplex.server import vllm_engine_flags
@@ -159,6 +159,14 @@ def model_len(text: str) -> int | str:
     return human_readable_int(text)
 
 
+def kv_cache_dtype_name(text: str) -> str:
+    """``--kv-cache-dtype``: vLLM's values that loraplex does not serve are refused by what they
+    are (argparse's choices then name the values served)."""
+    if text in UNSERVED_KV_CACHE_DTYPES:
+        raise argparse.ArgumentTypeError(unserved_kv_cache_dtype(text))
+    return text
+
+
 # argparse options for some Settings flags, so that they take what vLLM's take
 # vLLM's short spellings of flags that are loraplex settings
 SETTINGS_FLAG_ALIASES: dict[str, tuple[str, ...]] = {"quantization": ("-q",)}
@@ -166,6 +174,7 @@ SETTINGS_FLAG_OPTIONS: dict[str, dict] = {
     "served_model_name": {"nargs": "+"},  # vLLM takes several; loraplex one (more are refused)
     "max_model_len": {"type": model_len},
     "max_num_batched_tokens": {"type": human_readable_int},
+    "kv_cache_dtype": {"type": kv_cache_dtype_name},
 }
 
 

@@ -182,6 +182,6 @@ def test_e4m3_is_refused_where_tritons_cuda_backend_lacks_it(monkeypatch, capabi
 def test_every_configurable_kv_cache_dtype_has_a_storage_dtype():
     """The names EngineConfig accepts (config.KV_CACHE_DTYPES) are the ones kv_quant maps."""
     from loraplex.config import KV_CACHE_DTYPES
-    from loraplex.kernels.kv_quant import FP8_KV_DTYPES
+    from loraplex.kernels.kv_quant import FP8_KV_DTYPES, MODEL_DTYPE_KV_DTYPES
 
-    assert set(KV_CACHE_DTYPES) == {"auto", *FP8_KV_DTYPES}
+    assert set(KV_CACHE_DTYPES) == {"auto", *MODEL_DTYPE_KV_DTYPES, *FP8_KV_DTYPES}

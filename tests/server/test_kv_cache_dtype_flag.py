@@ -1,7 +1,8 @@
-"""``--kv-cache-dtype`` is a loraplex setting under vLLM's name and values (auto, fp8, fp8_e4m3,
-fp8_e5m2) on ``serve`` and ``run-batch``, in a vLLM config file and as ``LORAPLEX_KV_CACHE_DTYPE``;
-any other value stops the start with status 2 naming the flag and the values, before anything is
-built (vLLM's own flag rejects an unknown value the same way, argparse's choices)."""
+"""``--kv-cache-dtype`` is a loraplex setting under vLLM's name and values (auto, bfloat16, float16,
+fp8, fp8_e4m3, fp8_e5m2) on ``serve`` and ``run-batch``, in a vLLM config file and as
+``LORAPLEX_KV_CACHE_DTYPE``; any other value stops the start with status 2 naming the flag and the
+values, before anything is built (vLLM's own flag rejects an unknown value the same way,
+argparse's choices). vLLM's fp8_inc and fp8_ds_mla (its CacheDType) are refused by what they are."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("no_cli_env")
 
 
 @pytest.mark.parametrize("command", ["serve", "run-batch"])
-@pytest.mark.parametrize("value", ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("value", ["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"])
 def test_each_vllm_value_reaches_the_engine_config(command, value):
     argv = [command, "m"] if command == "serve" else [command, "-i", "in.jsonl", "-o", "out.jsonl", "--model", "m"]
     settings = settings_from_args(build_parser().parse_args([*argv, "--kv-cache-dtype", value]))
@@ -63,9 +64,31 @@ def test_an_unknown_value_from_the_environment_stops_serve(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("value", ["int8", "fp16", "FP8", ""])
 def test_engine_config_and_llm_refuse_an_unknown_value(value, tmp_path):
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float16, fp8, fp8_e4m3, "
+                                         "fp8_e5m2, not"):
         EngineConfig(kv_cache_dtype=value)
     from loraplex.engine.llm import LLM
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):  # before any model is looked for
         LLM(model=str(tmp_path / "no-such-model"), kv_cache_dtype=value)
+
+
+# vLLM's CacheDType values loraplex does not serve, and what the refusal must call them
+UNSERVED = {"fp8_inc": "Intel Gaudi", "fp8_ds_mla": "DeepSeek's packed fp8 layout of an MLA latent cache"}
+
+
+@pytest.mark.parametrize("value", sorted(UNSERVED))
+def test_vllms_unserved_values_are_refused_by_what_they_are(value, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "home"))
+    with pytest.raises(SystemExit) as caught:
+        main(["serve", "m", "--kv-cache-dtype", value])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --kv-cache-dtype: kv_cache_dtype {value} is {UNSERVED[value]}" in err
+    assert "invalid choice" not in err and "use one of auto, bfloat16, float16, fp8" in err
+    monkeypatch.setenv("LORAPLEX_KV_CACHE_DTYPE", value)
+    assert main(["serve", "m"]) == 2
+    assert UNSERVED[value] in capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"kv_cache_dtype {value} is {UNSERVED[value]}"):
+        EngineConfig(kv_cache_dtype=value)
+    assert not (tmp_path / "home").exists()
