@@ -8,7 +8,8 @@ FlexibleArgumentParser, vllm/utils/argparse_utils.py):
   ``--speculative-config.method ngram``, ``--hf-overrides.rope_scaling.factor=2`` (each value read
   as JSON, else as a string; ``key+ a,b`` appends to a list), and ``-O.cudagraph_mode NONE`` and
   ``-cc.mode=0`` are ``--compilation-config``'s (``-cc`` is its short name, and so is ``-O
-  '{...}'``; ``-O 3`` is the optimization level). The keys of one flag are merged into one JSON
+  '{...}'``; ``-O 3`` is the optimization level), ``-ac.backend FLASH_ATTN`` is
+  ``--attention-config``'s. The keys of one flag are merged into one JSON
   object, passed after the other arguments as vLLM does (so a whole ``--flag '{...}'`` given too
   is replaced by it).
 
@@ -20,8 +21,9 @@ from __future__ import annotations
 import json
 from collections.abc import Collection
 
-# vLLM's -O.<key> and -cc.<key> are its --compilation-config's (``-cc.mode=0``)
-DOTTED_ALIASES = {"-O": "--compilation-config", "-cc": "--compilation-config"}
+# vLLM's -O.<key> and -cc.<key> are its --compilation-config's (``-cc.mode=0``), -ac.<key> its
+# --attention-config's (``-ac.backend FLASH_ATTN``)
+DOTTED_ALIASES = {"-O": "--compilation-config", "-cc": "--compilation-config", "-ac": "--attention-config"}
 
 
 class FlagSyntaxError(ValueError):
@@ -74,7 +76,7 @@ def nested(keys: list[str], value) -> dict:
 
 def _dotted_flag(arg: str, option_strings: Collection[str]) -> tuple[str, list[str], str | None] | None:
     """``(flag, keys, value after "=" or None)`` for a dotted argument of a known flag."""
-    if not (arg.startswith("--") or arg.startswith(("-O.", "-cc."))):
+    if not (arg.startswith("--") or arg.startswith(tuple(f"{alias}." for alias in DOTTED_ALIASES))):
         return None
     name, sep, value = arg.partition("=")
     base, dot, keys = name.partition(".")

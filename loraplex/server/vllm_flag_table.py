@@ -396,6 +396,10 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
                                         "not outputs"),
     "attention_backend": taken("--attention-backend", STR, "loraplex runs its own attention kernels, which "
                                "compute the same attention"),
+    # AttentionConfig (later releases): the backend again (--attention-backend's JSON twin) and
+    # per-kernel choices (flash-attention version, split counts, TRT-LLM / cuDNN prefill...)
+    "attention_config": taken("--attention-config -ac", JSON, "which attention kernels vLLM picks; "
+                              "loraplex runs its own, which compute the same attention"),
     # VllmConfig
     "kv_events_config": refused("--kv-events-config", JSON, "loraplex publishes no KV cache events"),
     "additional_config": refused("--additional-config", JSON, "loraplex takes no platform-specific options"),

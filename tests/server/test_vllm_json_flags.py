@@ -110,6 +110,21 @@ def test_compilation_config_takes_vllms_bare_level_and_dotted_keys(parsed):
     assert any(n.startswith("--compilation-config") for n in vllm_engine_flags.notes(args))
 
 
+@pytest.mark.parametrize("argv", [
+    ["--attention-config", '{"backend": "FLASH_ATTN", "flash_attn_version": 3}'],
+    ["-ac", '{"backend": "FLASH_ATTN", "flash_attn_version": 3}'],
+    ["-ac.backend", "FLASH_ATTN", "-ac.flash_attn_version=3"],
+    ["--attention-config.backend", "FLASH_ATTN", "--attention_config.flash_attn_version", "3"],
+])
+def test_attention_config_forms_are_one_object_taken_with_a_note(argv, parsed):
+    """vLLM's AttentionConfig flag in the forms its docs give ("Attention Backend Feature Support"):
+    a kernel choice, taken as --attention-backend is, with a note, and no setting changed."""
+    args = parsed(["serve", "m", *argv])
+    assert args.vllm_attention_config == {"backend": "FLASH_ATTN", "flash_attn_version": 3}
+    assert settings_from_args(args) == settings_from_args(parsed(["serve", "m"]))
+    assert [n.split(":")[0] for n in vllm_engine_flags.notes(args)] == ["--attention-config"]
+
+
 def test_flag_names_lose_underscores_before_the_first_dot_only():
     assert dashed_flag_names(["--speculative_config.num_speculative_tokens=3", "--max_loras", "a_b"]) == [
         "--speculative-config.num_speculative_tokens=3", "--max-loras", "a_b"]
