@@ -127,7 +127,9 @@ class LlamaForCausalLM(nn.Module):
         """Pack the weights for the CPU matmul path when the policy wants it (call after loading).
 
         The packed copies are snapshots: call again after changing any weight in place. The
-        parameters stay as they are (state_dict, LoRA shapes), so CPU weight memory doubles."""
+        parameters stay as they are (state_dict, LoRA shapes), so CPU weight memory doubles; an
+        FP8 checkpoint's fp8 projections are the exception, released by the loader once packed
+        (loader.release_packed_fp8)."""
         weight = self.embed_tokens
         if not use_prepacked_linears(weight.device, weight.dtype):
             self.prepacked = self.prepacked_head = None

@@ -126,11 +126,24 @@ def _install_fp8(model: torch.nn.Module, fp8: dict[str, Fp8Weight]) -> None:
 
 
 def fp8_stays_resident(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether an FP8 checkpoint's projections stay fp8 in memory, dequantized at each matmul (on
-    a CPU with the prepacked GEMM, beside their fp32 prepacked copies, which are what runs), or
-    are dequantized to ``dtype`` once at load: on a CPU without the prepacked path a dequantization
+    """Whether an FP8 checkpoint's projections are loaded as fp8, dequantized at each matmul (on
+    a CPU with the prepacked GEMM, only until packed: see ``release_packed_fp8``), or are
+    dequantized to ``dtype`` once at load: on a CPU without the prepacked path a dequantization
     per matmul would cost more than the decode-sized matmul itself, and memory is not the limit."""
     return torch.device(device).type != "cpu" or use_prepacked_linears(device, dtype)
+
+
+def release_packed_fp8(model: torch.nn.Module, names: list[str]) -> None:
+    """Drop the fp8 bytes and scales of the projections ``names`` once the CPU prepacked GEMM holds
+    their fp32 copies, which are all that path reads: keeping both cost the fp8 bytes on top of the
+    fp32 ones. Each weight and scale stays as a ``meta`` tensor of its shape and dtype (no memory),
+    so the model still describes itself; ``prepare_linears`` cannot pack them again."""
+    for name in names:
+        layer_path, attr = name.rsplit(".", 1)
+        layer = model.get_submodule(layer_path)
+        weight, scale = getattr(layer, attr), getattr(layer, f"{attr}_scale")
+        setattr(layer, attr, torch.nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False))
+        layer.register_buffer(f"{attr}_scale", torch.empty_like(scale, device="meta"))
 
 
 def _log_fp8(spec: ModelSpec, fp8: dict[str, Fp8Weight], dtype: torch.dtype, device, resident: bool) -> None:
@@ -140,7 +153,7 @@ def _log_fp8(spec: ModelSpec, fp8: dict[str, Fp8Weight], dtype: torch.dtype, dev
     if not resident:
         how = f"dequantized to {dtype_name} once at load (CPU)"
     elif use_prepacked_linears(device, dtype):
-        how = "dequantized to fp32 once at load for the CPU prepacked GEMM"
+        how = "dequantized to fp32 once at load for the CPU prepacked GEMM, which keeps only those copies"
     else:
         how = (f"kept fp8 on the device, dequantized to {dtype_name} at each matmul "
                "(W8A16: activations are not quantized)")
@@ -157,7 +170,8 @@ def load_model(
     """Build the decoder and fill its packed parameters from the HF checkpoint (of a multimodal
     one, the language model's tensors only: see ``gemma3_multimodal``). The packed projections of
     an FP8 checkpoint stay fp8 with their scales (``fp8_weights``; the decoder dequantizes them) where
-    ``fp8_resident`` says so (None: ``fp8_stays_resident``), else are dequantized here."""
+    ``fp8_resident`` says so (None: ``fp8_stays_resident``, and on the CPU prepacked path only until
+    packed: ``release_packed_fp8``), else are dequantized here."""
     rename = language_model_key if spec.architecture == GEMMA3_MULTIMODAL else None
     raw = {_strip_prefix(k): v for k, v in read_safetensors(Path(model_dir), rename).items()}
     fmt = spec.weight_format
@@ -240,6 +254,10 @@ def load_model(
         param.requires_grad_(False)
     model.build_rotary(max_positions, dtype, device)
     model.prepare_linears()
+    # the CPU prepacked path runs its fp32 copies only; an explicit fp8_resident keeps the fp8
+    # weights too (tests run the per-matmul path on CPU by dropping the packed copies)
+    if fp8 and fp8_resident is None and model.prepacked is not None:
+        release_packed_fp8(model, list(fp8))
     return model
 
 
