@@ -1,5 +1,6 @@
 """What ``LLMEngine`` works out once, at start: its LoRA manager, the context its KV pool can
-serve, the config as it runs (``finalised_config``), and the start-up log line (sizes and limits an operator compares with vLLM's)."""
+serve, the config it runs with (``finalised_config``), and the start-up log line (sizes and
+limits an operator compares with vLLM's)."""
 
 from __future__ import annotations
 
