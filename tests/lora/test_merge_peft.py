@@ -1,0 +1,105 @@
+"""loraplex.lora.merge against PEFT's own ``add_weighted_adapter`` (the independent reference):
+the merged lora_A / lora_B tensors of every module, and the logits of the merged adapter's files
+loaded back into PEFT, for linear, ties (both sign methods), and the DARE strategies at density 1
+(PEFT's DARE draws from the global RNG; below 1 the drop is checked by its statistics and its
+determinism). Three adapters of one rank with different targets, alphas and rsLoRA."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import PeftModel
+
+from loraplex.lora.merge import MergeError, MergeParams, drop_and_rescale, merge_adapters, write_adapter_dir
+from loraplex.lora.peft_format import load_adapter_files, validate_adapter
+from tests.fixtures.peft_adapters import make_peft_adapter, peft_model_for
+
+ADAPTERS = {
+    "a": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "b": dict(r=4, lora_alpha=3, use_rslora=True, target_modules=["q_proj", "k_proj", "o_proj"]),
+    "c": dict(r=4, lora_alpha=16, target_modules=["v_proj", "down_proj"]),
+}
+WEIGHTS = [1.5, -0.7, 0.4]
+CASES = [
+    ("linear", None, None),
+    ("ties", 0.5, "total"),
+    ("ties", 0.3, "frequency"),
+    ("dare_linear", 1.0, None),
+    ("dare_ties", 1.0, "total"),
+    ("dare_ties", 1.0, "frequency"),
+]
+
+
+@pytest.fixture(scope="module")
+def world(lora_base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("merge")
+    dirs = {n: make_peft_adapter(lora_base.model, root / n, seed=40 + i, **kw) for i, (n, kw) in enumerate(ADAPTERS.items())}
+    parts = []
+    for d in dirs.values():
+        parsed = load_adapter_files(d)
+        parts.append((parsed, validate_adapter(parsed, lora_base.spec, 64)))
+    return dirs, parts, root
+
+
+def _peft_merge(lora_base, dirs, strategy, density, sign):
+    model = peft_model_for(lora_base.model, dirs)
+    kwargs = {} if density is None else {"density": density}
+    model.add_weighted_adapter(list(dirs), WEIGHTS, "merged", combination_type=strategy,
+                               majority_sign_method=sign or "total", **kwargs)
+    model.set_adapter("merged")
+    return model
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("strategy, density, sign", CASES)
+def test_merge_matches_peft_add_weighted_adapter(lora_base, world, strategy, density, sign):
+    dirs, parts, root = world
+    peft_model = _peft_merge(lora_base, dirs, strategy, density, sign)
+    merged = merge_adapters(parts, MergeParams(strategy, tuple(WEIGHTS), density, sign), seed=7)
+
+    # every merged module's tensors are PEFT's (PEFT names them ...lora_A.merged.weight)
+    theirs = {n.replace(".merged", ""): p.detach() for n, p in peft_model.named_parameters() if ".merged." in n}
+    targeted = {n for n in merged.tensors}
+    assert targeted == {n for n in theirs if not torch.count_nonzero(theirs[n]) == 0}  # the union of targets
+    for name, tensor in merged.tensors.items():
+        torch.testing.assert_close(tensor, theirs[name], rtol=1e-5, atol=1e-6)
+
+    # the files loaded back by PEFT give PEFT's merged model's logits
+    path = write_adapter_dir(merged, root / f"out-{strategy}-{density}-{sign}")
+    reloaded = PeftModel.from_pretrained(copy.deepcopy(lora_base.model), str(path)).eval()
+    ids = [3, 17, 42, 8, 60, 11]
+    want = _logits(peft_model, ids)
+    torch.testing.assert_close(_logits(reloaded, ids), want, rtol=1e-4, atol=1e-5)
+    with peft_model.disable_adapter():
+        assert not torch.allclose(_logits(peft_model, ids), want, atol=1e-3)  # the merge changes the output
+
+
+def test_dare_drop_is_deterministic_and_keeps_density(world):
+    _, parts, _ = world
+    params = MergeParams("dare_linear", tuple(WEIGHTS), 0.3)
+    first = merge_adapters(parts, params, seed=11)
+    again = merge_adapters(parts, params, seed=11)
+    other = merge_adapters(parts, params, seed=12)
+    assert all(torch.equal(first.tensors[n], again.tensors[n]) for n in first.tensors)
+    assert any(not torch.equal(first.tensors[n], other.tensors[n]) for n in first.tensors)
+
+    t = torch.randn(400, 300)
+    kept = drop_and_rescale(t, 0.3, torch.Generator().manual_seed(0))
+    mask = kept != 0
+    assert abs(mask.float().mean().item() - 0.3) < 0.01  # Bernoulli(0.3) over 120k elements
+    torch.testing.assert_close(kept[mask], t[mask] / 0.3)  # the kept ones rescaled by 1/density
+
+
+def test_different_ranks_are_refused(lora_base, world, tmp_path):
+    _, parts, _ = world
+    d = make_peft_adapter(lora_base.model, tmp_path / "r8", seed=5, r=8, target_modules=["q_proj"])
+    parsed = load_adapter_files(d)
+    with pytest.raises(MergeError, match="different ranks"):
+        merge_adapters([parts[0], (parsed, validate_adapter(parsed, lora_base.spec, 64))],
+                       MergeParams("linear", (1.0, 1.0)), seed=0)
