@@ -65,6 +65,10 @@ class Admission:
         set_boundary(ctx, req, ids)  # a constraint after the reasoning, with a reasoning parser
         return ids
 
+    async def resolve(self, ctx: AppContext, tenant: str, req: GenerationRequest) -> Target:
+        """What ``req`` runs on, held until the run's ``close`` (``resolve_target``)."""
+        return await resolve_target(ctx, tenant, req.model)
+
     def request_id(self, req: GenerationRequest) -> str:
         return new_id(req.kind)
 
@@ -105,7 +109,7 @@ async def admit_body(ctx: AppContext, tenant: str, body, steps: Admission, arriv
         limits = await ctx.tenant_limits.get(tenant)  # before anything is held: a failure leaks nothing
         req = steps.parse(ctx, body)
         model = req.model
-        target = await resolve_target(ctx, tenant, model)  # holds the adapter version from here
+        target = await steps.resolve(ctx, tenant, req)  # holds the adapter version from here
         try:
             if req.has_text:  # off the event loop, which every open stream's chunks wait for
                 prompt_ids = await ctx.run_tokenizer(steps.prompt_ids, ctx, req)

@@ -26,6 +26,7 @@ from starlette.staticfiles import StaticFiles
 
 import loraplex
 from loraplex.config import Settings
+from loraplex.registry.adapter_merges import AdapterMerger
 from loraplex.server import (
     admin_routes,
     http_options,
@@ -132,6 +133,8 @@ def use_parts(ctx: AppContext, engine, registry, adapters) -> None:
     tokenizer, and without ``served_model_name`` the base model is served under the engine's
     name for it."""
     ctx.engine, ctx.registry, ctx.adapters = engine, registry, adapters
+    if hasattr(adapters, "disk_cache") and hasattr(adapters, "local_path"):  # an AdapterManager
+        ctx.merges = AdapterMerger(adapters)
     if ctx.reasoning_parser is not None:
         try:
             ctx.reasoning_parser.check_tokenizer(ctx.tokenizer)

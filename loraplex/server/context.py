@@ -44,6 +44,9 @@ class AppContext:
     # once per template under "auto" (loraplex/template_content_format.py)
     content_format: ContentFormatResolver = field(default_factory=ContentFormatResolver)
     usage: Any = None  # usage_recorder.UsageRecorder once started; None: usage accounting off
+    # LoRAX's merged_adapters (registry/adapter_merges.AdapterMerger); None where the adapter
+    # store has no disk cache to put merges in (the offline batch runner's)
+    merges: Any = None
     # each tenant's requests- and tokens-per-minute buckets on this replica
     rate_limiter: TenantRateLimiter = field(default_factory=TenantRateLimiter)
     # content hash -> display name ("tenant/name@version"), for status and logs

@@ -6,6 +6,8 @@ LoRAX's field names and meanings (predibase/lorax ``router/src/lib.rs`` ``Genera
 
 - ``adapter_id``: an adapter of the caller's tenant (its active version) or ``name@N``; absent,
   empty or the base model's name: the base model.
+- ``merged_adapters``: several of the tenant's adapters merged into one for the request
+  (merged_adapters.py); not with a non-empty ``adapter_id``.
 - Greedy unless sampling is asked for: ``do_sample``, or any warper (``temperature`` other than
   1 and 0, ``top_k``, ``top_p`` < 1); ``temperature: 0`` is greedy even with ``do_sample``.
   A sampled request without ``seed`` gets a random one, reported in ``details.seed`` (null when
@@ -25,7 +27,7 @@ LoRAX's field names and meanings (predibase/lorax ``router/src/lib.rs`` ``Genera
 
 Fields that would change the output but are not implemented are refused (422, LoRAX's
 ``validation`` error naming the field), never ignored: ``adapter_source`` other than ``"local"``
-(adapters come from loraplex's registry, not the Hub, S3 or Predibase), ``merged_adapters``,
+(adapters come from loraplex's registry, not the Hub, S3 or Predibase),
 ``watermark: true``, ``typical_p`` < 1, ``best_of`` > 1, ``apply_chat_template: true``, TGI's
 ``top_n_tokens``. Other unknown fields are ignored, as LoRAX's parser ignores them.
 """
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 from loraplex.sampling_params import InvalidRequestError, SamplingParams
 from loraplex.server.body_fields import read_bool, read_int, read_number
 from loraplex.server.errors import bad_request
+from loraplex.server.merged_adapters import parse_merged_adapters
 from loraplex.server.protocol import MAX_TOP_LOGPROBS, GenerationRequest
 from loraplex.server.sampling_fields import parse_stop
 from loraplex.server.structured_fields import checked_constraint
@@ -60,6 +63,7 @@ class TGIRequest:
     alternatives: int  # return_k_alternatives (0: none)
     truncate: int | None  # keep only the prompt's last N tokens
     seed: int | None  # reported in details: the sampling seed, None when greedy
+    merged: tuple | None = None  # (ids, MergeParams) of ``merged_adapters``; None: none asked
 
 
 def unsupported(param: str, why: str):
@@ -71,8 +75,6 @@ def _refuse_unsupported(p: dict, stream: bool) -> None:
     if source not in ADAPTER_SOURCES_SERVED:
         raise unsupported("adapter_source", f"{source!r} is not served: adapters come from loraplex's registry "
                           "(upload them through the admin API); leave it out or send \"local\"")
-    if p.get("merged_adapters") is not None:
-        raise unsupported("merged_adapters", "merging adapters per request is not supported")
     if read_bool(p, "watermark", False):
         raise unsupported("watermark", "watermarking is not supported")
     typical_p = read_number(p, "typical_p", None)
@@ -163,6 +165,12 @@ def parse_generate_request(body, served_model: str, *, stream: bool | None,
     adapter_id = p.get("adapter_id")
     if adapter_id is not None and not isinstance(adapter_id, str):
         raise bad_request("`adapter_id` must be a string", param="adapter_id")
+    merged = None
+    if p.get("merged_adapters") is not None:
+        if adapter_id:  # lorax-client's own rule (types.py Parameters.valid_adapter_id)
+            raise bad_request("`merged_adapters`: you must specify at most one of `adapter_id` or `merged_adapters`",
+                              param="merged_adapters")
+        merged = parse_merged_adapters(p["merged_adapters"])
     temperature = read_number(p, "temperature", None, lo=0.0)
     top_k = read_int(p, "top_k", None)
     if top_k is not None and top_k <= 0:
@@ -218,5 +226,6 @@ def parse_generate_request(body, served_model: str, *, stream: bool | None,
         raise bad_request("`return_full_text` must be a boolean", param="return_full_text")
     req = TGIRequest(gen=gen, inputs=inputs, adapter_id=adapter_id or None, details=details,
                      decoder_input_details=decoder_input_details, return_full_text=bool(full_text),
-                     alternatives=alternatives or 0, truncate=truncate, seed=seed if sampling else None)
+                     alternatives=alternatives or 0, truncate=truncate, seed=seed if sampling else None,
+                     merged=merged)
     return req, stream

@@ -32,7 +32,8 @@ from starlette.routing import Route
 from loraplex.server.admission import Admission, admit
 from loraplex.server.context import AppContext
 from loraplex.server.errors import CLIENT_CLOSED, APIError, from_exception
-from loraplex.server.generation import RequestRun, tokenize_prompts
+from loraplex.server.generation import RequestRun, Target, tokenize_prompts
+from loraplex.server.merged_adapters import resolve_merged_target
 from loraplex.server.protocol import GenerationRequest
 from loraplex.server.request_checks import prepare
 from loraplex.server.request_ids import request_ids
@@ -172,6 +173,11 @@ class _GenerateAdmission(Admission):
             raise
         return prompt_ids
 
+    async def resolve(self, ctx: AppContext, tenant: str, req: GenerationRequest) -> Target:
+        if self.treq.merged is None:
+            return await super().resolve(ctx, tenant, req)
+        return await resolve_merged_target(ctx, tenant, *self.treq.merged)
+
     def request_id(self, req: GenerationRequest) -> str:
         return f"gen-{uuid.uuid4().hex}"
 
@@ -203,8 +209,8 @@ async def _serve(request: Request, stream: bool | None, compat: bool = False) ->
         return error_response(err)
     shaper = TokenShaper(ctx.tokenizer, treq.alternatives)
     headers = {"x-model-id": ctx.served_model_name, **run.rate_headers}
-    if run.target.adapter is not None:
-        headers["x-adapter-id"] = treq.adapter_id
+    if run.target.adapter is not None:  # a merge: its ids, joined as LoRAX names it
+        headers["x-adapter-id"] = treq.adapter_id or run.target.model
     if stream:
         return SSEResponse(_events(run, treq, shaper), headers=headers, on_close=lambda: run.close(CLIENT_CLOSED))
     try:

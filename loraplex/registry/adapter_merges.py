@@ -1,0 +1,176 @@
+"""AdapterMerger: LoRAX's per-request ``merged_adapters`` as ordinary adapter versions.
+
+A merge of a tenant's adapters is built once (the math: loraplex/lora/merge.py) on the CPU in
+float32, written as a PEFT directory into the adapter manager's disk cache under its own content
+hash, and from then on is just another adapter to the engine: read into the host tier (counted
+in its bytes), loaded into a device slot and evicted like any other.
+
+The cache key is the constituents' content hashes (the exact versions the names resolved to, in
+request order) with the merge's weights, strategy, density and sign method. A hot-swap or a
+delete of a constituent changes what its name resolves to, hence the key, so a merge of old
+weights is never served again. DARE's random drop is seeded from the key: two identical
+requests get identical weights, and so identical outputs.
+
+A request holds its merged version like any version (``acquire`` / ``release`` of the adapter
+manager by content hash), so its files stay while it runs; idle merges leave the disk cache by
+its LRU budget. Constituents are held only while a merge is built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from loraplex.lora.merge import MergeError, MergeParams, merge_adapters, write_adapter_dir
+from loraplex.lora.peft_format import inspect_adapter_dir, load_adapter_files, validate_adapter
+from loraplex.lora.spec import AdapterRef
+from loraplex.registry.errors import InvalidName, NotFound
+from loraplex.registry.info import VersionInfo
+from loraplex.storage.base import BlobNotFound
+
+KEY_FORMAT = "loraplex-merge-v1"
+MAX_REMEMBERED_MERGES = 4096  # keys -> content hashes kept in memory (the files live in the disk cache)
+
+
+class UnknownAdapter(NotFound):
+    """One of the ids is not an adapter of the tenant (or could never be a name): ``ref``."""
+
+    def __init__(self, ref: str, reason: str):
+        super().__init__(reason)
+        self.ref = ref
+
+
+@dataclass(frozen=True)
+class MergedVersion:
+    """A merge a request runs on: the adapter (acquired: ``release`` its content hash once
+    done) and what it was made of."""
+
+    ref: AdapterRef
+    key: str
+    constituents: tuple[VersionInfo, ...]
+    built: bool  # built for this request (False: the cached merge)
+
+
+def merge_key(versions: list[VersionInfo], params: MergeParams) -> str:
+    """The identity of a merge: the constituents' content hashes, in order, and the parameters."""
+    doc = {"format": KEY_FORMAT, "adapters": [v.sha256 for v in versions], **params.canonical()}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+class AdapterMerger:
+    """Builds, caches and hands out merged adapters over an ``AdapterManager``. Thread-safe."""
+
+    def __init__(self, adapters, max_remembered: int = MAX_REMEMBERED_MERGES):
+        self.adapters = adapters  # loraplex.registry.adapter_manager.AdapterManager
+        self.max_remembered = max_remembered
+        self._lock = threading.Lock()
+        self._merged: OrderedDict[str, str] = OrderedDict()  # merge key -> merged content hash
+        self._key_locks: dict[str, threading.Lock] = {}  # one build per key at a time
+        self.builds = 0
+        self.reuses = 0
+
+    def resolve(self, tenant: str, refs: list[str], params: MergeParams) -> MergedVersion:
+        """The merge of ``tenant``'s adapters ``refs`` (``name`` or ``name@N`` each), acquired.
+        Raises ``UnknownAdapter`` for a name the tenant does not have, ``MergeError``
+        when these adapters cannot be merged (nothing is cached then)."""
+        registry = self.adapters.registry
+        versions = []
+        for ref in refs:
+            try:
+                versions.append(registry.resolve(tenant, ref))
+            except (NotFound, InvalidName) as exc:
+                raise UnknownAdapter(ref, str(exc)) from None
+        bases = sorted({v.base_model for v in versions})
+        if len(bases) > 1:
+            raise MergeError(f"adapters of different base models cannot be merged ({', '.join(bases)})")
+        ranks = sorted({v.rank for v in versions})
+        if len(ranks) > 1:
+            raise MergeError(f"adapters of different ranks cannot be merged (ranks {ranks}): "
+                             "PEFT and LoRAX need one rank for linear, ties and dare merges")
+        key = merge_key(versions, params)
+        with self._lock:
+            key_lock = self._key_locks.setdefault(key, threading.Lock())
+        try:
+            with key_lock:
+                ref = self._cached(key)
+                if ref is not None:
+                    with self._lock:
+                        self.reuses += 1
+                    return MergedVersion(ref, key, tuple(versions), built=False)
+                return MergedVersion(self._build(versions, params, key), key, tuple(versions), built=True)
+        finally:
+            with self._lock:  # a request waiting on this lock still holds it; a later one finds the merge
+                if self._key_locks.get(key) is key_lock:
+                    del self._key_locks[key]
+
+    def merged_hash(self, key: str) -> str | None:
+        """The content hash the merge ``key`` was built to, if remembered."""
+        with self._lock:
+            return self._merged.get(key)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"builds": self.builds, "reuses": self.reuses, "remembered": len(self._merged)}
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _cached(self, key: str) -> AdapterRef | None:
+        """The remembered merge, acquired, while its files are still in the disk cache."""
+        with self._lock:
+            content_hash = self._merged.get(key)
+        if content_hash is None:
+            return None
+        self.adapters.acquire(content_hash)  # pinned first: the check below cannot be undone by an eviction
+        path = self.adapters.disk_cache.get(content_hash)
+        if path is None:
+            self.adapters.release(content_hash)
+            return None
+        return AdapterRef(name=f"+merged:{key[:12]}", path=str(path), content_hash=content_hash)
+
+    def _local_paths(self, versions: list[VersionInfo], held: list[str]) -> list:
+        paths = []
+        for v in versions:
+            try:
+                paths.append(self.adapters.local_path(v, acquire=True))
+            except BlobNotFound:
+                self.adapters.registry.resolve(v.tenant, v.ref)  # deleted meanwhile: NotFound
+                raise
+            held.append(v.sha256)
+        return paths
+
+    def _build(self, versions: list[VersionInfo], params: MergeParams, key: str) -> AdapterRef:
+        adapters, cache = self.adapters, self.adapters.disk_cache
+        held: list[str] = []
+        staging = None
+        try:
+            parts = []
+            for path in self._local_paths(versions, held):
+                parsed = load_adapter_files(path)
+                parts.append((parsed, validate_adapter(parsed, adapters.spec, adapters.max_lora_rank)))
+            merged = merge_adapters(parts, params, seed=int(key[:16], 16))
+            staging = cache.new_staging_dir()
+            write_adapter_dir(merged, staging)
+            content_hash = inspect_adapter_dir(staging, adapters.spec, adapters.max_lora_rank).content_hash
+            adapters.acquire(content_hash)  # pinned before it is inserted: never evicted in between
+            try:
+                path = cache.insert(content_hash, staging)
+            except BaseException:
+                adapters.release(content_hash)
+                raise
+            staging = None  # insert consumed it
+        finally:
+            for content_hash_held in held:
+                adapters.release(content_hash_held)
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+        with self._lock:
+            self._merged[key] = content_hash
+            self._merged.move_to_end(key)
+            while len(self._merged) > self.max_remembered:
+                self._merged.popitem(last=False)
+            self.builds += 1
+        return AdapterRef(name=f"+merged:{key[:12]}", path=str(path), content_hash=content_hash)

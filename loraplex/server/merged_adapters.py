@@ -1,0 +1,98 @@
+"""LoRAX's ``parameters.merged_adapters`` on ``/generate``: the field read and checked, and the
+merge resolved to the request's adapter (``AdapterMerger``, loraplex/registry/adapter_merges.py).
+
+``{"ids": [...], "weights": [...], "merge_strategy": "linear" | "ties" | "dare_linear" |
+"dare_ties", "density": 0..1, "majority_sign_method": "total" | "frequency"}`` with LoRAX's
+defaults (predibase/lorax ``router/src/lib.rs`` ``AdapterParameters``, ``clients/python/lorax/
+types.py`` ``MergedAdapters``): weights all 1 when absent or empty, ``linear``, ``total``. The ids
+name the caller's tenant's adapters as ``adapter_id`` does (``name`` or ``name@N``). As
+lorax-client says, a request gives at most one of ``adapter_id`` and ``merged_adapters``.
+``density`` is required by ``ties`` and the ``dare_*`` strategies (LoRAX's docs; its server
+would take a missing one as 0 and prune everything) and must be in (0, 1] there; ``linear``
+ignores it, as LoRAX does, within the client's [0, 1].
+"""
+
+from __future__ import annotations
+
+import math
+
+from starlette.concurrency import run_in_threadpool
+
+from loraplex.lora.merge import MAJORITY_SIGN_METHODS, MERGE_STRATEGIES, USES_DENSITY, USES_SIGN_METHOD, MergeParams
+from loraplex.registry.adapter_merges import UnknownAdapter
+from loraplex.server.body_fields import is_number
+from loraplex.server.errors import APIError, bad_request
+from loraplex.server.generation import Target
+
+FIELD = "merged_adapters"
+MAX_MERGED_ADAPTERS = 16  # adapters held in host memory at once while a merge is built
+MERGED_LABEL = "+merged"  # metrics and access-log name of every merge (no adapter name has a "+")
+
+
+def _bad(message: str) -> APIError:
+    return bad_request(f"`{FIELD}`: {message}", param=FIELD)
+
+
+def parse_merged_adapters(value) -> tuple[tuple[str, ...], MergeParams]:
+    """``(ids, params)`` of a request's ``merged_adapters`` object; a 400 (LoRAX's 422) naming the
+    field for anything wrong."""
+    if not isinstance(value, dict):
+        raise _bad("must be an object with `ids` and `weights`")
+    ids = value.get("ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, str) and i for i in ids):
+        raise _bad("`ids` must be a non-empty list of adapter names")
+    if len(ids) > MAX_MERGED_ADAPTERS:
+        raise _bad(f"at most {MAX_MERGED_ADAPTERS} adapters can be merged, got {len(ids)}")
+    weights = value.get("weights")
+    if weights is None or weights == []:
+        weights = [1.0] * len(ids)  # LoRAX's server: every adapter weighs 1
+    if not isinstance(weights, list) or not all(is_number(w) and math.isfinite(w) for w in weights):
+        raise _bad("`weights` must be a list of finite numbers")
+    if len(weights) != len(ids):
+        raise _bad(f"`ids` and `weights` must have the same length ({len(ids)} ids, {len(weights)} weights)")
+    strategy = value.get("merge_strategy")
+    strategy = "linear" if strategy is None else strategy
+    if strategy not in MERGE_STRATEGIES:
+        raise _bad(f"`merge_strategy` must be one of {list(MERGE_STRATEGIES)}, got {strategy!r}")
+    sign = value.get("majority_sign_method")
+    sign = "total" if sign is None else sign
+    if sign not in MAJORITY_SIGN_METHODS:
+        raise _bad(f"`majority_sign_method` must be one of {list(MAJORITY_SIGN_METHODS)}, got {sign!r}")
+    density = value.get("density")
+    if density is not None and not (is_number(density) and 0.0 <= density <= 1.0):
+        raise _bad(f"`density` must be a number in [0, 1], got {density!r}")
+    if strategy in USES_DENSITY:
+        if density is None or density <= 0.0:
+            raise _bad(f"`density` in (0, 1] is required by `merge_strategy` {strategy!r}: "
+                       "the fraction of each adapter's weights kept")
+        density = float(density)
+    else:
+        density = None  # linear: no pruning, so equal merges share one key
+    params = MergeParams(strategy, tuple(float(w) for w in weights), density,
+                         sign if strategy in USES_SIGN_METHOD else None)
+    return tuple(ids), params
+
+
+async def resolve_merged_target(ctx, tenant: str, ids: tuple[str, ...], params: MergeParams) -> Target:
+    """The request's ``Target``: the merge of ``tenant``'s adapters ``ids``, acquired (the run
+    releases it). A name the tenant does not have is LoRAX's 404, a merge that cannot be made a
+    400 (LoRAX's 422) naming the field."""
+    merger = getattr(ctx, "merges", None)
+    if merger is None:
+        raise bad_request(f"`{FIELD}`: merging adapters needs the server's adapter store (not served here)",
+                          param=FIELD, code="unsupported_parameter")
+    try:
+        merged = await run_in_threadpool(merger.resolve, tenant, list(ids), params)
+    except Exception as exc:
+        if isinstance(exc, UnknownAdapter):  # another tenant's adapter: the same answer as none
+            raise APIError(404, f"Adapter `{exc.ref}` does not exist or you do not have access to it.",
+                           code="adapter_not_found") from None
+        if isinstance(getattr(exc, "message", None), str):  # InvalidAdapterError, MergeError
+            raise _bad(exc.message) from None
+        raise
+    ref = merged.ref
+    names = ",".join(ids)
+    ctx.adapter_display[ref.content_hash] = f"{tenant}/{MERGED_LABEL}({names})"
+    ctx.metrics.hash_labels[ref.content_hash] = f"{tenant}/{MERGED_LABEL}"
+    return Target(model=names, adapter=ref, label=f"{tenant}/{MERGED_LABEL}", version=None)
+

@@ -1,0 +1,190 @@
+"""LoRAX's ``merged_adapters`` over HTTP (fake engine, real registry and AdapterManager with a
+local blob store and disk cache): the adapter the engine is handed holds PEFT's
+``add_weighted_adapter`` merge of the versions the ids resolve to; the answer has LoRAX's shape
+(``x-adapter-id`` is the ids joined by commas, as LoRAX names a merge), streamed too; the same
+request reuses the merge, a hot-swapped or deleted constituent never serves the old merge; every
+refusal is a 4xx in LoRAX's error shape that builds, caches and starts nothing."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from loraplex.registry.adapter_manager import AdapterManager
+from loraplex.storage.base import open_blob_store
+from tests.fixtures.peft_adapters import make_peft_adapter, peft_model_for, spec_for, tiny_llama
+from tests.server.conftest import start_server
+from tests.server.fakes import FakeEngine, expected_text
+
+MAX_RANK = 16
+
+
+@pytest.fixture(scope="module")
+def peft(tmp_path_factory):
+    root = tmp_path_factory.mktemp("peft")
+    base = tiny_llama(seed=11)
+    dirs = {
+        "x": make_peft_adapter(base, root / "x", seed=1, r=4),
+        "y": make_peft_adapter(base, root / "y", seed=2, r=4, lora_alpha=3, target_modules=["q_proj", "k_proj", "o_proj"]),
+        "y2": make_peft_adapter(base, root / "y2", seed=3, r=4, lora_alpha=3, target_modules=["q_proj", "k_proj"]),
+        "r8": make_peft_adapter(base, root / "r8", seed=4, r=8),
+    }
+    return base, spec_for(base), dirs
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, peft):
+    base, spec, dirs = peft
+    tmp = tmp_path_factory.mktemp("srv")
+    blobs = open_blob_store(str(tmp / "blobs"))
+
+    def make_adapters(registry, home):
+        return AdapterManager(registry, blobs, AdapterManager.make_disk_cache(home / "adapter-cache", 1 << 30),
+                              spec, MAX_RANK)
+
+    srv = start_server(tmp, FakeEngine(), make_adapters)
+    key = srv.make_tenant("acme")
+    srv.make_tenant("other")
+    for name in ("x", "y"):
+        srv.adapters.upload("acme", name, dirs[name], "admin")
+    srv.adapters.upload("acme", "r8", dirs["r8"], "admin")
+    srv.adapters.upload("other", "theirs", dirs["x"], "admin")
+    # an adapter recorded for another base model (same shapes): the registry says so
+    elsewhere = AdapterManager(srv.registry, blobs, srv.adapters.disk_cache, replace(spec, model_name="other-base"), MAX_RANK)
+    elsewhere.upload("acme", "foreign", dirs["x"], "admin")
+    with srv.tenant_client(key) as client:
+        yield srv, client
+    srv.stop()
+
+
+def _merger(srv):
+    return srv.app.state.ctx.merges
+
+
+def _peft_merge(base, dirs: dict, weights, strategy, **kw) -> dict:
+    """PEFT's merged tensors, named as PEFT saves them."""
+    model = peft_model_for(copy.deepcopy(base), dirs)
+    model.add_weighted_adapter(list(dirs), weights, "m", combination_type=strategy, **kw)
+    return {n.replace(".m.", "."): p.detach() for n, p in model.named_parameters() if ".m." in n and p.abs().sum() > 0}
+
+
+def _served_tensors(srv, content_hash: str) -> dict:
+    return load_file(str(srv.adapters.disk_cache.path_of(content_hash) / "adapter_model.safetensors"))
+
+
+def _gen(client, merged, path="/t/acme/generate", **params):
+    return client.post(path, json={"inputs": "hello world", "parameters": {"merged_adapters": merged,
+                                                                          "max_new_tokens": 6, **params}})
+
+
+def _assert_same(mine: dict, theirs: dict) -> None:
+    assert set(mine) == set(theirs)
+    for name in mine:
+        torch.testing.assert_close(mine[name], theirs[name], rtol=1e-5, atol=1e-6)
+
+
+def test_merge_served_reused_streamed(world, peft):
+    srv, client = world
+    base, _, dirs = peft
+    merged = {"ids": ["x", "y"], "weights": [0.6, 1.3], "merge_strategy": "ties", "density": 0.5,
+              "majority_sign_method": "frequency"}
+    builds = _merger(srv).builds
+    r = _gen(client, merged, details=True)
+    assert r.status_code == 200, r.text
+    _, merged_hash = srv.engine.started[-1]
+    assert merged_hash not in {v.sha256 for v in (srv.registry.resolve("acme", "x"), srv.registry.resolve("acme", "y"))}
+    _assert_same(_served_tensors(srv, merged_hash), _peft_merge(base, {"x": dirs["x"], "y": dirs["y"]}, [0.6, 1.3],
+                                                               "ties", density=0.5, majority_sign_method="frequency"))
+    tok = srv.engine.tokenizer
+    assert r.json()["generated_text"] == expected_text(tok, tok("hello world")["input_ids"], merged_hash, None, 6)
+    assert r.headers["x-adapter-id"] == "x,y"
+    assert _merger(srv).builds == builds + 1
+
+    # the same merge again (any route, streamed too): no new build, the same adapter
+    again = _gen(client, merged)
+    events = [json.loads(line[5:]) for line in _gen(client, merged, path="/t/acme/generate_stream").text.splitlines()
+              if line.startswith("data:")]
+    assert again.json()["generated_text"] == events[-1]["generated_text"] == r.json()["generated_text"]
+    assert [h for _, h in srv.engine.started[-2:]] == [merged_hash, merged_hash]
+    assert _merger(srv).builds == builds + 1 and _merger(srv).reuses >= 2
+    # other weights are another merge
+    assert _gen(client, {**merged, "weights": [0.6, 1.2]}).status_code == 200
+    assert srv.engine.started[-1][1] != merged_hash and _merger(srv).builds == builds + 2
+    assert srv.adapters.stats()["in_use"] == {}  # every request gave back its merge
+
+
+def test_swap_and_delete_of_a_constituent(world, peft):
+    srv, client = world
+    base, _, dirs = peft
+    srv.adapters.upload("acme", "swap", dirs["y"], "admin")
+    merged = {"ids": ["x", "swap"], "weights": [1.0, 0.5]}  # linear by default
+    assert _gen(client, merged).status_code == 200
+    old_hash = srv.engine.started[-1][1]
+    _assert_same(_served_tensors(srv, old_hash), _peft_merge(base, {"x": dirs["x"], "y": dirs["y"]}, [1.0, 0.5], "linear"))
+
+    v2, _ = srv.adapters.upload("acme", "swap", dirs["y2"], "admin")
+    with srv.admin() as admin:
+        assert admin.put("/admin/v1/tenants/acme/adapters/swap/active", json={"version": v2.version}).status_code == 200
+    assert _gen(client, merged).status_code == 200
+    new_hash = srv.engine.started[-1][1]
+    assert new_hash != old_hash
+    _assert_same(_served_tensors(srv, new_hash), _peft_merge(base, {"x": dirs["x"], "y2": dirs["y2"]}, [1.0, 0.5], "linear"))
+    # name@N still names the old version, and its merge is the cached one
+    builds = _merger(srv).builds
+    assert _gen(client, {**merged, "ids": ["x", "swap@1"]}).status_code == 200
+    assert srv.engine.started[-1][1] == old_hash and _merger(srv).builds == builds
+
+    with srv.admin() as admin:
+        assert admin.delete("/admin/v1/tenants/acme/adapters/swap").status_code in (200, 204)
+    started = len(srv.engine.started)
+    for ids in (["x", "swap"], ["x", "swap@1"]):
+        r = _gen(client, {**merged, "ids": ids})
+        assert r.status_code == 404 and r.json() == {
+            "error": f"Adapter `{ids[1]}` does not exist or you do not have access to it.", "error_type": "not_found"}
+    assert len(srv.engine.started) == started
+
+
+@pytest.mark.parametrize("params, status, words", [
+    ({"merged_adapters": {"ids": ["x", "nope"], "weights": [1, 1]}}, 404, "Adapter `nope` does not exist"),
+    ({"merged_adapters": {"ids": ["x", "theirs"], "weights": [1, 1]}}, 404, "Adapter `theirs` does not exist"),
+    ({"merged_adapters": {"ids": ["x", "Bad Name!"]}}, 404, "Adapter `Bad Name!` does not exist"),
+    ({"merged_adapters": {"ids": ["x", "y"], "weights": [1]}}, 422, "same length"),
+    ({"merged_adapters": {"ids": ["x", "y"], "weights": [1, "2"]}}, 422, "finite numbers"),
+    ({"merged_adapters": {"ids": [], "weights": []}}, 422, "non-empty list"),
+    ({"merged_adapters": ["x", "y"]}, 422, "must be an object"),
+    ({"merged_adapters": {"ids": ["x", "y"], "merge_strategy": "svd"}}, 422, "`merge_strategy` must be one of"),
+    ({"merged_adapters": {"ids": ["x", "y"], "merge_strategy": "ties"}}, 422, "`density` in (0, 1] is required"),
+    ({"merged_adapters": {"ids": ["x", "y"], "merge_strategy": "dare_ties", "density": 0}}, 422, "is required"),
+    ({"merged_adapters": {"ids": ["x", "y"], "merge_strategy": "ties", "density": 1.5}}, 422, "`density` must be"),
+    ({"merged_adapters": {"ids": ["x", "y"], "merge_strategy": "ties", "density": 0.5,
+                          "majority_sign_method": "median"}}, 422, "`majority_sign_method` must be one of"),
+    ({"merged_adapters": {"ids": ["x", "y"]}, "adapter_id": "x"}, 422, "at most one of `adapter_id`"),
+    ({"merged_adapters": {"ids": ["x", "r8"]}}, 422, "different ranks"),
+    ({"merged_adapters": {"ids": ["x", "foreign"]}}, 422, "different base models"),
+])
+def test_refusals_build_and_start_nothing(world, params, status, words):
+    srv, client = world
+    cache = srv.adapters.disk_cache
+    before = (_merger(srv).stats(), cache.stats()["entries"], len(srv.engine.started))
+    for path in ("/t/acme/generate", "/t/acme/generate_stream", "/t/acme"):
+        r = client.post(path, json={"inputs": "hi", "parameters": {"max_new_tokens": 2, **params}})
+        assert r.status_code == status, r.text
+        body = r.json()
+        assert set(body) == {"error", "error_type"} and words in body["error"], body
+        assert body["error_type"] == ("not_found" if status == 404 else "validation")
+        if status == 422:
+            assert "`merged_adapters`" in body["error"]
+    assert (_merger(srv).stats(), cache.stats()["entries"], len(srv.engine.started)) == before
+    assert srv.adapters.stats()["in_use"] == {}
+
+
+def test_infinite_weight_is_refused(world):
+    srv, client = world
+    raw = b'{"inputs": "hi", "parameters": {"merged_adapters": {"ids": ["x", "y"], "weights": [1, 1e400]}}}'
+    r = client.post("/t/acme/generate", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "finite numbers" in r.json()["error"]
