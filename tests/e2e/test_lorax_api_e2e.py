@@ -14,7 +14,7 @@ import json
 import httpx
 import openai
 import pytest
-from lorax import AsyncClient, Client
+from lorax import AsyncClient, Client, MergedAdapters
 from lorax.errors import NotFoundError, UnknownError, ValidationError
 
 from tests.e2e.compat_server import make_tenant
@@ -185,6 +185,47 @@ def test_info_and_tokenize_on_the_real_server(lx, compat_model_dir):
     ref = oai.chat.completions.create(model="tuned", messages=MESSAGES, max_tokens=1)
     assert chat["count"] == ref.usage.prompt_tokens
     assert chat["tokens"] == tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)["input_ids"]
+
+
+def test_merged_adapters_with_lorax_client(lx, compat_model_dir, tmp_path):
+    """lorax-client's ``MergedAdapters`` (ties): the greedy tokens are those of PEFT's own merge
+    of the two adapters (``add_weighted_adapter``), streamed and not; an unknown id is the
+    client's NotFoundError."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from loraplex.lora.peft_format import compute_content_hash
+    from tests.fixtures.peft_adapters import peft_model_for
+
+    srv, client, _, _ = lx
+    base = AutoModelForCausalLM.from_pretrained(str(compat_model_dir), dtype=torch.float32).eval()
+    # `tuned` made again as the fixture made it (its content hash proves it), and a second adapter
+    dirs = {"tuned": make_peft_adapter(base, tmp_path / "tuned", seed=21),
+            "other": make_peft_adapter(base, tmp_path / "other", seed=22)}
+    with srv.admin() as c:
+        versions = c.get("/admin/v1/tenants/lorax/adapters/tuned").json()["versions"]
+        assert compute_content_hash(dirs["tuned"]) in {v["sha256"] for v in versions}
+        files = {name: (name, io.BytesIO((dirs["other"] / name).read_bytes()), "application/octet-stream")
+                 for name in ("adapter_config.json", "adapter_model.safetensors")}
+        assert c.post("/admin/v1/tenants/lorax/adapters/other/versions", files=files).status_code in (200, 201)
+    merged = MergedAdapters(ids=["tuned", "other"], weights=[0.7, 1.2], merge_strategy="ties", density=0.5,
+                            majority_sign_method="total")
+    out = client.generate(PROMPT, merged_adapters=merged, max_new_tokens=N, decoder_input_details=True)
+    prompt = [t.id for t in out.details.prefill]
+    tokens = [t.id for t in out.details.tokens]
+    reference = peft_model_for(base, dirs)
+    reference.add_weighted_adapter(["tuned", "other"], [0.7, 1.2], "m", combination_type="ties", density=0.5)
+    reference.set_adapter("m")
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for want in tokens:
+            nxt = int(reference(input_ids=ids).logits[0, -1].argmax())
+            assert nxt == want
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    streamed = list(client.generate_stream(PROMPT, merged_adapters=merged, max_new_tokens=N))
+    assert [e.token.id for e in streamed] == tokens and streamed[-1].generated_text == out.generated_text
+    with pytest.raises(NotFoundError):
+        client.generate(PROMPT, merged_adapters=MergedAdapters(ids=["tuned", "nope"], weights=[1, 1], density=0.0))
 
 
 def test_bad_key(lx):
