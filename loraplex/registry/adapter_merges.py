@@ -70,6 +70,7 @@ class AdapterMerger:
         self._lock = threading.Lock()
         self._merged: OrderedDict[str, str] = OrderedDict()  # merge key -> merged content hash
         self._key_locks: dict[str, threading.Lock] = {}  # one build per key at a time
+        self._made_of: dict[str, tuple[str, ...]] = {}  # merged content hash -> its constituents' hashes
         self.builds = 0
         self.reuses = 0
 
@@ -111,6 +112,20 @@ class AdapterMerger:
         """The content hash the merge ``key`` was built to, if remembered."""
         with self._lock:
             return self._merged.get(key)
+
+    def drop_merges_of(self, content_hash: str) -> list[str]:
+        """Forget every merge built from the weights ``content_hash`` (a deleted constituent) and
+        remove their files from the disk cache (files a running request holds stay until it ends
+        and the cache evicts them). Returns the merges' content hashes, for the engine to drop."""
+        with self._lock:
+            merged = {h for h, parts in self._made_of.items() if content_hash in parts}
+            for key in [k for k, h in self._merged.items() if h in merged]:
+                del self._merged[key]
+            for h in merged:
+                del self._made_of[h]
+        for h in merged:
+            self.adapters.disk_cache.remove(h)
+        return sorted(merged)
 
     def stats(self) -> dict:
         with self._lock:
@@ -170,7 +185,10 @@ class AdapterMerger:
         with self._lock:
             self._merged[key] = content_hash
             self._merged.move_to_end(key)
+            self._made_of[content_hash] = tuple(v.sha256 for v in versions)
             while len(self._merged) > self.max_remembered:
-                self._merged.popitem(last=False)
+                _, forgotten = self._merged.popitem(last=False)
+                if forgotten not in self._merged.values():  # two keys can give the same weights
+                    self._made_of.pop(forgotten, None)
             self.builds += 1
         return AdapterRef(name=f"+merged:{key[:12]}", path=str(path), content_hash=content_hash)

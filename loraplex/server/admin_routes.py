@@ -305,11 +305,15 @@ async def drop_unused_from_engine(ctx: AppContext, removed: list[tuple[str, str]
     """Deleted weights that no live version of any tenant uses any more leave the engine's device
     slots and host cache, pins included (else a pinned slot would stay taken until a restart).
     Requests still running on them reload them from their local copy, which stays until the last
-    of them ends; weights another version still uses (same content hash) are left alone."""
+    of them ends; weights another version still uses (same content hash) are left alone. So do
+    the merges built from them (LoRAX's merged_adapters), and their files."""
     for content_hash, blob_key in removed:  # (content hash, blob key) of each deleted version
         try:
             if await run_in_threadpool(ctx.registry.versions_using_blob, blob_key) == 0:
                 await ctx.engine.unload_adapter(content_hash)
+                merges = await run_in_threadpool(ctx.merges.drop_merges_of, content_hash) if ctx.merges else []
+                for merged in merges:
+                    await ctx.engine.unload_adapter(merged)
         except Exception:  # noqa: BLE001 - the delete itself is done; LRU eviction frees it later
             log.exception("could not drop deleted adapter %s from the engine", content_hash)
 

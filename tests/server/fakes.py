@@ -93,6 +93,7 @@ class FakeEngine:
         self.scheduling_seen: dict[str, tuple[int, str | None]] = {}  # request_id -> (priority, tenant)
         self.weights_seen: dict[str, float] = {}  # request_id -> the tenant_weight it ran with
         self.loaded: dict[str, tuple[str, bool]] = {}
+        self.unloaded: list[str] = []  # content hashes given to unload_adapter, in order
         self.shut_down = False
 
     def _blocks(self, n_tokens: int) -> int:
@@ -156,6 +157,7 @@ class FakeEngine:
         self.loaded[ref.content_hash] = (tier, pin)
 
     async def unload_adapter(self, adapter_id):
+        self.unloaded.append(adapter_id)
         self.loaded.pop(adapter_id, None)
 
     def stats(self) -> dict:

@@ -139,8 +139,14 @@ def test_swap_and_delete_of_a_constituent(world, peft):
     assert _gen(client, {**merged, "ids": ["x", "swap@1"]}).status_code == 200
     assert srv.engine.started[-1][1] == old_hash and _merger(srv).builds == builds
 
+    cache = srv.adapters.disk_cache
+    assert cache.contains(old_hash) and cache.contains(new_hash)
     with srv.admin() as admin:
         assert admin.delete("/admin/v1/tenants/acme/adapters/swap").status_code in (200, 204)
+    # the merge of the deleted weights leaves the disk cache and the engine; swap@1's weights
+    # are still adapter `y`'s, so their merge stays
+    assert not cache.contains(new_hash) and new_hash in srv.engine.unloaded
+    assert cache.contains(old_hash) and old_hash not in srv.engine.unloaded
     started = len(srv.engine.started)
     for ids in (["x", "swap"], ["x", "swap@1"]):
         r = _gen(client, {**merged, "ids": ids})
