@@ -152,7 +152,10 @@ class AdapterMerger:
             try:
                 paths.append(self.adapters.local_path(v, acquire=True))
             except BlobNotFound:
-                self.adapters.registry.resolve(v.tenant, v.ref)  # deleted meanwhile: NotFound
+                try:
+                    self.adapters.registry.resolve(v.tenant, v.ref)
+                except NotFound as exc:  # deleted since it was resolved
+                    raise UnknownAdapter(v.adapter, str(exc)) from None
                 raise
             held.append(v.sha256)
         return paths

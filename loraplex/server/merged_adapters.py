@@ -18,6 +18,7 @@ import math
 
 from starlette.concurrency import run_in_threadpool
 
+from loraplex.lora.errors import InvalidAdapterError
 from loraplex.lora.merge import MAJORITY_SIGN_METHODS, MERGE_STRATEGIES, USES_DENSITY, USES_SIGN_METHOD, MergeParams
 from loraplex.registry.adapter_merges import UnknownAdapter
 from loraplex.server.body_fields import is_number
@@ -87,7 +88,7 @@ async def resolve_merged_target(ctx, tenant: str, ids: tuple[str, ...], params: 
         if isinstance(exc, UnknownAdapter):  # another tenant's adapter: the same answer as none
             raise APIError(404, f"Adapter `{exc.ref}` does not exist or you do not have access to it.",
                            code="adapter_not_found") from None
-        if isinstance(getattr(exc, "message", None), str):  # InvalidAdapterError, MergeError
+        if isinstance(exc, InvalidAdapterError) and getattr(exc, "http_status", 400) == 400:  # MergeError too
             raise _bad(exc.message) from None
         raise
     ref = merged.ref
