@@ -3,7 +3,8 @@ registry, AdapterManager and LoRAX routes, in process: the greedy tokens of a me
 PEFT's own merged model (``add_weighted_adapter``, the independent reference), unstreamed and
 streamed; the merge sits in the engine's tiers like any adapter (host bytes, device slot); a
 hot-swapped constituent moves the outputs to the new version's merge; DARE below density 1 is
-reproducible (a fresh merger rebuilds the same weights)."""
+reproducible (a fresh merger rebuilds the same weights); a merge refused once the files are read
+(LoRA on embed_tokens) loads, builds and caches nothing."""
 
 from __future__ import annotations
 
@@ -157,3 +158,22 @@ def test_dare_below_density_one_is_reproducible(world):
     rebuilt = AdapterMerger(manager).resolve("acme", ["p", "q"], MergeParams("dare_linear", (1.0, 1.0), 0.5))
     manager.release(rebuilt.ref.content_hash)
     assert rebuilt.built and rebuilt.ref.content_hash == served.ref.content_hash
+
+
+def test_refused_merge_leaves_engine_and_caches_alone(world):
+    client, base, _, llm, manager, ctx = world
+    emb = make_peft_adapter(base, manager.disk_cache.root.parent / "emb-src", seed=9, r=4,
+                            target_modules=["q_proj", "embed_tokens"])
+    version, _ = manager.upload("acme", "emb", emb, "admin")
+    engine_adapters = set(llm.engine.lora_manager.stats()["adapters"])
+    entries = {p.name for p in (manager.disk_cache.root / "entries").iterdir()}
+    builds = ctx.merges.builds
+    r = client.post("/t/acme/generate", json={"inputs": PROMPT, "parameters": {
+        "merged_adapters": {"ids": ["p", "emb"]}, "max_new_tokens": 2}})
+    assert r.status_code == 422 and "embed_tokens" in r.json()["error"], r.text
+    assert set(llm.engine.lora_manager.stats()["adapters"]) == engine_adapters  # nothing loaded
+    assert ctx.merges.builds == builds
+    # the disk cache gained at most the constituents' own copies, no merge
+    constituents = {version.sha256, manager.registry.resolve("acme", "p").sha256}
+    assert {p.name for p in (manager.disk_cache.root / "entries").iterdir()} - entries <= constituents
+    assert manager.stats()["in_use"] == {}
