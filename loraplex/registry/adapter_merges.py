@@ -47,11 +47,10 @@ class UnknownAdapter(NotFound):
 @dataclass(frozen=True)
 class MergedVersion:
     """A merge a request runs on: the adapter (acquired: ``release`` its content hash once
-    done) and what it was made of."""
+    done) and its cache key."""
 
     ref: AdapterRef
     key: str
-    constituents: tuple[VersionInfo, ...]
     built: bool  # built for this request (False: the cached merge)
 
 
@@ -101,22 +100,18 @@ class AdapterMerger:
                 if ref is not None:
                     with self._lock:
                         self.reuses += 1
-                    return MergedVersion(ref, key, tuple(versions), built=False)
-                return MergedVersion(self._build(versions, params, key), key, tuple(versions), built=True)
+                    return MergedVersion(ref, key, built=False)
+                return MergedVersion(self._build(versions, params, key), key, built=True)
         finally:
             with self._lock:  # a request waiting on this lock still holds it; a later one finds the merge
                 if self._key_locks.get(key) is key_lock:
                     del self._key_locks[key]
 
-    def merged_hash(self, key: str) -> str | None:
-        """The content hash the merge ``key`` was built to, if remembered."""
-        with self._lock:
-            return self._merged.get(key)
-
     def drop_merges_of(self, content_hash: str) -> list[str]:
-        """Forget every merge built from the weights ``content_hash`` (a deleted constituent) and
-        remove their files from the disk cache (files a running request holds stay until it ends
-        and the cache evicts them). Returns the merges' content hashes, for the engine to drop."""
+        """Forget every merge this process built from the weights ``content_hash`` (a deleted
+        constituent) and remove their files from the disk cache (files a running request holds
+        stay until it ends and the cache evicts them; so do merges an earlier process built).
+        Returns the merges' content hashes, for the engine to drop."""
         with self._lock:
             merged = {h for h, parts in self._made_of.items() if content_hash in parts}
             for key in [k for k, h in self._merged.items() if h in merged]:

@@ -96,4 +96,3 @@ async def resolve_merged_target(ctx, tenant: str, ids: tuple[str, ...], params: 
     ctx.adapter_display[ref.content_hash] = f"{tenant}/{MERGED_LABEL}({names})"
     ctx.metrics.hash_labels[ref.content_hash] = f"{tenant}/{MERGED_LABEL}"
     return Target(model=names, adapter=ref, label=f"{tenant}/{MERGED_LABEL}", version=None)
-
