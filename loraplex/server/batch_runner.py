@@ -50,6 +50,9 @@ class BatchAdmission(Admission):
     def prompt_ids(self, ctx: AppContext, req: GenerationRequest) -> list[list[int]]:
         return self.route.prompt_ids(ctx, req)
 
+    async def resolve(self, ctx: AppContext, tenant: str, req: GenerationRequest):
+        return await self.route.resolve(ctx, tenant, req)
+
     def request_id(self, req: GenerationRequest) -> str:
         return self.route.request_id(req)
 
