@@ -186,6 +186,7 @@ def test_no_op_values_are_accepted(world, extra):
     ({"adapter_source": "hub"}, "adapter_source"),
     ({"adapter_source": "s3"}, "adapter_source"),
     ({"adapter_source": "pbase"}, "adapter_source"),
+    # the fake adapter store has no files to merge (a real one: test_merged_adapters_fake.py)
     ({"merged_adapters": {"ids": ["a", "b"], "weights": [0.5, 0.5]}}, "merged_adapters"),
     ({"watermark": True}, "watermark"),
     ({"typical_p": 0.5}, "typical_p"),
