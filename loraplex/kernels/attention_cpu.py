@@ -13,7 +13,8 @@ group gathers only the blocks its rows' windows reach, from the block of ``first
 share it): a long context's windowed layers cost the window, not the context, and block-table
 entries before the window (freed by the block manager, see ``block_manager.FREED_BLOCK``) are
 never read. Logit soft-capping runs the scores through tanh, which SDPA cannot, so those calls
-compute the softmax written out.
+compute the softmax written out. A layer's KV-cache scales (``kv_quant``) cost no pass over the
+gathered K/V: ``k_scale`` joins the softmax scale and ``v_scale`` multiplies the output.
 """
 
 from __future__ import annotations
@@ -160,17 +161,19 @@ def write_kv_cache_cpu(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; slot < 0 = skip (padding)
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """``index_copy_`` into the cache seen as one row per slot (no boolean-mask indexing). An
-    fp8 cache takes the quantized K/V (``kv_quant.quantize_kv``) as bytes: torch has no CPU
-    ``index_copy_`` for fp8."""
+    fp8 cache takes the quantized K/V (``kv_quant.quantize_kv``, ``x / scale``) as bytes: torch
+    has no CPU ``index_copy_`` for fp8."""
     if key.shape[0] == 0:
         return
     if int(slot_mapping.min()) < 0:
         valid = slot_mapping >= 0
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     rows = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, num_blocks * block_size, kvh, d]
-    key, value = quantize_kv(key, kv_cache.dtype), quantize_kv(value, kv_cache.dtype)
+    key, value = quantize_kv(key, kv_cache.dtype, k_scale), quantize_kv(value, kv_cache.dtype, v_scale)
     if is_fp8(kv_cache.dtype):
         rows, key, value = as_bytes(rows), as_bytes(key), as_bytes(value)
     rows[0].index_copy_(0, slot_mapping, key)
@@ -178,8 +181,9 @@ def write_kv_cache_cpu(
 
 
 def _gather_kv(kv_cache: torch.Tensor, group: _Group, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of a group's sequences in the compute ``dtype`` (an fp8 cache is dequantized by
-    the cast: scale 1.0), ``[P, kvh, L, d]`` each (transposed views of the gather)."""
+    """K and V of a group's sequences in the compute ``dtype`` as stored (an fp8 cache upcast by
+    the cast; its scales are applied by the caller), ``[P, kvh, L, d]`` each (transposed views of
+    the gather)."""
     shape = (-1, group.num_blocks * kv_cache.shape[2], *kv_cache.shape[3:])
     # index_select on dim 0 copies whole blocks (memcpy); advanced indexing is ~5x slower here
     k, v = (torch.index_select(kv_cache[i], 0, group.blocks).view(shape)[:, : group.longest] for i in (0, 1))
@@ -257,12 +261,16 @@ def paged_attention_cpu(
     plan: AttentionPlan | None = None,  # from plan_paged_attention on the same metadata
     sliding_window: int | None = None,  # keys at positions > q_pos - window only
     softcap: float | None = None,  # scores -> tanh(scores / softcap) * softcap
+    k_scale: float = 1.0,  # the layer's KV-cache scales: K and V are read as stored * scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     if plan is None:
         plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, kv_cache.shape[2])
     out = torch.empty_like(query)
+    # q . (k * k_scale) = (q . k) * k_scale, and softmax(s) @ (v * v_scale) = (softmax(s) @ v) * v_scale
+    scale = scale * k_scale
     if plan.decode is not None:
         _attend_decode(query, kv_cache, plan.decode_for(sliding_window), scale, out, softcap)
     for group in plan.prefill:
         _attend_prefill(query, kv_cache, group.for_window(sliding_window, plan.block_size), scale, out, softcap)
-    return out
+    return out if v_scale == 1.0 else out.mul_(v_scale)

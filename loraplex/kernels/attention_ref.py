@@ -1,15 +1,16 @@
 """Torch reference of the paged-KV attention kernels (CPU path and the kernels' test oracle).
 
 Same arguments as ``dispatch.write_kv_cache`` / ``dispatch.paged_attention``. Written for
-clarity: one sequence at a time, K/V gathered through the block table. An fp8 cache is read
-back with ``.float()`` (scale 1.0): attention over the fp8-rounded K/V.
+clarity: one sequence at a time, K/V gathered through the block table. The cache is read back
+in fp32 times the layer's ``k_scale`` / ``v_scale`` (``kv_quant``) before any product: attention
+over the dequantized K/V.
 """
 
 from __future__ import annotations
 
 import torch
 
-from loraplex.kernels.kv_quant import quantize_kv
+from loraplex.kernels.kv_quant import dequantize_kv, quantize_kv
 
 
 def write_kv_cache_ref(
@@ -17,13 +18,15 @@ def write_kv_cache_ref(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     block_size = kv_cache.shape[2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[0, blocks, offsets] = quantize_kv(key[valid], kv_cache.dtype)  # fp8: saturating, scale 1.0
-    kv_cache[1, blocks, offsets] = quantize_kv(value[valid], kv_cache.dtype)
+    kv_cache[0, blocks, offsets] = quantize_kv(key[valid], kv_cache.dtype, k_scale)  # fp8: saturating
+    kv_cache[1, blocks, offsets] = quantize_kv(value[valid], kv_cache.dtype, v_scale)
 
 
 def gather_kv(
@@ -51,11 +54,13 @@ def paged_attention_ref(
     max_seq_len: int = 0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """``sliding_window``: a query at position p sees keys at positions > p - window (and <= p),
     and the blocks wholly before the first query's window are not read (the block manager may
     have freed them); ``softcap``: scores become ``tanh(scores / softcap) * softcap`` before the
-    mask (Gemma 2)."""
+    mask (Gemma 2); ``k_scale`` / ``v_scale``: the layer's KV-cache scales."""
     num_heads = query.shape[1]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -72,8 +77,8 @@ def paged_attention_ref(
             first_block = max(0, seq_len - q_len - sliding_window + 1) // kv_cache.shape[2]
         k, v = gather_kv(kv_cache, block_tables[i], seq_len, first_block)
         q = query[q_start:q_end].float().transpose(0, 1)  # [H, q_len, D]
-        k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, keys, D]
-        v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        k = dequantize_kv(k, k_scale).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, keys, D]
+        v = dequantize_kv(v, v_scale).repeat_interleave(group, dim=1).transpose(0, 1)
         scores = (q @ k.transpose(1, 2)) * scale  # [H, q_len, keys]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap

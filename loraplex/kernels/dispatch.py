@@ -32,14 +32,18 @@ def write_kv_cache(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; slot < 0 = skip (padding)
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
+    """Store each token's K and V at its slot: ``x / scale`` (the layer's KV-cache scales, host
+    floats), in the cache's dtype (an fp8 one rounds and saturates: ``kv_quant``)."""
     if uses_triton(key):
         from loraplex.kernels.triton_attention import write_kv_cache_triton
 
-        return write_kv_cache_triton(key, value, kv_cache, slot_mapping)
+        return write_kv_cache_triton(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     from loraplex.kernels.attention_cpu import write_kv_cache_cpu
 
-    return write_kv_cache_cpu(key, value, kv_cache, slot_mapping)
+    return write_kv_cache_cpu(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 def plan_paged_attention(
@@ -70,6 +74,8 @@ def paged_attention(
     *,
     sliding_window: int | None = None,  # this layer's window; None = full causal attention
     softcap: float | None = None,  # attention logit soft-cap; None = none
+    k_scale: float = 1.0,  # the layer's KV-cache scales (host floats): K, V read as stored * scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's query chunk over its cached prefix and itself.
 
@@ -83,21 +89,23 @@ def paged_attention(
     and no path reads a block wholly before its first query's window: a windowed layer group's
     pages before it go back to the pool, their table entries ``FREED_BLOCK`` (-1). ``softcap``: each scaled score s becomes
     ``tanh(s / softcap) * softcap`` before the mask and softmax (Gemma 2). The defaults are the
-    plain causal attention, with no extra work in any path.
+    plain causal attention, with no extra work in any path. ``k_scale`` / ``v_scale``: attention
+    over the cached K/V times them (``kv_quant``); the paths fold them into the softmax scale and
+    the output, so 1.0 costs nothing.
     """
     if uses_triton(query):
         from loraplex.kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(
             query, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len,
-            sliding_window=sliding_window, softcap=softcap,
+            sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
         )
     # CPU: the batched twin of attention_ref (same result; the reference stays the test oracle)
     from loraplex.kernels.attention_cpu import paged_attention_cpu
 
     return paged_attention_cpu(
         query, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len, plan,
-        sliding_window=sliding_window, softcap=softcap,
+        sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
     )
 
 

@@ -2,15 +2,18 @@
 where that is the model's dtype), or one byte per element (fp8).
 
 vLLM's ``--kv-cache-dtype fp8`` (= ``fp8_e4m3``) and ``fp8_e5m2``: keys and values are stored as
-``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` with a per-tensor scale of 1.0 (what vLLM uses
-when a checkpoint brings no calibrated scales), and turned back into the compute dtype before
-any product. Every fp8 value is exact in bfloat16, float16 and float32, so reading is a plain
-cast; writing rounds to the nearest fp8 value and saturates at the format's largest finite value
+``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` with one scale per layer for K and one for V: a
+checkpoint's calibrated ``k_scale`` / ``v_scale`` (``model.kv_scales``), else 1.0 (what vLLM uses
+when a checkpoint brings none). A write stores ``x / scale`` (divided in fp32, as vLLM's cache
+write does) rounded to the nearest fp8 value and saturated at the format's largest finite value
 (448 for e4m3, 57344 for e5m2), as vLLM's fp8 conversion does, instead of letting an outlier
-become inf (torch's e5m2 cast) or relying on the cast's own overflow rule. NaN stays NaN.
+become inf (torch's e5m2 cast) or relying on the cast's own overflow rule; NaN stays NaN. A read
+is ``stored * scale``: every fp8 value is exact in bfloat16, float16 and float32, and the kernels
+apply the scale where it costs nothing (K's in the softmax scale, V's in the output's
+normalisation), which is the same attention as over the dequantized K/V.
 
 Writes quantize in torch on every path (CPU and CUDA), so one rounding rule holds everywhere;
-the Triton write kernel then copies bytes.
+the Triton write kernel then copies bytes. A scale of 1.0 skips the division (x / 1.0 is x).
 """
 
 from __future__ import annotations
@@ -48,12 +51,20 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """``x`` in ``cache_dtype``; into fp8 with saturation at the format's finite maximum."""
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x / scale`` in ``cache_dtype``; into fp8 with saturation at the format's finite maximum.
+    The division runs in fp32 (x in bf16 would round twice)."""
+    if scale != 1.0:
+        x = x.float() / scale
     if not is_fp8(cache_dtype):
         return x.to(cache_dtype)
     limit = torch.finfo(cache_dtype).max
     return x.clamp(-limit, limit).to(cache_dtype)
+
+
+def dequantize_kv(stored: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Stored K or V back in fp32: ``stored * scale`` (the reference read; kernels fold the scale)."""
+    return stored.float() * scale if scale != 1.0 else stored.float()
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

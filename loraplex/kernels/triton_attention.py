@@ -29,9 +29,13 @@ window (``SLIDING``; a query at position p sees keys at positions > p - window, 
 starts at the first query's window, so a long context costs only the window) and logit
 soft-capping (``SOFTCAP``; scores pass through ``softcap * tanh(s / softcap)``, Gemma 2).
 
-An fp8 KV cache (``kv_quant``): the write quantizes in torch and the kernel stores the bytes;
-the attention kernel loads fp8 K/V tiles and casts them to the query's dtype before the dot
-products (a no-op for a cache in the model's dtype).
+An fp8 KV cache (``kv_quant``): the write quantizes in torch (``x / scale``) and the kernel
+stores the bytes; the attention kernel loads fp8 K/V tiles and casts them to the query's dtype
+before the dot products (a no-op for a cache in the model's dtype). The layer's scales are host
+floats (fixed at load, so a captured graph holds them as constants, and nothing is read from
+the device for them) folded where they cost nothing: ``k_scale`` into the softmax scale
+(``q . (k * s) = (q . k) * s``), ``v_scale`` into the output's normalisation (each split's
+partial too, so the merge, a weighted mean, stays right). 1.0 leaves every result bit-identical.
 """
 
 from __future__ import annotations
@@ -115,6 +119,7 @@ def _paged_attention_kernel(
     stride_lh,
     window,  # sliding window in positions (read only when SLIDING)
     softcap_log2,  # softcap * log2(e) (read only when SOFTCAP; qk_scale is then scale / softcap)
+    v_scale,  # the layer's V scale: V is read as stored * v_scale (k_scale is inside qk_scale)
     SPLIT_KV: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -177,7 +182,7 @@ def _paged_attention_kernel(
             k_base + kv_off[None, :] + d[:, None] * stride_cd,
             mask=n_mask[None, :] & d_mask[:, None],
             other=0.0,
-        ).to(q.dtype)  # [BLOCK_D, BLOCK_N]; an fp8 cache dequantized (scale 1.0)
+        ).to(q.dtype)  # [BLOCK_D, BLOCK_N]; an fp8 cache upcast (its k_scale is in qk_scale)
         s = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units (without SOFTCAP)
         if SOFTCAP:  # s is q.k * scale / softcap: tanh(s) written with exp2 (2 * log2(e) = 2.885...)
             s = softcap_log2 * (1.0 - 2.0 / (tl.exp2(s * 2.885390081777927) + 1.0))
@@ -197,7 +202,7 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]) * v_scale
     out_base = out_ptr
     if SPLIT_KV:
         out_base += kv_split.to(tl.int64) * stride_os
@@ -268,13 +273,16 @@ def write_kv_cache_triton(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; slot < 0 = skip
+    k_scale: float = 1.0,  # the layer's KV-cache scales: stored = x / scale
+    v_scale: float = 1.0,
 ) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    if is_fp8(kv_cache.dtype):  # quantized in torch (kv_quant), so the kernel copies bytes
-        key, value = as_bytes(quantize_kv(key, kv_cache.dtype)), as_bytes(quantize_kv(value, kv_cache.dtype))
-        kv_cache = as_bytes(kv_cache)
+    if is_fp8(kv_cache.dtype) or k_scale != 1.0 or v_scale != 1.0:  # quantized in torch (kv_quant)
+        key, value = quantize_kv(key, kv_cache.dtype, k_scale), quantize_kv(value, kv_cache.dtype, v_scale)
+    if is_fp8(kv_cache.dtype):  # so the kernel copies bytes
+        key, value, kv_cache = as_bytes(key), as_bytes(value), as_bytes(kv_cache)
     _write_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -346,6 +354,8 @@ def paged_attention_triton(
     num_kv_splits: int | None = None,  # None: choose_num_kv_splits for this batch and GPU
     sliding_window: int | None = None,  # keys at positions > q_pos - window only
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
+    k_scale: float = 1.0,  # the layer's KV-cache scales: K and V are read as stored * scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's query chunk over its cached prefix and itself.
 
@@ -378,7 +388,7 @@ def paged_attention_triton(
         block_tables,
         seq_lens,
         query_start_loc,
-        scale * math.log2(math.e) if softcap is None else scale / softcap,
+        scale * k_scale * math.log2(math.e) if softcap is None else scale * k_scale / softcap,
         head_dim,
         *query.stride(),
         *kv_cache.stride(),
@@ -388,6 +398,7 @@ def paged_attention_triton(
         *split_strides,
         0 if sliding_window is None else sliding_window,
         0.0 if softcap is None else softcap * math.log2(math.e),
+        float(v_scale),
         SPLIT_KV=split,
         SLIDING=sliding_window is not None,
         SOFTCAP=softcap is not None,
