@@ -94,7 +94,8 @@ class ModelRunner:
         self.model_dir, self.model_name = resolve_model_dir(config.model, config.home)
         self.spec = ModelSpec.from_dir(self.model_dir, name=self.model_name, quantization=config.quantization)
         self.max_model_len = self._resolve_max_model_len()
-        self.model = load_model(self.model_dir, self.spec, self.dtype, self.device, self.max_model_len)
+        self.model = load_model(self.model_dir, self.spec, self.dtype, self.device, self.max_model_len,
+                                kv_cache_dtype=config.kv_cache_dtype)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids: set[int] = self._collect_eos_ids()
         self.block_size = config.block_size

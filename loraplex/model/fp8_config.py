@@ -149,8 +149,8 @@ def fp8_weight_format(cfg: dict[str, Any], quantization: str | None = None) -> F
 def _kv_cache_only(quant: Any) -> bool:
     """Whether a ``quantization_config`` quantizes the KV cache alone: compressed-tensors writes one
     for a recipe with only a ``kv_cache_scheme`` (compressed-tensors#135, transformers#33874), and
-    the weights stay plain (vLLM serves such a checkpoint; its k_scale / v_scale tensors are named
-    at load as not read). It is that when no config group targets modules with a scheme."""
+    the weights stay plain (vLLM serves such a checkpoint; its k_scale / v_scale tensors are what an
+    fp8 KV cache applies, ``kv_scales``). It is that when no config group targets modules with a scheme."""
     if not isinstance(quant, dict) or quant.get("quant_method") != "compressed-tensors":
         return False
     groups = quant.get("config_groups") or {}

@@ -111,6 +111,9 @@ class LlamaForCausalLM(nn.Module):
             )
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, max_positions, dtype, device)
         self.scale = spec.softmax_scale
+        # per layer (k_scale, v_scale) of the KV cache: a checkpoint's calibrated scales when an
+        # fp8 cache reads them (``kv_scales``, set by the loader), else 1.0; host floats
+        self.kv_scales: list[tuple[float, float]] = [(1.0, 1.0)] * spec.num_layers
         # CPU only: per layer {"qkv", "o", "gate_up", "down"} -> PrepackedLinear (see cpu_linear)
         self.prepacked: list[dict[str, PrepackedLinear]] | None = None
         self.prepacked_head: PrepackedLinear | None = None
@@ -199,7 +202,8 @@ class LlamaForCausalLM(nn.Module):
         q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
         v = qkv[:, k_end:].view(num_tokens, spec.num_kv_heads, spec.head_dim)
         group = attn.group_of(i)  # the layer group whose pages hold this layer's KV
-        dispatch.write_kv_cache(k, v, kv_caches[i], attn.slots_of(group))
+        k_scale, v_scale = self.kv_scales[i]
+        dispatch.write_kv_cache(k, v, kv_caches[i], attn.slots_of(group), k_scale, v_scale)
         attn_out = dispatch.paged_attention(
             q,
             kv_caches[i],
@@ -212,6 +216,8 @@ class LlamaForCausalLM(nn.Module):
             plan=plans[group],
             sliding_window=sliding_window,
             softcap=softcap,
+            k_scale=k_scale,
+            v_scale=v_scale,
         ).reshape(num_tokens, spec.q_size)  # [T, q_size]
         return self._project(i, "o", attn_out, lora)  # [T, H]
 

@@ -26,6 +26,7 @@ from loraplex.model.fp8_weights import (
 from loraplex.model.gguf import ModelNotFoundError, convert_gguf, smollm2_gguf_path
 from loraplex.model.gemma import GemmaForCausalLM
 from loraplex.model.gemma3_multimodal import GEMMA3_MULTIMODAL, language_model_key
+from loraplex.model.kv_scales import describe_kv_scales, take_kv_scales
 from loraplex.model.llama import LlamaForCausalLM
 from loraplex.model.moe import MoEForCausalLM, sparse_layer_params
 
@@ -75,8 +76,6 @@ def read_safetensors(model_dir: Path, rename: Callable[[str], str | None] | None
     return tensors
 
 
-# per-layer K/V scales that fp8-KV checkpoints (llm-compressor, ModelOpt) store beside the weights
-KV_SCALE_SUFFIXES = ("k_scale", "v_scale")
 # the decoder's packed projection weights: what an FP8 checkpoint stores fp8 (and quantization="fp8" quantizes)
 PACKED_WEIGHTS = (".qkv_weight", ".o_weight", ".gate_up_weight", ".down_weight")
 
@@ -165,13 +164,15 @@ def _log_fp8(spec: ModelSpec, fp8: dict[str, Fp8Weight], dtype: torch.dtype, dev
 
 def load_model(
     model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, max_positions: int,
-    fp8_resident: bool | None = None,
+    fp8_resident: bool | None = None, kv_cache_dtype: str = "auto",
 ) -> LlamaForCausalLM:
     """Build the decoder and fill its packed parameters from the HF checkpoint (of a multimodal
     one, the language model's tensors only: see ``gemma3_multimodal``). The packed projections of
     an FP8 checkpoint stay fp8 with their scales (``fp8_weights``; the decoder dequantizes them) where
     ``fp8_resident`` says so (None: ``fp8_stays_resident``, and on the CPU prepacked path only until
-    packed: ``release_packed_fp8``), else are dequantized here."""
+    packed: ``release_packed_fp8``), else are dequantized here. With an fp8 ``kv_cache_dtype`` the
+    checkpoint's calibrated KV-cache scales become ``model.kv_scales`` (``kv_scales``; refused when
+    unusable); with ``auto`` they are read past, and logged."""
     rename = language_model_key if spec.architecture == GEMMA3_MULTIMODAL else None
     raw = {_strip_prefix(k): v for k, v in read_safetensors(Path(model_dir), rename).items()}
     fmt = spec.weight_format
@@ -222,14 +223,13 @@ def load_model(
         if spec.mlp_bias:
             params[p + "gate_up_bias"] = _packed(raw, take, mlp + "gate_up_proj", gate_up_parts, "bias")
             params[p + "down_bias"] = take(mlp + "down_proj.bias")
+    kv_scales, kv_scale_names = take_kv_scales(raw, spec.num_layers, lambda i: f"layers.{i}.self_attn.",
+                                               apply=kv_cache_dtype != "auto")
+    # vLLM warns too when an e4m3 cache runs on 1.0 (e5m2's range makes saturation rare)
+    uncalibrated = kv_scales is None and kv_cache_dtype not in ("auto", "fp8_e5m2")
+    logger.log(logging.WARNING if uncalibrated else logging.INFO, "%s",
+               describe_kv_scales(kv_scales, kv_scale_names, kv_cache_dtype))
     unused = sorted(k for k in raw if "rotary_emb" not in k)
-    kv_scales = [k for k in unused if k.endswith(KV_SCALE_SUFFIXES)]
-    if kv_scales:  # said apart from other leftovers: an fp8 KV cache would have used them in vLLM
-        logger.warning(
-            "the checkpoint's calibrated KV-cache scales are not read (%d tensors, e.g. %s): an fp8 KV cache "
-            "(kv_cache_dtype) is written with a scale of 1.0, values beyond the format's range saturate",
-            len(kv_scales), kv_scales[:2])
-        unused = [k for k in unused if k not in kv_scales]
     if fmt is not None:  # static activation scales: W8A16 computes activations in the model dtype
         unused = [k for k in unused if not k.endswith(IGNORED_SUFFIXES)]
     if unused:
@@ -249,6 +249,8 @@ def load_model(
     state = {name: fp8[name].weight if name in fp8 else tensor.to(dtype=dtype) for name, tensor in params.items()}
     model.load_state_dict(state, strict=True, assign=True)
     _install_fp8(model, fp8)
+    if kv_scales is not None:
+        model.kv_scales = kv_scales
     model = model.to(device)
     for param in model.parameters():
         param.requires_grad_(False)

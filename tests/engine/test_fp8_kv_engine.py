@@ -73,7 +73,7 @@ def round_kv_writes(monkeypatch, kind: str) -> None:
         return x.float().clamp(-limit, limit).to(fp8).to(x.dtype)
 
     monkeypatch.setattr(dispatch, "write_kv_cache",
-                        lambda k, v, cache, slots: write(rounded(k), rounded(v), cache, slots))
+                        lambda k, v, cache, slots, *scales: write(rounded(k), rounded(v), cache, slots, *scales))
 
 
 def logprobs(outputs) -> list[list[float]]:

@@ -47,7 +47,7 @@ def test_graph_decodes_over_fp8_cache_match_rounded_kv(tiny_llama_dir, loraplex_
         return x.float().clamp(-limit, limit).to(fp8).to(x.dtype)
 
     monkeypatch.setattr(dispatch, "write_kv_cache",
-                        lambda k, v, cache, slots: write(rounded(k), rounded(v), cache, slots))
+                        lambda k, v, cache, slots, *scales: write(rounded(k), rounded(v), cache, slots, *scales))
     want = make_llm(tiny_llama_dir, loraplex_home, "auto").generate(PROMPTS, PARAMS)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     for g, w in zip(got, want):
