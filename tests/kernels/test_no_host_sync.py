@@ -69,4 +69,8 @@ def test_launchers_read_no_tensor_values_on_the_host():
         write_kv_cache_triton(key, value, kv, torch.tensor([5, -1, 40]))
         paged_attention_triton(query, kv, **args)
         paged_attention_triton(query, kv, **args, num_kv_splits=2)  # split-KV + merge
+        # a layer's calibrated KV-cache scales (host floats) on an fp8 cache
+        kv8 = kv.to(torch.float8_e4m3fn)
+        write_kv_cache_triton(key, value, kv8, torch.tensor([5, -1, 40]), 0.3, 2.5)
+        paged_attention_triton(query, kv8, **args, num_kv_splits=2, k_scale=0.3, v_scale=2.5)
     assert calls == []
