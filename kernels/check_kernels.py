@@ -57,13 +57,15 @@ def _lora_case(report, shape, gen, name, token_slots, ranks, in_features, widths
 
 
 def _attention_case(report, gen, name, seqs, heads, kv_heads, head_dim, block_size, dtype, device, num_kv_splits=None,
-                    free_out_of_window=False, cache_dtype=None, **options):
+                    free_out_of_window=False, cache_dtype=None, kv_magnitude=None, **options):
     """Mixed prefill-with-prefix + decode batch through shuffled block tables (``num_kv_splits``:
     None lets the launcher choose, as the engine does; ``options``: sliding_window, softcap).
     ``free_out_of_window``: the kernel gets the tables the block manager leaves for a model
     windowed on every layer (entries wholly before each sequence's first query's window are -1,
     FREED_BLOCK); the reference reads the intact tables. ``cache_dtype``: an fp8 KV cache
-    (``--kv-cache-dtype``), which the reference reads upcast to fp32."""
+    (``--kv-cache-dtype``), which the reference reads upcast to fp32. ``kv_magnitude``: K/V that
+    large (e4m3 saturates at 448), written and read with calibrated scales (amax / the format's
+    largest value, as a checkpoint's k_scale / v_scale), the query as much smaller."""
     seq_lens = [c + q for c, q in seqs]
     per_seq = [math.ceil(n / block_size) for n in seq_lens]
     num_blocks = sum(per_seq) + 4
@@ -81,10 +83,15 @@ def _attention_case(report, gen, name, seqs, heads, kv_heads, head_dim, block_si
     n_tok = len(slots)
     keys = torch.randn(n_tok, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     values = torch.randn(n_tok, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    scales = {}
+    if kv_magnitude is not None:
+        keys, values = keys * kv_magnitude, values * kv_magnitude
+        limit = torch.finfo(cache_dtype).max
+        scales = dict(k_scale=keys.abs().max().item() / limit, v_scale=values.abs().max().item() / limit)
     slot_t = torch.tensor(slots, dtype=torch.int64, device=device)
     cache_ref = cache.clone()
-    write_kv_cache_triton(keys, values, cache, slot_t)
-    write_kv_cache_ref(keys, values, cache_ref, slot_t)
+    write_kv_cache_triton(keys, values, cache, slot_t, *scales.values())
+    write_kv_cache_ref(keys, values, cache_ref, slot_t, *scales.values())
     wrote, wrote_ref = cache.float(), cache_ref.float()  # fp8 has no nan_to_num
     same = bool(torch.equal(torch.nan_to_num(wrote), torch.nan_to_num(wrote_ref)))
     same = same and bool(torch.equal(wrote.isnan(), wrote_ref.isnan()))
@@ -93,6 +100,8 @@ def _attention_case(report, gen, name, seqs, heads, kv_heads, head_dim, block_si
     q_lens = [q for _, q in seqs]
     num_q = sum(q_lens)
     query = torch.randn(num_q, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    if kv_magnitude is not None:
+        query = query / kv_magnitude
     args = dict(
         block_tables=tables,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
@@ -108,12 +117,13 @@ def _attention_case(report, gen, name, seqs, heads, kv_heads, head_dim, block_si
         for i, (prefix, _) in enumerate(seqs):
             freed[i, : max(0, prefix - options["sliding_window"] + 1) // block_size] = -1
         kernel_args["block_tables"] = freed
-    paged_attention_triton(query, cache, out=out, num_kv_splits=num_kv_splits, **kernel_args, **options)
-    ref = paged_attention_ref(query.float(), cache.float(), **args, **options)
+    paged_attention_triton(query, cache, out=out, num_kv_splits=num_kv_splits, **kernel_args, **options, **scales)
+    ref = paged_attention_ref(query.float(), cache.float(), **args, **options, **scales)
     err = rel_err(out, ref)
     splits = "" if num_kv_splits is None else f", {num_kv_splits} KV splits"
     splits += "".join(f", {k} {v}" for k, v in options.items()) + (", freed entries" if free_out_of_window else "")
     splits += f", {cache_dtype} cache" if cache_dtype is not None else ""
+    splits += "".join(f", {k} {v:.3g}" for k, v in scales.items())
     report.check(f"{name} attention", err < TOLERANCE, f"rel err {err:.2e}, seqs (prefix, query)={seqs}{splits}")
 
 
@@ -177,11 +187,12 @@ def run_checks(report: Report, on_gpu: bool) -> None:
     _attention_case(
         report, gen, "decode split-KV bs16", split_seqs, heads, kv_heads, head_dim, 16, dtype, device, splits
     )
-    # --kv-cache-dtype fp8 (e4m3) / fp8_e5m2: one-byte K/V, dequantized in the kernel
+    # --kv-cache-dtype fp8 (e4m3) / fp8_e5m2: one-byte K/V, dequantized in the kernel, with a
+    # checkpoint's calibrated k_scale / v_scale (K/V of 1000s: e4m3 > 1, e5m2 < 1)
     _attention_case(report, gen, "fp8 e4m3 cache bs16", attn_seqs, heads, kv_heads, head_dim, 16, dtype, device,
-                    cache_dtype=torch.float8_e4m3fn)
+                    cache_dtype=torch.float8_e4m3fn, kv_magnitude=1000.0)
     _attention_case(report, gen, "fp8 e5m2 cache split-KV", split_seqs, heads, kv_heads, head_dim, 16, dtype, device,
-                    splits, cache_dtype=torch.float8_e5m2)
+                    splits, cache_dtype=torch.float8_e5m2, kv_magnitude=1000.0)
     # Gemma 2's windowed layers: head_dim 256 (gemma-2-9b: 16 heads over 8 KV heads), a window
     # shorter than the contexts and a soft-cap small enough to bite on random inputs
     g_heads, g_kv, g_dim, window = (16, 8, 256, 1000) if on_gpu else (4, 2, 32, 10)

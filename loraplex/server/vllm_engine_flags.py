@@ -169,10 +169,11 @@ def model_refusals(args: argparse.Namespace, model: str, max_model_len: int | No
         out.append("--enable-reasoning: requires --reasoning-parser, as in vLLM")
     if given(args, "calculate_kv_scales") and kv_cache_dtype != "auto":
         # vLLM computes the fp8 cache's k/v scales from the first forward pass; loraplex writes
-        # it with a scale of 1.0, so the cached values (and outputs) would differ
+        # it with the checkpoint's calibrated scales or 1.0, so the cached values (and outputs) would differ
         out.append(f"--calculate-kv-scales: loraplex writes a --kv-cache-dtype {kv_cache_dtype} cache with "
-                   "a scale of 1.0, not scales computed from the first batch as vLLM does: leave the flag "
-                   "out, or keep the cache in the model's dtype (--kv-cache-dtype auto)")
+                   "the checkpoint's calibrated k_scale / v_scale (1.0 without), not scales computed from the "
+                   "first batch as vLLM does: leave the flag out, or keep the cache in the model's dtype "
+                   "(--kv-cache-dtype auto)")
     tokenizer = given(args, "tokenizer")
     if tokenizer is not None and not _same_path(tokenizer, model):
         out.append(f"--tokenizer {tokenizer}: loraplex reads the tokenizer from the model ({model}); copy "

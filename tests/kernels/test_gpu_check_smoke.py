@@ -30,6 +30,10 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
                  "fused moe T=17 fp32 (Mixtral) weights", "fp8 weights (W8A16) gate_up",
                  "fp8 e4m3 cache bs16 attention"):
         assert f"PASS {name}:" in results
+    # the fp8 cases run with calibrated KV-cache scales (K/V beyond e4m3's 448), not 1.0
+    for name in ("fp8 e4m3 cache bs16 attention", "fp8 e5m2 cache split-KV attention"):
+        (line,) = [x for x in results.splitlines() if x.startswith(f"PASS {name}:")]
+        assert ", k_scale " in line and ", v_scale " in line and ", k_scale 1," not in line
     assert "copy bandwidth:" in results and "## Paged attention" in results and "## Fused MoE" in results
     # the end-to-end part ran both decode modes (graphs: interpreter + eager stand-in capture),
     # and the graph path gave the eager path's tokens (float32 on CPU)

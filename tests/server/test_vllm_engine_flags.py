@@ -224,7 +224,7 @@ def test_the_production_stack_charts_command_line_runs(tmp_path, monkeypatch):
 
 def test_calculate_kv_scales_is_refused_with_an_fp8_kv_cache():
     # vLLM's CacheConfig.calculate_kv_scales: with an fp8 cache, k/v scales computed from the
-    # first forward pass instead of the checkpoint's or 1.0; loraplex writes fp8 with 1.0
+    # first forward pass instead of the checkpoint's or 1.0; loraplex writes fp8 with the checkpoint's or 1.0
     assert settings("m", "--calculate-kv-scales").kv_cache_dtype == "auto"  # no scales to compute
     assert any(n.startswith("--calculate-kv-scales") for n in notes("m", "--calculate-kv-scales"))
     assert settings("m", "--no-calculate-kv-scales", "--kv-cache-dtype", "fp8").kv_cache_dtype == "fp8"
