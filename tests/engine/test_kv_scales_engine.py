@@ -176,3 +176,26 @@ def test_scaled_fp8_cache_generates_what_scaled_rounding_generates(name, scaled_
     assert_same(got, want)
     diffs = [abs(a - b) for x, y in zip(logprobs(plain), logprobs(want)) for a, b in zip(x, y)]
     assert max(diffs) > 1e-3
+
+
+def test_scaled_fp8_beam_search_is_scaled_rounding_beam_search(scaled_models, loraplex_home, monkeypatch):
+    """Beam search forks its beams over shared prefix pages: with scales the same bytes are read
+    by every fork, so beams and their scores equal the scaled-rounding reference."""
+    from loraplex import BeamSearchParams
+
+    prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7], list(range(10, 180, 10)))]
+    params = BeamSearchParams(beam_width=3, max_tokens=6)
+
+    def search(kind: str):
+        llm = LLM(model=str(scaled_models["llama"]), dtype="float32", device="cpu", home=loraplex_home,
+                  kv_cache_dtype=kind, kv_cache_bytes=1 << 20, block_size=4, max_num_seqs=8)
+        outs = llm.beam_search(prompts, params)
+        assert llm.engine.stats()["prefix_cache_hits"] > 0
+        return [[(s.output_token_ids, s.cum_logprob) for s in out.sequences] for out in outs]
+
+    got = search("fp8")
+    round_kv_writes_scaled(monkeypatch, "fp8", *SCALES)
+    want = search("auto")
+    assert [[t for t, _ in beams] for beams in got] == [[t for t, _ in beams] for beams in want]
+    for g, w in zip(got, want):
+        assert [c for _, c in g] == pytest.approx([c for _, c in w], abs=2e-5)
