@@ -79,20 +79,18 @@ def take_kv_scales(
         if not apply:  # read past, whatever they hold
             names += [prefix + n for n in (*K_NAMES, *V_NAMES, BOTH_NAME) if raw.pop(prefix + n, None) is not None]
             continue
-        k, v, both = _take_one(raw, prefix, K_NAMES), _take_one(raw, prefix, V_NAMES), _take_one(raw, prefix, (BOTH_NAME,))
+        k, v = _take_one(raw, prefix, K_NAMES), _take_one(raw, prefix, V_NAMES)
+        both = _take_one(raw, prefix, (BOTH_NAME,))
         found = [t for t in (k, v, both) if t is not None]
         names += [name for name, _ in found]
         values = {name: _scale_value(name, tensor) for name, tensor in found}
         if both is not None and (k is not None or v is not None):
             raise KVScaleError(f"the checkpoint stores {both[0]!r} beside {(k or v)[0]!r}: one or the other")
-        k_value = values[k[0]] if k is not None else None
-        v_value = values[v[0]] if v is not None else None
         if both is not None:
-            k_value = v_value = values[both[0]]
+            k, v = both, both
         # vLLM: a layer with one of the two uses it for both; with neither, 1.0
-        k_value = k_value if k_value is not None else v_value
-        v_value = v_value if v_value is not None else k_value
-        scales.append((k_value or 1.0, v_value or 1.0))
+        k, v = k or v, v or k
+        scales.append((values[k[0]], values[v[0]]) if k is not None else (1.0, 1.0))
     if not apply or not names:
         return None, names
     return scales, names
@@ -107,8 +105,8 @@ def describe_kv_scales(scales: list[tuple[float, float]] | None, names: list[str
                 "used: kv_cache_dtype auto keeps K/V in the model's dtype (as vLLM, which applies them only to an fp8 "
                 "cache); --kv-cache-dtype fp8 uses them")
     if scales is None:
-        return (f"KV-cache scales: not calibrated, 1.0 on every layer (kv_cache_dtype {kv_cache_dtype}); the checkpoint "
-                "has no k_scale / v_scale, so K/V beyond the format's range saturate")
+        return (f"KV-cache scales: not calibrated, 1.0 on every layer (kv_cache_dtype {kv_cache_dtype}); the "
+                "checkpoint has no k_scale / v_scale, so K/V beyond the format's range saturate")
     calibrated = sum(1 for s in scales if s != (1.0, 1.0))
     ks, vs = [k for k, _ in scales], [v for _, v in scales]
     return (f"KV-cache scales: calibrated, from the checkpoint ({len(names)} tensors, {calibrated} of {len(scales)} "

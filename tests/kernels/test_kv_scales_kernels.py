@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from loraplex.kernels.kv_quant import dequantize_kv, quantize_kv
-from tests.kernels.test_fp8_kv_cache import CASES, FP8, FP8_MAX, PATH_COMPUTE, PATHS, TOL, build, dense_attention, rel_err
+from tests.kernels.test_fp8_kv_cache import (
+    CASES, FP8, FP8_MAX, PATH_COMPUTE, PATHS, TOL, build, dense_attention, rel_err,
+)
 
 # |K|, |V| reach several times e4m3's range (scales > 1); e5m2's range is wider than float16's, so
 # there a calibrated scale is < 1 (finer steps for values far below the range)

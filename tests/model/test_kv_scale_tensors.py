@@ -102,10 +102,12 @@ def test_unusable_scales_are_refused_naming_the_tensor(model_dir, value, shape, 
     assert isinstance(err.value, KVScaleError) and "'layers.1.self_attn.v_proj.v_scale'" in str(err.value)
 
 
-def test_two_names_for_one_scale_are_refused(model_dir):
+@pytest.mark.parametrize("second,why", [("k_proj.output_scale", "two KV-cache scales for one role"),
+                                        ("kv_scale", "one or the other")])
+def test_two_names_for_one_scale_are_refused(model_dir, second, why):
     add_tensors(model_dir, {"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
-                            "model.layers.0.self_attn.k_proj.output_scale": torch.tensor(0.5)})
-    with pytest.raises(KVScaleError, match="two KV-cache scales for one role"):
+                            f"model.layers.0.self_attn.{second}": torch.tensor(0.5)})
+    with pytest.raises(KVScaleError, match=why):
         load(model_dir, "fp8")
 
 
