@@ -113,14 +113,18 @@ OPTIONS = {
 }
 
 
+PATH_IDS = ["cpu", "ref", "triton-fp32", "triton-fp16"]
+# split-KV is the Triton kernel's alone
+PATH_OPTIONS = [pytest.param(path, compute, option, id=f"{path_id}-{option}")
+                for (path, compute), path_id in zip(PATH_COMPUTE, PATH_IDS) for option in OPTIONS
+                if path == "triton" or "num_kv_splits" not in OPTIONS[option]]
+
+
 @pytest.mark.parametrize("fp8", FP8, ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("path,compute", PATH_COMPUTE, ids=["cpu", "ref", "triton-fp32", "triton-fp16"])
-@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("path,compute,option", PATH_OPTIONS)
 @pytest.mark.parametrize("name", list(CASES))
 def test_attention_reads_stored_times_scale(name, option, path, compute, fp8):
     options = dict(OPTIONS[option])
-    if "num_kv_splits" in options and path != "triton":
-        pytest.skip("split-KV is the Triton kernel's")
     write, attend = PATHS[path]
     poison = 7.0 if path == "cpu" else float("nan")  # the CPU twin multiplies masked slots by zero weights
     keys, values, slots, query, cache, meta = build(CASES[name], compute, fp8, seed=sum(map(ord, name)) + 1,
@@ -140,7 +144,7 @@ def test_attention_reads_stored_times_scale(name, option, path, compute, fp8):
     assert rel_err(unscaled, ref) > 100 * TOL[compute]
 
 
-@pytest.mark.parametrize("path,compute", PATH_COMPUTE, ids=["cpu", "ref", "triton-fp32", "triton-fp16"])
+@pytest.mark.parametrize("path,compute", PATH_COMPUTE, ids=PATH_IDS)
 def test_calibrated_scales_beat_saturation(path, compute):
     """The point of a scale: e4m3 attention over K/V beyond 448 written with calibrated scales is
     close to attention over the exact K/V; written with 1.0 it saturates and is far off."""
