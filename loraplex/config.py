@@ -164,6 +164,10 @@ class EngineConfig:
     # multi-LoRA
     max_loras: int = 8
     max_lora_rank: int = 64
+    # LoRA on the experts of a mixture-of-experts model: every slot then holds A and B of rank
+    # max_lora_rank for every expert of every sparse layer (Qwen3-30B-A3B at rank 16 in bf16:
+    # 1.6 GiB a slot), counted in the KV budget; off, such adapters are refused (a 400)
+    enable_expert_lora: bool = False
     # host cache: a byte budget (None: DEFAULT_MAX_CPU_LORA_BYTES), or vLLM's max_cpu_loras, a
     # count the engine turns into the bytes of that many adapters of max_lora_rank on every
     # projection (loraplex/lora/records.py host_budget_bytes); giving both is an error
@@ -233,6 +237,7 @@ class Settings(BaseSettings):
     cuda_graphs: bool = False
     max_loras: int = 8
     max_lora_rank: int = 64
+    enable_expert_lora: bool = False  # see EngineConfig
     max_cpu_lora_bytes: int | None = None  # see EngineConfig
     max_cpu_loras: int | None = None
     max_disk_lora_bytes: int = 20 * GiB

@@ -150,7 +150,7 @@ class ModelRunner:
     # ---- set-up -------------------------------------------------------------------------------
 
     def lora_target_spec(self) -> LoRATargetSpec:
-        return self.spec.lora_target_spec()
+        return self.spec.lora_target_spec(expert_lora=self.config.enable_expert_lora)
 
     def _resolve_max_model_len(self) -> int:
         limit = self.spec.max_context_len
@@ -191,8 +191,8 @@ class ModelRunner:
 
     def lora_slot_bytes(self) -> int:
         """Bytes of the LoRA slot pool at its largest: ``max_loras`` slots of ``max_lora_rank`` on every
-        targetable module, embed_tokens and lm_head included (``lora.slots.SlotPool``, in its dtype:
-        fp32 on CPU whatever the model's)."""
+        targetable module, embed_tokens and lm_head included, and every expert of an MoE model with
+        ``enable_expert_lora`` (``lora.slots.SlotPool``, in its dtype: fp32 on CPU whatever the model's)."""
         pool_dtype = slot_pool_dtype(self.device, self.dtype)
         per_slot = max_adapter_host_nbytes(self.lora_target_spec(), self.config.max_lora_rank, pool_dtype)
         return self.config.max_loras * per_slot

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.kernels.lora_meta import LoRABatchMeta
+from loraplex.kernels.moe_lora import ExpertLoRA
 
 
 def uses_triton(t: torch.Tensor) -> bool:
@@ -184,14 +185,17 @@ def fused_moe(
     experts: torch.Tensor,  # [T, k] int64 expert ids
     gate_up: torch.Tensor,  # [E, 2 * I, H]: gate rows then up rows
     down: torch.Tensor,  # [E, H, I]
+    lora: ExpertLoRA | None = None,  # the step's expert LoRA in this layer
 ) -> torch.Tensor:  # [T, H]
     """Each token's routing-weighted sum of its k experts' SwiGLU outputs, summed in fp32 and
-    rounded once. On CUDA the fused Triton kernels (no host sync, a grid from host ints only:
-    capturable in a CUDA graph); on CPU the torch loop over the experts that got tokens."""
+    rounded once; with ``lora``, each pair's LoRA delta added to gate_up (before the SiLU) and
+    to down (before the routing weight). On CUDA the fused Triton kernels (no host sync, a grid
+    from host ints only: capturable in a CUDA graph); on CPU the torch loop over the experts
+    that got tokens."""
     if uses_triton(x):
         from loraplex.kernels.triton_moe import fused_moe_triton
 
-        return fused_moe_triton(x, weights, experts, gate_up, down)
+        return fused_moe_triton(x, weights, experts, gate_up, down, lora=lora)
     from loraplex.kernels.moe_torch import run_experts
 
-    return run_experts(x, weights, experts, gate_up, down)
+    return run_experts(x, weights, experts, gate_up, down, lora)

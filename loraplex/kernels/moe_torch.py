@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from loraplex.kernels.moe_lora import ExpertLoRA, add_pair_deltas
+
 
 def run_experts(
     x: torch.Tensor,  # [T, H]
@@ -17,9 +19,12 @@ def run_experts(
     experts: torch.Tensor,  # [T, k] int64 expert ids
     gate_up: torch.Tensor,  # [E, 2 * I, H]
     down: torch.Tensor,  # [E, H, I]
+    lora: ExpertLoRA | None = None,
 ) -> torch.Tensor:  # [T, H]
     """The weighted sum of each token's experts' SwiGLU outputs: tokens sorted by expert, one
-    pair of matmuls per expert that got any, ``index_add`` back (the counts sync with the host)."""
+    pair of matmuls per expert that got any, ``index_add`` back (the counts sync with the host).
+    ``lora``: each pair's expert LoRA delta (``moe_lora``) is added to gate_up before the SiLU and
+    to down before the routing weight."""
     num_experts, top_k = gate_up.shape[0], experts.shape[1]
     flat_experts = experts.reshape(-1)  # [T * k]
     order = torch.argsort(flat_experts, stable=True)  # pair indices grouped by expert
@@ -35,8 +40,16 @@ def run_experts(
         pairs = order[start : start + count]
         start += count
         tokens = pairs // top_k  # [count]
-        gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)  # [count, I] each
-        y = F.linear(F.silu(gate) * up, down[expert])  # [count, H]
+        rows = x[tokens]  # [count, H]
+        gu = F.linear(rows, gate_up[expert])  # [count, 2I]
+        slots = None if lora is None else lora.token_slot[tokens]  # [count]
+        if slots is not None:
+            gu = add_pair_deltas(gu, rows, slots, expert, lora.gate_up())
+        gate, up = gu.chunk(2, dim=-1)  # [count, I] each
+        act = F.silu(gate) * up
+        y = F.linear(act, down[expert])  # [count, H]
+        if slots is not None:
+            y = add_pair_deltas(y, act, slots, expert, lora.down())
         y = y * flat_weights[pairs, None]  # fp32 with Mixtral's fp32 weights, else the model dtype
         out.index_add_(0, tokens, y.float())
     return out.to(x.dtype)

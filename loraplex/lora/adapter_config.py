@@ -43,13 +43,17 @@ class LoRAConfigView:
     layers_pattern: tuple[str, ...] | None = None
     exclude_modules: str | tuple[str, ...] | None = None
     fan_in_fan_out: bool = False
+    # names (PEFT: exact, or a suffix after a dot) of raw parameters adapted, e.g.
+    # "mlp.experts.gate_up_proj" (fused MoE experts); () = none
+    target_parameters: tuple[str, ...] = ()
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     def canonical(self) -> dict:
         """The fields that change the math, in a canonical JSON-able form (for the hash)."""
         tm = self.target_modules if isinstance(self.target_modules, str) else sorted(self.target_modules)
         ex = self.exclude_modules
-        return {
+        extra = {"target_parameters": sorted(self.target_parameters)} if self.target_parameters else {}
+        return extra | {
             "peft_type": "LORA",
             "r": self.r,
             "lora_alpha": _num(self.lora_alpha),
@@ -126,19 +130,21 @@ def parse_config(data: bytes) -> LoRAConfigView:
         raise _bad(f"not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(cfg, dict):
         raise _bad("not a JSON object")
-    for required in ("peft_type", "r", "lora_alpha", "target_modules"):
+    for required in ("peft_type", "r", "lora_alpha"):
         if cfg.get(required) is None:
             raise _bad(f"required field {required!r} is missing")
+    # PEFT on transformers 5 adapts fused MoE experts as raw parameters (``target_parameters``,
+    # its ``ParamWrapper``); such a config may name no module at all
+    target_parameters = _str_or_list("target_parameters", cfg.get("target_parameters"), allow_none=True)
+    if isinstance(target_parameters, str):  # PEFT takes a list of names only
+        raise _bad(f"target_parameters must be a list of parameter names, got {target_parameters!r}")
+    if cfg.get("target_modules") is None and not target_parameters:
+        raise _bad("required field 'target_modules' is missing")
     if cfg["peft_type"] != "LORA":
         raise _bad(f"peft_type is {cfg['peft_type']!r}; only LORA adapters are served")
     for key, what in UNSUPPORTED_FEATURES.items():
         if cfg.get(key):
             raise _bad(f"{what} is not supported")
-    if cfg.get("target_parameters"):  # how PEFT on transformers 5 adapts fused MoE experts and routers
-        raise _bad(
-            f"target_parameters {cfg['target_parameters']!r}: LoRA on raw parameters (PEFT's form of LoRA on "
-            "the experts and routers of a mixture-of-experts model) is not supported yet"
-        )
     bias = cfg.get("bias", "none")
     if bias != "none":
         raise _bad(f"bias={bias!r} is not supported (only 'none')")
@@ -154,7 +160,9 @@ def parse_config(data: bytes) -> LoRAConfigView:
     if not isinstance(use_rslora, bool) or not isinstance(fan_in_fan_out, bool):
         raise _bad("use_rslora and fan_in_fan_out must be booleans")
 
-    target_modules = _str_or_list("target_modules", cfg["target_modules"], allow_none=False)
+    target_modules = ()
+    if cfg.get("target_modules") is not None:
+        target_modules = _str_or_list("target_modules", cfg["target_modules"], allow_none=bool(target_parameters)) or ()
     if isinstance(target_modules, str):
         _check_regex("target_modules", target_modules)
     exclude_modules = _str_or_list("exclude_modules", cfg.get("exclude_modules"), allow_none=True)
@@ -191,6 +199,7 @@ def parse_config(data: bytes) -> LoRAConfigView:
         layers_pattern=layers_pattern,
         exclude_modules=exclude_modules,
         fan_in_fan_out=fan_in_fan_out,
+        target_parameters=target_parameters or (),
         raw=cfg,
     )
 

@@ -7,6 +7,7 @@ import torch
 
 from loraplex.kernels import dispatch
 from loraplex.kernels.lora_meta import LoRABatchMeta
+from loraplex.kernels.moe_lora import ExpertLoRA, token_slots_from_meta
 from loraplex.lora.slots import SlotPool
 from loraplex.lora.vocab_apply import LogitsLoRA, add_embedding_lora
 from loraplex.lora.vocab_names import EMBED, LM_HEAD
@@ -103,6 +104,7 @@ class LoRAStepContext:
             self._shrunk = torch.empty(
                 MAX_SLICES, meta.num_tokens, pool.max_rank, dtype=torch.float32, device=pool.device
             )
+        self._expert_token_slot: torch.Tensor | None = None  # [num_tokens] int64, at the first MoE layer
 
     def apply(self, layer_idx: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """``y[t] += sum_s scaling * (x[t] @ A_s.T) @ B_s.T`` for each token's adapter, in place.
@@ -120,6 +122,23 @@ class LoRAStepContext:
         dispatch.lora_apply(
             x, stack.a, stack.b, stack.scaling, stack.slice_offsets, self.meta, y, shrunk, slot_rank=stack.rank
         )
+
+    def expert_lora(self, layer_idx: int) -> ExpertLoRA | None:
+        """The LoRA on the experts of sparse layer ``layer_idx`` for this step's tokens, or None when
+        the pool holds none or (eager steps) no adapter of the step has any. Under a CUDA graph
+        (``every_projection``) it is there whenever the stacks are, for whatever adapters replay."""
+        experts = self.pool.experts
+        if experts is None or not experts.allocated or layer_idx not in experts.layers:
+            return None
+        if not self.every_projection and not any(experts.active[s] for s in self.slots):
+            return None
+        if self._expert_token_slot is None:  # device ops only: a graph captures them with the layer
+            meta = self.meta
+            self._expert_token_slot = token_slots_from_meta(
+                meta.token_perm, meta.seg_starts, meta.seg_slot, experts.slot_active)
+        st = experts.layers[layer_idx]
+        return ExpertLoRA(self._expert_token_slot, st.a_gate_up, st.b_gate_up, st.scaling_gate_up,
+                          st.a_down, st.b_down, st.scaling_down)
 
     def apply_embedding(self, input_ids: torch.Tensor, hidden: torch.Tensor, scale: float = 1.0) -> None:
         """Add the embed_tokens LoRA delta to the embedding output ``hidden [num_tokens, hidden]``

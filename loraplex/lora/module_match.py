@@ -65,15 +65,43 @@ def is_moe_module(key: str, spec: LoRATargetSpec) -> bool:
 
 
 MOE_MODULE = "a mixture-of-experts module (expert, router or shared expert)"
+ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
 
 
-def moe_lora_error(what: str, spec: LoRATargetSpec) -> InvalidAdapterError:
-    """The refusal of LoRA on an MoE model's experts, routers or shared expert (``what`` says
-    which tensor or config entry)."""
+def moe_lora_error(what: str, spec: LoRATargetSpec, router: bool = False) -> InvalidAdapterError:
+    """The refusal of LoRA on an MoE model's routers (``router``), or on its experts where this
+    engine holds no room for it or in a form it does not know (``what`` says which tensor or
+    config entry)."""
+    experts = spec.experts
+    served = f"base model {spec.model_name!r} takes LoRA on {_servable_names(spec)}"
+    if router:
+        return InvalidAdapterError(f"{what}: LoRA on the router of a mixture-of-experts model (or the shared "
+                                   f"expert's gate) is not served, as vLLM does not serve it ({served})")
+    if experts is not None and experts.enabled:
+        names = "/".join(experts.part_names.values())
+        block = "block_sparse_moe" if experts.style == "mixtral" else "mlp"
+        return InvalidAdapterError(
+            f"{what}: the MLP of layers {list(experts.layers)} is {experts.num_experts} experts, whose LoRA is "
+            f"served as per-expert modules ({block}.experts.{{e}}.{names}) or as PEFT's target_parameters "
+            f"(mlp.experts.gate_up_proj, mlp.experts.down_proj) ({served})")
     return InvalidAdapterError(
-        f"{what}: LoRA on the experts of a mixture-of-experts model is not supported yet (base model "
-        f"{spec.model_name!r} takes LoRA on {_servable_names(spec)})"
+        f"{what}: LoRA on the experts of a mixture-of-experts model needs an engine started with "
+        f"--enable-expert-lora (enable_expert_lora=True), which holds slot room for it; this one was not ({served})"
     )
+
+
+def lora_module_key(name: str) -> tuple[str, str] | None:
+    """``(module key, "A" / "B")`` of a ``lora_A.weight`` / ``lora_B.weight`` tensor name, else None."""
+    if not name.startswith(TENSOR_PREFIX):
+        return None
+    m = _TENSOR_RE.match(name[len(TENSOR_PREFIX):])
+    return None if m is None else (m.group("key"), m.group("which"))
+
+
+def _names_router(key: str) -> bool:
+    m = _LAYER_PATH_RE.search(key)
+    path = (m.group("path") if m else key).split(".")
+    return "experts" not in path and any(seg in ROUTER_NAMES for seg in path)
 
 
 def parse_tensor_name(name: str, spec: LoRATargetSpec) -> TensorName:
@@ -97,7 +125,7 @@ def parse_tensor_name(name: str, spec: LoRATargetSpec) -> TensorName:
     if embedding:
         raise InvalidAdapterError(f"tensor {name!r}: lora_embedding_A / lora_embedding_B belong to embed_tokens only")
     if is_moe_module(key, spec):
-        raise moe_lora_error(f"tensor {name!r} targets {key!r}, {MOE_MODULE}", spec)
+        raise moe_lora_error(f"tensor {name!r} targets {key!r}, {MOE_MODULE}", spec, router=_names_router(key))
     k = _KEY_RE.match(key)
     if not k or k.group("mod") not in PARENT or k.group("parent") != PARENT[k.group("mod")]:
         raise InvalidAdapterError(
@@ -167,33 +195,38 @@ def base_module_keys(spec: LoRATargetSpec, prefix: str) -> dict[str, tuple[int, 
 
 
 def enumerate_target_keys(
-    cfg: LoRAConfigView, spec: LoRATargetSpec, prefix: str, unserved_keys: frozenset[str] = frozenset()
+    cfg: LoRAConfigView, spec: LoRATargetSpec, prefix: str, unserved_keys: frozenset[str] = frozenset(),
+    expert_keys: tuple[str, ...] = (), experts_targeted: bool = False,
 ) -> dict[str, tuple[int, str]]:
     """The base modules ``cfg`` targets, in layer order. Refuses a ``target_modules`` entry that
     names no module the base model can serve, and a config that targets nothing.
     An entry that names only modules of ``unserved_keys`` (the adapter's tensors on parts of the
-    base model that are not run, e.g. ``fc1`` of a vision tower) is let through: PEFT found it."""
+    base model that are not run, e.g. ``fc1`` of a vision tower) is let through: PEFT found it,
+    and so is one that names served experts (``expert_keys``); ``experts_targeted``: the adapter
+    has expert LoRA, so matching no layer module is fine."""
     keys = base_module_keys(spec, prefix)
     target_modules = cfg.target_modules
     if target_modules == "all-linear":  # PEFT expands it to every linear but the output layer
         target_modules = tuple(m for m in TARGET_MODULES if m in spec.module_shapes)
-    cfg_view = _Matcher(cfg, target_modules)
+    cfg_view = Matcher(cfg, target_modules)
     if not isinstance(target_modules, str):
         for entry in target_modules:
-            names_module = any(key == entry or key.endswith(f".{entry}") for key in (*keys, *unserved_keys))
-            # on an MoE model, an unmatched w1 / gate / experts / gate_proj ... can only mean experts
+            names_module = any(
+                key == entry or key.endswith(f".{entry}") for key in (*keys, *unserved_keys, *expert_keys))
+            # on an MoE model, an unmatched w1 / gate / experts / gate_proj ... can only mean experts or routers
             if not names_module and spec.moe_module_names and (
                 entry.rsplit(".", 1)[-1] in (*spec.moe_module_names, "gate_proj", "up_proj", "down_proj")
                 or is_moe_module(entry, spec)
             ):
-                raise moe_lora_error(f"adapter_config.json: target_modules entry {entry!r} names {MOE_MODULE}", spec)
+                raise moe_lora_error(f"adapter_config.json: target_modules entry {entry!r} names {MOE_MODULE}", spec,
+                                     router=entry.rsplit(".", 1)[-1] in ROUTER_NAMES)
             if not names_module:
                 raise InvalidAdapterError(
                     f"adapter_config.json: target_modules entry {entry!r} is not a module the base model has as "
                     f"a LoRA target (its LoRA targets are {_servable_names(spec)})"
                 )
     targeted = {key: lm for key, lm in keys.items() if cfg_view.targets(key)}
-    if not targeted:
+    if not targeted and not experts_targeted:
         raise InvalidAdapterError("adapter_config.json: target_modules matches no module of the base model")
     return targeted
 
@@ -211,7 +244,7 @@ def add_tied_lm_head(
     return {**targeted, head_key: (-1, "lm_head")}
 
 
-class _Matcher:
+class Matcher:
     """PEFT's ``check_target_module_exists`` (peft 0.21), restricted to the servable modules."""
 
     def __init__(self, cfg: LoRAConfigView, target_modules: str | tuple[str, ...]):

@@ -41,10 +41,20 @@ import torch
 
 from loraplex.lora.adapter_config import LoRAConfigView, parse_config
 from loraplex.lora.errors import InvalidAdapterError
+from loraplex.lora.expert_format import (
+    ExpertModuleLoRA,
+    ExpertTensorKey,
+    expert_module_keys,
+    expert_tensor_key,
+    validate_expert_modules,
+)
 from loraplex.lora.module_match import (
     TENSOR_PREFIX,
+    Matcher,
     add_tied_lm_head,
     enumerate_target_keys,
+    lora_module_key,
+    moe_lora_error,
     parse_tensor_name,
     unserved_module_key,
 )
@@ -71,6 +81,8 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 # with --lora-extra-vocab-size until vllm-project/vllm#28382 removed it)
 NEW_EMBEDDINGS_NAME = "new_embeddings.safetensors"
 MAX_CONFIG_BYTES = 1024 * 1024
+# the expert parts an adapter adapts, as ``AdapterInfo.targets`` lists them (after the vocabulary's)
+EXPERT_TARGETS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
 HASH_VERSION = b"loraplex-adapter-v1\n"
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -116,14 +128,18 @@ class AdapterInfo:
     # what the uploader should know, e.g. LoRA on a vision tower this deployment never runs
     warnings: tuple[str, ...] = ()
     vocab_modules: dict[str, ModuleLoRA] = field(default_factory=dict)  # "embed_tokens" / "lm_head"
+    # LoRA on an MoE model's experts: (layer, part, expert) -> it (``expert_format``)
+    expert_modules: dict[tuple[int, str, int], ExpertModuleLoRA] = field(default_factory=dict)
 
     def module_ranks(self) -> dict[str, int]:
         ranks = {f"{layer}.{mod}": m.rank for (layer, mod), m in self.modules.items()}
-        return ranks | {mod: m.rank for mod, m in self.vocab_modules.items()}
+        experts = {_expert_label(key): m.rank for key, m in self.expert_modules.items()}
+        return ranks | experts | {mod: m.rank for mod, m in self.vocab_modules.items()}
 
     def module_scalings(self) -> dict[str, float]:
         scalings = {f"{layer}.{mod}": m.scaling for (layer, mod), m in self.modules.items()}
-        return scalings | {mod: m.scaling for mod, m in self.vocab_modules.items()}
+        experts = {_expert_label(key): m.scaling for key, m in self.expert_modules.items()}
+        return scalings | experts | {mod: m.scaling for mod, m in self.vocab_modules.items()}
 
     def summary(self) -> dict:
         """JSON-friendly fields for the registry row and the admin API."""
@@ -137,6 +153,11 @@ class AdapterInfo:
             "bytes": self.size_bytes,
             "warnings": list(self.warnings),
         }
+
+
+def _expert_label(key: tuple[int, str, int]) -> str:
+    layer, part, expert = key
+    return f"{layer}.experts.{part}" if expert < 0 else f"{layer}.experts.{expert}.{part}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,6 +261,8 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
 
     # Which module keys the tensors belong to (and the key prefix PEFT saw, e.g. "model.").
     by_key: dict[str, dict[str, str]] = {}  # module key -> {"A": name, "B": name}
+    expert_tensors: dict[str, dict[str, str]] = {}  # the same for expert modules
+    expert_keys: dict[str, ExpertTensorKey] = {}
     unserved: set[str] = set()  # module keys on parts of the base model loraplex does not run
     base_copies: dict[str, str] = {}  # vocabulary module key -> its saved base weight (not used)
     lm_head_keys: set[str] = set()
@@ -253,6 +276,18 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
         if copy is not None:
             base_copies[copy] = name
             continue
+        key_which = lora_module_key(name)
+        ek = None if key_which is None else expert_tensor_key(key_which[0], spec)
+        if ek is not None:
+            if not spec.experts.enabled:
+                raise moe_lora_error(f"tensor {name!r} targets expert module {ek.module_key!r}", spec)
+            if prefix is None:
+                prefix = ek.prefix
+            elif ek.prefix != prefix:
+                raise InvalidAdapterError(f"tensor {name!r} has module prefix {ek.prefix!r}, others {prefix!r}")
+            expert_keys[ek.module_key] = ek
+            expert_tensors.setdefault(ek.module_key, {})[key_which[1]] = name
+            continue
         tn = parse_tensor_name(name, spec)
         if tn.prefix is None:  # lm_head: no layer prefix in its name
             lm_head_keys.add(tn.module_key)
@@ -263,17 +298,27 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
         by_key.setdefault(tn.module_key, {})[tn.which] = name
     if not parsed.tensors:
         raise InvalidAdapterError("adapter has no tensors")
-    if not by_key and not unserved:
+    if not by_key and not unserved and not expert_keys:
         raise InvalidAdapterError("adapter has no LoRA tensors (only copies of base-model weights)")
+    if cfg.target_parameters and not (spec.experts is not None and spec.experts.enabled):
+        raise moe_lora_error(f"adapter_config.json: target_parameters {list(cfg.target_parameters)!r} (PEFT's "
+                             "LoRA on raw parameters, as on fused experts)", spec)
     if prefix is None and lm_head_keys:
         prefix = prefix_for_lm_head(min(lm_head_keys))
-    if not by_key:
+    if not by_key and not expert_keys:
         raise InvalidAdapterError(
             f"adapter has LoRA weights only on modules base model {spec.model_name!r} does not run here "
             f"(e.g. {min(unserved)!r}; images are not served): it would change no output"
         )
 
-    targeted = add_tied_lm_head(cfg, spec, prefix, enumerate_target_keys(cfg, spec, prefix, frozenset(unserved)))
+    served_experts = spec.experts is not None and spec.experts.enabled
+    targeted = add_tied_lm_head(cfg, spec, prefix, enumerate_target_keys(
+        cfg, spec, prefix, frozenset(unserved), tuple(expert_module_keys(spec, prefix)) if served_experts else (),
+        experts_targeted=bool(expert_keys)))
+    shapes = {n: tuple(parsed.tensors[n].shape) for names in expert_tensors.values() for n in names.values()}
+    expert_modules = validate_expert_modules(
+        cfg, spec, prefix, expert_tensors, expert_keys, shapes, Matcher(cfg, cfg.target_modules).targets,
+        max_lora_rank) if served_experts else {}
     for key in by_key:
         if key not in targeted:
             raise InvalidAdapterError(
@@ -331,6 +376,7 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
             modules[(layer, mod)] = module
 
     present = {mod for (_, mod) in modules}
+    expert_targets = {f"experts.{p}_proj" for (_, part, _) in expert_modules for p in part.split("_")}
     warnings = []
     if unserved:
         warnings.append(_unserved_warning(unserved))
@@ -338,15 +384,17 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
         warnings.append(_base_copies_warning(base_copies))
     return AdapterInfo(
         content_hash=parsed.content_hash,
-        rank=max(m.rank for m in (*modules.values(), *vocab_modules.values())),
+        rank=max(m.rank for m in (*modules.values(), *vocab_modules.values(), *expert_modules.values())),
         alpha=cfg.lora_alpha,
         use_rslora=cfg.use_rslora,
-        targets=(*(m for m in TARGET_MODULES if m in present), *(m for m in VOCAB_TARGETS if m in vocab_modules)),
-        layers=tuple(sorted({layer for (layer, _) in modules})),
+        targets=(*(m for m in TARGET_MODULES if m in present), *(m for m in VOCAB_TARGETS if m in vocab_modules),
+                 *(m for m in EXPERT_TARGETS if m in expert_targets)),
+        layers=tuple(sorted({layer for (layer, _) in modules} | {layer for (layer, _, _) in expert_modules})),
         size_bytes=parsed.size_bytes,
         modules=dict(sorted(modules.items())),
         warnings=tuple(warnings),
         vocab_modules={m: vocab_modules[m] for m in VOCAB_TARGETS if m in vocab_modules},
+        expert_modules=expert_modules,
     )
 
 

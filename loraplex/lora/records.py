@@ -10,6 +10,7 @@ import torch
 
 from loraplex.config import DEFAULT_MAX_CPU_LORA_BYTES, EngineConfig
 from loraplex.lora.errors import AdapterHashMismatchError
+from loraplex.lora.expert_weights import expert_host_nbytes, max_expert_nbytes
 from loraplex.lora.peft_format import AdapterInfo
 from loraplex.lora.spec import LoRATargetSpec
 from loraplex.lora.weights import AdapterWeights
@@ -57,15 +58,18 @@ def host_nbytes(info: AdapterInfo, spec: LoRATargetSpec, dtype: torch.dtype) -> 
     elem = torch.empty(0, dtype=dtype).element_size()
     layers = sum(m.rank * sum(spec.module_shapes[m.module]) for m in info.modules.values())
     vocab = sum(m.rank * sum(spec.vocab_shapes[mod]) for mod, m in info.vocab_modules.items())
-    return elem * (layers + vocab)
+    experts = expert_host_nbytes(info.expert_modules, spec.experts, elem) if info.expert_modules else 0
+    return elem * (layers + vocab) + experts
 
 
 def max_adapter_host_nbytes(spec: LoRATargetSpec, rank: int, dtype: torch.dtype) -> int:
     """``host_nbytes`` of the largest adapter an engine serves: ``rank`` on every targetable
-    projection of every layer, and on embed_tokens and lm_head where the model serves them."""
+    projection of every layer, and on embed_tokens and lm_head where the model serves them, and
+    on every expert's gate, up and down where the engine serves expert LoRA."""
     elem = torch.empty(0, dtype=dtype).element_size()
     layers = sum(spec.num_layers_with(m) * sum(shape) for m, shape in spec.module_shapes.items())
-    return elem * rank * (layers + sum(sum(shape) for shape in spec.vocab_shapes.values()))
+    dense = elem * rank * (layers + sum(sum(shape) for shape in spec.vocab_shapes.values()))
+    return dense + max_expert_nbytes(spec.experts, rank, elem)
 
 
 def host_budget_bytes(config: EngineConfig, spec: LoRATargetSpec, dtype: torch.dtype) -> int:

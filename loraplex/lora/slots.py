@@ -14,7 +14,8 @@ weights past the stack's ``rank`` (a projection an adapter leaves alone costs it
 under a CUDA graph, which runs every projection's kernels).
 
 LoRA on ``embed_tokens`` and ``lm_head`` lives in ``vocab`` (``vocab_slots.VocabStacks``), indexed
-by the same slots and allocated only once an adapter targeting them is loaded.
+by the same slots and allocated only once an adapter targeting them is loaded; so does LoRA on an
+MoE model's experts, in ``experts`` (``expert_slots.ExpertStacks``), where the engine serves it.
 
 Eviction is LRU among slots that are neither pinned nor protected by the caller (the adapters
 of the step being prepared); slots whose adapter still has requests (``refs``) go last.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.lora.expert_slots import ExpertStacks
 from loraplex.lora.spec import LoRATargetSpec
 from loraplex.lora.vocab_slots import VocabStacks
 from loraplex.lora.weights import AdapterWeights
@@ -62,6 +64,8 @@ class SlotPool:
         # allocated at the first adapter load, so a base-model-only engine holds no LoRA memory
         self.stacks: list[dict[str, LoRAStack]] = []
         self.vocab = VocabStacks(spec, max_loras, max_rank, self.device, dtype)
+        served = spec.experts is not None and spec.experts.enabled
+        self.experts = ExpertStacks(spec.experts, max_loras, max_rank, self.device, dtype) if served else None
         self.slot_rank = torch.zeros(max_loras, dtype=torch.int32, device=self.device)  # [max_loras]
         self.slot_rank_host = [0] * max_loras
         self.adapter_in: list[str | None] = [None] * max_loras
@@ -98,7 +102,7 @@ class SlotPool:
         layers = sum(
             t.numel() * t.element_size() for layer in self.stacks for st in layer.values() for t in (st.a, st.b)
         )
-        return layers + self.vocab.nbytes
+        return layers + self.vocab.nbytes + (self.experts.nbytes if self.experts is not None else 0)
 
     def slot_of(self, adapter_id: str) -> int | None:
         return self._slot_of.get(adapter_id)
@@ -165,6 +169,10 @@ class SlotPool:
                 st.active[slot] = lora is not None
                 st.rank[slot] = module_rank
         self.vocab.write(slot, weights)
+        if self.experts is not None:
+            self.experts.write(slot, weights.experts)
+        elif weights.experts:  # validation refuses such adapters on this engine first
+            raise ValueError("adapter has expert LoRA, which this slot pool holds no room for")
         self.adapter_in[slot] = weights.adapter_id
         self._slot_of[weights.adapter_id] = slot
         self.slot_rank_host[slot] = weights.rank
@@ -187,4 +195,6 @@ class SlotPool:
                 st.active[slot] = False
                 st.rank[slot] = 0
         self.vocab.clear(slot)
+        if self.experts is not None:
+            self.experts.clear(slot)
         return old

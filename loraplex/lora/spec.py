@@ -65,6 +65,8 @@ class LoRATargetSpec:
     # module-name segments of an MoE model's experts / routers / shared expert (below
     # ``layers.N.``): LoRA on them is refused as not supported yet
     moe_module_names: tuple[str, ...] = ()
+    # LoRA on the experts of an MoE model's sparse layers (``ExpertShapes``); None: refused
+    experts: "ExpertShapes | None" = None
 
     def module_in_layer(self, module: str, layer: int) -> bool:
         """Whether layer ``layer`` has the targetable ``module``."""
@@ -84,6 +86,34 @@ class LoRATargetSpec:
         if self.vocab_size <= 0 or self.hidden_size <= 0:
             return {}
         return {"embed_tokens": (self.vocab_size, self.hidden_size), "lm_head": (self.hidden_size, self.vocab_size)}
+
+
+@dataclass(frozen=True)
+class ExpertShapes:
+    """The experts of an MoE model's sparse layers, as LoRA on them sees them: ``num_experts``
+    SwiGLU experts of ``hidden`` -> ``inter`` in each layer of ``layers``; ``style`` names the
+    per-expert modules (``"mixtral"``: ``block_sparse_moe.experts.{e}.w1/w3/w2``; ``"qwen"``:
+    ``mlp.experts.{e}.gate_proj/up_proj/down_proj``). ``enabled``: the engine holds slot room for
+    expert LoRA (``EngineConfig.enable_expert_lora``); when False such adapters are refused
+    saying how to turn it on."""
+
+    num_experts: int
+    hidden: int
+    inter: int
+    layers: tuple[int, ...]
+    style: str = "qwen"
+    enabled: bool = False
+
+    @property
+    def part_names(self) -> dict[str, str]:
+        """``gate`` / ``up`` / ``down`` -> the per-expert module name of this family."""
+        if self.style == "mixtral":
+            return {"gate": "w1", "up": "w3", "down": "w2"}
+        return {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+    def part_shape(self, part: str) -> tuple[int, int]:
+        """``(in_features, out_features)`` of one expert's ``gate`` / ``up`` / ``down``."""
+        return (self.inter, self.hidden) if part == "down" else (self.hidden, self.inter)
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@ q, k, v; gate_up_proj = gate, up; o_proj; down_proj; in Phi-3's each fused modul
 each slice, ``A [rank_s, in]``, ``B [out_s, rank_s]`` and its scaling, or nothing when the
 adapter does not target that slice in that layer. Apart from the layers, ``vocab`` holds the
 LoRA on ``embed_tokens`` (``A [rank, vocab]``, ``B [hidden, rank]``, PEFT's lora_embedding_A/B)
-and ``lm_head`` (``A [rank, hidden]``, ``B [vocab, rank]``) when targeted. This is what the host
-cache holds and what a device slot is filled from.
+and ``lm_head`` (``A [rank, hidden]``, ``B [vocab, rank]``) when targeted, and ``experts`` the
+LoRA on an MoE model's experts (``expert_weights``). This is what the host cache holds and what a
+device slot is filled from.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex.lora.errors import InvalidAdapterError
+from loraplex.lora.expert_weights import ExpertSliceLoRA, build_expert_layers, expert_host_nbytes
 from loraplex.lora.peft_format import AdapterInfo, ParsedAdapter
 from loraplex.lora.spec import LoRATargetSpec
 
@@ -53,6 +55,8 @@ class AdapterWeights:
     layers: dict[tuple[int, str], PackedLoRA]  # (layer, packed module) -> weights; absent = untouched
     nbytes: int
     vocab: dict[str, SliceLoRA] = field(default_factory=dict)  # "embed_tokens" / "lm_head" -> weights
+    # an MoE model's experts: layer -> {"gate" / "up" / "down": every expert's} (``expert_weights``)
+    experts: dict[int, dict[str, ExpertSliceLoRA]] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -84,7 +88,11 @@ class AdapterWeights:
             b = _cast(parsed, m.b_name, dtype)  # [out, rank]
             nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
             vocab[mod] = SliceLoRA(a=a, b=b, scaling=float(m.scaling))
-        return cls(adapter_id=info.content_hash, info=info, layers=layers, nbytes=nbytes, vocab=vocab)
+        experts: dict[int, dict[str, ExpertSliceLoRA]] = {}
+        if info.expert_modules:
+            experts = build_expert_layers(info.expert_modules, lambda name: _cast(parsed, name, dtype), spec.experts)
+            nbytes += expert_host_nbytes(info.expert_modules, spec.experts, torch.empty(0, dtype=dtype).element_size())
+        return cls(adapter_id=info.content_hash, info=info, layers=layers, nbytes=nbytes, vocab=vocab, experts=experts)
 
 
 def _cast(parsed: ParsedAdapter, name: str, dtype: torch.dtype) -> torch.Tensor:

@@ -161,12 +161,13 @@ class ModelSpec:
         """KV-cache bytes one token occupies across all layers (K and V)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
 
-    def lora_target_spec(self) -> LoRATargetSpec:
-        """``(in_features, out_features)`` of each LoRA-targetable linear (same in every layer)."""
+    def lora_target_spec(self, expert_lora: bool = False) -> LoRATargetSpec:
+        """``(in_features, out_features)`` of each LoRA-targetable linear (same in every layer);
+        ``expert_lora``: an MoE model's experts take LoRA too (``EngineConfig.enable_expert_lora``)."""
         if self.architecture == PHI3_ARCHITECTURE:  # fused qkv_proj / gate_up_proj
             return phi3_lora_target_spec(self)
         if self.moe is not None:  # attention everywhere, MLP on the dense layers only
-            return moe_lora_target_spec(self)
+            return moe_lora_target_spec(self, expert_lora)
         h, i = self.hidden_size, self.intermediate_size
         return LoRATargetSpec(
             model_name=self.name,

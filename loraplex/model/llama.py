@@ -42,6 +42,10 @@ class LoRAStepContext(Protocol):
     def apply_embedding(self, input_ids: torch.Tensor, hidden: torch.Tensor, scale: float = 1.0) -> None:
         """Add the embed_tokens LoRA delta (times ``scale``) to the embedding output ``hidden``."""
 
+    def expert_lora(self, layer: int):
+        """The step's LoRA on the experts of MoE layer ``layer`` (``kernels.moe_lora.ExpertLoRA``),
+        or None when no token of the step has any there."""
+
 
 class LogitsLoRA(Protocol):
     """The lm_head LoRA of the rows whose logits ``compute_logits`` computes."""

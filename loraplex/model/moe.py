@@ -16,6 +16,10 @@ says which layers are sparse and how the router weighs the experts), computed as
    weight; no host sync and a grid from the token count alone, so decode steps of these models
    are captured as CUDA graphs like a dense model's.
 
+LoRA on the experts (``LoRAStepContext.expert_lora``, where the engine serves it): each pair's
+delta for its token's adapter is added to gate_up before SiLU(gate) * up and to down before the
+routing weight (``kernels/moe_lora``; on CUDA ``kernels/triton_moe_lora``).
+
 Weights are stacked per layer: ``experts_gate_up [E, 2 * I, H]`` (gate rows then up rows) and
 ``experts_down [E, H, I]``, transformers 5's in-memory layout.
 
@@ -92,7 +96,8 @@ class MoEForCausalLM(LlamaForCausalLM):
             return super()._mlp(i, x, lora)
         layer = self.layers[i]
         weights, experts = route_tokens(x, layer.router_weight, moe)
-        out = dispatch.fused_moe(x, weights, experts, layer.experts_gate_up, layer.experts_down)
+        expert_lora = None if lora is None else lora.expert_lora(i)
+        out = dispatch.fused_moe(x, weights, experts, layer.experts_gate_up, layer.experts_down, expert_lora)
         if moe.shared_expert_intermediate_size:  # Qwen2-MoE: the dense MLP is the shared expert
             shared = super()._mlp(i, x, lora, lora_prefix="shared_expert.")  # [T, H]
             out = out + torch.sigmoid(F.linear(x, layer.shared_expert_gate)) * shared

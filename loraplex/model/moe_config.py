@@ -14,11 +14,12 @@ LoRA targets loraplex serves on them.
   ``shared_expert_intermediate_size``) whose output is scaled by ``sigmoid(shared_expert_gate(x))``.
 
 LoRA: the attention projections of every layer, gate/up/down on the dense MLP layers only
-(``LoRATargetSpec.module_layers``) and Qwen2-MoE's shared expert (``mlp.shared_expert.gate_proj``
-...; not its ``shared_expert_gate``). LoRA on experts, routers or the shared expert's gate is
-refused with an error that says so (``LoRATargetSpec.moe_module_names``): vLLM itself only served LoRA on MoE
-experts from late 2025 (vllm-project/vllm#21229, "FusedMoE LoRA", released in v0.11.2; SGLang in
-sgl-project/sglang#14105); loraplex has no kernel for it yet.
+(``LoRATargetSpec.module_layers``), Qwen2-MoE's shared expert (``mlp.shared_expert.gate_proj``
+...; not its ``shared_expert_gate``) and, when the engine holds room for it
+(``enable_expert_lora``), the experts of the sparse layers (``LoRATargetSpec.experts``; formats
+in ``lora/expert_format.py``), as vLLM serves them since v0.11.2 (vllm-project/vllm#21229,
+"FusedMoE LoRA"). LoRA on routers or the shared expert's gate is refused with an error that says
+so (``LoRATargetSpec.moe_module_names``): vLLM does not serve it either.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.lora.spec import PACKED_MODULES, SHARED_EXPERT_PACKED, LoRATargetSpec
+from loraplex.lora.spec import PACKED_MODULES, SHARED_EXPERT_PACKED, ExpertShapes, LoRATargetSpec
 
 MIXTRAL = "MixtralForCausalLM"
 QWEN2_MOE = "Qwen2MoeForCausalLM"
@@ -116,11 +117,11 @@ def moe_spec_from_config(cfg: dict[str, Any], arch: str, num_layers: int) -> MoE
     )
 
 
-def moe_lora_target_spec(spec) -> LoRATargetSpec:
+def moe_lora_target_spec(spec, expert_lora: bool = False) -> LoRATargetSpec:
     """LoRA targets of an MoE model (``spec``: its ``ModelSpec``): q/k/v/o in every layer,
-    gate/up/down in the dense MLP layers only, Qwen2-MoE's shared expert in the sparse ones;
-    experts and routers are named in ``moe_module_names`` so that an adapter on them is
-    refused saying why."""
+    gate/up/down in the dense MLP layers only, Qwen2-MoE's shared expert in the sparse ones, the
+    experts (``experts``; served when ``expert_lora``); routers are named in ``moe_module_names``
+    so that an adapter on them is refused saying why."""
     h, i = spec.hidden_size, spec.intermediate_size
     shapes = {"q_proj": (h, spec.q_size), "k_proj": (h, spec.kv_size), "v_proj": (h, spec.kv_size),
               "o_proj": (spec.q_size, h)}
@@ -150,4 +151,9 @@ def moe_lora_target_spec(spec) -> LoRATargetSpec:
         vocab_size=spec.vocab_size,
         hidden_size=h,
         tied_embeddings=spec.tie_word_embeddings,
+        experts=ExpertShapes(
+            num_experts=moe.num_experts, hidden=h, inter=moe.expert_intermediate_size,
+            layers=tuple(layer for layer, is_sparse in enumerate(moe.sparse_layers) if is_sparse),
+            style=moe.checkpoint_style, enabled=expert_lora,
+        ),
     )
