@@ -16,6 +16,10 @@ host:
    block's pairs and its expert's ``down``, times the routing weight, written in fp32 to
    ``pair_out[pair]``; then a torch sum over each token's k rows, rounded once.
 
+With expert LoRA (``lora``), ``triton_moe_lora`` computes each pair's delta for gate_up before
+step 2 and for down between steps 2 and 3; the kernels add them (``HAS_DELTA``) to the rounded
+gate and up before the SiLU, and to the rounded down output before the routing weight.
+
 The roundings follow the torch path's: gate and up are rounded to the model dtype, then the
 SiLU and the product; the down output is rounded before the routing weight multiplies it (in
 fp32 for Mixtral's fp32 weights; rounded again for the Qwen MoEs' model-dtype weights).
@@ -31,7 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.moe_lora import ExpertLoRA
 from loraplex.kernels.moe_torch import PairBlocks, align_pairs
+from loraplex.kernels.triton_moe_lora import expert_pair_slots, pair_lora_deltas
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -53,10 +59,14 @@ def _moe_gate_up_kernel(
     stride_wk,
     stride_at,
     stride_ai,
+    delta_ptr,  # [P, 2 * I] fp32 LoRA deltas (gate columns, then up); read only with HAS_DELTA
+    stride_dp,
+    stride_dn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # hidden % BLOCK_K == 0: no K mask, so loads vectorise
+    HAS_DELTA: tl.constexpr,  # expert LoRA: add each pair's delta before the SiLU
 ):
     block = tl.program_id(0)
     n_tile = tl.program_id(1)
@@ -95,6 +105,11 @@ def _moe_gate_up_kernel(
     dtype = act_ptr.dtype.element_ty
     gate = acc_gate.to(dtype).to(tl.float32)  # the torch path rounds each matmul's output
     up = acc_up.to(dtype).to(tl.float32)
+    if HAS_DELTA:  # rounded base + fp32 delta, rounded again (moe_lora.add_pair_deltas)
+        d_ptrs = delta_ptr + pair[:, None] * stride_dp + offs_n[None, :].to(tl.int64) * stride_dn
+        d_mask = valid[:, None] & n_mask[None, :]
+        gate = (gate + tl.load(d_ptrs, mask=d_mask, other=0.0)).to(dtype).to(tl.float32)
+        up = (up + tl.load(d_ptrs + inter * stride_dn, mask=d_mask, other=0.0)).to(dtype).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     act = (silu * up).to(dtype)
     act_ptrs = act_ptr + pair[:, None] * stride_at + offs_n[None, :] * stride_ai
@@ -120,11 +135,15 @@ def _moe_down_kernel(
     stride_wk,
     stride_ot,
     stride_on,
+    delta_ptr,  # [P, H] fp32 LoRA deltas; read only with HAS_DELTA
+    stride_dp,
+    stride_dn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # inter % BLOCK_K == 0
     ROUND_WEIGHTED: tl.constexpr,  # model-dtype routing weights: the product is rounded too
+    HAS_DELTA: tl.constexpr,  # expert LoRA: add each pair's delta before the routing weight
 ):
     block = tl.program_id(0)
     n_tile = tl.program_id(1)
@@ -155,11 +174,20 @@ def _moe_down_kernel(
 
     dtype = act_ptr.dtype.element_ty
     routing = tl.load(weight_ptr + pair, mask=valid, other=0.0).to(tl.float32)  # [BLOCK_M]
-    y = acc.to(dtype).to(tl.float32) * routing[:, None]
+    y = acc.to(dtype).to(tl.float32)
+    if HAS_DELTA:
+        d_ptrs = delta_ptr + pair[:, None] * stride_dp + offs_n[None, :].to(tl.int64) * stride_dn
+        y = (y + tl.load(d_ptrs, mask=valid[:, None] & n_mask[None, :], other=0.0)).to(dtype).to(tl.float32)
+    y = y * routing[:, None]
     if ROUND_WEIGHTED:
         y = y.to(dtype).to(tl.float32)
     out_ptrs = out_ptr + pair[:, None] * stride_ot + offs_n[None, :] * stride_on
     tl.store(out_ptrs, y, mask=valid[:, None] & n_mask[None, :])
+
+
+def _delta_args(delta: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
+    """(pointer, stride over pairs, stride over columns) of a delta, or a placeholder never read."""
+    return (placeholder, 0, 0) if delta is None else (delta, delta.stride(0), delta.stride(1))
 
 
 def _pow2_tile(n: int, cap: int) -> int:
@@ -194,8 +222,10 @@ def fused_moe_triton(
     blocks: PairBlocks | None = None,  # a prebuilt alignment (tests); else built here
     act: torch.Tensor | None = None,  # [T * k, I] x's dtype: scratch, else allocated here
     pair_out: torch.Tensor | None = None,  # [T * k, H] fp32: scratch, else allocated here
+    lora: ExpertLoRA | None = None,  # the step's expert LoRA in this layer
 ) -> torch.Tensor:  # [T, H]
-    """``dispatch.fused_moe`` on CUDA (or under the interpreter): align, then the two kernels."""
+    """``dispatch.fused_moe`` on CUDA (or under the interpreter): align, then the two kernels
+    (with ``lora``, each after its pairs' LoRA deltas: ``triton_moe_lora``)."""
     num_tokens, hidden = x.shape
     top_k = experts.shape[1]
     num_experts, inter = gate_up.shape[0], down.shape[2]
@@ -212,20 +242,26 @@ def fused_moe_triton(
         pair_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     flat_weights = weights.reshape(-1)  # [P]
     common = (blocks.sorted_pair_ids, blocks.block_expert, blocks.num_padded, num_pairs)
+    pair_slot = pair_expert = delta = None
+    if lora is not None:
+        pair_slot, pair_expert = expert_pair_slots(lora, top_k), experts.reshape(-1)
+        delta = pair_lora_deltas(x, top_k, pair_slot, pair_expert, *lora.gate_up())  # [P, 2I] fp32
     n_tile, k_tile = tiles["gate_up_n"], tiles["gate_up_k"]
     _moe_gate_up_kernel[(blocks.max_blocks, triton.cdiv(inter, n_tile))](
         x, gate_up, act, *common, top_k, hidden, inter,
         x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
-        act.stride(0), act.stride(1),
-        BLOCK_M=block_m, BLOCK_N=n_tile, BLOCK_K=k_tile, EVEN_K=hidden % k_tile == 0,
+        act.stride(0), act.stride(1), *_delta_args(delta, act),
+        BLOCK_M=block_m, BLOCK_N=n_tile, BLOCK_K=k_tile, EVEN_K=hidden % k_tile == 0, HAS_DELTA=delta is not None,
     )
+    if lora is not None:
+        delta = pair_lora_deltas(act, 1, pair_slot, pair_expert, *lora.down())  # [P, H] fp32
     n_tile, k_tile = tiles["down_n"], tiles["down_k"]
     _moe_down_kernel[(blocks.max_blocks, triton.cdiv(hidden, n_tile))](
         act, down, flat_weights, pair_out, *common, hidden, inter,
         act.stride(0), act.stride(1), down.stride(0), down.stride(1), down.stride(2),
-        pair_out.stride(0), pair_out.stride(1),
+        pair_out.stride(0), pair_out.stride(1), *_delta_args(delta, pair_out),
         BLOCK_M=block_m, BLOCK_N=n_tile, BLOCK_K=k_tile, EVEN_K=inter % k_tile == 0,
-        ROUND_WEIGHTED=flat_weights.dtype != torch.float32,
+        ROUND_WEIGHTED=flat_weights.dtype != torch.float32, HAS_DELTA=delta is not None,
     )
     # each token's k rows summed in fp32, rounded once
     return pair_out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
