@@ -259,6 +259,12 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
                 f"layers_to_transform names layer {layer}, but the base model has {spec.num_layers} layers"
             )
 
+    if cfg.target_parameters and not (spec.experts is not None and spec.experts.enabled):
+        what = f"adapter_config.json: target_parameters {list(cfg.target_parameters)!r} (PEFT's LoRA on raw parameters"
+        if spec.experts is None:  # not an MoE model
+            raise InvalidAdapterError(f"{what}) names no parameter base model {spec.model_name!r} serves LoRA on")
+        raise moe_lora_error(f"{what}, as on fused experts)", spec)
+
     # Which module keys the tensors belong to (and the key prefix PEFT saw, e.g. "model.").
     by_key: dict[str, dict[str, str]] = {}  # module key -> {"A": name, "B": name}
     expert_tensors: dict[str, dict[str, str]] = {}  # the same for expert modules
@@ -300,9 +306,6 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
         raise InvalidAdapterError("adapter has no tensors")
     if not by_key and not unserved and not expert_keys:
         raise InvalidAdapterError("adapter has no LoRA tensors (only copies of base-model weights)")
-    if cfg.target_parameters and not (spec.experts is not None and spec.experts.enabled):
-        raise moe_lora_error(f"adapter_config.json: target_parameters {list(cfg.target_parameters)!r} (PEFT's "
-                             "LoRA on raw parameters, as on fused experts)", spec)
     if prefix is None and lm_head_keys:
         prefix = prefix_for_lm_head(min(lm_head_keys))
     if not by_key and not expert_keys:

@@ -12,7 +12,8 @@
   served as PEFT serves them.
 * Adapters on experts, routers or the shared expert's gate, in every form they come in (PEFT's
   ``target_parameters``, per-expert tensors as on the Hub, router tensors, a config entry), are
-  refused naming the module and saying expert LoRA is not supported yet.
+  refused naming the module: routers always, experts where the engine was started without
+  enable_expert_lora (tests/lora/test_moe_expert_lora.py serves them).
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ LAYOUTS = {"mixtral": "fused", "qwen3_moe": "per_expert", "qwen2_moe": "per_expe
 PROMPTS = [[5 + (7 * i + j) % 250 for j in range(4 + 3 * i)] for i in range(7)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 P = "base_model.model.model.layers."
+NEED = (r"LoRA on the experts of a mixture-of-experts model needs an engine started with --enable-expert-lora "
+        r"\(enable_expert_lora=True\)")
+ROUTER = (r"LoRA on the router of a mixture-of-experts model \(or the shared expert's gate\) is not served, as "
+          r"vLLM does not serve it")
 
 
 @pytest.fixture(scope="module")
@@ -186,39 +191,38 @@ def _expert_adapters(root, models):
     peft_experts = make_peft_adapter(base["qwen3_moe"], root / "peft-experts", r=2,
                                      target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"])
     assert json.loads((peft_experts / "adapter_config.json").read_text())["target_parameters"]
-    out.append(("qwen3_moe", peft_experts, r"target_parameters \[.*'gate_up_proj'.*LoRA on raw parameters \(PEFT's "
-                r"form of LoRA on the experts and routers of a mixture-of-experts model\) is not supported yet"))
+    out.append(("qwen3_moe", peft_experts, r"target_parameters \[.*'gate_up_proj'.*\(PEFT's LoRA on raw parameters, as "
+                r"on fused experts\): " + NEED))
     # per-expert tensors as transformers 4 + PEFT saved them (Hub adapters for Qwen3-30B-A3B, Mixtral)
     q = {f: make_peft_adapter(base[f], root / f"q-{f}", r=2, target_modules=["q_proj"]) for f in models}
     hub_qwen = _rewrite(q["qwen3_moe"], root / "hub-qwen", ["q_proj", "gate_proj"], {
         f"{P}0.mlp.experts.3.gate_proj.lora_A.weight": torch.zeros(2, 64),
         f"{P}0.mlp.experts.3.gate_proj.lora_B.weight": torch.zeros(32, 2)})
-    out.append(("qwen3_moe", hub_qwen, r"targets 'model\.layers\.0\.mlp\.experts\.3\.gate_proj', a mixture-of-"
-                r"experts module \(expert, router or shared expert\): LoRA on the experts of a mixture-of-experts "
-                r"model is not supported yet \(base model '.*' takes LoRA on q_proj, k_proj, v_proj, o_proj, "
-                r"gate_proj, up_proj, down_proj, embed_tokens, lm_head\)"))
+    out.append(("qwen3_moe", hub_qwen, r"targets expert module 'model\.layers\.0\.mlp\.experts\.3\.gate_proj': "
+                + NEED + r", which holds slot room for it; this one was not \(base model '.*' takes LoRA on q_proj, "
+                r"k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, embed_tokens, lm_head\)"))
     hub_mixtral = _rewrite(q["mixtral"], root / "hub-mixtral", ["q_proj", "w1", "w2", "w3"], {
         f"{P}1.block_sparse_moe.experts.0.w2.lora_A.weight": torch.zeros(2, 96),
         f"{P}1.block_sparse_moe.experts.0.w2.lora_B.weight": torch.zeros(64, 2)})
-    out.append(("mixtral", hub_mixtral, r"targets 'model\.layers\.1\.block_sparse_moe\.experts\.0\.w2', a mixture-"
-                r"of-experts module.*not supported yet \(base model '.*' takes LoRA on q_proj, k_proj, v_proj, "
-                r"o_proj, embed_tokens, lm_head\)"))
+    out.append(("mixtral", hub_mixtral, r"targets expert module 'model\.layers\.1\.block_sparse_moe\.experts\.0\.w2': "
+                + NEED + r".*\(base model '.*' takes LoRA on q_proj, k_proj, v_proj, o_proj, embed_tokens, lm_head\)"))
     router = _rewrite(q["mixtral"], root / "router", ["q_proj", "gate"], {
         f"{P}0.block_sparse_moe.gate.lora_A.weight": torch.zeros(2, 64),
         f"{P}0.block_sparse_moe.gate.lora_B.weight": torch.zeros(6, 2)})
-    out.append(("mixtral", router, r"targets 'model\.layers\.0\.block_sparse_moe\.gate', a mixture-of-experts"))
+    out.append(("mixtral", router, r"targets 'model\.layers\.0\.block_sparse_moe\.gate', a mixture-of-experts .*: "
+                + ROUTER))
     # PEFT's all-linear on Qwen2-MoE takes the shared expert (served) and its gate (refused)
     shared = make_peft_adapter(base["qwen2_moe"], root / "shared", r=2, target_modules="all-linear")
-    out.append(("qwen2_moe", shared, r"targets 'model\.layers\.0\.mlp\.shared_expert_gate', a mixture-of-"))
+    out.append(("qwen2_moe", shared, r"targets 'model\.layers\.0\.mlp\.shared_expert_gate', a mixture-of-.*: " + ROUTER))
     # the config names expert modules its tensors leave out
     named = _rewrite(q["mixtral"], root / "named-w1", ["q_proj", "w1"])
-    out.append(("mixtral", named, r"target_modules entry 'w1' names a mixture-of-experts module .*not supported yet"))
+    out.append(("mixtral", named, r"target_modules entry 'w1' names a mixture-of-experts module .*: " + NEED))
     # a dense-MLP tensor on a layer whose MLP is sparse
     sparse_layer = _rewrite(q["qwen3_moe"], root / "sparse-layer", ["q_proj", "down_proj"], {
         f"{P}2.mlp.down_proj.lora_A.weight": torch.zeros(2, 96),
         f"{P}2.mlp.down_proj.lora_B.weight": torch.zeros(64, 2)})
     out.append(("qwen3_moe", sparse_layer, r"targets 'down_proj' in layer 2, whose MLP is a sparse block of experts "
-                r"\(a dense down_proj is in layers \[1\] only\): LoRA on the experts .* not supported yet"))
+                r"\(a dense down_proj is in layers \[1\] only\): " + NEED))
     return out
 
 

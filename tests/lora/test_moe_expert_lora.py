@@ -1,0 +1,219 @@
+"""LoRA on the experts of mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE; tiny, random, fp32,
+CPU), on an engine with ``enable_expert_lora``:
+
+* PEFT 0.21 on transformers 5 (``target_parameters`` on the fused ``mlp.experts.gate_up_proj`` /
+  ``down_proj``, PEFT's own saved files): logits of a mixed batch (a base-only sequence, an
+  attention-only adapter, expert adapters with a ``rank_pattern`` and with rsLoRA, Qwen2-MoE's
+  with its shared expert too) equal PEFT's unmerged model's, prefill then decode steps.
+* The per-expert layout of published adapters (``mlp.experts.{e}.gate_proj`` ...,
+  ``block_sparse_moe.experts.{e}.w1`` ..., a subset of the experts): greedy tokens equal those of
+  transformers' model with ``W + scaling * B @ A`` merged into each expert by the test, loaded as a
+  plain checkpoint.
+* Slot memory: what the engine reserves per slot is what the pool holds.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from loraplex import LLM, SamplingParams
+from loraplex.config import EngineConfig
+from loraplex.lora.manager import LoRAManager
+from loraplex.lora.peft_format import load_adapter_files, validate_adapter
+from loraplex.lora.records import host_nbytes, max_adapter_host_nbytes
+from loraplex.lora.slots import SlotPool
+from loraplex.lora.weights import AdapterWeights
+from loraplex.model.config import ModelSpec
+from loraplex.model.loader import load_model
+from tests.fixtures.peft_adapters import make_peft_adapter, peft_model_for
+from tests.fixtures.tiny_moe import make_tiny_moe_dir
+from tests.lora.test_acceptance import greedy
+from tests.model.helpers import chunk_metadata, new_kv_caches, relative_error
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+BLOCK = 16
+
+
+def _adapters(family: str) -> dict[str, dict]:
+    shared = ["shared_expert.gate_proj", "shared_expert.down_proj"] if family == "qwen2_moe" else []
+    return {
+        "attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        "experts": dict(r=4, lora_alpha=6, target_modules=["k_proj", *shared], target_parameters=EXPERTS,
+                        rank_pattern={"layers.2.mlp.experts.down_proj": 2}),
+        "experts_rs": dict(r=2, lora_alpha=3, use_rslora=True, target_modules=["o_proj"],
+                           target_parameters=EXPERTS),
+    }
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_fused_expert_adapters_logits_match_peft(tmp_path, family):
+    model_dir = make_tiny_moe_dir(tmp_path / "base", family, "per_expert", seed=31)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    dirs = {name: make_peft_adapter(base, tmp_path / name, seed=70 + i, **kw)
+            for i, (name, kw) in enumerate(_adapters(family).items())}
+    assert json.loads((dirs["experts"] / "adapter_config.json").read_text())["target_parameters"]
+    peft_model = peft_model_for(base, dirs)
+    spec = ModelSpec.from_dir(model_dir)
+    config = EngineConfig(max_loras=3, max_lora_rank=4, enable_expert_lora=True)
+    manager = LoRAManager(spec.lora_target_spec(expert_lora=True), config, "cpu", torch.float32)
+    ids = {name: manager.resolve(str(path)) for name, path in dirs.items()}
+    info = validate_adapter(load_adapter_files(dirs["experts"]), manager.spec, max_lora_rank=4)
+    assert info.targets[-3:] == ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
+    assert info.expert_modules[(2, "down", -1)].rank == 2 and info.expert_modules[(2, "gate_up", -1)].rank == 4
+    model = load_model(model_dir, spec, torch.float32, "cpu", max_positions=256)
+
+    torch.manual_seed(5)
+    which = [None, "attn", "experts", "experts_rs", "experts"]
+    seqs = [torch.randint(0, spec.vocab_size, (n,)).tolist() for n in (12, 9, 14, 7, 10)]
+    prompt_lens = [8, 5, 11, 4, 6]
+    tables = [[2 * i, 2 * i + 1] for i in range(len(seqs))]
+    expected = []
+    for seq, name in zip(seqs, which):
+        with torch.no_grad():
+            if name is None:
+                with peft_model.disable_adapter():
+                    expected.append(peft_model(torch.tensor([seq])).logits[0].float())
+            else:
+                peft_model.set_adapter(name)
+                expected.append(peft_model(torch.tensor([seq])).logits[0].float())
+    kv = new_kv_caches(spec, 2 * len(seqs), BLOCK)
+    token_adapters = [None if w is None else ids[w] for w, n in zip(which, prompt_lens) for _ in range(n)]
+    positions, attn = chunk_metadata([(0, n, t) for n, t in zip(prompt_lens, tables)], BLOCK)
+    tokens = torch.tensor([tok for seq, n in zip(seqs, prompt_lens) for tok in seq[:n]])
+    ctx = manager.prepare_step(token_adapters)
+    with torch.no_grad():
+        logits = model.compute_logits(model(tokens, positions, attn, kv, lora=ctx))
+    want = torch.cat([e[:n] for e, n in zip(expected, prompt_lens)])
+    assert relative_error(logits, want) < 1e-4
+    for step in range(3):  # decode steps: one token per sequence
+        positions, attn = chunk_metadata([(n + step, 1, t) for n, t in zip(prompt_lens, tables)], BLOCK)
+        tokens = torch.tensor([seq[n + step] for seq, n in zip(seqs, prompt_lens)])
+        ctx = manager.prepare_step([None if w is None else ids[w] for w in which])
+        with torch.no_grad():
+            logits = model.compute_logits(model(tokens, positions, attn, kv, lora=ctx))
+        want = torch.stack([e[n + step] for e, n in zip(expected, prompt_lens)])
+        assert relative_error(logits, want) < 1e-4, f"decode step {step}"
+    with torch.no_grad(), peft_model.disable_adapter():
+        plain = peft_model(torch.tensor([seqs[2]])).logits[0]
+    assert relative_error(expected[2], plain) > 1e-2  # the expert adapter matters
+
+
+def _per_expert_adapter(tmp_path, family: str, spec) -> tuple:
+    """A transformers-4-style per-expert adapter written by hand: q_proj in every layer, gate / up /
+    down of some experts (expert 0 left out; expert 3's gate at rank 1 via rank_pattern), and the
+    base model with those deltas merged (``W + alpha / r * B @ A``) by the test itself."""
+    experts = spec.lora_target_spec(expert_lora=True).experts
+    block = "block_sparse_moe" if family == "mixtral" else "mlp"
+    names = experts.part_names
+    gen = torch.Generator().manual_seed(8)
+    tensors, merged_deltas = {}, {}
+    h, i = experts.hidden, experts.inter
+    for layer in experts.layers:
+        for e in range(1, experts.num_experts):
+            for part, name in names.items():
+                rank = 1 if (e == 3 and part == "gate") else 4
+                in_f, out_f = (i, h) if part == "down" else (h, i)
+                key = f"model.layers.{layer}.{block}.experts.{e}.{name}"
+                a, b = torch.randn(rank, in_f, generator=gen) * 0.3, torch.randn(out_f, rank, generator=gen) * 0.3
+                tensors[f"base_model.model.{key}.lora_A.weight"] = a
+                tensors[f"base_model.model.{key}.lora_B.weight"] = b
+                merged_deltas[key] = (8 / rank) * b @ a
+    for layer in (layer for layer in range(spec.num_layers) if layer not in experts.layers):
+        for part, name in names.items():  # PEFT targets a dense MLP layer's gate_proj ... as well
+            in_f, out_f = (spec.intermediate_size, h) if part == "down" else (h, spec.intermediate_size)
+            key = f"model.layers.{layer}.mlp.{name}"
+            a, b = torch.randn(4, in_f, generator=gen) * 0.3, torch.randn(out_f, 4, generator=gen) * 0.3
+            tensors[f"base_model.model.{key}.lora_A.weight"] = a
+            tensors[f"base_model.model.{key}.lora_B.weight"] = b
+            merged_deltas[key] = 2 * b @ a
+    for layer in range(spec.num_layers):
+        key = f"model.layers.{layer}.self_attn.q_proj"
+        a, b = torch.randn(4, h, generator=gen) * 0.3, torch.randn(spec.q_size, 4, generator=gen) * 0.3
+        tensors[f"base_model.model.{key}.lora_A.weight"] = a
+        tensors[f"base_model.model.{key}.lora_B.weight"] = b
+        merged_deltas[key] = 2 * b @ a
+    out = tmp_path / f"per-expert-{family}"
+    out.mkdir()
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", *names.values()],
+           "rank_pattern": {f"experts.3.{names['gate']}": 1}}
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    save_file(tensors, out / "adapter_model.safetensors")
+    return out, merged_deltas
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_per_expert_adapter_matches_merged_weights(tmp_path, family):
+    model_dir = make_tiny_moe_dir(tmp_path / "base", family, "per_expert", seed=12)
+    spec = ModelSpec.from_dir(model_dir)
+    adapter, deltas = _per_expert_adapter(tmp_path, family, spec)
+    merged_dir = make_tiny_moe_dir(tmp_path / "merged", family, "per_expert", seed=12)
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32)
+    state = merged.state_dict()
+    fused = {}
+    with torch.no_grad():
+        for key, delta in deltas.items():  # transformers 5 holds the experts fused: add into its slices
+            if ".experts." not in key:
+                merged.get_submodule(key).weight += delta
+                continue
+            prefix, rest = key.split(".experts.")
+            e, name = rest.split(".")
+            fused.setdefault(prefix.replace("block_sparse_moe", "mlp"), []).append((int(e), name, delta))
+        experts = spec.lora_target_spec(expert_lora=True).experts
+        inter = experts.inter
+        for prefix, items in fused.items():
+            gate_up, down = state[f"{prefix}.experts.gate_up_proj"], state[f"{prefix}.experts.down_proj"]
+            for e, name, delta in items:
+                part = {v: k for k, v in experts.part_names.items()}[name]
+                if part == "down":
+                    down[e] += delta
+                else:
+                    gate_up[e, (0 if part == "gate" else inter):(inter if part == "gate" else 2 * inter)] += delta
+    merged.save_pretrained(merged_dir)  # a plain checkpoint with the deltas in
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    lspec = spec.lora_target_spec(expert_lora=True)
+    parsed = load_adapter_files(adapter)
+    info = validate_adapter(parsed, lspec, max_lora_rank=4)
+    assert (0, "gate", 1) in info.expert_modules and (0, "gate", 0) not in info.expert_modules
+    assert info.expert_modules[(0, "gate", 3)].rank == 1
+    weights = AdapterWeights.build(parsed, info, lspec, torch.float32)
+    assert weights.nbytes == host_nbytes(info, lspec, torch.float32)
+    assert torch.equal(weights.experts[0]["gate"].a[0], torch.zeros_like(weights.experts[0]["gate"].a[0]))
+
+    llm = LLM(model=str(model_dir), dtype="float32", device="cpu", home=tmp_path / "home", max_loras=2,
+              max_lora_rank=4, kv_cache_bytes=4 << 20, enable_expert_lora=True)
+    prompts = [[5 + (7 * i + j) % 250 for j in range(4 + 3 * i)] for i in range(4)]
+    which = [None, adapter, adapter, None]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                        adapters=[None if w is None else str(w) for w in which])
+    for prompt, w, out in zip(prompts, which, outs):
+        assert out.token_ids == greedy(base if w is None else merged, prompt, 5)
+    assert any(greedy(merged, p, 5) != greedy(base, p, 5) for p in prompts)
+
+
+def test_slot_pool_holds_what_the_engine_reserves(tmp_path):
+    """Rank 4, 6 experts of 64 -> 32 in the two sparse layers of the Qwen3-MoE: the expert stacks
+    are 2 layers * 6 experts * 4 * 3 * (64 + 32) floats per slot, on top of the dense stacks."""
+    model_dir = make_tiny_moe_dir(tmp_path / "base", "qwen3_moe", "per_expert", seed=1)
+    spec = ModelSpec.from_dir(model_dir)
+    on, off = spec.lora_target_spec(expert_lora=True), spec.lora_target_spec()
+    expert_bytes = 4 * (2 * 6 * 4 * 3 * (64 + 32))
+    assert max_adapter_host_nbytes(on, 4, torch.float32) - max_adapter_host_nbytes(off, 4, torch.float32) == expert_bytes
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    adapter = make_peft_adapter(base, tmp_path / "a", r=4, target_modules=["q_proj"], target_parameters=EXPERTS)
+    parsed = load_adapter_files(adapter)
+    info = validate_adapter(parsed, on, max_lora_rank=4)
+    pool = SlotPool(on, max_loras=2, max_rank=4, device="cpu", dtype=torch.float32)
+    pool.write(1, AdapterWeights.build(parsed, info, on, torch.float32))
+    assert pool.experts.nbytes == 2 * expert_bytes
+    assert pool.experts.active == [False, True] and pool.experts.slot_active.tolist() == [0, 1]
+    llm = LLM(model=str(model_dir), dtype="float32", device="cpu", home=tmp_path / "home", max_loras=3,
+              max_lora_rank=4, kv_cache_bytes=4 << 20, enable_expert_lora=True)
+    runner = llm.engine.runner
+    assert runner.lora_slot_bytes() == 3 * max_adapter_host_nbytes(on, 4, torch.float32)
