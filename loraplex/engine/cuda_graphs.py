@@ -132,6 +132,7 @@ class DecodeGraphs:
         self.capture = capture
         self.graphs: dict[tuple[int, int], _Graph] = {}  # (bucket, segment class)
         self._embed_lora = False  # the LoRA graphs include the embed_tokens LoRA
+        self._expert_lora = False  # the LoRA graphs include the MoE experts' LoRA
         device = kv_caches[0].device
         n, max_blocks = self.max_batch, -(-max_model_len // block_size)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -173,6 +174,10 @@ class DecodeGraphs:
             # the first adapter with LoRA on embed_tokens: graphs captured before lack its ops
             self.graphs = {k: g for k, g in self.graphs.items() if k[1] == 0}
             self._embed_lora = True
+        if seg_class > 0 and not self._expert_lora and pool.experts is not None and pool.experts.allocated:
+            # the first adapter with expert LoRA: graphs captured before lack the experts' LoRA ops
+            self.graphs = {k: g for k, g in self.graphs.items() if k[1] == 0}
+            self._expert_lora = True
         key = (batch, seg_class)
         graph = self.graphs.get(key)
         if graph is None:

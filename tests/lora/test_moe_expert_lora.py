@@ -217,3 +217,60 @@ def test_slot_pool_holds_what_the_engine_reserves(tmp_path):
               max_lora_rank=4, kv_cache_bytes=4 << 20, enable_expert_lora=True)
     runner = llm.engine.runner
     assert runner.lora_slot_bytes() == 3 * max_adapter_host_nbytes(on, 4, torch.float32)
+
+
+def _edit(src, dst, config: dict | None = None, tensors=None):
+    """A copy of adapter ``src`` with ``config`` keys set and ``tensors(dict) -> dict`` applied."""
+    from safetensors.torch import load_file
+
+    dst.mkdir()
+    cfg = json.loads((src / "adapter_config.json").read_text()) | (config or {})
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    weights = load_file(src / "adapter_model.safetensors")
+    save_file(tensors(weights) if tensors else weights, dst / "adapter_model.safetensors")
+    return dst
+
+
+def test_expert_adapters_the_engine_cannot_serve_are_refused(tmp_path):
+    """On an engine with expert LoRA: router LoRA (as a module and as a parameter), a rank above
+    max_lora_rank, shapes that do not fit the experts, both forms at once, an expert past the
+    model's, a parameter nothing matches; each names the problem."""
+    model_dir = make_tiny_moe_dir(tmp_path / "base", "qwen3_moe", "per_expert", seed=2)
+    spec = ModelSpec.from_dir(model_dir).lora_target_spec(expert_lora=True)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    good = make_peft_adapter(base, tmp_path / "good", r=4, target_modules=["q_proj"], target_parameters=EXPERTS)
+    validate_adapter(load_adapter_files(good), spec, max_lora_rank=4)
+    P = "base_model.model.model.layers."
+    cases = [
+        (dict(target_parameters=[*EXPERTS, "mlp.gate.weight"]), None,
+         r"target_parameters entry 'mlp.gate.weight' names a router's weight: LoRA on routers is not served"),
+        (dict(target_parameters=[*EXPERTS, "mlp.experts.up_proj"]), None,
+         r"target_parameters entry 'mlp.experts.up_proj' names no parameter .* serves LoRA on"),
+        (dict(target_modules=["q_proj", "gate"]), lambda t: t | {
+            f"{P}0.mlp.gate.lora_A.weight": torch.zeros(4, 64), f"{P}0.mlp.gate.lora_B.weight": torch.zeros(6, 4)},
+         r"targets 'model\.layers\.0\.mlp\.gate', .*LoRA on the router of a mixture-of-experts model"),
+        (dict(r=2, lora_alpha=4), None,  # the files hold rank 4: shapes no longer fit the config's rank
+         r"'base_model\.model\.model\.layers\.0\.mlp\.experts\.base_layer\.lora_A\.weight' has shape \[24, 64\], "
+         r"base model needs \[12, 64\] \(rank 2 per expert, 6 experts\)"),
+        (None, lambda t: {k: (v[:, :-1].contiguous() if k.endswith("experts.lora_A.weight") else v) for k, v in t.items()},
+         r"experts\.lora_A\.weight' has shape \[24, 31\], base model needs \[24, 32\]"),
+        (dict(target_modules=["q_proj", "gate_proj"]), lambda t: t | {
+            f"{P}0.mlp.experts.1.gate_proj.lora_A.weight": torch.zeros(4, 64),
+            f"{P}0.mlp.experts.1.gate_proj.lora_B.weight": torch.zeros(32, 4)},
+         r"both as per-expert modules and as PEFT's fused target_parameters"),
+        (dict(target_modules=["q_proj", "gate_proj"], target_parameters=None), lambda t: {
+            k: v for k, v in t.items() if "experts" not in k} | {
+            f"{P}0.mlp.experts.6.gate_proj.lora_A.weight": torch.zeros(4, 64),
+            f"{P}0.mlp.experts.6.gate_proj.lora_B.weight": torch.zeros(32, 4)},
+         r"is for expert 6, but base model .* has 6 experts per layer"),
+        (dict(target_parameters=["mlp.experts.down_proj"]), None,  # gate_up's tensors sit one level deeper
+         r"name \['down_proj'\] expert parameters in layer 0, which PEFT would not nest 1 deep"),
+    ]
+    for i, (config, tensors, message) in enumerate(cases):
+        bad = _edit(good, tmp_path / f"bad{i}", config, tensors)
+        with pytest.raises(Exception, match=message) as caught:
+            validate_adapter(load_adapter_files(bad), spec, max_lora_rank=4)
+        assert type(caught.value).__name__ == "InvalidAdapterError"
+    with pytest.raises(Exception, match=r"module 'model\.layers\.0\.mlp\.experts\.gate_up_proj' has rank 4, above "
+                                        r"this engine's max_lora_rank 2"):
+        validate_adapter(load_adapter_files(good), spec, max_lora_rank=2)
