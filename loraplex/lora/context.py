@@ -104,7 +104,6 @@ class LoRAStepContext:
             self._shrunk = torch.empty(
                 MAX_SLICES, meta.num_tokens, pool.max_rank, dtype=torch.float32, device=pool.device
             )
-        self._expert_token_slot: torch.Tensor | None = None  # [num_tokens] int64, at the first MoE layer
 
     def apply(self, layer_idx: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """``y[t] += sum_s scaling * (x[t] @ A_s.T) @ B_s.T`` for each token's adapter, in place.
@@ -132,12 +131,12 @@ class LoRAStepContext:
             return None
         if not self.every_projection and not any(experts.active[s] for s in self.slots):
             return None
-        if self._expert_token_slot is None:  # device ops only: a graph captures them with the layer
-            meta = self.meta
-            self._expert_token_slot = token_slots_from_meta(
-                meta.token_perm, meta.seg_starts, meta.seg_slot, experts.slot_active)
+        # a few device ops on [num_tokens] per layer, beside the layer's experts; a graph captures
+        # them with the layer (kept per call: a context replayed with new metadata stays right)
+        meta = self.meta
+        token_slot = token_slots_from_meta(meta.token_perm, meta.seg_starts, meta.seg_slot, experts.slot_active)
         st = experts.layers[layer_idx]
-        return ExpertLoRA(self._expert_token_slot, st.a_gate_up, st.b_gate_up, st.scaling_gate_up,
+        return ExpertLoRA(token_slot, st.a_gate_up, st.b_gate_up, st.scaling_gate_up,
                           st.a_down, st.b_down, st.scaling_down)
 
     def apply_embedding(self, input_ids: torch.Tensor, hidden: torch.Tensor, scale: float = 1.0) -> None:
