@@ -2,8 +2,9 @@
 Qwen3-MoE checkpoint directory (per-expert layout, a dense ``mlp_only_layers`` layer), the real
 admin upload (validation against the MoE base) and registry, the tenant's ``/v1/completions`` and
 ``/v1/chat/completions``. Greedy tokens with and without an attention adapter equal PEFT's own on
-transformers' model; an adapter on the experts is refused at upload in the API's error shape,
-naming the module, and is not stored."""
+transformers' model; an adapter on the experts is refused at upload (this engine runs without
+``enable_expert_lora``) in the API's error shape, naming the module and the option, and is not
+stored (test_moe_expert_lora_serving_real.py serves one)."""
 
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def test_expert_adapter_is_refused_at_upload_and_not_stored(world):
     r = _upload(client, "expert-tuned", adapters["experts"])
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert "gate_up_proj" in error["message"] and "not supported yet" in error["message"]
+    assert "gate_up_proj" in error["message"] and "--enable-expert-lora" in error["message"]
     assert "experts" in error["message"]
     listed = client.get("/admin/v1/tenants/acme/adapters").json()
     assert "expert-tuned" not in str(listed)
