@@ -29,8 +29,11 @@ from dataclasses import dataclass
 
 from loraplex.lora.adapter_config import LoRAConfigView
 from loraplex.lora.errors import InvalidAdapterError
+from loraplex.lora.module_match import lora_module_key, moe_lora_error
 from loraplex.lora.spec import ExpertShapes, LoRATargetSpec
 
+# the expert parts an adapter adapts, as ``AdapterInfo.targets`` lists them (after the vocabulary's)
+EXPERT_TARGETS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
 FUSED_PARAMS = ("gate_up_proj", "down_proj")  # transformers 5's experts, in their parameter order
 _PER_EXPERT_RE = re.compile(
     r"^(?P<prefix>(?:.*\.)?)layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\."
@@ -94,6 +97,34 @@ def expert_tensor_key(key: str, spec: LoRATargetSpec) -> ExpertTensorKey | None:
         _check_layer(key, layer, experts)
         return ExpertTensorKey(m.group("prefix"), key, layer, None, None, m.group("depth").count(".base_layer"))
     return None
+
+
+def expert_tensor(name: str, spec: LoRATargetSpec) -> tuple[ExpertTensorKey | None, str | None]:
+    """``(its module, "A" / "B")`` when tensor ``name`` is expert LoRA of this base model, else
+    ``(None, None)``; refused (saying how to enable it) where the engine does not serve it."""
+    key_which = lora_module_key(name)
+    ek = None if key_which is None else expert_tensor_key(key_which[0], spec)
+    if ek is None:
+        return None, None
+    if not spec.experts.enabled:
+        raise moe_lora_error(f"tensor {name!r} targets expert module {ek.module_key!r}", spec)
+    return ek, key_which[1]
+
+
+def check_target_parameters_served(cfg: LoRAConfigView, spec: LoRATargetSpec) -> None:
+    """Refuse ``target_parameters`` where the engine serves no expert LoRA."""
+    if not cfg.target_parameters or (spec.experts is not None and spec.experts.enabled):
+        return
+    what = f"adapter_config.json: target_parameters {list(cfg.target_parameters)!r} (PEFT's LoRA on raw parameters"
+    if spec.experts is None:  # not an MoE model
+        raise InvalidAdapterError(f"{what}) names no parameter base model {spec.model_name!r} serves LoRA on")
+    raise moe_lora_error(f"{what}, as on fused experts)", spec)
+
+
+def expert_targets(modules: dict[tuple[int, str, int], "ExpertModuleLoRA"]) -> tuple[str, ...]:
+    """The ``EXPERT_TARGETS`` an adapter's expert modules adapt (fused gate_up: gate and up)."""
+    parts = {f"experts.{p}_proj" for (_, part, _) in modules for p in part.split("_")}
+    return tuple(t for t in EXPERT_TARGETS if t in parts)
 
 
 def _check_layer(key: str, layer: int, experts: ExpertShapes) -> None:

@@ -44,8 +44,10 @@ from loraplex.lora.errors import InvalidAdapterError
 from loraplex.lora.expert_format import (
     ExpertModuleLoRA,
     ExpertTensorKey,
+    check_target_parameters_served,
     expert_module_keys,
-    expert_tensor_key,
+    expert_targets,
+    expert_tensor,
     validate_expert_modules,
 )
 from loraplex.lora.module_match import (
@@ -53,8 +55,6 @@ from loraplex.lora.module_match import (
     Matcher,
     add_tied_lm_head,
     enumerate_target_keys,
-    lora_module_key,
-    moe_lora_error,
     parse_tensor_name,
     unserved_module_key,
 )
@@ -81,8 +81,6 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 # with --lora-extra-vocab-size until vllm-project/vllm#28382 removed it)
 NEW_EMBEDDINGS_NAME = "new_embeddings.safetensors"
 MAX_CONFIG_BYTES = 1024 * 1024
-# the expert parts an adapter adapts, as ``AdapterInfo.targets`` lists them (after the vocabulary's)
-EXPERT_TARGETS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
 HASH_VERSION = b"loraplex-adapter-v1\n"
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -259,11 +257,7 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
                 f"layers_to_transform names layer {layer}, but the base model has {spec.num_layers} layers"
             )
 
-    if cfg.target_parameters and not (spec.experts is not None and spec.experts.enabled):
-        what = f"adapter_config.json: target_parameters {list(cfg.target_parameters)!r} (PEFT's LoRA on raw parameters"
-        if spec.experts is None:  # not an MoE model
-            raise InvalidAdapterError(f"{what}) names no parameter base model {spec.model_name!r} serves LoRA on")
-        raise moe_lora_error(f"{what}, as on fused experts)", spec)
+    check_target_parameters_served(cfg, spec)
 
     # Which module keys the tensors belong to (and the key prefix PEFT saw, e.g. "model.").
     by_key: dict[str, dict[str, str]] = {}  # module key -> {"A": name, "B": name}
@@ -282,17 +276,14 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
         if copy is not None:
             base_copies[copy] = name
             continue
-        key_which = lora_module_key(name)
-        ek = None if key_which is None else expert_tensor_key(key_which[0], spec)
+        ek, which = expert_tensor(name, spec)
         if ek is not None:
-            if not spec.experts.enabled:
-                raise moe_lora_error(f"tensor {name!r} targets expert module {ek.module_key!r}", spec)
             if prefix is None:
                 prefix = ek.prefix
             elif ek.prefix != prefix:
                 raise InvalidAdapterError(f"tensor {name!r} has module prefix {ek.prefix!r}, others {prefix!r}")
             expert_keys[ek.module_key] = ek
-            expert_tensors.setdefault(ek.module_key, {})[key_which[1]] = name
+            expert_tensors.setdefault(ek.module_key, {})[which] = name
             continue
         tn = parse_tensor_name(name, spec)
         if tn.prefix is None:  # lm_head: no layer prefix in its name
@@ -379,7 +370,6 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
             modules[(layer, mod)] = module
 
     present = {mod for (_, mod) in modules}
-    expert_targets = {f"experts.{p}_proj" for (_, part, _) in expert_modules for p in part.split("_")}
     warnings = []
     if unserved:
         warnings.append(_unserved_warning(unserved))
@@ -391,7 +381,7 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
         alpha=cfg.lora_alpha,
         use_rslora=cfg.use_rslora,
         targets=(*(m for m in TARGET_MODULES if m in present), *(m for m in VOCAB_TARGETS if m in vocab_modules),
-                 *(m for m in EXPERT_TARGETS if m in expert_targets)),
+                 *expert_targets(expert_modules)),
         layers=tuple(sorted({layer for (layer, _) in modules} | {layer for (layer, _, _) in expert_modules})),
         size_bytes=parsed.size_bytes,
         modules=dict(sorted(modules.items())),
