@@ -12,6 +12,7 @@ import os
 import torch
 from lab_common import Report, make_meta, rel_err
 from moe_lab import check_moe
+from moe_lora_lab import check_moe_lora
 
 from loraplex.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
 from loraplex.kernels.lora_ref import lora_expand_ref, lora_shrink_ref
@@ -213,3 +214,4 @@ def run_checks(report: Report, on_gpu: bool) -> None:
     _fp8_weight_case(report, gen, "fp8 weights (W8A16) gate_up", decode_tokens, hidden, 2 * inter, dtype, device)
     # the fused MoE kernels at Qwen3-30B-A3B's expert shapes (moe_lab.py)
     check_moe(report, on_gpu, gen, dtype, device)
+    check_moe_lora(report, on_gpu, gen, dtype, device)

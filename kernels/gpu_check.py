@@ -4,10 +4,11 @@
     python kernels/gpu_check.py --cpu-smoke   # tiny shapes under the Triton interpreter (CPU)
 
 1. correctness: each Triton kernel in bf16 against its fp32 torch reference (check_kernels.py;
-   the fused MoE kernels and a CUDA-graph replay of them in moe_lab.py)
+   the fused MoE kernels and a CUDA-graph replay of them in moe_lab.py, with expert LoRA in
+   moe_lora_lab.py)
 2. timings: median times, achieved GB/s against a copy bandwidth measured in this run, the LoRA
    kernels against the base matmul (bench_kernels.py), the fused MoE kernels against the torch
-   loop (moe_lab.py)
+   loop (moe_lab.py), and with expert LoRA against without (moe_lora_lab.py)
 3. end to end: a random-weight Llama with Llama-3-8B layer shapes and fewer layers, batch 64 and
    256 with 0, 16, 64 and 128 distinct rank-16 adapters, tokens/s and LoRA overhead, each eager
    and with decode steps replayed from CUDA graphs (e2e_bench.py); then what host misses cost
@@ -58,6 +59,7 @@ def main() -> int:
     from bench_kernels import bench_attention, bench_lora, measure_copy_bandwidth
     from check_kernels import run_checks
     from moe_lab import bench_moe
+    from moe_lora_lab import bench_moe_lora
     from lab_common import Report
 
     on_gpu = torch.cuda.is_available() and not args.cpu_smoke
@@ -81,6 +83,7 @@ def main() -> int:
         bench_lora(report, on_gpu, device, copy_bw)
         bench_attention(report, on_gpu, device, copy_bw)
         bench_moe(report, on_gpu, device, copy_bw)
+        bench_moe_lora(report, on_gpu, device)
         report.line(f"(timings done at {time.time() - start:.0f} s)")
         report.line()
         report.write()

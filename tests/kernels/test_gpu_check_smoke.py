@@ -28,13 +28,15 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
                  "gemma2 window+softcap, freed blocks, split-KV attention", "decode lm_head shrink",
                  "decode lm_head expand", "fused moe T=1 torch.float16 (Qwen) weights",
                  "fused moe T=17 fp32 (Mixtral) weights", "fp8 weights (W8A16) gate_up",
-                 "fp8 e4m3 cache bs16 attention"):
+                 "fp8 e4m3 cache bs16 attention", "fused moe + expert LoRA T=1 torch.float16",
+                 "fused moe + expert LoRA T=17 torch.float16"):
         assert f"PASS {name}:" in results
     # the fp8 cases run with calibrated KV-cache scales (K/V beyond e4m3's 448), not 1.0
     for name in ("fp8 e4m3 cache bs16 attention", "fp8 e5m2 cache split-KV attention"):
         (line,) = [x for x in results.splitlines() if x.startswith(f"PASS {name}:")]
         assert ", k_scale " in line and ", v_scale " in line and ", k_scale 1," not in line
     assert "copy bandwidth:" in results and "## Paged attention" in results and "## Fused MoE" in results
+    assert "## Fused MoE with expert LoRA" in results
     # the end-to-end part ran both decode modes (graphs: interpreter + eager stand-in capture),
     # and the graph path gave the eager path's tokens (float32 on CPU)
     assert "## End to end" in results and "end-to-end run FAILED" not in results
