@@ -124,8 +124,11 @@ def gguf_config(path: str | Path) -> dict[str, Any]:
 
 def base_model_spec(settings, base_config: str | Path | None = None) -> LoRATargetSpec:
     """LoRA target shapes of ``settings.model`` (a ``loraplex.config.Settings``), named as the
-    engine names the model (``loraplex.model.loader.resolve_model_dir``'s display name)."""
+    engine names the model (``loraplex.model.loader.resolve_model_dir``'s display name); an MoE
+    model's experts take LoRA where ``settings.enable_expert_lora`` says the engine serves it."""
     from loraplex.model.config import ModelSpec
+
+    experts = bool(getattr(settings, "enable_expert_lora", False))
 
     model = str(settings.model)
     path = Path(model).expanduser()
@@ -137,9 +140,9 @@ def base_model_spec(settings, base_config: str | Path | None = None) -> LoRATarg
     else:
         name, config_dir = path.name, path
     if base_config is not None:
-        return ModelSpec.from_dict(json.loads(Path(base_config).read_text()), name=name).lora_target_spec()
+        return ModelSpec.from_dict(json.loads(Path(base_config).read_text()), name=name).lora_target_spec(experts)
     if (config_dir / "config.json").is_file():
-        return ModelSpec.from_dir(config_dir, name=name).lora_target_spec()
+        return ModelSpec.from_dir(config_dir, name=name).lora_target_spec(experts)
     if model == DEFAULT_MODEL:
         from loraplex.model.gguf import smollm2_gguf_path
 

@@ -274,3 +274,17 @@ def test_expert_adapters_the_engine_cannot_serve_are_refused(tmp_path):
     with pytest.raises(Exception, match=r"module 'model\.layers\.0\.mlp\.experts\.gate_up_proj' has rank 4, above "
                                         r"this engine's max_lora_rank 2"):
         validate_adapter(load_adapter_files(good), spec, max_lora_rank=2)
+
+
+def test_registry_spec_follows_the_setting(tmp_path):
+    """The registry CLI and the vLLM-style start validate against ``base_model_spec(settings)``:
+    expert LoRA there exactly when the engine serves it."""
+    from types import SimpleNamespace
+
+    from loraplex.registry.base_model import base_model_spec
+
+    model_dir = make_tiny_moe_dir(tmp_path / "base", "mixtral", "per_expert", seed=1)
+    on = base_model_spec(SimpleNamespace(model=str(model_dir), home=tmp_path, enable_expert_lora=True))
+    off = base_model_spec(SimpleNamespace(model=str(model_dir), home=tmp_path, enable_expert_lora=False))
+    assert on.experts.enabled and not off.experts.enabled
+    assert (on.experts.num_experts, on.experts.hidden, on.experts.inter, on.experts.style) == (6, 64, 96, "mixtral")
