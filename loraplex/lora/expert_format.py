@@ -121,6 +121,14 @@ def check_target_parameters_served(cfg: LoRAConfigView, spec: LoRATargetSpec) ->
     raise moe_lora_error(f"{what}, as on fused experts)", spec)
 
 
+def expert_target_modules(cfg: LoRAConfigView, spec: LoRATargetSpec) -> str | tuple[str, ...]:
+    """``target_modules`` as PEFT matches it against per-expert modules: ``all-linear`` takes every
+    expert's linears (transformers 4's experts are ``nn.Linear``s)."""
+    if cfg.target_modules == "all-linear" and spec.experts is not None:
+        return tuple(spec.experts.part_names.values())
+    return cfg.target_modules
+
+
 def expert_targets(modules: dict[tuple[int, str, int], "ExpertModuleLoRA"]) -> tuple[str, ...]:
     """The ``EXPERT_TARGETS`` an adapter's expert modules adapt (fused gate_up: gate and up)."""
     parts = {f"experts.{p}_proj" for (_, part, _) in modules for p in part.split("_")}

@@ -46,6 +46,7 @@ from loraplex.lora.expert_format import (
     ExpertTensorKey,
     check_target_parameters_served,
     expert_module_keys,
+    expert_target_modules,
     expert_targets,
     expert_tensor,
     validate_expert_modules,
@@ -311,7 +312,7 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
         experts_targeted=bool(expert_keys)))
     shapes = {n: tuple(parsed.tensors[n].shape) for names in expert_tensors.values() for n in names.values()}
     expert_modules = validate_expert_modules(
-        cfg, spec, prefix, expert_tensors, expert_keys, shapes, Matcher(cfg, cfg.target_modules).targets,
+        cfg, spec, prefix, expert_tensors, expert_keys, shapes, Matcher(cfg, expert_target_modules(cfg, spec)).targets,
         max_lora_rank) if served_experts else {}
     for key in by_key:
         if key not in targeted:

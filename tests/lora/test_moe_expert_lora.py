@@ -288,3 +288,23 @@ def test_registry_spec_follows_the_setting(tmp_path):
     off = base_model_spec(SimpleNamespace(model=str(model_dir), home=tmp_path, enable_expert_lora=False))
     assert on.experts.enabled and not off.experts.enabled
     assert (on.experts.num_experts, on.experts.hidden, on.experts.inter, on.experts.style) == (6, 64, 96, "mixtral")
+
+
+def test_all_linear_takes_per_expert_modules(tmp_path):
+    """PEFT's ``all-linear`` on a transformers-4 Mixtral covers the experts' w1/w2/w3 linears too."""
+    from safetensors.torch import load_file
+
+    model_dir = make_tiny_moe_dir(tmp_path / "base", "mixtral", "per_expert", seed=12)
+    spec = ModelSpec.from_dir(model_dir)
+    adapter, _ = _per_expert_adapter(tmp_path, "mixtral", spec)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    for layer in range(spec.num_layers):
+        for mod, out_f in (("k_proj", spec.kv_size), ("v_proj", spec.kv_size), ("o_proj", 64)):
+            in_f = spec.q_size if mod == "o_proj" else 64
+            tensors[f"base_model.model.model.layers.{layer}.self_attn.{mod}.lora_A.weight"] = torch.ones(4, in_f)
+            tensors[f"base_model.model.model.layers.{layer}.self_attn.{mod}.lora_B.weight"] = torch.ones(out_f, 4)
+    everything = _edit(adapter, tmp_path / "all-linear", {"target_modules": "all-linear"}, lambda t: tensors)
+    lspec = spec.lora_target_spec(expert_lora=True)
+    named = validate_adapter(load_adapter_files(adapter), lspec, max_lora_rank=4)
+    info = validate_adapter(load_adapter_files(everything), lspec, max_lora_rank=4)
+    assert info.expert_modules.keys() == named.expert_modules.keys() and len(info.expert_modules) == spec.num_layers * 5 * 3
