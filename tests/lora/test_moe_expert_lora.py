@@ -308,3 +308,23 @@ def test_all_linear_takes_per_expert_modules(tmp_path):
     named = validate_adapter(load_adapter_files(adapter), lspec, max_lora_rank=4)
     info = validate_adapter(load_adapter_files(everything), lspec, max_lora_rank=4)
     assert info.expert_modules.keys() == named.expert_modules.keys() and len(info.expert_modules) == spec.num_layers * 5 * 3
+
+
+def test_target_parameters_on_a_dense_model_or_malformed_are_refused(tmp_path):
+    from loraplex.lora.adapter_config import parse_config
+    from loraplex.lora.errors import InvalidAdapterError
+    from tests.fixtures.peft_adapters import spec_for, tiny_llama
+
+    base = tiny_llama(seed=3)
+    adapter = make_peft_adapter(base, tmp_path / "q", r=2, target_modules=["q_proj"])
+    with_params = _edit(adapter, tmp_path / "params", {"target_parameters": ["mlp.experts.gate_up_proj"]})
+    with pytest.raises(InvalidAdapterError, match=r"target_parameters \['mlp\.experts\.gate_up_proj'\] \(PEFT's LoRA on "
+                                                  r"raw parameters\) names no parameter base model 'tiny' serves LoRA on"):
+        validate_adapter(load_adapter_files(with_params), spec_for(base), max_lora_rank=4)
+    cfg = {"peft_type": "LORA", "r": 2, "lora_alpha": 4}
+    with pytest.raises(InvalidAdapterError, match="target_parameters must be a list of parameter names"):
+        parse_config(json.dumps(cfg | {"target_parameters": "mlp.experts.gate_up_proj"}).encode())
+    with pytest.raises(InvalidAdapterError, match="required field 'target_modules' is missing"):
+        parse_config(json.dumps(cfg).encode())
+    only_params = parse_config(json.dumps(cfg | {"target_parameters": EXPERTS}).encode())
+    assert only_params.target_modules == () and only_params.target_parameters == tuple(EXPERTS)
