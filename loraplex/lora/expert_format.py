@@ -129,6 +129,12 @@ def expert_target_modules(cfg: LoRAConfigView, spec: LoRATargetSpec) -> str | tu
     return cfg.target_modules
 
 
+def expert_label(key: tuple[int, str, int]) -> str:
+    """``AdapterInfo.module_ranks``' name of expert module ``(layer, part, expert)``."""
+    layer, part, expert = key
+    return f"{layer}.experts.{part}" if expert < 0 else f"{layer}.experts.{expert}.{part}"
+
+
 def expert_targets(modules: dict[tuple[int, str, int], "ExpertModuleLoRA"]) -> tuple[str, ...]:
     """The ``EXPERT_TARGETS`` an adapter's expert modules adapt (fused gate_up: gate and up)."""
     parts = {f"experts.{p}_proj" for (_, part, _) in modules for p in part.split("_")}

@@ -22,6 +22,10 @@ adapter trained on a resized vocabulary is refused naming both sizes) and kept a
 ``AdapterInfo.vocab_modules``; the base-weight copies PEFT saves next to them are checked for
 shape and not kept.
 
+LoRA on an MoE model's experts (per-expert modules, or PEFT's ``target_parameters`` on fused
+experts; ``expert_format`` has both layouts) is validated where the engine serves it
+(``LoRATargetSpec.experts.enabled``) and kept apart in ``AdapterInfo.expert_modules``.
+
 Every failure raises ``InvalidAdapterError`` with a message naming the problem. Pickle files are
 never opened. Tensors are built by ``safetensors_io`` from a header we parse and check ourselves.
 
@@ -45,6 +49,7 @@ from loraplex.lora.expert_format import (
     ExpertModuleLoRA,
     ExpertTensorKey,
     check_target_parameters_served,
+    expert_label,
     expert_module_keys,
     expert_target_modules,
     expert_targets,
@@ -132,12 +137,12 @@ class AdapterInfo:
 
     def module_ranks(self) -> dict[str, int]:
         ranks = {f"{layer}.{mod}": m.rank for (layer, mod), m in self.modules.items()}
-        experts = {_expert_label(key): m.rank for key, m in self.expert_modules.items()}
+        experts = {expert_label(key): m.rank for key, m in self.expert_modules.items()}
         return ranks | experts | {mod: m.rank for mod, m in self.vocab_modules.items()}
 
     def module_scalings(self) -> dict[str, float]:
         scalings = {f"{layer}.{mod}": m.scaling for (layer, mod), m in self.modules.items()}
-        experts = {_expert_label(key): m.scaling for key, m in self.expert_modules.items()}
+        experts = {expert_label(key): m.scaling for key, m in self.expert_modules.items()}
         return scalings | experts | {mod: m.scaling for mod, m in self.vocab_modules.items()}
 
     def summary(self) -> dict:
@@ -152,11 +157,6 @@ class AdapterInfo:
             "bytes": self.size_bytes,
             "warnings": list(self.warnings),
         }
-
-
-def _expert_label(key: tuple[int, str, int]) -> str:
-    layer, part, expert = key
-    return f"{layer}.experts.{part}" if expert < 0 else f"{layer}.experts.{expert}.{part}"
 
 
 # ---------------------------------------------------------------------------------------------
