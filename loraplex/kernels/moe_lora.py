@@ -30,6 +30,9 @@ class ExpertLoRA:
     a_down: torch.Tensor  # [L, E, R, I]
     b_down: torch.Tensor  # [L, E, H, R]
     scaling_down: torch.Tensor  # [L, E] fp32
+    # [L] int32: each slot's expert rank; A rows and B columns past it are never read (a rank-8
+    # adapter in a rank-64 pool reads an eighth); None: the stacks' R
+    slot_rank: torch.Tensor | None = None
 
     def gate_up(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.a_gate_up, self.b_gate_up, self.scaling_gate_up
@@ -45,6 +48,7 @@ def pair_deltas(
     a: torch.Tensor,  # [S, L, E, R, in]
     b: torch.Tensor,  # [L, E, S * out_s, R]
     scaling: torch.Tensor,  # [S, L, E] fp32
+    slot_rank: torch.Tensor | None = None,  # [L] int32; None = R
 ) -> torch.Tensor:  # [N, S * out_s] fp32
     """The deltas of ``N`` pairs of one ``expert`` (module doc), one matmul pair per slot."""
     num_slices = a.shape[0]
@@ -53,9 +57,10 @@ def pair_deltas(
     x32 = inp.float()
     for slot in slots.unique().tolist():
         rows = (slots == slot).nonzero().squeeze(1)
+        r = a.shape[3] if slot_rank is None else int(slot_rank[slot])
         for j in range(num_slices):
-            shrunk = (x32[rows] @ a[j, slot, expert].float().T) * scaling[j, slot, expert]  # [n, R]
-            out[rows, j * out_s:(j + 1) * out_s] = shrunk @ b[slot, expert, j * out_s:(j + 1) * out_s].float().T
+            shrunk = (x32[rows] @ a[j, slot, expert, :r].float().T) * scaling[j, slot, expert]  # [n, r]
+            out[rows, j * out_s:(j + 1) * out_s] = shrunk @ b[slot, expert, j * out_s:(j + 1) * out_s, :r].float().T
     return out
 
 
@@ -65,12 +70,13 @@ def add_pair_deltas(
     slots: torch.Tensor,  # [N] int64, -1 = none
     expert: int,
     stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # (a, b, scaling) as ``pair_deltas``
+    slot_rank: torch.Tensor | None = None,  # [L] int32
 ) -> torch.Tensor:  # [N, out]
     """``y`` with each LoRA pair's delta added (fp32 sum, rounded once to ``y``'s dtype)."""
     rows = (slots >= 0).nonzero().squeeze(1)
     if rows.numel() == 0:
         return y
-    delta = pair_deltas(inp[rows], slots[rows], expert, *stacks)
+    delta = pair_deltas(inp[rows], slots[rows], expert, *stacks, slot_rank=slot_rank)
     y = y.clone()
     y[rows] = (y[rows].float() + delta).to(y.dtype)
     return y

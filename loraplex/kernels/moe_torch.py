@@ -44,12 +44,12 @@ def run_experts(
         gu = F.linear(rows, gate_up[expert])  # [count, 2I]
         slots = None if lora is None else lora.token_slot[tokens]  # [count]
         if slots is not None:
-            gu = add_pair_deltas(gu, rows, slots, expert, lora.gate_up())
+            gu = add_pair_deltas(gu, rows, slots, expert, lora.gate_up(), lora.slot_rank)
         gate, up = gu.chunk(2, dim=-1)  # [count, I] each
         act = F.silu(gate) * up
         y = F.linear(act, down[expert])  # [count, H]
         if slots is not None:
-            y = add_pair_deltas(y, act, slots, expert, lora.down())
+            y = add_pair_deltas(y, act, slots, expert, lora.down(), lora.slot_rank)
         y = y * flat_weights[pairs, None]  # fp32 with Mixtral's fp32 weights, else the model dtype
         out.index_add_(0, tokens, y.float())
     return out.to(x.dtype)

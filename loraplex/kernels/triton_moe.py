@@ -245,7 +245,7 @@ def fused_moe_triton(
     pair_slot = pair_expert = delta = None
     if lora is not None:
         pair_slot, pair_expert = expert_pair_slots(lora, top_k), experts.reshape(-1)
-        delta = pair_lora_deltas(x, top_k, pair_slot, pair_expert, *lora.gate_up())  # [P, 2I] fp32
+        delta = pair_lora_deltas(x, top_k, pair_slot, pair_expert, *lora.gate_up(), lora.slot_rank)  # [P, 2I] fp32
     n_tile, k_tile = tiles["gate_up_n"], tiles["gate_up_k"]
     _moe_gate_up_kernel[(blocks.max_blocks, triton.cdiv(inter, n_tile))](
         x, gate_up, act, *common, top_k, hidden, inter,
@@ -254,7 +254,7 @@ def fused_moe_triton(
         BLOCK_M=block_m, BLOCK_N=n_tile, BLOCK_K=k_tile, EVEN_K=hidden % k_tile == 0, HAS_DELTA=delta is not None,
     )
     if lora is not None:
-        delta = pair_lora_deltas(act, 1, pair_slot, pair_expert, *lora.down())  # [P, H] fp32
+        delta = pair_lora_deltas(act, 1, pair_slot, pair_expert, *lora.down(), lora.slot_rank)  # [P, H] fp32
     n_tile, k_tile = tiles["down_n"], tiles["down_k"]
     _moe_down_kernel[(blocks.max_blocks, triton.cdiv(hidden, n_tile))](
         act, down, flat_weights, pair_out, *common, hidden, inter,

@@ -11,7 +11,8 @@ shrink and an expand per pair, not grouped GEMMs:
    @ B[slot, e, cols_j].T``, written in fp32; a pair without expert LoRA (slot -1) writes zeros,
    so the output needs no clearing.
 
-A pair costs ``R * (in + out)`` weight reads whatever the batch: fine for decode steps (a few
+A pair costs ``r * (in + out)`` weight reads (``r`` its slot's rank: rows and columns past it
+are masked off, so a small adapter in a pool of large ``R`` reads only its own) whatever the batch: fine for decode steps (a few
 pairs per expert and adapter), not tuned for long prefills. The grid is ``num_pairs`` (a host
 int) by slices by tiles and the slots are read on the device, so these launches are captured in
 a CUDA graph with the experts' kernels. Strides past the slot and expert are int64.
@@ -34,6 +35,7 @@ def _pair_shrink_kernel(
     u_ptr,  # [P, S, R] fp32
     pair_slot_ptr,  # [P] int64, -1 = none
     pair_expert_ptr,  # [P] int64
+    slot_rank_ptr,  # [L] int32: rows of A past a slot's rank are not read
     row_div,  # pair p reads inp row p // row_div
     in_f,
     rank,
@@ -52,7 +54,7 @@ def _pair_shrink_kernel(
     expert = tl.load(pair_expert_ptr + pair)
     row = pair // row_div
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
+    r_mask = offs_r < tl.minimum(tl.load(slot_rank_ptr + slot), rank)
     offs_k = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + j * stride_as + slot * stride_al + expert * stride_ae + offs_r[:, None].to(tl.int64) * stride_ar
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
@@ -73,6 +75,7 @@ def _pair_expand_kernel(
     out_ptr,  # [P, S * out_s] fp32
     pair_slot_ptr,  # [P] int64
     pair_expert_ptr,  # [P] int64
+    slot_rank_ptr,  # [L] int32: columns of B past a slot's rank are not read
     out_s,
     rank,
     stride_up, stride_us, stride_ur,
@@ -94,7 +97,7 @@ def _pair_expand_kernel(
         return
     expert = tl.load(pair_expert_ptr + pair)
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
+    r_mask = offs_r < tl.minimum(tl.load(slot_rank_ptr + slot), rank)
     u = tl.load(u_ptr + pair * stride_up + j * stride_us + offs_r * stride_ur, mask=r_mask, other=0.0)
     b_ptrs = (b_ptr + slot * stride_bl + expert * stride_be + cols[:, None].to(tl.int64) * stride_bn
               + offs_r[None, :] * stride_br)
@@ -110,6 +113,7 @@ def pair_lora_deltas(
     a: torch.Tensor,  # [S, L, E, R, in]
     b: torch.Tensor,  # [L, E, S * out_s, R]
     scaling: torch.Tensor,  # [S, L, E] fp32
+    slot_rank: torch.Tensor | None = None,  # [L] int32; None = R
     out: torch.Tensor | None = None,  # [P, S * out_s] fp32, else allocated
     u: torch.Tensor | None = None,  # [P, S, R] fp32 scratch, else allocated
 ) -> torch.Tensor:  # [P, S * out_s] fp32
@@ -124,16 +128,18 @@ def pair_lora_deltas(
         return out
     if u is None:
         u = torch.empty(num_pairs, num_slices, rank, dtype=torch.float32, device=inp.device)
+    if slot_rank is None:
+        slot_rank = torch.full((a.shape[1],), rank, dtype=torch.int32, device=inp.device)
     block_r = triton.next_power_of_2(rank)
     block_k = max(16, min(128, triton.next_power_of_2(in_f)))
     _pair_shrink_kernel[(num_pairs, num_slices)](
-        inp, a, scaling, u, pair_slot, pair_expert, row_div, in_f, rank,
+        inp, a, scaling, u, pair_slot, pair_expert, slot_rank, row_div, in_f, rank,
         inp.stride(0), inp.stride(1), *a.stride(), *scaling.stride(), *u.stride(),
         BLOCK_R=block_r, BLOCK_K=block_k,
     )
     block_n = max(16, min(64, triton.next_power_of_2(out_s)))
     _pair_expand_kernel[(num_pairs, num_slices, triton.cdiv(out_s, block_n))](
-        u, b, out, pair_slot, pair_expert, out_s, rank, *u.stride(), *b.stride(), *out.stride(),
+        u, b, out, pair_slot, pair_expert, slot_rank, out_s, rank, *u.stride(), *b.stride(), *out.stride(),
         BLOCK_N=block_n, BLOCK_R=block_r,
     )
     return out

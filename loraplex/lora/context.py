@@ -137,7 +137,7 @@ class LoRAStepContext:
         token_slot = token_slots_from_meta(meta.token_perm, meta.seg_starts, meta.seg_slot, experts.slot_active)
         st = experts.layers[layer_idx]
         return ExpertLoRA(token_slot, st.a_gate_up, st.b_gate_up, st.scaling_gate_up,
-                          st.a_down, st.b_down, st.scaling_down)
+                          st.a_down, st.b_down, st.scaling_down, experts.slot_rank)
 
     def apply_embedding(self, input_ids: torch.Tensor, hidden: torch.Tensor, scale: float = 1.0) -> None:
         """Add the embed_tokens LoRA delta to the embedding output ``hidden [num_tokens, hidden]``

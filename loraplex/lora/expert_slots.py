@@ -13,8 +13,9 @@ Per sparse layer (``L`` = max_loras, ``E`` experts, ``R`` = max rank)::
 
 Rows and columns past an expert's rank are zero, as are an expert without LoRA and a slot whose
 adapter has none in that layer (scaling 0 too), so the kernels may run every pair at the full
-``R``. ``slot_active [L]`` (int32, device) is 1 where the slot's adapter has expert LoRA: pairs of
-other slots are skipped as base-only ones.
+``R``; ``slot_rank [L]`` (int32, device: the slot's largest expert rank) lets them read no more.
+``slot_active [L]`` (int32, device) is 1 where the slot's adapter has expert LoRA: pairs of other
+slots are skipped as base-only ones.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class ExpertStacks:
         self.layers: dict[int, ExpertLayerStack] = {}
         self.active = [False] * max_loras
         self.slot_active = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [L]
+        self.slot_rank = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [L]: largest expert rank
 
     @property
     def allocated(self) -> bool:
@@ -104,6 +106,7 @@ class ExpertStacks:
                 st.scaling_down[slot].copy_(lora.scaling)
         self.active[slot] = bool(experts)
         self.slot_active[slot] = int(bool(experts))
+        self.slot_rank[slot] = max((lora.rank for parts in experts.values() for lora in parts.values()), default=0)
 
     def clear(self, slot: int) -> None:
         """Take ``slot`` out (its pairs count as base-only; buffers are zeroed on next write)."""

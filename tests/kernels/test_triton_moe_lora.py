@@ -3,8 +3,9 @@ the interpreter, float16 and float32: the per-pair deltas against a float64 loop
 whole experts block with LoRA against the torch path (``run_experts(..., lora)``) and against a
 float64 per-token loop with each expert's ``W + scaling * B @ A`` merged per adapter. Ragged on
 purpose: base-only tokens (slot -1), slots whose adapter has no expert LoRA, ranks 1, 3, 8 and 16
-in one stack, experts no pair picks, experts without LoRA inside an adapter; outputs and scratch
-NaN-poisoned; the launch path reads nothing back to the host. Small shapes: the interpreter is slow."""
+in one stack (NaN past each slot's rank: never read), experts no pair picks, experts without LoRA
+inside an adapter; outputs and scratch NaN-poisoned; the launch path reads nothing back to the
+host. Small shapes: the interpreter is slow."""
 
 from __future__ import annotations
 
@@ -35,14 +36,15 @@ def make_lora(seed: int, dtype: torch.dtype, token_slot: list[int], no_lora_slot
     a_gu, b_gu = rand(2, n, e, R, HIDDEN), rand(n, e, 2 * INTER, R)
     a_dn, b_dn = rand(n, e, R, INTER), rand(n, e, HIDDEN, R)
     s_gu, s_dn = rand(2, n, e).abs() + 0.25, rand(n, e).abs() + 0.25
-    for slot, rank in enumerate(SLOT_RANKS):
-        a_gu[:, slot, :, rank:] = 0
-        b_gu[slot, :, :, rank:] = 0
-        a_dn[slot, :, rank:] = 0
-        b_dn[slot, :, :, rank:] = 0
+    for slot, rank in enumerate(SLOT_RANKS):  # past a slot's rank: never read (NaN would show)
+        a_gu[:, slot, :, rank:] = float("nan")
+        b_gu[slot, :, :, rank:] = float("nan")
+        a_dn[slot, :, rank:] = float("nan")
+        b_dn[slot, :, :, rank:] = float("nan")
     a_gu[:, 2, 1], b_gu[2, 1], a_dn[2, 1], b_dn[2, 1], s_gu[:, 2, 1], s_dn[2, 1] = 0, 0, 0, 0, 0, 0
     slots = torch.tensor([-1 if s == no_lora_slot else s for s in token_slot], dtype=torch.int64)
-    return ExpertLoRA(slots, a_gu.to(dtype), b_gu.to(dtype), s_gu, a_dn.to(dtype), b_dn.to(dtype), s_dn)
+    return ExpertLoRA(slots, a_gu.to(dtype), b_gu.to(dtype), s_gu, a_dn.to(dtype), b_dn.to(dtype), s_dn,
+                      torch.tensor(SLOT_RANKS, dtype=torch.int32))
 
 
 def per_token_loop_with_lora(x, weights, experts, gate_up, down, lora: ExpertLoRA) -> torch.Tensor:
@@ -54,12 +56,13 @@ def per_token_loop_with_lora(x, weights, experts, gate_up, down, lora: ExpertLoR
             e = int(experts[t, j])
             w_gu, w_dn = gate_up[e].double(), down[e].double()
             if slot >= 0:
+                r = SLOT_RANKS[slot]
                 s = lora.scaling_gate_up[:, slot, e].double()
-                b = lora.b_gate_up[slot, e].double()
-                w_gu = w_gu + torch.cat([s[0] * b[:INTER] @ lora.a_gate_up[0, slot, e].double(),
-                                         s[1] * b[INTER:] @ lora.a_gate_up[1, slot, e].double()])
-                w_dn = w_dn + lora.scaling_down[slot, e].double() * lora.b_down[slot, e].double() @ \
-                    lora.a_down[slot, e].double()
+                b = lora.b_gate_up[slot, e, :, :r].double()
+                w_gu = w_gu + torch.cat([s[0] * b[:INTER] @ lora.a_gate_up[0, slot, e, :r].double(),
+                                         s[1] * b[INTER:] @ lora.a_gate_up[1, slot, e, :r].double()])
+                w_dn = w_dn + lora.scaling_down[slot, e].double() * lora.b_down[slot, e, :, :r].double() @ \
+                    lora.a_down[slot, e, :r].double()
             gate, up = (w_gu @ x[t].double()).chunk(2)
             out[t] += float(weights[t, j]) * (w_dn @ (torch.nn.functional.silu(gate) * up))
     return out
@@ -76,14 +79,16 @@ def test_pair_deltas_against_a_float64_loop(dtype):
     pair_slot = lora.token_slot.repeat_interleave(top_k)
     out = torch.full((len(pair_expert), 2 * INTER), float("nan"))
     u = torch.full((len(pair_expert), 2, R), float("nan"))
-    got = pair_lora_deltas(x, top_k, pair_slot, pair_expert, *lora.gate_up(), out=out, u=u)
+    got = pair_lora_deltas(x, top_k, pair_slot, pair_expert, *lora.gate_up(), lora.slot_rank, out=out, u=u)
     want = torch.zeros(len(pair_expert), 2 * INTER, dtype=torch.float64)
     for p, (slot, e) in enumerate(zip(pair_slot.tolist(), pair_expert.tolist())):
         if slot < 0:
             continue
+        r = SLOT_RANKS[slot]
         for j in range(2):
-            shrunk = lora.scaling_gate_up[j, slot, e].double() * (lora.a_gate_up[j, slot, e].double() @ x[p // top_k].double())
-            want[p, j * INTER:(j + 1) * INTER] = lora.b_gate_up[slot, e, j * INTER:(j + 1) * INTER].double() @ shrunk
+            a = lora.a_gate_up[j, slot, e, :r].double()
+            shrunk = lora.scaling_gate_up[j, slot, e].double() * (a @ x[p // top_k].double())
+            want[p, j * INTER:(j + 1) * INTER] = lora.b_gate_up[slot, e, j * INTER:(j + 1) * INTER, :r].double() @ shrunk
     assert not got.isnan().any()
     assert torch.equal(got[pair_slot < 0], torch.zeros_like(got[pair_slot < 0]))
     assert rel_err(got, want) < (1e-6 if dtype == torch.float32 else 1e-3)

@@ -213,6 +213,7 @@ def test_slot_pool_holds_what_the_engine_reserves(tmp_path):
     pool.write(1, AdapterWeights.build(parsed, info, on, torch.float32))
     assert pool.experts.nbytes == 2 * expert_bytes
     assert pool.experts.active == [False, True] and pool.experts.slot_active.tolist() == [0, 1]
+    assert pool.experts.slot_rank.tolist() == [0, 4]
     llm = LLM(model=str(model_dir), dtype="float32", device="cpu", home=tmp_path / "home", max_loras=3,
               max_lora_rank=4, kv_cache_bytes=4 << 20, enable_expert_lora=True)
     runner = llm.engine.runner
