@@ -52,7 +52,9 @@ class TensorName:
 
 
 def _servable_names(spec: LoRATargetSpec) -> str:
-    return ", ".join([*spec.module_shapes, *spec.vocab_shapes]) or "none"
+    experts = spec.experts is not None and spec.experts.enabled
+    names = [*spec.module_shapes, *spec.vocab_shapes, *(("the experts' gate/up/down",) if experts else ())]
+    return ", ".join(names) or "none"
 
 
 def is_moe_module(key: str, spec: LoRATargetSpec) -> bool:

@@ -249,7 +249,8 @@ def test_expert_adapters_the_engine_cannot_serve_are_refused(tmp_path):
          r"target_parameters entry 'mlp.experts.up_proj' names no parameter .* serves LoRA on"),
         (dict(target_modules=["q_proj", "gate"]), lambda t: t | {
             f"{P}0.mlp.gate.lora_A.weight": torch.zeros(4, 64), f"{P}0.mlp.gate.lora_B.weight": torch.zeros(6, 4)},
-         r"targets 'model\.layers\.0\.mlp\.gate', .*LoRA on the router of a mixture-of-experts model"),
+         r"targets 'model\.layers\.0\.mlp\.gate', .*LoRA on the router of a mixture-of-experts model .* takes LoRA "
+         r"on q_proj, .*, lm_head, the experts' gate/up/down\)"),
         (dict(r=2, lora_alpha=4), None,  # the files hold rank 4: shapes no longer fit the config's rank
          r"'base_model\.model\.model\.layers\.0\.mlp\.experts\.base_layer\.lora_A\.weight' has shape \[24, 64\], "
          r"base model needs \[12, 64\] \(rank 2 per expert, 6 experts\)"),
