@@ -18,6 +18,9 @@ against the base model's experts (``LoRATargetSpec.experts``).
   targeted one wraps the ones before it, so the first one's tensors sit under
   ``experts.base_layer.``, the last one's under ``experts.`` (``lora_A.weight`` / ``lora_B.weight``).
 
+PEFT 0.21 matches ``target_parameters`` by name alone: ``layers_to_transform`` and
+``exclude_modules`` leave them alone (its saved files hold every sparse layer's), and so does this.
+
 Router LoRA (``gate``, ``mlp.gate.weight`` as a parameter) is refused elsewhere
 (``module_match.moe_lora_error``): vLLM does not serve it either.
 """

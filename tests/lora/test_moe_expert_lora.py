@@ -330,3 +330,13 @@ def test_target_parameters_on_a_dense_model_or_malformed_are_refused(tmp_path):
         parse_config(json.dumps(cfg).encode())
     only_params = parse_config(json.dumps(cfg | {"target_parameters": EXPERTS}).encode())
     assert only_params.target_modules == () and only_params.target_parameters == tuple(EXPERTS)
+
+
+def test_layers_to_transform_leaves_target_parameters_alone_as_in_peft(tmp_path):
+    model_dir = make_tiny_moe_dir(tmp_path / "base", "mixtral", "per_expert", seed=1)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    adapter = make_peft_adapter(base, tmp_path / "a", r=2, target_modules=["q_proj"], layers_to_transform=[1],
+                                target_parameters=["mlp.experts.gate_up_proj"])
+    info = validate_adapter(load_adapter_files(adapter), ModelSpec.from_dir(model_dir).lora_target_spec(True), 4)
+    assert sorted(info.modules) == [(1, "q_proj")]
+    assert sorted(info.expert_modules) == [(layer, "gate_up", -1) for layer in range(3)]  # PEFT saved all three
