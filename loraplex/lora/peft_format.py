@@ -278,22 +278,19 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
             base_copies[copy] = name
             continue
         ek, which = expert_tensor(name, spec)
-        if ek is not None:
-            if prefix is None:
-                prefix = ek.prefix
-            elif ek.prefix != prefix:
-                raise InvalidAdapterError(f"tensor {name!r} has module prefix {ek.prefix!r}, others {prefix!r}")
-            expert_keys[ek.module_key] = ek
-            expert_tensors.setdefault(ek.module_key, {})[which] = name
-            continue
-        tn = parse_tensor_name(name, spec)
-        if tn.prefix is None:  # lm_head: no layer prefix in its name
+        tn = parse_tensor_name(name, spec) if ek is None else None
+        tensor_prefix = ek.prefix if ek is not None else tn.prefix
+        if tensor_prefix is None:  # lm_head: no layer prefix in its name
             lm_head_keys.add(tn.module_key)
         elif prefix is None:
-            prefix = tn.prefix
-        elif tn.prefix != prefix:
-            raise InvalidAdapterError(f"tensor {name!r} has module prefix {tn.prefix!r}, others {prefix!r}")
-        by_key.setdefault(tn.module_key, {})[tn.which] = name
+            prefix = tensor_prefix
+        elif tensor_prefix != prefix:
+            raise InvalidAdapterError(f"tensor {name!r} has module prefix {tensor_prefix!r}, others {prefix!r}")
+        if ek is not None:
+            expert_keys[ek.module_key] = ek
+            expert_tensors.setdefault(ek.module_key, {})[which] = name
+        else:
+            by_key.setdefault(tn.module_key, {})[tn.which] = name
     if not parsed.tensors:
         raise InvalidAdapterError("adapter has no tensors")
     if not by_key and not unserved and not expert_keys:
