@@ -166,7 +166,7 @@ class EngineConfig:
     max_lora_rank: int = 64
     # LoRA on the experts of a mixture-of-experts model: every slot then holds A and B of rank
     # max_lora_rank for every expert of every sparse layer (Qwen3-30B-A3B at rank 16 in bf16:
-    # 1.6 GiB a slot), counted in the KV budget; off, such adapters are refused (a 400)
+    # 1.55 GiB a slot), counted in the KV budget; off, such adapters are refused (a 400)
     enable_expert_lora: bool = False
     # host cache: a byte budget (None: DEFAULT_MAX_CPU_LORA_BYTES), or vLLM's max_cpu_loras, a
     # count the engine turns into the bytes of that many adapters of max_lora_rank on every

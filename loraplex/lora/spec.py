@@ -63,7 +63,7 @@ class LoRATargetSpec:
     # a module not listed here is in every layer
     module_layers: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # module-name segments of an MoE model's experts / routers / shared expert (below
-    # ``layers.N.``): LoRA on them is refused as not supported yet
+    # ``layers.N.``): LoRA on them is refused, but for expert LoRA where ``experts`` serves it
     moe_module_names: tuple[str, ...] = ()
     # LoRA on the experts of an MoE model's sparse layers (``ExpertShapes``); None: refused
     experts: "ExpertShapes | None" = None

@@ -41,7 +41,8 @@ MOE_ARCHITECTURES: dict[str, dict[str, bool]] = {
 }
 MOE_MODEL_TYPES = {"mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE}
 # module-name segments below ``layers.N.`` that belong to the sparse blocks (experts, routers,
-# shared expert): LoRA on them is refused with the "not supported yet" error
+# shared expert): LoRA on them is refused (``module_match.moe_lora_error``) unless it is expert
+# LoRA in a form ``lora/expert_format`` reads, on an engine that serves it
 MOE_MODULE_NAMES = ("block_sparse_moe", "experts", "gate", "shared_expert", "shared_expert_gate", "w1", "w2", "w3")
 # transformers' config defaults for the keys a config may leave out
 _DEFAULTS = {
