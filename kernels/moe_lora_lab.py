@@ -27,7 +27,8 @@ def _lora(gen, tokens: int, experts: int, hidden: int, inter: int, rank: int, dt
     slots = torch.tensor([((t + 1) % (SLOTS + 1)) - 1 for t in range(tokens)], dtype=torch.int64, device=device)
     return ExpertLoRA(
         slots,
-        rand(2, SLOTS, experts, rank, hidden, scale=hidden**-0.5), rand(SLOTS, experts, 2 * inter, rank, scale=rank**-0.5),
+        rand(2, SLOTS, experts, rank, hidden, scale=hidden**-0.5),
+        rand(SLOTS, experts, 2 * inter, rank, scale=rank**-0.5),
         torch.full((2, SLOTS, experts), 0.5, device=device),
         rand(SLOTS, experts, rank, inter, scale=inter**-0.5), rand(SLOTS, experts, hidden, rank, scale=rank**-0.5),
         torch.full((SLOTS, experts), 0.5, device=device),

@@ -12,8 +12,8 @@ shrink and an expand per pair, not grouped GEMMs:
    so the output needs no clearing.
 
 A pair costs ``r * (in + out)`` weight reads (``r`` its slot's rank: rows and columns past it
-are masked off, so a small adapter in a pool of large ``R`` reads only its own) whatever the batch: fine for decode steps (a few
-pairs per expert and adapter), not tuned for long prefills. The grid is ``num_pairs`` (a host
+are masked off, so a small adapter in a pool of large ``R`` reads only its own) whatever the
+batch: fine for decode steps (a few pairs per expert and adapter), not tuned for long prefills. The grid is ``num_pairs`` (a host
 int) by slices by tiles and the slots are read on the device, so these launches are captured in
 a CUDA graph with the experts' kernels. Strides past the slot and expert are int64.
 """

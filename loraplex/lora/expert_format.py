@@ -173,7 +173,8 @@ def targeted_fused_params(cfg: LoRAConfigView, spec: LoRATargetSpec, prefix: str
     for entry in cfg.target_parameters:
         matched = [k for k in keys if k == entry or k.endswith(f".{entry}")]
         if not matched:
-            router = entry.rsplit(".", 2)[-2:] in (["gate", "weight"], ["router", "weight"]) or "shared_expert_gate" in entry
+            tail = entry.rsplit(".", 2)[-2:]
+            router = tail in (["gate", "weight"], ["router", "weight"]) or "shared_expert_gate" in entry
             what = ("a router's weight: LoRA on routers is not served (vLLM does not serve it either)" if router
                     else f"no parameter base model {spec.model_name!r} serves LoRA on (its experts' "
                          f"mlp.experts.gate_up_proj and mlp.experts.down_proj)")
@@ -212,7 +213,8 @@ def validate_expert_modules(
                 raise InvalidAdapterError(f"missing tensor lora_{which} for expert module {key!r}")
         if tk.expert is not None:
             if not targets_module(key):
-                raise InvalidAdapterError(f"extra tensors for module {key!r}, which adapter_config.json does not target")
+                raise InvalidAdapterError(
+                    f"extra tensors for module {key!r}, which adapter_config.json does not target")
             part, rank_key, num = tk.part, key, 1
             in_f, out_f = experts.part_shape(part)
         else:
@@ -231,7 +233,8 @@ def validate_expert_modules(
         rank, alpha = cfg.rank_alpha_for(rank_key)
         if rank > max_lora_rank:
             raise InvalidAdapterError(
-                f"module {rank_key!r} has rank {rank}, above this engine's max_lora_rank {max_lora_rank}", param="adapter")
+                f"module {rank_key!r} has rank {rank}, above this engine's max_lora_rank {max_lora_rank}",
+                param="adapter")
         a_shape, b_shape = shapes[names["A"]], shapes[names["B"]]
         if a_shape != (rank * num, in_f):
             raise InvalidAdapterError(f"{names['A']!r} has shape {list(a_shape)}, base model needs "
