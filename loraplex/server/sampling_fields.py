@@ -77,7 +77,7 @@ def parse_sampling(body: dict, max_tokens: int | None, logprobs: int | None,
         repetition_penalty=read_number(body, "repetition_penalty", defaults.get("repetition_penalty", 1.0)),
         presence_penalty=read_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         frequency_penalty=read_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
-        seed=read_int(body, "seed", None),
+        seed=read_int(body, "seed", None, lo=-(2**63), hi=2**63 - 1),  # vLLM: a 64-bit signed integer
         stop=parse_stop(body),
         stop_token_ids=read_int_list(body, "stop_token_ids"),
         ignore_eos=read_bool(body, "ignore_eos", False),

@@ -76,6 +76,9 @@ def test_other_tenants_adapter_is_indistinguishable_from_missing(tenants):
         ({"n": True}, "n"),
         ({"stop": 3}, "stop"),
         ({"seed": 1.5}, "seed"),
+        ({"seed": 2**63}, "seed"),  # vLLM: a 64-bit signed integer (the sampler keeps 64 bits: 2**64 was 0)
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"max_tokens": -1, "echo": True}, "max_tokens"),  # only 0 means "echo the prompt, no completion"
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"logprobs": 50}, "logprobs"),
@@ -100,10 +103,20 @@ def test_completion_validation(tenants, patch, param):
         _envelope(c.post("/v1/completions", json=body), 400, param=param)
 
 
+def test_seeds_at_the_64_bit_bounds_are_taken(tenants):
+    srv, acme, _ = tenants
+    with srv.tenant_client(acme) as c:
+        for seed in (2**63 - 1, -(2**63)):
+            r = c.post("/v1/completions", json={"model": "sql", "prompt": "hello", "max_tokens": 2, "seed": seed})
+            assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize(
     "patch,param",
     [
         ({"messages": []}, "messages"),
+        ({"seed": 2**63}, "seed"),
+        ({"max_tokens": 0, "echo": True}, "echo"),  # echo is completions' only
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"top_logprobs": 2}, "top_logprobs"),
