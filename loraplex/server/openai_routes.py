@@ -108,6 +108,8 @@ async def collect(run: RequestRun, shaper: ResponseShaper) -> dict:
             entries[choice].extend(comp.logprobs)
         if comp.finish_reason is not None:
             finish[choice] = comp.finish_reason
+    if req.echo_without_generation:  # the prompt only: the one token the engine ran is not shown
+        pieces, entries, finish = [[] for _ in pieces], [[] for _ in entries], ["length"] * n_choices
     run.output_texts = texts = ["".join(p) for p in pieces]
     choices = []
     for i in range(n_choices):
@@ -206,6 +208,10 @@ async def chunks(run: RequestRun, shaper: ResponseShaper):
             yield shaper.chunk(choice, _echo_text(run, p_idx), None, prompt_part)
             offsets[choice] = shaper.text_length(prompt_entries)
         shaper.count_tokens(choice, len(comp.token_ids))  # continuous usage: cumulative per choice
+        if req.echo_without_generation:  # the prompt (echoed above) and the finish, no completion
+            if comp.finish_reason is not None:
+                yield shaper.chunk(choice, "", "length")
+            continue
         if not comp.text and comp.finish_reason is None and not (req.logprobs and comp.logprobs):
             continue  # text held back (a partial character or a possible stop string)
         logprobs = None

@@ -53,6 +53,7 @@ class GenerationRequest:
     logprobs: bool = False  # report logprobs in the response
     top_logprobs: int = 0
     echo: bool = False
+    echo_without_generation: bool = False  # completions' echo with max_tokens 0: the prompt, no completion
     prompt_logprobs: int | None = None  # vLLM's field: report the prompt's logprobs (top N)
     # False: max_tokens is the server's default (params.max_tokens, None if none) capped by what
     # the context leaves (request_checks.prepare)
@@ -161,18 +162,27 @@ def _open_max_tokens(given: int | None, defaults: SamplingDefaults) -> tuple[int
     return defaults.max_tokens, False
 
 
+def _echo_without_generation(body: dict, echo: bool) -> bool:
+    """``echo`` with ``max_tokens: 0``: the prompt (and, with ``logprobs``, its logprobs) and no
+    completion, as OpenAI's legacy completions and vLLM answer it (prompt scoring); the engine
+    still runs one step, as vLLM's does. ``max_tokens: 0`` without ``echo`` stays a 400."""
+    return echo and is_int(body.get("max_tokens")) and body["max_tokens"] == 0
+
+
 def parse_completion_request(body, defaults: SamplingDefaults | None = None,
                              max_logprobs: int = MAX_TOP_LOGPROBS) -> GenerationRequest:
     defaults, model = _start(body, "completion", defaults)
     prompts = _prompts(body)
     # absent: OpenAI's (and vLLM's) 16; an explicit null leaves it open, as vLLM's
     # CompletionRequest (max_tokens: int | None = 16): the server's default, else the context
-    max_tokens, max_tokens_given = _open_max_tokens(read_int(body, "max_tokens", None, lo=1), defaults)
+    echo = read_bool(body, "echo", False)
+    echo_only = _echo_without_generation(body, echo)
+    max_tokens, max_tokens_given = _open_max_tokens(1 if echo_only else read_int(body, "max_tokens", None, lo=1),
+                                                    defaults)
     if "max_tokens" not in body:
         max_tokens, max_tokens_given = defaults.capped(16), True
     logprobs = read_int(body, "logprobs", None, lo=0, hi=logprobs_cap(max_logprobs))
     stream, include_usage, continuous_usage = _stream(body)
-    echo = read_bool(body, "echo", False)
     prompt_logprobs = _prompt_logprobs(body, stream, max_logprobs)
     params = parse_sampling(body, max_tokens, logprobs, defaults)
     params.structured_outputs = parse_structured_output(body)
@@ -191,6 +201,7 @@ def parse_completion_request(body, defaults: SamplingDefaults | None = None,
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
         echo=echo,
+        echo_without_generation=echo_only,
         prompt_logprobs=prompt_logprobs,
         prompt_options=parse_prompt_options(body, "completion"),
         priority=_priority(body),

@@ -1,0 +1,87 @@
+"""Completions ``echo`` with ``max_tokens: 0`` on a real (tiny) engine, through the openai client:
+the prompt and, with ``logprobs``, its tokens' logprobs, and no completion, as OpenAI's legacy
+completions and vLLM (``echo_without_generation``) answer this prompt-scoring request. The
+logprobs are checked against transformers' log-softmax over the same ids."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from loraplex.engine.async_engine import AsyncLLMEngine
+from tests.engine.test_engine_exact import tight_llm
+from tests.fixtures.tiny_models import make_tiny_model_dir
+from tests.server.conftest import start_server
+
+PROMPTS = ["the cat sat", "a dog"]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    folder = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=3)
+    llm = tight_llm(folder, tmp_path_factory.mktemp("home"), num_blocks=64, max_num_batched_tokens=256)
+    engine = AsyncLLMEngine(llm.config, engine=llm.engine)
+    srv = start_server(tmp_path_factory.mktemp("srv"), engine)
+    key = srv.make_tenant("acme")
+    client = openai.OpenAI(base_url=f"{srv.url}/t/acme/v1", api_key=key, max_retries=0, timeout=60)
+    model = srv.app.state.ctx.served_model_name
+    yield client, model, folder, srv
+    client.close()
+    srv.stop()
+    engine.shutdown()
+
+
+def _reference(folder, prompt: str) -> tuple[list[int], torch.Tensor]:
+    """The prompt's ids and transformers' log-softmax after each of them: [len(ids), vocab]."""
+    ids = AutoTokenizer.from_pretrained(folder)(prompt)["input_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return ids, torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(world):
+    client, model, folder, srv = world
+    kw = dict(model=model, prompt=PROMPTS, max_tokens=0, echo=True, logprobs=1, n=2, temperature=1.0)
+    out = client.completions.create(**kw)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for choice in out.choices:
+        prompt = PROMPTS[choice.index // 2]
+        ids, ref = _reference(folder, prompt)
+        lp = choice.logprobs
+        assert choice.text == prompt and choice.finish_reason == "length"
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(ids)  # the prompt's tokens, nothing after
+        assert "".join(lp.tokens) == prompt and lp.token_logprobs[0] is None
+        for pos in range(1, len(ids)):
+            assert lp.token_logprobs[pos] == pytest.approx(float(ref[pos - 1, ids[pos]]), abs=2e-4)
+    # vLLM's usage: the engine's one step per choice counts as the completion
+    prompt_tokens = sum(len(_reference(folder, p)[0]) for p in PROMPTS)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (prompt_tokens, 4)
+    # streamed: each choice's prompt with its logprobs, then its finish reason, nothing else
+    texts, logprobs, finishes = {}, {}, {}
+    for chunk in client.completions.create(stream=True, **kw):
+        (c,) = chunk.choices
+        texts[c.index] = texts.get(c.index, "") + c.text
+        if c.logprobs:
+            logprobs.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+        if c.finish_reason:
+            finishes.setdefault(c.index, []).append(c.finish_reason)
+    assert texts == {c.index: c.text for c in out.choices}
+    assert logprobs == {c.index: c.logprobs.token_logprobs for c in out.choices}
+    assert finishes == {i: ["length"] for i in range(4)}
+    # without logprobs: the prompt alone
+    plain = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=0, echo=True)
+    assert (plain.choices[0].text, plain.choices[0].logprobs) == (PROMPTS[0], None)
+    streamed = [c.choices[0] for c in client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=0,
+                                                                echo=True, stream=True)]
+    assert "".join(c.text for c in streamed) == PROMPTS[0] and streamed[-1].finish_reason == "length"
+
+
+def test_max_tokens_0_without_echo_is_still_refused(world):
+    client, model, folder, srv = world
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="hi", max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError):  # chat has no echo
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=0)
