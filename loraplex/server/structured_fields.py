@@ -23,6 +23,8 @@ from loraplex.structured_output import KINDS, StructuredOutputs
 GUIDED_FIELDS = {f"guided_{kind}": kind for kind in KINDS if kind != "json_object"}
 # the fields that can ask for a constraint, in the order the one-per-request error names them
 CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *GUIDED_FIELDS)
+# vLLM's structured_outputs keys that ask for a constraint loraplex does not build
+UNSERVED_STRUCTURED_OUTPUTS = ("structural_tag",)
 
 
 def checked_constraint(param: str, **spec) -> StructuredOutputs:
@@ -61,6 +63,10 @@ def _from_response_format(value) -> dict | None:
 def _from_structured_outputs(value) -> dict | None:
     if not isinstance(value, dict):
         raise bad_request("`structured_outputs` must be an object", param="structured_outputs")
+    for name in UNSERVED_STRUCTURED_OUTPUTS:  # vLLM's, not served: unconstrained text would be a silent change
+        if value.get(name) not in (None, "", {}):
+            raise bad_request(f"`structured_outputs.{name}` is not supported", param=f"structured_outputs.{name}",
+                              code="unsupported_parameter")
     given = {k: value[k] for k in KINDS if value.get(k) not in (None, False)}
     return given or None
 

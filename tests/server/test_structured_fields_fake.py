@@ -63,6 +63,8 @@ REFUSED = [
     ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": "regex"}, "structured_outputs"),
+    # vLLM's structural tags are not served: refused, not answered unconstrained
+    ({"structured_outputs": {"structural_tag": '{"structures": [], "triggers": []}'}}, "structured_outputs.structural_tag"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
     ({"guided_json": SCHEMA, "structured_outputs": {"disable_any_whitespace": "yes"}},
      "structured_outputs.disable_any_whitespace"),
