@@ -18,6 +18,7 @@ from loraplex.server.protocol import GenerationRequest, parse_chat_request, pars
 from loraplex.server.request_defaults import apply_server_defaults
 from loraplex.server.shapes import ResponseShaper
 from loraplex.server.streaming import DONE, ClientDisconnected, SSEResponse, run_unless_disconnected, sse_event
+from loraplex.server.token_ids_output import StreamTokenIds, add_to_answer
 
 
 def _ctx(request: Request) -> AppContext:
@@ -101,9 +102,11 @@ async def collect(run: RequestRun, shaper: ResponseShaper) -> dict:
     pieces: list[list[str]] = [[] for _ in range(n_choices)]  # joined once: += would copy each time
     entries: list[list[dict]] = [[] for _ in range(n_choices)]
     finish: list[str | None] = [None] * n_choices
+    token_ids: list[list[int]] = [[] for _ in range(n_choices)]
     parsed = chat_output.outputs_for(run)  # reasoning / "auto" tool calls read out of the text
     async for p_idx, choice, comp in run.deltas():
         pieces[choice].append(comp.text)
+        token_ids[choice].extend(comp.token_ids)
         if comp.logprobs:
             entries[choice].extend(comp.logprobs)
         if comp.finish_reason is not None:
@@ -135,6 +138,8 @@ async def collect(run: RequestRun, shaper: ResponseShaper) -> dict:
     body = build(choices, run.prompt_tokens, run.completion_tokens)
     if req.prompt_logprobs is not None and req.kind == "chat":  # vLLM: one prompt, at the top level
         body["prompt_logprobs"] = _vllm_prompt_logprobs(run, shaper, 0)
+    if req.return_token_ids:
+        add_to_answer(body, req.kind, run.prompt_ids, token_ids, req.params.n)
     return body
 
 
@@ -173,6 +178,17 @@ async def chunks(run: RequestRun, shaper: ResponseShaper):
     """The stream's chunks (dicts) up to each choice's finish reason, without the usage chunk;
     an engine failure is raised. The Responses API reads a chat stream from here too."""
     req = run.req
+    if not req.return_token_ids:
+        async for chunk in _chunks(run, shaper, None):
+            yield chunk
+        return
+    ids = StreamTokenIds(req.kind, run.prompt_ids, req.params.n, len(run.prompt_ids) * req.params.n)
+    async for chunk in _chunks(run, shaper, ids):
+        yield ids.stamp(chunk)
+
+
+async def _chunks(run: RequestRun, shaper: ResponseShaper, ids: StreamTokenIds | None):
+    req = run.req
     n_choices = len(run.prompt_ids) * req.params.n
     if req.continuous_usage:
         shaper.track_usage([len(run.prompt_ids[i // req.params.n]) for i in range(n_choices)])
@@ -201,6 +217,8 @@ async def chunks(run: RequestRun, shaper: ResponseShaper):
     echo_pending = set(range(n_choices)) if req.echo and req.logprobs else set()
     offsets = [0] * n_choices
     async for p_idx, choice, comp in run.deltas():
+        if ids is not None:  # before this delta's chunks: they carry its ids
+            ids.take(choice, comp.token_ids)
         if choice in echo_pending:
             echo_pending.discard(choice)
             prompt_entries = _prompt_entries(run, shaper, p_idx)

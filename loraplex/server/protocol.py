@@ -61,6 +61,7 @@ class GenerationRequest:
     user: str | None = None
     prompt_options: PromptOptions = field(default_factory=PromptOptions)  # template, truncation, special tokens
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:<id>"; None: the server's
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids alongside the text (token_ids_output.py)
     response_role: str = "assistant"  # chat: the answer's role (request_defaults.py)
     priority: int = 0  # vLLM's: lower is admitted first (not under --scheduling-policy fcfs)
     beam: BeamOptions | None = None  # vLLM's use_beam_search: n beams instead of n samples
@@ -198,6 +199,7 @@ def parse_completion_request(body, defaults: SamplingDefaults | None = None,
         include_usage=include_usage,
         continuous_usage=continuous_usage,
         return_tokens_as_token_ids=read_bool(body, "return_tokens_as_token_ids", None),
+        return_token_ids=bool(read_bool(body, "return_token_ids", False)),
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
         echo=echo,
@@ -249,6 +251,7 @@ def parse_chat_request(body, defaults: SamplingDefaults | None = None,
         include_usage=include_usage,
         continuous_usage=continuous_usage,
         return_tokens_as_token_ids=read_bool(body, "return_tokens_as_token_ids", None),
+        return_token_ids=bool(read_bool(body, "return_token_ids", False)),
         logprobs=want_logprobs,
         top_logprobs=top_logprobs or 0,
         max_tokens_given=max_tokens_given,
