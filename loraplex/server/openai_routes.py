@@ -14,7 +14,7 @@ from loraplex.server.admission import Admission, admit
 from loraplex.server.context import AppContext
 from loraplex.server.errors import CLIENT_CLOSED, from_exception, model_not_found
 from loraplex.server.generation import RequestRun
-from loraplex.server.protocol import GenerationRequest, parse_chat_request, parse_completion_request
+from loraplex.server.protocol import GenerationRequest, parse_chat_request, parse_completion_request, with_default_model
 from loraplex.server.request_defaults import apply_server_defaults
 from loraplex.server.shapes import ResponseShaper
 from loraplex.server.streaming import DONE, ClientDisconnected, SSEResponse, run_unless_disconnected, sse_event
@@ -33,6 +33,7 @@ class OpenAIAdmission(Admission):
         self._parse = parse
 
     def parse(self, ctx: AppContext, body) -> GenerationRequest:
+        body = with_default_model(body, ctx.served_model_name)
         req = self._parse(body, ctx.sampling_defaults, max_logprobs=ctx.settings.max_logprobs)
         chat_output.check_request(ctx, req)  # "auto" tool choice needs the server's tool-call parser
         apply_server_defaults(req, ctx.settings)

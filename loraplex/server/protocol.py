@@ -83,8 +83,16 @@ class GenerationRequest:
 def _model(body) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise bad_request("`model` is required and must be a non-empty string", param="model")
+        raise bad_request("`model` must be a non-empty string (or left out: the base model)", param="model")
     return model
+
+
+def with_default_model(body, served_model: str):
+    """``body`` with vLLM's default ``model``: a request that leaves it out (or sends null) is
+    for the base model (vLLM's request models have ``model: str | None = None``)."""
+    if isinstance(body, dict) and body.get("model") is None:
+        return {**body, "model": served_model}
+    return body
 
 
 def _stream(body) -> tuple[bool, bool, bool]:

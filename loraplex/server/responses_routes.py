@@ -20,7 +20,7 @@ from loraplex.server.context import AppContext
 from loraplex.server.errors import CLIENT_CLOSED, APIError, from_exception
 from loraplex.server.generation import RequestRun
 from loraplex.server.openai_routes import chunks, generate
-from loraplex.server.protocol import GenerationRequest
+from loraplex.server.protocol import GenerationRequest, with_default_model
 from loraplex.server.responses_protocol import parse_responses_request, renamed
 from loraplex.server.responses_shapes import (EventStream, new_item_id, output_items, replay_items,
                                               response_object, sse, status_of, usage)
@@ -33,7 +33,7 @@ class ResponsesAdmission(Admission):
     endpoint = "responses"
 
     def parse(self, ctx: AppContext, body) -> GenerationRequest:
-        req = parse_responses_request(body, ctx.sampling_defaults)
+        req = parse_responses_request(with_default_model(body, ctx.served_model_name), ctx.sampling_defaults)
         try:
             chat_output.check_request(ctx, req)  # "auto" tool choice needs the server's tool-call parser
         except APIError as exc:

@@ -68,7 +68,7 @@ REFUSED = [
     # chat's beam search (beam_fields.py) is not served here: told, not answered with a sampled reply
     ({"use_beam_search": True}, "use_beam_search", UNSUPPORTED),
     ({"store": "yes"}, "store", None),
-    ({"model": None}, "model", None),
+    ({"model": 3}, "model", None),  # left out or null: the base model (vLLM's), as chat (test_openai_fake.py)
 ]
 
 
