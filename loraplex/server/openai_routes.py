@@ -104,6 +104,7 @@ async def collect(run: RequestRun, shaper: ResponseShaper) -> dict:
     entries: list[list[dict]] = [[] for _ in range(n_choices)]
     finish: list[str | None] = [None] * n_choices
     token_ids: list[list[int]] = [[] for _ in range(n_choices)]
+    stop_reasons: list[int | str | None] = [None] * n_choices
     parsed = chat_output.outputs_for(run)  # reasoning / "auto" tool calls read out of the text
     async for p_idx, choice, comp in run.deltas():
         pieces[choice].append(comp.text)
@@ -112,6 +113,7 @@ async def collect(run: RequestRun, shaper: ResponseShaper) -> dict:
             entries[choice].extend(comp.logprobs)
         if comp.finish_reason is not None:
             finish[choice] = comp.finish_reason
+            stop_reasons[choice] = _stop_reason(req, comp)
     if req.echo_without_generation:  # the prompt only: the one token the engine ran is not shown
         pieces, entries, finish = [[] for _ in pieces], [[] for _ in entries], ["length"] * n_choices
     run.output_texts = texts = ["".join(p) for p in pieces]
@@ -139,9 +141,17 @@ async def collect(run: RequestRun, shaper: ResponseShaper) -> dict:
     body = build(choices, run.prompt_tokens, run.completion_tokens)
     if req.prompt_logprobs is not None and req.kind == "chat":  # vLLM: one prompt, at the top level
         body["prompt_logprobs"] = _vllm_prompt_logprobs(run, shaper, 0)
+    for choice in body["choices"]:
+        choice["stop_reason"] = stop_reasons[choice["index"]]
     if req.return_token_ids:
         add_to_answer(body, req.kind, run.prompt_ids, token_ids, req.params.n)
     return body
+
+
+def _stop_reason(req: GenerationRequest, comp) -> int | str | None:
+    """vLLM's ``stop_reason`` of a finished choice: the stop string or stop token id that ended
+    it, null for EOS, the length limit, or an echo without generation (no stop was reached)."""
+    return None if req.echo_without_generation else comp.stop_reason
 
 
 def _prompt_entries(run: RequestRun, shaper: ResponseShaper, p_idx: int) -> list[dict]:
@@ -179,16 +189,17 @@ async def chunks(run: RequestRun, shaper: ResponseShaper):
     """The stream's chunks (dicts) up to each choice's finish reason, without the usage chunk;
     an engine failure is raised. The Responses API reads a chat stream from here too."""
     req = run.req
-    if not req.return_token_ids:
-        async for chunk in _chunks(run, shaper, None):
-            yield chunk
-        return
-    ids = StreamTokenIds(req.kind, run.prompt_ids, req.params.n, len(run.prompt_ids) * req.params.n)
-    async for chunk in _chunks(run, shaper, ids):
-        yield ids.stamp(chunk)
+    ids = StreamTokenIds(req.kind, run.prompt_ids, req.params.n, len(run.prompt_ids) * req.params.n) \
+        if req.return_token_ids else None
+    stop_reasons: dict[int, int | str | None] = {}  # per choice, once it finished
+    async for chunk in _chunks(run, shaper, ids, stop_reasons):
+        choice = chunk["choices"][0]  # vLLM's stop_reason on every chunk: set on the finishing one
+        choice["stop_reason"] = stop_reasons.get(choice["index"]) if choice["finish_reason"] is not None else None
+        yield ids.stamp(chunk) if ids is not None else chunk
 
 
-async def _chunks(run: RequestRun, shaper: ResponseShaper, ids: StreamTokenIds | None):
+async def _chunks(run: RequestRun, shaper: ResponseShaper, ids: StreamTokenIds | None,
+                  stop_reasons: dict[int, int | str | None]):
     req = run.req
     n_choices = len(run.prompt_ids) * req.params.n
     if req.continuous_usage:
@@ -220,6 +231,8 @@ async def _chunks(run: RequestRun, shaper: ResponseShaper, ids: StreamTokenIds |
     async for p_idx, choice, comp in run.deltas():
         if ids is not None:  # before this delta's chunks: they carry its ids
             ids.take(choice, comp.token_ids)
+        if comp.finish_reason is not None:
+            stop_reasons[choice] = _stop_reason(req, comp)
         if choice in echo_pending:
             echo_pending.discard(choice)
             prompt_entries = _prompt_entries(run, shaper, p_idx)

@@ -10,27 +10,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from loraplex.engine.async_engine import AsyncLLMEngine
-from tests.engine.test_engine_exact import tight_llm
-from tests.fixtures.tiny_models import make_tiny_model_dir
-from tests.server.conftest import start_server
+from tests.server.real_tiny_server import start_tiny_server
 
 PROMPTS = ["the cat sat", "a dog"]
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    folder = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=3)
-    llm = tight_llm(folder, tmp_path_factory.mktemp("home"), num_blocks=64, max_num_batched_tokens=256)
-    engine = AsyncLLMEngine(llm.config, engine=llm.engine)
-    srv = start_server(tmp_path_factory.mktemp("srv"), engine)
-    key = srv.make_tenant("acme")
-    client = openai.OpenAI(base_url=f"{srv.url}/t/acme/v1", api_key=key, max_retries=0, timeout=60)
-    model = srv.app.state.ctx.served_model_name
-    yield client, model, folder, srv
-    client.close()
-    srv.stop()
-    engine.shutdown()
+    tiny = start_tiny_server(tmp_path_factory, seed=3)
+    yield tiny.client, tiny.model, tiny.folder, tiny.srv
+    tiny.stop()
 
 
 def _reference(folder, prompt: str) -> tuple[list[int], torch.Tensor]:

@@ -5,15 +5,11 @@ text held back by a stop string included."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from loraplex.engine.async_engine import AsyncLLMEngine
-from tests.engine.test_engine_exact import tight_llm
-from tests.fixtures.tiny_models import make_tiny_model_dir
-from tests.server.conftest import start_server
+from tests.server.real_tiny_server import start_tiny_server
 
 MESSAGES = [{"role": "user", "content": "say something"}]
 GREEDY = dict(max_tokens=6, temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
@@ -21,18 +17,11 @@ GREEDY = dict(max_tokens=6, temperature=0, extra_body={"return_token_ids": True,
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    folder = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=5)
-    llm = tight_llm(folder, tmp_path_factory.mktemp("home"), num_blocks=64, max_num_batched_tokens=256)
-    engine = AsyncLLMEngine(llm.config, engine=llm.engine)
-    srv = start_server(tmp_path_factory.mktemp("srv"), engine)
-    client = openai.OpenAI(base_url=f"{srv.url}/t/acme/v1", api_key=srv.make_tenant("acme"), max_retries=0,
-                           timeout=60)
-    tok = AutoTokenizer.from_pretrained(folder)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    yield client, srv.app.state.ctx.served_model_name, tok, hf
-    client.close()
-    srv.stop()
-    engine.shutdown()
+    tiny = start_tiny_server(tmp_path_factory, seed=5)
+    tok = AutoTokenizer.from_pretrained(tiny.folder)
+    hf = AutoModelForCausalLM.from_pretrained(tiny.folder, dtype=torch.float32).eval()
+    yield tiny.client, tiny.model, tok, hf
+    tiny.stop()
 
 
 def _greedy(hf, ids: list[int], n: int) -> list[int]:
