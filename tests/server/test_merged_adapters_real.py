@@ -17,16 +17,12 @@ from peft import PeftModel
 from starlette.testclient import TestClient
 
 from loraplex import LLM
-from loraplex.config import Settings
 from loraplex.engine.async_engine import AsyncLLMEngine
 from loraplex.lora.merge import MergeParams
-from loraplex.registry import db
-from loraplex.registry.adapter_manager import AdapterManager
 from loraplex.registry.adapter_merges import AdapterMerger
-from loraplex.registry.service import RegistryService
 from loraplex.server.app import create_app
-from loraplex.storage.base import open_blob_store
 from tests.fixtures.peft_adapters import make_peft_adapter
+from tests.server.registry_stack import registry_stack
 
 ADMIN_KEY = "merge-admin-key"
 N = 8
@@ -49,16 +45,7 @@ def world(tiny_llama_dir, tmp_path_factory):
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", home=home, kv_cache_bytes=4 << 20,
               max_loras=2, max_lora_rank=8, max_num_seqs=8)
     engine = AsyncLLMEngine(llm.config, engine=llm.engine)
-    url = f"sqlite:///{home / 'registry.db'}"
-    db.upgrade(url)
-    registry = RegistryService.from_url(url)
-    manager = AdapterManager(registry, open_blob_store(str(home / "blobs")),
-                             AdapterManager.make_disk_cache(home / "adapter-cache", 1 << 30),
-                             llm.engine.runner.lora_target_spec(), 8)
-    settings = Settings(home=home, admin_key=ADMIN_KEY, database_url=url, blob_gc_interval_seconds=0,
-                        model=str(tiny_llama_dir))
-    registry.create_tenant("acme")
-    _, key = registry.create_api_key("acme")
+    settings, registry, manager, key = registry_stack(home, llm, tiny_llama_dir, ADMIN_KEY)
     for name in ("p", "q"):
         manager.upload("acme", name, dirs[name], "admin")
     app = create_app(settings, engine=engine, registry=registry, adapters=manager)

@@ -13,16 +13,12 @@ import torch
 from starlette.testclient import TestClient
 
 from loraplex import LLM
-from loraplex.config import Settings
 from loraplex.engine.async_engine import AsyncLLMEngine
-from loraplex.registry import db
-from loraplex.registry.adapter_manager import AdapterManager
-from loraplex.registry.service import RegistryService
 from loraplex.server.app import create_app
-from loraplex.storage.base import open_blob_store
 from tests.fixtures.peft_adapters import make_peft_adapter, peft_model_for
 from tests.fixtures.tiny_moe import make_tiny_moe_dir
 from tests.lora.test_acceptance import reference
+from tests.server.registry_stack import registry_stack
 
 ADMIN_KEY = "moe-admin-key"
 FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -45,16 +41,7 @@ def world(tmp_path_factory):
     home = root / "home"
     llm = LLM(model=str(model_dir), dtype="float32", home=home, kv_cache_bytes=4 << 20, max_loras=2, max_lora_rank=8)
     engine = AsyncLLMEngine(llm.config, engine=llm.engine)
-    url = f"sqlite:///{home / 'registry.db'}"
-    db.upgrade(url)
-    registry = RegistryService.from_url(url)
-    manager = AdapterManager(registry, open_blob_store(str(home / "blobs")),
-                             AdapterManager.make_disk_cache(home / "adapter-cache", 1 << 30),
-                             llm.engine.runner.lora_target_spec(), 8)
-    settings = Settings(home=home, admin_key=ADMIN_KEY, database_url=url, blob_gc_interval_seconds=0,
-                        model=str(model_dir))
-    registry.create_tenant("acme")
-    _, key = registry.create_api_key("acme")
+    settings, registry, manager, key = registry_stack(home, llm, model_dir, ADMIN_KEY)
     peft_model = peft_model_for(base, {"attn": adapters["attn"]})
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     with TestClient(create_app(settings, engine=engine, registry=registry, adapters=manager)) as client:
