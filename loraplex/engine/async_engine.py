@@ -198,6 +198,19 @@ class AsyncLLMEngine:
         except EngineDeadError:
             pass  # nothing runs any more
 
+    async def flush_prefix_cache(self) -> bool:
+        """Forget the prefix cache if no request is running or waiting (SGLang's
+        ``/flush_cache`` rule: a busy engine keeps it); whether it was flushed. Runs on the
+        engine thread, between steps."""
+
+        def flush() -> bool:
+            if self.engine.has_unfinished():
+                return False
+            self.engine.reset_prefix_cache()
+            return True
+
+        return await self._call(flush)
+
     async def load_adapter(self, ref, tier: str = "device", pin: bool = False):
         manager = self._lora()
         # a new version (an operator warming it before a swap) is read and hashed here, not on

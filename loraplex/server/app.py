@@ -33,6 +33,7 @@ from loraplex.server import (
     openai_routes,
     responses_routes,
     runtime_lora_routes,
+    sglang_routes,
     tenant_delete_routes,
     tgi_info,
     tgi_routes,
@@ -229,6 +230,8 @@ def create_app(
         Route("/metrics", metrics, methods=["GET"]),
         *openai_routes.routes(),
         *responses_routes.routes(),  # OpenAI's Responses API, stateless
+        # SGLang's native API; its POST /generate hands LoRAX's bodies on to tgi_routes
+        *sglang_routes.routes(),
         *tgi_routes.routes(),  # LoRAX's native API: /generate, /generate_stream, POST /
         *tgi_info.routes(),  # LoRAX's GET /info
         *tokenizer_routes.routes(),  # vLLM's /tokenize, /detokenize (LoRAX's /tokenize too)

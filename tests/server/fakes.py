@@ -95,6 +95,7 @@ class FakeEngine:
         self.loaded: dict[str, tuple[str, bool]] = {}
         self.unloaded: list[str] = []  # content hashes given to unload_adapter, in order
         self.shut_down = False
+        self.flushes = 0  # prefix-cache flushes done
 
     def _blocks(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
@@ -152,6 +153,14 @@ class FakeEngine:
         with self._lock:
             self.aborted.add(request_id)
             self.blocks_in_use.pop(request_id, None)
+
+    async def flush_prefix_cache(self) -> bool:
+        """The engine's rule: flushed only when nothing runs (``flushes`` counts them)."""
+        with self._lock:
+            if self.blocks_in_use:
+                return False
+        self.flushes += 1
+        return True
 
     async def load_adapter(self, ref, tier="device", pin=False):
         self.loaded[ref.content_hash] = (tier, pin)

@@ -1,0 +1,242 @@
+"""SGLang's native API (POST /generate with `text`/`input_ids`, /get_model_info,
+/get_server_info, /health_generate, /flush_cache) over the fake engine, against SGLang's
+documented contract (docs.sglang.io "Sampling Parameters" and "SGLang Native APIs";
+sgl-project/sglang io_struct.py GenerateReqInput, tokenizer_manager.py's output objects,
+schedule_batch.py's finish reasons, http_server.py's error shape). Expected texts come from the
+fake engine's own token function (tests/server/fakes.py), not from the code under test."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.server.conftest import ADMIN_KEY
+from tests.server.fakes import VOCAB_OFFSET, FakeEngine, expected_text, fake_token
+
+
+@pytest.fixture(scope="module")
+def world(module_server):
+    srv = module_server
+    key = srv.make_tenant("sg")
+    version = srv.upload("sg", "sql", b"sg-v1")
+    with srv.tenant_client(key) as client:
+        yield srv, client, version["sha256"]
+
+
+def _ids(srv, text: str) -> list[int]:
+    return srv.engine.tokenizer(text)["input_ids"]
+
+
+def _events(r) -> list:
+    assert r.headers["content-type"].startswith("text/event-stream")
+    data = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"  # SGLang ends every stream so
+    return [json.loads(d) for d in data[:-1]]
+
+
+def _started(srv) -> int:
+    return len(srv.engine.started)
+
+
+def test_single_text_with_adapter(world):
+    srv, client, sha = world
+    ids = _ids(srv, "hello world")
+    r = client.post("/t/sg/generate", json={"text": "hello world", "lora_path": "sql", "rid": "r-1",
+                                            "sampling_params": {"temperature": 0, "max_new_tokens": 7}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    tokens = [fake_token(ids, sha, None, 0, k) for k in range(7)]
+    assert body["text"] == expected_text(srv.engine.tokenizer, ids, sha, None, 7)
+    assert body["output_ids"] == tokens
+    meta = body["meta_info"]
+    assert meta["id"] == "r-1"
+    assert meta["finish_reason"] == {"type": "length", "length": 7}
+    assert (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == (len(ids), 7, 0)
+    assert meta["e2e_latency"] >= 0 and "input_token_logprobs" not in meta
+    # name@N, and the base model without lora_path
+    assert client.post("/generate", json={"text": "hello world", "lora_path": "sql@1",
+                                          "sampling_params": {"max_new_tokens": 7, "temperature": 0}}
+                       ).json()["text"] == body["text"]
+    base = client.post("/generate", json={"text": "hello world", "sampling_params": {"max_new_tokens": 4,
+                                                                                   "temperature": 0}}).json()
+    assert base["text"] == expected_text(srv.engine.tokenizer, ids, None, None, 4)
+    assert srv.adapters.in_use[sha] == 0
+
+
+def test_batch_text_and_lora_path_list(world):
+    srv, client, sha = world
+    tok = srv.engine.tokenizer
+    r = client.post("/generate", json={"text": ["ab cd", "ef gh", "ab cd"], "lora_path": ["sql", None, None],
+                                       "rid": "job", "sampling_params": {"max_new_tokens": 5, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert isinstance(out, list) and len(out) == 3
+    want = [(_ids(srv, "ab cd"), sha), (_ids(srv, "ef gh"), None), (_ids(srv, "ab cd"), None)]
+    assert [o["text"] for o in out] == [expected_text(tok, i, a, None, 5) for i, a in want]
+    assert [o["meta_info"]["id"] for o in out] == ["job_0", "job_1", "job_2"]  # SGLang's rid_<i>
+    assert all("index" not in o for o in out)  # only streamed objects carry it
+
+
+def test_input_ids_single_and_batch(world):
+    srv, client, _ = world
+    tok = srv.engine.tokenizer
+    ids = [VOCAB_OFFSET + 1, VOCAB_OFFSET + 2, VOCAB_OFFSET + 3]
+    one = client.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 3,
+                                                                              "temperature": 0}}).json()
+    assert one["text"] == expected_text(tok, ids, None, None, 3) and one["meta_info"]["prompt_tokens"] == 3
+    two = client.post("/generate", json={"input_ids": [ids, ids[:2]], "sampling_params": [
+        {"max_new_tokens": 3, "temperature": 0}, {"max_new_tokens": 2, "temperature": 0}]}).json()
+    assert [o["text"] for o in two] == [expected_text(tok, ids, None, None, 3),
+                                        expected_text(tok, ids[:2], None, None, 2)]
+    assert two[1]["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
+
+
+def test_n_gives_a_list_prompt_by_prompt(world):
+    srv, client, _ = world
+    tok = srv.engine.tokenizer
+    r = client.post("/generate", json={"text": ["ab", "cd"], "sampling_params": {
+        "n": 2, "max_new_tokens": 4, "temperature": 0.7, "sampling_seed": 11}})
+    out = r.json()
+    assert len(out) == 4
+    want = [expected_text(tok, _ids(srv, p), None, 11, 4, choice=c) for p in ("ab", "cd") for c in range(2)]
+    assert [o["text"] for o in out] == want
+    assert len({o["meta_info"]["id"] for o in out}) == 4
+    single = client.post("/generate", json={"text": "ab", "sampling_params": {"n": 2, "max_new_tokens": 4,
+                                                                             "sampling_seed": 11}}).json()
+    assert [o["text"] for o in single] == want[:2]
+
+
+def test_sampling_params_reach_the_engine(world):
+    srv, client, _ = world
+    sp = {"max_new_tokens": 6, "min_new_tokens": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.1,
+          "frequency_penalty": 0.2, "presence_penalty": -0.3, "repetition_penalty": 1.2, "stop": "zz",
+          "stop_token_ids": [5], "ignore_eos": True, "skip_special_tokens": False, "no_stop_trim": True,
+          "sampling_seed": 3, "spaces_between_special_tokens": True, "stream_interval": 2}
+    assert client.post("/generate", json={"text": "ab", "sampling_params": sp}).status_code == 200
+    p = list(srv.engine.params_seen.values())[-1]
+    assert (p.max_tokens, p.min_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (6, 2, 0.5, 0.9, 7, 0.1)
+    assert (p.frequency_penalty, p.presence_penalty, p.repetition_penalty) == (0.2, -0.3, 1.2)
+    assert (p.stop, p.stop_token_ids, p.ignore_eos, p.skip_special_tokens) == (["zz"], [5], True, False)
+    assert (p.include_stop_str_in_output, p.seed, p.logprobs, p.prompt_logprobs) == (True, 3, None, None)
+    # SGLang's defaults: 128 new tokens, temperature 1, top_k -1 (all); below 1e-6 is greedy
+    assert client.post("/generate", json={"text": "ab", "sampling_params": {"max_new_tokens": 3,
+                                                                           "temperature": 1e-7}}).status_code == 200
+    assert list(srv.engine.params_seen.values())[-1].temperature == 0.0
+    client.post("/generate", json={"text": "ab", "sampling_params": {"max_new_tokens": 3}})
+    p = list(srv.engine.params_seen.values())[-1]
+    assert (p.temperature, p.top_k, p.top_p) == (1.0, 0, 1.0)
+    r = client.post("/generate", json={"text": "ab", "sampling_params": {"regex": "[a-c]+", "max_new_tokens": 3}})
+    assert r.status_code == 200 and list(srv.engine.params_seen.values())[-1].structured_outputs.regex == "[a-c]+"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    client.post("/generate", json={"text": "ab", "sampling_params": {"json_schema": json.dumps(schema),
+                                                                    "max_new_tokens": 3}})
+    assert list(srv.engine.params_seen.values())[-1].structured_outputs.json == schema
+
+
+def test_default_max_new_tokens_is_sglangs(server_factory):
+    srv = server_factory(engine=FakeEngine(max_model_len=512))
+    with srv.tenant_client(srv.make_tenant("d")) as client:
+        r = client.post("/generate", json={"text": "ab"})
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 128
+
+
+def test_stop_finish_reason_names_what_matched(world):
+    srv, client, _ = world
+    ids = _ids(srv, "ab")
+    first = srv.engine.tokenizer.decode([fake_token(ids, None, None, 0, 2)])
+    r = client.post("/generate", json={"text": "ab", "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                                                        "stop": [first]}})
+    meta = r.json()["meta_info"]
+    assert meta["finish_reason"] == {"type": "stop", "matched": first}
+
+
+def test_logprobs_in_sglangs_tuples(world):
+    srv, client, _ = world
+    ids = _ids(srv, "ab")
+    tokens = [fake_token(ids, None, None, 0, k) for k in range(3)]
+    r = client.post("/generate", json={"text": "ab", "return_logprob": True, "top_logprobs_num": 1,
+                                       "return_text_in_logprobs": True,
+                                       "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    meta = r.json()["meta_info"]
+    decode = srv.engine.tokenizer.decode
+    assert meta["output_token_logprobs"] == [[-0.5, t, decode([t])] for t in tokens]
+    # the fake's alternatives: the chosen token at -0.5 and VOCAB_OFFSET at -1.5; top 1 keeps the first
+    assert meta["output_top_logprobs"] == [[[-0.5, t, decode([t])]] for t in tokens]
+    assert meta["input_token_logprobs"] == [] and meta["input_top_logprobs"] == []  # logprob_start_len -1
+    assert list(srv.engine.params_seen.values())[-1].logprobs == 1
+    plain = client.post("/generate", json={"text": "ab", "return_logprob": True,
+                                           "sampling_params": {"max_new_tokens": 2, "temperature": 0}}).json()
+    assert plain["meta_info"]["output_token_logprobs"] == [[-0.5, t, None] for t in tokens[:2]]
+    assert "output_top_logprobs" not in plain["meta_info"]
+
+
+def test_stream_is_cumulative_and_ends_with_done(world):
+    srv, client, sha = world
+    ids = _ids(srv, "ab")
+    r = client.post("/generate", json={"text": "ab", "stream": True, "lora_path": "sql",
+                                       "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    events = _events(r)
+    full = expected_text(srv.engine.tokenizer, ids, sha, None, 4)
+    assert [e["text"] for e in events] == [full[:k] for k in range(1, 5)]
+    assert [e["meta_info"]["finish_reason"] for e in events] == [None] * 3 + [{"type": "length", "length": 4}]
+    assert [e["meta_info"]["completion_tokens"] for e in events] == [1, 2, 3, 4]
+    assert all("index" not in e for e in events)
+    batch = _events(client.post("/generate", json={"text": ["ab", "cd"], "stream": True,
+                                                   "sampling_params": {"max_new_tokens": 2, "temperature": 0}}))
+    assert sorted(e["index"] for e in batch) == [0, 0, 1, 1]
+    last = {e["index"]: e["text"] for e in batch}
+    assert last == {0: expected_text(srv.engine.tokenizer, ids, None, None, 2),
+                    1: expected_text(srv.engine.tokenizer, _ids(srv, "cd"), None, None, 2)}
+    assert srv.adapters.in_use[sha] == 0
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"text": "ab", "input_ids": [4, 5]}, ["text", "input_ids"]),
+    ({"sampling_params": {}}, ["text", "input_ids"]),
+    ({"text": "ab", "inputs": "ab"}, ["inputs", "text"]),
+    ({"text": "ab", "sampling_params": {"temprature": 0}}, ["temprature"]),
+    ({"text": "ab", "sampling_params": {"stop_regex": "a+"}}, ["stop_regex"]),
+    ({"text": "ab", "sampling_params": {"temperature": -1}}, ["temperature"]),
+    ({"text": "ab", "sampling_params": {"top_k": 0}}, ["top_k"]),
+    ({"text": "ab", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, ["regex", "ebnf"]),
+    ({"text": "ab", "lora_path": "nope"}, ["nope"]),
+    ({"text": ["ab", "cd"], "lora_path": ["sql", "nope"]}, ["nope"]),
+    ({"text": ["ab", "cd"], "lora_path": ["sql"]}, ["lora_path"]),
+    ({"text": ["ab", "cd"], "sampling_params": [{"n": 1}, {"n": 2}]}, ["parallel_sample_num"]),
+    ({"text": "ab", "image_data": "x.png"}, ["image_data"]),
+])
+def test_bad_input_is_a_400_in_sglangs_shape_and_runs_nothing(world, body, words):
+    srv, client, sha = world
+    before = _started(srv)
+    r = client.post("/generate", json=body)
+    assert r.status_code == 400, r.text
+    assert set(r.json()) == {"error"} and set(r.json()["error"]) == {"message"}
+    assert all(w in r.json()["error"]["message"] for w in words), r.text
+    assert _started(srv) == before and srv.adapters.in_use.get(sha, 0) == 0
+
+
+def test_lorax_bodies_still_reach_lorax(world):
+    srv, client, sha = world
+    r = client.post("/generate", json={"inputs": "ab", "parameters": {"adapter_id": "sql", "max_new_tokens": 3}})
+    assert r.status_code == 200 and r.json() == {
+        "generated_text": expected_text(srv.engine.tokenizer, _ids(srv, "ab"), sha, None, 3)}
+
+
+def test_info_health_and_flush(world):
+    srv, client, _ = world
+    info = client.get("/t/sg/get_model_info").json()
+    assert info["is_generation"] is True and info["model_path"] == srv.app.state.ctx.settings.model
+    server = client.get("/get_server_info").json()
+    s = srv.app.state.ctx.settings
+    assert (server["max_loras_per_batch"], server["max_running_requests"], server["disable_radix_cache"]) == (
+        s.max_loras, s.max_num_seqs, not s.enable_prefix_caching)
+    assert server["context_length"] == srv.engine.max_model_len
+    assert client.get("/get_model_info", headers={"Authorization": "Bearer nope"}).status_code == 401
+    before = _started(srv)
+    assert client.get("/health_generate").status_code == 200
+    assert _started(srv) == before + 1  # an idle server runs one token to say so
+    flushes = srv.engine.flushes
+    assert client.post("/flush_cache").status_code == 401  # a tenant key: the operator's act
+    r = client.post("/flush_cache", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert r.status_code == 200 and r.text.startswith("Cache flushed") and srv.engine.flushes == flushes + 1
