@@ -3,7 +3,8 @@ and scripts written for ``python -m sglang.launch_server`` work unchanged.
 
 ``POST /generate`` is also LoRAX's path (tgi_routes.py): the body tells them apart. SGLang's has
 ``text`` or ``input_ids`` (and ``sampling_params``), LoRAX's has ``inputs`` (and
-``parameters``); a body with both kinds of field, or neither, is a 400 naming them.
+``parameters``); an object with both kinds of field, or neither, is a 400 naming them (a body
+that is not a JSON object gets LoRAX's answer, as before).
 
 - ``POST /generate`` (sglang_protocol.py): one output object, or a list for a batch or ``n`` >
   1 (prompt by prompt, n each), shaped by sglang_shapes.py. ``stream: true``: server-sent
@@ -235,29 +236,32 @@ async def _serve_sglang(request: Request, ctx: AppContext, body: dict, arrival: 
 
 
 async def generate(request: Request) -> Response:
-    """``POST /generate``: SGLang's body here, LoRAX's to tgi_routes."""
+    """``POST /generate``: SGLang's body here, LoRAX's (and a body that is no JSON object,
+    which LoRAX answers as it always has) to tgi_routes."""
     arrival = time.monotonic()
     ctx: AppContext = request.app.state.ctx
     try:
         raw = await request.body()  # kept on the request: LoRAX's handler reads it again
-        body = json.loads(raw) if raw else None
-    except ValueError:
-        return error_response(bad_request("The request body is not valid JSON."))
     except Exception as exc:
         return error_response(from_exception(exc))
-    if isinstance(body, dict):
-        sglang = [f for f in SGLANG_FIELDS if f in body]
-        lorax = [f for f in LORAX_FIELDS if f in body]
-        if lorax and not sglang:
-            return await tgi_routes.generate(request)
-        if sglang and not lorax:
-            return await _serve_sglang(request, ctx, body, arrival)
-        message = ("The body mixes SGLang's fields (`text`/`input_ids`, `sampling_params`) with LoRAX's "
-                   f"(`inputs`, `parameters`): {', '.join(sglang + lorax)}; send one kind."
-                   if sglang else "Give SGLang's `text` or `input_ids` (with `sampling_params`), or LoRAX's "
-                   "`inputs` (with `parameters`).")
-        return error_response(bad_request(message))
-    return error_response(bad_request("request body must be a JSON object"))
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        return await tgi_routes.generate(request)
+    sglang = [f for f in SGLANG_FIELDS if f in body]
+    lorax = [f for f in LORAX_FIELDS if f in body]
+    if lorax and not sglang:
+        return await tgi_routes.generate(request)
+    if sglang and not lorax:
+        return await _serve_sglang(request, ctx, body, arrival)
+    message = ("The body mixes SGLang's fields (`text`/`input_ids`, `sampling_params`) with LoRAX's "
+               f"(`inputs`, `parameters`): {', '.join(sglang + lorax)}; send one kind."
+               if sglang else "Give SGLang's `text` or `input_ids` (with `sampling_params`), or LoRAX's "
+               "`inputs` (with `parameters`).")
+    log_refused(ENDPOINT, None, None, 400, arrival, request_ids(request))
+    return error_response(bad_request(message))
 
 
 async def _tenant_or_error(request: Request, ctx: AppContext) -> Response | None:
