@@ -1,0 +1,175 @@
+"""SGLang's /generate on the real engine (tiny Llama, CPU, a PEFT adapter behind the real
+AdapterManager): greedy outputs equal the OpenAI completions route's for the same prompt and
+adapter (the reference), single, batched with a lora_path per prompt, from token ids and
+streamed; logprobs equal the completions route's; /flush_cache empties the prefix cache (the
+engine's hit counter says so) and /health_generate runs a token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+from starlette.testclient import TestClient
+
+from loraplex.config import Settings
+from loraplex.engine.async_engine import AsyncLLMEngine
+from loraplex.registry import db
+from loraplex.registry.adapter_manager import AdapterManager
+from loraplex.registry.service import RegistryService
+from loraplex.server.app import create_app
+from loraplex.storage.base import open_blob_store
+from tests.engine.test_engine_exact import tight_llm
+from tests.fixtures.peft_adapters import make_peft_adapter
+
+ADMIN_KEY = "sglang-admin-key"
+FILES = ("adapter_config.json", "adapter_model.safetensors")
+TEXT = " ".join(f"word{i}" for i in range(40))  # several full blocks of 16 tokens
+
+
+@pytest.fixture(scope="module")
+def world(tiny_llama_dir, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("sglang")
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    adapter = make_peft_adapter(base, root / "sql", seed=5, r=4, target_modules=["q_proj", "v_proj"])
+    home = root / "home"
+    llm = tight_llm(tiny_llama_dir, home, num_blocks=256, enable_prefix_caching=True, max_num_batched_tokens=512,
+                    max_loras=2, max_lora_rank=8)
+    engine = AsyncLLMEngine(llm.config, engine=llm.engine)
+    url = f"sqlite:///{home / 'registry.db'}"
+    db.upgrade(url)
+    registry = RegistryService.from_url(url)
+    manager = AdapterManager(registry, open_blob_store(str(home / "blobs")),
+                             AdapterManager.make_disk_cache(home / "adapter-cache", 1 << 30),
+                             llm.engine.runner.lora_target_spec(), 8)
+    settings = Settings(home=home, admin_key=ADMIN_KEY, database_url=url, blob_gc_interval_seconds=0,
+                        model=str(tiny_llama_dir))
+    registry.create_tenant("acme")
+    _, key = registry.create_api_key("acme")
+    try:
+        with TestClient(create_app(settings, engine=engine, registry=registry, adapters=manager)) as client:
+            r = client.post("/admin/v1/tenants/acme/adapters/sql/versions",
+                            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                            files={n: (n, (adapter / n).read_bytes()) for n in FILES})
+            assert r.status_code == 201, r.text
+            client.headers["Authorization"] = f"Bearer {key}"
+            yield client, llm.engine, engine
+    finally:
+        engine.shutdown()
+
+
+def _completion(client, prompt, model: str | None, max_tokens: int = 6, **extra) -> dict:
+    model = model or client.app.state.ctx.served_model_name
+    r = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                             "temperature": 0, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _generate(client, **body):
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _finish(choice: dict) -> str:
+    """An OpenAI finish reason in SGLang's ``finish_reason.type`` words."""
+    return "length" if choice["finish_reason"] == "length" else "stop"
+
+
+@pytest.mark.parametrize("lora", ["sql", None])
+def test_greedy_equals_completions(world, lora):
+    client, *_ = world
+    want = _completion(client, "The quick brown fox", lora)["choices"][0]
+    got = _generate(client, text="The quick brown fox", lora_path=lora,
+                    sampling_params={"temperature": 0, "max_new_tokens": 6})
+    assert got["text"] == want["text"]
+    assert got["meta_info"]["finish_reason"]["type"] == _finish(want)
+    assert got["meta_info"]["completion_tokens"] == len(got["output_ids"])
+
+
+def test_adapter_changes_the_output_and_batches_keep_theirs(world):
+    client, *_ = world
+    prompts = ["Once upon a time", "The quick brown fox", "Once upon a time"]
+    loras = ["sql", None, None]
+    want = [_completion(client, p, lora)["choices"][0]["text"] for p, lora in zip(prompts, loras)]
+    assert want[0] != want[2]  # the adapter is live: otherwise this test could not fail
+    got = _generate(client, text=prompts, lora_path=loras, sampling_params={"temperature": 0, "max_new_tokens": 6})
+    assert [o["text"] for o in got] == want
+
+
+def test_input_ids_and_stream(world):
+    client, *_ = world
+    ids = client.app.state.ctx.tokenizer("Hello there")["input_ids"]
+    want = _completion(client, ids, "sql")["choices"][0]["text"]
+    got = _generate(client, input_ids=ids, lora_path="sql", sampling_params={"temperature": 0, "max_new_tokens": 6})
+    assert got["text"] == want and got["meta_info"]["prompt_tokens"] == len(ids)
+    r = client.post("/generate", json={"input_ids": ids, "lora_path": "sql", "stream": True,
+                                       "sampling_params": {"temperature": 0, "max_new_tokens": 6}})
+    data = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    events = [json.loads(d) for d in data[:-1]]
+    assert events[-1]["text"] == want and events[-1]["meta_info"]["finish_reason"] is not None
+    assert all(want.startswith(e["text"]) for e in events)  # cumulative, as SGLang streams
+
+
+def test_logprobs_equal_completions(world):
+    client, *_ = world
+    prompt = "The quick brown fox"
+    ids = client.app.state.ctx.tokenizer(prompt)["input_ids"]
+    ref = _completion(client, prompt, "sql", max_tokens=4, logprobs=2, prompt_logprobs=0)
+    got = _generate(client, text=prompt, lora_path="sql", return_logprob=True, top_logprobs_num=2,
+                    logprob_start_len=0, sampling_params={"temperature": 0, "max_new_tokens": 4})["meta_info"]
+    ref_lp = ref["choices"][0]["logprobs"]["token_logprobs"]
+    assert [e[0] for e in got["output_token_logprobs"]] == pytest.approx(ref_lp, abs=1e-5)
+    assert [e[1] for e in got["output_token_logprobs"]] == got_ids(client, prompt)
+    assert [len(top) for top in got["output_top_logprobs"]] == [2] * 4
+    assert [top[0][0] >= top[1][0] for top in got["output_top_logprobs"]] == [True] * 4
+    prompt_ref = ref["choices"][0]["prompt_logprobs"]  # vLLM puts a completion's on its choice
+    assert [e[1] for e in got["input_token_logprobs"]] == ids
+    assert got["input_token_logprobs"][0][0] is None and got["input_top_logprobs"][0] is None
+    for i in range(1, len(ids)):
+        assert got["input_token_logprobs"][i][0] == pytest.approx(prompt_ref[i][str(ids[i])]["logprob"], abs=1e-5)
+
+
+def got_ids(client, prompt: str) -> list[int]:
+    """The greedy output ids of the adapter, from the completions route's logprob tokens."""
+    ref = _completion(client, prompt, "sql", max_tokens=4, logprobs=0, return_tokens_as_token_ids=True)
+    return [int(t.split(":")[1]) for t in ref["choices"][0]["logprobs"]["tokens"]]
+
+
+def test_flush_cache_empties_the_prefix_cache(world):
+    client, engine, _ = world
+
+    def hits() -> int:
+        before = engine.stats()["prefix_cache_hits"]
+        _generate(client, text=TEXT, sampling_params={"temperature": 0, "max_new_tokens": 2})
+        return engine.stats()["prefix_cache_hits"] - before
+
+    cold = hits()
+    assert hits() > cold  # cached now
+    r = client.post("/flush_cache", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert r.status_code == 200, r.text
+    assert hits() == cold  # cold again
+    assert client.get("/health_generate").status_code == 200
+
+
+def test_a_busy_engine_keeps_its_cache(world):
+    """SGLang's rule: with a request running or waiting the flush is refused (and done once idle)."""
+    _, core, engine = world
+    from loraplex.sampling_params import SamplingParams
+
+    async def run() -> tuple[bool, bool]:
+        stream = engine.generate([1, 2, 3], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+                                 request_id="busy")
+        await stream.__anext__()  # running now
+        busy = await engine.flush_prefix_cache()
+        async for _ in stream:
+            pass
+        return busy, await engine.flush_prefix_cache()
+
+    assert asyncio.run(run()) == (False, True)
+    assert not core.has_unfinished()
