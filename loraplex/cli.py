@@ -14,6 +14,7 @@ import sys
 SUBCOMMAND_MODULES = (
     "loraplex.server.cli",  # serve
     "loraplex.server.batch_cli",  # run-batch
+    "loraplex.server.sglang_cli",  # sglang-serve
     "loraplex.registry.cli",  # adapters, tenants
     "loraplex.registry.usage_cli",  # usage
     "loraplex.engine.cli",  # generate (offline demo)
@@ -37,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sglang-serve"]:  # SGLang's flags, its own table (loraplex/server/sglang_flags.py)
+        from loraplex.server.sglang_cli import main as sglang_serve
+
+        return sglang_serve(argv[1:])
     choices = parser._subparsers._group_actions[0].choices
     command = choices.get(argv[0]) if argv else None
     if argv[:1] in (["serve"], ["run-batch"]):

@@ -1,0 +1,95 @@
+"""``loraplex sglang-serve``: SGLang's launch_server flags (docs.sglang.io "Server Arguments")
+through the entry point to the Settings and start-up flags ``serve`` would run with: each taken
+flag lands on the loraplex setting that means the same, no-ops are logged, refusals name the
+flag and what to use, an unknown flag is argparse's error with the closest flag."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loraplex.server.cli import settings_from_args
+from loraplex.server.sglang_flags import TABLE
+from loraplex.server.vllm_flags import VllmFlagError, startup_flags
+from tests.server.cli_parsing import no_cli_env, parsed  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.usefixtures("no_cli_env")
+
+# the launch line of the brief, less --mem-fraction-static (refused: test below)
+LAUNCH = ["--model-path", "M", "--lora-paths", "a=/p", "b=/q", "--max-loras-per-batch", "8", "--max-lora-rank",
+          "64", "--lora-target-modules", "all", "--port", "30000", "--context-length", "8192",
+          "--max-running-requests", "256", "--chunked-prefill-size", "8192", "--disable-radix-cache",
+          "--lora-backend", "triton", "--tp", "1"]
+
+
+def test_a_launch_line_becomes_loraplex_settings(parsed, capsys):
+    args = parsed(["sglang-serve", *LAUNCH, "--max-loras-per-batch", "4", "--max-lora-rank", "16"])
+    s = settings_from_args(args)
+    assert (s.model, s.port, s.max_model_len, s.max_num_seqs) == ("M", 30000, 8192, 256)
+    assert (s.max_loras, s.max_lora_rank) == (4, 16)  # the last one given wins, as argparse does
+    assert (s.max_num_batched_tokens, s.enable_chunked_prefill, s.enable_prefix_caching) == (8192, True, False)
+    flags = startup_flags(args, {})
+    assert [(m.name, m.path) for m in flags.lora_modules] == [("a", "/p"), ("b", "/q")]
+    out = capsys.readouterr().out
+    assert "--lora-target-modules all" in out and "--lora-backend triton" in out  # the no-op lines
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--dtype", "half"], {"dtype": "float16"}),
+    (["--dtype", "bfloat16"], {"dtype": "bfloat16"}),
+    (["--random-seed", "7"], {"seed": 7}),
+    (["--host", "0.0.0.0"], {"host": "0.0.0.0"}),
+    (["--served-model-name", "m"], {"served_model_name": "m"}),
+    (["--chunked-prefill-size", "-1"], {"enable_chunked_prefill": False}),
+    (["--disable-cuda-graph"], {"cuda_graphs": False}),
+    (["--schedule-policy", "fcfs"], {"scheduling_policy": "fcfs"}),
+    (["--schedule-policy", "lpm"], {"scheduling_policy": "fair"}),  # order only: a logged no-op
+    (["--max-loaded-loras", "12"], {"max_cpu_loras": 12}),
+    (["--kv-cache-dtype", "fp8_e5m2"], {"kv_cache_dtype": "fp8_e5m2"}),
+    (["--kv-cache-memory-fraction", "0.5"], {"kv_cache_memory_fraction": 0.5}),  # loraplex's own flag
+])
+def test_each_taken_flag_lands_on_its_setting(parsed, argv, want):
+    s = settings_from_args(parsed(["sglang-serve", "--model-path", "M", *argv]))
+    assert {k: getattr(s, k) for k in want} == want
+
+
+def test_api_key_and_json_lora_paths(parsed):
+    item = json.dumps({"lora_name": "sql", "lora_path": "/a/sql", "pinned": True})
+    flags = startup_flags(parsed(["sglang-serve", "--model-path", "M", "--api-key", "k1", "--lora-paths", item]), {})
+    assert flags.api_keys == ("k1",) and [(m.name, m.path) for m in flags.lora_modules] == [("sql", "/a/sql")]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--mem-fraction-static", "0.85"], ["--mem-fraction-static", "--kv-cache-memory-fraction"]),
+    (["--max-total-tokens", "100000"], ["--max-total-tokens", "--kv-cache-bytes"]),
+    (["--is-embedding"], ["--is-embedding"]),
+    (["--lora-paths", "/bare/path"], ["--lora-paths", "NAME=PATH"]),
+    (["--nnodes", "2"], ["--nnodes"]),
+    (["--speculative-algorithm", "EAGLE"], ["--speculative-algorithm", "--speculative-config"]),
+])
+def test_refusals_name_the_flag(argv, words, capsys):
+    from loraplex import cli
+
+    assert cli.main(["sglang-serve", "--model-path", "M", *argv]) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+
+
+def test_more_than_one_device_is_refused_by_serves_rule(parsed):
+    with pytest.raises(VllmFlagError, match="--tensor-parallel-size"):
+        settings_from_args(parsed(["sglang-serve", "--model-path", "M", "--tp", "2"]))
+
+
+def test_an_unknown_flag_gets_the_closest_one(capsys):
+    from loraplex import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["sglang-serve", "--model-path", "M", "--max-loras-per-batc", "8"])
+    assert exc.value.code == 2
+    assert "did you mean --max-loras-per-batch?" in capsys.readouterr().err
+
+
+def test_every_row_is_one_kind():
+    for row in TABLE:
+        assert (row.refuse is not None) + (row.to is not None or row.note is not None) == 1, row.names
