@@ -33,6 +33,7 @@ from loraplex.server import (
     openai_routes,
     responses_routes,
     runtime_lora_routes,
+    sglang_lora_routes,
     sglang_routes,
     tenant_delete_routes,
     tgi_info,
@@ -240,7 +241,7 @@ def create_app(
         *tenant_delete_routes.routes(),  # offboarding: DELETE /admin/v1/tenants/{t}
     ]
     if settings.allow_runtime_lora_updating:  # off, vLLM's runtime LoRA routes do not exist (404)
-        routes += runtime_lora_routes.routes()
+        routes += runtime_lora_routes.routes() + sglang_lora_routes.routes()  # vLLM's, SGLang's
     admin_dir = admin_dir or DEFAULT_ADMIN_DIR
     if (admin_dir / "index.html").is_file():
         routes.append(Mount("/admin", app=StaticFiles(directory=admin_dir, html=True), name="admin-ui"))

@@ -240,3 +240,8 @@ def test_info_health_and_flush(world):
     assert client.post("/flush_cache").status_code == 401  # a tenant key: the operator's act
     r = client.post("/flush_cache", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     assert r.status_code == 200 and r.text.startswith("Cache flushed") and srv.engine.flushes == flushes + 1
+
+
+def test_runtime_lora_routes_exist_only_when_turned_on(world):
+    _, client, _ = world  # this server runs without --allow-runtime-lora-updating, as SGLang without --enable-lora
+    assert client.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"}).status_code == 404
