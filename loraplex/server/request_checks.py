@@ -17,7 +17,7 @@ from loraplex.server.protocol import GenerationRequest
 
 
 # the request field a sampling count comes from, where the route names it otherwise
-_LOGPROBS_FIELD = {"chat": "top_logprobs", "generate": "return_k_alternatives"}
+_LOGPROBS_FIELD = {"chat": "top_logprobs", "generate": "return_k_alternatives", "sglang_generate": "top_logprobs_num"}
 
 
 def _check_logprobs_cap(ctx: AppContext, req: GenerationRequest) -> None:

@@ -280,7 +280,7 @@ def parse_sglang_request(body, served_model: str, max_logprobs: int = 20) -> SGL
         no_stop_trim.append(trim)
         key = (lora, json.dumps(sp, sort_keys=True))
         if key not in groups:
-            gen = GenerationRequest(kind="generate", model=lora or served_model, params=params, stream=stream,
+            gen = GenerationRequest(kind="sglang_generate", model=lora or served_model, params=params, stream=stream,
                                     max_tokens_given=True)
             groups[key] = Group(gen=gen, indices=[])
         groups[key].gen.prompts.append(prompt)

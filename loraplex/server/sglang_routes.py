@@ -38,14 +38,14 @@ from loraplex.server import tgi_routes
 from loraplex.server.admission import Admission, admit_body, authenticate, check_model
 from loraplex.server.context import AppContext
 from loraplex.server.errors import CLIENT_CLOSED, APIError, bad_request, from_exception
-from loraplex.server.generation import RequestRun, log_refused
+from loraplex.server.generation import RequestRun, log_refused, tokenize_prompts
 from loraplex.server.protocol import GenerationRequest
 from loraplex.server.request_ids import request_ids
 from loraplex.server.sglang_protocol import SGLangRequest, parse_sglang_request
 from loraplex.server.sglang_shapes import OutputState, SGLangShaper
 from loraplex.server.streaming import ClientDisconnected, SSEResponse, run_unless_disconnected
 
-ENDPOINT = "sglang_generate"
+ENDPOINT = "sglang_generate"  # the access log's endpoint (GenerationRequest.kind too)
 SGLANG_FIELDS = ("text", "input_ids", "sampling_params")
 LORAX_FIELDS = ("inputs", "parameters")
 HEALTH_TIMEOUT_SECONDS = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT default
@@ -70,6 +70,18 @@ class _GroupAdmission(Admission):
 
     def parse(self, ctx: AppContext, body) -> GenerationRequest:
         return self.gen
+
+    def prompt_ids(self, ctx: AppContext, req: GenerationRequest) -> list[list[int]]:
+        try:
+            return super().prompt_ids(ctx, req)
+        except APIError as err:
+            if err.code == "context_length_exceeded" and err.param == "max_tokens":
+                prompt = max(len(ids) for ids in tokenize_prompts(ctx, req))
+                err.message = (f"Requested token count exceeds the model's maximum context length of "
+                               f"{ctx.max_model_len} tokens. You requested a total of "
+                               f"{prompt + req.params.max_tokens} tokens: {prompt} tokens from the input and "
+                               f"{req.params.max_tokens} tokens for the completion (max_new_tokens).")
+            raise
 
     def request_id(self, req: GenerationRequest) -> str:
         return f"sglang-{uuid.uuid4().hex}"

@@ -245,3 +245,24 @@ def test_info_health_and_flush(world):
 def test_runtime_lora_routes_exist_only_when_turned_on(world):
     _, client, _ = world  # this server runs without --allow-runtime-lora-updating, as SGLang without --enable-lora
     assert client.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"}).status_code == 404
+
+
+def test_context_overflow_and_logprob_cap_name_sglangs_fields(world):
+    srv, client, _ = world
+    before = _started(srv)
+    r = client.post("/generate", json={"text": "ab", "sampling_params": {"max_new_tokens": 500}})
+    assert r.status_code == 400 and "maximum context length of 128" in r.json()["error"]["message"]
+    assert "max_new_tokens" in r.json()["error"]["message"]
+    r = client.post("/generate", json={"text": "ab", "return_logprob": True, "top_logprobs_num": 21})
+    assert r.status_code == 400 and "top_logprobs_num" in r.json()["error"]["message"]
+    assert _started(srv) == before
+
+
+def test_access_lines_name_the_endpoint(world, caplog):
+    _, client, _ = world
+    with caplog.at_level("INFO", logger="loraplex.access"):
+        client.post("/generate", json={"text": "ab", "sampling_params": {"max_new_tokens": 2}})
+        client.post("/generate", json={"text": "ab", "lora_path": "nope"})
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "loraplex.access"]
+    assert [(line["endpoint"], line["status"]) for line in lines[-2:]] == [("sglang_generate", 200),
+                                                                         ("sglang_generate", 400)]
