@@ -294,14 +294,21 @@ async def get_model_info(request: Request) -> Response:
                          "preferred_sampling_params": None, "weight_version": "default"})
 
 
+def _chunk_size(ctx: AppContext) -> int:
+    """The prefill chunk (the step's token budget) the engine runs with; -1 without chunking."""
+    config = getattr(ctx.engine, "config", None)  # the engine's: its budget is final there
+    chunked = getattr(config, "enable_chunked_prefill", ctx.settings.enable_chunked_prefill)
+    budget = getattr(config, "max_num_batched_tokens", None) or ctx.settings.max_num_batched_tokens
+    return budget if chunked and budget else -1
+
+
 def server_info(ctx: AppContext) -> dict:
     """The SGLang server arguments that mean the same in loraplex, and their values."""
     s = ctx.settings
     return {
         "model_path": s.model, "served_model_name": ctx.served_model_name, "dtype": s.dtype,
         "host": s.host, "port": s.port, "random_seed": s.seed, "context_length": ctx.max_model_len,
-        "max_running_requests": s.max_num_seqs, "chunked_prefill_size":
-            s.max_num_batched_tokens if s.enable_chunked_prefill and s.max_num_batched_tokens else -1,
+        "max_running_requests": s.max_num_seqs, "chunked_prefill_size": _chunk_size(ctx),
         "disable_radix_cache": not s.enable_prefix_caching, "enable_lora": True,
         "max_loras_per_batch": s.max_loras, "max_lora_rank": s.max_lora_rank,
         "kv_cache_dtype": s.kv_cache_dtype, "quantization": s.quantization,

@@ -173,3 +173,12 @@ def test_a_busy_engine_keeps_its_cache(world):
 
     assert asyncio.run(run()) == (False, True)
     assert not core.has_unfinished()
+
+
+def test_server_info_reads_the_engines_step_budget(world):
+    client, core, _ = world
+    info = client.get("/get_server_info").json()
+    cfg = core.config
+    assert info["chunked_prefill_size"] == (cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else -1)
+    assert info["chunked_prefill_size"] == 512  # the budget this engine was built with
+    assert info["disable_radix_cache"] is False
