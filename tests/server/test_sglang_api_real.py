@@ -182,3 +182,11 @@ def test_server_info_reads_the_engines_step_budget(world):
     assert info["chunked_prefill_size"] == (cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else -1)
     assert info["chunked_prefill_size"] == 512  # the budget this engine was built with
     assert info["disable_radix_cache"] is False
+
+
+def test_n_greedy_samples_are_the_greedy_answer(world):
+    client, *_ = world
+    want = _completion(client, "The quick brown fox", None, max_tokens=4)["choices"][0]["text"]
+    got = _generate(client, text="The quick brown fox", sampling_params={"n": 2, "temperature": 0,
+                                                                        "max_new_tokens": 4})
+    assert [o["text"] for o in got] == [want, want] and got[0]["meta_info"]["id"] != got[1]["meta_info"]["id"]

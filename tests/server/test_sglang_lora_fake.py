@@ -9,11 +9,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from loraplex.storage.base import open_blob_store
 from tests.fixtures.peft_adapters import make_peft_adapter, tiny_llama
 from tests.registry.adapter_manager_helpers import build_adapters, make_manager
 from tests.server.conftest import start_server
 from tests.server.fakes import FakeEngine, expected_text
-from loraplex.storage.base import open_blob_store
 
 
 @pytest.fixture(scope="module")
