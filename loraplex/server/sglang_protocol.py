@@ -224,7 +224,9 @@ def _rids(body: dict, size: int, n: int, is_single: bool) -> list[str]:
     if n > 1:  # SGLang gives each parallel sample an id of its own
         return [uuid.uuid4().hex for _ in range(size * n)]
     if is_single:
-        return [rid if isinstance(rid, str) else uuid.uuid4().hex]
+        if isinstance(rid, list):
+            raise _error("The rid should be a string for a single request.", "rid")
+        return [rid or uuid.uuid4().hex]
     if isinstance(rid, list):
         if len(rid) != size or not all(isinstance(r, str) for r in rid):
             raise _error("The specified rids length mismatch with the batch_size for batch processing.", "rid")

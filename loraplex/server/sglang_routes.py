@@ -81,6 +81,8 @@ class _GroupAdmission(Admission):
                                f"{ctx.max_model_len} tokens. You requested a total of "
                                f"{prompt + req.params.max_tokens} tokens: {prompt} tokens from the input and "
                                f"{req.params.max_tokens} tokens for the completion (max_new_tokens).")
+            elif err.param == "prompt" and "token ids" in err.message:
+                err.message = err.message.replace("prompt token ids", "`input_ids`")
             raise
 
     def request_id(self, req: GenerationRequest) -> str:

@@ -205,6 +205,12 @@ def test_stream_is_cumulative_and_ends_with_done(world):
     ({"text": ["ab", "cd"], "lora_path": ["sql"]}, ["lora_path"]),
     ({"text": ["ab", "cd"], "sampling_params": [{"n": 1}, {"n": 2}]}, ["parallel_sample_num"]),
     ({"text": "ab", "image_data": "x.png"}, ["image_data"]),
+    ({"input_ids": [4, 10 ** 6]}, ["input_ids"]),
+    ({"input_ids": [4, "a"]}, ["input_ids"]),
+    ({"text": "ab", "sampling_params": {"max_new_tokens": 0}}, ["max_new_tokens"]),
+    ({"text": "ab", "rid": ["a", "b"]}, ["rid"]),
+    ({"text": ["ab", "cd"], "rid": ["a", "a"]}, ["Duplicate"]),
+    ({"text": "ab", "sampling_params": {"json_schema": "{not json"}}, ["json_schema"]),
 ])
 def test_bad_input_is_a_400_in_sglangs_shape_and_runs_nothing(world, body, words):
     srv, client, sha = world
@@ -266,3 +272,22 @@ def test_access_lines_name_the_endpoint(world, caplog):
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "loraplex.access"]
     assert [(line["endpoint"], line["status"]) for line in lines[-2:]] == [("sglang_generate", 200),
                                                                          ("sglang_generate", 400)]
+
+
+class _BreaksAfterOneToken(FakeEngine):
+    async def generate(self, prompt, params, **kwargs):
+        async for out in super().generate(prompt, params, **kwargs):
+            yield out
+            raise RuntimeError("device lost")
+
+
+def test_a_stream_that_fails_says_so_in_band_then_done(server_factory):
+    srv = server_factory(engine=_BreaksAfterOneToken())
+    with srv.tenant_client(srv.make_tenant("b")) as client:
+        events = _events(client.post("/generate", json={"text": "ab", "stream": True,
+                                                        "sampling_params": {"max_new_tokens": 4}}))
+        assert events[0]["meta_info"]["finish_reason"] is None
+        assert events[-1] == {"error": {"message": "Internal server error."}}  # SGLang's in-band error
+        r = client.post("/generate", json={"text": "ab", "sampling_params": {"max_new_tokens": 4}})
+        assert r.status_code == 500 and r.json() == {"error": {"message": "Internal server error."}}
+    assert srv.app.state.ctx.lifecycle.in_flight == 0  # both runs gave their slots back
