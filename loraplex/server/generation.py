@@ -318,6 +318,14 @@ class RequestRun:
         access_log.warning("adapter %s failed to load (request %s): %s", self.target.label, self.request_id, exc)
         return type(exc)(str(exc).replace(path, "<adapter files>"), param=exc.param, code=exc.code)
 
+    def withdraw(self, status: int) -> None:
+        """Close an admitted run that never ran because another part of the same HTTP request
+        was refused (an SGLang batch admits one run per adapter): what it took goes back whole,
+        the rate limits' request and tokens included, and it counts no tokens."""
+        self.ctx.rate_limiter.cancel(self._rate)
+        self.prompt_tokens = 0
+        self.close(status)
+
     def close(self, status: int) -> None:
         if self._closed:
             return

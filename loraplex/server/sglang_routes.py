@@ -116,8 +116,8 @@ async def _admit_all(request: Request, ctx: AppContext, body: dict, arrival: flo
             runs.append(await admit_body(ctx, tenant, body, _GroupAdmission(group.gen), arrival, ids))
     except Exception as exc:
         err = from_exception(exc, log_unknown=False)
-        for run in runs:
-            run.close(err.status)
+        for run in runs:  # nothing of this request ran
+            run.withdraw(err.status)
         raise
     return sreq, runs
 

@@ -291,3 +291,24 @@ def test_a_stream_that_fails_says_so_in_band_then_done(server_factory):
         r = client.post("/generate", json={"text": "ab", "sampling_params": {"max_new_tokens": 4}})
         assert r.status_code == 500 and r.json() == {"error": {"message": "Internal server error."}}
     assert srv.app.state.ctx.lifecycle.in_flight == 0  # both runs gave their slots back
+
+
+def test_a_batch_refused_in_part_gives_back_what_its_admitted_parts_took(server_factory):
+    """Two adapters: two runs. The tenant's cap of one refuses the second; the first gives back
+    its slot and its whole rate-limit reservation, and nothing runs."""
+    srv = server_factory()
+    key = srv.make_tenant("cap")
+    srv.upload("cap", "sql", b"cap-v1")
+    with srv.admin() as admin:
+        assert admin.patch("/admin/v1/tenants/cap", json={
+            "max_concurrent_requests": 1, "max_requests_per_minute": 5, "max_tokens_per_minute": 5000}).status_code == 200
+    ctx = srv.app.state.ctx
+    with srv.tenant_client(key) as client:
+        r = client.post("/generate", json={"text": ["ab", "cd"], "lora_path": ["sql", None],
+                                           "sampling_params": {"max_new_tokens": 3}})
+        assert r.status_code == 429 and set(r.json()) == {"error"}
+        assert srv.engine.started == []
+        assert (ctx.rate_limiter.used("cap", "requests"), ctx.rate_limiter.used("cap", "tokens")) == (0, 0)
+        assert ctx.lifecycle.in_flight == 0
+        ok = client.post("/generate", json={"text": ["ab", "cd"], "sampling_params": {"max_new_tokens": 3}})
+        assert ok.status_code == 200 and len(ok.json()) == 2  # one adapter: one run, one slot
