@@ -312,3 +312,28 @@ def test_a_batch_refused_in_part_gives_back_what_its_admitted_parts_took(server_
         assert ctx.lifecycle.in_flight == 0
         ok = client.post("/generate", json={"text": ["ab", "cd"], "sampling_params": {"max_new_tokens": 3}})
         assert ok.status_code == 200 and len(ok.json()) == 2  # one adapter: one run, one slot
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_aborts_every_run_of_its_batch(server_factory, stream):
+    from tests.server.test_disconnect_fake import _raw_request, _wait
+
+    engine = FakeEngine(step_seconds=0.05, max_model_len=4096)
+    srv = server_factory(engine)
+    key = srv.make_tenant("gone")
+    srv.upload("gone", "sql", b"gone-v1")
+    body = json.dumps({"text": ["ab", "cd"], "lora_path": ["sql", None], "stream": stream,
+                       "sampling_params": {"max_new_tokens": 1000}}).encode()
+    sock = _raw_request(srv.url, "/generate", key, body)
+    if stream:
+        received = b""
+        while b"data: " not in received:  # streaming has begun
+            chunk = sock.recv(4096)
+            assert chunk, "connection closed early"
+            received += chunk
+    else:
+        _wait(lambda: len(engine.started) == 2, 2.0)
+    sock.close()
+    _wait(lambda: engine.stats()["num_blocks_free"] == engine.num_blocks, 2.0)
+    assert len(engine.aborted) == 2  # both runs: the adapter's and the base model's
+    _wait(lambda: srv.app.state.ctx.limiter.in_flight() == 0, 1.0)
