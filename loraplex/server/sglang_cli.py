@@ -49,9 +49,10 @@ def serve_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     translation = sglang_flags.translate(argv)
     top = build_parser()
     serve = top._subparsers._group_actions[0].choices["serve"]
+    # argparse's errors on a value name this command, with a short usage line
+    serve.prog, serve.usage = f"loraplex {COMMAND}", f"loraplex {COMMAND} --model-path M [flags] (--help lists them)"
     args, unknown = top.parse_known_args(["serve", *translation.serve_argv])
     if unknown:
-        serve.prog = f"loraplex {COMMAND}"
         serve.error(sglang_flags.unknown_message(unknown, serve._option_string_actions))
     return args, translation.notes
 

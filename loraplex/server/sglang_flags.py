@@ -60,6 +60,10 @@ def _switch(*args: str) -> Callable[[object], list[str]]:
 
 
 DTYPES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# SGLang's parser names for loraplex's parsers of the same format (others: serve names the choices).
+# qwen25 reads <tool_call>{json}</tool_call>, the format loraplex's hermes parser reads
+TOOL_PARSERS = {"llama3": "llama3_json", "llama4": "llama4_json", "qwen25": "hermes", "qwen": "hermes"}
+REASONING_PARSERS = {"deepseek-r1": "deepseek_r1"}
 
 
 def _lora_paths(values: list[str]) -> list[str]:
@@ -117,8 +121,8 @@ TABLE: tuple[SGLangFlag, ...] = (
     SGLangFlag(("--random-seed",), to=_same("--seed")),
     SGLangFlag(("--log-level",), to=_same("--log-level")),
     SGLangFlag(("--chat-template",), to=_same("--chat-template")),
-    SGLangFlag(("--reasoning-parser",), to=_same("--reasoning-parser")),
-    SGLangFlag(("--tool-call-parser",), to=_same("--tool-call-parser")),
+    SGLangFlag(("--reasoning-parser",), to=lambda v: ["--reasoning-parser", REASONING_PARSERS.get(v, v)]),
+    SGLangFlag(("--tool-call-parser",), to=lambda v: ["--tool-call-parser", TOOL_PARSERS.get(v, v)]),
     SGLangFlag(("--quantization",), to=_same("--quantization")),
     SGLangFlag(("--kv-cache-dtype",), to=lambda v: ["--kv-cache-dtype", DTYPES.get(v, v)]),
     # memory and scheduling

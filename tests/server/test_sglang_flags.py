@@ -48,6 +48,10 @@ def test_a_launch_line_becomes_loraplex_settings(parsed, capsys):
     (["--max-loaded-loras", "12"], {"max_cpu_loras": 12}),
     (["--kv-cache-dtype", "fp8_e5m2"], {"kv_cache_dtype": "fp8_e5m2"}),
     (["--kv-cache-memory-fraction", "0.5"], {"kv_cache_memory_fraction": 0.5}),  # loraplex's own flag
+    (["--tool-call-parser", "qwen25"], {"tool_call_parser": "hermes"}),  # <tool_call>{json}</tool_call>
+    (["--tool-call-parser", "llama3"], {"tool_call_parser": "llama3_json"}),
+    (["--reasoning-parser", "deepseek-r1"], {"reasoning_parser": "deepseek_r1"}),
+    (["--reasoning-parser", "qwen3"], {"reasoning_parser": "qwen3"}),
 ])
 def test_each_taken_flag_lands_on_its_setting(parsed, argv, want):
     s = settings_from_args(parsed(["sglang-serve", "--model-path", "M", *argv]))
@@ -93,3 +97,13 @@ def test_an_unknown_flag_gets_the_closest_one(capsys):
 def test_every_row_is_one_kind():
     for row in TABLE:
         assert (row.refuse is not None) + (row.to is not None or row.note is not None) == 1, row.names
+
+
+def test_a_value_serve_refuses_is_argparses_error_under_this_command(capsys):
+    from loraplex import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["sglang-serve", "--model-path", "M", "--tool-call-parser", "kimi_k2"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "loraplex sglang-serve: error: argument --tool-call-parser" in err
+    assert len(err.splitlines()) == 2  # the short usage line and the error
