@@ -169,8 +169,8 @@ async def _stream_events(run: RequestRun, shaper: ResponseShaper):
     status = CLIENT_CLOSED
     try:
         try:
-            async for chunk in chunks(run, shaper):
-                yield sse_event(chunk)
+            async for chunk in chunks(run, shaper, text_events=True):
+                yield chunk if type(chunk) is bytes else sse_event(chunk)
         except Exception as exc:  # headers are out: report in-band, as vLLM does
             err = from_exception(exc, request_id=run.request_id)
             status = err.status
@@ -185,9 +185,11 @@ async def _stream_events(run: RequestRun, shaper: ResponseShaper):
         run.close(status)
 
 
-async def chunks(run: RequestRun, shaper: ResponseShaper):
+async def chunks(run: RequestRun, shaper: ResponseShaper, text_events: bool = False):
     """The stream's chunks (dicts) up to each choice's finish reason, without the usage chunk;
-    an engine failure is raised. The Responses API reads a chat stream from here too."""
+    an engine failure is raised. The Responses API reads a chat stream from here too.
+    ``text_events``: a plain text chunk (no finish reason, no logprobs: all but a few of a
+    stream's) comes as its SSE event already (bytes, ``shaper.text_event``), not as a dict."""
     req = run.req
     ids = StreamTokenIds(req.kind, run.prompt_ids, req.params.n, len(run.prompt_ids) * req.params.n) \
         if req.return_token_ids else None
@@ -268,6 +270,8 @@ async def _chunks(run: RequestRun, shaper: ResponseShaper, ids: StreamTokenIds |
             yield shaper.chunk(choice, None, comp.finish_reason)
         elif req.kind == "chat" and comp.finish_reason is not None:
             yield shaper.chunk(choice, None, comp.finish_reason, logprobs)
+        elif text_events and comp.finish_reason is None and logprobs is None:
+            yield shaper.text_event(choice, comp.text)
         else:
             yield shaper.chunk(choice, comp.text, comp.finish_reason, logprobs)
 

@@ -19,6 +19,8 @@ import re
 import time
 import uuid
 
+from loraplex.server.chunk_templates import TextChunkTemplate
+
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback tokens
 
 
@@ -80,6 +82,7 @@ class ResponseShaper:
         self.created = int(time.time())
         # continuous usage: per choice [prompt tokens, completion tokens so far]; None when off
         self._choice_usage: list[list[int]] | None = None
+        self._text_template: TextChunkTemplate | None = None  # built on the first text_event
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -228,6 +231,16 @@ class ResponseShaper:
         elif self.include_usage:
             body["usage"] = None
         return body
+
+    def text_event(self, index: int, text: str) -> bytes:
+        """``sse_event(self.chunk(index, text, None))`` (streaming.py), written from a template."""
+        template = self._text_template
+        if template is None:
+            obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+            template = self._text_template = TextChunkTemplate(self.kind, self._head(obj), self.include_usage)
+        if self._choice_usage is not None:
+            return template.event_with_usage(index, text, *self._choice_usage[index])
+        return template.event(index, text)
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
         body = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")

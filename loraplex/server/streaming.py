@@ -9,12 +9,13 @@ hangs up stops costing KV blocks within one event-loop turn, not at the next tok
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
+
+from loraplex.server.json_encoding import compact_json
 
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
@@ -26,7 +27,7 @@ YIELD_EVERY_CHUNKS = 4
 
 
 def sse_event(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8") + b"\n\n"
+    return b"data: " + compact_json(obj).encode("utf-8") + b"\n\n"
 
 
 class ClientDisconnected(Exception):
