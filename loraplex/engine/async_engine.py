@@ -38,15 +38,39 @@ class EngineDeadError(RuntimeError):
 
 
 class _Stream:
-    """Where one request's deltas go: a queue on the caller's event loop."""
+    """Where one request's deltas go: a queue on the caller's event loop, read by one task.
+
+    A deque and the reader's wake-up future rather than an ``asyncio.Queue``, whose put and get
+    (bound checks, a deque of getters, a wake-up of the next getter) cost about 3 us of the
+    event loop per token at 200 streams, for a queue that has one reader and no bound."""
+
+    __slots__ = ("loop", "items", "waiter")
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.items: deque = deque()
+        self.waiter: asyncio.Future | None = None  # set while the reader waits
+
+    def push(self, item: RequestOutput | BaseException) -> None:
+        """On the caller's loop."""
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self.items:
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.items.popleft()
 
     def put(self, item: RequestOutput | BaseException) -> bool:
+        """From any thread."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.push, item)
             return True
         except RuntimeError:  # the caller's loop is closed
             return False
@@ -56,7 +80,7 @@ def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
     """On the caller's loop: hand a step's deltas to their streams (a request that could not run
     gets its error instead)."""
     for stream, item in items:
-        stream.queue.put_nowait(item if item.error is None else item.error)
+        stream.push(item if item.error is None else item.error)
 
 
 def _resolve_future(fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
@@ -164,7 +188,7 @@ class AsyncLLMEngine:
                 prepared = await asyncio.to_thread(engine.lora_manager.read_ahead, adapter)
             await self._call(add)
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
                 if item.finished:

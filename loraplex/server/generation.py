@@ -282,20 +282,28 @@ class RequestRun:
             for ids, rid in zip(self.prompt_ids, self.engine_ids)
         ]
         last_token_at: dict[int, float] = {}
+        metrics = self.ctx.metrics
+        itl = metrics.itl.labels(metrics.model_name)  # the labelled child, looked up once a run
+        monotonic = time.monotonic
+        # one prompt (the usual case): its engine stream is read here, not through _merge, an
+        # async generator more per token
+        single = len(gens) == 1
+        source = gens[0] if single else _merge(gens)
         try:
-            async for p_idx, out in _merge(gens):
+            async for item in source:
+                p_idx, out = (0, item) if single else item
                 if out.prompt_logprobs is not None:
                     self.prompt_logprobs[p_idx] = out.prompt_logprobs
                 for comp in out.outputs:
                     choice = p_idx * n + comp.index
-                    now = time.monotonic()
+                    now = monotonic()
                     if comp.token_ids:
                         self.completion_tokens += len(comp.token_ids)
                         if self.first_token_at is None:
                             self.first_token_at = now
-                            self.ctx.metrics.first_token(self.target.label, now - self.arrival, self.tenant)
+                            metrics.first_token(self.target.label, now - self.arrival, self.tenant)
                         elif choice in last_token_at:
-                            self.ctx.metrics.itl.labels(self.ctx.metrics.model_name).observe(now - last_token_at[choice])
+                            itl.observe(now - last_token_at[choice])
                         last_token_at[choice] = now
                     if comp.finish_reason is not None:
                         self.finish_reasons.append(comp.finish_reason)
@@ -308,6 +316,7 @@ class RequestRun:
                     engine.abort(rid)
                 except Exception:  # pragma: no cover - abort must not mask the real outcome
                     pass
+            await source.aclose()  # closing this closes (and so aborts) the engine streams
 
     def _without_local_path(self, exc: InvalidAdapterError) -> InvalidAdapterError:
         """The engine's adapter error with the server's own directory left out: a tenant learns
@@ -399,14 +408,6 @@ def log_refused(kind: str, tenant: str | None, model: str | None, status: int, a
 
 async def _merge(gens: list) -> AsyncIterator[tuple[int, object]]:
     """Interleave several engine streams; closing this closes (and so aborts) all of them."""
-    if len(gens) == 1:
-        gen = gens[0]
-        try:
-            async for item in gen:
-                yield 0, item
-        finally:
-            await gen.aclose()
-        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
