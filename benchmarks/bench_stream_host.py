@@ -16,6 +16,11 @@ process and of the event-loop thread alone (chunk building, JSON, the queues' re
 the ASGI sends), measured from the moment every stream has its first token to the moment all
 have ended, best (lowest) of ``--rounds`` rounds: this VM's speed drifts, and the lowest CPU
 time of a repeated run is the figure that repeats.
+
+``--uvicorn``: the app behind a real uvicorn on a loopback port instead (its HTTP protocol
+writes the chunks: h11, or httptools where installed), the clients in a subprocess (raw HTTP/1.1
+over asyncio streams), so this process's CPU is the server's alone; measured from the step in
+which every request is running.
 """
 
 from __future__ import annotations
@@ -82,6 +87,9 @@ class TokenCore:
         self.last_step_was_empty = False
         self.tokens = 0  # given to streams, all requests
         self._running: dict[str, list] = {}  # request id -> [params, tokens given]
+        # (requests, callback): the callback runs once, on the engine thread, at the start of
+        # the first step with that many requests running (--uvicorn's start of measurement)
+        self.when_running: tuple[int, object] | None = None
 
     def stats(self) -> dict:
         return {"num_requests_running": len(self._running), "num_requests_waiting": 0, "kv_cache_usage": 0.0,
@@ -107,6 +115,9 @@ class TokenCore:
 
     def step(self) -> list[RequestOutput]:
         time.sleep(self.step_s)
+        if self.when_running is not None and len(self._running) >= self.when_running[0]:
+            callback, self.when_running = self.when_running[1], None
+            callback()
         outs = []
         for rid, entry in list(self._running.items()):
             req, k = entry
@@ -191,14 +202,7 @@ class _Stream:
 
 async def _round(app, engine: AsyncLLMEngine, key: str, case: str, streams: int, tokens: int) -> dict:
     path, with_usage = CASES[case]
-    body: dict = {"model": "bench-model", "max_tokens": tokens, "stream": True}
-    if path.endswith("chat/completions"):
-        body["messages"] = [{"role": "user", "content": "Tell me about foxes."}]
-    else:
-        body["prompt"] = "Tell me about foxes."
-    if with_usage:
-        body["stream_options"] = {"include_usage": True}
-    raw = json.dumps(body).encode()
+    raw = json.dumps(_body(path, with_usage, tokens)).encode()
     core: TokenCore = engine.engine
     loop_thread = threading.current_thread()
     started = 0
@@ -220,6 +224,67 @@ async def _round(app, engine: AsyncLLMEngine, key: str, case: str, streams: int,
             "bytes_per_token": sum(c.bytes for c in clients) / (streams * tokens)}
 
 
+_CLIENT = r"""
+import asyncio, json, sys
+
+port, path, key, streams, body = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5].encode()
+head = (f"POST {path} HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+
+async def one():
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head + body)
+    got, tail = 0, b""
+    while True:
+        data = await reader.read(1 << 16)
+        if not data:
+            break
+        got += len(data)
+        tail = (tail + data)[-64:]
+    writer.close()
+    return got, b"data: [DONE]" in tail
+
+async def main():
+    results = await asyncio.gather(*(one() for _ in range(streams)))
+    print(json.dumps({"bytes": sum(r[0] for r in results), "done": sum(r[1] for r in results)}))
+
+asyncio.run(main())
+"""
+
+
+async def _uvicorn_round(port: int, engine: AsyncLLMEngine, key: str, case: str, streams: int, tokens: int) -> dict:
+    path, with_usage = CASES[case]
+    raw = json.dumps(_body(path, with_usage, tokens))
+    core: TokenCore = engine.engine
+    main_thread = threading.current_thread()
+    mark: dict = {}
+
+    def on_running() -> None:
+        mark.update(proc=time.process_time(), loop=_thread_cpu(main_thread), tokens=core.tokens)
+
+    core.when_running = (streams, on_running)
+    client = await asyncio.create_subprocess_exec(sys.executable, "-c", _CLIENT, str(port), path, key, str(streams),
+                                                  raw, stdout=asyncio.subprocess.PIPE)
+    out, _ = await client.communicate()
+    proc, loop_cpu, given = time.process_time(), _thread_cpu(main_thread), core.tokens
+    got = json.loads(out)
+    assert got["done"] == streams, got
+    n = given - mark["tokens"]
+    return {"proc_us": (proc - mark["proc"]) / n * 1e6, "loop_us": (loop_cpu - mark["loop"]) / n * 1e6,
+            "bytes_per_token": got["bytes"] / (streams * tokens)}
+
+
+def _body(path: str, with_usage: bool, tokens: int) -> dict:
+    body: dict = {"model": "bench-model", "max_tokens": tokens, "stream": True}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "Tell me about foxes."}]
+    else:
+        body["prompt"] = "Tell me about foxes."
+    if with_usage:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
 async def _main(args) -> None:
     from loraplex.config import Settings
     from loraplex.registry import db
@@ -237,24 +302,47 @@ async def _main(args) -> None:
     settings = Settings(home=home, admin_key="bench-admin", database_url=url, usage_flush_seconds=0,
                         max_concurrent_requests_per_tenant=100000)
     app = create_app(settings, engine=engine, registry=registry, adapters=SimpleNamespace())
-    lifespan = _Lifespan(app)
-    await lifespan.start()
+    if args.uvicorn:
+        import socket
+
+        import uvicorn
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", log_level="warning"))
+        serving = asyncio.ensure_future(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.05)
+
+        async def run_round(case, streams, tokens):
+            return await _uvicorn_round(port, engine, key, case, streams, tokens)
+    else:
+        lifespan = _Lifespan(app)
+        await lifespan.start()
+
+        async def run_round(case, streams, tokens):
+            return await _round(app, engine, key, case, streams, tokens)
     logging_off()
     gc.collect()
     gc.freeze()  # as `loraplex serve` does once loaded
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} streams={args.streams} tokens={args.tokens} step_ms={args.step_ms} "
-          f"rounds={args.rounds} (best round; CPU us per streamed token)")
+          f"rounds={args.rounds} {'uvicorn' if args.uvicorn else 'asgi'} (best round; CPU us per streamed token)")
     print("| case | streams | process us/token | event loop us/token | bytes/token |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for streams in args.streams:
         for case in args.cases:
-            await _round(app, engine, key, case, min(streams, 8), 4)  # warm the paths
-            results = [await _round(app, engine, key, case, streams, args.tokens) for _ in range(args.rounds)]
+            await run_round(case, min(streams, 8), 4)  # warm the paths
+            results = [await run_round(case, streams, args.tokens) for _ in range(args.rounds)]
             best = min(results, key=lambda r: r["proc_us"])
             loop_best = min(r["loop_us"] for r in results)
             print(f"| {case} | {streams} | {best['proc_us']:.1f} | {loop_best:.1f} | {best['bytes_per_token']:.0f} |",
                   flush=True)
-    await lifespan.stop()
+    if args.uvicorn:
+        server.should_exit = True
+        await serving
+    else:
+        await lifespan.stop()
 
 
 def logging_off() -> None:
@@ -273,6 +361,7 @@ def main() -> None:
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--step-ms", type=float, default=5.0, help="wall time of an engine step (sleep)")
+    p.add_argument("--uvicorn", action="store_true", help="behind uvicorn on a port, clients in a subprocess")
     asyncio.run(_main(p.parse_args()))
 
 
