@@ -155,7 +155,7 @@ def _thread_cpu(thread: threading.Thread) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
-class _Stream:
+class _AsgiClient:
     """One streamed request to the app: counts its body bytes and events."""
 
     def __init__(self, app, key: str, path: str, body: bytes, on_first):
@@ -214,7 +214,7 @@ async def _round(app, engine: AsyncLLMEngine, key: str, case: str, streams: int,
         if started == streams:  # every stream runs: the steady state begins
             mark.update(proc=time.process_time(), loop=_thread_cpu(loop_thread), tokens=core.tokens)
 
-    clients = [_Stream(app, key, path, raw, on_first) for _ in range(streams)]
+    clients = [_AsgiClient(app, key, path, raw, on_first) for _ in range(streams)]
     await asyncio.gather(*(c.run() for c in clients))
     proc, loop_cpu, given = time.process_time(), _thread_cpu(loop_thread), core.tokens
     for c in clients:
