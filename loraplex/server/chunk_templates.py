@@ -21,7 +21,7 @@ class TextChunkTemplate:
         # the head's keys (id, object, created, model) in the dict's order, then the choice
         prefix = compact_json(head)[:-1] + ',"choices":[{"index":'
         self._before_text = ',"delta":{"content":' if kind == "chat" else ',"text":'
-        nulls = ',"logprobs":null,"finish_reason":null}]'
+        nulls = ',"logprobs":null,"finish_reason":null,"stop_reason":null}]'
         self._prefix = "data: " + prefix
         self._after_text = "}" + nulls if kind == "chat" else nulls  # chat: the delta closes first
         self._end = ',"usage":null}\n\n' if include_usage else "}\n\n"

@@ -194,14 +194,18 @@ async def chunks(run: RequestRun, shaper: ResponseShaper, text_events: bool = Fa
     ids = StreamTokenIds(req.kind, run.prompt_ids, req.params.n, len(run.prompt_ids) * req.params.n) \
         if req.return_token_ids else None
     stop_reasons: dict[int, int | str | None] = {}  # per choice, once it finished
-    async for chunk in _chunks(run, shaper, ids, stop_reasons):
+    # a text event is bytes already: only where no token ids are stamped on the chunks
+    async for chunk in _chunks(run, shaper, ids, stop_reasons, text_events and ids is None):
+        if isinstance(chunk, bytes):
+            yield chunk
+            continue
         choice = chunk["choices"][0]  # vLLM's stop_reason on every chunk: set on the finishing one
         choice["stop_reason"] = stop_reasons.get(choice["index"]) if choice["finish_reason"] is not None else None
         yield ids.stamp(chunk) if ids is not None else chunk
 
 
 async def _chunks(run: RequestRun, shaper: ResponseShaper, ids: StreamTokenIds | None,
-                  stop_reasons: dict[int, int | str | None]):
+                  stop_reasons: dict[int, int | str | None], text_events: bool):
     req = run.req
     n_choices = len(run.prompt_ids) * req.params.n
     if req.continuous_usage:

@@ -225,6 +225,7 @@ class ResponseShaper:
         else:
             body = self._head("text_completion")
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice["stop_reason"] = None  # vLLM's: ``openai_routes.chunks`` sets it on a finishing chunk
         body["choices"] = [choice]
         if self._choice_usage is not None:
             body["usage"] = usage(*self._choice_usage[index])
