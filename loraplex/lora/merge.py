@@ -19,7 +19,9 @@ Strategies on a stack of task tensors ``T_i`` (one per adapter) with weights ``v
   rest by ``density``, then ``linear``.
 * ``dare_ties``: the same random drop, then ``ties``' sign election and average.
 
-A ``density`` of 1 prunes nothing (PEFT's rule). DARE's drop is random in PEFT (the global torch
+A ``density`` of 1 prunes nothing (PEFT's rule). A single adapter is merged ``linear`` whatever
+the strategy asked (PEFT's ``_check_add_weighted_adapter``: one adapter can only be scaled), so
+no pruning or drop touches it. DARE's drop is random in PEFT (the global torch
 RNG); here each tensor's mask comes from its own generator, seeded from the caller's ``seed``
 and the tensor's name, so the same merge (same inputs, same seed) gives the same weights on
 any machine and in any order.
@@ -62,6 +64,10 @@ class MergeParams:
     weights: tuple[float, ...]
     density: float | None = None  # ties, dare_*: the fraction of each tensor kept
     majority_sign_method: str | None = None  # ties, dare_ties
+
+    def for_count(self, n: int) -> "MergeParams":
+        """The parameters PEFT merges ``n`` adapters with: one adapter is always ``linear``."""
+        return MergeParams("linear", self.weights) if n == 1 and self.strategy != "linear" else self
 
     def canonical(self) -> dict:
         return {"strategy": self.strategy, "weights": list(self.weights), "density": self.density,
@@ -150,6 +156,7 @@ def merge_adapters(parts: list[tuple[ParsedAdapter, AdapterInfo]], params: Merge
     in ``params.weights``) on the CPU in float32; see the module docstring."""
     if len(parts) != len(params.weights):
         raise MergeError(f"{len(parts)} adapters but {len(params.weights)} weights")
+    params = params.for_count(len(parts))
     rank = _check_mergeable(parts)
     keys = sorted({key for _, info in parts for key in info.modules})
     tensors: dict[str, torch.Tensor] = {}

@@ -10,6 +10,8 @@ lorax-client says, a request gives at most one of ``adapter_id`` and ``merged_ad
 ``density`` is required by ``ties`` and the ``dare_*`` strategies (LoRAX's docs; its server
 would take a missing one as 0 and prune everything) and must be in (0, 1] there; ``linear``
 ignores it, as LoRAX does, within the client's [0, 1].
+A single id is merged ``linear`` whatever the strategy (PEFT's rule): its update is scaled by
+its weight, never pruned.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def parse_merged_adapters(value) -> tuple[tuple[str, ...], MergeParams]:
         density = None  # linear: no pruning, so equal merges share one key
     params = MergeParams(strategy, tuple(float(w) for w in weights), density,
                          sign if strategy in USES_SIGN_METHOD else None)
-    return tuple(ids), params
+    return tuple(ids), params.for_count(len(ids))  # one id: linear (PEFT), one cache key with it
 
 
 async def resolve_merged_target(ctx, tenant: str, ids: tuple[str, ...], params: MergeParams) -> Target:

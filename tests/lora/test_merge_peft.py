@@ -103,3 +103,36 @@ def test_different_ranks_are_refused(lora_base, world, tmp_path):
     with pytest.raises(MergeError, match="different ranks"):
         merge_adapters([parts[0], (parsed, validate_adapter(parsed, lora_base.spec, 64))],
                        MergeParams("linear", (1.0, 1.0)), seed=0)
+
+
+@pytest.mark.parametrize("strategy", ["ties", "dare_linear", "dare_ties"])
+def test_a_single_adapter_is_merged_linear_as_peft_does(lora_base, world, strategy):
+    """PEFT's add_weighted_adapter turns any strategy into ``linear`` for one adapter: the update is
+    only scaled by the weight, nothing pruned or dropped (at density 0.3 pruning would show)."""
+    dirs, parts, _ = world
+    one = {"b": dirs["b"]}
+    model = peft_model_for(lora_base.model, one)
+    model.add_weighted_adapter(["b"], [0.8], "merged", combination_type=strategy, density=0.3)
+    theirs = {n.replace(".merged", ""): p.detach() for n, p in model.named_parameters() if ".merged." in n}
+    merged = merge_adapters([parts[1]], MergeParams(strategy, (0.8,), 0.3, "total"), seed=3)
+    assert set(merged.tensors) == {n for n in theirs if torch.count_nonzero(theirs[n])}
+    for name, tensor in merged.tensors.items():
+        torch.testing.assert_close(tensor, theirs[name], rtol=1e-5, atol=1e-6)
+
+
+def test_rslora_first_gives_the_merge_of_the_other_order(lora_base, world, tmp_path):
+    """With the rsLoRA adapter first, PEFT 0.21's merged config inherits ``use_rslora`` and scales
+    the merged update by a further sqrt(r) (fixed upstream, huggingface/peft#3449). A linear merge
+    does not depend on the order, so the reference is PEFT's merge with the rsLoRA adapter second:
+    loraplex's files, loaded into PEFT, give that model's logits in either order."""
+    dirs, parts, _ = world
+    weights = [0.6, 1.3]
+    model = peft_model_for(lora_base.model, {"a": dirs["a"], "b": dirs["b"]})
+    model.add_weighted_adapter(["a", "b"], weights, "merged", combination_type="linear")
+    model.set_adapter("merged")
+    ids = [3, 17, 42, 8, 60, 11]
+    want = _logits(model, ids)
+    merged = merge_adapters([parts[1], parts[0]], MergeParams("linear", tuple(weights[::-1])), seed=0)
+    path = write_adapter_dir(merged, tmp_path / "rslora-first")
+    reloaded = PeftModel.from_pretrained(copy.deepcopy(lora_base.model), str(path)).eval()
+    torch.testing.assert_close(_logits(reloaded, ids), want, rtol=1e-4, atol=1e-5)
