@@ -246,6 +246,11 @@ class AsyncLLMEngine:
         manager = self._lora()
         return await self._call(lambda: manager.unload(adapter_id))
 
+    async def forget_adapters(self, adapter_ids: list[str]) -> list[str]:
+        """``LoRAManager.forget`` each id; returns the ids kept (still held by a request)."""
+        manager = self._lora()
+        return await self._call(lambda: [a for a in adapter_ids if not manager.forget(a)])
+
     async def register_adapter(self, name: str, path: str) -> str:
         return await self._call(lambda: self.engine.register_adapter(name, path))
 

@@ -120,6 +120,12 @@ class AdapterCatalog:
             rec.names.discard(name)
         return rec
 
+    def forget(self, adapter_id: str) -> None:
+        """Drop ``adapter_id``'s record and the directories remembered as holding it."""
+        self.records.pop(adapter_id, None)
+        for path in [p for p, (_, aid) in self._path_memo.items() if aid == adapter_id]:
+            del self._path_memo[path]
+
     def _ensure_known(self, path: str, display: str, expected_hash: str | None = None,
                       prepared: PreparedAdapter | None = None) -> tuple[str, AdapterWeights | None]:
         path = os.path.abspath(path)

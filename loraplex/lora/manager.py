@@ -221,6 +221,23 @@ class LoRAManager:
         if rec is not None and rec.outstanding > 0:
             self.host_tier.load(adapter_id)
 
+    def forget(self, adapter_id: str) -> bool:
+        """Drop an adapter nobody holds from every tier and from the catalog (its record, stats
+        and path memo), as if never seen: for adapters that will not come back under this id
+        (a forgotten merge). False, and nothing changed, while it has requests, a name, a pin
+        or a read in flight."""
+        rec = self._records.get(adapter_id)
+        if rec is None:
+            return True
+        loader = self.host_tier.loader
+        if (rec.outstanding > 0 or rec.names or adapter_id in self._queued or adapter_id in self._device_pinned
+                or adapter_id in self.host.pinned or (loader is not None and loader.is_reading(adapter_id))):
+            return False
+        self.unload(adapter_id)
+        self.pool.refs.pop(adapter_id, None)
+        self.catalog.forget(adapter_id)
+        return True
+
     # ---- per step ------------------------------------------------------------------------
     def place(self, adapter_ids: list[str | None]) -> None:
         """Put this step's adapters (``None`` entries ignored) in device slots; the scheduler

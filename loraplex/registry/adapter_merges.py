@@ -14,6 +14,13 @@ requests get identical weights, and so identical outputs.
 A request holds its merged version like any version (``acquire`` / ``release`` of the adapter
 manager by content hash), so its files stay while it runs; idle merges leave the disk cache by
 its LRU budget. Constituents are held only while a merge is built.
+
+Every distinct merge (any other weight) is a new adapter, so what the server remembers of merges
+is bounded: at most ``max_per_tenant`` per tenant and ``max_remembered`` in all, least recently
+used forgotten first. A forgotten merge's content hash is handed to the server once nobody holds
+it (``take_forgotten``), to drop from the engine (``forget_adapters``: its catalog record and
+stats) and from the status page's names; its files leave the disk cache at once. Asked again, it
+is built again (the same weights: the key seeds DARE).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import hashlib
 import json
 import shutil
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from loraplex.lora.merge import MergeError, MergeParams, merge_adapters, write_adapter_dir
@@ -34,6 +41,7 @@ from loraplex.storage.base import BlobNotFound
 
 KEY_FORMAT = "loraplex-merge-v1"
 MAX_REMEMBERED_MERGES = 4096  # keys -> content hashes kept in memory (the files live in the disk cache)
+MAX_MERGES_PER_TENANT = 64  # one tenant's distinct merges cannot push out everyone else's
 
 
 class UnknownAdapter(NotFound):
@@ -63,11 +71,16 @@ def merge_key(versions: list[VersionInfo], params: MergeParams) -> str:
 class AdapterMerger:
     """Builds, caches and hands out merged adapters over an ``AdapterManager``. Thread-safe."""
 
-    def __init__(self, adapters, max_remembered: int = MAX_REMEMBERED_MERGES):
+    def __init__(self, adapters, max_remembered: int = MAX_REMEMBERED_MERGES,
+                 max_per_tenant: int = MAX_MERGES_PER_TENANT):
         self.adapters = adapters  # loraplex.registry.adapter_manager.AdapterManager
         self.max_remembered = max_remembered
+        self.max_per_tenant = max_per_tenant
         self._lock = threading.Lock()
-        self._merged: OrderedDict[str, str] = OrderedDict()  # merge key -> merged content hash
+        self._merged: OrderedDict[str, str] = OrderedDict()  # merge key -> merged content hash, LRU first
+        self._owner: dict[str, str] = {}  # merge key -> tenant
+        self._per_tenant: Counter[str] = Counter()  # tenant -> its keys in _merged
+        self._forgotten: set[str] = set()  # content hashes of forgotten merges, for take_forgotten
         self._key_locks: dict[str, threading.Lock] = {}  # one build per key at a time
         self._made_of: dict[str, tuple[str, ...]] = {}  # merged content hash -> its constituents' hashes
         self.builds = 0
@@ -100,8 +113,10 @@ class AdapterMerger:
                 if ref is not None:
                     with self._lock:
                         self.reuses += 1
+                        if key in self._merged:
+                            self._merged.move_to_end(key)  # recently used: forgotten last
                     return MergedVersion(ref, key, built=False)
-                return MergedVersion(self._build(versions, params, key), key, built=True)
+                return MergedVersion(self._build(tenant, versions, params, key), key, built=True)
         finally:
             with self._lock:  # a request waiting on this lock still holds it; a later one finds the merge
                 if self._key_locks.get(key) is key_lock:
@@ -115,16 +130,41 @@ class AdapterMerger:
         with self._lock:
             merged = {h for h, parts in self._made_of.items() if content_hash in parts}
             for key in [k for k, h in self._merged.items() if h in merged]:
-                del self._merged[key]
+                self._forget_key(key)
             for h in merged:
-                del self._made_of[h]
+                self._made_of.pop(h, None)
+                self._forgotten.discard(h)  # the caller drops these itself
         for h in merged:
             self.adapters.disk_cache.remove(h)
         return sorted(merged)
 
+    def take_forgotten(self) -> list[str]:
+        """Content hashes of forgotten merges that no request holds now and no remembered merge
+        shares, handed over once (their files already left the disk cache): for the server to
+        drop from the engine and its names. Held ones are handed over by a later call."""
+        with self._lock:
+            live = set(self._merged.values())
+            self._forgotten -= live  # built again since
+            free = sorted(h for h in self._forgotten if self.adapters.in_use(h) == 0)
+            self._forgotten.difference_update(free)
+        for h in free:
+            self.adapters.disk_cache.remove(h)
+        return free
+
+    def hand_back(self, content_hashes) -> None:
+        """Forgotten merges ``take_forgotten`` gave out that could not be dropped yet (the engine
+        still runs them): handed out again later."""
+        with self._lock:
+            self._forgotten.update(h for h in content_hashes if h not in self._merged.values())
+
+    def remembered_hashes(self) -> set[str]:
+        with self._lock:
+            return set(self._merged.values())
+
     def stats(self) -> dict:
         with self._lock:
-            return {"builds": self.builds, "reuses": self.reuses, "remembered": len(self._merged)}
+            return {"builds": self.builds, "reuses": self.reuses, "remembered": len(self._merged),
+                    "forgotten_pending": len(self._forgotten)}
 
     # ---- internals -----------------------------------------------------------------------------
 
@@ -155,7 +195,36 @@ class AdapterMerger:
             held.append(v.sha256)
         return paths
 
-    def _build(self, versions: list[VersionInfo], params: MergeParams, key: str) -> AdapterRef:
+    def _forget_key(self, key: str) -> str:
+        """Under ``_lock``: drop one remembered merge; returns its content hash."""
+        content_hash = self._merged.pop(key)
+        tenant = self._owner.pop(key)
+        self._per_tenant[tenant] -= 1
+        if self._per_tenant[tenant] <= 0:
+            del self._per_tenant[tenant]
+        return content_hash
+
+    def _remember(self, tenant: str, key: str, content_hash: str, made_of: tuple[str, ...]) -> None:
+        """Under ``_lock``: remember a built merge, forgetting the least recently used ones past
+        the tenant's and the global bounds."""
+        if key in self._merged:
+            self._forget_key(key)
+        self._merged[key] = content_hash
+        self._owner[key] = tenant
+        self._per_tenant[tenant] += 1
+        self._made_of[content_hash] = made_of
+        while self._per_tenant[tenant] > self.max_per_tenant:
+            self._drop(next(k for k in self._merged if self._owner[k] == tenant))
+        while len(self._merged) > self.max_remembered:
+            self._drop(next(iter(self._merged)))
+
+    def _drop(self, key: str) -> None:
+        forgotten = self._forget_key(key)
+        if forgotten not in self._merged.values():  # two keys can give the same weights
+            self._made_of.pop(forgotten, None)
+            self._forgotten.add(forgotten)
+
+    def _build(self, tenant: str, versions: list[VersionInfo], params: MergeParams, key: str) -> AdapterRef:
         adapters, cache = self.adapters, self.adapters.disk_cache
         held: list[str] = []
         staging = None
@@ -181,12 +250,6 @@ class AdapterMerger:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
         with self._lock:
-            self._merged[key] = content_hash
-            self._merged.move_to_end(key)
-            self._made_of[content_hash] = tuple(v.sha256 for v in versions)
-            while len(self._merged) > self.max_remembered:
-                _, forgotten = self._merged.popitem(last=False)
-                if forgotten not in self._merged.values():  # two keys can give the same weights
-                    self._made_of.pop(forgotten, None)
+            self._remember(tenant, key, content_hash, tuple(v.sha256 for v in versions))
             self.builds += 1
         return AdapterRef(name=f"+merged:{key[:12]}", path=str(path), content_hash=content_hash)

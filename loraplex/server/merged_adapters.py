@@ -93,8 +93,30 @@ async def resolve_merged_target(ctx, tenant: str, ids: tuple[str, ...], params: 
         if isinstance(exc, InvalidAdapterError) and getattr(exc, "http_status", 400) == 400:  # MergeError too
             raise _bad(exc.message) from None
         raise
+    await drop_forgotten_merges(ctx, merger)
     ref = merged.ref
     names = ",".join(ids)
     ctx.adapter_display[ref.content_hash] = f"{tenant}/{MERGED_LABEL}({names})"
     ctx.metrics.hash_labels[ref.content_hash] = f"{tenant}/{MERGED_LABEL}"
     return Target(model=names, adapter=ref, label=f"{tenant}/{MERGED_LABEL}", version=None)
+
+
+async def drop_forgotten_merges(ctx, merger) -> None:
+    """Merges the merger stopped remembering (past its per-tenant or global bound) and nobody
+    holds leave the engine (catalog record, stats, tiers) and the status page's names, so a
+    tenant sending ever new weights cannot grow the server's memory. One the engine still runs
+    is handed back by a later call."""
+    forgotten = merger.take_forgotten()
+    if not forgotten:
+        return
+    forget = getattr(ctx.engine, "forget_adapters", None)
+    kept = set(await forget(forgotten)) if forget is not None else set()
+    rebuilt = merger.remembered_hashes()  # asked for again meanwhile: its names stay
+    for content_hash in forgotten:
+        if content_hash in kept or content_hash in rebuilt:
+            continue
+        label = ctx.metrics.hash_labels.get(content_hash, "")
+        if label.endswith(f"/{MERGED_LABEL}"):  # not an uploaded adapter with the same weights
+            ctx.metrics.hash_labels.pop(content_hash, None)
+            ctx.adapter_display.pop(content_hash, None)
+    merger.hand_back(kept)

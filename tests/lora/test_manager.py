@@ -236,3 +236,31 @@ def test_read_ahead_rejects_bad_adapter_before_the_engine_sees_it(lora_base, mak
     with pytest.raises(AdapterHashMismatchError):  # the registry's hash and the files disagree
         m.read_ahead(AdapterRef("new", str(make_adapter("new", seed=2)), "0" * 64))
     assert same(snapshot(m), before)
+
+
+def test_forget_drops_an_unheld_adapter_everywhere(lora_base, make_adapter):
+    """``forget`` (a merge nobody will name again): refused while a request, a name or a pin holds
+    the adapter; otherwise gone from slots, host memory, the catalog and the stats, and the same
+    files given again are read as new. Another adapter is untouched."""
+    m = new_manager(lora_base.spec)
+    kept = m.resolve(AdapterRef(name="k", path=str(make_adapter("k", seed=2))))
+    path = make_adapter("m", seed=1)
+    ref = AdapterRef(name="+merged", path=str(path))
+    a = m.resolve(ref)
+    m.prefetch(a)
+    assert m.tier_of(a) == "device"
+    assert not m.forget(a) and a in m.stats()["adapters"]  # a request is queued
+    m.on_request_finished(a, 1, 1)
+    m.load(ref, tier="device", pin=True)
+    assert not m.forget(a) and m.tier_of(a) == "device"  # pinned
+    m.unload(a)
+    registered = m.register("name", path)
+    assert registered == a and not m.forget(a)  # named
+    m.unregister("name")
+    m.resolve(ref)
+    assert m.forget(a)
+    assert a not in m.stats()["adapters"] and a not in m.catalog.records and m.tier_of(a) == "disk"
+    assert a not in m.host.ids() and m.pool.slot_of(a) is None
+    assert kept in m.stats()["adapters"]
+    assert m.forget(a)  # unknown: nothing to do
+    assert m.resolve(ref) == a and m.stats()["adapters"][a]["host_loads"] == 1  # read again, as new

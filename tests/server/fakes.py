@@ -94,6 +94,7 @@ class FakeEngine:
         self.weights_seen: dict[str, float] = {}  # request_id -> the tenant_weight it ran with
         self.loaded: dict[str, tuple[str, bool]] = {}
         self.unloaded: list[str] = []  # content hashes given to unload_adapter, in order
+        self.forgotten: list[str] = []  # content hashes given to forget_adapters, in order
         self.shut_down = False
         self.flushes = 0  # prefix-cache flushes done
 
@@ -168,6 +169,10 @@ class FakeEngine:
     async def unload_adapter(self, adapter_id):
         self.unloaded.append(adapter_id)
         self.loaded.pop(adapter_id, None)
+
+    async def forget_adapters(self, adapter_ids):
+        self.forgotten.extend(adapter_ids)
+        return []
 
     def stats(self) -> dict:
         with self._lock:

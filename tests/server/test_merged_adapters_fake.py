@@ -194,3 +194,39 @@ def test_infinite_weight_is_refused(world):
     raw = b'{"inputs": "hi", "parameters": {"merged_adapters": {"ids": ["x", "y"], "weights": [1, 1e400]}}}'
     r = client.post("/t/acme/generate", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 422 and "finite numbers" in r.json()["error"]
+
+
+def test_distinct_merges_are_bounded_per_tenant(world, peft):
+    """Every other weight is another merge; past the tenant's bound the least recently used are
+    forgotten: out of the disk cache, the status page's names and (``forget_adapters``) the
+    engine, so ever new weights cannot grow the server. Asked again, one is built again with the
+    same weights. The bound is per tenant: another tenant's merges stay."""
+    srv, client = world
+    merger, ctx, cache = _merger(srv), srv.app.state.ctx, srv.adapters.disk_cache
+    saved = merger.max_per_tenant
+    merger.max_per_tenant = 2
+    try:
+        srv.adapters.upload("other", "theirs2", peft[2]["y"], "admin")
+        _, other_key = srv.registry.create_api_key("other")
+        with srv.tenant_client(other_key) as other:
+            r = _gen(other, {"ids": ["theirs", "theirs2"], "weights": [0.5, 0.5]}, path="/t/other/generate")
+        assert r.status_code == 200, r.text
+        theirs = srv.engine.started[-1][1]
+        hashes = []
+        for i in range(5):
+            assert _gen(client, {"ids": ["x", "y"], "weights": [1.0, 0.13 * (i + 1)]}).status_code == 200
+            hashes.append(srv.engine.started[-1][1])
+        assert len(set(hashes)) == 5
+        assert merger.remembered_hashes() == set(hashes[-2:]) | {theirs}
+        for h in hashes[:3]:
+            assert not cache.contains(h) and h not in ctx.adapter_display and h not in ctx.metrics.hash_labels
+            assert h in srv.engine.forgotten
+        for h in hashes[-2:] + [theirs]:
+            assert cache.contains(h) and h in ctx.adapter_display and h not in srv.engine.forgotten
+        builds = merger.builds
+        assert _gen(client, {"ids": ["x", "y"], "weights": [1.0, 0.13]}).status_code == 200
+        assert srv.engine.started[-1][1] == hashes[0] and merger.builds == builds + 1
+        assert hashes[0] in ctx.adapter_display and cache.contains(hashes[0])
+        assert srv.adapters.stats()["in_use"] == {}
+    finally:
+        merger.max_per_tenant = saved

@@ -164,3 +164,27 @@ def test_refused_merge_leaves_engine_and_caches_alone(world):
     constituents = {version.sha256, manager.registry.resolve("acme", "p").sha256}
     assert {p.name for p in (manager.disk_cache.root / "entries").iterdir()} - entries <= constituents
     assert manager.stats()["in_use"] == {}
+
+
+def test_forgotten_merges_leave_the_engine(world):
+    """Past the tenant's bound of remembered merges, a forgotten merge nobody runs leaves the
+    engine's catalog and stats (no record per distinct weight kept for ever); asked again, it
+    gives the same tokens."""
+    client, _, _, llm, _, ctx = world
+    lora = llm.engine.lora_manager
+    saved = ctx.merges.max_per_tenant
+    ctx.merges.max_per_tenant = 1
+    try:
+        known = set(lora.stats()["adapters"])
+        first = {"ids": ["p", "q"], "weights": [0.3, 0.45]}
+        _, tokens, _ = generate(client, first)
+        [first_hash] = set(lora.stats()["adapters"]) - known
+        generate(client, {"ids": ["p", "q"], "weights": [0.3, 0.55]})
+        adapters = set(lora.stats()["adapters"])
+        assert first_hash not in adapters and first_hash not in lora.catalog.records
+        assert first_hash not in ctx.adapter_display and len(adapters - known) <= 1
+        _, again, _ = generate(client, first)
+        assert again == tokens and first_hash in lora.stats()["adapters"]
+        assert ctx.adapters.stats()["in_use"] == {}
+    finally:
+        ctx.merges.max_per_tenant = saved
