@@ -26,6 +26,7 @@ from loraplex.registry.adapter_merges import UnknownAdapter
 from loraplex.server.body_fields import is_number
 from loraplex.server.errors import APIError, bad_request
 from loraplex.server.generation import Target
+from loraplex.server.rate_limits import TokenCost
 
 FIELD = "merged_adapters"
 MAX_MERGED_ADAPTERS = 16  # adapters held in host memory at once while a merge is built
@@ -84,6 +85,7 @@ async def resolve_merged_target(ctx, tenant: str, ids: tuple[str, ...], params: 
     if merger is None:
         raise bad_request(f"`{FIELD}`: merging adapters needs the server's adapter store (not served here)",
                           param=FIELD, code="unsupported_parameter")
+    refuse_as_admission_would(ctx, tenant, await ctx.tenant_limits.get(tenant))
     try:
         merged = await run_in_threadpool(merger.resolve, tenant, list(ids), params)
     except Exception as exc:
@@ -99,6 +101,21 @@ async def resolve_merged_target(ctx, tenant: str, ids: tuple[str, ...], params: 
     ctx.adapter_display[ref.content_hash] = f"{tenant}/{MERGED_LABEL}({names})"
     ctx.metrics.hash_labels[ref.content_hash] = f"{tenant}/{MERGED_LABEL}"
     return Target(model=names, adapter=ref, label=f"{tenant}/{MERGED_LABEL}", version=None)
+
+
+def refuse_as_admission_would(ctx, tenant: str, limits) -> None:
+    """Raise the refusal ``RequestRun.admit`` would give now (503 draining, 429 the tenant's
+    concurrency cap or requests / tokens per minute), taking nothing: a merge is built before
+    admission (the run needs its adapter), so without this a tenant over its limits, or any
+    tenant of a draining server, could still spend CPU and disk on builds, and push out its own
+    remembered merges, with every refused request. Admission checks again, as always."""
+    ctx.lifecycle.admit()
+    ctx.lifecycle.done()
+    ctx.limiter.acquire(tenant, limits.max_concurrent_requests)
+    ctx.limiter.release(tenant)
+    # one request and one token: whatever the prompt, a bucket that cannot give these refuses
+    ctx.rate_limiter.cancel(ctx.rate_limiter.reserve(
+        tenant, limits.max_requests_per_minute, limits.max_tokens_per_minute, TokenCost(1, 0, 0)))
 
 
 async def drop_forgotten_merges(ctx, merger) -> None:

@@ -230,3 +230,46 @@ def test_distinct_merges_are_bounded_per_tenant(world, peft):
         assert srv.adapters.stats()["in_use"] == {}
     finally:
         merger.max_per_tenant = saved
+
+
+def test_a_request_admission_refuses_builds_no_merge(world, peft):
+    """A merge is built before admission takes its slots; a request the tenant's limits (requests
+    per minute, concurrency cap) or a draining server refuse gets the same LoRAX answer as
+    without a merge (429 ``overloaded``, 503 ``unavailable``) and builds, caches and forgets
+    nothing: the tenant's remembered merges are left as they were."""
+    srv, _ = world
+    dirs = peft[2]
+    srv.registry.create_tenant("limited")
+    _, key = srv.registry.create_api_key("limited")
+    for name in ("x", "y"):
+        srv.adapters.upload("limited", name, dirs[name], "admin")
+    merger, ctx, cache = _merger(srv), srv.app.state.ctx, srv.adapters.disk_cache
+    with srv.admin() as admin:
+        assert admin.patch("/admin/v1/tenants/limited", json={"max_requests_per_minute": 1}).status_code == 200
+    with srv.tenant_client(key) as client:
+        assert _gen(client, {"ids": ["x", "y"], "weights": [1.0, 0.21]}, path="/t/limited/generate").status_code == 200
+        before = (merger.stats(), cache.stats()["entries"], len(srv.engine.started))
+        r = _gen(client, {"ids": ["x", "y"], "weights": [1.0, 0.22]}, path="/t/limited/generate")
+        assert r.status_code == 429 and r.json()["error_type"] == "overloaded", r.text
+        assert (merger.stats(), cache.stats()["entries"], len(srv.engine.started)) == before
+        with srv.admin() as admin:
+            assert admin.patch("/admin/v1/tenants/limited", json={"max_requests_per_minute": None,
+                                                                   "max_concurrent_requests": 1}).status_code == 200
+        ctx.tenant_limits.forget("limited")
+        ctx.limiter.acquire("limited", 1)  # one request in flight: the cap is reached
+        try:
+            r = _gen(client, {"ids": ["x", "y"], "weights": [1.0, 0.23]}, path="/t/limited/generate")
+        finally:
+            ctx.limiter.release("limited")
+        assert r.status_code == 429 and r.json()["error_type"] == "overloaded", r.text
+        with srv.admin() as admin:
+            assert admin.patch("/admin/v1/tenants/limited", json={"max_concurrent_requests": None}).status_code == 200
+        ctx.tenant_limits.forget("limited")
+        ctx.lifecycle.draining = True
+        try:
+            r = _gen(client, {"ids": ["x", "y"], "weights": [1.0, 0.24]}, path="/t/limited/generate")
+        finally:
+            ctx.lifecycle.draining = False
+        assert r.status_code == 503 and r.json()["error_type"] == "unavailable", r.text
+        assert (merger.stats(), cache.stats()["entries"], len(srv.engine.started)) == before
+    assert srv.adapters.stats()["in_use"] == {} and ctx.limiter.in_flight("limited") == 0
