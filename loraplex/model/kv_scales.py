@@ -14,8 +14,9 @@ under ``layers.{i}.self_attn.``:
 
 The rules are vLLM's (``BaseKVCacheMethod.process_weights_after_loading``): a layer with both
 scales uses each; with only one (or ``kv_scale``), that one for K and V; with none, 1.0. With
-``kv_cache_dtype`` auto the scales are not applied (vLLM forces 1.0 then): the cache keeps the
-model's dtype and the start-up log says they were read past. Per-tensor scales only (vLLM's
+``kv_cache_dtype`` auto (or vLLM's ``bfloat16`` / ``float16``, the model's dtype) the scales are
+not applied (vLLM scales only an fp8 cache's writes and reads): the cache keeps the model's dtype
+and the start-up log says they were read past. Per-tensor scales only (vLLM's
 ``"Only support per-tensor scaling factor for fp8 KV cache"``): a scale of more than one element
 (compressed-tensors' ``attn_head`` strategy) is refused, and so is one that is not a finite
 positive number, naming the tensor: vLLM would take a negative one for "absent", but a
@@ -98,12 +99,12 @@ def take_kv_scales(
 
 def describe_kv_scales(scales: list[tuple[float, float]] | None, names: list[str], kv_cache_dtype: str) -> str:
     """The start-up line on the KV cache's scales (whether calibrated ones are in use)."""
-    if kv_cache_dtype == "auto":
+    if not kv_cache_dtype.startswith("fp8"):  # auto, or the model's own 16-bit dtype
         if not names:
-            return "KV-cache scales: none (kv_cache_dtype auto: K/V in the model's dtype)"
+            return f"KV-cache scales: none (kv_cache_dtype {kv_cache_dtype}: K/V in the model's dtype)"
         return (f"KV-cache scales: the checkpoint's {len(names)} calibrated scale tensors (e.g. {names[0]}) are not "
-                "used: kv_cache_dtype auto keeps K/V in the model's dtype (as vLLM, which applies them only to an fp8 "
-                "cache); --kv-cache-dtype fp8 uses them")
+                f"used: kv_cache_dtype {kv_cache_dtype} keeps K/V in the model's dtype (as vLLM, which applies them "
+                "only to an fp8 cache); --kv-cache-dtype fp8 uses them")
     if scales is None:
         return (f"KV-cache scales: not calibrated, 1.0 on every layer (kv_cache_dtype {kv_cache_dtype}); the "
                 "checkpoint has no k_scale / v_scale, so K/V beyond the format's range saturate")

@@ -26,6 +26,7 @@ from loraplex.model.fp8_weights import (
 from loraplex.model.gguf import ModelNotFoundError, convert_gguf, smollm2_gguf_path
 from loraplex.model.gemma import GemmaForCausalLM
 from loraplex.model.gemma3_multimodal import GEMMA3_MULTIMODAL, language_model_key
+from loraplex.kernels.kv_quant import FP8_KV_DTYPES
 from loraplex.model.kv_scales import describe_kv_scales, take_kv_scales
 from loraplex.model.llama import LlamaForCausalLM
 from loraplex.model.moe import MoEForCausalLM, sparse_layer_params
@@ -223,10 +224,13 @@ def load_model(
         if spec.mlp_bias:
             params[p + "gate_up_bias"] = _packed(raw, take, mlp + "gate_up_proj", gate_up_parts, "bias")
             params[p + "down_bias"] = take(mlp + "down_proj.bias")
+    # only an fp8 cache applies them: auto and vLLM's bfloat16 / float16 (the model's dtype) store
+    # K/V as computed, as vLLM's cache writes do for every cache that is not fp8
+    fp8_cache = kv_cache_dtype in FP8_KV_DTYPES
     kv_scales, kv_scale_names = take_kv_scales(raw, spec.num_layers, lambda i: f"layers.{i}.self_attn.",
-                                               apply=kv_cache_dtype != "auto")
+                                               apply=fp8_cache)
     # vLLM warns too when an e4m3 cache runs on 1.0 (e5m2's range makes saturation rare)
-    uncalibrated = kv_scales is None and kv_cache_dtype not in ("auto", "fp8_e5m2")
+    uncalibrated = kv_scales is None and fp8_cache and kv_cache_dtype != "fp8_e5m2"
     logger.log(logging.WARNING if uncalibrated else logging.INFO, "%s",
                describe_kv_scales(kv_scales, kv_scale_names, kv_cache_dtype))
     unused = sorted(k for k in raw if "rotary_emb" not in k)

@@ -35,3 +35,29 @@ def test_a_sixteen_bit_cache_other_than_the_model_dtype_is_refused_before_loadin
     with pytest.raises(ValueError, match=f"kv_cache_dtype {kv}: the model runs in {dtype}, .*--dtype {kv}"):
         LLM(model=str(tmp_path / "no-such-model"), dtype=dtype, device="cpu", home=tmp_path / "home",
             kv_cache_dtype=kv)
+
+
+def test_a_sixteen_bit_cache_reads_past_calibrated_kv_scales(tmp_path, caplog):
+    """vLLM scales only an fp8 cache: with ``bfloat16`` (the model's dtype) a checkpoint's k_scale /
+    v_scale are read past as with auto, so the logprobs are auto's to the bit (K/V stored divided
+    by a scale and multiplied back would round twice), and the start-up line says they are unused."""
+    import logging
+
+    from tests.model.test_kv_scale_tensors import add_tensors
+
+    model = make_tiny_model_dir(tmp_path / "llama", "llama", seed=11)
+    add_tensors(model, {f"model.layers.{i}.self_attn.{n}": torch.tensor(v)
+                        for i in range(2) for n, v in (("k_scale", 0.37), ("v_scale", 3.1))})
+    prompts = [[5 + (3 * i + j) % 200 for j in range(7 + 2 * i)] for i in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
+    runs = {}
+    for name in ("auto", "bfloat16"):
+        with caplog.at_level(logging.INFO, logger="loraplex.model.loader"):
+            caplog.clear()
+            llm = LLM(model=str(model), dtype="bfloat16", device="cpu", home=tmp_path / name, kv_cache_dtype=name,
+                      kv_cache_bytes=1 << 20)
+        assert llm.engine.runner.model.kv_scales == [(1.0, 1.0)] * 2
+        (line,) = [r for r in caplog.records if "KV-cache scales" in r.getMessage()]
+        assert "not used" in line.getMessage() and line.levelno == logging.INFO, line.getMessage()
+        runs[name] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+    assert runs["bfloat16"] == runs["auto"]
