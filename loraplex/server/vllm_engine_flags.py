@@ -167,7 +167,7 @@ def model_refusals(args: argparse.Namespace, model: str, max_model_len: int | No
     out = []
     if given(args, "enable_reasoning") and reasoning_parser is None:
         out.append("--enable-reasoning: requires --reasoning-parser, as in vLLM")
-    if given(args, "calculate_kv_scales") and kv_cache_dtype != "auto":
+    if given(args, "calculate_kv_scales") and kv_cache_dtype.startswith("fp8"):  # vLLM scales only an fp8 cache
         # vLLM computes the fp8 cache's k/v scales from the first forward pass; loraplex writes
         # it with the checkpoint's calibrated scales or 1.0, so the cached values (and outputs) would differ
         out.append(f"--calculate-kv-scales: loraplex writes a --kv-cache-dtype {kv_cache_dtype} cache with "

@@ -231,3 +231,8 @@ def test_calculate_kv_scales_is_refused_with_an_fp8_kv_cache():
     for dtype in ("fp8", "fp8_e5m2"):
         with pytest.raises(VllmFlagError, match=f"--calculate-kv-scales: .*--kv-cache-dtype {dtype} cache"):
             settings("m", "--calculate-kv-scales", "--kv-cache-dtype", dtype)
+    # a 16-bit cache (the model's dtype) has no scales in vLLM either: the flag changes nothing
+    for dtype in ("bfloat16", "float16"):
+        args = ("m", "--calculate-kv-scales", "--kv-cache-dtype", dtype, "--dtype", dtype)
+        assert settings(*args).kv_cache_dtype == dtype
+        assert any(n.startswith("--calculate-kv-scales") for n in notes(*args))
