@@ -273,3 +273,24 @@ def test_a_request_admission_refuses_builds_no_merge(world, peft):
         assert r.status_code == 503 and r.json()["error_type"] == "unavailable", r.text
         assert (merger.stats(), cache.stats()["entries"], len(srv.engine.started)) == before
     assert srv.adapters.stats()["in_use"] == {} and ctx.limiter.in_flight("limited") == 0
+
+
+def test_identical_merges_asked_at_once_are_built_once(world):
+    """Many requests for one new merge at the same moment: one build, every one on its files."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loraplex.lora.merge import MergeParams
+
+    srv, _ = world
+    merger = _merger(srv)
+    builds = merger.builds
+    params = MergeParams("dare_ties", (0.9, 0.35), 0.6, "total")
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: merger.resolve("acme", ["x", "y"], params), range(8)))
+    try:
+        assert merger.builds == builds + 1 and sum(m.built for m in got) == 1
+        assert len({m.ref.content_hash for m in got}) == 1
+        assert srv.adapters.in_use(got[0].ref.content_hash) == 8  # each holds it
+    finally:
+        for m in got:
+            srv.adapters.release(m.ref.content_hash)
