@@ -42,6 +42,15 @@ from loraplex.storage.base import BlobNotFound
 KEY_FORMAT = "loraplex-merge-v1"
 MAX_REMEMBERED_MERGES = 4096  # keys -> content hashes kept in memory (the files live in the disk cache)
 MAX_MERGES_PER_TENANT = 64  # one tenant's distinct merges cannot push out everyone else's
+MAX_BUILDS_PER_TENANT = 1  # merges one tenant has built at once (each holds up to 16 adapters in float32)
+
+
+class MergeBusy(Exception):
+    """The tenant already has ``limit`` other merges being built (retry once they are done)."""
+
+    def __init__(self, tenant: str, limit: int):
+        super().__init__(f"tenant {tenant!r} already has {limit} merge(s) of other adapters or weights being built")
+        self.limit = limit
 
 
 class UnknownAdapter(NotFound):
@@ -72,10 +81,12 @@ class AdapterMerger:
     """Builds, caches and hands out merged adapters over an ``AdapterManager``. Thread-safe."""
 
     def __init__(self, adapters, max_remembered: int = MAX_REMEMBERED_MERGES,
-                 max_per_tenant: int = MAX_MERGES_PER_TENANT):
+                 max_per_tenant: int = MAX_MERGES_PER_TENANT, max_builds_per_tenant: int = MAX_BUILDS_PER_TENANT):
         self.adapters = adapters  # loraplex.registry.adapter_manager.AdapterManager
         self.max_remembered = max_remembered
         self.max_per_tenant = max_per_tenant
+        self.max_builds_per_tenant = max_builds_per_tenant
+        self._building: Counter[str] = Counter()  # tenant -> its builds under way
         self._lock = threading.Lock()
         self._merged: OrderedDict[str, str] = OrderedDict()  # merge key -> merged content hash, LRU first
         self._owner: dict[str, str] = {}  # merge key -> tenant
@@ -89,7 +100,9 @@ class AdapterMerger:
     def resolve(self, tenant: str, refs: list[str], params: MergeParams) -> MergedVersion:
         """The merge of ``tenant``'s adapters ``refs`` (``name`` or ``name@N`` each), acquired.
         Raises ``UnknownAdapter`` for a name the tenant does not have, ``MergeError``
-        when these adapters cannot be merged (nothing is cached then)."""
+        when these adapters cannot be merged (nothing is cached then), ``MergeBusy`` when the
+        tenant's other builds under way are at ``max_builds_per_tenant`` (a request for a merge
+        being built waits for it instead)."""
         registry = self.adapters.registry
         versions = []
         for ref in refs:
@@ -116,7 +129,17 @@ class AdapterMerger:
                         if key in self._merged:
                             self._merged.move_to_end(key)  # recently used: forgotten last
                     return MergedVersion(ref, key, built=False)
-                return MergedVersion(self._build(tenant, versions, params, key), key, built=True)
+                with self._lock:  # builds are CPU and memory heavy: a tenant runs a bounded number at once
+                    if self._building[tenant] >= self.max_builds_per_tenant:
+                        raise MergeBusy(tenant, self.max_builds_per_tenant)
+                    self._building[tenant] += 1
+                try:
+                    return MergedVersion(self._build(tenant, versions, params, key), key, built=True)
+                finally:
+                    with self._lock:
+                        self._building[tenant] -= 1
+                        if self._building[tenant] <= 0:
+                            del self._building[tenant]
         finally:
             with self._lock:  # a request waiting on this lock still holds it; a later one finds the merge
                 if self._key_locks.get(key) is key_lock:

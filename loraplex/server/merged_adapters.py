@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from loraplex.lora.errors import InvalidAdapterError
 from loraplex.lora.merge import MAJORITY_SIGN_METHODS, MERGE_STRATEGIES, USES_DENSITY, USES_SIGN_METHOD, MergeParams
-from loraplex.registry.adapter_merges import UnknownAdapter
+from loraplex.registry.adapter_merges import MergeBusy, UnknownAdapter
 from loraplex.server.body_fields import is_number
 from loraplex.server.errors import APIError, bad_request
 from loraplex.server.generation import Target
@@ -89,6 +89,10 @@ async def resolve_merged_target(ctx, tenant: str, ids: tuple[str, ...], params: 
     try:
         merged = await run_in_threadpool(merger.resolve, tenant, list(ids), params)
     except Exception as exc:
+        if isinstance(exc, MergeBusy):
+            raise APIError(429, f"`{FIELD}`: this tenant already has {exc.limit} other merge(s) being built; "
+                                "retry once it is done (a merge is built once, then reused)",
+                           code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
         if isinstance(exc, UnknownAdapter):  # another tenant's adapter: the same answer as none
             raise APIError(404, f"Adapter `{exc.ref}` does not exist or you do not have access to it.",
                            code="adapter_not_found") from None

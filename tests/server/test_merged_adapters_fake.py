@@ -294,3 +294,48 @@ def test_identical_merges_asked_at_once_are_built_once(world):
     finally:
         for m in got:
             srv.adapters.release(m.ref.content_hash)
+
+
+def test_a_tenant_builds_one_merge_at_a_time(world, monkeypatch):
+    """A build takes CPU and host memory (up to 16 adapters in float32): while one of a tenant's
+    merges is built, another merge of that tenant is LoRAX's 429 ``overloaded`` (Retry-After) that
+    builds nothing; the same merge waits for that build and reuses it; other tenants build."""
+    import threading
+
+    from loraplex.registry import adapter_merges
+
+    srv, client = world
+    merger, cache = _merger(srv), srv.adapters.disk_cache
+    release, entered = threading.Event(), threading.Event()
+    real = adapter_merges.merge_adapters
+
+    def slow_merge(parts, params, seed):
+        if params.weights == (1.0, 0.41):
+            entered.set()
+            assert release.wait(30)
+        return real(parts, params, seed)
+
+    monkeypatch.setattr(adapter_merges, "merge_adapters", slow_merge)
+    slow = {"ids": ["x", "y"], "weights": [1.0, 0.41]}
+    answers = []
+    first = threading.Thread(target=lambda: answers.append(_gen(client, slow)))
+    first.start()
+    try:
+        assert entered.wait(30)
+        builds, entries = merger.builds, cache.stats()["entries"]
+        r = _gen(client, {"ids": ["x", "y"], "weights": [1.0, 0.42]})
+        assert r.status_code == 429 and r.json()["error_type"] == "overloaded", r.text
+        assert "being built" in r.json()["error"] and r.headers["retry-after"] == "1"
+        assert (merger.builds, cache.stats()["entries"]) == (builds, entries)
+        _, other_key = srv.registry.create_api_key("other")
+        with srv.tenant_client(other_key) as other:  # another tenant is not held up
+            assert _gen(other, {"ids": ["theirs"], "weights": [0.77]}, path="/t/other/generate").status_code == 200
+        second = threading.Thread(target=lambda: answers.append(_gen(client, slow)))
+        second.start()
+    finally:
+        release.set()
+        first.join(30)
+    second.join(30)
+    assert [a.status_code for a in answers] == [200, 200]
+    assert answers[0].json() == answers[1].json() and merger.builds == builds + 2  # the slow one, other's
+    assert srv.adapters.stats()["in_use"] == {}
