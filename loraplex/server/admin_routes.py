@@ -17,6 +17,7 @@ from loraplex.registry.names import parse_version
 from loraplex.server.context import AppContext
 from loraplex.server.errors import APIError, bad_request
 from loraplex.server.limits import parse_json, read_body
+from loraplex.server.merged_adapters import forget_merges
 from loraplex.server.uploads import new_staging_dir, remove_staging, stage_upload
 from loraplex.storage.base import content_key
 
@@ -306,7 +307,7 @@ async def drop_unused_from_engine(ctx: AppContext, removed: list[tuple[str, str]
     slots and host cache, pins included (else a pinned slot would stay taken until a restart).
     Requests still running on them reload them from their local copy, which stays until the last
     of them ends; weights another version still uses (same content hash) are left alone. So do
-    the merges built from them (LoRAX's merged_adapters), and their files."""
+    the merges built from them (LoRAX's merged_adapters), and their files, records and names."""
     for content_hash, blob_key in removed:  # (content hash, blob key) of each deleted version
         try:
             if await run_in_threadpool(ctx.registry.versions_using_blob, blob_key) == 0:
@@ -314,6 +315,8 @@ async def drop_unused_from_engine(ctx: AppContext, removed: list[tuple[str, str]
                 merges = await run_in_threadpool(ctx.merges.drop_merges_of, content_hash) if ctx.merges else []
                 for merged in merges:
                     await ctx.engine.unload_adapter(merged)
+                if merges:  # nothing can name them again: their records and names go too
+                    await forget_merges(ctx, merges)
         except Exception:  # noqa: BLE001 - the delete itself is done; LRU eviction frees it later
             log.exception("could not drop deleted adapter %s from the engine", content_hash)
 

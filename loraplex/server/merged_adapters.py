@@ -128,16 +128,21 @@ async def drop_forgotten_merges(ctx, merger) -> None:
     tenant sending ever new weights cannot grow the server's memory. One the engine still runs
     is handed back by a later call."""
     forgotten = merger.take_forgotten()
-    if not forgotten:
-        return
+    if forgotten:
+        merger.hand_back(await forget_merges(ctx, forgotten))
+
+
+async def forget_merges(ctx, content_hashes: list[str]) -> set[str]:
+    """Drop merges nobody can name any more from the engine (``forget_adapters``) and from the
+    status page's and metrics' names; returns those the engine still runs (left as they are)."""
     forget = getattr(ctx.engine, "forget_adapters", None)
-    kept = set(await forget(forgotten)) if forget is not None else set()
-    rebuilt = merger.remembered_hashes()  # asked for again meanwhile: its names stay
-    for content_hash in forgotten:
+    kept = set(await forget(content_hashes)) if forget is not None else set()
+    rebuilt = ctx.merges.remembered_hashes()  # asked for again meanwhile: its names stay
+    for content_hash in content_hashes:
         if content_hash in kept or content_hash in rebuilt:
             continue
         label = ctx.metrics.hash_labels.get(content_hash, "")
         if label.endswith(f"/{MERGED_LABEL}"):  # not an uploaded adapter with the same weights
             ctx.metrics.hash_labels.pop(content_hash, None)
             ctx.adapter_display.pop(content_hash, None)
-    merger.hand_back(kept)
+    return kept

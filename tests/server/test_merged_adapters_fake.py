@@ -146,6 +146,9 @@ def test_swap_and_delete_of_a_constituent(world, peft):
     # the merge of the deleted weights leaves the disk cache and the engine; swap@1's weights
     # are still adapter `y`'s, so their merge stays
     assert not cache.contains(new_hash) and new_hash in srv.engine.unloaded
+    # and its engine record and names (nothing can name it again)
+    assert new_hash in srv.engine.forgotten and new_hash not in srv.app.state.ctx.adapter_display
+    assert old_hash not in srv.engine.forgotten and old_hash in srv.app.state.ctx.adapter_display
     assert cache.contains(old_hash) and old_hash not in srv.engine.unloaded
     started = len(srv.engine.started)
     for ids in (["x", "swap"], ["x", "swap@1"]):
