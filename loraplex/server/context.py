@@ -47,6 +47,9 @@ class AppContext:
     # LoRAX's merged_adapters (registry/adapter_merges.AdapterMerger); None where the adapter
     # store has no disk cache to put merges in (the offline batch runner's)
     merges: Any = None
+    # merge requests resolving now, by (tenant, ids, params): an identical one waits on the event
+    # loop for it, not on a thread-pool thread every other route needs (merged_adapters.py)
+    merges_resolving: dict = field(default_factory=dict)
     # each tenant's requests- and tokens-per-minute buckets on this replica
     rate_limiter: TenantRateLimiter = field(default_factory=TenantRateLimiter)
     # content hash -> display name ("tenant/name@version"), for status and logs

@@ -16,6 +16,7 @@ its weight, never pruned.
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 from starlette.concurrency import run_in_threadpool
@@ -87,7 +88,7 @@ async def resolve_merged_target(ctx, tenant: str, ids: tuple[str, ...], params: 
                           param=FIELD, code="unsupported_parameter")
     refuse_as_admission_would(ctx, tenant, await ctx.tenant_limits.get(tenant))
     try:
-        merged = await run_in_threadpool(merger.resolve, tenant, list(ids), params)
+        merged = await _resolve_after_identical_ones(ctx, merger, tenant, ids, params)
     except Exception as exc:
         if isinstance(exc, MergeBusy):
             raise APIError(429, f"`{FIELD}`: this tenant already has {exc.limit} other merge(s) being built; "
@@ -105,6 +106,23 @@ async def resolve_merged_target(ctx, tenant: str, ids: tuple[str, ...], params: 
     ctx.adapter_display[ref.content_hash] = f"{tenant}/{MERGED_LABEL}({names})"
     ctx.metrics.hash_labels[ref.content_hash] = f"{tenant}/{MERGED_LABEL}"
     return Target(model=names, adapter=ref, label=f"{tenant}/{MERGED_LABEL}", version=None)
+
+
+async def _resolve_after_identical_ones(ctx, merger, tenant: str, ids: tuple[str, ...], params: MergeParams):
+    """``merger.resolve`` on a thread, once any identical request resolving now is done (its
+    build then serves this one from the cache in a moment). Without this, each identical request
+    would wait for a long build inside ``resolve``, holding one of the thread pool's threads
+    (40) that every route's blocking work shares."""
+    key = (tenant, ids, params)
+    while (pending := ctx.merges_resolving.get(key)) is not None:
+        await asyncio.wait([pending])
+    done = asyncio.get_running_loop().create_future()
+    ctx.merges_resolving[key] = done
+    try:
+        return await run_in_threadpool(merger.resolve, tenant, list(ids), params)
+    finally:
+        del ctx.merges_resolving[key]
+        done.set_result(None)
 
 
 def refuse_as_admission_would(ctx, tenant: str, limits) -> None:

@@ -342,3 +342,56 @@ def test_a_tenant_builds_one_merge_at_a_time(world, monkeypatch):
     assert [a.status_code for a in answers] == [200, 200]
     assert answers[0].json() == answers[1].json() and merger.builds == builds + 2  # the slow one, other's
     assert srv.adapters.stats()["in_use"] == {}
+
+
+def test_identical_requests_wait_for_a_build_without_holding_threads(world, monkeypatch):
+    """Requests for a merge being built wait on the event loop, not inside ``resolve`` on a
+    thread-pool thread each (the pool every route's blocking work shares): one resolve at a time
+    for that merge, then each finds it built."""
+    import threading
+    import time
+
+    from loraplex.registry import adapter_merges
+
+    srv, client = world
+    merger = _merger(srv)
+    release, entered = threading.Event(), threading.Event()
+    real_merge, real_resolve = adapter_merges.merge_adapters, merger.resolve
+    inside, most = [0], [0]
+    lock = threading.Lock()
+
+    def slow_merge(parts, params, seed):
+        entered.set()
+        assert release.wait(30)
+        return real_merge(parts, params, seed)
+
+    def counted_resolve(*args):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        try:
+            return real_resolve(*args)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(adapter_merges, "merge_adapters", slow_merge)
+    monkeypatch.setattr(merger, "resolve", counted_resolve)
+    builds = merger.builds
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(_gen(client, {"ids": ["x", "y"], "weights": [1.0, 0.57]})))
+               for _ in range(5)]
+    threads[0].start()
+    try:
+        assert entered.wait(30)
+        for t in threads[1:]:
+            t.start()
+        time.sleep(1.0)  # the four others have arrived and wait
+        assert most[0] == 1
+    finally:
+        release.set()
+        for t in threads:
+            t.join(30)
+    assert [a.status_code for a in answers] == [200] * 5 and len({a.text for a in answers}) == 1
+    assert merger.builds == builds + 1 and most[0] == 1
+    assert srv.adapters.stats()["in_use"] == {} and getattr(srv.app.state.ctx, "merges_resolving", {}) == {}
