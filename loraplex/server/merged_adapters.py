@@ -17,6 +17,7 @@ its weight, never pruned.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 
 from starlette.concurrency import run_in_threadpool
@@ -28,6 +29,8 @@ from loraplex.server.body_fields import is_number
 from loraplex.server.errors import APIError, bad_request
 from loraplex.server.generation import Target
 from loraplex.server.rate_limits import TokenCost
+
+log = logging.getLogger("loraplex.server")
 
 FIELD = "merged_adapters"
 MAX_MERGED_ADAPTERS = 16  # adapters held in host memory at once while a merge is built
@@ -146,8 +149,14 @@ async def drop_forgotten_merges(ctx, merger) -> None:
     tenant sending ever new weights cannot grow the server's memory. One the engine still runs
     is handed back by a later call."""
     forgotten = merger.take_forgotten()
-    if forgotten:
-        merger.hand_back(await forget_merges(ctx, forgotten))
+    if not forgotten:
+        return
+    try:
+        kept = await forget_merges(ctx, forgotten)
+    except Exception:  # noqa: BLE001 - housekeeping: the request (holding its merge) goes on
+        log.exception("could not drop %d forgotten merges from the engine", len(forgotten))
+        kept = set(forgotten)
+    merger.hand_back(kept)
 
 
 async def forget_merges(ctx, content_hashes: list[str]) -> set[str]:

@@ -395,3 +395,27 @@ def test_identical_requests_wait_for_a_build_without_holding_threads(world, monk
     assert [a.status_code for a in answers] == [200] * 5 and len({a.text for a in answers}) == 1
     assert merger.builds == builds + 1 and most[0] == 1
     assert srv.adapters.stats()["in_use"] == {} and getattr(srv.app.state.ctx, "merges_resolving", {}) == {}
+
+
+def test_a_failing_engine_forget_neither_fails_nor_leaks_the_request(world, monkeypatch):
+    """Dropping forgotten merges is housekeeping: an engine that cannot forget them (stopping)
+    leaves the request served and its merge released; they are tried again by a later request."""
+    srv, client = world
+    merger = _merger(srv)
+    saved = merger.max_per_tenant
+    merger.max_per_tenant = 1
+
+    async def broken(adapter_ids):
+        raise RuntimeError("engine stopped")
+
+    try:
+        assert _gen(client, {"ids": ["x", "y"], "weights": [1.0, 0.61]}).status_code == 200
+        first = srv.engine.started[-1][1]
+        monkeypatch.setattr(srv.engine, "forget_adapters", broken)
+        assert _gen(client, {"ids": ["x", "y"], "weights": [1.0, 0.62]}).status_code == 200
+        assert srv.adapters.stats()["in_use"] == {}
+        monkeypatch.undo()
+        assert _gen(client, {"ids": ["x", "y"], "weights": [1.0, 0.63]}).status_code == 200
+        assert first in srv.engine.forgotten  # handed back, then dropped
+    finally:
+        merger.max_per_tenant = saved
