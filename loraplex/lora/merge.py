@@ -27,7 +27,8 @@ and the tensor's name, so the same merge (same inputs, same seed) gives the same
 any machine and in any order.
 
 Adapters of different ranks are refused (PEFT and LoRAX both refuse them for these strategies),
-as are adapters with LoRA on ``embed_tokens`` / ``lm_head`` (not merged here).
+as are adapters with LoRA on ``embed_tokens`` / ``lm_head`` or on an MoE model's experts (not
+merged here; PEFT's add_weighted_adapter refuses ``target_parameters`` too).
 """
 
 from __future__ import annotations
@@ -144,6 +145,8 @@ def _check_mergeable(parts: list[tuple[ParsedAdapter, AdapterInfo]]) -> int:
     for _, info in parts:
         if info.vocab_modules:
             raise MergeError("adapters with LoRA on embed_tokens or lm_head cannot be merged")
+        if info.expert_modules:  # PEFT refuses target_parameters too; a merge would silently drop them
+            raise MergeError("adapters with LoRA on an MoE model's experts cannot be merged")
         ranks.update(m.rank for m in info.modules.values())
     if len(ranks) != 1:
         raise MergeError(f"adapters of different ranks cannot be merged (ranks {sorted(ranks)}): "

@@ -136,3 +136,29 @@ def test_rslora_first_gives_the_merge_of_the_other_order(lora_base, world, tmp_p
     path = write_adapter_dir(merged, tmp_path / "rslora-first")
     reloaded = PeftModel.from_pretrained(copy.deepcopy(lora_base.model), str(path)).eval()
     torch.testing.assert_close(_logits(reloaded, ids), want, rtol=1e-4, atol=1e-5)
+
+
+def test_expert_adapters_are_refused_as_peft_refuses_them(tmp_path):
+    """LoRA on an MoE model's experts (PEFT's ``target_parameters``): PEFT's add_weighted_adapter
+    refuses it, and so does the merge, instead of merging the attention modules alone."""
+    from transformers import AutoModelForCausalLM
+
+    from loraplex.model.config import ModelSpec
+    from tests.fixtures.tiny_moe import make_tiny_moe_dir
+    from tests.lora.test_moe_expert_lora import EXPERTS
+
+    model_dir = make_tiny_moe_dir(tmp_path / "base", "qwen3_moe", "per_expert", seed=31)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    dirs = {"attn": make_peft_adapter(base, tmp_path / "attn", seed=1, r=4, target_modules=["q_proj"]),
+            "experts": make_peft_adapter(base, tmp_path / "experts", seed=2, r=4, target_modules=["k_proj"],
+                                         target_parameters=EXPERTS)}
+    with pytest.raises(ValueError, match="nn.Parameter"):
+        peft_model_for(base, dirs).add_weighted_adapter(list(dirs), [1.0, 1.0], "m", combination_type="linear")
+    spec = ModelSpec.from_dir(model_dir).lora_target_spec(expert_lora=True)
+    parts = []
+    for d in dirs.values():
+        parsed = load_adapter_files(d)
+        parts.append((parsed, validate_adapter(parsed, spec, 8)))
+    assert parts[1][1].expert_modules  # served by an expert-LoRA engine
+    with pytest.raises(MergeError, match="experts"):
+        merge_adapters(parts, MergeParams("linear", (1.0, 1.0)), seed=0)
