@@ -24,6 +24,9 @@ DEFAULT_MODEL = "smollm2"  # resolved to SmolLM2-135M-Instruct from the llm-smol
 GiB = 1 << 30
 MiB = 1 << 20
 DEFAULT_MAX_CPU_LORA_BYTES = 2 * GiB  # host cache budget when neither option below sizes it
+# the KV cache's share of the GPU memory a rule leaves once the weights are in; the rest is
+# headroom for activations (loraplex/engine/kv_budget.py)
+DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.9
 
 
 def check_host_cache_options(max_cpu_loras: int | None, max_cpu_lora_bytes: int | None,
@@ -89,6 +92,19 @@ def unserved_kv_cache_dtype(name: str) -> str:
             f"use one of {', '.join(KV_CACHE_DTYPES)}")
 
 
+def check_gpu_memory_utilization(utilization: float | None, kv_cache_bytes: int | None) -> None:
+    """vLLM's ``gpu_memory_utilization``: a fraction in (0, 1] of the GPU's total memory (its
+    bounds), which sizes the KV cache one way; ``kv_cache_bytes`` sizes it another, so not both."""
+    if utilization is None:
+        return
+    if isinstance(utilization, bool) or not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1] (the fraction of the GPU's total memory "
+                         f"this process may hold), not {utilization}")
+    if kv_cache_bytes is not None:
+        raise ValueError(f"gpu_memory_utilization ({utilization}) and kv_cache_bytes ({kv_cache_bytes}) both size "
+                         "the KV cache: give one")
+
+
 # vLLM's SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS: the step budget with chunked prefill
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -147,7 +163,11 @@ class EngineConfig:
     # (loraplex/model/fp8_config.py): weights in half the bytes of bf16, dequantized per matmul
     quantization: str | None = None
     kv_cache_bytes: int | None = None  # explicit KV budget; wins over the fraction
-    kv_cache_memory_fraction: float = 0.9  # of free memory (CUDA) / of a CPU cap (see engine)
+    kv_cache_memory_fraction: float = DEFAULT_KV_CACHE_MEMORY_FRACTION  # of free memory (CUDA) / of a CPU cap
+    # vLLM's: the fraction of the GPU's total memory this process may hold (weights, activations,
+    # KV cache); wins over kv_cache_memory_fraction, excludes kv_cache_bytes; no effect on CPU
+    # (loraplex/engine/kv_budget.py)
+    gpu_memory_utilization: float | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # scheduler
     max_num_seqs: int = 256
@@ -199,6 +219,7 @@ class EngineConfig:
         check_scheduling_policy(self.scheduling_policy)
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_quantization(self.quantization)
+        check_gpu_memory_utilization(self.gpu_memory_utilization, self.kv_cache_bytes)
         check_max_logprobs(self.max_logprobs)
         check_host_cache_options(self.max_cpu_loras, self.max_cpu_lora_bytes, self.max_loras)
         parse_speculative_config(self.speculative_config)
@@ -228,7 +249,8 @@ class Settings(BaseSettings):
     kv_cache_dtype: Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"  # see EngineConfig
     quantization: str | None = None  # "fp8": see EngineConfig
     kv_cache_bytes: int | None = None
-    kv_cache_memory_fraction: float = 0.9
+    kv_cache_memory_fraction: float = DEFAULT_KV_CACHE_MEMORY_FRACTION
+    gpu_memory_utilization: float | None = None  # see EngineConfig
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # see EngineConfig
@@ -331,6 +353,7 @@ class Settings(BaseSettings):
         check_host_cache_options(self.max_cpu_loras, self.max_cpu_lora_bytes, self.max_loras)
         parse_speculative_config(self.speculative_config)
         check_quantization(self.quantization)
+        check_gpu_memory_utilization(self.gpu_memory_utilization, self.kv_cache_bytes)
         return self
 
     def engine_config(self) -> EngineConfig:

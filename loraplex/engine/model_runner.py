@@ -17,10 +17,12 @@ one group: a tensor per layer, as before.
 
 KV dtype (``kv_cache_dtype``): the model's, or fp8 (``kv_quant``): twice bf16's pages per byte.
 
-KV budget: ``kv_cache_bytes`` when given; else ``kv_cache_memory_fraction`` of the free device
-memory after the weights are loaded (CUDA), or of ``min(CPU_KV_CAP_BYTES, half the available
-RAM)`` on CPU. On CUDA the LoRA slot pool (``lora_slot_bytes``) is left out of the budget: the
-pool is allocated at the first adapter load, after the cache, and without the reserve
+KV budget: ``kv_cache_bytes`` when given; else, on CUDA, ``gpu_memory_utilization`` of the GPU's
+total memory less what this process holds once its weights are in (vLLM's rule; a start with
+less than that free is refused) when given, or ``kv_cache_memory_fraction`` of the free device
+memory after the weights are loaded (``kv_budget``); on CPU ``kv_cache_memory_fraction`` of
+``min(CPU_KV_CAP_BYTES, half the available RAM)``, ``gpu_memory_utilization`` or not. On CUDA
+the LoRA slot pool (``lora_slot_bytes``) is left out of the budget: the pool is allocated at the first adapter load, after the cache, and without the reserve
 ``--max-loras 32 --max-lora-rank 64`` on an 8B model (about 11 GiB of slots) would fail that
 first load for lack of memory instead of sizing the cache smaller at start, as vLLM's memory
 profile does. Never more blocks than ``max_num_seqs`` full-length sequences can use.
@@ -44,6 +46,7 @@ from loraplex.engine.cuda_graphs import DecodeGraphs, cuda_capture
 from loraplex.engine.decode_inputs import decode_inputs, is_one_token_step, window_first_blocks
 from loraplex.engine.device_choice import available_ram_bytes, resolve_device, resolve_dtype
 from loraplex.engine.host_arrays import to_tensor
+from loraplex.engine.kv_budget import cpu_budget, device_memory, fraction_budget, memory_at_start, utilization_budget
 from loraplex.engine.kv_layout import KVLayout
 from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from loraplex.engine.sampler import Sampler
@@ -94,6 +97,8 @@ class ModelRunner:
         self.model_dir, self.model_name = resolve_model_dir(config.model, config.home)
         self.spec = ModelSpec.from_dir(self.model_dir, name=self.model_name, quantization=config.quantization)
         self.max_model_len = self._resolve_max_model_len()
+        # before the weights load: a GPU another process holds is refused first (kv_budget)
+        self.memory_at_start = memory_at_start(self.device, config.gpu_memory_utilization)
         self.model = load_model(self.model_dir, self.spec, self.dtype, self.device, self.max_model_len,
                                 kv_cache_dtype=config.kv_cache_dtype)
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -169,14 +174,22 @@ class ModelRunner:
         return ids
 
     def _kv_budget_bytes(self) -> int:
-        if self.config.kv_cache_bytes is not None:
-            return int(self.config.kv_cache_bytes)
-        fraction = self.config.kv_cache_memory_fraction
-        if self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            return self._leave_lora_slots(int(free * fraction))
-        # on CPU the cap is a choice, not memory the slot pool competes for: that comes from RAM
-        return int(min(CPU_KV_CAP_BYTES, available_ram_bytes() // 2) * fraction)
+        """The KV budget (module docstring); logs the rule that gave it."""
+        config = self.config
+        if config.kv_cache_bytes is not None:
+            budget, rule = int(config.kv_cache_bytes), f"kv_cache_bytes {config.kv_cache_bytes}"
+        elif self.device.type == "cuda":
+            after = device_memory(self.device)
+            by = (fraction_budget(config.kv_cache_memory_fraction, after) if config.gpu_memory_utilization is None
+                  else utilization_budget(config.gpu_memory_utilization, self.memory_at_start, after))
+            budget = self._leave_lora_slots(by.nbytes)
+            rule = f"{by.rule}, less the LoRA slot pool ({self.lora_slot_bytes() / GiB:.2f} GiB)"
+        else:  # on CPU the cap is a choice, not memory the slot pool competes for: that comes from RAM
+            by = cpu_budget(config.kv_cache_memory_fraction, min(CPU_KV_CAP_BYTES, available_ram_bytes() // 2),
+                            config.gpu_memory_utilization)
+            budget, rule = by.nbytes, by.rule
+        logger.info("KV budget: %s: %d bytes", rule, budget)
+        return budget
 
     def _leave_lora_slots(self, budget: int) -> int:
         """``budget`` less the LoRA slot pool, which will come out of the same device memory."""

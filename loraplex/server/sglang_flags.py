@@ -7,16 +7,15 @@ Each flag in ``TABLE`` is one of:
 - taken with its loraplex meaning: it becomes the ``serve`` flag that means the same
   (``--model-path`` is ``--model``, ``--lora-paths a=/p`` is ``--lora-modules a=/p``,
   ``--max-loras-per-batch`` is ``--max-loras``, ``--context-length`` is ``--max-model-len``,
-  ``--max-running-requests`` is ``--max-num-seqs``, ``--disable-radix-cache`` is
+  ``--max-running-requests`` is ``--max-num-seqs``, ``--mem-fraction-static`` is
+  ``--gpu-memory-utilization``, ``--disable-radix-cache`` is
   ``--no-enable-prefix-caching``, ``--tp`` is vLLM's ``--tensor-parallel-size``, which takes 1
   and refuses more ...); the ``serve`` flag then checks the value as it checks its own;
 - taken as a no-op, with a line in the log saying why nothing changes (``--lora-backend``:
   loraplex's own kernels; ``--lora-target-modules``: each adapter's own targets;
   ``--enable-metrics``: ``/metrics`` is always served ...): only flags that do not change what a
   request generates;
-- refused, naming the flag and what to use instead (``--mem-fraction-static``: SGLang's fraction
-  of all memory for weights and KV cache has no exact loraplex equivalent, as vLLM's
-  ``--gpu-memory-utilization`` has none; ``--max-total-tokens``, ``--is-embedding`` ...).
+- refused, naming the flag and what to use instead (``--max-total-tokens``, ``--is-embedding`` ...).
 
 Flags not in the table go to ``serve`` as they are, so loraplex's own flags
 (``--kv-cache-memory-fraction``, ``--max-cpu-loras`` ...) can follow SGLang's; a flag neither
@@ -134,10 +133,9 @@ TABLE: tuple[SGLangFlag, ...] = (
     SGLangFlag(("--schedule-policy",), to=_schedule_policy,
                note="the order requests are scheduled in (fcfs and priority are loraplex's "
                     "--scheduling-policy; the others leave loraplex's fair per-tenant order)"),
-    SGLangFlag(("--mem-fraction-static",), refuse=(
-        "SGLang's fraction of all GPU memory for weights and KV cache has no exact equivalent; loraplex "
-        "sizes the KV cache alone: use --kv-cache-memory-fraction F (of the memory free once the weights "
-        "are loaded) or --kv-cache-bytes N")),
+    # the fraction of the GPU this process may hold for weights and KV cache, activation headroom
+    # apart: loraplex's --gpu-memory-utilization (loraplex/engine/kv_budget.py)
+    SGLangFlag(("--mem-fraction-static",), to=_same("--gpu-memory-utilization")),
     SGLangFlag(("--max-total-tokens",), refuse="size the KV cache with --kv-cache-bytes N or "
                                                "--kv-cache-memory-fraction F"),
     # LoRA

@@ -19,8 +19,9 @@ are made from ``Settings`` (loraplex/server/cli.py). This module adds the rest:
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` turns on ``--allow-runtime-lora-updating`` and
   ``VLLM_API_KEY`` stands for ``--api-key``, so that a deployment's environment runs unchanged
   (the entry point passes its environment in; nothing here reads it);
-* refused, with what to use instead: ``--gpu-memory-utilization``, ``--tensor-parallel-size`` above
-  1, several served model names (``--quantization fp8`` is loraplex's own setting);
+* refused, with what to use instead: ``--tensor-parallel-size`` above 1, several served model names
+  (``--quantization fp8`` and ``--gpu-memory-utilization`` are loraplex settings of the same
+  meaning: loraplex/engine/kv_budget.py);
 * every other flag of ``vllm serve`` (``--swap-space``, ``--task``, ``-O``,
   ``--rope-scaling`` ...): taken where the value means what loraplex does, refused otherwise, as
   one table says (loraplex/server/vllm_flag_table.py, read by vllm_engine_flags.py). vLLM's dotted
@@ -47,12 +48,6 @@ class VllmFlagError(ValueError):
 
 # vLLM flags loraplex refuses: dest -> (option strings, argparse options, why and what instead)
 REFUSED: dict[str, tuple[tuple[str, ...], dict, str]] = {
-    "gpu_memory_utilization": (
-        ("--gpu-memory-utilization",), {"type": float},
-        "vLLM's fraction of all GPU memory (weights, activations and KV cache) has no exact "
-        "equivalent; loraplex sizes the KV cache alone: use --kv-cache-memory-fraction F (of the "
-        "memory free once the weights are loaded) or --kv-cache-bytes N",
-    ),
     "tensor_parallel_size": (
         ("--tensor-parallel-size", "-tp"), {"type": int},
         "loraplex runs a model on one device (--device cuda:N); to use more GPUs run one replica "
