@@ -9,8 +9,10 @@ LoRA slot pool; see its module docstring, "KV budget").
   profiled activation peak, memory outside torch). loraplex runs no profiling forward: it counts
   what the process holds once the weights are in (free memory before loading them less free
   memory after), and leaves ``1 - DEFAULT_KV_CACHE_MEMORY_FRACTION`` of the rest for activations,
-  the share the default rule leaves. The result is never more than the default rule gives (which
-  is stricter when another process took memory while the weights loaded).
+  the share the default rule leaves. Memory another process takes while the weights load is
+  counted as this process's, so the result is never more than the default rule would give: with
+  at least ``U * total`` free at start, ``U * total`` less what loading took is at most what is
+  free after it.
 
 Two processes at U = 0.45 on one GPU hold at most 0.45 of it each, so both fit.
 """
@@ -92,15 +94,13 @@ def utilization_budget(utilization: float, at_start: DeviceMemory, after_weights
             f"for the KV cache: this process holds {_gib(held)} once the weights are loaded; raise "
             "gpu_memory_utilization or give kv_cache_bytes"
         )
-    by_utilization = int(within * DEFAULT_KV_CACHE_MEMORY_FRACTION)
-    by_default = int(after_weights.free * DEFAULT_KV_CACHE_MEMORY_FRACTION)
-    rule = (f"gpu_memory_utilization {utilization} of {_gib(at_start.total)} = {_gib(requested)}, less "
-            f"{_gib(held)} this process holds after loading the weights, "
-            f"{1 - DEFAULT_KV_CACHE_MEMORY_FRACTION:.0%} of the rest left for activations = {_gib(by_utilization)}")
-    if by_default < by_utilization:
-        return KVBudget(by_default, rule + f"; capped by the default rule ({DEFAULT_KV_CACHE_MEMORY_FRACTION} of "
-                                          f"the {_gib(after_weights.free)} free) = {_gib(by_default)}")
-    return KVBudget(by_utilization, rule)
+    # never more than the default rule (0.9 of the free memory after loading): the start check
+    # made requested <= at_start.free, so within = after_weights.free - (at_start.free - requested)
+    nbytes = int(within * DEFAULT_KV_CACHE_MEMORY_FRACTION)
+    return KVBudget(nbytes, f"gpu_memory_utilization {utilization} of {_gib(at_start.total)} = {_gib(requested)}, "
+                            f"less {_gib(held)} this process holds after loading the weights, "
+                            f"{1 - DEFAULT_KV_CACHE_MEMORY_FRACTION:.0%} of the rest left for activations = "
+                            f"{_gib(nbytes)}")
 
 
 def cpu_budget(fraction: float, cap: int, utilization: float | None) -> KVBudget:
