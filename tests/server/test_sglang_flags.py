@@ -16,11 +16,11 @@ from tests.server.cli_parsing import no_cli_env, parsed  # noqa: F401  (fixtures
 
 pytestmark = pytest.mark.usefixtures("no_cli_env")
 
-# the launch line of the brief, less --mem-fraction-static (refused: test below)
+# a launch line as SGLang's docs write one
 LAUNCH = ["--model-path", "M", "--lora-paths", "a=/p", "b=/q", "--max-loras-per-batch", "8", "--max-lora-rank",
           "64", "--lora-target-modules", "all", "--port", "30000", "--context-length", "8192",
           "--max-running-requests", "256", "--chunked-prefill-size", "8192", "--disable-radix-cache",
-          "--lora-backend", "triton", "--tp", "1"]
+          "--lora-backend", "triton", "--tp", "1", "--mem-fraction-static", "0.85"]
 
 
 def test_a_launch_line_becomes_loraplex_settings(parsed, capsys):
@@ -28,6 +28,7 @@ def test_a_launch_line_becomes_loraplex_settings(parsed, capsys):
     s = settings_from_args(args)
     assert (s.model, s.port, s.max_model_len, s.max_num_seqs) == ("M", 30000, 8192, 256)
     assert (s.max_loras, s.max_lora_rank) == (4, 16)  # the last one given wins, as argparse does
+    assert s.engine_config().gpu_memory_utilization == 0.85  # the GPU share of weights and KV cache
     assert (s.max_num_batched_tokens, s.enable_chunked_prefill, s.enable_prefix_caching) == (8192, True, False)
     flags = startup_flags(args, {})
     assert [(m.name, m.path) for m in flags.lora_modules] == [("a", "/p"), ("b", "/q")]
@@ -48,6 +49,7 @@ def test_a_launch_line_becomes_loraplex_settings(parsed, capsys):
     (["--max-loaded-loras", "12"], {"max_cpu_loras": 12}),
     (["--kv-cache-dtype", "fp8_e5m2"], {"kv_cache_dtype": "fp8_e5m2"}),
     (["--kv-cache-memory-fraction", "0.5"], {"kv_cache_memory_fraction": 0.5}),  # loraplex's own flag
+    (["--mem-fraction-static", "0.45"], {"gpu_memory_utilization": 0.45}),
     (["--tool-call-parser", "qwen25"], {"tool_call_parser": "hermes"}),  # <tool_call>{json}</tool_call>
     (["--tool-call-parser", "llama3"], {"tool_call_parser": "llama3_json"}),
     (["--reasoning-parser", "deepseek-r1"], {"reasoning_parser": "deepseek_r1"}),
@@ -65,7 +67,6 @@ def test_api_key_and_json_lora_paths(parsed):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--mem-fraction-static", "0.85"], ["--mem-fraction-static", "--kv-cache-memory-fraction"]),
     (["--max-total-tokens", "100000"], ["--max-total-tokens", "--kv-cache-bytes"]),
     (["--is-embedding"], ["--is-embedding"]),
     (["--lora-paths", "/bare/path"], ["--lora-paths", "NAME=PATH"]),

@@ -103,10 +103,10 @@ def test_only_yaml_files_and_one_of_them(tmp_path, capsys):
 
 def test_a_refused_flag_in_the_file_is_refused_as_on_the_command_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "home"))
-    path = write(tmp_path, "lora-dtype: float16\ngpu-memory-utilization: 0.9\n")
+    path = write(tmp_path, "lora-dtype: float16\ntensor-parallel-size: 2\n")
     assert loraplex_cli.main(["serve", "m", "--config", path]) == 2
     err = capsys.readouterr().err
-    assert "\n  --lora-dtype float16: " in err and "\n  --gpu-memory-utilization: " in err
+    assert "\n  --lora-dtype float16: " in err and "\n  --tensor-parallel-size: " in err
     assert not (tmp_path / "home").exists()
 
 

@@ -119,11 +119,11 @@ def test_a_value_with_another_meaning_is_refused_naming_loraplexs_way(argv, name
 
 def test_refused_engine_flags_stop_serve_with_status_2_before_anything_is_built(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "home"))
-    argv = ["serve", "m", "--lora-dtype", "float16", "-dp", "2", "--gpu-memory-utilization", "0.9"]
+    argv = ["serve", "m", "--lora-dtype", "float16", "-dp", "2", "--tensor-parallel-size", "2"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("loraplex serve: error: vLLM flag(s) loraplex does not take:")
-    for flag in ("--lora-dtype float16:", "--data-parallel-size 2:", "--gpu-memory-utilization:"):
+    for flag in ("--lora-dtype float16:", "--data-parallel-size 2:", "--tensor-parallel-size:"):
         assert f"\n  {flag}" in err  # every one named at once
     assert not (tmp_path / "home").exists()  # no registry, no model: nothing started
 

@@ -13,6 +13,7 @@ from loraplex.cli import build_parser, main
 from loraplex.config import Settings
 from loraplex.server.cli import settings_from_args
 from loraplex.server.vllm_flags import LoRAModule, VllmFlagError, startup_flags
+from tests.server.cli_parsing import parsed  # noqa: F401  (fixture)
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +92,6 @@ def test_one_served_model_name_only():
 
 # each refused vLLM flag, a value, and what its message must point to
 REFUSED = [
-    (["--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization", "--kv-cache-memory-fraction"),
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size", "one replica per GPU"),
     (["-tp", "4"], "--tensor-parallel-size", "--device cuda:N"),
 ]
@@ -106,12 +106,35 @@ def test_each_refused_flag_names_what_to_use_instead(argv, flag, instead):
 
 
 def test_every_refused_flag_is_named_at_once_and_serve_exits_2(capsys):
-    argv = ["serve", "m", "--gpu-memory-utilization", "0.8", "-tp", "2", "--api-key", "sk-secret"]
+    argv = ["serve", "m", "--lora-dtype", "float16", "-tp", "2", "--api-key", "sk-secret"]
     assert main(argv) == 2  # before anything is built or logged
     err = capsys.readouterr().err
     assert err.startswith("loraplex serve: error: ")
-    assert all(f"\n  {flag}: " in err for flag in ("--gpu-memory-utilization", "--tensor-parallel-size"))
+    assert all(f"\n  {flag}" in err for flag in ("--lora-dtype float16: ", "--tensor-parallel-size: "))
     assert "sk-secret" not in err  # an API key is never echoed back
+
+
+@pytest.mark.parametrize("argv", [
+    ["--gpu-memory-utilization", "0.45"], ["--gpu-memory-utilization=0.45"], ["--gpu_memory_utilization=0.45"],
+    ["--gpu_memory_utilization", "0.45"],
+])
+def test_gpu_memory_utilization_is_taken_in_each_spelling(argv, parsed):
+    # vLLM's FlexibleArgumentParser reads "_" in a flag's name as "-"; the value is vLLM's fraction
+    args = parsed(["serve", "m", *argv])
+    assert settings_from_args(args).engine_config().gpu_memory_utilization == 0.45
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.2"])
+def test_gpu_memory_utilization_outside_its_bounds_is_refused(value, capsys):
+    assert main(["serve", "m", "--gpu-memory-utilization", value]) == 2  # vLLM's bounds: (0, 1]
+    err = capsys.readouterr().err
+    assert "gpu_memory_utilization must be in (0, 1]" in err and f"not {float(value)}" in err
+
+
+def test_gpu_memory_utilization_with_a_kv_cache_size_is_refused(capsys):
+    for size in (["--kv-cache-bytes", "1000000"], ["--kv-cache-memory-bytes", "8G"]):
+        assert main(["serve", "m", "--gpu-memory-utilization", "0.9", *size]) == 2
+        assert "both size the KV cache: give one" in capsys.readouterr().err
 
 
 def test_host_cache_count_against_max_loras_and_bytes(capsys):
