@@ -22,10 +22,10 @@ total memory less what this process holds once its weights are in (vLLM's rule; 
 less than that free is refused) when given, or ``kv_cache_memory_fraction`` of the free device
 memory after the weights are loaded (``kv_budget``); on CPU ``kv_cache_memory_fraction`` of
 ``min(CPU_KV_CAP_BYTES, half the available RAM)``, ``gpu_memory_utilization`` or not. On CUDA
-the LoRA slot pool (``lora_slot_bytes``) is left out of the budget: the pool is allocated at the first adapter load, after the cache, and without the reserve
-``--max-loras 32 --max-lora-rank 64`` on an 8B model (about 11 GiB of slots) would fail that
-first load for lack of memory instead of sizing the cache smaller at start, as vLLM's memory
-profile does. Never more blocks than ``max_num_seqs`` full-length sequences can use.
+the LoRA slot pool (``lora_slot_bytes``) is left out of the budget: the pool is allocated at the
+first adapter load, after the cache, and without the reserve ``--max-loras 32 --max-lora-rank
+64`` on an 8B model (about 11 GiB of slots) would fail that first load for lack of memory
+instead of sizing the cache smaller at start, as vLLM's memory profile does. Never more blocks than ``max_num_seqs`` full-length sequences can use.
 
 With ``cuda_graphs`` on a GPU, steps of one token per sequence replay a captured forward
 (``cuda_graphs.DecodeGraphs``); every other step runs eagerly. Mixture-of-experts models too:
