@@ -73,6 +73,10 @@ def test_two_processes_at_045_both_fit_one_after_the_other():
     for who in "ab":  # each holds at most its 45%, context included, headroom left unallocated
         assert gpu.held[who] <= 0.45 * TOTAL
     assert sum(gpu.held.values()) <= 0.9 * TOTAL
+    for who in "ab":  # both then run a step whose activations take all of their headroom
+        gpu.take(who, int((0.45 * TOTAL - WEIGHTS) * HEADROOM_SHARE))  # FakeGPU: no OOM
+        # U of the total, plus the CUDA context it had before measuring (outside U in vLLM too)
+        assert gpu.held[who] <= 0.45 * TOTAL + CONTEXT
 
 
 def test_two_processes_at_045_started_together_both_fit():
