@@ -92,17 +92,16 @@ def unserved_kv_cache_dtype(name: str) -> str:
             f"use one of {', '.join(KV_CACHE_DTYPES)}")
 
 
-def check_gpu_memory_utilization(utilization: float | None, kv_cache_bytes: int | None) -> None:
+def check_gpu_memory_utilization(utilization: float | None) -> None:
     """vLLM's ``gpu_memory_utilization``: a fraction in (0, 1] of the GPU's total memory (its
-    bounds), which sizes the KV cache one way; ``kv_cache_bytes`` sizes it another, so not both."""
+    bounds). Given with ``kv_cache_bytes``, the byte size sizes the KV cache, as vLLM's
+    ``--kv-cache-memory-bytes`` wins over it (the start-up check of free memory still applies);
+    the runner's ``KV budget`` line names the rule used."""
     if utilization is None:
         return
     if isinstance(utilization, bool) or not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1] (the fraction of the GPU's total memory "
                          f"this process may hold), not {utilization}")
-    if kv_cache_bytes is not None:
-        raise ValueError(f"gpu_memory_utilization ({utilization}) and kv_cache_bytes ({kv_cache_bytes}) both size "
-                         "the KV cache: give one")
 
 
 # vLLM's SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS: the step budget with chunked prefill
@@ -219,7 +218,7 @@ class EngineConfig:
         check_scheduling_policy(self.scheduling_policy)
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_quantization(self.quantization)
-        check_gpu_memory_utilization(self.gpu_memory_utilization, self.kv_cache_bytes)
+        check_gpu_memory_utilization(self.gpu_memory_utilization)
         check_max_logprobs(self.max_logprobs)
         check_host_cache_options(self.max_cpu_loras, self.max_cpu_lora_bytes, self.max_loras)
         parse_speculative_config(self.speculative_config)
@@ -353,7 +352,7 @@ class Settings(BaseSettings):
         check_host_cache_options(self.max_cpu_loras, self.max_cpu_lora_bytes, self.max_loras)
         parse_speculative_config(self.speculative_config)
         check_quantization(self.quantization)
-        check_gpu_memory_utilization(self.gpu_memory_utilization, self.kv_cache_bytes)
+        check_gpu_memory_utilization(self.gpu_memory_utilization)
         return self
 
     def engine_config(self) -> EngineConfig:

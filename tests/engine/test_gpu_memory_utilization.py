@@ -145,7 +145,6 @@ def test_never_more_than_the_default_rule(utilization, others):
 @pytest.mark.parametrize("options,match", [
     ({"gpu_memory_utilization": 0}, r"must be in \(0, 1\]"),
     ({"gpu_memory_utilization": 1.01}, r"must be in \(0, 1\]"),
-    ({"gpu_memory_utilization": 0.5, "kv_cache_bytes": 1 << 20}, "both size the KV cache: give one"),
 ])
 def test_bad_values_are_refused(options, match):
     with pytest.raises(ValueError, match=match):
@@ -193,6 +192,10 @@ def test_runner_sizes_on_cuda_by_utilization_less_the_slot_pool(llama_dir, lorap
     assert budget == pytest.approx(expected, abs=2)
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV budget:"))
     assert "gpu_memory_utilization 0.45" in line and "less the LoRA slot pool" in line
+    # a byte size given beside it sizes the cache, as vLLM's --kv-cache-memory-bytes does
+    runner.config = runner.config.replace(kv_cache_bytes=3 << 20)
+    assert runner._kv_budget_bytes() == 3 << 20
+    runner.config = runner.config.replace(kv_cache_bytes=None)
     # a slot pool larger than what utilization leaves is refused as with the default rule
     runner.config = runner.config.replace(gpu_memory_utilization=0.12)  # 0.92 GiB past the weights
     runner.config = runner.config.replace(max_loras=runner.config.max_loras * (GiB // reserve + 1))

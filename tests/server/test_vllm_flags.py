@@ -131,10 +131,11 @@ def test_gpu_memory_utilization_outside_its_bounds_is_refused(value, capsys):
     assert "gpu_memory_utilization must be in (0, 1]" in err and f"not {float(value)}" in err
 
 
-def test_gpu_memory_utilization_with_a_kv_cache_size_is_refused(capsys):
-    for size in (["--kv-cache-bytes", "1000000"], ["--kv-cache-memory-bytes", "8G"]):
-        assert main(["serve", "m", "--gpu-memory-utilization", "0.9", *size]) == 2
-        assert "both size the KV cache: give one" in capsys.readouterr().err
+def test_a_kv_cache_size_given_beside_gpu_memory_utilization_sizes_the_cache():
+    # vLLM: --kv-cache-memory-bytes wins over --gpu-memory-utilization (which stays valid)
+    for size in (["--kv-cache-bytes", "1000000"], ["--kv-cache-memory-bytes", "1000000"]):
+        config = settings("m", "--gpu-memory-utilization", "0.9", *size).engine_config()
+        assert (config.kv_cache_bytes, config.gpu_memory_utilization) == (1000000, 0.9)
 
 
 def test_host_cache_count_against_max_loras_and_bytes(capsys):
