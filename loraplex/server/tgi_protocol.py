@@ -182,7 +182,7 @@ def parse_generate_request(body, served_model: str, *, stream: bool | None,
     max_new_tokens = read_int(p, "max_new_tokens", None)
     if max_new_tokens is not None and max_new_tokens < 1:
         raise bad_request("`max_new_tokens` must be strictly positive", param="max_new_tokens")
-    seed = read_int(p, "seed", None, lo=0)
+    seed = read_int(p, "seed", None, lo=0, hi=2**64 - 1)  # LoRAX: a u64; the sampler keeps 64 bits
     truncate = read_int(p, "truncate", None)
     if truncate is not None and truncate < 1:
         raise bad_request("`truncate` must be strictly positive", param="truncate")

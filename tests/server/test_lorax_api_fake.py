@@ -80,6 +80,7 @@ def test_return_full_text_and_default_max_new_tokens(world):
     ({"do_sample": True, "seed": 5}, dict(temperature=1.0, seed=5)),
     ({"temperature": 0.5, "seed": 1}, dict(temperature=0.5, seed=1)),  # a warper turns sampling on
     ({"top_k": 5, "seed": 1}, dict(temperature=1.0, top_k=5)),
+    ({"do_sample": True, "seed": 2**64 - 1}, dict(seed=2**64 - 1)),  # u64::MAX, as LoRAX takes it
     ({"top_p": 0.9, "seed": 1}, dict(temperature=1.0, top_p=0.9)),
     ({"temperature": 0, "do_sample": True, "seed": 3}, dict(temperature=0.0, seed=None)),  # 0 is greedy
     ({"temperature": 1.0, "top_p": 1.0}, dict(temperature=0.0)),  # no-op values: still greedy
@@ -220,6 +221,8 @@ def test_unsupported_parameters_are_refused(world, parameters, field):
     ({"inputs": "x", "parameters": {"max_new_tokens": 0}}, "max_new_tokens"),
     ({"inputs": "x", "parameters": {"max_new_tokens": 1000}}, "max"),  # past the context
     ({"inputs": "x", "parameters": {"seed": -1}}, "seed"),
+    # LoRAX's seed is a u64: past it the sampler's 64 bits would alias 2**64 to seed 0
+    ({"inputs": "x", "parameters": {"seed": 2**64, "do_sample": True}}, "seed"),
     ({"inputs": "x", "parameters": {"truncate": 0}}, "truncate"),
     ({"inputs": "x", "parameters": {"stop": [""]}}, "stop"),
     ({"inputs": "x", "parameters": {"adapter_id": 3}}, "adapter_id"),
