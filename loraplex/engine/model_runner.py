@@ -53,8 +53,7 @@ from loraplex.engine.sampler import Sampler
 from loraplex.engine.spec_verify import position_views
 from loraplex.kernels.kv_quant import check_kv_dtype_device, kv_cache_torch_dtype
 from loraplex.lora.context import logits_lora
-from loraplex.lora.records import max_adapter_host_nbytes
-from loraplex.lora.slots import slot_pool_dtype
+from loraplex.lora.slots import SlotPool, slot_pool_dtype
 from loraplex.lora.spec import LoRATargetSpec
 from loraplex.model.config import ModelSpec
 from loraplex.model.layers import AttentionMetadata
@@ -206,9 +205,12 @@ class ModelRunner:
         """Bytes of the LoRA slot pool at its largest: ``max_loras`` slots of ``max_lora_rank`` on every
         targetable module, embed_tokens and lm_head included, and every expert of an MoE model with
         ``enable_expert_lora`` (``lora.slots.SlotPool``, in its dtype: fp32 on CPU whatever the model's)."""
-        pool_dtype = slot_pool_dtype(self.device, self.dtype)
-        per_slot = max_adapter_host_nbytes(self.lora_target_spec(), self.config.max_lora_rank, pool_dtype)
-        return self.config.max_loras * per_slot
+        # counted off the pool's own tensors, laid out on ``meta`` (no memory): its fp32 scalings and
+        # int32 ranks too, which the adapters' byte sizes leave out
+        pool = SlotPool(self.lora_target_spec(), self.config.max_loras, self.config.max_lora_rank,
+                        torch.device("meta"), slot_pool_dtype(self.device, self.dtype))
+        pool.allocate_all()
+        return pool.allocated_bytes
 
     def _max_chunk_tokens(self) -> int | None:
         return self.config.max_num_batched_tokens if self.config.enable_chunked_prefill else None

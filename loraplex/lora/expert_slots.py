@@ -65,7 +65,7 @@ class ExpertStacks:
     def nbytes(self) -> int:
         return sum(st.nbytes for st in self.layers.values())
 
-    def _allocate(self) -> None:
+    def allocate(self) -> None:
         e, h, i = self.shapes.num_experts, self.shapes.hidden, self.shapes.inter
         n, r, kw = self.max_loras, self.max_rank, dict(dtype=self.dtype, device=self.device)
         for layer in self.shapes.layers:
@@ -78,13 +78,20 @@ class ExpertStacks:
                 scaling_down=torch.zeros(n, e, dtype=torch.float32, device=self.device),
             )
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held: the per-slot flags and ranks, each layer's stacks and scalings."""
+        out = [self.slot_active, self.slot_rank]
+        for st in self.layers.values():
+            out += [st.a_gate_up, st.b_gate_up, st.scaling_gate_up, st.a_down, st.b_down, st.scaling_down]
+        return out
+
     def write(self, slot: int, experts: dict) -> None:
         """Fill ``slot`` from an adapter's ``AdapterWeights.experts`` (``layer -> {part: slice}``;
         empty: the adapter has no expert LoRA), allocating the stacks at the first such adapter."""
         if not experts and not self.layers:
             return
         if not self.layers:
-            self._allocate()
+            self.allocate()
         inter = self.shapes.inter
         for layer, st in self.layers.items():
             for t in (st.a_gate_up[:, slot], st.b_gate_up[slot], st.scaling_gate_up[:, slot], st.a_down[slot],

@@ -104,6 +104,28 @@ class SlotPool:
         )
         return layers + self.vocab.nbytes + (self.experts.nbytes if self.experts is not None else 0)
 
+    def allocate_all(self) -> None:
+        """Allocate every stack the pool can come to hold (the layers', each vocabulary target's,
+        the experts'): the pool at its largest, as the engine reserves it (on ``meta``, nothing)."""
+        if not self.stacks:
+            self._allocate()
+        for module in self.spec.vocab_shapes:
+            if self.vocab.get(module) is None:
+                self.vocab.allocate(module)
+        if self.experts is not None and not self.experts.allocated:
+            self.experts.allocate()
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of every tensor the pool holds: the weight stacks (``nbytes``) and the fp32
+        scalings and int32 ranks beside them."""
+        tensors = [self.slot_rank]
+        for stack in [*(st for layer in self.stacks for st in layer.values()), *self.vocab.stacks.values()]:
+            tensors += [stack.a, stack.b, stack.scaling, stack.rank]
+        if self.experts is not None:
+            tensors += self.experts.tensors()
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def slot_of(self, adapter_id: str) -> int | None:
         return self._slot_of.get(adapter_id)
 

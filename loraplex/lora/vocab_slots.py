@@ -61,7 +61,7 @@ class VocabStacks:
     def nbytes(self) -> int:
         return sum(st.nbytes for st in self.stacks.values())
 
-    def _allocate(self, module: str) -> VocabStack:
+    def allocate(self, module: str) -> VocabStack:
         vocab, hidden = self.spec.vocab_size, self.spec.hidden_size
         n, r, kw = self.max_loras, self.max_rank, dict(dtype=self.dtype, device=self.device)
         if module == EMBED:
@@ -87,7 +87,7 @@ class VocabStacks:
             if stack is None:
                 if lora is None:
                     continue
-                stack = self._allocate(module)
+                stack = self.allocate(module)
             if module == EMBED:
                 stack.a[slot].zero_()
             else:

@@ -1,11 +1,13 @@
 """On CUDA the KV budget leaves room for the LoRA slot pool, which is allocated at the first
 adapter load, after the cache: the reserve equals what ``SlotPool`` allocates with every stack in
-use (every layer module and both vocabulary targets), so that first load cannot run out of
-memory. On CPU the cache's cap is a choice and the pool comes from RAM beside it: no reserve."""
+use (every layer module and both vocabulary targets), counted off every tensor the pool holds
+(scalings and ranks too), so that first load cannot run out of memory. On CPU the cache's cap is a
+choice and the pool comes from RAM beside it: no reserve."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from loraplex.config import EngineConfig
 from loraplex.engine import model_runner
@@ -28,20 +30,36 @@ def _runner(model_dir, home, **options) -> ModelRunner:
                                        "max_lora_rank": RANK, "max_num_seqs": 10_000, **options}))
 
 
+def held_tensor_bytes(obj, seen: set[int] | None = None) -> int:
+    """Bytes of every distinct tensor reachable from ``obj``'s attributes, lists and dicts (the
+    slot pool's spec left out): what the pool holds, found without asking the pool."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        if id(obj) in seen:
+            return 0
+        seen.add(id(obj))
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(held_tensor_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(held_tensor_bytes(v, seen) for v in obj)
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        return sum(held_tensor_bytes(v, seen) for k, v in vars(obj).items() if k != "spec")
+    return 0
+
+
 def _pool_bytes_in_use(runner: ModelRunner, max_loras: int) -> int:
     """Bytes a slot pool of ``max_loras`` slots holds once every stack is allocated."""
     pool = SlotPool(runner.lora_target_spec(), max_loras, RANK, runner.device, runner.dtype)
     pool._allocate()
     for module in VOCAB_TARGETS:
-        pool.vocab._allocate(module)
-    return pool.nbytes
+        pool.vocab.allocate(module)
+    return held_tensor_bytes(pool)
 
 
 def test_reserve_is_what_the_slot_pool_allocates(llama_dir, loraplex_home):
     runner = _runner(llama_dir, loraplex_home, max_loras=4, kv_cache_bytes=1 << 20)
-    allocated = _pool_bytes_in_use(runner, 4)
-    # the pool's scaling and rank rows (a few bytes per slot) are left out of the reserve
-    assert allocated - 1024 <= runner.lora_slot_bytes() <= allocated
+    assert runner.lora_slot_bytes() == _pool_bytes_in_use(runner, 4)
     one_slot = _runner(llama_dir, loraplex_home, max_loras=1, kv_cache_bytes=1 << 20)
     assert runner.lora_slot_bytes() == 4 * one_slot.lora_slot_bytes()
 
@@ -50,7 +68,7 @@ def test_device_budget_leaves_the_reserve(llama_dir, loraplex_home):
     runner = _runner(llama_dir, loraplex_home, max_loras=9, kv_cache_bytes=1 << 20)
     budget = 50 * runner.lora_slot_bytes()
     left = runner._leave_lora_slots(budget)
-    assert budget - _pool_bytes_in_use(runner, 9) <= left <= budget - _pool_bytes_in_use(runner, 9) + 1024
+    assert left == budget - _pool_bytes_in_use(runner, 9)
     with pytest.raises(ValueError, match="LoRA slot pool .* lower max_loras or max_lora_rank"):
         runner._leave_lora_slots(runner.lora_slot_bytes())
 
@@ -73,5 +91,5 @@ def test_figure_is_the_pools_own_dtype_on_cpu(llama_dir, loraplex_home):
     pool = llm.engine.lora_manager.pool
     pool._allocate()
     for module in VOCAB_TARGETS:
-        pool.vocab._allocate(module)
-    assert pool.nbytes - 1024 <= llm.engine.runner.lora_slot_bytes() <= pool.nbytes
+        pool.vocab.allocate(module)
+    assert llm.engine.runner.lora_slot_bytes() == held_tensor_bytes(pool)

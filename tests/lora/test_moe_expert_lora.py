@@ -31,6 +31,7 @@ from loraplex.lora.weights import AdapterWeights
 from loraplex.model.config import ModelSpec
 from loraplex.model.loader import load_model
 from tests.fixtures.peft_adapters import make_peft_adapter, peft_model_for
+from tests.engine.test_lora_slot_reserve import held_tensor_bytes
 from tests.fixtures.tiny_moe import make_tiny_moe_dir
 from tests.lora.test_acceptance import greedy
 from tests.model.helpers import chunk_metadata, new_kv_caches, relative_error
@@ -217,7 +218,14 @@ def test_slot_pool_holds_what_the_engine_reserves(tmp_path):
     llm = LLM(model=str(model_dir), dtype="float32", device="cpu", home=tmp_path / "home", max_loras=3,
               max_lora_rank=4, kv_cache_bytes=4 << 20, enable_expert_lora=True)
     runner = llm.engine.runner
-    assert runner.lora_slot_bytes() == 3 * max_adapter_host_nbytes(on, 4, torch.float32)
+    full = SlotPool(on, max_loras=3, max_rank=4, device="cpu", dtype=torch.float32)
+    full.write(0, AdapterWeights.build(parsed, info, on, torch.float32))  # the layers' and experts' stacks
+    for module in on.vocab_shapes:
+        full.vocab.allocate(module)
+    # the reserve is every tensor of the pool at its largest: the weights, and the fp32 scalings
+    # ([2, L, E] and [L, E] per sparse layer) and int32 ranks beside them
+    assert runner.lora_slot_bytes() == held_tensor_bytes(full)
+    assert runner.lora_slot_bytes() > 3 * max_adapter_host_nbytes(on, 4, torch.float32)
 
 
 def _edit(src, dst, config: dict | None = None, tensors=None):
