@@ -83,14 +83,15 @@ class GenerationRequest:
 def _model(body) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise bad_request("`model` must be a non-empty string (or left out: the base model)", param="model")
+        raise bad_request("`model` must be a string (or left out: the base model)", param="model")
     return model
 
 
 def with_default_model(body, served_model: str):
-    """``body`` with vLLM's default ``model``: a request that leaves it out (or sends null) is
-    for the base model (vLLM's request models have ``model: str | None = None``)."""
-    if isinstance(body, dict) and body.get("model") is None:
+    """``body`` with vLLM's default ``model``: a request that leaves it out, sends null or sends
+    "" is for the base model (vLLM's request models have ``model: str | None = None``, and its
+    ``_is_model_supported`` takes any empty name as the base model's)."""
+    if isinstance(body, dict) and body.get("model") in (None, ""):
         return {**body, "model": served_model}
     return body
 

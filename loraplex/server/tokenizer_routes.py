@@ -16,7 +16,8 @@ in ``/v1`` finds them too. Shapes are vLLM's (``TokenizeCompletionRequest``,
 
 ``model``, when sent, must be the base model or one of the caller's adapters: the same 404 as
 chat completions otherwise. The adapter is only looked up (every adapter shares the base
-model's tokenizer): nothing is pinned, fetched or loaded. Left out, it is the base model (vLLM).
+model's tokenizer): nothing is pinned, fetched or loaded. Left out (or null, or ""), it is the base
+model (vLLM).
 
 ``POST /tokenize`` is LoRAX's (TGI's) route too: a body with ``inputs`` is LoRAX's request and
 gets LoRAX's answer and error shape (tgi_info.py). Everything else gets vLLM's, in the OpenAI
@@ -45,7 +46,7 @@ from loraplex.server.tool_calls import parse_tools
 
 def _model(body: dict, served_model: str) -> str:
     model = body.get("model")
-    if model is None:
+    if model is None or model == "":  # vLLM: an empty name is the base model too
         return served_model
     if not isinstance(model, str) or not model:
         raise bad_request("`model` must be a non-empty string", param="model")

@@ -146,16 +146,17 @@ def test_v1_prefix_uses_the_keys_tenant_and_hot_swap(setup):
     assert pinned.choices[0].text == expected_text(tok, ids, version["sha256"], None, 3)
 
 
-@pytest.mark.parametrize("model", ["left out", None])
+@pytest.mark.parametrize("model", ["left out", None, ""])
 def test_model_left_out_is_the_base_model(setup, model):
     """vLLM's request models have ``model: str | None = None``: no model (or null) is the base
-    model, on chat, completions and Responses alike; the answer names the served model."""
+    model, on chat, completions and Responses alike; so is "" (vLLM's ``_is_model_supported``
+    takes any empty name as the base model's); the answer names the served model."""
     import httpx
 
     srv, key, version, client = setup
     tok = srv.engine.tokenizer
     ids = tok("hello world")["input_ids"]
-    extra = {} if model == "left out" else {"model": None}
+    extra = {} if model == "left out" else {"model": model}
     with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {key}"}) as c:
         comp = c.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 5, "seed": 3, **extra})
         chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
