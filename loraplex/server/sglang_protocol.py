@@ -6,7 +6,10 @@ reads them), read into loraplex ``GenerationRequest``s.
   list of such lists), not both (SGLang lets ``text`` win silently; loraplex says so instead).
 - ``sampling_params``: an object, or a list with one object per prompt. SGLang's defaults:
   ``max_new_tokens`` 128, ``temperature`` 1.0 (0 is greedy), ``top_p`` 1, ``top_k`` -1 (all),
-  ``min_p`` 0, penalties off, ``n`` 1 (the same in every object, as SGLang requires). Stop
+  ``min_p`` 0, penalties off, ``n`` 1 (the same in every object, as SGLang requires).
+  ``max_new_tokens`` 0 scores the prompt and generates nothing (SGLang's prefill-only request,
+  what its ``sgl.function`` frontend sends to cache a prefix and to rank ``select`` choices by
+  their logprobs): the engine runs its one step and the token is not shown. Stop
   strings are cut from the text unless ``no_stop_trim``. ``json_schema`` (a JSON string),
   ``regex`` and ``ebnf``: at most one. A key SGLang does not know is refused (SGLang's
   ``SamplingParams`` refuses unknown keywords); keys SGLang knows that would change the output
@@ -74,6 +77,7 @@ class SGLangRequest:
     top_logprobs_num: int
     return_text_in_logprobs: bool
     no_stop_trim: list[bool] = field(default_factory=list)  # per prompt
+    max_new_tokens: list[int] = field(default_factory=list)  # per prompt, as asked (0: prompt scoring)
 
 
 def _error(message: str, param: str | None = None):
@@ -161,7 +165,8 @@ def _constraint(sp: dict):
 
 
 def sampling_params(sp: dict, *, logprobs: int | None, prompt_logprobs: int | None) -> tuple[SamplingParams, bool]:
-    """``(params, no_stop_trim)`` for one ``sampling_params`` object."""
+    """``(params, no_stop_trim)`` for one ``sampling_params`` object. ``max_new_tokens`` 0
+    (prompt scoring) runs one token, which the caller does not show."""
     for key in sp:
         if key not in SAMPLING_KEYS:
             raise _error(f"Unexpected keyword argument `{key}` in `sampling_params`.", key)
@@ -171,8 +176,14 @@ def sampling_params(sp: dict, *, logprobs: int | None, prompt_logprobs: int | No
         raise _error("`sampling_params.spaces_between_special_tokens`: false is not supported.",
                      "spaces_between_special_tokens")
     max_new = _number(sp, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS, integer=True)
-    if max_new < 1:
-        raise _error(f"max_new_tokens must be at least 1 here, got {max_new}.", "max_new_tokens")
+    if max_new < 0:
+        raise _error(f"max_new_tokens must be at least 0, got {max_new}.", "max_new_tokens")
+    min_new = _number(sp, "min_new_tokens", 0, integer=True)
+    if not 0 <= min_new <= max_new:  # SGLang's SamplingParams.verify
+        raise _error(f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new}.", "min_new_tokens")
+    seed = _number(sp, "sampling_seed", None, integer=True)
+    if seed is not None and not -(2**63) <= seed < 2**63:  # the sampler keeps 64 bits
+        raise _error("`sampling_params.sampling_seed` must be a 64-bit signed integer.", "sampling_seed")
     temperature = float(_number(sp, "temperature", 1.0))
     top_k = _number(sp, "top_k", -1, integer=True)
     if top_k == 0 or top_k < -1:
@@ -189,8 +200,8 @@ def sampling_params(sp: dict, *, logprobs: int | None, prompt_logprobs: int | No
     try:
         params = SamplingParams(
             n=_number(sp, "n", 1, integer=True),
-            max_tokens=max_new,
-            min_tokens=_number(sp, "min_new_tokens", 0, integer=True),
+            max_tokens=max_new or 1,  # 0: the one step a prompt's logprobs take
+            min_tokens=min_new,
             # SGLang: temperature below 1e-6 is greedy
             temperature=0.0 if 0 <= temperature < 1e-6 else temperature,
             top_p=float(_number(sp, "top_p", 1.0)),
@@ -199,7 +210,7 @@ def sampling_params(sp: dict, *, logprobs: int | None, prompt_logprobs: int | No
             frequency_penalty=float(_number(sp, "frequency_penalty", 0.0)),
             presence_penalty=float(_number(sp, "presence_penalty", 0.0)),
             repetition_penalty=float(_number(sp, "repetition_penalty", 1.0)),
-            seed=_number(sp, "sampling_seed", None, integer=True),
+            seed=seed,
             stop=stop or [],
             stop_token_ids=list(sp.get("stop_token_ids") or []),
             ignore_eos=_flag(sp, "ignore_eos", False),
@@ -268,7 +279,7 @@ def parse_sglang_request(body, served_model: str, max_logprobs: int = 20) -> SGL
         raise _error("`stream` must be a boolean.", "stream")
     loras = _per_prompt(body, "lora_path", size, _lora)
     sps = _per_prompt(body, "sampling_params", size, _sampling_dict)
-    ns = {sp.get("n") or 1 for sp in sps}
+    ns = {_number(sp, "n", 1, integer=True) for sp in sps}
     if len(ns) > 1:
         raise _error("The parallel_sample_num should be the same for all samples in sample params.", "n")
     n = ns.pop()
@@ -276,10 +287,11 @@ def parse_sglang_request(body, served_model: str, max_logprobs: int = 20) -> SGL
     logprobs = top if want else None
     prompt_logprobs = top if want and start >= 0 else None
     groups: dict[tuple, Group] = {}
-    no_stop_trim = []
+    no_stop_trim, max_new_tokens = [], []
     for i, (prompt, lora, sp) in enumerate(zip(prompts, loras, sps)):
         params, trim = sampling_params(sp, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         no_stop_trim.append(trim)
+        max_new_tokens.append(_number(sp, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS, integer=True))
         key = (lora, json.dumps(sp, sort_keys=True))
         if key not in groups:
             gen = GenerationRequest(kind="sglang_generate", model=lora or served_model, params=params, stream=stream,
@@ -291,4 +303,4 @@ def parse_sglang_request(body, served_model: str, max_logprobs: int = 20) -> SGL
     return SGLangRequest(groups=list(groups.values()), batch_size=size, is_single=single, n=n,
                          rids=_rids(body, size, n, single), stream=stream, return_logprob=want,
                          logprob_start_len=start, top_logprobs_num=top, return_text_in_logprobs=text,
-                         no_stop_trim=no_stop_trim)
+                         no_stop_trim=no_stop_trim, max_new_tokens=max_new_tokens)

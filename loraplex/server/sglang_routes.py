@@ -65,15 +65,16 @@ class _GroupAdmission(Admission):
 
     endpoint = ENDPOINT
 
-    def __init__(self, gen: GenerationRequest):
+    def __init__(self, gen: GenerationRequest, logprob_start_len: int = -1):
         self.gen = gen
+        self.logprob_start_len = logprob_start_len  # -1 unless the request returns logprobs
 
     def parse(self, ctx: AppContext, body) -> GenerationRequest:
         return self.gen
 
     def prompt_ids(self, ctx: AppContext, req: GenerationRequest) -> list[list[int]]:
         try:
-            return super().prompt_ids(ctx, req)
+            ids = super().prompt_ids(ctx, req)
         except APIError as err:
             if err.code == "context_length_exceeded" and err.param == "max_tokens":
                 prompt = max(len(ids) for ids in tokenize_prompts(ctx, req))
@@ -84,6 +85,12 @@ class _GroupAdmission(Admission):
             elif err.param == "prompt" and "token ids" in err.message:
                 err.message = err.message.replace("prompt token ids", "`input_ids`")
             raise
+        shortest = min(len(p) for p in ids)
+        if self.logprob_start_len > shortest:  # SGLang's scheduler refuses it so
+            raise bad_request(f"logprob_start_len={self.logprob_start_len} is higher than the number of input "
+                              f"tokens ({shortest}). Please use a smaller logprob_start_len.",
+                              param="logprob_start_len")
+        return ids
 
     def request_id(self, req: GenerationRequest) -> str:
         return f"sglang-{uuid.uuid4().hex}"
@@ -113,7 +120,8 @@ async def _admit_all(request: Request, ctx: AppContext, body: dict, arrival: flo
     runs: list[RequestRun] = []
     try:
         for group in sreq.groups:
-            runs.append(await admit_body(ctx, tenant, body, _GroupAdmission(group.gen), arrival, ids))
+            start = sreq.logprob_start_len if sreq.return_logprob else -1
+            runs.append(await admit_body(ctx, tenant, body, _GroupAdmission(group.gen, start), arrival, ids))
     except Exception as exc:
         err = from_exception(exc, log_unknown=False)
         for run in runs:  # nothing of this request ran
@@ -128,13 +136,13 @@ class _Outputs:
     def __init__(self, ctx: AppContext, sreq: SGLangRequest, runs: list[RequestRun], arrival: float):
         self.sreq, self.runs = sreq, runs
         n = sreq.n
-        self.states = [OutputState(rid=sreq.rids[i], prompt_index=i // n) for i in range(sreq.batch_size * n)]
+        self.states = [OutputState(rid=sreq.rids[i], prompt_index=i // n, score_only=sreq.max_new_tokens[i // n] == 0)
+                       for i in range(sreq.batch_size * n)]
         self.prompt_ids: dict[int, list[int]] = {}
-        max_new = {}
         for group, run in zip(sreq.groups, runs):
             for p_idx, index in enumerate(group.indices):
                 self.prompt_ids[index] = run.prompt_ids[p_idx]
-                max_new[index] = run.req.params.max_tokens
+        max_new = dict(enumerate(sreq.max_new_tokens))  # as asked: 0 for prompt scoring, not the step run
         self.shaper = SGLangShaper(ctx.tokenizer, return_logprob=sreq.return_logprob, start=sreq.logprob_start_len,
                                    top=sreq.top_logprobs_num, with_text=sreq.return_text_in_logprobs,
                                    max_new_tokens=max_new, arrival=arrival)
@@ -211,6 +219,9 @@ async def _events(outputs: _Outputs):
     try:
         try:
             async for index in outputs.deltas():
+                state = outputs.states[index]
+                if state.score_only and state.finish is None:
+                    continue  # prompt scoring: nothing to show until it is done
                 yield _sse(outputs.shaped(index))
             if outputs.incomplete():
                 raise _incomplete()

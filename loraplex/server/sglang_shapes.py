@@ -8,6 +8,11 @@
 ``top_logprobs_num``, ``input_top_logprobs`` and ``output_top_logprobs``: per position a list
 of such tuples, most likely first (null for the prompt's first token, which nothing predicts).
 
+``max_new_tokens`` 0 (prompt scoring): no text, ids or output logprobs (the one token the engine
+ran is not shown), ``{"type": "length", "length": 0}``, as SGLang's prefill-only request.
+``input_token_logprobs`` start at ``logprob_start_len`` with a null logprob, as SGLang pads them
+(its scheduler: "Always pad the first one with None"), whatever that position.
+
 Text, ids and logprobs are cumulative in every streamed object, as SGLang streams them by
 default. ``cached_tokens`` is always 0: loraplex's engine does not count a request's prefix-cache
 hits.
@@ -30,8 +35,13 @@ class OutputState:
     logprobs: list[dict] = field(default_factory=list)
     finish: str | None = None
     stop_reason: int | str | None = None
+    score_only: bool = False  # max_new_tokens 0: the prompt's logprobs, no output
 
     def add(self, comp) -> None:
+        if self.score_only:
+            if comp.finish_reason is not None:  # the step ran to its end: SGLang's length 0
+                self.finish = "abort" if comp.finish_reason == "abort" else "length"
+            return
         self.text += comp.text
         self.ids.extend(comp.token_ids)
         self.logprobs.extend(comp.logprobs or [])
@@ -87,6 +97,8 @@ class SGLangShaper:
             entry = computed[i] if computed and i < len(computed) else None
             entries.append((token_id, entry if isinstance(entry, dict) else None))
         entries = entries[self.start:]
+        if entries:  # SGLang's first position has no logprob, wherever it starts
+            entries[0] = (entries[0][0], None)
         meta["input_token_logprobs"] = [self._tuple(e["logprob"] if e else None, t) for t, e in entries]
         if self.top:
             meta["input_top_logprobs"] = [self._top(e) if e else None for _, e in entries]

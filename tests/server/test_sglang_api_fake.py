@@ -207,7 +207,15 @@ def test_stream_is_cumulative_and_ends_with_done(world):
     ({"text": "ab", "image_data": "x.png"}, ["image_data"]),
     ({"input_ids": [4, 10 ** 6]}, ["input_ids"]),
     ({"input_ids": [4, "a"]}, ["input_ids"]),
-    ({"text": "ab", "sampling_params": {"max_new_tokens": 0}}, ["max_new_tokens"]),
+    ({"text": "ab", "sampling_params": {"max_new_tokens": -1}}, ["max_new_tokens"]),
+    ({"text": "ab", "sampling_params": {"n": [2]}}, ["n"]),  # was a 500 (a list cannot be compared)
+    ({"text": "ab", "sampling_params": {"sampling_seed": 2 ** 64}}, ["sampling_seed"]),
+    ({"text": "ab", "sampling_params": {"max_new_tokens": 0, "min_new_tokens": 1}}, ["min_new_tokens"]),
+    # "ab" is 3 prompt tokens (bos, a, b): SGLang refuses a start past the prompt
+    ({"text": "ab", "return_logprob": True, "logprob_start_len": 4, "sampling_params": {"max_new_tokens": 2}},
+     ["logprob_start_len"]),
+    ({"text": ["abcd", "ab"], "return_logprob": True, "logprob_start_len": 4, "sampling_params": {"max_new_tokens": 2}},
+     ["logprob_start_len"]),
     ({"text": "ab", "rid": ["a", "b"]}, ["rid"]),
     ({"text": ["ab", "cd"], "rid": ["a", "a"]}, ["Duplicate"]),
     ({"text": "ab", "sampling_params": {"json_schema": "{not json"}}, ["json_schema"]),
@@ -220,6 +228,26 @@ def test_bad_input_is_a_400_in_sglangs_shape_and_runs_nothing(world, body, words
     assert set(r.json()) == {"error"} and set(r.json()["error"]) == {"message"}
     assert all(w in r.json()["error"]["message"] for w in words), r.text
     assert _started(srv) == before and srv.adapters.in_use.get(sha, 0) == 0
+
+
+def test_max_new_tokens_0_scores_the_prompt_and_shows_no_output(world):
+    """SGLang's prefill-only request (what sgl.function's RuntimeEndpoint sends for cache_prefix
+    and select): no text, no ids, finish {"type": "length", "length": 0}, streamed or not."""
+    srv, client, sha = world
+    before = len(srv.engine.started)
+    r = client.post("/generate", json={"text": ["ab", "cd"], "lora_path": "sql", "return_logprob": True,
+                                       "sampling_params": {"max_new_tokens": 0, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    for out, text in zip(r.json(), ["ab", "cd"]):
+        meta = out["meta_info"]
+        assert (out["text"], out["output_ids"], meta["output_token_logprobs"]) == ("", [], [])
+        assert meta["finish_reason"] == {"type": "length", "length": 0}
+        assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(_ids(srv, text)), 0)
+    assert len(srv.engine.started) > before and srv.adapters.in_use[sha] == 0
+    events = _events(client.post("/generate", json={"text": "ab", "stream": True,
+                                                    "sampling_params": {"max_new_tokens": 0}}))
+    assert len(events) == 1 and events[0]["text"] == "" and events[0]["output_ids"] == []
+    assert events[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
 
 
 def test_lorax_bodies_still_reach_lorax(world):

@@ -190,3 +190,28 @@ def test_n_greedy_samples_are_the_greedy_answer(world):
     got = _generate(client, text="The quick brown fox", sampling_params={"n": 2, "temperature": 0,
                                                                         "max_new_tokens": 4})
     assert [o["text"] for o in got] == [want, want] and got[0]["meta_info"]["id"] != got[1]["meta_info"]["id"]
+
+
+def test_select_scoring_as_sgl_function_sends_it(world):
+    """sgl.function's RuntimeEndpoint.select: max_new_tokens 0 with return_logprob and
+    logprob_start_len k, a batch of choices. Each answer is the prompt's logprobs from k (the
+    first null, as SGLang pads it), no output; the logprobs equal the completions route's
+    prompt_logprobs for the same adapter (the reference)."""
+    client, *_ = world
+    choices = ["The quick brown fox", "The quick brown dog"]
+    start = 2
+    got = _generate(client, text=choices, lora_path="sql", return_logprob=True, return_text_in_logprobs=True,
+                    logprob_start_len=start, sampling_params={"max_new_tokens": 0, "temperature": 0})
+    tok = client.app.state.ctx.tokenizer
+    for prompt, out in zip(choices, got):
+        ids = tok(prompt)["input_ids"]
+        meta = out["meta_info"]
+        assert (out["text"], out["output_ids"], meta["output_token_logprobs"]) == ("", [], [])
+        assert meta["finish_reason"] == {"type": "length", "length": 0} and meta["completion_tokens"] == 0
+        ref = _completion(client, prompt, "sql", max_tokens=1, prompt_logprobs=0)["choices"][0]["prompt_logprobs"]
+        lps = meta["input_token_logprobs"]
+        assert [e[1] for e in lps] == ids[start:]
+        assert [e[2] for e in lps] == [tok.decode([t]) for t in ids[start:]]
+        assert lps[0][0] is None  # SGLang: "Always pad the first one with None"
+        for k, (lp, token, _) in enumerate(lps[1:], start + 1):
+            assert lp == pytest.approx(ref[k][str(token)]["logprob"], abs=1e-5)
