@@ -147,6 +147,10 @@ TABLE: tuple[SGLangFlag, ...] = (
     SGLangFlag(("--lora-target-modules",), nargs="+",
                note="loraplex applies each adapter to the modules its own adapter_config.json targets"),
     SGLangFlag(("--lora-backend",), note="loraplex runs LoRA with its own Triton kernels"),
+    SGLangFlag(("--max-lora-chunk-size",), note="the chunk size of SGLang's csgmv kernel; loraplex's kernels "
+                                                 "tile by themselves"),
+    SGLangFlag(("--lora-eviction-policy",), note="loraplex's adapter tiers evict the least recently used "
+                                                  "adapter; which adapter leaves the GPU changes no output"),
     # parallelism: one device
     SGLangFlag(("--tp-size", "--tp", "--tensor-parallel-size"), to=_same("--tensor-parallel-size")),
     SGLangFlag(("--dp-size", "--dp", "--data-parallel-size"), to=_same("--data-parallel-size")),
@@ -163,6 +167,9 @@ TABLE: tuple[SGLangFlag, ...] = (
     SGLangFlag(("--enable-torch-compile",), nargs="0", note="loraplex does not compile the model"),
     SGLangFlag(("--disable-overlap-schedule",), nargs="0", note="loraplex's scheduler does not overlap steps"),
     SGLangFlag(("--cuda-graph-max-bs",), note="loraplex's CUDA graphs (--cuda-graphs) pick their own sizes"),
+    SGLangFlag(("--cuda-graph-bs",), nargs="+", note="loraplex's CUDA graphs (--cuda-graphs) pick their own sizes"),
+    SGLangFlag(("--page-size",), note="loraplex's KV cache pages are --block-size tokens; the size changes no output"),
+    SGLangFlag(("--schedule-conservativeness",), note="loraplex admits by its own KV-cache watermark"),
     SGLangFlag(("--watchdog-timeout",), note="loraplex has no scheduler watchdog"),
     # different behaviour: refused
     SGLangFlag(("--is-embedding",), nargs="0", refuse="loraplex serves generation models only"),

@@ -23,6 +23,20 @@ LAUNCH = ["--model-path", "M", "--lora-paths", "a=/p", "b=/q", "--max-loras-per-
           "--lora-backend", "triton", "--tp", "1", "--mem-fraction-static", "0.85"]
 
 
+def test_sglang_lora_docs_lines_start(parsed, capsys):
+    """docs.sglang.io "LoRA Serving" and "Server Arguments" flags that change no output: taken as
+    logged no-ops (they were argparse's unknown-flag error, suggesting unrelated flags)."""
+    args = parsed(["sglang-serve", "--model-path", "M", "--enable-lora", "--lora-paths", "lora0=/p",
+                   "--lora-backend", "csgmv", "--max-lora-chunk-size", "16", "--lora-eviction-policy", "lru",
+                   "--cuda-graph-bs", "1", "2", "4", "--page-size", "1", "--schedule-conservativeness", "1.3"])
+    s = settings_from_args(args)
+    assert (s.model, s.block_size) == ("M", 16)  # the page size leaves loraplex's block size
+    out = capsys.readouterr().out
+    for flag in ("--max-lora-chunk-size 16", "--lora-eviction-policy lru", "--cuda-graph-bs 1 2 4", "--page-size 1",
+                 "--schedule-conservativeness 1.3"):
+        assert flag in out
+
+
 def test_a_launch_line_becomes_loraplex_settings(parsed, capsys):
     args = parsed(["sglang-serve", *LAUNCH, "--max-loras-per-batch", "4", "--max-lora-rank", "16"])
     s = settings_from_args(args)
