@@ -27,6 +27,20 @@ def escape_regex(text: str) -> str:
     return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)
 
 
+def _as_lark(grammar: str) -> str:
+    """The grammar in llguidance's Lark. GBNF (``root ::= ...``: llama.cpp's, and the EBNF of
+    xgrammar that SGLang's ``ebnf`` and vLLM's structured outputs docs write) is converted by
+    llguidance, as vLLM's guidance backend converts it; Lark never writes ``::=``."""
+    if "::=" not in grammar:
+        return grammar
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(grammar)
+    except Exception as exc:  # GbnfToLarkError is no ValueError
+        raise ValueError(f"not a GBNF grammar: {exc}") from None
+
+
 @dataclass
 class StructuredOutputs:
     """One constraint on the output (exactly one field set), with vLLM's names."""
@@ -35,7 +49,7 @@ class StructuredOutputs:
     json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
     regex: str | None = None  # the whole output matches it
     choice: list[str] | None = None  # the output is exactly one of these
-    grammar: str | None = None  # a Lark grammar (llguidance's dialect)
+    grammar: str | None = None  # a Lark grammar (llguidance's dialect), or GBNF (``root ::= ...``)
     # JSON without whitespace between tokens (vLLM's option of the same name): small models
     # otherwise spend tokens on newlines and indentation the grammar allows anywhere
     disable_any_whitespace: bool = False
@@ -85,7 +99,7 @@ class StructuredOutputs:
                 return LLMatcher.grammar_from_regex(self.regex)
             if self.choice is not None:
                 return LLMatcher.grammar_from_regex("(" + "|".join(escape_regex(c) for c in self.choice) + ")")
-            return LLMatcher.grammar_from_lark(self.grammar)
+            return LLMatcher.grammar_from_lark(_as_lark(self.grammar))
         except ValueError as exc:
             raise InvalidRequestError(f"invalid structured output: {exc}", param=param) from None
 

@@ -111,6 +111,29 @@ def test_bad_constraints_are_refused(llm):
     StructuredOutputs(grammar="start: \"yes\" | \"no\"").check()  # a valid one passes
 
 
+# SGLang's ebnf example (docs.sglang.io "Structured Outputs"), GBNF as xgrammar and llama.cpp write it
+GBNF_CITIES = ('root ::= city | description\n'
+               'city ::= "London" | "Paris" | "Berlin" | "Rome"\n'
+               'description ::= city " is " status\n'
+               'status ::= "the capital of " country\n'
+               'country ::= "England" | "France" | "Germany" | "Italy"')
+CITIES_LANGUAGE = r"(London|Paris|Berlin|Rome)( is the capital of (England|France|Germany|Italy))?"
+
+
+def test_gbnf_grammars_are_taken_as_vllms_guidance_backend_takes_them(llm):
+    """A grammar in GBNF (``root ::= ...``: vLLM's docs, SGLang's ebnf) is enforced, not
+    refused as bad Lark; Lark grammars are taken as they were, and a bad GBNF one is still a 400."""
+    params = SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=40,
+                            structured_outputs=StructuredOutputs(grammar=GBNF_CITIES))
+    for text, finish in _texts(llm.generate(["capital:"], params)):
+        assert finish == "stop" and re.fullmatch(CITIES_LANGUAGE, text), text
+    with pytest.raises(InvalidRequestError):
+        StructuredOutputs(grammar="root ::= undefined_rule").check()
+    with pytest.raises(InvalidRequestError):
+        StructuredOutputs(grammar='root ::= "unclosed').check()
+    StructuredOutputs(grammar='start: "a ::= b"').check()  # Lark that quotes ::= stays Lark
+
+
 def test_escape_regex_keeps_every_choice_literal():
     for text in ["a+b", "(x)", "1.5", "[y]", "q?", "a|b", "c*", "$^", "{2}", "back\\slash", "a-b ~ #&"]:
         assert re.fullmatch(escape_regex(text), text)

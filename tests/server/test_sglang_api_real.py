@@ -215,3 +215,12 @@ def test_select_scoring_as_sgl_function_sends_it(world):
         assert lps[0][0] is None  # SGLang: "Always pad the first one with None"
         for k, (lp, token, _) in enumerate(lps[1:], start + 1):
             assert lp == pytest.approx(ref[k][str(token)]["logprob"], abs=1e-5)
+
+
+def test_ebnf_is_sglangs_gbnf(world):
+    """SGLang's ``ebnf`` is xgrammar's GBNF (``root ::= ...``): enforced (it was a 400 asking for
+    Lark), the output one of the grammar's strings, ended by EOS once the grammar completes."""
+    client, *_ = world
+    got = _generate(client, text="Is it?", sampling_params={"ebnf": 'root ::= "yes" | "no"', "max_new_tokens": 8})
+    assert got["text"] in ("yes", "no")
+    assert got["meta_info"]["finish_reason"]["type"] == "stop"
