@@ -6,11 +6,13 @@ parsed and checked as ``serve``'s own, so every value is held to the same rules.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from loraplex.server import sglang_flags
 
 COMMAND = "sglang-serve"
+SGLANG_PORT = 30000  # ServerArgs.port in sglang's server_args.py: where SGLang clients and scripts connect
 
 
 def add_parser(subparsers) -> None:
@@ -41,9 +43,10 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
-def serve_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+def serve_args(argv: list[str], environ=os.environ) -> tuple[argparse.Namespace, list[str]]:
     """``(serve's parsed arguments, the no-op notes)``; raises ``SGLangFlagError`` for a refused
-    flag, exits as argparse does (status 2, the closest known flag) for an unknown one."""
+    flag, exits as argparse does (status 2, the closest known flag) for an unknown one. Without
+    ``--port`` (or ``LORAPLEX_PORT``) the server listens on SGLang's port, not ``serve``'s."""
     from loraplex.cli import build_parser
 
     translation = sglang_flags.translate(argv)
@@ -54,6 +57,8 @@ def serve_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args, unknown = top.parse_known_args(["serve", *translation.serve_argv])
     if unknown:
         serve.error(sglang_flags.unknown_message(unknown, serve._option_string_actions))
+    if args.port is None and "LORAPLEX_PORT" not in environ:
+        args.port = SGLANG_PORT
     return args, translation.notes
 
 

@@ -23,6 +23,16 @@ LAUNCH = ["--model-path", "M", "--lora-paths", "a=/p", "b=/q", "--max-loras-per-
           "--lora-backend", "triton", "--tp", "1", "--mem-fraction-static", "0.85"]
 
 
+def test_the_port_defaults_to_sglangs(parsed, monkeypatch):
+    """SGLang's launch_server listens on 30000 unless told (ServerArgs.port), and its clients and
+    docs connect there; serve's 8000 stays for serve, and LORAPLEX_PORT or --port still win."""
+    assert settings_from_args(parsed(["sglang-serve", "--model-path", "M"])).port == 30000
+    assert settings_from_args(parsed(["sglang-serve", "--model-path", "M", "--port", "8080"])).port == 8080
+    assert settings_from_args(parsed(["serve", "--model", "M"])).port == 8000
+    monkeypatch.setenv("LORAPLEX_PORT", "9001")
+    assert settings_from_args(parsed(["sglang-serve", "--model-path", "M"])).port == 9001
+
+
 def test_sglang_lora_docs_lines_start(parsed, capsys):
     """docs.sglang.io "LoRA Serving" and "Server Arguments" flags that change no output: taken as
     logged no-ops (they were argparse's unknown-flag error, suggesting unrelated flags)."""
