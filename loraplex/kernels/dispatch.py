@@ -20,6 +20,7 @@ import torch
 
 from loraplex.kernels.lora_meta import LoRABatchMeta
 from loraplex.kernels.moe_lora import ExpertLoRA
+from loraplex.kernels.moe_torch import ExpertScales
 
 
 def uses_triton(t: torch.Tensor) -> bool:
@@ -186,16 +187,19 @@ def fused_moe(
     gate_up: torch.Tensor,  # [E, 2 * I, H]: gate rows then up rows
     down: torch.Tensor,  # [E, H, I]
     lora: ExpertLoRA | None = None,  # the step's expert LoRA in this layer
+    *,
+    scales: ExpertScales | None = None,  # fp8 gate_up / down: their scales (W8A16)
 ) -> torch.Tensor:  # [T, H]
     """Each token's routing-weighted sum of its k experts' SwiGLU outputs, summed in fp32 and
     rounded once; with ``lora``, each pair's LoRA delta added to gate_up (before the SiLU) and
     to down (before the routing weight). On CUDA the fused Triton kernels (no host sync, a grid
     from host ints only: capturable in a CUDA graph); on CPU the torch loop over the experts
-    that got tokens."""
+    that got tokens. ``scales``: the experts are fp8 (``ExpertScales``); the kernels upcast each
+    weight tile and scale the fp32 accumulator, the CPU loop dequantizes each expert it runs."""
     if uses_triton(x):
         from loraplex.kernels.triton_moe import fused_moe_triton
 
-        return fused_moe_triton(x, weights, experts, gate_up, down, lora=lora)
+        return fused_moe_triton(x, weights, experts, gate_up, down, lora=lora, scales=scales)
     from loraplex.kernels.moe_torch import run_experts
 
-    return run_experts(x, weights, experts, gate_up, down, lora)
+    return run_experts(x, weights, experts, gate_up, down, lora, scales)

@@ -13,6 +13,23 @@ import torch.nn.functional as F
 from loraplex.kernels.moe_lora import ExpertLoRA, add_pair_deltas
 
 
+@dataclass(frozen=True)
+class ExpertScales:
+    """The fp32 scales of fp8 stacked experts (W8A16: ``weight * scale`` in the compute dtype), in
+    the dense fp8 path's per-row layout (``model/fp8_weights``) with the expert dimension first."""
+
+    gate_up: torch.Tensor  # [E, 2 * I, groups] fp32
+    down: torch.Tensor  # [E, H, groups] fp32
+    block_cols: int | None  # input columns one scale covers; None: groups == 1 (per tensor / channel)
+
+    def dequantize(self, gate_up: torch.Tensor, down: torch.Tensor, expert: int, dtype: torch.dtype):
+        """Expert ``expert``'s ``(gate_up [2I, H], down [H, I])`` in ``dtype``."""
+        from loraplex.model.fp8_weights import dequantize  # the model layer's; imported late (layering)
+
+        return (dequantize(gate_up[expert], self.gate_up[expert], dtype, self.block_cols),
+                dequantize(down[expert], self.down[expert], dtype, self.block_cols))
+
+
 def run_experts(
     x: torch.Tensor,  # [T, H]
     weights: torch.Tensor,  # [T, k] routing weights
@@ -20,6 +37,7 @@ def run_experts(
     gate_up: torch.Tensor,  # [E, 2 * I, H]
     down: torch.Tensor,  # [E, H, I]
     lora: ExpertLoRA | None = None,
+    scales: ExpertScales | None = None,  # fp8 experts: each one run is dequantized to x's dtype first
 ) -> torch.Tensor:  # [T, H]
     """The weighted sum of each token's experts' SwiGLU outputs: tokens sorted by expert, one
     pair of matmuls per expert that got any, ``index_add`` back (the counts sync with the host).
@@ -41,13 +59,15 @@ def run_experts(
         start += count
         tokens = pairs // top_k  # [count]
         rows = x[tokens]  # [count, H]
-        gu = F.linear(rows, gate_up[expert])  # [count, 2I]
+        w_gate_up, w_down = (gate_up[expert], down[expert]) if scales is None else \
+            scales.dequantize(gate_up, down, expert, x.dtype)
+        gu = F.linear(rows, w_gate_up)  # [count, 2I]
         slots = None if lora is None else lora.token_slot[tokens]  # [count]
         if slots is not None:
             gu = add_pair_deltas(gu, rows, slots, expert, lora.gate_up(), lora.slot_rank)
         gate, up = gu.chunk(2, dim=-1)  # [count, I] each
         act = F.silu(gate) * up
-        y = F.linear(act, down[expert])  # [count, H]
+        y = F.linear(act, w_down)  # [count, H]
         if slots is not None:
             y = add_pair_deltas(y, act, slots, expert, lora.down(), lora.slot_rank)
         y = y * flat_weights[pairs, None]  # fp32 with Mixtral's fp32 weights, else the model dtype

@@ -16,6 +16,11 @@ host:
    block's pairs and its expert's ``down``, times the routing weight, written in fp32 to
    ``pair_out[pair]``; then a torch sum over each token's k rows, rounded once.
 
+FP8 experts (``scales``, W8A16): each fp8 weight tile is upcast to the activations' dtype (exact)
+before ``tl.dot``, and the fp32 accumulator is scaled: per row after the K loop (per-tensor and
+per-channel scales), or per K tile inside it (block scales; the K tile divides the block's
+columns, so a tile has one scale). Activations are never quantized.
+
 With expert LoRA (``lora``), ``triton_moe_lora`` computes each pair's delta for gate_up before
 step 2 and for down between steps 2 and 3; the kernels add them (``HAS_DELTA``) to the rounded
 gate and up before the SiLU, and to the rounded down output before the routing weight.
@@ -36,7 +41,7 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels.moe_lora import ExpertLoRA
-from loraplex.kernels.moe_torch import PairBlocks, align_pairs
+from loraplex.kernels.moe_torch import ExpertScales, PairBlocks, align_pairs
 from loraplex.kernels.triton_moe_lora import expert_pair_slots, pair_lora_deltas
 
 
@@ -62,11 +67,17 @@ def _moe_gate_up_kernel(
     delta_ptr,  # [P, 2 * I] fp32 LoRA deltas (gate columns, then up); read only with HAS_DELTA
     stride_dp,
     stride_dn,
+    scale_ptr,  # [E, 2 * I, groups] fp32 weight scales; read only with W_FP8
+    stride_se,
+    stride_sn,
+    stride_sg,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # hidden % BLOCK_K == 0: no K mask, so loads vectorise
     HAS_DELTA: tl.constexpr,  # expert LoRA: add each pair's delta before the SiLU
+    W_FP8: tl.constexpr,  # fp8 weights: each tile upcast to x's dtype, the scales applied in fp32
+    SCALE_COLS: tl.constexpr,  # columns one scale covers (a multiple of BLOCK_K); 0: one per row
 ):
     block = tl.program_id(0)
     n_tile = tl.program_id(1)
@@ -86,6 +97,8 @@ def _moe_gate_up_kernel(
     w_expert = w_ptr + expert * stride_we
     gate_rows = w_expert + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
     up_rows = w_expert + (offs_n + inter)[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
+    gate_scales = scale_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn  # [BLOCK_N]
+    up_scales = gate_scales + inter * stride_sn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -99,8 +112,21 @@ def _moe_gate_up_kernel(
             xt = tl.load(x_rows + k[None, :] * stride_xk, mask=valid[:, None] & k_mask[None, :], other=0.0)
             gt = tl.load(gate_rows + k[None, :] * stride_wk, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             ut = tl.load(up_rows + k[None, :] * stride_wk, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc_gate += tl.dot(xt, tl.trans(gt))
-        acc_up += tl.dot(xt, tl.trans(ut))
+        if W_FP8:  # W8A16: an exact upcast (e4m3 fits in bf16 / fp16), activations untouched
+            gt = gt.to(xt.dtype)
+            ut = ut.to(xt.dtype)
+        if W_FP8 and SCALE_COLS > 0:  # block scales: this K tile lies in one scale group
+            group = (k0 // SCALE_COLS) * stride_sg
+            sg = tl.load(gate_scales + group, mask=n_mask, other=0.0)
+            su = tl.load(up_scales + group, mask=n_mask, other=0.0)
+            acc_gate += tl.dot(xt, tl.trans(gt)) * sg[None, :]
+            acc_up += tl.dot(xt, tl.trans(ut)) * su[None, :]
+        else:
+            acc_gate += tl.dot(xt, tl.trans(gt))
+            acc_up += tl.dot(xt, tl.trans(ut))
+    if W_FP8 and SCALE_COLS == 0:  # one scale per row (per tensor or per channel)
+        acc_gate *= tl.load(gate_scales, mask=n_mask, other=0.0)[None, :]
+        acc_up *= tl.load(up_scales, mask=n_mask, other=0.0)[None, :]
 
     dtype = act_ptr.dtype.element_ty
     gate = acc_gate.to(dtype).to(tl.float32)  # the torch path rounds each matmul's output
@@ -138,12 +164,18 @@ def _moe_down_kernel(
     delta_ptr,  # [P, H] fp32 LoRA deltas; read only with HAS_DELTA
     stride_dp,
     stride_dn,
+    scale_ptr,  # [E, H, groups] fp32 weight scales; read only with W_FP8
+    stride_se,
+    stride_sn,
+    stride_sg,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # inter % BLOCK_K == 0
     ROUND_WEIGHTED: tl.constexpr,  # model-dtype routing weights: the product is rounded too
     HAS_DELTA: tl.constexpr,  # expert LoRA: add each pair's delta before the routing weight
+    W_FP8: tl.constexpr,  # as in _moe_gate_up_kernel
+    SCALE_COLS: tl.constexpr,
 ):
     block = tl.program_id(0)
     n_tile = tl.program_id(1)
@@ -160,6 +192,7 @@ def _moe_down_kernel(
 
     a_rows = act_ptr + pair[:, None] * stride_at  # [BLOCK_M, 1]
     w_rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
+    w_scales = scale_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn  # [BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k = k0 + offs_k
@@ -170,7 +203,15 @@ def _moe_down_kernel(
             k_mask = k < inter
             at = tl.load(a_rows + k[None, :] * stride_ai, mask=valid[:, None] & k_mask[None, :], other=0.0)
             wt = tl.load(w_rows + k[None, :] * stride_wk, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += tl.dot(at, tl.trans(wt))
+        if W_FP8:
+            wt = wt.to(at.dtype)
+        if W_FP8 and SCALE_COLS > 0:
+            scale = tl.load(w_scales + (k0 // SCALE_COLS) * stride_sg, mask=n_mask, other=0.0)
+            acc += tl.dot(at, tl.trans(wt)) * scale[None, :]
+        else:
+            acc += tl.dot(at, tl.trans(wt))
+    if W_FP8 and SCALE_COLS == 0:
+        acc *= tl.load(w_scales, mask=n_mask, other=0.0)[None, :]
 
     dtype = act_ptr.dtype.element_ty
     routing = tl.load(weight_ptr + pair, mask=valid, other=0.0).to(tl.float32)  # [BLOCK_M]
@@ -188,6 +229,24 @@ def _moe_down_kernel(
 def _delta_args(delta: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
     """(pointer, stride over pairs, stride over columns) of a delta, or a placeholder never read."""
     return (placeholder, 0, 0) if delta is None else (delta, delta.stride(0), delta.stride(1))
+
+
+def _scale_args(scale: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
+    """(pointer, strides over experts, rows and groups) of fp8 weights' scales, or a placeholder."""
+    return (placeholder, 0, 0, 0) if scale is None else (scale, *scale.stride())
+
+
+def scale_cols_and_k_tile(scale: torch.Tensor | None, block_cols: int | None, k_tile: int) -> tuple[int, int]:
+    """``(SCALE_COLS, BLOCK_K)`` for weights whose scales are ``scale`` [E, rows, groups]: with one
+    group a scale per row (0) and the K tile as chosen; with block scales a K tile that divides
+    ``block_cols`` (a power of two, at least the 16 ``tl.dot`` takes), so each tile has one scale."""
+    if scale is None or scale.shape[-1] == 1:
+        return 0, k_tile
+    tile = min(k_tile, block_cols & -block_cols)  # the largest power of two dividing block_cols
+    if tile < 16:
+        raise ValueError(f"fp8 experts with block scales of {block_cols} columns: the fused MoE kernels need "
+                         "blocks of a multiple of 16 columns (Qwen3-FP8 and DeepSeek use 128)")
+    return block_cols, tile
 
 
 def _pow2_tile(n: int, cap: int) -> int:
@@ -223,9 +282,11 @@ def fused_moe_triton(
     act: torch.Tensor | None = None,  # [T * k, I] x's dtype: scratch, else allocated here
     pair_out: torch.Tensor | None = None,  # [T * k, H] fp32: scratch, else allocated here
     lora: ExpertLoRA | None = None,  # the step's expert LoRA in this layer
+    scales: ExpertScales | None = None,  # fp8 gate_up / down: their scales (W8A16)
 ) -> torch.Tensor:  # [T, H]
     """``dispatch.fused_moe`` on CUDA (or under the interpreter): align, then the two kernels
-    (with ``lora``, each after its pairs' LoRA deltas: ``triton_moe_lora``)."""
+    (with ``lora``, each after its pairs' LoRA deltas: ``triton_moe_lora``; with ``scales``, fp8
+    weight tiles upcast to x's dtype and scaled in the fp32 accumulator)."""
     num_tokens, hidden = x.shape
     top_k = experts.shape[1]
     num_experts, inter = gate_up.shape[0], down.shape[2]
@@ -246,22 +307,28 @@ def fused_moe_triton(
     if lora is not None:
         pair_slot, pair_expert = expert_pair_slots(lora, top_k), experts.reshape(-1)
         delta = pair_lora_deltas(x, top_k, pair_slot, pair_expert, *lora.gate_up(), lora.slot_rank)  # [P, 2I] fp32
-    n_tile, k_tile = tiles["gate_up_n"], tiles["gate_up_k"]
+    block_cols = None if scales is None else scales.block_cols
+    gate_up_scale, down_scale = (None, None) if scales is None else (scales.gate_up, scales.down)
+    n_tile = tiles["gate_up_n"]
+    scale_cols, k_tile = scale_cols_and_k_tile(gate_up_scale, block_cols, tiles["gate_up_k"])
     _moe_gate_up_kernel[(blocks.max_blocks, triton.cdiv(inter, n_tile))](
         x, gate_up, act, *common, top_k, hidden, inter,
         x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
-        act.stride(0), act.stride(1), *_delta_args(delta, act),
+        act.stride(0), act.stride(1), *_delta_args(delta, act), *_scale_args(gate_up_scale, act),
         BLOCK_M=block_m, BLOCK_N=n_tile, BLOCK_K=k_tile, EVEN_K=hidden % k_tile == 0, HAS_DELTA=delta is not None,
+        W_FP8=scales is not None, SCALE_COLS=scale_cols,
     )
     if lora is not None:
         delta = pair_lora_deltas(act, 1, pair_slot, pair_expert, *lora.down(), lora.slot_rank)  # [P, H] fp32
-    n_tile, k_tile = tiles["down_n"], tiles["down_k"]
+    n_tile = tiles["down_n"]
+    scale_cols, k_tile = scale_cols_and_k_tile(down_scale, block_cols, tiles["down_k"])
     _moe_down_kernel[(blocks.max_blocks, triton.cdiv(hidden, n_tile))](
         act, down, flat_weights, pair_out, *common, hidden, inter,
         act.stride(0), act.stride(1), down.stride(0), down.stride(1), down.stride(2),
-        pair_out.stride(0), pair_out.stride(1), *_delta_args(delta, pair_out),
+        pair_out.stride(0), pair_out.stride(1), *_delta_args(delta, pair_out), *_scale_args(down_scale, pair_out),
         BLOCK_M=block_m, BLOCK_N=n_tile, BLOCK_K=k_tile, EVEN_K=inter % k_tile == 0,
         ROUND_WEIGHTED=flat_weights.dtype != torch.float32, HAS_DELTA=delta is not None,
+        W_FP8=scales is not None, SCALE_COLS=scale_cols,
     )
     # each token's k rows summed in fp32, rounded once
     return pair_out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

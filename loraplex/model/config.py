@@ -210,10 +210,6 @@ class ModelSpec:
         spec = cls._from_unquantized_dict(cfg, arch, name)
         if weight_format is None:
             return spec
-        if spec.moe is not None:  # experts are stacked and run by moe.py, which has no fp8 path
-            raise UnsupportedModelError(
-                f"{arch}: fp8 weights ({weight_format.describe()}) are served for dense models only, "
-                "not mixture-of-experts ones: serve the unquantized checkpoint")
         return replace(spec, weight_format=weight_format)
 
     @classmethod

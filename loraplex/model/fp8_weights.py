@@ -38,15 +38,15 @@ IGNORED_SUFFIXES = (".input_scale", ".weight_zero_point", ".input_zero_point")
 class Fp8Weight:
     """A quantized linear weight: fp8 values and their fp32 scales (see the module docstring)."""
 
-    weight: torch.Tensor  # [out, in] float8_e4m3fn
-    scale: torch.Tensor  # [out, groups] float32
+    weight: torch.Tensor  # [out, in] float8_e4m3fn ([E, out, in] for stacked experts)
+    scale: torch.Tensor  # [out, groups] float32 ([E, out, groups])
 
     @property
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size() + self.scale.numel() * self.scale.element_size()
 
 
-def _row_scales(scale: torch.Tensor, weight: torch.Tensor, fmt: Fp8WeightFormat, name: str) -> torch.Tensor:
+def row_scales(scale: torch.Tensor, weight: torch.Tensor, fmt: Fp8WeightFormat, name: str) -> torch.Tensor:
     """The stored scale of ``weight`` as ``[out, groups]`` fp32."""
     out, inp = weight.shape
     scale = scale.to(torch.float32)
@@ -77,7 +77,7 @@ def take_fp8_weight(raw: dict[str, torch.Tensor], take, module: str, fmt: Fp8Wei
     if scale_name is None:
         raise ValueError(f"{module}.weight is fp8 but the checkpoint has no {' or '.join(SCALE_SUFFIXES)} for it")
     weight = take(f"{module}.weight")
-    return Fp8Weight(weight, _row_scales(take(scale_name), weight, fmt, module))
+    return Fp8Weight(weight, row_scales(take(scale_name), weight, fmt, module))
 
 
 def pack_fp8(parts: list[Fp8Weight | None], names: list[str]) -> Fp8Weight | None:
@@ -98,22 +98,33 @@ def quantize_per_channel(weight: torch.Tensor) -> Fp8Weight:
     """``weight`` [out, in] quantized to fp8 with one scale per output row (its largest magnitude
     maps to the format's largest value; an all-zero row gets scale 1), rounding to nearest."""
     w32 = weight.float()
-    amax = w32.abs().amax(dim=1, keepdim=True)  # [out, 1]
+    amax = w32.abs().amax(dim=-1, keepdim=True)  # [..., out, 1]: stacked experts quantize alike
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     return Fp8Weight((w32 / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block_cols: int | None) -> torch.Tensor:
-    """``weight`` [out, in] fp8 times ``scale`` [out, groups] fp32, as [out, in] ``dtype``; a scale
-    covers ``block_cols`` input columns (the last group may be narrower), or all of them when
-    ``groups`` is 1. One temporary of the weight's size in ``dtype``: the multiply is in place."""
-    out, inp = weight.shape
-    groups = scale.shape[1]
+    """``weight`` [..., out, in] fp8 times ``scale`` [..., out, groups] fp32, as [..., out, in]
+    ``dtype`` (leading dims: stacked experts); a scale covers ``block_cols`` input columns (the last
+    group may be narrower), or all of them when ``groups`` is 1. One temporary of the weight's
+    size in ``dtype``: the multiply is in place."""
+    *lead, inp = weight.shape
+    groups = scale.shape[-1]
     w = weight.to(dtype)
     s = scale.to(dtype)
     if groups == 1:
         return w.mul_(s)
     if block_cols * groups == inp:
-        w.view(out, groups, block_cols).mul_(s.unsqueeze(-1))
+        w.view(*lead, groups, block_cols).mul_(s.unsqueeze(-1))
         return w
-    return w.mul_(s.repeat_interleave(block_cols, dim=1)[:, :inp])  # a last block narrower than the others
+    return w.mul_(s.repeat_interleave(block_cols, dim=-1)[..., :inp])  # a last block narrower than the others
+
+
+def take_full_precision(raw: dict[str, torch.Tensor], take, module: str, fmt: Fp8WeightFormat | None) -> torch.Tensor:
+    """``module``'s weight in full precision: one stored fp8 outside the projections served fp8 (an
+    lm_head or MoE router a checkpoint did not ``ignore``) is dequantized here, in fp32."""
+    quantized = None if fmt is None else take_fp8_weight(raw, take, module, fmt)
+    if quantized is None:
+        return take(f"{module}.weight")
+    block_cols = fmt.block_size[1] if fmt.block_size else None
+    return dequantize(quantized.weight, quantized.scale, torch.float32, block_cols)

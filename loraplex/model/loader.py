@@ -21,7 +21,7 @@ from loraplex.model.config import ModelSpec
 from loraplex.model.cpu_linear import use_prepacked_linears
 from loraplex.model.fp8_config import QUANTIZE_AT_LOAD, Fp8WeightFormat
 from loraplex.model.fp8_weights import (
-    IGNORED_SUFFIXES, Fp8Weight, dequantize, pack_fp8, quantize_per_channel, take_fp8_weight,
+    IGNORED_SUFFIXES, Fp8Weight, dequantize, pack_fp8, quantize_per_channel, take_fp8_weight, take_full_precision,
 )
 from loraplex.model.gguf import ModelNotFoundError, convert_gguf, smollm2_gguf_path
 from loraplex.model.gemma import GemmaForCausalLM
@@ -79,6 +79,8 @@ def read_safetensors(model_dir: Path, rename: Callable[[str], str | None] | None
 
 # the decoder's packed projection weights: what an FP8 checkpoint stores fp8 (and quantization="fp8" quantizes)
 PACKED_WEIGHTS = (".qkv_weight", ".o_weight", ".gate_up_weight", ".down_weight")
+# an MoE sparse layer's stacked experts (moe_weights): fp8 the same way, one scale set per expert
+EXPERT_WEIGHTS = (".experts_gate_up", ".experts_down")
 
 
 def _strip_prefix(name: str) -> str:
@@ -105,16 +107,6 @@ def _packed_weight(raw: dict[str, torch.Tensor], take, fused: str, parts: list[s
         if packed is not None:
             return packed
     return _packed(raw, take, fused, parts, "weight")
-
-
-def _dense_weight(raw: dict[str, torch.Tensor], take, module: str, fmt: Fp8WeightFormat | None) -> torch.Tensor:
-    """``module``'s weight in full precision: an fp8 one outside the packed projections (an lm_head
-    a checkpoint did not ``ignore``) is dequantized here, in fp32, and takes its usual memory."""
-    quantized = None if fmt is None else take_fp8_weight(raw, take, module, fmt)
-    if quantized is None:
-        return take(f"{module}.weight")
-    block_cols = fmt.block_size[1] if fmt.block_size else None
-    return dequantize(quantized.weight, quantized.scale, torch.float32, block_cols)
 
 
 def _install_fp8(model: torch.nn.Module, fp8: dict[str, Fp8Weight]) -> None:
@@ -146,7 +138,23 @@ def release_packed_fp8(model: torch.nn.Module, names: list[str]) -> None:
         layer.register_buffer(f"{attr}_scale", torch.empty_like(scale, device="meta"))
 
 
-def _log_fp8(spec: ModelSpec, fp8: dict[str, Fp8Weight], dtype: torch.dtype, device, resident: bool) -> None:
+def experts_stay_fp8(device: torch.device | str, fp8_resident: bool | None) -> bool:
+    """Whether an FP8 MoE checkpoint's stacked experts stay fp8 (the fused Triton kernels scale
+    them in-kernel): on CUDA, or where ``fp8_resident`` says so (tests run the CPU loop that
+    dequantizes each expert it runs). On a CPU they are dequantized once at load, the dense rule:
+    memory is not the limit there, and the CPU loop would dequantize every expert every step."""
+    return torch.device(device).type != "cpu" if fp8_resident is None else fp8_resident
+
+
+def _check_expert_blocks(fmt: Fp8WeightFormat, device: torch.device | str, experts_fp8: bool) -> None:
+    # the fused kernels take one scale per K tile, and tl.dot's smallest tile is 16 columns
+    if experts_fp8 and torch.device(device).type == "cuda" and fmt.block_size and fmt.block_size[1] % 16:
+        raise ValueError(f"fp8 experts in blocks of {fmt.block_size[1]} columns are not served on CUDA: the fused "
+                         "MoE kernels need block columns that are a multiple of 16 (Qwen3-FP8 uses 128)")
+
+
+def _log_fp8(spec: ModelSpec, fp8: dict[str, Fp8Weight], dtype: torch.dtype, device, resident: bool,
+             experts_fp8: bool) -> None:
     fp8_mib = sum(w.nbytes for w in fp8.values()) / (1 << 20)
     full_mib = sum(w.weight.numel() for w in fp8.values()) * dtype.itemsize / (1 << 20)
     dtype_name = str(dtype).removeprefix("torch.")
@@ -157,9 +165,14 @@ def _log_fp8(spec: ModelSpec, fp8: dict[str, Fp8Weight], dtype: torch.dtype, dev
     else:
         how = (f"kept fp8 on the device, dequantized to {dtype_name} at each matmul "
                "(W8A16: activations are not quantized)")
+    experts = [name for name in fp8 if name.endswith(EXPERT_WEIGHTS)]
+    if experts:
+        how += (f"; {len(experts)} stacked expert weights " + (
+            f"kept fp8, scaled inside the fused MoE kernels ({dtype_name} activations)" if experts_fp8
+            else f"dequantized to {dtype_name} once at load"))
     static = "; the checkpoint's static input_scale tensors are not applied" \
         if spec.weight_format.activation_scheme == "static" else ""
-    logger.info("weights: %s on %d packed projections, %.1f MiB with scales (%.1f MiB unquantized); %s%s",
+    logger.info("weights: %s on %d projections, %.1f MiB with scales (%.1f MiB unquantized); %s%s",
                 spec.weight_format.describe(), len(fp8), fp8_mib, full_mib, how, static)
 
 
@@ -191,7 +204,7 @@ def load_model(
     model = model_class(spec, dtype, "meta", max_positions=1)
     params: dict[str, torch.Tensor] = {"embed_tokens": take("embed_tokens.weight"), "norm": take("norm.weight")}
     if not spec.tie_word_embeddings:
-        params["lm_head"] = _dense_weight(raw, take, "lm_head", fmt)
+        params["lm_head"] = take_full_precision(raw, take, "lm_head", fmt)
     elif "lm_head.weight" in raw:
         take("lm_head.weight")  # tied: the embedding is the head
     for i in range(spec.num_layers):
@@ -216,7 +229,7 @@ def load_model(
         if not spec.qkv_bias and (f"{attn}q_proj.bias" in raw or f"{attn}qkv_proj.bias" in raw):
             raise ValueError(f"{model_dir}: q/k/v biases present but the config does not declare them")
         if spec.moe is not None and spec.moe.sparse_layers[i]:  # router + experts (moe.py)
-            params.update(sparse_layer_params(raw, take, p, spec.moe))
+            params.update(sparse_layer_params(raw, take, p, spec.moe, fmt))
             continue
         gate_up_parts = [mlp + "gate_proj", mlp + "up_proj"]
         params[p + "gate_up_weight"] = _packed_weight(raw, take, mlp + "gate_up_proj", gate_up_parts, fmt)
@@ -241,15 +254,18 @@ def load_model(
 
     if fmt == QUANTIZE_AT_LOAD:  # vLLM's quantization="fp8" on an unquantized checkpoint
         params.update({name: quantize_per_channel(w) for name, w in params.items()
-                       if name.endswith(PACKED_WEIGHTS) and not isinstance(w, Fp8Weight)})
+                       if name.endswith(PACKED_WEIGHTS + EXPERT_WEIGHTS) and not isinstance(w, Fp8Weight)})
     fp8 = {name: w for name, w in params.items() if isinstance(w, Fp8Weight)}
     resident = fp8_stays_resident(device, dtype) if fp8_resident is None else fp8_resident
+    experts_fp8 = experts_stay_fp8(device, fp8_resident)
     if fmt is not None:
-        _log_fp8(spec, fp8, dtype, device, resident)
-    if not resident:
-        block_cols = fmt.block_size[1] if fmt is not None and fmt.block_size else None
-        params.update({name: dequantize(w.weight, w.scale, dtype, block_cols) for name, w in fp8.items()})
-        fp8 = {}
+        _check_expert_blocks(fmt, device, experts_fp8 and any(n.endswith(EXPERT_WEIGHTS) for n in fp8))
+        _log_fp8(spec, fp8, dtype, device, resident, experts_fp8)
+    kept = {name: w for name, w in fp8.items() if (experts_fp8 if name.endswith(EXPERT_WEIGHTS) else resident)}
+    block_cols = fmt.block_size[1] if fmt is not None and fmt.block_size else None
+    params.update({name: dequantize(w.weight, w.scale, dtype, block_cols) for name, w in fp8.items()
+                   if name not in kept})
+    fp8 = kept
     state = {name: fp8[name].weight if name in fp8 else tensor.to(dtype=dtype) for name, tensor in params.items()}
     model.load_state_dict(state, strict=True, assign=True)
     _install_fp8(model, fp8)
@@ -263,7 +279,7 @@ def load_model(
     # the CPU prepacked path runs its fp32 copies only; an explicit fp8_resident keeps the fp8
     # weights too (tests run the per-matmul path on CPU by dropping the packed copies)
     if fp8 and fp8_resident is None and model.prepacked is not None:
-        release_packed_fp8(model, list(fp8))
+        release_packed_fp8(model, [name for name in fp8 if not name.endswith(EXPERT_WEIGHTS)])
     return model
 
 

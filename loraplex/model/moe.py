@@ -21,7 +21,11 @@ delta for its token's adapter is added to gate_up before SiLU(gate) * up and to 
 routing weight (``kernels/moe_lora``; on CUDA ``kernels/triton_moe_lora``).
 
 Weights are stacked per layer: ``experts_gate_up [E, 2 * I, H]`` (gate rows then up rows) and
-``experts_down [E, H, I]``, transformers 5's in-memory layout.
+``experts_down [E, H, I]``, transformers 5's in-memory layout. Of an FP8 checkpoint they are fp8
+with ``experts_gate_up_scale [E, 2 * I, groups]`` / ``experts_down_scale [E, H, groups]`` fp32
+beside them (``moe_weights``), served W8A16: the Triton kernels upcast each fp8 tile to the
+compute dtype and apply the scales to the fp32 accumulator; the CPU loop dequantizes the experts
+it runs (the loader dequantizes them once at load on CPU unless told to keep them fp8).
 
 Qwen2-MoE's shared expert is held as the layer's dense ``gate_up`` / ``down`` projections of
 ``shared_expert_intermediate_size``, scaled by ``sigmoid(x @ shared_expert_gate.T)``; its LoRA
@@ -43,10 +47,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.kernels import dispatch
-from loraplex.kernels.moe_torch import run_experts  # noqa: F401  (the CPU path; tests import it from here)
+from loraplex.kernels.moe_torch import ExpertScales, run_experts  # noqa: F401  (the CPU path; tests import it from here)
 from loraplex.model.config import ModelSpec
+from loraplex.model.fp8_config import Fp8WeightFormat
+from loraplex.model.fp8_weights import Fp8Weight, pack_fp8, take_fp8_weight, take_full_precision
 from loraplex.model.llama import DecoderLayer, LlamaForCausalLM, LoRAStepContext
 from loraplex.model.moe_config import MoESpec
+from loraplex.model.moe_weights import stacked_shapes, take_experts
 
 
 class MoEDecoderLayer(DecoderLayer):
@@ -89,6 +96,16 @@ class MoEForCausalLM(LlamaForCausalLM):
     def build_layer(self, index: int, dtype, device) -> nn.Module:
         return MoEDecoderLayer(self.spec, dtype, device, sparse=self.spec.moe.sparse_layers[index])
 
+    def expert_scales(self, i: int) -> ExpertScales | None:
+        """Sparse layer ``i``'s fp8 expert scales (the loader registers them beside fp8 experts);
+        None when its experts are in the compute dtype."""
+        layer = self.layers[i]
+        gate_up = getattr(layer, "experts_gate_up_scale", None)
+        if gate_up is None:
+            return None
+        block = self.spec.weight_format.block_size
+        return ExpertScales(gate_up, layer.experts_down_scale, block[1] if block else None)
+
     def _mlp(self, i: int, x: torch.Tensor, lora: LoRAStepContext | None) -> torch.Tensor:
         # [T, H] -> [T, H]
         moe = self.spec.moe
@@ -97,7 +114,8 @@ class MoEForCausalLM(LlamaForCausalLM):
         layer = self.layers[i]
         weights, experts = route_tokens(x, layer.router_weight, moe)
         expert_lora = None if lora is None else lora.expert_lora(i)
-        out = dispatch.fused_moe(x, weights, experts, layer.experts_gate_up, layer.experts_down, expert_lora)
+        out = dispatch.fused_moe(x, weights, experts, layer.experts_gate_up, layer.experts_down, expert_lora,
+                                 scales=self.expert_scales(i))
         if moe.shared_expert_intermediate_size:  # Qwen2-MoE: the dense MLP is the shared expert
             shared = super()._mlp(i, x, lora, lora_prefix="shared_expert.")  # [T, H]
             out = out + torch.sigmoid(F.linear(x, layer.shared_expert_gate)) * shared
@@ -105,36 +123,32 @@ class MoEForCausalLM(LlamaForCausalLM):
 
 
 def sparse_layer_params(
-    raw: dict[str, torch.Tensor], take: Callable[[str], torch.Tensor], prefix: str, moe: MoESpec
-) -> dict[str, torch.Tensor]:
+    raw: dict[str, torch.Tensor], take: Callable[[str], torch.Tensor], prefix: str, moe: MoESpec,
+    fmt: Fp8WeightFormat | None = None,
+) -> dict[str, torch.Tensor | Fp8Weight]:
     """The parameters of sparse layer ``prefix`` (``"layers.3."``) from either checkpoint layout
-    (module docstring); ``take(name)`` returns a stored tensor and marks it used."""
+    (module docstring); ``take(name)`` returns a stored tensor and marks it used. Of an FP8
+    checkpoint (``fmt``), the experts and the shared expert stored fp8 come back as ``Fp8Weight``
+    (``moe_weights``); a router or shared-expert gate stored fp8 is dequantized in fp32."""
     if moe.checkpoint_style == "mixtral" and f"{prefix}block_sparse_moe.gate.weight" in raw:
         block = prefix + "block_sparse_moe."
         parts = ("w1", "w3", "w2")  # gate, up, down
     else:
         block = prefix + "mlp."
         parts = ("gate_proj", "up_proj", "down_proj")
-    params = {prefix + "router_weight": take(block + "gate.weight")}
-    if block + "experts.gate_up_proj" in raw:  # fused: transformers 5's own layout
-        params[prefix + "experts_gate_up"] = take(block + "experts.gate_up_proj")
-        params[prefix + "experts_down"] = take(block + "experts.down_proj")
-    else:
-        gate, up, down = parts
-        experts = [f"{block}experts.{e}." for e in range(moe.num_experts)]
-        params[prefix + "experts_gate_up"] = torch.stack(
-            [torch.cat([take(f"{ex}{gate}.weight"), take(f"{ex}{up}.weight")]) for ex in experts]
-        )
-        params[prefix + "experts_down"] = torch.stack([take(f"{ex}{down}.weight") for ex in experts])
+    params = {prefix + "router_weight": take_full_precision(raw, take, block + "gate", fmt)}
+    gate_up, down = take_experts(raw, take, block, parts, moe.num_experts, fmt)
+    params[prefix + "experts_gate_up"], params[prefix + "experts_down"] = gate_up, down
     e, i = moe.num_experts, moe.expert_intermediate_size
-    gate_up, down = params[prefix + "experts_gate_up"].shape, params[prefix + "experts_down"].shape
+    gate_up, down = stacked_shapes(gate_up, down)
     if (gate_up[0], gate_up[1], down[0], down[2]) != (e, 2 * i, e, i):  # [E, 2I, H], [E, H, I]
         raise ValueError(f"{prefix}experts: the checkpoint's have shapes {list(gate_up)} (gate_up) and "
                          f"{list(down)} (down); the config needs {e} experts of intermediate size {i}")
     if moe.shared_expert_intermediate_size:
         shared = prefix + "mlp.shared_expert."
-        gate_up = [take(shared + "gate_proj.weight"), take(shared + "up_proj.weight")]
-        params[prefix + "gate_up_weight"] = torch.cat(gate_up)
-        params[prefix + "down_weight"] = take(shared + "down_proj.weight")
-        params[prefix + "shared_expert_gate"] = take(prefix + "mlp.shared_expert_gate.weight")
+        for name, modules in (("gate_up_weight", ["gate_proj", "up_proj"]), ("down_weight", ["down_proj"])):
+            names = [shared + m for m in modules]
+            packed = None if fmt is None else pack_fp8([take_fp8_weight(raw, take, n, fmt) for n in names], names)
+            params[prefix + name] = packed if packed is not None else torch.cat([take(n + ".weight") for n in names])
+        params[prefix + "shared_expert_gate"] = take_full_precision(raw, take, prefix + "mlp.shared_expert_gate", fmt)
     return params

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraplex.model.config import ModelSpec, UnsupportedModelError
+from loraplex.model.config import ModelSpec
 from loraplex.model.loader import load_model
 from tests.fixtures.fp8_checkpoints import write_fp8_pair
 from tests.fixtures.tiny_models import make_tiny_model_dir
@@ -55,11 +55,12 @@ def test_published_fp8_configs_are_read(tiny_llama_dir, quant, strategy, block, 
     assert "lm_head" in fmt.ignore
 
 
-def test_fp8_moe_is_refused():
+def test_fp8_moe_is_read():
+    """Qwen3-30B-A3B-FP8's quantization_config on an MoE: served (tests/model/test_moe_fp8.py)."""
     cfg = {**moe_hf_config("mixtral").to_dict(), "architectures": ["MixtralForCausalLM"],
            "quantization_config": QWEN3_FP8}
-    with pytest.raises(UnsupportedModelError, match="dense models only"):
-        ModelSpec.from_dict(cfg)
+    spec = ModelSpec.from_dict(cfg)
+    assert spec.moe is not None and spec.weight_format.block_size == (128, 128)
 
 
 def _edit_weights(model_dir, edit) -> None:

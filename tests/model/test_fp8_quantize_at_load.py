@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from loraplex import LLM, SamplingParams
 from loraplex.config import EngineConfig, Settings
-from loraplex.model.config import ModelSpec, UnsupportedModelError
+from loraplex.model.config import ModelSpec
 from loraplex.model.fp8_config import QUANTIZE_AT_LOAD
 from loraplex.model.fp8_weights import FP8_DTYPE
 from loraplex.model.loader import load_model
@@ -75,7 +75,7 @@ def test_other_quantization_values_are_refused_at_start(value):
         Settings(quantization=value)
 
 
-def test_quantizing_an_moe_at_load_is_refused():
+def test_quantizing_an_moe_at_load_is_read():
+    """Served: tests/model/test_moe_fp8.py::test_unquantized_moe_quantized_at_load."""
     cfg = {**moe_hf_config("qwen3_moe").to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}
-    with pytest.raises(UnsupportedModelError, match="dense models only"):
-        ModelSpec.from_dict(cfg, quantization="fp8")
+    assert ModelSpec.from_dict(cfg, quantization="fp8").weight_format == QUANTIZE_AT_LOAD

@@ -1,0 +1,124 @@
+"""FP8 mixture-of-experts checkpoints (Qwen3-MoE / Mixtral / Qwen2-MoE; FineGrainedFP8 block scales,
+compressed-tensors per-tensor and per-channel; per-expert and fused expert layouts) against
+transformers on the same model's dequantized weights (``tests/fixtures/fp8_checkpoints``, the
+test's own dequantization): logits of a prefill and of prefill-then-decode steps, fp32, on each
+CPU path: experts kept fp8 and dequantized per expert run (the loop the CUDA kernels are tested
+against; forced here) and the CPU default (dequantized once at load). Plus: the experts stay the
+stored fp8 bytes with per-expert scales, the router stays unquantized, and an unquantized MoE
+quantized at load (``quantization="fp8"``) matches a per-row fp8 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from loraplex.model.config import ModelSpec
+from loraplex.model.fp8_config import QUANTIZE_AT_LOAD
+from loraplex.model.fp8_weights import FP8_DTYPE
+from loraplex.model.loader import load_model, read_safetensors
+from tests.fixtures.fp8_checkpoints import SCHEMES, write_fp8_pair
+from tests.fixtures.tiny_moe import make_tiny_moe_dir
+from tests.model.helpers import chunk_metadata, new_kv_caches, relative_error
+
+BLOCK_SIZE = 16
+CASES = {  # name -> (family, expert layout, scheme)
+    "qwen3_moe-fp8-block": ("qwen3_moe", "per_expert", "fp8-block"),
+    "qwen3_moe-ct-channel": ("qwen3_moe", "per_expert", "ct-channel"),
+    "mixtral-ct-tensor": ("mixtral", "per_expert", "ct-tensor"),
+    "mixtral-fp8-block": ("mixtral", "per_expert", "fp8-block"),
+    "qwen2_moe-fp8-block": ("qwen2_moe", "per_expert", "fp8-block"),  # the shared expert fp8 too
+    "qwen3_moe-fused-fp8-block": ("qwen3_moe", "fused", "fp8-block"),
+    "mixtral-fused-fp8-tensor": ("mixtral", "fused", "fp8-tensor"),
+    "qwen3_moe-ct-block-16x24": ("qwen3_moe", "per_expert", "ct-block"),  # ragged blocks (CPU only)
+}
+PATHS = ("experts-fp8", "cpu-default")
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def pair(request, tmp_path_factory):
+    family, layout, scheme = CASES[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    src = make_tiny_moe_dir(root / "src", family, layout, seed=7)
+    write_fp8_pair(src, root / "fp8", root / "reference", scheme)
+    ref = AutoModelForCausalLM.from_pretrained(root / "reference", dtype=torch.float32).eval()
+    return root / "fp8", CASES[request.param], ref
+
+
+def _load(model_dir, path: str, **kwargs):
+    spec = ModelSpec.from_dir(model_dir, **kwargs)
+    model = load_model(model_dir, spec, torch.float32, "cpu", max_positions=256,
+                       fp8_resident=True if path == "experts-fp8" else None)
+    if path == "experts-fp8":
+        model.prepacked = model.prepacked_head = None  # the model's own (fp8) weights run
+    return spec, model
+
+
+def _ref_logits(ref, tokens: list[int]) -> torch.Tensor:  # [len, vocab]
+    with torch.no_grad():
+        return ref(torch.tensor([tokens])).logits[0].float()
+
+
+def _check_prefill_and_decode(spec, ours, ref) -> None:
+    torch.manual_seed(1)
+    seqs = [torch.randint(0, spec.vocab_size, (n,)).tolist() for n in (23, 9)]
+    tables, prompt_lens = [[3, 8], [6]], [18, 4]
+    kv = new_kv_caches(spec, 10, BLOCK_SIZE)
+    full = [_ref_logits(ref, seq) for seq in seqs]
+    for step in range(4):  # the prefill of both, then decode steps of one token each
+        chunks = [(0, n, t) for n, t in zip(prompt_lens, tables)] if step == 0 else \
+            [(n + step - 1, 1, t) for n, t in zip(prompt_lens, tables)]
+        positions, attn = chunk_metadata(chunks, BLOCK_SIZE)
+        ids = [tok for seq, (start, count, _) in zip(seqs, chunks) for tok in seq[start:start + count]]
+        with torch.no_grad():
+            logits = ours.compute_logits(ours(torch.tensor(ids), positions, attn, kv))
+        expected = torch.cat([f[start:start + count] for f, (start, count, _) in zip(full, chunks)])
+        assert relative_error(logits, expected) < 1e-4, f"step {step}"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_prefill_and_decode_match_transformers_on_dequantized_weights(pair, path):
+    model_dir, (family, _, _), ref = pair
+    spec, ours = _load(model_dir, path)
+    sparse = next(i for i, s in enumerate(spec.moe.sparse_layers) if s)
+    assert (ours.layers[sparse].experts_gate_up.dtype == FP8_DTYPE) == (path == "experts-fp8")
+    _check_prefill_and_decode(spec, ours, ref)
+
+
+def test_experts_stay_the_stored_fp8_bytes_with_per_expert_scales(pair):
+    model_dir, (family, layout, scheme), _ = pair
+    spec, ours = _load(model_dir, "experts-fp8")
+    raw = read_safetensors(model_dir)
+    layer = ours.layers[0]
+    e, i, h = spec.moe.num_experts, spec.moe.expert_intermediate_size, spec.hidden_size
+    assert layer.experts_gate_up.dtype == layer.experts_down.dtype == FP8_DTYPE
+    assert layer.experts_gate_up.shape == (e, 2 * i, h) and layer.experts_down.shape == (e, h, i)
+    assert layer.experts_gate_up_scale.dtype == torch.float32 and layer.experts_gate_up_scale.shape[:2] == (e, 2 * i)
+    assert layer.router_weight.dtype == torch.float32  # the router is stored unquantized
+    if layout == "fused":
+        stored = raw["model.layers.0.mlp.experts.gate_up_proj"]
+    else:
+        block, (g, u, _) = ("block_sparse_moe", ("w1", "w3", "w2")) if family == "mixtral" else \
+            ("mlp", ("gate_proj", "up_proj", "down_proj"))
+        stored = torch.stack([torch.cat([raw[f"model.layers.0.{block}.experts.{x}.{m}.weight"] for m in (g, u)])
+                              for x in range(e)])
+    assert torch.equal(layer.experts_gate_up.view(torch.uint8), stored.view(torch.uint8))
+    if scheme == "ct-tensor":  # gate and up keep their own scalar inside gate_up, per expert
+        s = layer.experts_gate_up_scale[:, :, 0]  # [E, 2I]
+        assert torch.equal(s[:, :i], s[:, :1].expand(e, i)) and torch.equal(s[:, i:], s[:, i:i + 1].expand(e, i))
+        assert not torch.equal(s[:, 0], s[:, i]) and len(set(s[:, 0].tolist())) == e
+
+
+def test_unquantized_moe_quantized_at_load(tmp_path):
+    """quantization="fp8" on an unquantized Qwen3-MoE: every projection and every expert fp8 with
+    one scale per output row; logits equal transformers on the per-row fp8 reference the fixture
+    computes (its "ct-channel-fp32" scheme is the same quantization)."""
+    src = make_tiny_moe_dir(tmp_path / "src", "qwen3_moe", seed=9)
+    write_fp8_pair(src, tmp_path / "fp8", tmp_path / "reference", "ct-channel-fp32")
+    assert SCHEMES["ct-channel-fp32"][1] == ("channel",)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "reference", dtype=torch.float32).eval()
+    spec, ours = _load(src, "experts-fp8", quantization="fp8")
+    assert spec.weight_format == QUANTIZE_AT_LOAD
+    assert ours.layers[0].experts_down.dtype == FP8_DTYPE and ours.layers[0].experts_down_scale.shape[-1] == 1
+    assert ours.layers[1].gate_up_weight.dtype == FP8_DTYPE  # the dense layer too
+    _check_prefill_and_decode(spec, ours, ref)
