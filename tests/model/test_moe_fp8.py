@@ -122,3 +122,25 @@ def test_unquantized_moe_quantized_at_load(tmp_path):
     assert ours.layers[0].experts_down.dtype == FP8_DTYPE and ours.layers[0].experts_down_scale.shape[-1] == 1
     assert ours.layers[1].gate_up_weight.dtype == FP8_DTYPE  # the dense layer too
     _check_prefill_and_decode(spec, ours, ref)
+
+
+def test_refusals_name_what_is_not_served(tmp_path):
+    """Blocks narrower than the kernels' 16-column K tile, refused at load for CUDA (before any
+    device memory is touched); a layer whose experts are partly fp8, refused naming them."""
+    from safetensors.torch import load_file, save_file
+
+    src = make_tiny_moe_dir(tmp_path / "src", "qwen3_moe", seed=2)
+    write_fp8_pair(src, tmp_path / "ct-block", tmp_path / "ref-block", "ct-block")  # 16x24 blocks
+    spec = ModelSpec.from_dir(tmp_path / "ct-block")
+    with pytest.raises(ValueError, match="blocks of 24 columns are not served on CUDA"):
+        load_model(tmp_path / "ct-block", spec, torch.float32, "cuda", max_positions=64)
+    write_fp8_pair(src, tmp_path / "mixed", tmp_path / "ref-mixed", "fp8-block")
+    path = tmp_path / "mixed" / "model.safetensors"
+    tensors = load_file(str(path))
+    for m in ("gate_proj", "up_proj", "down_proj"):  # expert 2 of layer 0 stored unquantized
+        name = f"model.layers.0.mlp.experts.2.{m}"
+        tensors[name + ".weight"] = tensors[name + ".weight"].float()
+        del tensors[name + ".weight_scale_inv"]
+    save_file(tensors, str(path))
+    with pytest.raises(ValueError, match=r"experts \['layers.0.mlp.experts.2.gate_proj'\] are stored unquantized"):
+        load_model(tmp_path / "mixed", ModelSpec.from_dir(tmp_path / "mixed"), torch.float32, "cpu", max_positions=64)
