@@ -11,6 +11,7 @@ import os
 
 import torch
 from lab_common import Report, make_meta, rel_err
+from moe_fp8_lab import check_moe_fp8
 from moe_lab import check_moe
 from moe_lora_lab import check_moe_lora
 
@@ -215,3 +216,4 @@ def run_checks(report: Report, on_gpu: bool) -> None:
     # the fused MoE kernels at Qwen3-30B-A3B's expert shapes (moe_lab.py)
     check_moe(report, on_gpu, gen, dtype, device)
     check_moe_lora(report, on_gpu, gen, dtype, device)
+    check_moe_fp8(report, on_gpu, gen, dtype, device)  # fp8 experts, W8A16 (moe_fp8_lab.py)

@@ -5,10 +5,11 @@
 
 1. correctness: each Triton kernel in bf16 against its fp32 torch reference (check_kernels.py;
    the fused MoE kernels and a CUDA-graph replay of them in moe_lab.py, with expert LoRA in
-   moe_lora_lab.py)
+   moe_lora_lab.py, with fp8 experts against fp32 on the dequantized experts in moe_fp8_lab.py)
 2. timings: median times, achieved GB/s against a copy bandwidth measured in this run, the LoRA
    kernels against the base matmul (bench_kernels.py), the fused MoE kernels against the torch
-   loop (moe_lab.py), and with expert LoRA against without (moe_lora_lab.py)
+   loop (moe_lab.py), with expert LoRA against without (moe_lora_lab.py), and fp8 experts
+   against bf16 ones (moe_fp8_lab.py)
 3. end to end: a random-weight Llama with Llama-3-8B layer shapes and fewer layers, batch 64 and
    256 with 0, 16, 64 and 128 distinct rank-16 adapters, tokens/s and LoRA overhead, each eager
    and with decode steps replayed from CUDA graphs (e2e_bench.py); then what host misses cost
@@ -58,6 +59,7 @@ def main() -> int:
     import triton
     from bench_kernels import bench_attention, bench_lora, measure_copy_bandwidth
     from check_kernels import run_checks
+    from moe_fp8_lab import bench_moe_fp8
     from moe_lab import bench_moe
     from moe_lora_lab import bench_moe_lora
     from lab_common import Report
@@ -84,6 +86,7 @@ def main() -> int:
         bench_attention(report, on_gpu, device, copy_bw)
         bench_moe(report, on_gpu, device, copy_bw)
         bench_moe_lora(report, on_gpu, device)
+        bench_moe_fp8(report, on_gpu, device, copy_bw)
         report.line(f"(timings done at {time.time() - start:.0f} s)")
         report.line()
         report.write()
