@@ -67,7 +67,8 @@ def check_moe_fp8(report: Report, on_gpu: bool, gen: torch.Generator, dtype: tor
             try:
                 _check_graph_replay(report, gen, gu, dn, scales, label, dtype, device)
             except Exception as exc:
-                report.check(f"fused moe fp8 experts ({label}) CUDA graph replay", False, f"{type(exc).__name__}: {exc}")
+                report.check(f"fused moe fp8 experts ({label}) CUDA graph replay", False,
+                             f"{type(exc).__name__}: {exc}")
 
 
 def _check_graph_replay(report: Report, gen, gu, dn, scales, label: str, dtype, device) -> None:

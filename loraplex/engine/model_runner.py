@@ -100,6 +100,10 @@ class ModelRunner:
         self.memory_at_start = memory_at_start(self.device, config.gpu_memory_utilization)
         self.model = load_model(self.model_dir, self.spec, self.dtype, self.device, self.max_model_len,
                                 kv_cache_dtype=config.kv_cache_dtype)
+        # the model's own tensors (fp8 weights and experts at one byte an element, their scales);
+        # on CUDA the KV budget is what is free after them; the CPU prepacked copies are not counted
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers())
+                                if not t.is_meta)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids: set[int] = self._collect_eos_ids()
         self.block_size = config.block_size
@@ -130,14 +134,15 @@ class ModelRunner:
                 capture=cuda_capture(torch.cuda.graph_pool_handle()), layout=self.kv_layout,
             )
         logger.info(
-            "model %s (%s, %d layers) on %s, dtype %s; KV cache (%s): %d bytes per token, %d blocks of %d "
-            "tokens (%.1f MiB; %d layer groups of %d); max_model_len %d; "
+            "model %s (%s, %d layers) on %s, dtype %s, weights %.1f MiB; KV cache (%s): %d bytes per token, "
+            "%d blocks of %d tokens (%.1f MiB; %d layer groups of %d); max_model_len %d; "
             "LoRA slot pool up to %.1f MiB (%d slots of rank %d)",
             self.model_name,
             self.spec.architecture,
             self.spec.num_layers,
             self.device,
             str(self.dtype).removeprefix("torch."),
+            self.weight_bytes / (1 << 20),
             str(self.kv_dtype).removeprefix("torch."),
             self.kv_bytes_per_token,
             self.num_blocks,

@@ -165,9 +165,10 @@ def _log_fp8(spec: ModelSpec, fp8: dict[str, Fp8Weight], dtype: torch.dtype, dev
     else:
         how = (f"kept fp8 on the device, dequantized to {dtype_name} at each matmul "
                "(W8A16: activations are not quantized)")
-    experts = [name for name in fp8 if name.endswith(EXPERT_WEIGHTS)]
+    experts = [w for name, w in fp8.items() if name.endswith(EXPERT_WEIGHTS)]
     if experts:
-        how += (f"; {len(experts)} stacked expert weights " + (
+        expert_mib = sum(w.nbytes for w in experts) / (1 << 20)
+        how += (f"; of those, {len(experts)} stacked expert weights ({expert_mib:.1f} MiB with scales) " + (
             f"kept fp8, scaled inside the fused MoE kernels ({dtype_name} activations)" if experts_fp8
             else f"dequantized to {dtype_name} once at load"))
     static = "; the checkpoint's static input_scale tensors are not applied" \

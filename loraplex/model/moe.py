@@ -47,7 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.kernels import dispatch
-from loraplex.kernels.moe_torch import ExpertScales, run_experts  # noqa: F401  (the CPU path; tests import it from here)
+from loraplex.kernels.moe_torch import run_experts  # noqa: F401  (the CPU path; tests import it from here)
+from loraplex.kernels.moe_torch import ExpertScales
 from loraplex.model.config import ModelSpec
 from loraplex.model.fp8_config import Fp8WeightFormat
 from loraplex.model.fp8_weights import Fp8Weight, pack_fp8, take_fp8_weight, take_full_precision

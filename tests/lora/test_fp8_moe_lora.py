@@ -53,3 +53,28 @@ def test_mixed_batch_on_fp8_moe_base_matches_peft_on_dequantized_base(world, pat
     assert [out.token_ids for out in outs] == expected
     # the expert adapter changes what it generates (the test means something)
     assert expected[2] != reference(peft_model, prompts[2], None, 6)
+
+
+def test_start_up_counts_fp8_experts_at_one_byte(world, caplog):
+    """The runner's weight bytes (logged at start; on CUDA the KV budget is the free memory after
+    them) count each fp8 expert element as one byte: the fp8 engine holds what the dequantized one
+    holds less 3 bytes per expert element, plus the expert scales."""
+    root, _, _ = world
+    sizes = {}
+    for path in ("experts-fp8", "cpu-default"):
+        with pytest.MonkeyPatch.context() as mp:
+            if path == "experts-fp8":
+                mp.setattr(loader, "experts_stay_fp8", lambda device, fp8_resident: True)
+            with caplog.at_level("INFO"):
+                llm = LLM(model=str(root / "fp8"), dtype="float32", device="cpu", home=root / "home",
+                          kv_cache_bytes=4 << 20)
+        runner = llm.engine.runner
+        sizes[path] = runner.weight_bytes
+        layers = [layer for layer in runner.model.layers if hasattr(layer, "experts_gate_up")]
+        elements = sum(layer.experts_gate_up.numel() + layer.experts_down.numel() for layer in layers)
+        scales = sum(layer.experts_gate_up_scale.nbytes + layer.experts_down_scale.nbytes for layer in layers) \
+            if path == "experts-fp8" else 0
+        sizes[path + "-elements"], sizes[path + "-scales"] = elements, scales
+        assert f"weights {runner.weight_bytes / (1 << 20):.1f} MiB" in caplog.text
+    assert sizes["experts-fp8"] == sizes["cpu-default"] - 3 * sizes["cpu-default-elements"] + sizes["experts-fp8-scales"]
+    assert "stacked expert weights" in caplog.text and "kept fp8" in caplog.text
