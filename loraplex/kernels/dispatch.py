@@ -187,7 +187,6 @@ def fused_moe(
     gate_up: torch.Tensor,  # [E, 2 * I, H]: gate rows then up rows
     down: torch.Tensor,  # [E, H, I]
     lora: ExpertLoRA | None = None,  # the step's expert LoRA in this layer
-    *,
     scales: ExpertScales | None = None,  # fp8 gate_up / down: their scales (W8A16)
 ) -> torch.Tensor:  # [T, H]
     """Each token's routing-weighted sum of its k experts' SwiGLU outputs, summed in fp32 and

@@ -116,7 +116,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         weights, experts = route_tokens(x, layer.router_weight, moe)
         expert_lora = None if lora is None else lora.expert_lora(i)
         out = dispatch.fused_moe(x, weights, experts, layer.experts_gate_up, layer.experts_down, expert_lora,
-                                 scales=self.expert_scales(i))
+                                 self.expert_scales(i))
         if moe.shared_expert_intermediate_size:  # Qwen2-MoE: the dense MLP is the shared expert
             shared = super()._mlp(i, x, lora, lora_prefix="shared_expert.")  # [T, H]
             out = out + torch.sigmoid(F.linear(x, layer.shared_expert_gate)) * shared
