@@ -144,3 +144,25 @@ def test_refusals_name_what_is_not_served(tmp_path):
     save_file(tensors, str(path))
     with pytest.raises(ValueError, match=r"experts \['layers.0.mlp.experts.2.gate_proj'\] are stored unquantized"):
         load_model(tmp_path / "mixed", ModelSpec.from_dir(tmp_path / "mixed"), torch.float32, "cpu", max_positions=64)
+
+
+@pytest.mark.parametrize("resident", [True, False], ids=["experts-fp8", "dequantized-at-load"])
+def test_bfloat16_experts_are_the_reference_rounded_once(tmp_path, resident):
+    """In bf16 each expert's weights, dequantized per run (fp8 kept) or once at load, are the
+    reference's rounded to bf16 once (bf16 per-channel scales: fp8 value * scale is exact before
+    that rounding): what the CPU loop multiplies by."""
+    src = make_tiny_moe_dir(tmp_path / "src", "mixtral", seed=4)
+    write_fp8_pair(src, tmp_path / "fp8", tmp_path / "ref", "ct-channel")
+    spec = ModelSpec.from_dir(tmp_path / "fp8")
+    ours = load_model(tmp_path / "fp8", spec, torch.bfloat16, "cpu", max_positions=64, fp8_resident=resident)
+    ref = read_safetensors(tmp_path / "ref")
+    layer = ours.layers[1]
+    for e in (0, 5):
+        expert = f"model.layers.1.block_sparse_moe.experts.{e}."
+        want_gate_up = torch.cat([ref[expert + "w1.weight"], ref[expert + "w3.weight"]]).to(torch.bfloat16)
+        want_down = ref[expert + "w2.weight"].to(torch.bfloat16)
+        scales = ours.expert_scales(1)
+        assert (scales is not None) == resident
+        gate_up, down = (layer.experts_gate_up[e], layer.experts_down[e]) if scales is None else \
+            scales.dequantize(layer.experts_gate_up, layer.experts_down, e, torch.bfloat16)
+        assert torch.equal(gate_up, want_gate_up) and torch.equal(down, want_down)
