@@ -19,7 +19,8 @@ host:
 FP8 experts (``scales``, W8A16): each fp8 weight tile is upcast to the activations' dtype (exact)
 before ``tl.dot``, and the fp32 accumulator is scaled: per row after the K loop (per-tensor and
 per-channel scales), or per K tile inside it (block scales; the K tile divides the block's
-columns, so a tile has one scale). Activations are never quantized.
+columns, so a tile has one scale). Activations are never quantized. Where Triton has no e4m3
+type (CUDA before sm_89) the kernels read the bytes and rebuild the values (``_fp8_values``).
 
 With expert LoRA (``lora``), ``triton_moe_lora`` computes each pair's delta for gate_up before
 step 2 and for down between steps 2 and 3; the kernels add them (``HAS_DELTA``) to the rounded
@@ -43,6 +44,18 @@ import triton.language as tl
 from loraplex.kernels.moe_lora import ExpertLoRA
 from loraplex.kernels.moe_torch import ExpertScales, PairBlocks, align_pairs
 from loraplex.kernels.triton_moe_lora import expert_pair_slots, pair_lora_deltas
+
+
+@triton.jit
+def _fp8_values(tile, AS_BITS: tl.constexpr):
+    """An fp8 e4m3 weight tile as values an exact ``.to(dtype)`` takes: the tile itself, or with
+    ``AS_BITS`` (its raw bytes, uint8: Triton has no e4m3 before sm_89) fp16 values 256 times
+    smaller, rebuilt from the bits (sign to bit 15, exponent and mantissa moved up 7: e4m3's
+    bias is 8 below fp16's, its subnormals land on fp16's); ``FP8_UNIT`` scales make up for it."""
+    if AS_BITS:
+        b = tile.to(tl.uint16)
+        return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    return tile
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -78,6 +91,8 @@ def _moe_gate_up_kernel(
     HAS_DELTA: tl.constexpr,  # expert LoRA: add each pair's delta before the SiLU
     W_FP8: tl.constexpr,  # fp8 weights: each tile upcast to x's dtype, the scales applied in fp32
     SCALE_COLS: tl.constexpr,  # columns one scale covers (a multiple of BLOCK_K); 0: one per row
+    AS_BITS: tl.constexpr,  # w_ptr holds the fp8 bytes as uint8, decoded in-kernel (_fp8_values)
+    FP8_UNIT: tl.constexpr,  # 256.0 with AS_BITS, else 1.0: applied with the scales
 ):
     block = tl.program_id(0)
     n_tile = tl.program_id(1)
@@ -113,20 +128,20 @@ def _moe_gate_up_kernel(
             gt = tl.load(gate_rows + k[None, :] * stride_wk, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             ut = tl.load(up_rows + k[None, :] * stride_wk, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if W_FP8:  # W8A16: an exact upcast (e4m3 fits in bf16 / fp16), activations untouched
-            gt = gt.to(xt.dtype)
-            ut = ut.to(xt.dtype)
+            gt = _fp8_values(gt, AS_BITS).to(xt.dtype)
+            ut = _fp8_values(ut, AS_BITS).to(xt.dtype)
         if W_FP8 and SCALE_COLS > 0:  # block scales: this K tile lies in one scale group
             group = (k0 // SCALE_COLS) * stride_sg
-            sg = tl.load(gate_scales + group, mask=n_mask, other=0.0)
-            su = tl.load(up_scales + group, mask=n_mask, other=0.0)
+            sg = tl.load(gate_scales + group, mask=n_mask, other=0.0) * FP8_UNIT
+            su = tl.load(up_scales + group, mask=n_mask, other=0.0) * FP8_UNIT
             acc_gate += tl.dot(xt, tl.trans(gt)) * sg[None, :]
             acc_up += tl.dot(xt, tl.trans(ut)) * su[None, :]
         else:
             acc_gate += tl.dot(xt, tl.trans(gt))
             acc_up += tl.dot(xt, tl.trans(ut))
     if W_FP8 and SCALE_COLS == 0:  # one scale per row (per tensor or per channel)
-        acc_gate *= tl.load(gate_scales, mask=n_mask, other=0.0)[None, :]
-        acc_up *= tl.load(up_scales, mask=n_mask, other=0.0)[None, :]
+        acc_gate *= (tl.load(gate_scales, mask=n_mask, other=0.0) * FP8_UNIT)[None, :]
+        acc_up *= (tl.load(up_scales, mask=n_mask, other=0.0) * FP8_UNIT)[None, :]
 
     dtype = act_ptr.dtype.element_ty
     gate = acc_gate.to(dtype).to(tl.float32)  # the torch path rounds each matmul's output
@@ -176,6 +191,8 @@ def _moe_down_kernel(
     HAS_DELTA: tl.constexpr,  # expert LoRA: add each pair's delta before the routing weight
     W_FP8: tl.constexpr,  # as in _moe_gate_up_kernel
     SCALE_COLS: tl.constexpr,
+    AS_BITS: tl.constexpr,
+    FP8_UNIT: tl.constexpr,
 ):
     block = tl.program_id(0)
     n_tile = tl.program_id(1)
@@ -204,14 +221,14 @@ def _moe_down_kernel(
             at = tl.load(a_rows + k[None, :] * stride_ai, mask=valid[:, None] & k_mask[None, :], other=0.0)
             wt = tl.load(w_rows + k[None, :] * stride_wk, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if W_FP8:
-            wt = wt.to(at.dtype)
+            wt = _fp8_values(wt, AS_BITS).to(at.dtype)
         if W_FP8 and SCALE_COLS > 0:
-            scale = tl.load(w_scales + (k0 // SCALE_COLS) * stride_sg, mask=n_mask, other=0.0)
+            scale = tl.load(w_scales + (k0 // SCALE_COLS) * stride_sg, mask=n_mask, other=0.0) * FP8_UNIT
             acc += tl.dot(at, tl.trans(wt)) * scale[None, :]
         else:
             acc += tl.dot(at, tl.trans(wt))
     if W_FP8 and SCALE_COLS == 0:
-        acc *= tl.load(w_scales, mask=n_mask, other=0.0)[None, :]
+        acc *= (tl.load(w_scales, mask=n_mask, other=0.0) * FP8_UNIT)[None, :]
 
     dtype = act_ptr.dtype.element_ty
     routing = tl.load(weight_ptr + pair, mask=valid, other=0.0).to(tl.float32)  # [BLOCK_M]
@@ -249,6 +266,12 @@ def scale_cols_and_k_tile(scale: torch.Tensor | None, block_cols: int | None, k_
     return block_cols, tile
 
 
+def native_e4m3_missing(device: torch.device) -> bool:
+    """Whether Triton on ``device`` lacks the e4m3 type (CUDA before sm_89: A100, ...), so the kernels
+    read fp8 weights as their bytes; the interpreter has it. A cached host query, no sync."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
+
+
 def _pow2_tile(n: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(n)))
 
@@ -283,6 +306,7 @@ def fused_moe_triton(
     pair_out: torch.Tensor | None = None,  # [T * k, H] fp32: scratch, else allocated here
     lora: ExpertLoRA | None = None,  # the step's expert LoRA in this layer
     scales: ExpertScales | None = None,  # fp8 gate_up / down: their scales (W8A16)
+    fp8_as_bits: bool | None = None,  # decode fp8 from its bytes in-kernel; None: where Triton lacks e4m3
 ) -> torch.Tensor:  # [T, H]
     """``dispatch.fused_moe`` on CUDA (or under the interpreter): align, then the two kernels
     (with ``lora``, each after its pairs' LoRA deltas: ``triton_moe_lora``; with ``scales``, fp8
@@ -308,6 +332,12 @@ def fused_moe_triton(
         pair_slot, pair_expert = expert_pair_slots(lora, top_k), experts.reshape(-1)
         delta = pair_lora_deltas(x, top_k, pair_slot, pair_expert, *lora.gate_up(), lora.slot_rank)  # [P, 2I] fp32
     block_cols = None if scales is None else scales.block_cols
+    if scales is not None:
+        if fp8_as_bits is None:
+            fp8_as_bits = native_e4m3_missing(x.device)
+        if fp8_as_bits:  # the same bytes, read as uint8 (_fp8_values)
+            gate_up, down = gate_up.view(torch.uint8), down.view(torch.uint8)
+    fp8 = {"W_FP8": scales is not None, "AS_BITS": bool(fp8_as_bits), "FP8_UNIT": 256.0 if fp8_as_bits else 1.0}
     gate_up_scale, down_scale = (None, None) if scales is None else (scales.gate_up, scales.down)
     n_tile = tiles["gate_up_n"]
     scale_cols, k_tile = scale_cols_and_k_tile(gate_up_scale, block_cols, tiles["gate_up_k"])
@@ -316,7 +346,7 @@ def fused_moe_triton(
         x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
         act.stride(0), act.stride(1), *_delta_args(delta, act), *_scale_args(gate_up_scale, act),
         BLOCK_M=block_m, BLOCK_N=n_tile, BLOCK_K=k_tile, EVEN_K=hidden % k_tile == 0, HAS_DELTA=delta is not None,
-        W_FP8=scales is not None, SCALE_COLS=scale_cols,
+        SCALE_COLS=scale_cols, **fp8,
     )
     if lora is not None:
         delta = pair_lora_deltas(act, 1, pair_slot, pair_expert, *lora.down(), lora.slot_rank)  # [P, H] fp32
@@ -328,7 +358,7 @@ def fused_moe_triton(
         pair_out.stride(0), pair_out.stride(1), *_delta_args(delta, pair_out), *_scale_args(down_scale, pair_out),
         BLOCK_M=block_m, BLOCK_N=n_tile, BLOCK_K=k_tile, EVEN_K=inter % k_tile == 0,
         ROUND_WEIGHTED=flat_weights.dtype != torch.float32, HAS_DELTA=delta is not None,
-        W_FP8=scales is not None, SCALE_COLS=scale_cols,
+        SCALE_COLS=scale_cols, **fp8,
     )
     # each token's k rows summed in fp32, rounded once
     return pair_out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

@@ -4,15 +4,19 @@ per-token loop and the torch path over the same weights dequantized first by the
 quantizer (``tests/fixtures/fp8_checkpoints.quantize``), per tensor, per channel and per block
 (16x16 and 32x32 blocks on tiny dims, ragged last blocks: H=96, I=72); NaN-poisoned scratch; with
 expert LoRA; the CPU loop (``run_experts(..., scales)``) against the same reference; the launch
-reading nothing back to the host. The interpreter loads fp8 and upcasts it exactly (checked first)."""
+reading nothing back to the host. The interpreter loads fp8 and upcasts it exactly (checked first);
+the byte decoding GPUs before sm_89 take (``fp8_as_bits``) runs the same cases and every byte."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import triton
+import triton.language as tl
+
 from loraplex.kernels.moe_torch import ExpertScales, run_experts
-from loraplex.kernels.triton_moe import fused_moe_triton
+from loraplex.kernels.triton_moe import _fp8_values, fused_moe_triton
 from tests.fixtures.fp8_checkpoints import FP8, quantize
 from tests.kernels.helpers import rel_err
 from tests.kernels.test_no_host_sync import trap_host_reads
@@ -46,9 +50,6 @@ def fp8_case(seed, num_tokens, num_experts, top_k, dtype, style, how_name, hidde
 
 
 def test_interpreter_loads_fp8_tiles_exactly():
-    import triton
-    import triton.language as tl
-
     @triton.jit
     def upcast(w_ptr, out_ptr, N: tl.constexpr):
         offs = tl.arange(0, N)
@@ -60,17 +61,19 @@ def test_interpreter_loads_fp8_tiles_exactly():
     assert torch.equal(out, w.to(torch.float16))
 
 
+@pytest.mark.parametrize("as_bits", [False, True], ids=["e4m3", "bytes"])  # bytes: GPUs before sm_89
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("how", sorted(HOW))
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, style", [(1, 4, 2, "qwen"), (17, 8, 2, "mixtral"),
                                                                    (5, 8, 1, "qwen")])
-def test_fp8_experts_against_the_dequantized_reference(num_tokens, num_experts, top_k, style, how, dtype):
+def test_fp8_experts_against_the_dequantized_reference(num_tokens, num_experts, top_k, style, how, dtype, as_bits):
     x, weights, experts, (gu_q, dn_q, scales), (gu_d, dn_d) = fp8_case(
         num_tokens * 31 + num_experts, num_tokens, num_experts, top_k, dtype, style, how)
     pairs = num_tokens * top_k
     act = torch.full((pairs, INTER), float("nan"), dtype=dtype)
     pair_out = torch.full((pairs, HIDDEN), float("nan"))
-    got = fused_moe_triton(x, weights, experts, gu_q, dn_q, act=act, pair_out=pair_out, scales=scales)
+    got = fused_moe_triton(x, weights, experts, gu_q, dn_q, act=act, pair_out=pair_out, scales=scales,
+                           fp8_as_bits=as_bits)
     assert got.dtype == dtype and not got.isnan().any()
     loop = per_token_loop(x, weights, experts, gu_d, dn_d)  # float64 on the dequantized weights
     cpu = run_experts(x, weights, experts, gu_q, dn_q, scales=scales)
@@ -100,6 +103,24 @@ def test_fp8_experts_with_expert_lora(how, dtype):
     cpu = run_experts(x, weights, experts, gu_q, dn_q, lora, scales)
     tol = 1e-5 if dtype == torch.float32 else 3e-3
     assert rel_err(got, loop) < tol and rel_err(cpu, loop) < tol
+
+
+@triton.jit
+def _decode_bytes(w_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, _fp8_values(tl.load(w_ptr + offs), True).to(tl.float32) * 256.0)
+
+
+def test_fp8_bytes_decode_to_every_e4m3_value():
+    """The byte decoding of GPUs without e4m3 (``_fp8_values``, then the 256 the scales carry)
+    against torch's e4m3 for all 256 bytes but the two NaNs (subnormals, zeros and signs included)."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    padded = torch.zeros(256, dtype=torch.uint8)
+    padded[: codes.numel()] = codes
+    out = torch.empty(256)
+    _decode_bytes[(1,)](padded, out, N=256)
+    want = codes.view(FP8).float()
+    assert torch.equal(out[: codes.numel()], want) and torch.equal(out[: codes.numel()].signbit(), want.signbit())
 
 
 def test_fp8_launch_reads_nothing_on_the_host():
