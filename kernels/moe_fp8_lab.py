@@ -1,7 +1,7 @@
 """FP8 experts part of the GPU check (``triton_moe``'s ``W_FP8``: W8A16 fused MoE): bf16 compute with
 fp8 experts against the fp32 torch path on the same experts dequantized first, per 128x128 block
-(Qwen3-30B-A3B-FP8) and per output channel (llm-compressor FP8-dynamic), a CUDA-graph replay with a
-new routing, and timings of the fp8 experts against the same experts in bf16.
+(Qwen3-30B-A3B-FP8) and per output channel (llm-compressor FP8-dynamic), also with the weights
+read as bytes (the path of GPUs before sm_89, forced), a CUDA-graph replay with a new routing, and timings of the fp8 experts against the same experts in bf16.
 
 Shapes: Qwen3-30B-A3B's sparse layer on the GPU (E=128, top-8, H=2048, I=768), tiny ones under
 the interpreter (16x16 blocks there). GB/s counts the weight bytes a launch reads: gate_up and
@@ -63,6 +63,12 @@ def check_moe_fp8(report: Report, on_gpu: bool, gen: torch.Generator, dtype: tor
             report.check(f"fused moe fp8 experts ({label}) T={tokens} {dtype}",
                          err < TOLERANCE and not got.isnan().any().item(),
                          f"rel err {err:.2e} against fp32 on the dequantized experts (E={e}, k={k}, H={h}, I={i})")
+        # the byte decoding GPUs before sm_89 run (forced here: it must compile and agree on any GPU)
+        x, weights, ids = _routing(gen, _token_counts(on_gpu)[1], e, k, h, dtype, device, False)
+        got = fused_moe_triton(x, weights, ids, gu, dn, scales=scales, fp8_as_bits=True)
+        err = rel_err(got, run_experts(x.float(), weights.float(), ids, gu32, dn32))
+        report.check(f"fused moe fp8 experts ({label}) read as bytes T={x.shape[0]} {dtype}",
+                     err < TOLERANCE and not got.isnan().any().item(), f"rel err {err:.2e} (the pre-sm_89 path)")
         if on_gpu:
             try:
                 _check_graph_replay(report, gen, gu, dn, scales, label, dtype, device)
