@@ -1,9 +1,9 @@
 """PEFT adapters served on an FP8 mixture-of-experts base (Qwen3-MoE with FineGrainedFP8 16x16 blocks,
-Mixtral with compressed-tensors per-channel scales): greedy outputs of a mixed batch (base-only, an
-attention adapter, expert adapters: PEFT ``target_parameters`` on the fused experts) equal PEFT on
-transformers' model of the dequantized weights, token for token (float32), with the experts kept
-fp8 (the per-expert dequantizing loop the CUDA kernels are tested against) and dequantized at load
-(the CPU default)."""
+Mixtral with compressed-tensors per-channel scales, Qwen2-MoE per tensor with its shared expert
+adapted too): greedy outputs of a mixed batch (base-only, an attention adapter, expert adapters:
+PEFT ``target_parameters`` on the fused experts) equal PEFT on transformers' model of the
+dequantized weights, token for token (float32), with the experts kept fp8 (the per-expert
+dequantizing loop the CUDA kernels are tested against) and dequantized at load (the CPU default)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tests.fixtures.tiny_moe import make_tiny_moe_dir
 from tests.lora.test_acceptance import reference
 from tests.lora.test_moe_expert_lora import _adapters
 
-CASES = {"qwen3_moe": "fp8-block", "mixtral": "ct-channel"}
+CASES = {"qwen3_moe": "fp8-block", "mixtral": "ct-channel", "qwen2_moe": "ct-tensor"}  # Qwen2-MoE: shared expert LoRA too
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

@@ -166,3 +166,26 @@ def test_bfloat16_experts_are_the_reference_rounded_once(tmp_path, resident):
         gate_up, down = (layer.experts_gate_up[e], layer.experts_down[e]) if scales is None else \
             scales.dequantize(layer.experts_gate_up, layer.experts_down, e, torch.bfloat16)
         assert torch.equal(gate_up, want_gate_up) and torch.equal(down, want_down)
+
+
+def test_fused_per_tensor_scales_of_gate_and_up_halves():
+    """transformers' FineGrainedFP8 experts keep a per-tensor gate_up scale of shape [E, 2, 1] (one
+    for the gate half, one for the up half): each half's rows get its own, as dequantized by hand."""
+    from loraplex.model.fp8_config import Fp8WeightFormat
+    from loraplex.model.moe_weights import take_experts
+
+    e, i, h = 3, 4, 8
+    gen = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(e, 2 * i, h, generator=gen) * 50).to(FP8_DTYPE)
+    down = (torch.randn(e, h, i, generator=gen) * 50).to(FP8_DTYPE)
+    raw = {"mlp.experts.gate_up_proj": gate_up, "mlp.experts.gate_up_proj_scale_inv": torch.rand(e, 2, 1) + 0.1,
+           "mlp.experts.down_proj": down, "mlp.experts.down_proj_scale_inv": torch.rand(e, 1, 1) + 0.1}
+    want_gu = torch.cat([gate_up[:, :i].float() * raw["mlp.experts.gate_up_proj_scale_inv"][:, :1],
+                         gate_up[:, i:].float() * raw["mlp.experts.gate_up_proj_scale_inv"][:, 1:]], dim=1)
+    want_dn = down.float() * raw["mlp.experts.down_proj_scale_inv"]
+    got_gu, got_dn = take_experts(dict(raw), raw.pop, "mlp.", ("gate_proj", "up_proj", "down_proj"), e,
+                                  Fp8WeightFormat("fp8", "tensor"))
+    assert raw == {}  # every tensor used
+    assert torch.equal(got_gu.weight.view(torch.uint8), gate_up.view(torch.uint8))
+    assert torch.equal(got_gu.weight.float() * got_gu.scale, want_gu)
+    assert torch.equal(got_dn.weight.float() * got_dn.scale, want_dn)
