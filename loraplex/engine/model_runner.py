@@ -101,7 +101,8 @@ class ModelRunner:
         self.model = load_model(self.model_dir, self.spec, self.dtype, self.device, self.max_model_len,
                                 kv_cache_dtype=config.kv_cache_dtype)
         # the model's own tensors (fp8 weights and experts at one byte an element, their scales);
-        # on CUDA the KV budget is what is free after them; the CPU prepacked copies are not counted
+        # on CUDA the KV budget is measured once they are in (kv_budget); CPU prepacked copies are not
+        # counted
         self.weight_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers())
                                 if not t.is_meta)
         self.tokenizer = load_tokenizer(self.model_dir)

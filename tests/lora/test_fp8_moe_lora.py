@@ -56,8 +56,8 @@ def test_mixed_batch_on_fp8_moe_base_matches_peft_on_dequantized_base(world, pat
 
 
 def test_start_up_counts_fp8_experts_at_one_byte(world, caplog):
-    """The runner's weight bytes (logged at start; on CUDA the KV budget is the free memory after
-    them) count each fp8 expert element as one byte: the fp8 engine holds what the dequantized one
+    """The runner's weight bytes (logged at start; on CUDA the KV budget is measured once they are
+    in) count each fp8 expert element as one byte: the fp8 engine holds what the dequantized one
     holds less 3 bytes per expert element, plus the expert scales."""
     root, _, _ = world
     sizes = {}
