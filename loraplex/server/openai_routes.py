@@ -298,18 +298,27 @@ def _tool_call_chunks(shaper: ResponseShaper, stream: tool_calls.ToolCallStream,
         yield shaper.chunk(choice, None, reason)
 
 
+def _base_card(ctx: AppContext, created: int) -> dict:
+    return {"id": ctx.served_model_name, "object": "model", "created": created, "owned_by": "loraplex",
+            "root": ctx.served_model_name, "parent": None, "max_model_len": ctx.max_model_len}
+
+
+def _adapter_card(ctx: AppContext, tenant: str, model: str, adapter, created: int) -> dict:
+    """The card of ``model`` (``name`` or ``name@N``) of ``adapter`` (the registry's AdapterInfo)."""
+    return {"id": model, "object": "model", "created": created, "owned_by": tenant,
+            "root": adapter.name, "parent": ctx.served_model_name, "active_version": adapter.active_version}
+
+
 async def _model_cards(request: Request) -> list[dict]:
     ctx = _ctx(request)
     tenant = await ctx.tenant_auth.tenant_for(request, request.path_params.get("tenant"))
     adapters = await run_in_threadpool(ctx.registry.list_adapters, tenant)
     created = int(time.time())
-    data = [{"id": ctx.served_model_name, "object": "model", "created": created, "owned_by": "loraplex",
-             "root": ctx.served_model_name, "parent": None, "max_model_len": ctx.max_model_len}]
+    data = [_base_card(ctx, created)]
     for a in adapters:
         if getattr(a, "active_version", None) is None:
             continue
-        data.append({"id": a.name, "object": "model", "created": created, "owned_by": tenant,
-                     "root": a.name, "parent": ctx.served_model_name, "active_version": a.active_version})
+        data.append(_adapter_card(ctx, tenant, a.name, a, created))
     return data
 
 
@@ -318,12 +327,30 @@ async def list_models(request: Request) -> Response:
 
 
 async def retrieve_model(request: Request) -> Response:
-    """``GET /models/{model}`` (the openai client's ``models.retrieve``): one entry of the list."""
+    """``GET /models/{model}`` (the openai client's ``models.retrieve``): the card of any name a
+    request's ``model`` takes (the served name, ``name``, ``name@N``), as the list shows it;
+    a name no request would run on is a 404."""
+    ctx = _ctx(request)
+    tenant = await ctx.tenant_auth.tenant_for(request, request.path_params.get("tenant"))
     model = request.path_params["model"]
-    for card in await _model_cards(request):
-        if card["id"] == model:
-            return JSONResponse(card)
-    raise model_not_found(model)
+    created = int(time.time())
+    if model == ctx.served_model_name:
+        return JSONResponse(_base_card(ctx, created))
+
+    def lookup():
+        # the registry's answer to a request's ``model`` (resolve_target), without fetching files
+        version = ctx.registry.resolve(tenant, model)
+        return ctx.registry.get_adapter(tenant, version.adapter)
+
+    try:
+        adapter = await run_in_threadpool(lookup)
+    except Exception as exc:
+        if getattr(exc, "http_status", None) in (400, 404):  # no such name, or never a name
+            raise model_not_found(model) from None
+        raise
+    if adapter is None:  # deleted between the two reads
+        raise model_not_found(model)
+    return JSONResponse(_adapter_card(ctx, tenant, model, adapter, created))
 
 
 def routes() -> list[Route]:

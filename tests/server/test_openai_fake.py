@@ -127,6 +127,36 @@ def test_models_lists_only_own_adapters(setup):
         openai.OpenAI(base_url=f"{srv.url}/t/acme/v1", api_key=other_key, max_retries=0).models.retrieve("sql")
 
 
+def test_models_retrieve_takes_every_name_a_request_takes(setup):
+    """OpenAI's retrieve answers for any ``model`` a request runs on: ``name@N`` pins too, in the
+    list's card shape; a name no request runs on is OpenAI's 404, on both path forms."""
+    srv, key, version, client = setup
+    other_key = srv.make_tenant("globex")
+    _upload(srv, "globex", "secret-adapter", b"w")
+    assert _upload(srv, "acme", "sql", b"weights-v2")["version"] == 2
+    listed = {m.id: m.model_dump(exclude={"created"}) for m in client.models.list()}
+    plain = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=key, max_retries=0)
+    for c in (client, plain):
+        for pinned in ("sql@1", "sql@2"):
+            # the name runs a request, so it retrieves
+            assert c.completions.create(model=pinned, prompt="q", max_tokens=1).model == pinned
+            card = c.models.retrieve(pinned).model_dump(exclude={"created"})
+            assert card == {**listed["sql"], "id": pinned}
+            assert (card["root"], card["parent"], card["owned_by"]) == ("sql", "fake-model", "acme")
+        assert c.models.retrieve("sql").model_dump(exclude={"created"}) == listed["sql"]
+        assert c.models.retrieve("fake-model").model_dump(exclude={"created"}) == listed["fake-model"]
+        for unknown in ("sql@3", "sql@0", "sql@x", "SQL", "secret-adapter", "secret-adapter@1", "nope@1"):
+            with pytest.raises(openai.NotFoundError) as info:
+                c.completions.create(model=unknown, prompt="q", max_tokens=1)  # no request runs on it
+            with pytest.raises(openai.NotFoundError) as info:
+                c.models.retrieve(unknown)
+            assert info.value.code == "model_not_found" and info.value.body["param"] == "model"
+            assert info.value.body["message"] == f"The model `{unknown}` does not exist or you do not have access to it."
+    # the other tenant's pinned name retrieves for that tenant only
+    other = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=other_key, max_retries=0)
+    assert other.models.retrieve("secret-adapter@1").owned_by == "globex"
+
+
 def test_v1_prefix_uses_the_keys_tenant_and_hot_swap(setup):
     srv, key, version, client = setup
     tok = srv.engine.tokenizer
