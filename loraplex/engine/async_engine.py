@@ -246,6 +246,11 @@ class AsyncLLMEngine:
         manager = self._lora()
         return await self._call(lambda: manager.unload(adapter_id))
 
+    async def retire_adapter(self, adapter_id: str) -> bool:
+        """``LoRAManager.retire``: unloaded now, forgotten now (True) or once nothing holds it."""
+        manager = self._lora()
+        return await self._call(lambda: manager.retire(adapter_id))
+
     async def forget_adapters(self, adapter_ids: list[str]) -> list[str]:
         """``LoRAManager.forget`` each id; returns the ids kept (still held by a request)."""
         manager = self._lora()

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
 from loraplex.lora.errors import AdapterHashMismatchError, AdapterNotFoundError, InvalidAdapterError
 from loraplex.lora.peft_format import load_adapter_files, validate_adapter
-from loraplex.lora.records import AdapterRecord, PreparedAdapter, check_hash, files_fingerprint
+from loraplex.lora.records import AdapterRecord, AdapterStats, PreparedAdapter, check_hash, files_fingerprint
 from loraplex.lora.spec import AdapterRef, LoRATargetSpec
 from loraplex.lora.weights import AdapterWeights
 
@@ -30,6 +31,7 @@ class AdapterCatalog:
         self.records: dict[str, AdapterRecord] = {}
         self.names: dict[str, str] = {}  # registered name -> adapter id
         self._path_memo: dict[str, tuple[tuple, str]] = {}  # path -> (file fingerprint, adapter id)
+        self.forgotten = AdapterStats()  # the counters of records dropped by ``forget``, summed
 
     # ---- files -------------------------------------------------------------------------------
     def parse(self, path: str, expected_id: str | None = None) -> AdapterWeights:
@@ -121,8 +123,13 @@ class AdapterCatalog:
         return rec
 
     def forget(self, adapter_id: str) -> None:
-        """Drop ``adapter_id``'s record and the directories remembered as holding it."""
-        self.records.pop(adapter_id, None)
+        """Drop ``adapter_id``'s record and the directories remembered as holding it; its
+        counters go into ``forgotten``, so totals over every adapter never go back."""
+        rec = self.records.pop(adapter_id, None)
+        if rec is not None:
+            for field in fields(AdapterStats):
+                name = field.name
+                setattr(self.forgotten, name, getattr(self.forgotten, name) + getattr(rec.stats, name))
         for path in [p for p, (_, aid) in self._path_memo.items() if aid == adapter_id]:
             del self._path_memo[path]
 

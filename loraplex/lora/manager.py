@@ -61,6 +61,7 @@ class LoRAManager:
         self._last_step: set[str] = set()
         self._queued: "OrderedDict[str, None]" = OrderedDict()  # adapters with requests, by first arrival
         self._device_pinned: set[str] = set()
+        self._retiring: set[str] = set()  # retired while held: forgotten once nothing holds them
 
     # ---- AdapterGate ---------------------------------------------------------------------
     def is_ready(self, adapter_id: str) -> bool:
@@ -89,6 +90,8 @@ class LoRAManager:
         failed = self.host_tier.collect_reads()
         if self.host_tier.loader is not None:
             self._service_wanted()
+        if self._retiring:  # one held only by a read in flight goes once the read ends
+            self._forget_retired()
         return failed
 
     # ---- names and references (AdapterCatalog) -------------------------------------------
@@ -98,6 +101,7 @@ class LoRAManager:
         adapter_id, weights = self.catalog.resolve(adapter, prepared)
         if weights is not None:
             self.host_tier.put(weights)
+        self._retiring.discard(adapter_id)  # named again (the same weights uploaded anew): kept
         return adapter_id
 
     def read_ahead(self, adapter: None | str | AdapterRef) -> PreparedAdapter | None:
@@ -116,6 +120,7 @@ class LoRAManager:
         rec = self.catalog.unregister(name)
         if rec is not None and not rec.names and rec.outstanding == 0:
             self.unload(rec.adapter_id)
+        self._forget_retired()
 
     def registered(self) -> dict[str, str]:
         return dict(self.catalog.names)
@@ -238,6 +243,22 @@ class LoRAManager:
         self.catalog.forget(adapter_id)
         return True
 
+    def retire(self, adapter_id: str) -> bool:
+        """An adapter that will not be asked for again (its versions were deleted): ``unload``
+        it now, and ``forget`` it (record, stats) now or, while a request, name, pin or read in
+        flight holds it, as soon as the last of them lets go (unless it is resolved again first).
+        True when it was forgotten now."""
+        self.unload(adapter_id)
+        if self.forget(adapter_id):
+            self._retiring.discard(adapter_id)
+            return True
+        self._retiring.add(adapter_id)
+        return False
+
+    def _forget_retired(self) -> None:
+        for adapter_id in [a for a in self._retiring if self.forget(a)]:
+            self._retiring.discard(adapter_id)
+
     # ---- per step ------------------------------------------------------------------------
     def place(self, adapter_ids: list[str | None]) -> None:
         """Put this step's adapters (``None`` entries ignored) in device slots; the scheduler
@@ -304,6 +325,8 @@ class LoRAManager:
         rec.stats.prompt_tokens += prompt_tokens
         rec.stats.generation_tokens += gen_tokens
         self._service_wanted()
+        if rec.outstanding == 0 and adapter_id in self._retiring:
+            self._forget_retired()
 
     def _service_wanted(self) -> None:
         """Bring queued adapters that lacked host room into host memory, then free slots."""
@@ -339,6 +362,8 @@ class LoRAManager:
         resident = self.pool.resident()
         return {
             "adapters": adapters,
+            # the counters of adapters forgotten since (deleted, forgotten merges), summed
+            "forgotten": asdict(self.catalog.forgotten),
             "tiers": {"device": len(resident), "host": len(self.host)},
             "slots": {"max_loras": self.pool.max_loras, "used": len(resident), "pinned": len(self._device_pinned)},
             # device bytes of the slot stacks; vocab_bytes: embed_tokens / lm_head stacks, allocated

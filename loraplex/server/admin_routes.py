@@ -311,7 +311,7 @@ async def drop_unused_from_engine(ctx: AppContext, removed: list[tuple[str, str]
     for content_hash, blob_key in removed:  # (content hash, blob key) of each deleted version
         try:
             if await run_in_threadpool(ctx.registry.versions_using_blob, blob_key) == 0:
-                await ctx.engine.unload_adapter(content_hash)
+                await _retire(ctx, content_hash)
                 merges = await run_in_threadpool(ctx.merges.drop_merges_of, content_hash) if ctx.merges else []
                 for merged in merges:
                     await ctx.engine.unload_adapter(merged)
@@ -319,6 +319,19 @@ async def drop_unused_from_engine(ctx: AppContext, removed: list[tuple[str, str]
                     await forget_merges(ctx, merges)
         except Exception:  # noqa: BLE001 - the delete itself is done; LRU eviction frees it later
             log.exception("could not drop deleted adapter %s from the engine", content_hash)
+
+
+async def _retire(ctx: AppContext, content_hash: str) -> None:
+    """Weights nobody can name any more leave the engine, and its record and stats with them
+    once no request holds them (``retire_adapter``); gone now, their names on the status page
+    and the metrics labels go too (a request still running keeps them until the next delete)."""
+    retire = getattr(ctx.engine, "retire_adapter", None)
+    if retire is None:  # an engine without a record of each adapter
+        await ctx.engine.unload_adapter(content_hash)
+        return
+    if await retire(content_hash):
+        ctx.metrics.hash_labels.pop(content_hash, None)
+        ctx.adapter_display.pop(content_hash, None)
 
 
 # --- status and audit -------------------------------------------------------------------------

@@ -65,10 +65,14 @@ def lora_stats(stats: dict) -> dict:
 
 
 def adapter_totals(stats: dict) -> dict:
-    """Loads, evictions, host loads and load seconds summed over the engine's per-adapter counters."""
+    """Loads, evictions, host loads and load seconds summed over the engine's per-adapter counters,
+    those of adapters it has forgotten included (a counter never goes back)."""
     totals = {"loads": 0.0, "evictions": 0.0, "host_loads": 0.0, "load_seconds": 0.0}
-    adapters = lora_stats(stats).get("adapters") or {}
-    for entry in adapters.values() if isinstance(adapters, dict) else ():
+    lora = lora_stats(stats)
+    adapters = lora.get("adapters") or {}
+    forgotten = lora.get("forgotten")
+    entries = list(adapters.values()) if isinstance(adapters, dict) else []
+    for entry in entries + ([forgotten] if isinstance(forgotten, dict) else []):
         for key in totals:
             totals[key] += _num(entry, key)
     return totals
