@@ -16,6 +16,7 @@ from loraplex.server.lifecycle import Lifecycle
 from loraplex.server.limits import TenantConcurrencyLimiter
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.rate_limits import TenantRateLimiter
+from loraplex.server.sglang_calls import SGLangCalls
 from loraplex.server.tenant_limits import TenantLimitsCache
 from loraplex.template_content_format import ContentFormatResolver
 
@@ -54,6 +55,8 @@ class AppContext:
     rate_limiter: TenantRateLimiter = field(default_factory=TenantRateLimiter)
     # content hash -> display name ("tenant/name@version"), for status and logs
     adapter_display: dict[str, str] = field(default_factory=dict)
+    # SGLang /generate calls in flight, for /abort_request (sglang_abort.py)
+    sglang_calls: SGLangCalls = field(default_factory=SGLangCalls)
     # where prompts are rendered and tokenized (``run_tokenizer``); threads start on first use
     tokenizer_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="loraplex-tokenize"))

@@ -34,7 +34,7 @@ from starlette.routing import Route
 
 import loraplex
 from loraplex.sampling_params import SamplingParams
-from loraplex.server import tgi_routes
+from loraplex.server import sglang_abort, tgi_routes
 from loraplex.server.admission import Admission, admit_body, authenticate, check_model
 from loraplex.server.context import AppContext
 from loraplex.server.errors import CLIENT_CLOSED, APIError, bad_request, from_exception
@@ -241,6 +241,7 @@ async def _serve_sglang(request: Request, ctx: AppContext, body: dict, arrival: 
     except Exception as exc:
         return error_response(from_exception(exc, request_id=request_ids(request).server))
     outputs = _Outputs(ctx, sreq, runs, arrival)
+    ctx.sglang_calls.track(runs[0].tenant, outputs)  # for /abort_request (sglang_abort.py)
     headers = {k: v for run in runs for k, v in run.rate_headers.items()}
     if sreq.stream:
         return SSEResponse(_events(outputs), headers=headers, on_close=lambda: outputs.close(CLIENT_CLOSED))
@@ -387,4 +388,4 @@ def routes() -> list[Route]:
         ]
     out += [Route("/health_generate", health_generate, methods=["GET"]),
             Route("/flush_cache", flush_cache, methods=["GET", "POST"])]
-    return out
+    return out + sglang_abort.routes()

@@ -24,6 +24,9 @@ import time
 from dataclasses import dataclass, field
 
 
+ABORT_REQUESTED = "abort_requested"  # OutputState.finish of an output ended by /abort_request
+
+
 @dataclass
 class OutputState:
     """One output (a prompt's sample) as it grows."""
@@ -36,17 +39,29 @@ class OutputState:
     finish: str | None = None
     stop_reason: int | str | None = None
     score_only: bool = False  # max_new_tokens 0: the prompt's logprobs, no output
+    abort_reason: dict | None = None  # SGLang's finish_reason of an abort a client asked for
 
     def add(self, comp) -> None:
         if self.score_only:
-            if comp.finish_reason is not None:  # the step ran to its end: SGLang's length 0
+            if comp.finish_reason is not None and self.finish != ABORT_REQUESTED:  # SGLang's length 0
                 self.finish = "abort" if comp.finish_reason == "abort" else "length"
             return
         self.text += comp.text
         self.ids.extend(comp.token_ids)
         self.logprobs.extend(comp.logprobs or [])
-        if comp.finish_reason is not None:
+        # the engine's own "abort" that follows an asked-for abort is that abort, not a failure
+        if comp.finish_reason is not None and not (self.finish == ABORT_REQUESTED and comp.finish_reason == "abort"):
             self.finish, self.stop_reason = comp.finish_reason, comp.stop_reason
+
+    def abort_requested(self) -> None:
+        """``POST /abort_request`` ended this output: SGLang answers it as a finished output
+        whose finish_reason says so (``Abort in waiting queue`` before its first token, else
+        ``FINISH_ABORT``'s), not as an error."""
+        if self.finish is not None:
+            return
+        self.finish = ABORT_REQUESTED
+        self.abort_reason = ({"type": "abort", "message": "Abort in waiting queue"} if not self.ids else
+                             {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None})
 
 
 class SGLangShaper:
@@ -79,6 +94,8 @@ class SGLangShaper:
             return None
         if out.finish == "length":
             return {"type": "length", "length": self.max_new_tokens[out.prompt_index]}
+        if out.finish == ABORT_REQUESTED:
+            return dict(out.abort_reason)
         if out.finish == "abort":
             return {"type": "abort", "message": "The request was aborted."}
         matched = out.stop_reason

@@ -122,6 +122,10 @@ class FakeEngine:
             for k in range(params.max_tokens):
                 await asyncio.sleep(self.step_seconds)
                 if request_id in self.aborted:
+                    # as AsyncLLMEngine.abort: a stream still read ends with an "abort" delta
+                    yield RequestOutput(request_id, None, list(prompt),
+                                        [CompletionOutput(c, "", [], "abort", None, None)
+                                         for c in range(params.n) if not done[c]], True, adapter_id)
                     return
                 outs = []
                 for c in range(params.n):

@@ -1,0 +1,91 @@
+"""SGLang's ``POST /abort_request`` on the real engine (tiny Llama, CPU, a PEFT adapter behind the
+real AdapterManager): with one sequence at a time, a running stream on the adapter and a request
+queued behind it are aborted by ``rid``; each ends as SGLang ends an aborted output (the running
+one with the greedy tokens it had, equal to the completions route's for as many tokens), and
+afterwards every KV block is free, no request is left and the adapter is held by none."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+from starlette.testclient import TestClient
+
+from loraplex.engine.async_engine import AsyncLLMEngine
+from loraplex.server.app import create_app
+from tests.engine.test_engine_exact import tight_llm
+from tests.fixtures.peft_adapters import make_peft_adapter
+from tests.server.registry_stack import registry_stack
+
+ADMIN_KEY = "sglang-abort-admin-key"
+FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def world(tiny_llama_dir, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("sglang-abort")
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    adapter = make_peft_adapter(base, root / "sql", seed=5, r=4, target_modules=["q_proj", "v_proj"])
+    home = root / "home"
+    llm = tight_llm(tiny_llama_dir, home, num_blocks=128, max_num_batched_tokens=256, max_num_seqs=1,
+                    max_loras=2, max_lora_rank=8)
+    engine = AsyncLLMEngine(llm.config, engine=llm.engine)
+    settings, registry, manager, key = registry_stack(home, llm, tiny_llama_dir, ADMIN_KEY)
+    try:
+        with TestClient(create_app(settings, engine=engine, registry=registry, adapters=manager)) as client:
+            r = client.post("/admin/v1/tenants/acme/adapters/sql/versions",
+                            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                            files={n: (n, (adapter / n).read_bytes()) for n in FILES})
+            assert r.status_code == 201, r.text
+            client.headers["Authorization"] = f"Bearer {key}"
+            yield client, engine, r.json()["sha256"]
+    finally:
+        engine.shutdown()
+
+
+def _wait(engine, **want) -> None:
+    deadline = time.monotonic() + 20
+    while any(engine.stats().get(k) != v for k, v in want.items()):
+        assert time.monotonic() < deadline, engine.stats()
+        time.sleep(0.01)
+
+
+def test_abort_frees_blocks_and_the_adapter(world):
+    client, engine, sha = world
+    body = {"text": "one two three", "lora_path": "sql", "sampling_params": {"max_new_tokens": 900, "temperature": 0,
+                                                                            "ignore_eos": True}}
+    queued = {}
+    with client.stream("POST", "/generate", json={**body, "rid": "running", "stream": True}) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        t = threading.Thread(target=lambda: queued.update(r=client.post("/generate", json={**body, "rid": "queued"})))
+        t.start()
+        _wait(engine, num_requests_running=1, num_requests_waiting=1)  # one sequence at a time
+        r_abort = client.post("/abort_request", json={"rid": "queued"})
+        assert r_abort.status_code == 200 and r_abort.content == b""
+        t.join(20)
+        assert client.post("/abort_request", json={"rid": "running"}).status_code == 200
+        rest = list(lines)
+    q = queued["r"]
+    assert q.status_code == 200, q.text
+    assert q.json()["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    assert q.json()["output_ids"] == []
+    assert [x for x in rest if x.startswith("data: ")][-1] == "data: [DONE]"
+    last = json.loads([x for x in rest if x.startswith("data: {")][-1][6:])
+    assert last["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
+                                                 "err_type": None}
+    n = len(last["output_ids"])
+    assert 0 < n < 900
+    ref = client.post("/v1/completions", json={"model": "sql", "prompt": "one two three", "max_tokens": n,
+                                                "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+    assert ref.json()["choices"][0]["token_ids"] == last["output_ids"]  # the greedy tokens, up to the abort
+    _wait(engine, num_unfinished_requests=0)
+    stats = engine.stats()
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
+    assert stats["lora"]["adapters"][sha]["outstanding_requests"] == 0
+    assert client.app.state.ctx.adapters.stats()["in_use"] == {}
