@@ -153,3 +153,6 @@ def test_unknown_rid_and_bad_bodies(world):
         assert r.status_code == 400 and field in r.json()["error"]["message"]
     assert clients["ab"].post("/abort_request", content=b"[1]").status_code == 400
     assert httpx.post(f"{srv.url}/abort_request", json={"abort_all": True}).status_code == 401
+    # under /t/{tenant}: the key's own tenant only
+    assert clients["ab"].post("/t/ab/abort_request", json={"rid": "x"}).status_code == 200
+    assert clients["other"].post("/t/ab/abort_request", json={"abort_all": True}).status_code in (401, 403)
