@@ -186,8 +186,6 @@ class GcPauseLog:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from loraplex.server.app import create_app
     from loraplex.server.components import prepare_registry
     from loraplex.server.lifecycle import DrainingServer
@@ -228,7 +226,19 @@ def run_serve(args: argparse.Namespace) -> int:
         print("loraplex: runtime LoRA updating is on, but no --lora-path-root is given: every "
               "POST /v1/load_lora_adapter is refused", flush=True)
     app = create_app(settings, registry=setup.registry, on_started=freeze_startup_objects)
-    config = uvicorn.Config(
+    config = uvicorn_config(app, settings, args)
+    server = DrainingServer(config, app.state.ctx.lifecycle, settings.shutdown_grace_seconds)
+    server.run()
+    return 0
+
+
+def uvicorn_config(app, settings: Settings, args: argparse.Namespace):
+    """The ``uvicorn.Config`` that ``loraplex serve`` runs ``app`` under. Its HTTP protocol is
+    uvicorn's choice ("auto": httptools, a dependency, where it imports; h11 otherwise) unless
+    ``--h11-max-incomplete-event-size`` asks for h11."""
+    import uvicorn
+
+    return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -238,6 +248,3 @@ def run_serve(args: argparse.Namespace) -> int:
         lifespan="on",
         timeout_graceful_shutdown=1,
     )
-    server = DrainingServer(config, app.state.ctx.lifecycle, settings.shutdown_grace_seconds)
-    server.run()
-    return 0

@@ -126,9 +126,11 @@ def compilation_without_graphs(config: dict) -> bool:
 
 
 def uvicorn_options(args: argparse.Namespace) -> dict:
-    """``uvicorn.Config`` keywords the taken front-end flags ask for."""
+    """``uvicorn.Config`` keywords the taken front-end flags ask for. ``--h11-max-incomplete-event-size``
+    also picks uvicorn's h11 protocol: uvicorn otherwise takes httptools (installed with loraplex),
+    which ignores the limit, so the flag would bound nothing."""
     size = given(args, "h11_max_incomplete_event_size")
-    return {} if size is None else {"h11_max_incomplete_event_size": size}
+    return {} if size is None else {"h11_max_incomplete_event_size": size, "http": "h11"}
 
 
 def notes(args: argparse.Namespace) -> list[str]:

@@ -214,10 +214,10 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
     "enable_log_outputs": taken("--enable-log-outputs", BOOL, "loraplex logs no generations (one JSON "
                                 "access line of counts per request)"),
     "h11_max_incomplete_event_size": taken(
-        "--h11-max-incomplete-event-size", INT, "the same limit, passed to uvicorn's h11 parser (its own default "
-        "is 16 KiB, vLLM's 4 MiB)"),
+        "--h11-max-incomplete-event-size", INT, "the same limit, passed to uvicorn's h11 parser, which serves "
+        "HTTP when it is given (httptools otherwise; h11's own default is 16 KiB, vLLM's 4 MiB)"),
     "h11_max_header_count": refused(
-        "--h11-max-header-count", INT, "loraplex's HTTP server (uvicorn on h11) counts no headers: "
+        "--h11-max-header-count", INT, "loraplex's HTTP server (uvicorn) counts no headers: "
         "--h11-max-incomplete-event-size bounds a request's head, --max-body-bytes its body"),
     "log_error_stack": taken("--log-error-stack", BOOL, "error answers are unchanged; loraplex logs every "
                              "internal error (500) with its traceback"),
