@@ -20,7 +20,8 @@ time of a repeated run is the figure that repeats.
 ``--uvicorn``: the app behind a real uvicorn on a loopback port instead (its HTTP protocol
 writes the chunks: h11, or httptools where installed), the clients in a subprocess (raw HTTP/1.1
 over asyncio streams), so this process's CPU is the server's alone; measured from the step in
-which every request is running.
+which every request is running. ``--http h11`` / ``httptools`` (``loraplex serve``'s) picks uvicorn's protocol,
+``--loop uvloop`` runs the server on uvloop (the clients stay on asyncio).
 """
 
 from __future__ import annotations
@@ -310,7 +311,8 @@ async def _main(args) -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", log_level="warning",
+                                               http=_http_protocol(args.http)))
         serving = asyncio.ensure_future(server.serve())
         while not server.started:
             await asyncio.sleep(0.05)
@@ -327,7 +329,8 @@ async def _main(args) -> None:
     gc.collect()
     gc.freeze()  # as `loraplex serve` does once loaded
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} streams={args.streams} tokens={args.tokens} step_ms={args.step_ms} "
-          f"rounds={args.rounds} {'uvicorn' if args.uvicorn else 'asgi'} (best round; CPU us per streamed token)")
+          f"rounds={args.rounds} {f'uvicorn http={args.http}' if args.uvicorn else 'asgi'} loop={args.loop} "
+          "(best round; CPU us per streamed token)")
     print("| case | streams | process us/token | event loop us/token | bytes/token |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for streams in args.streams:
@@ -343,6 +346,15 @@ async def _main(args) -> None:
         await serving
     else:
         await lifespan.stop()
+
+
+def _http_protocol(name: str):
+    """uvicorn's ``http`` for ``--http``: httptools is the protocol ``loraplex serve`` runs."""
+    if name == "httptools":
+        from loraplex.server.http_protocol import BoundedHttpToolsProtocol
+
+        return BoundedHttpToolsProtocol
+    return name
 
 
 def logging_off() -> None:
@@ -362,7 +374,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--step-ms", type=float, default=5.0, help="wall time of an engine step (sleep)")
     p.add_argument("--uvicorn", action="store_true", help="behind uvicorn on a port, clients in a subprocess")
-    asyncio.run(_main(p.parse_args()))
+    p.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"],
+                   help="uvicorn's HTTP protocol (httptools: as `loraplex serve` runs it, with its head bound)")
+    p.add_argument("--loop", default="asyncio", choices=["asyncio", "uvloop"], help="the server's event loop")
+    args = p.parse_args()
+    loop_factory = None
+    if args.loop == "uvloop":
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(_main(args))
 
 
 if __name__ == "__main__":

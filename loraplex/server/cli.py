@@ -234,16 +234,19 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def uvicorn_config(app, settings: Settings, args: argparse.Namespace):
     """The ``uvicorn.Config`` that ``loraplex serve`` runs ``app`` under. Its HTTP protocol is
-    uvicorn's choice ("auto": httptools, a dependency, where it imports; h11 otherwise) unless
-    ``--h11-max-incomplete-event-size`` asks for h11."""
+    httptools (a dependency) with a bound on a request's head, unless
+    ``--h11-max-incomplete-event-size`` asks for h11 and its limit."""
     import uvicorn
 
+    from loraplex.server.http_protocol import BoundedHttpToolsProtocol
+
+    protocol = {"http": BoundedHttpToolsProtocol, **vllm_engine_flags.uvicorn_options(args)}
     return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         **http_options.uvicorn_options(settings, args.log_level, args.uvicorn_log_level),  # TLS, root path
-        **vllm_engine_flags.uvicorn_options(args),  # vLLM's --h11-max-incomplete-event-size
+        **protocol,  # vLLM's --h11-max-incomplete-event-size: h11 and its limit
         access_log=False,  # one JSON line per request comes from loraplex.access instead
         lifespan="on",
         timeout_graceful_shutdown=1,

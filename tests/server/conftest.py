@@ -16,6 +16,7 @@ from loraplex.config import Settings
 from loraplex.registry import db
 from loraplex.registry.service import RegistryService
 from loraplex.server import http_options
+from loraplex.server.http_protocol import BoundedHttpToolsProtocol
 from loraplex.server.app import create_app
 from tests.fixtures.ports import free_port
 from tests.server.fakes import FakeAdapterManager, FakeEngine
@@ -76,8 +77,8 @@ def start_server(tmp_path, engine: FakeEngine | None = None, make_adapters=None,
     settings = Settings(home=home, admin_key=ADMIN_KEY, database_url=url, **setting_overrides)
     app = create_app(settings, engine=engine, registry=registry, adapters=adapters)
     port = free_port()
-    # TLS and the root path as `loraplex serve` passes them to uvicorn
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on",
+    # TLS, the root path and the HTTP protocol as `loraplex serve` passes them to uvicorn
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", http=BoundedHttpToolsProtocol,
                             **http_options.uvicorn_options(settings, "warning"))
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
