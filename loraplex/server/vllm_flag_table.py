@@ -215,10 +215,10 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
                                 "access line of counts per request)"),
     "h11_max_incomplete_event_size": taken(
         "--h11-max-incomplete-event-size", INT, "the same limit, passed to uvicorn's h11 parser, which serves "
-        "HTTP when it is given (httptools otherwise; h11's own default is 16 KiB, vLLM's 4 MiB)"),
+        "HTTP when it is given (httptools otherwise, whose head limit is 4 MiB, vLLM's default)"),
     "h11_max_header_count": refused(
-        "--h11-max-header-count", INT, "loraplex's HTTP server (uvicorn) counts no headers: "
-        "--h11-max-incomplete-event-size bounds a request's head, --max-body-bytes its body"),
+        "--h11-max-header-count", INT, "loraplex's HTTP server (uvicorn) counts no headers: a "
+        "request's head is bounded in bytes (4 MiB; --h11-max-incomplete-event-size on h11), its body by --max-body-bytes"),
     "log_error_stack": taken("--log-error-stack", BOOL, "error answers are unchanged; loraplex logs every "
                              "internal error (500) with its traceback"),
     "tokens_only": refused("--tokens-only", BOOL, "loraplex serves the whole OpenAI-compatible API"),
