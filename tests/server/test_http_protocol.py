@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("no_cli_env")
 async def ok_app(scope, receive, send):
     """Answers every request 200 with an empty body (and the lifespan's start and stop)."""
     if scope["type"] == "lifespan":
-        while (message := await receive())["type"] != "lifespan.shutdown":
+        while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
         return
