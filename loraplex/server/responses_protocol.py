@@ -18,7 +18,9 @@ images, files ...) is a 400 naming the field. The mapping:
   -> chat's nested shape; ``tool_choice`` ``{"type": "function", "name"}`` -> chat's named
   choice; ``text.format`` -> ``response_format``; vLLM's sampling and prompt-side fields as
   they came. Chat's own spellings (``messages``, ``max_tokens``, ``response_format`` ...) and
-  what one response cannot hold (``n``, ``logprobs``) are 400s, not dropped.
+  what one response cannot hold (``n``) are 400s, not dropped.
+- ``include``, ``top_logprobs`` and ``truncation``: responses_options.py (logprobs are asked of
+  the chat path as chat's ``logprobs`` / ``top_logprobs``, so they are chat's).
 
 An error the chat path raises names chat's field; ``responses_param`` turns it into the
 Responses field the client sent (``messages[...]`` -> ``input``, ...).
@@ -31,7 +33,8 @@ from dataclasses import dataclass, field, fields
 from loraplex.chat_content import text_part
 from loraplex.generation_defaults import SamplingDefaults
 from loraplex.server.errors import APIError, bad_request
-from loraplex.server.protocol import GenerationRequest, parse_chat_request
+from loraplex.server.protocol import MAX_TOP_LOGPROBS, GenerationRequest, parse_chat_request
+from loraplex.server.responses_options import OutputOptions, parse_output_options
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = {"input_text", "output_text"}  # output_text: an earlier answer's message sent back
@@ -54,10 +57,7 @@ REFUSED_FIELDS = {
     "conversation": (lambda v: v is None, _STATELESS),
     "background": (lambda v: v in (None, False), "background responses are not supported"),
     "prompt": (lambda v: v is None, "stored prompt templates are not supported"),
-    "include": (lambda v: v in (None, []), "`include` (extra output data) is not supported"),
-    "top_logprobs": (lambda v: v in (None, 0), "logprobs are not supported on /responses"),
     "max_tool_calls": (lambda v: v is None, "`max_tool_calls` (built-in tools) is not supported"),
-    "truncation": (lambda v: v in (None, "disabled"), '`truncation` other than "disabled" is not supported'),
     "reasoning": (lambda v: v in (None, {}) or (isinstance(v, dict) and all(x is None for x in v.values())),
                   "reasoning options (`effort`, `summary`) are not supported; the server's --reasoning-parser "
                   "decides what is reasoning"),
@@ -74,8 +74,9 @@ REFUSED_FIELDS.update({
     "structured_outputs": (lambda v: v in (None, {}), _ONE_CONSTRAINT),
     **{f"guided_{kind}": (lambda v: v is None, _ONE_CONSTRAINT) for kind in ("json", "regex", "choice", "grammar")},
     "n": (lambda v: v in (None, 1), "one output per response (`n` other than 1 is not served on /responses)"),
-    "logprobs": (lambda v: v in (None, False), "logprobs are not supported on /responses"),
-    "prompt_logprobs": (lambda v: v is None, "logprobs are not supported on /responses"),
+    "logprobs": (lambda v: v in (None, False),
+                 'not read on /responses: send `include: ["message.output_text.logprobs"]` (and `top_logprobs`)'),
+    "prompt_logprobs": (lambda v: v is None, "prompt logprobs are not served on /responses"),
     # vLLM's beam search (beam_fields.py) is served on completions and chat only; vLLM drops it here
     "use_beam_search": (lambda v: v in (None, False),
                         "beam search is not served on /responses: use /v1/chat/completions"),
@@ -92,6 +93,7 @@ class ResponsesRequest(GenerationRequest):
     """A chat request, plus what the response object echoes back."""
 
     echo_fields: dict = field(default_factory=dict)
+    output_options: OutputOptions = field(default_factory=OutputOptions)
 
     @property
     def endpoint(self) -> str:
@@ -117,13 +119,17 @@ def renamed(exc: APIError) -> APIError:
     return APIError(exc.status, message, param=param, code=exc.code, type=exc.type, headers=exc.headers)
 
 
-def parse_responses_request(body, defaults: SamplingDefaults | None = None) -> ResponsesRequest:
+def parse_responses_request(body, defaults: SamplingDefaults | None = None,
+                            max_logprobs: int = MAX_TOP_LOGPROBS) -> ResponsesRequest:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     for name, (accepted, why) in REFUSED_FIELDS.items():
         if name in body and not accepted(body[name]):
             raise bad_request(f"`{name}`: {why}.", param=name, code="unsupported_parameter")
+    options = parse_output_options(body, max_logprobs)
     chat: dict = {"model": body.get("model"), "messages": _messages(body)}
+    if options.logprobs:
+        chat.update(logprobs=True, top_logprobs=options.top_logprobs)
     for name in SAMPLING_FIELDS:
         if body.get(name) is not None:
             chat[name] = body[name]
@@ -144,7 +150,7 @@ def parse_responses_request(body, defaults: SamplingDefaults | None = None) -> R
     if store is not None and not isinstance(store, bool):
         raise bad_request("`store` must be a boolean", param="store")
     try:
-        req = parse_chat_request(chat, defaults)
+        req = parse_chat_request(chat, defaults, max_logprobs=max_logprobs)
     except APIError as exc:
         raise renamed(exc) from None
     echo = {  # the request's settings, as OpenAI's response object repeats them
@@ -154,8 +160,10 @@ def parse_responses_request(body, defaults: SamplingDefaults | None = None) -> R
         "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
         "temperature": req.params.temperature, "top_p": req.params.top_p,
         "parallel_tool_calls": req.tools.parallel, "user": req.user, "store": bool(store),
+        "top_logprobs": options.top_logprobs, "truncation": options.truncation,
     }
-    return ResponsesRequest(**{f.name: getattr(req, f.name) for f in fields(GenerationRequest)}, echo_fields=echo)
+    return ResponsesRequest(**{f.name: getattr(req, f.name) for f in fields(GenerationRequest)}, echo_fields=echo,
+                            output_options=options)
 
 
 # --- input ------------------------------------------------------------------------------------

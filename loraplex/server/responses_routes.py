@@ -21,8 +21,9 @@ from loraplex.server.errors import CLIENT_CLOSED, APIError, from_exception
 from loraplex.server.generation import RequestRun
 from loraplex.server.openai_routes import chunks, generate
 from loraplex.server.protocol import GenerationRequest, with_default_model
+from loraplex.server.responses_options import auto_truncation_keep
 from loraplex.server.responses_protocol import parse_responses_request, renamed
-from loraplex.server.responses_shapes import (EventStream, new_item_id, output_items, replay_items,
+from loraplex.server.responses_shapes import (EventStream, add_logprobs, new_item_id, output_items, replay_items,
                                               response_object, sse, status_of, usage)
 from loraplex.server.shapes import ResponseShaper
 
@@ -33,7 +34,13 @@ class ResponsesAdmission(Admission):
     endpoint = "responses"
 
     def parse(self, ctx: AppContext, body) -> GenerationRequest:
-        req = parse_responses_request(with_default_model(body, ctx.served_model_name), ctx.sampling_defaults)
+        req = parse_responses_request(with_default_model(body, ctx.served_model_name), ctx.sampling_defaults,
+                                      max_logprobs=ctx.settings.max_logprobs)
+        if req.output_options.truncation == "auto":  # the prompt's last tokens, as vLLM keeps them
+            opts = req.prompt_options
+            opts.truncate_prompt_tokens = auto_truncation_keep(
+                ctx.max_model_len, ctx.settings.max_prompt_tokens,
+                req.params.max_tokens if req.max_tokens_given else None, opts.truncate_prompt_tokens)
         try:
             chat_output.check_request(ctx, req)  # "auto" tool choice needs the server's tool-call parser
         except APIError as exc:
@@ -63,6 +70,8 @@ def response_answer(run: RequestRun, shaper: ResponseShaper, chat: dict) -> dict
         items = replay_items(maker(), run.output_texts[0], choice["finish_reason"])
     else:
         items = output_items(choice["message"], choice["finish_reason"])
+    if run.req.output_options.logprobs:
+        add_logprobs(items, (choice.get("logprobs") or {}).get("content") or [])
     return response_object(run.request_id, shaper.created, run.req.model, run.req.echo_fields,
                            status_of(choice["finish_reason"]), items, usage(run.prompt_tokens, run.completion_tokens))
 

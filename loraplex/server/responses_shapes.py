@@ -43,7 +43,7 @@ def response_object(response_id: str, created: int, model: str, echo: dict, stat
         "background": False, "error": error,
         "incomplete_details": INCOMPLETE if status == "incomplete" else None,
         "model": model, "output": output, "previous_response_id": None, "reasoning": None,
-        "truncation": "disabled", "usage": usage_, **echo,
+        "truncation": "disabled", "top_logprobs": 0, "usage": usage_, **echo,
     }
 
 
@@ -52,8 +52,27 @@ def message_item(text: str, status: str, item_id: str | None = None) -> dict:
             "content": [text_part(text)]}
 
 
-def text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    """An ``output_text`` part; ``logprobs``: chat's ``logprobs.content`` entries of its tokens."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs or [])}
+
+
+def delta_logprobs(entries: list[dict]) -> list[dict]:
+    """Chat's logprobs entries as a ``response.output_text.delta`` event carries them: OpenAI's
+    delta ``Logprob`` type (token, logprob, top_logprobs of token and logprob), no ``bytes`` (as vLLM)."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e.get("top_logprobs") or []]}
+            for e in entries]
+
+
+def add_logprobs(items: list[dict], entries: list[dict]) -> None:
+    """The whole answer's logprobs (chat's ``logprobs.content``) on its first message's part:
+    all the output's tokens, as vLLM's ``_make_response_output_items`` puts them (with a
+    reasoning or tool-call parser, the tokens of the text it moved elsewhere too)."""
+    for item in items:
+        if item["type"] == "message":
+            item["content"][0]["logprobs"] = list(entries)
+            return
 
 
 def reasoning_item(text: str, status: str, item_id: str | None = None) -> dict:
@@ -112,6 +131,8 @@ class EventStream:
         self._open: dict | None = None  # the item being streamed
         self._text: list[str] = []  # the open item's text (message, reasoning) or arguments (call), in pieces
         self._held: list[str] = []  # message text that is so far only whitespace, in pieces
+        self._logprobs: list[dict] = []  # the open message's logprobs entries (chat's), in order
+        self._held_logprobs: list[dict] = []  # entries that came before their message opened
         self._seq = 0
         self.finish_reason: str | None = None
 
@@ -133,11 +154,18 @@ class EventStream:
     def feed(self, chunk: dict) -> list[dict]:
         (choice,) = chunk["choices"]
         delta = choice["delta"]
+        logprobs = (choice.get("logprobs") or {}).get("content") or []  # only with include's logprobs
         out: list[dict] = []
         if delta.get("reasoning"):
             out += self._append("reasoning", delta["reasoning"])
         if delta.get("content"):
-            out += self._content(delta["content"])
+            out += self._content(delta["content"], logprobs)
+        elif logprobs and not delta.get("reasoning") and not delta.get("tool_calls"):
+            # tokens that wrote no text yet (a held-back character, the end token): the message's
+            if self._open is not None and self._open["type"] == "message":
+                out += self._append("message", "", logprobs)
+            else:
+                self._held_logprobs += logprobs
         for entry in delta.get("tool_calls") or []:
             if "id" in entry:
                 out += self._open_item(call_item(entry["id"], entry["function"]["name"], "", "in_progress"))
@@ -147,18 +175,23 @@ class EventStream:
             self.finish_reason = choice["finish_reason"]
         return out
 
-    def _content(self, text: str) -> list[dict]:
+    def _content(self, text: str, logprobs: list[dict]) -> list[dict]:
         if self._open is not None and self._open["type"] == "message":
-            return self._append("message", text)
+            return self._append("message", text, logprobs)
         self._held.append(text)
+        self._held_logprobs += logprobs
         if not text.strip():
             return []
         held, self._held = "".join(self._held), []
-        return self._open_item(message_item("", "in_progress")) + self._append("message", held)
+        return self._open_item(message_item("", "in_progress")) + self._append("message", held, self._take_held())
+
+    def _take_held(self) -> list[dict]:
+        held, self._held_logprobs = self._held_logprobs, []
+        return held
 
     def _open_item(self, item: dict) -> list[dict]:
         out = self._close("completed")
-        self._open, self._text = item, []
+        self._open, self._text, self._logprobs = item, [], []
         index = len(self.items)
         out.append(self._event("response.output_item.added", output_index=index, item=json.loads(json.dumps(item))))
         if item["type"] == "message":
@@ -169,14 +202,16 @@ class EventStream:
                                    content_index=0, part={"type": "reasoning_text", "text": ""}))
         return out
 
-    def _append(self, kind: str, text: str) -> list[dict]:
+    def _append(self, kind: str, text: str, logprobs: list[dict] = ()) -> list[dict]:
         out = []
         if kind == "reasoning" and (self._open is None or self._open["type"] != "reasoning"):
             out += self._open_item(reasoning_item("", "in_progress"))  # messages and calls open elsewhere
         self._text.append(text)
         where = {"item_id": self._open["id"], "output_index": len(self.items)}
         if kind == "message":
-            out.append(self._event("response.output_text.delta", **where, content_index=0, delta=text, logprobs=[]))
+            self._logprobs += logprobs
+            out.append(self._event("response.output_text.delta", **where, content_index=0, delta=text,
+                                   logprobs=delta_logprobs(logprobs)))
         elif kind == "reasoning":
             out.append(self._event("response.reasoning_text.delta", **where, content_index=0, delta=text))
         else:
@@ -193,9 +228,10 @@ class EventStream:
         out = []
         if item["type"] == "message":
             out.append(self._event("response.output_text.done", **where, content_index=0, text=text,
-                                   logprobs=[]))
-            item["content"] = [text_part(text)]
-            out.append(self._event("response.content_part.done", **where, content_index=0, part=text_part(text)))
+                                   logprobs=list(self._logprobs)))
+            item["content"] = [text_part(text, self._logprobs)]
+            out.append(self._event("response.content_part.done", **where, content_index=0,
+                                   part=text_part(text, self._logprobs)))
         elif item["type"] == "reasoning":
             out.append(self._event("response.reasoning_text.done", **where, content_index=0, text=text))
             item["content"] = [{"type": "reasoning_text", "text": text}]
@@ -222,9 +258,9 @@ class EventStream:
             self._open is not None and self._open["type"] == "reasoning")
         if not has_message and not has_call and (self._held or not has_reasoning):
             out += self._open_item(message_item("", "in_progress"))  # whitespace, or an empty answer
-            if self._held:
-                out += self._append("message", "".join(self._held))
-        self._held = []
+            if self._held or self._held_logprobs:
+                out += self._append("message", "".join(self._held), self._take_held())
+        self._held, self._held_logprobs = [], []
         status = status_of(self.finish_reason)
         out += self._close(status)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"

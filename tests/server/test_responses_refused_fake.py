@@ -15,14 +15,21 @@ from tests.server.test_errors_fake import _envelope
 BASE = {"model": "fake-model", "input": "hi", "max_output_tokens": 2}
 FN = {"type": "function", "name": "f", "parameters": {"type": "object"}}
 UNSUPPORTED = "unsupported_parameter"
+LOGPROBS = "message.output_text.logprobs"
 
 REFUSED = [
     ({"previous_response_id": "resp_1"}, "previous_response_id", UNSUPPORTED),
     ({"conversation": "conv_1"}, "conversation", UNSUPPORTED),
     ({"background": True}, "background", UNSUPPORTED),
-    ({"include": ["reasoning.encrypted_content"]}, "include", UNSUPPORTED),
-    ({"top_logprobs": 3}, "top_logprobs", UNSUPPORTED),
-    ({"truncation": "auto"}, "truncation", UNSUPPORTED),
+    # include: an item vLLM does not take, one OpenAI names for a tool not run here, a bad shape
+    ({"include": ["message.output_text.logprob"]}, "include", None),
+    ({"include": ["web_search_call.action.sources"]}, "include", UNSUPPORTED),
+    ({"include": "message.output_text.logprobs"}, "include", None),
+    ({"include": [LOGPROBS], "top_logprobs": 21}, "top_logprobs", None),  # past the server's --max-logprobs (20)
+    ({"top_logprobs": 21}, "top_logprobs", None),  # checked even where nothing asks for logprobs
+    ({"include": [LOGPROBS], "top_logprobs": -1}, "top_logprobs", None),
+    ({"include": [LOGPROBS], "top_logprobs": True}, "top_logprobs", None),
+    ({"truncation": "left"}, "truncation", None),
     ({"reasoning": {"effort": "high"}}, "reasoning", UNSUPPORTED),
     ({"prompt": {"id": "pmpt_1"}}, "prompt", UNSUPPORTED),
     ({"max_tool_calls": 2}, "max_tool_calls", UNSUPPORTED),
@@ -108,7 +115,13 @@ def test_unknown_model_is_404(world):
 
 ACCEPTED = [
     {"store": True}, {"store": False}, {"metadata": {"k": "v"}}, {"reasoning": None}, {"reasoning": {"effort": None}},
-    {"include": []}, {"truncation": "disabled"}, {"background": False}, {"previous_response_id": None},
+    {"include": []}, {"include": None}, {"truncation": "disabled"}, {"truncation": "auto"}, {"truncation": None},
+    # vLLM's include items: logprobs are served; the others have nothing to add here (no encrypted
+    # reasoning, no built-in tools or images), and vLLM takes them the same way
+    {"include": [LOGPROBS]}, {"include": [LOGPROBS], "top_logprobs": 20},
+    {"include": ["reasoning.encrypted_content", "code_interpreter_call.outputs", "file_search_call.results",
+                 "computer_call_output.output.image_url", "message.input_image.image_url"]},
+    {"top_logprobs": 5},  # without include's logprobs it asks for nothing (vLLM, OpenAI) {"background": False}, {"previous_response_id": None},
     {"text": {"format": {"type": "text"}}}, {"service_tier": "auto"}, {"user": "u1"}, {"tools": []},
     {"tools": [FN], "tool_choice": "none"}, {"parallel_tool_calls": False}, {"top_logprobs": 0},
     {"use_beam_search": False},
