@@ -11,6 +11,11 @@ only tool calls (with nothing but whitespace around them) or only reasoning, as 
 message item of its own where it came (``replay_items``), as the stream gives it. Finishing on ``max_output_tokens`` makes the response ``incomplete``
 (``incomplete_details.reason: "max_output_tokens"``) and its last item ``incomplete``.
 
+With ``include: ["message.output_text.logprobs"]`` the chat path's logprobs entries ride along:
+the whole answer's on its first ``output_text`` part (``add_logprobs``), a stream's on the
+``response.output_text.delta`` of the text they came with (tokens that wrote no text yet wait
+for the next delta, or come on an empty one), and the done events carry the message's whole list.
+
 A stream (``EventStream``) opens an item when its first text comes and closes it when another
 kind begins or the answer ends, so its events in order rebuild the same items; the text of a
 message is held back while it is only whitespace, which the whole answer drops next to tool

@@ -121,7 +121,8 @@ ACCEPTED = [
     {"include": [LOGPROBS]}, {"include": [LOGPROBS], "top_logprobs": 20},
     {"include": ["reasoning.encrypted_content", "code_interpreter_call.outputs", "file_search_call.results",
                  "computer_call_output.output.image_url", "message.input_image.image_url"]},
-    {"top_logprobs": 5},  # without include's logprobs it asks for nothing (vLLM, OpenAI) {"background": False}, {"previous_response_id": None},
+    {"top_logprobs": 5},  # without include's logprobs it asks for nothing (vLLM, OpenAI)
+    {"background": False}, {"previous_response_id": None},
     {"text": {"format": {"type": "text"}}}, {"service_tier": "auto"}, {"user": "u1"}, {"tools": []},
     {"tools": [FN], "tool_choice": "none"}, {"parallel_tool_calls": False}, {"top_logprobs": 0},
     {"use_beam_search": False},
