@@ -13,9 +13,15 @@ from tests.server.test_beam_search_http_real import FILES, PROMPT, world  # noqa
 from tests.server.test_disconnect_fake import _wait
 
 
+# long enough that the admin API's swap lands mid-search also on a loaded machine (at 40 steps a
+# CI run under load once saw the search end before the swap)
+SEARCH_STEPS = 160
+
+
 def test_a_search_stays_on_its_version_across_swaps(world, tmp_path):
     srv, key, engine, refs = world
-    body = {"model": "sql", "prompt": PROMPT, "use_beam_search": True, "n": 2, "max_tokens": 40, "ignore_eos": True}
+    body = {"model": "sql", "prompt": PROMPT, "use_beam_search": True, "n": 2, "max_tokens": SEARCH_STEPS,
+            "ignore_eos": True}
     v2 = make_peft_adapter(refs[None], tmp_path / "v2", seed=99, target_modules=["q_proj", "v_proj", "down_proj"])
     with srv.admin() as c:
         files = {f: (f, io.BytesIO((v2 / f).read_bytes())) for f in FILES}
@@ -41,7 +47,7 @@ def test_a_search_stays_on_its_version_across_swaps(world, tmp_path):
             assert c.put("/admin/v1/tenants/acme/adapters/sql/active", json={"version": swap_to}).status_code == 200
         swapped_at = engine.stats()["num_steps"] - steps
         thread.join()
-        assert swapped_at < 40  # the swap came before the search's last step
+        assert swapped_at < SEARCH_STEPS  # the swap came before the search's last step
         assert result["r"].status_code == 200, result["r"].text
         assert result["r"].json()["choices"] == by_version[active], swap_to
         active = swap_to
