@@ -33,6 +33,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from loraplex.kernels import triton_attention as ta  # noqa: E402
 from loraplex.kernels import triton_lora as tl_lora  # noqa: E402
 from loraplex.kernels import triton_moe as tm  # noqa: E402
+from loraplex.kernels import triton_moe_lora as tml  # noqa: E402
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 UNIT = {"stride_xk", "stride_ak", "stride_or", "stride_sr", "stride_br", "stride_yn", "stride_cl",
@@ -89,15 +90,34 @@ def _variants(quick: bool) -> list[tuple[str, object, dict, dict]]:
     out.append(("kv write 8x128 bs16", ta._write_kv_kernel, attn_ptrs, dict(BLOCK_SIZE=16, BLOCK=1024)))
     # fused MoE at Qwen3-30B-A3B's expert shapes (E=128, top-8, H=2048, I=768): decode and prefill tiles
     moe_ptrs = {"x_ptr": "bf16", "w_ptr": "bf16", "act_ptr": "bf16", "sorted_ids_ptr": "i64",
-                "block_expert_ptr": "i64", "num_padded_ptr": "i64", "weight_ptr": "bf16", "out_ptr": "fp32"}
+                "block_expert_ptr": "i64", "num_padded_ptr": "i64", "weight_ptr": "bf16", "out_ptr": "fp32",
+                "delta_ptr": "fp32", "scale_ptr": "fp32"}
+    plain = dict(HAS_DELTA=False, W_FP8=False, SCALE_COLS=0, AS_BITS=False, FP8_UNIT=1.0)
+    # fp8 experts with 128x128 block scales (Qwen3-30B-A3B-FP8) and expert LoRA deltas; the byte
+    # path (AS_BITS) is what GPUs without Triton's e4m3 type (before sm_89) run
+    fp8_kinds = [("fp8 block128 + LoRA", "fp8e4nv", dict(HAS_DELTA=True, W_FP8=True, SCALE_COLS=128,
+                                                          AS_BITS=False, FP8_UNIT=1.0))]
+    if not quick:
+        fp8_kinds.append(("fp8 bytes per-row", "u8", dict(HAS_DELTA=False, W_FP8=True, SCALE_COLS=0,
+                                                           AS_BITS=True, FP8_UNIT=256.0)))
     for tokens in ([1] if quick else [1, 1024]):
         tiles = tm.moe_tiles(tokens * 8, 128, 2048, 768)
         m = tiles["BLOCK_M"]
-        out.append((f"moe gate_up BLOCK_M {m}", tm._moe_gate_up_kernel, moe_ptrs,
-                    dict(BLOCK_M=m, BLOCK_N=tiles["gate_up_n"], BLOCK_K=tiles["gate_up_k"], EVEN_K=True)))
-        out.append((f"moe down BLOCK_M {m}", tm._moe_down_kernel, moe_ptrs,
-                    dict(BLOCK_M=m, BLOCK_N=tiles["down_n"], BLOCK_K=tiles["down_k"], EVEN_K=True,
-                         ROUND_WEIGHTED=True)))
+        for kind, w_dtype, flags in [("", "bf16", plain), *[(f" {k}", w, f) for k, w, f in fp8_kinds]]:
+            ptrs = {**moe_ptrs, "w_ptr": w_dtype}
+            k_up = min(tiles["gate_up_k"], 128) if flags["SCALE_COLS"] else tiles["gate_up_k"]
+            k_down = min(tiles["down_k"], 128) if flags["SCALE_COLS"] else tiles["down_k"]
+            out.append((f"moe gate_up BLOCK_M {m}{kind}", tm._moe_gate_up_kernel, ptrs,
+                        dict(BLOCK_M=m, BLOCK_N=tiles["gate_up_n"], BLOCK_K=k_up, EVEN_K=True, **flags)))
+            out.append((f"moe down BLOCK_M {m}{kind}", tm._moe_down_kernel, ptrs,
+                        dict(BLOCK_M=m, BLOCK_N=tiles["down_n"], BLOCK_K=k_down, EVEN_K=True,
+                             ROUND_WEIGHTED=True, **flags)))
+    # expert LoRA's per-pair shrink and expand (rank 16, Qwen3-30B-A3B's gate_up input H=2048)
+    pair_ptrs = {"inp_ptr": "bf16", "a_ptr": "bf16", "scaling_ptr": "fp32", "u_ptr": "fp32",
+                 "pair_slot_ptr": "i64", "pair_expert_ptr": "i64", "slot_rank_ptr": "i32", "b_ptr": "bf16",
+                 "out_ptr": "fp32"}
+    out.append(("expert LoRA pair shrink r16", tml._pair_shrink_kernel, pair_ptrs, dict(BLOCK_R=16, BLOCK_K=128)))
+    out.append(("expert LoRA pair expand r16", tml._pair_expand_kernel, pair_ptrs, dict(BLOCK_N=64, BLOCK_R=16)))
     return out
 
 
@@ -113,7 +133,7 @@ def _compile(kernel, ptrs: dict, consts: dict, arch: int):
         elif name.endswith("_ptr"):
             sig[name] = "*" + ptrs[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("qk_scale", "softcap_log2"):
+        elif name in ("qk_scale", "softcap_log2", "v_scale"):
             sig[name] = "fp32"
         else:
             sig[name] = "i64" if name in I64 else "i32"

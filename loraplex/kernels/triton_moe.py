@@ -52,9 +52,11 @@ def _fp8_values(tile, AS_BITS: tl.constexpr):
     ``AS_BITS`` (its raw bytes, uint8: Triton has no e4m3 before sm_89) fp16 values 256 times
     smaller, rebuilt from the bits (sign to bit 15, exponent and mantissa moved up 7: e4m3's
     bias is 8 below fp16's, its subnormals land on fp16's); ``FP8_UNIT`` scales make up for it."""
+    # one return: compiled Triton requires every return of a function to have one type, even
+    # one a constexpr branch leaves out (the interpreter does not check it)
     if AS_BITS:
         b = tile.to(tl.uint16)
-        return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+        tile = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
     return tile
 
 
