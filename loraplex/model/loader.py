@@ -264,8 +264,12 @@ def load_model(
         _log_fp8(spec, fp8, dtype, device, resident, experts_fp8)
     kept = {name: w for name, w in fp8.items() if (experts_fp8 if name.endswith(EXPERT_WEIGHTS) else resident)}
     block_cols = fmt.block_size[1] if fmt is not None and fmt.block_size else None
-    params.update({name: dequantize(w.weight, w.scale, dtype, block_cols) for name, w in fp8.items()
-                   if name not in kept})
+    # one at a time, each fp8 weight dropped once its copy exists: a comprehension held every fp8
+    # byte (an MoE checkpoint's experts, most of it) beside every dequantized one until the last
+    for name in [n for n in fp8 if n not in kept]:
+        quantized = fp8.pop(name)
+        params[name] = dequantize(quantized.weight, quantized.scale, dtype, block_cols)
+        del quantized
     fp8 = kept
     state = {name: fp8[name].weight if name in fp8 else tensor.to(dtype=dtype) for name, tensor in params.items()}
     model.load_state_dict(state, strict=True, assign=True)
