@@ -51,12 +51,16 @@ def _fp8_values(tile, AS_BITS: tl.constexpr):
     """An fp8 e4m3 weight tile as values an exact ``.to(dtype)`` takes: the tile itself, or with
     ``AS_BITS`` (its raw bytes, uint8: Triton has no e4m3 before sm_89) fp16 values 256 times
     smaller, rebuilt from the bits (sign to bit 15, exponent and mantissa moved up 7: e4m3's
-    bias is 8 below fp16's, its subnormals land on fp16's); ``FP8_UNIT`` scales make up for it."""
+    bias is 8 below fp16's, its subnormals land on fp16's); ``FP8_UNIT`` scales make up for it.
+    e4m3's NaN (S.1111.111, which the shift alone makes +-1.875, i.e. a finite 480 once scaled)
+    becomes fp16's NaN, as torch's and the native path's conversions give."""
     # one return: compiled Triton requires every return of a function to have one type, even
     # one a constexpr branch leaves out (the interpreter does not check it)
     if AS_BITS:
         b = tile.to(tl.uint16)
-        tile = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+        bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+        bits = tl.where((b & 0x7F) == 0x7F, bits | 0x7E00, bits)
+        tile = bits.to(tl.float16, bitcast=True)
     return tile
 
 

@@ -123,6 +123,19 @@ def test_fp8_bytes_decode_to_every_e4m3_value():
     assert torch.equal(out[: codes.numel()], want) and torch.equal(out[: codes.numel()].signbit(), want.signbit())
 
 
+def test_fp8_nan_bytes_decode_to_nan():
+    """e4m3's two NaN bytes (0x7F, 0xFF) are NaN through the byte decoding too, as torch's e4m3 (and
+    the native path's upcast) makes them; the bit shift alone made them +-480 once scaled."""
+    codes = torch.tensor([0x7F, 0xFF, 0x7E, 0xFE], dtype=torch.uint8)
+    padded = torch.zeros(16, dtype=torch.uint8)
+    padded[:4] = codes
+    out = torch.empty(16)
+    _decode_bytes[(1,)](padded, out, N=16)
+    want = codes.view(FP8).float()
+    assert want[:2].isnan().all() and out[:2].isnan().all()
+    assert torch.equal(out[2:4], want[2:])  # the largest finite values, +-448, next to them
+
+
 def test_fp8_launch_reads_nothing_on_the_host():
     x, weights, experts, (gu_q, dn_q, scales), (gu_d, dn_d) = fp8_case(9, 6, 8, 2, torch.float32, "qwen", "block16")
     with trap_host_reads() as calls:
