@@ -164,7 +164,8 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # explicit KV budget; wins over the fraction
     kv_cache_memory_fraction: float = DEFAULT_KV_CACHE_MEMORY_FRACTION  # of free memory (CUDA) / of a CPU cap
     # vLLM's: the fraction of the GPU's total memory this process may hold (weights, activations,
-    # KV cache); wins over kv_cache_memory_fraction, excludes kv_cache_bytes; no effect on CPU
+    # KV cache); wins over kv_cache_memory_fraction, while kv_cache_bytes beside it sizes the cache
+    # (vLLM's --kv-cache-memory-bytes wins so; the start check still applies); no effect on CPU
     # (loraplex/engine/kv_budget.py)
     gpu_memory_utilization: float | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
