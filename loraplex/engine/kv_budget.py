@@ -103,6 +103,17 @@ def utilization_budget(utilization: float, at_start: DeviceMemory, after_weights
                             f"{_gib(nbytes)}")
 
 
+def sizing_option(kv_cache_bytes: int | None, utilization: float | None, device: torch.device) -> str:
+    """The option that sizes the KV cache (the one to raise when it is too small): a byte size when
+    given; else ``gpu_memory_utilization`` on a GPU when given (``kv_cache_memory_fraction`` then
+    changes nothing); else ``kv_cache_memory_fraction``."""
+    if kv_cache_bytes is not None:
+        return "kv_cache_bytes"
+    if utilization is not None and device.type == "cuda":
+        return "gpu_memory_utilization"
+    return "kv_cache_memory_fraction"
+
+
 def cpu_budget(fraction: float, cap: int, utilization: float | None) -> KVBudget:
     """``fraction`` of the CPU cap; a ``utilization`` has no GPU to size and changes nothing."""
     rule = f"kv_cache_memory_fraction {fraction} of the CPU cap ({cap} bytes)"

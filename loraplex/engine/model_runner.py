@@ -46,7 +46,9 @@ from loraplex.engine.cuda_graphs import DecodeGraphs, cuda_capture
 from loraplex.engine.decode_inputs import decode_inputs, is_one_token_step, window_first_blocks
 from loraplex.engine.device_choice import available_ram_bytes, resolve_device, resolve_dtype
 from loraplex.engine.host_arrays import to_tensor
-from loraplex.engine.kv_budget import cpu_budget, device_memory, fraction_budget, memory_at_start, utilization_budget
+from loraplex.engine.kv_budget import (
+    cpu_budget, device_memory, fraction_budget, memory_at_start, sizing_option, utilization_budget,
+)
 from loraplex.engine.kv_layout import KVLayout
 from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from loraplex.engine.sampler import Sampler
@@ -196,6 +198,9 @@ class ModelRunner:
         logger.info("KV budget: %s: %d bytes", rule, budget)
         return budget
 
+    def _sizing_option(self) -> str:
+        return sizing_option(self.config.kv_cache_bytes, self.config.gpu_memory_utilization, self.device)
+
     def _leave_lora_slots(self, budget: int) -> int:
         """``budget`` less the LoRA slot pool, which will come out of the same device memory."""
         reserve = self.lora_slot_bytes()
@@ -203,7 +208,7 @@ class ModelRunner:
             raise ValueError(
                 f"no memory left for the KV cache: the LoRA slot pool ({self.config.max_loras} slots of rank "
                 f"{self.config.max_lora_rank}) needs {reserve / GiB:.2f} GiB of the {budget / GiB:.2f} GiB "
-                "budget; lower max_loras or max_lora_rank, or give kv_cache_bytes"
+                f"budget; lower max_loras or max_lora_rank, raise {self._sizing_option()}, or give kv_cache_bytes"
             )
         return budget - reserve
 
@@ -246,7 +251,7 @@ class ModelRunner:
         if self.config.max_model_len is not None:
             raise ValueError(
                 f"max_model_len={self.max_model_len} does not fit the KV cache ({capacity} tokens); "
-                "raise kv_cache_bytes / kv_cache_memory_fraction or lower max_model_len"
+                f"raise {self._sizing_option()} or lower max_model_len"
             )
         logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", capacity, self.max_model_len)
         self.max_model_len = capacity

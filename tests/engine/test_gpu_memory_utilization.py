@@ -199,8 +199,29 @@ def test_runner_sizes_on_cuda_by_utilization_less_the_slot_pool(llama_dir, lorap
     # a slot pool larger than what utilization leaves is refused as with the default rule
     runner.config = runner.config.replace(gpu_memory_utilization=0.12)  # 0.92 GiB past the weights
     runner.config = runner.config.replace(max_loras=runner.config.max_loras * (GiB // reserve + 1))
-    with pytest.raises(ValueError, match="the LoRA slot pool .* needs"):
+    with pytest.raises(ValueError, match="the LoRA slot pool .* needs .* raise gpu_memory_utilization"):
         runner._kv_budget_bytes()
+
+
+def test_a_cache_too_small_names_the_option_that_sized_it(llama_dir, loraplex_home):
+    """max_model_len beyond the cache: the advice names the option in force. With utilization
+    given on a GPU that is gpu_memory_utilization (kv_cache_memory_fraction, which the message
+    named, changes nothing then); the default rule's fraction; a byte size's bytes."""
+    runner = _runner(llama_dir, loraplex_home)
+    runner.device = torch.device("cuda")  # only the option's choice reads it here
+    runner.num_blocks = 1
+    for options, option in (({"gpu_memory_utilization": 0.45}, "gpu_memory_utilization"),
+                            ({}, "kv_cache_memory_fraction"), ({"kv_cache_bytes": 1 << 20}, "kv_cache_bytes"),
+                            ({"kv_cache_bytes": 1 << 20, "gpu_memory_utilization": 0.45}, "kv_cache_bytes")):
+        runner.config = runner.config.replace(**{"max_model_len": runner.max_model_len, "kv_cache_bytes": None,
+                                                 "gpu_memory_utilization": None, **options})
+        with pytest.raises(ValueError, match="does not fit the KV cache") as refused:
+            runner._limit_max_model_len_to_kv()
+        assert f"raise {option} or lower max_model_len" in str(refused.value)
+    runner.device = torch.device("cpu")  # on CPU utilization changes nothing: the fraction sizes it
+    runner.config = runner.config.replace(kv_cache_bytes=None, gpu_memory_utilization=0.45)
+    with pytest.raises(ValueError, match="raise kv_cache_memory_fraction or lower max_model_len"):
+        runner._limit_max_model_len_to_kv()
 
 
 def test_busy_gpu_is_refused_before_the_weights_load(monkeypatch):
