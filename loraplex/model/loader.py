@@ -254,8 +254,11 @@ def load_model(
         logger.warning("ignoring %d unexpected tensors in %s (e.g. %s)", len(unused), model_dir, unused[:3])
 
     if fmt == QUANTIZE_AT_LOAD:  # vLLM's quantization="fp8" on an unquantized checkpoint
-        params.update({name: quantize_per_channel(w) for name, w in params.items()
-                       if name.endswith(PACKED_WEIGHTS + EXPERT_WEIGHTS) and not isinstance(w, Fp8Weight)})
+        # one at a time, each replaced at once: the comprehension held every full-precision weight
+        # beside every quantized one until the last (an MoE's experts: their bytes and half again)
+        for name in [n for n, w in params.items()
+                     if n.endswith(PACKED_WEIGHTS + EXPERT_WEIGHTS) and not isinstance(w, Fp8Weight)]:
+            params[name] = quantize_per_channel(params[name])
     fp8 = {name: w for name, w in params.items() if isinstance(w, Fp8Weight)}
     resident = fp8_stays_resident(device, dtype) if fp8_resident is None else fp8_resident
     experts_fp8 = experts_stay_fp8(device, fp8_resident)
