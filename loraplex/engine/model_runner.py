@@ -51,6 +51,7 @@ from loraplex.engine.kv_budget import (
 )
 from loraplex.engine.kv_layout import KVLayout
 from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from loraplex.engine.prompt_logprobs import prompt_token_logprobs
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.spec_verify import position_views
 from loraplex.kernels.kv_quant import check_kv_dtype_device, kv_cache_torch_dtype
@@ -63,7 +64,6 @@ from loraplex.model.loader import load_generation_eos, load_model, load_tokenize
 
 logger = logging.getLogger(__name__)
 
-PROMPT_LOGPROB_ROWS = 256  # prompt rows per logits block: 256 x a 128k vocab in fp32 is 128 MiB
 CPU_KV_CAP_BYTES = 1 * GiB  # CPU KV budget cap before the fraction (vLLM's CPU default is 4 GiB)
 @dataclass
 class FlatBatch:
@@ -281,7 +281,7 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, lora=lora_ctx)
         prompt_logprobs = {}
         if batch.prompt_logprob_rows:
-            prompt_logprobs = self._prompt_logprobs(hidden, batch.prompt_logprob_rows, lora_ctx)
+            prompt_logprobs = prompt_token_logprobs(self.model, hidden, batch.prompt_logprob_rows, lora_ctx)
         if not batch.sample_rows:
             return ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_logprobs)
         rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
@@ -313,36 +313,6 @@ class ModelRunner:
         in_span = {row for _, first, count in verify_spans for row in range(first, first + count)}
         sampled = {seq.seq_id: tok for row, (seq, tok) in enumerate(zip(seqs, tokens)) if row not in in_span}
         return ModelRunnerOutput(sampled=sampled, verified=verified)
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, specs: list[tuple], lora_ctx=None) -> dict[int, list[dict]]:
-        """Logprob, rank and top-N of prompt tokens under the model (raw log-softmax, as for
-        generated tokens), from the hidden rows before them; ``PROMPT_LOGPROB_ROWS`` rows at a
-        time, so a long chunk never holds its whole [rows, vocab] logits at once."""
-        out: dict[int, list[dict]] = {}
-        for seq, first, row0, count in specs:
-            top_n = seq.params.prompt_logprobs
-            entries: list[dict] = []
-            for lo in range(0, count, PROMPT_LOGPROB_ROWS):
-                hi = min(count, lo + PROMPT_LOGPROB_ROWS)
-                targets = seq.prompt_token_ids[first + lo : first + hi]
-                head_lora = None if lora_ctx is None else lora_ctx.logits_lora(list(range(row0 + lo, row0 + hi)))
-                logits = self.model.compute_logits(hidden[row0 + lo : row0 + hi], head_lora)
-                logprobs = torch.log_softmax(logits, dim=-1)
-                chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device).unsqueeze(1))  # [rows, 1]
-                ranks = (logprobs > chosen).sum(dim=1) + 1
-                top_ids = top_lps = None
-                if top_n:
-                    top = logprobs.topk(top_n, dim=-1)
-                    top_ids, top_lps = top.indices.tolist(), top.values.tolist()
-                for i, (token, lp, rank) in enumerate(zip(targets, chosen.squeeze(1).tolist(), ranks.tolist())):
-                    entries.append({
-                        "token_id": token,
-                        "logprob": lp,
-                        "rank": rank,
-                        "top_logprobs": dict(zip(top_ids[i], top_lps[i])) if top_n else {},
-                    })
-            out[seq.seq_id] = entries
-        return out
 
     def release(self, seq_ids) -> None:
         """Drop per-sequence state: the sequences' rows in the host copy of the block tables
