@@ -17,18 +17,19 @@ from loraplex.beam_search import BeamSearch, BeamSearchParams, returned_text_ids
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 
 
-async def _collect(gen) -> tuple[list[dict], str | None]:
-    """Drain one step request: its logprobs entries and its finish reason."""
+async def _collect(gen) -> tuple[list[dict], str | None, int | None]:
+    """Drain one step request: its logprobs entries, its finish reason and its prefix-cache hits."""
     logprobs: list[dict] = []
-    finish = None
+    finish = cached = None
     try:
         async for out in gen:
+            cached = out.num_cached_tokens
             for comp in out.outputs:
                 logprobs.extend(comp.logprobs or [])
                 finish = comp.finish_reason or finish
     finally:
         await gen.aclose()
-    return logprobs, finish
+    return logprobs, finish, cached
 
 
 async def beam_search_outputs(engine, prompt_ids: list[int], params: BeamSearchParams, *, request_id: str,
@@ -39,9 +40,11 @@ async def beam_search_outputs(engine, prompt_ids: list[int], params: BeamSearchP
     best first (``index`` 0..n-1): ``token_ids`` without the finishing EOS unless
     ``include_stop_str_in_output``, ``text`` never with it, ``finish_reason`` "stop" (an EOS) or
     "length" (vLLM's online output). A step request aborted from outside ends the search with
-    ``finish_reason == "abort"``."""
+    ``finish_reason == "abort"``. ``num_cached_tokens`` is the first step's (the prompt as it
+    came): later steps find the search's own blocks, which is no cache hit of the request."""
     search = BeamSearch.in_context(prompt_ids, params, eos_token_ids, max_model_len, vocab_size)
     step = 0
+    cached = None
     while not search.done:
         tasks = [
             asyncio.ensure_future(_collect(engine.generate(
@@ -56,11 +59,13 @@ async def beam_search_outputs(engine, prompt_ids: list[int], params: BeamSearchP
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        if any(finish == "abort" for _, finish in results):
+        if step == 0 and results:
+            cached = results[0][2]
+        if any(finish == "abort" for _, finish, _ in results):
             yield RequestOutput(request_id, None, list(prompt_ids),
-                                [CompletionOutput(0, "", [], "abort")], finished=True)
+                                [CompletionOutput(0, "", [], "abort")], finished=True, num_cached_tokens=cached)
             return
-        search.advance_from_outputs([logprobs for logprobs, _ in results])
+        search.advance_from_outputs([logprobs for logprobs, _, _ in results])
         step += 1
     outputs = [
         CompletionOutput(
@@ -72,4 +77,4 @@ async def beam_search_outputs(engine, prompt_ids: list[int], params: BeamSearchP
         )
         for i, beam in enumerate(search.best())
     ]
-    yield RequestOutput(request_id, None, list(prompt_ids), outputs, finished=True)
+    yield RequestOutput(request_id, None, list(prompt_ids), outputs, finished=True, num_cached_tokens=cached)

@@ -110,6 +110,11 @@ class RequestOutput:
     # be read (what the read raised); the async API raises it to the caller, as it would have at
     # admission had the adapter been read then
     error: BaseException | None = None
+    # prompt tokens served from the prefix cache (vLLM's ``num_cached_tokens``): whole blocks
+    # found cached when the request's first sequence was first admitted (block_manager.py). Its
+    # other sequences (n > 1) share the same prompt and find the blocks the first registered;
+    # the prompt is counted once, as in usage's prompt_tokens. None before the request ran
+    num_cached_tokens: int | None = None
 
     # Convenience for the common n == 1 case (``out.text``, ``out.token_ids``, ``out.finish_reason``).
     @property

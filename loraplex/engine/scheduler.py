@@ -105,6 +105,8 @@ class Scheduler(StepResults):
         self._seqs: dict[int, Sequence] = {}  # unfinished sequences by id
         self._request_seqs: dict[str, set[int]] = {}  # request id -> its unfinished sequences' ids
         self._released: list[int] = []
+        # sequences whose first admission was in the step being built (requeue_unrun forgets it)
+        self._first_admitted: list[Sequence] = []
         self._starving: Sequence | None = None  # S of the module doc
         self._starving_since = 0
         self.stats = SchedulerStats()
@@ -139,6 +141,7 @@ class Scheduler(StepResults):
     # ---- step building ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.stats.num_steps += 1
+        self._first_admitted = []
         budget = self.config.max_num_batched_tokens
         scheduled: dict[int, ScheduledSeq] = {}
         num_preempted = 0
@@ -248,6 +251,9 @@ class Scheduler(StepResults):
             if not self.block_manager.can_allocate(seq, num_tokens):
                 break
             self.block_manager.allocate(seq, num_tokens)
+            if seq.num_cached_tokens is None:  # the first admission's hits (vLLM's num_cached_tokens)
+                seq.num_cached_tokens = seq.num_computed_tokens
+                self._first_admitted.append(seq)
             seq.status = SequenceStatus.RUNNING
             seq.admitted_time = time.monotonic()
             self.waiting.discard(seq)
@@ -382,6 +388,11 @@ class Scheduler(StepResults):
         same step may count one of them as a prefix hit. Every still-running sequence of the
         step therefore goes back to waiting (recomputed from scratch; ``free`` unregisters what
         was never computed). Without prefix caching nothing was registered: they just run again."""
+        # an admission whose step never ran did not happen: the hits it counted may be blocks that
+        # step registered and never computed; the admission that runs counts again
+        for seq in self._first_admitted:
+            seq.num_cached_tokens = None
+        self._first_admitted = []
         if not self.block_manager.enable_prefix_caching:
             return
         for entry in reversed(sched_out.scheduled):

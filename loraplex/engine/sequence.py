@@ -83,6 +83,10 @@ class Sequence:
     finished_time: float | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # prompt tokens taken from the prefix cache at the sequence's first admission (vLLM's
+    # num_cached_tokens: set once, not again when a preempted sequence is re-admitted, whose
+    # hits are mostly its own recomputed blocks); None until first admitted
+    num_cached_tokens: int | None = None
     # prefix-cache keys of the leading full blocks of all_token_ids, filled in by the block
     # manager as it needs them; tokens are only ever appended, so they never go stale
     block_hashes: list[bytes] = field(default_factory=list)
