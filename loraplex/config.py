@@ -336,6 +336,9 @@ class Settings(BaseSettings):
     response_role: str = "assistant"  # a chat answer's role (when the prompt asks for a reply)
     return_tokens_as_token_ids: bool = False  # a request's own field wins
     max_logprobs: int = Field(default=20, ge=-1)  # see EngineConfig
+    # vLLM's --enable-prompt-tokens-details: OpenAI usage carries prompt_tokens_details.cached_tokens
+    # (off by default, as in vLLM; SGLang's meta_info and the Responses API always report it)
+    enable_prompt_tokens_details: bool = False
     # vLLM's --speculative-config, a JSON object: '{"method": "ngram", "num_speculative_tokens": 4}'
     speculative_config: str | None = None  # see EngineConfig; checked at start
 

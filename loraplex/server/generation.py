@@ -214,6 +214,9 @@ class RequestRun:
         self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompt_ids))]
         self.prompt_tokens = sum(len(p) for p in prompt_ids)
         self.completion_tokens = 0
+        # per prompt, its tokens served from the prefix cache (the engine's num_cached_tokens,
+        # known from its first output on); None until then
+        self.cached_per_prompt: list[int | None] = [None] * len(prompt_ids)
         self.first_token_at: float | None = None
         self.finish_reasons: list[str] = []
         self.output_texts: list[str] = []  # each choice's whole text, once a whole answer is collected
@@ -222,6 +225,12 @@ class RequestRun:
         self._closed = False
         self._held: list[str] = []
         self._rate = None  # rate_limits.Reservation while held; None without rate limits
+
+    @property
+    def cached_tokens(self) -> int:
+        """The prompt tokens of all prompts that the prefix cache served (a part of
+        ``prompt_tokens``, as OpenAI's ``prompt_tokens_details.cached_tokens``)."""
+        return sum(c for c in self.cached_per_prompt if c is not None)
 
     @property
     def rate_headers(self) -> dict[str, str]:
@@ -282,6 +291,7 @@ class RequestRun:
             for ids, rid in zip(self.prompt_ids, self.engine_ids)
         ]
         last_token_at: dict[int, float] = {}
+        cached = self.cached_per_prompt
         metrics = self.ctx.metrics
         itl = metrics.itl.labels(metrics.model_name)  # the labelled child, looked up once a run
         monotonic = time.monotonic
@@ -294,6 +304,8 @@ class RequestRun:
                 p_idx, out = (0, item) if single else item
                 if out.prompt_logprobs is not None:
                     self.prompt_logprobs[p_idx] = out.prompt_logprobs
+                if cached[p_idx] is None:
+                    cached[p_idx] = out.num_cached_tokens
                 for comp in out.outputs:
                     choice = p_idx * n + comp.index
                     now = monotonic()

@@ -1,5 +1,5 @@
 """vLLM's HTTP front-end flags on ``loraplex serve``: CORS, TLS, the root path behind a proxy,
-uvicorn's logging, and the chat answer options (role, token ids, logprobs cap).
+uvicorn's logging, and the answer options (role, token ids, logprobs cap, cached-token usage).
 
 The flags are grouped in ``loraplex serve --help`` under "vLLM HTTP server flags", under vLLM's
 names and forms: ``--allowed-origins '["https://app.example"]'`` (a JSON list, as vLLM parses it),
@@ -35,7 +35,7 @@ from loraplex.server.request_ids import CLIENT_REQUEST_ID_HEADER, REQUEST_ID_HEA
 # Settings fields whose flags this module adds (in its help group), not cli.add_settings_flags
 FIELDS = ("allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials", "ssl_keyfile",
           "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "root_path", "response_role",
-          "return_tokens_as_token_ids", "max_logprobs")
+          "return_tokens_as_token_ids", "max_logprobs", "enable_prompt_tokens_details")
 # ... of which these mean nothing without an HTTP server (run-batch leaves them out)
 SERVER_ONLY_FIELDS = frozenset(FIELDS[:9])
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # vLLM's choices
@@ -62,7 +62,7 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
     """The group of flags; ``FIELDS`` land under their Settings names (``settings_from_args``
     reads them), the process flags under theirs (``uvicorn_options`` reads them)."""
     g = parser.add_argument_group(
-        "vLLM HTTP server flags", "vLLM's front-end flags under vLLM's names and forms; the first twelve are "
+        "vLLM HTTP server flags", "vLLM's front-end flags under vLLM's names and forms; the first thirteen are "
         "settings too (LORAPLEX_ALLOWED_ORIGINS='[\"https://app.example\"]', LORAPLEX_SSL_CERTFILE=...)")
     cors = {"type": json_string_list, "default": None, "metavar": "JSON_LIST"}
     g.add_argument("--allowed-origins", **cors,
@@ -84,6 +84,9 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
                    help='logprob tokens as "token_id:N" unless a request says otherwise')
     g.add_argument("--max-logprobs", type=int, default=None, metavar="N",
                    help="most logprobs / top_logprobs / prompt_logprobs a request may ask (default 20; -1: no cap)")
+    g.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=None,
+                   help="OpenAI usage carries prompt_tokens_details.cached_tokens, the prompt tokens served from "
+                        "the prefix cache (default off, as vLLM)")
     g.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default=None,
                    help="uvicorn's own log level (default: --log-level)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",

@@ -138,7 +138,7 @@ async def collect(run: RequestRun, shaper: ResponseShaper) -> dict:
             choice["prompt_logprobs"] = _vllm_prompt_logprobs(run, shaper, p_idx)
         choices.append(choice)
     build = shaper.chat_response if req.kind == "chat" else shaper.completion_response
-    body = build(choices, run.prompt_tokens, run.completion_tokens)
+    body = build(choices, run.prompt_tokens, run.completion_tokens, cached_tokens(run))
     if req.prompt_logprobs is not None and req.kind == "chat":  # vLLM: one prompt, at the top level
         body["prompt_logprobs"] = _vllm_prompt_logprobs(run, shaper, 0)
     for choice in body["choices"]:
@@ -152,6 +152,14 @@ def _stop_reason(req: GenerationRequest, comp) -> int | str | None:
     """vLLM's ``stop_reason`` of a finished choice: the stop string or stop token id that ended
     it, null for EOS, the length limit, or an echo without generation (no stop was reached)."""
     return None if req.echo_without_generation else comp.stop_reason
+
+
+def cached_tokens(run: RequestRun) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens``: the prompt tokens the prefix cache served,
+    with --enable-prompt-tokens-details (vLLM's flag; None: no details, vLLM's default). Unlike
+    vLLM, a request with no hit says 0 rather than leaving the details out (OpenAI's form), and
+    several prompts' counts add up, as their prompt_tokens do (vLLM reports one prompt's)."""
+    return run.cached_tokens if run.ctx.settings.enable_prompt_tokens_details else None
 
 
 def _prompt_entries(run: RequestRun, shaper: ResponseShaper, p_idx: int) -> list[dict]:
@@ -178,7 +186,7 @@ async def _stream_events(run: RequestRun, shaper: ResponseShaper):
             yield DONE
             return
         if req.include_usage:
-            yield sse_event(shaper.usage_chunk(run.prompt_tokens, run.completion_tokens))
+            yield sse_event(shaper.usage_chunk(run.prompt_tokens, run.completion_tokens, cached_tokens(run)))
         yield DONE
         status = 200
     finally:

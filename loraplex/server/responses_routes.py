@@ -73,7 +73,8 @@ def response_answer(run: RequestRun, shaper: ResponseShaper, chat: dict) -> dict
     if run.req.output_options.logprobs:
         add_logprobs(items, (choice.get("logprobs") or {}).get("content") or [])
     return response_object(run.request_id, shaper.created, run.req.model, run.req.echo_fields,
-                           status_of(choice["finish_reason"]), items, usage(run.prompt_tokens, run.completion_tokens))
+                           status_of(choice["finish_reason"]), items,
+                           usage(run.prompt_tokens, run.completion_tokens, run.cached_tokens))
 
 
 async def _events(run: RequestRun, shaper: ResponseShaper):
@@ -92,7 +93,7 @@ async def _events(run: RequestRun, shaper: ResponseShaper):
             for event in stream.failed(err.message):
                 yield sse(event)
             return
-        for event in stream.finish(run.prompt_tokens, run.completion_tokens):
+        for event in stream.finish(run.prompt_tokens, run.completion_tokens, run.cached_tokens):
             yield sse(event)
         status = 200
     finally:

@@ -34,9 +34,12 @@ def new_item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def usage(input_tokens: int, output_tokens: int) -> dict:
-    """OpenAI's usage; cached and reasoning token counts are not tracked here (0)."""
-    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage: ``cached_tokens``, the input tokens the prefix cache served (always, as
+    OpenAI and vLLM's Responses API report it); cache writes and reasoning tokens are not
+    counted here (0)."""
+    return {"input_tokens": input_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": input_tokens + output_tokens}
 
@@ -252,7 +255,7 @@ class EventStream:
 
     # --- the end --------------------------------------------------------------------------------
 
-    def finish(self, input_tokens: int, output_tokens: int) -> list[dict]:
+    def finish(self, input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> list[dict]:
         """Closes the last item and ends with ``response.completed`` (or ``response.incomplete``)."""
         out: list[dict] = []
         has_message = any(it["type"] == "message" for it in self.items) or (
@@ -269,7 +272,8 @@ class EventStream:
         status = status_of(self.finish_reason)
         out += self._close(status)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        out.append(self._event(kind, response=self._response(status, usage(input_tokens, output_tokens))))
+        totals = usage(input_tokens, output_tokens, cached_tokens)
+        out.append(self._event(kind, response=self._response(status, totals)))
         return out
 
     def failed(self, message: str) -> list[dict]:

@@ -147,15 +147,25 @@ class _Outputs:
                                    top=sreq.top_logprobs_num, with_text=sreq.return_text_in_logprobs,
                                    max_new_tokens=max_new, arrival=arrival)
 
-    def _computed(self, index: int):
+    def _run_of(self, index: int) -> tuple[RequestRun, int] | None:
+        """The run of prompt ``index`` and the prompt's place in it."""
         for group, run in zip(self.sreq.groups, self.runs):
             if index in group.indices:
-                return run.prompt_logprobs.get(group.indices.index(index))
+                return run, group.indices.index(index)
         return None
+
+    def _computed(self, index: int):
+        found = self._run_of(index)
+        return found[0].prompt_logprobs.get(found[1]) if found else None
+
+    def _cached(self, index: int) -> int:
+        found = self._run_of(index)
+        return (found[0].cached_per_prompt[found[1]] or 0) if found else 0
 
     def shaped(self, out_index: int) -> dict:
         state = self.states[out_index]
-        body = self.shaper.output(state, self.prompt_ids[state.prompt_index], self._computed(state.prompt_index))
+        p_idx = state.prompt_index
+        body = self.shaper.output(state, self.prompt_ids[p_idx], self._computed(p_idx), self._cached(p_idx))
         if not self.sreq.is_single and self.sreq.stream:
             body["index"] = out_index
         return body

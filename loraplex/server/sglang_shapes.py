@@ -14,8 +14,9 @@ ran is not shown), ``{"type": "length", "length": 0}``, as SGLang's prefill-only
 (its scheduler: "Always pad the first one with None"), whatever that position.
 
 Text, ids and logprobs are cumulative in every streamed object, as SGLang streams them by
-default. ``cached_tokens`` is always 0: loraplex's engine does not count a request's prefix-cache
-hits.
+default. ``cached_tokens`` is the prompt's tokens the prefix cache served (the engine's
+``num_cached_tokens``, whole blocks found cached when the prompt was first admitted; one number
+for a prompt's ``n`` outputs, which share it).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class SGLangShaper:
         if self.top:
             meta["input_top_logprobs"] = [self._top(e) if e else None for _, e in entries]
 
-    def output(self, out: OutputState, prompt_ids: list[int], computed: list | None) -> dict:
+    def output(self, out: OutputState, prompt_ids: list[int], computed: list | None, cached_tokens: int = 0) -> dict:
         meta: dict = {
             "id": out.rid,
             "finish_reason": self.finish_reason(out),
@@ -132,7 +133,7 @@ class SGLangShaper:
             if self.top:
                 meta["output_top_logprobs"] = [self._top(e) for e in out.logprobs]
         meta["completion_tokens"] = len(out.ids)
-        meta["cached_tokens"] = 0  # not counted per request by loraplex's engine
+        meta["cached_tokens"] = cached_tokens
         if out.finish is not None:
             meta["e2e_latency"] = time.monotonic() - self.arrival
         return {"text": out.text, "output_ids": list(out.ids), "meta_info": meta}

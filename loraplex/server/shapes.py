@@ -4,7 +4,9 @@ Ids are ``cmpl-<hex>`` / ``chatcmpl-<hex>``; ``object`` is ``text_completion``,
 ``chat.completion`` or ``chat.completion.chunk``. Streams end with ``data: [DONE]`` (see
 streaming.py); with ``stream_options.include_usage`` every chunk carries ``"usage": null`` and a
 last chunk with empty ``choices`` carries the usage. With vLLM's ``continuous_usage_stats`` each
-chunk's ``usage`` is its choice's so far instead (see ``track_usage``).
+chunk's ``usage`` is its choice's so far instead (see ``track_usage``). With
+``--enable-prompt-tokens-details`` the whole request's usage (answer or last chunk) carries
+``prompt_tokens_details: {"cached_tokens"}``, the prompt tokens the prefix cache served (vLLM's).
 
 vLLM's ``return_tokens_as_token_ids`` writes each logprob token as ``"token_id:<id>"`` (vLLM's
 form), so tokens that are not valid text on their own stay identifiable. Chat's ``bytes`` stay the
@@ -59,12 +61,17 @@ def token_bytes(tokenizer, token_id: int, text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage; ``cached_tokens`` (with --enable-prompt-tokens-details, else None: left
+    out, as vLLM leaves it) goes in ``prompt_tokens_details``."""
+    body = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 class ResponseShaper:
@@ -182,15 +189,17 @@ class ResponseShaper:
 
     # --- whole responses -------------------------------------------------------------------
 
-    def completion_response(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+    def completion_response(self, choices: list[dict], prompt_tokens: int, completion_tokens: int,
+                            cached_tokens: int | None = None) -> dict:
         """choices: [{"index", "text", "logprobs", "finish_reason"}] in index order."""
         body = self._head("text_completion")
         body["choices"] = choices
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         body["system_fingerprint"] = None
         return body
 
-    def chat_response(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+    def chat_response(self, choices: list[dict], prompt_tokens: int, completion_tokens: int,
+                      cached_tokens: int | None = None) -> dict:
         """choices: [{"index", "text", "logprobs", "finish_reason"}] -> chat message shape; a
         choice's ready "message" (tool calls) is taken as it is."""
         body = self._head("chat.completion")
@@ -203,7 +212,7 @@ class ResponseShaper:
             }
             for c in choices
         ]
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         body["system_fingerprint"] = None
         return body
 
@@ -243,8 +252,8 @@ class ResponseShaper:
             return template.event_with_usage(index, text, *self._choice_usage[index])
         return template.event(index, text)
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
         body = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")
         body["choices"] = []
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return body

@@ -199,9 +199,6 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
                            "function tools come back to the client, as in OpenAI's function calling"),
     "log_config_file": refused("--log-config-file", STR, "loraplex configures its own logging: --log-level "
                                "and --uvicorn-log-level; access lines are JSON on stdout"),
-    "enable_prompt_tokens_details": refused(
-        "--enable-prompt-tokens-details", BOOL, "usage carries no prompt_tokens_details (cached prompt "
-        "tokens) in loraplex; the prefix cache's hits are on /metrics"),
     "enable_server_load_tracking": refused(
         "--enable-server-load-tracking", BOOL, "loraplex has no /load endpoint: watch "
         "vllm:num_requests_running and vllm:num_requests_waiting on /metrics"),

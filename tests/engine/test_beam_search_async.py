@@ -111,3 +111,18 @@ def test_cancelling_a_search_stops_it_and_frees_everything(world):
     # the search stopped where it was cancelled: far fewer step requests than its 500 steps x 4 beams
     ran = (stats["num_requests_finished"] - before["num_requests_finished"])
     assert ran < 4 * 60
+
+
+def test_the_search_reports_its_prompt_s_cache_hits_not_its_own_steps(world):
+    """Every step after the first finds the prompt's blocks the first step left (the engine's
+    counter grows); the search's ``num_cached_tokens`` is the prompt's as it came: 0 for a fresh
+    prompt, its whole blocks (the last token computed) when an earlier search left them."""
+    engine, core, hf, peft, adapter = world
+    prompt = list(range(200, 240))  # 40 tokens: two whole blocks of 16 before the last token
+    params = BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True)
+    before = core.stats()["prefix_cache_hits"]
+    cold = asyncio.run(_final(_search(engine, core, prompt, params, "cold")))
+    assert core.stats()["prefix_cache_hits"] > before
+    assert cold.num_cached_tokens == 0
+    warm = asyncio.run(_final(_search(engine, core, prompt, params, "warm")))
+    assert warm.num_cached_tokens == (len(prompt) - 1) // 16 * 16 == 32

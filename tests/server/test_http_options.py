@@ -25,8 +25,9 @@ def test_vllm_command_line_forms_become_settings(tmp_path):
                  "--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem", "--ssl-ca-certs", "ca.pem", "--ssl-cert-reqs", "2",
                  "--response-role", "bot", "--return-tokens-as-token-ids", "--max-logprobs", "-1",
                  "--uvicorn-log-level", "trace", "--disable-uvicorn-access-log", "--disable-fastapi-docs",
-                 "--max-log-len", "100")
+                 "--max-log-len", "100", "--enable-prompt-tokens-details")
     s = settings_from_args(args, home=tmp_path)
+    assert s.enable_prompt_tokens_details
     assert s.allowed_origins == ["https://a.example", "https://b.example"]
     assert (s.allowed_methods, s.allowed_headers, s.allow_credentials) == (["GET", "POST"], ["authorization"], True)
     assert (s.root_path, s.response_role, s.return_tokens_as_token_ids, s.max_logprobs) == ("/llm", "bot", True, -1)
@@ -44,6 +45,7 @@ def test_defaults(tmp_path):
     assert s.allowed_origins == [] and http_options.cors_middleware(s) == []  # same-origin unless asked
     assert (s.allowed_methods, s.allowed_headers, s.allow_credentials) == (["*"], ["*"], False)  # vLLM's
     assert (s.response_role, s.return_tokens_as_token_ids, s.max_logprobs, s.root_path) == ("assistant", False, 20, "")
+    assert not s.enable_prompt_tokens_details  # vLLM's default: usage without prompt_tokens_details
     assert http_options.uvicorn_options(s, "info") == {"log_level": "info", "root_path": ""}
 
 

@@ -111,7 +111,7 @@ def test_run_batchs_metrics_server_is_refused_and_its_address_taken(parsed):
 
 
 def test_a_refused_flag_given_as_loraplex_runs_is_taken_without_an_empty_note(parsed):
-    args = parsed(["serve", "m", "--no-enable-prompt-tokens-details", "--rope-scaling", "{}", "--hf-overrides", "{}"])
+    args = parsed(["serve", "m", "--no-enable-server-load-tracking", "--rope-scaling", "{}", "--hf-overrides", "{}"])
     assert settings_from_args(args) == settings_from_args(parsed(["serve", "m"]))
     assert vllm_engine_flags.notes(args) == []
 
