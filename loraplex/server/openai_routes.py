@@ -113,9 +113,11 @@ async def collect(run: RequestRun, shaper: ResponseShaper) -> dict:
             entries[choice].extend(comp.logprobs)
         if comp.finish_reason is not None:
             finish[choice] = comp.finish_reason
-            stop_reasons[choice] = _stop_reason(req, comp)
-    if req.echo_without_generation:  # the prompt only: the one token the engine ran is not shown
-        pieces, entries, finish = [[] for _ in pieces], [[] for _ in entries], ["length"] * n_choices
+            stop_reasons[choice] = comp.stop_reason
+    if req.echo_without_generation:
+        # the prompt only: the one token the engine ran is not shown, but how it ended is (vLLM
+        # answers the engine's finish_reason and stop_reason: "stop" when that token was a stop)
+        pieces, entries = [[] for _ in pieces], [[] for _ in entries]
     run.output_texts = texts = ["".join(p) for p in pieces]
     choices = []
     for i in range(n_choices):
@@ -146,12 +148,6 @@ async def collect(run: RequestRun, shaper: ResponseShaper) -> dict:
     if req.return_token_ids:
         add_to_answer(body, req.kind, run.prompt_ids, token_ids, req.params.n)
     return body
-
-
-def _stop_reason(req: GenerationRequest, comp) -> int | str | None:
-    """vLLM's ``stop_reason`` of a finished choice: the stop string or stop token id that ended
-    it, null for EOS, the length limit, or an echo without generation (no stop was reached)."""
-    return None if req.echo_without_generation else comp.stop_reason
 
 
 def cached_tokens(run: RequestRun) -> int | None:
@@ -246,7 +242,7 @@ async def _chunks(run: RequestRun, shaper: ResponseShaper, ids: StreamTokenIds |
         if ids is not None:  # before this delta's chunks: they carry its ids
             ids.take(choice, comp.token_ids)
         if comp.finish_reason is not None:
-            stop_reasons[choice] = _stop_reason(req, comp)
+            stop_reasons[choice] = comp.stop_reason  # vLLM's: the stop string or token id, else null
         if choice in echo_pending:
             echo_pending.discard(choice)
             prompt_entries = _prompt_entries(run, shaper, p_idx)
@@ -256,7 +252,7 @@ async def _chunks(run: RequestRun, shaper: ResponseShaper, ids: StreamTokenIds |
         shaper.count_tokens(choice, len(comp.token_ids))  # continuous usage: cumulative per choice
         if req.echo_without_generation:  # the prompt (echoed above) and the finish, no completion
             if comp.finish_reason is not None:
-                yield shaper.chunk(choice, "", "length")
+                yield shaper.chunk(choice, "", comp.finish_reason)
             continue
         if not comp.text and comp.finish_reason is None and not (req.logprobs and comp.logprobs):
             continue  # text held back (a partial character or a possible stop string)

@@ -32,7 +32,10 @@ def _reference(folder, prompt: str) -> tuple[list[int], torch.Tensor]:
 
 def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(world):
     client, model, folder, srv = world
-    kw = dict(model=model, prompt=PROMPTS, max_tokens=0, echo=True, logprobs=1, n=2, temperature=1.0)
+    # ignore_eos: the one token the engine runs is sampled, and an end-of-sequence token would
+    # end it "stop" (vLLM answers the engine's finish reason; see the test below)
+    kw = dict(model=model, prompt=PROMPTS, max_tokens=0, echo=True, logprobs=1, n=2, temperature=1.0,
+              extra_body={"ignore_eos": True})
     out = client.completions.create(**kw)
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     for choice in out.choices:
@@ -65,6 +68,24 @@ def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(world):
     streamed = [c.choices[0] for c in client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=0,
                                                                 echo=True, stream=True)]
     assert "".join(c.text for c in streamed) == PROMPTS[0] and streamed[-1].finish_reason == "length"
+
+
+def test_the_finish_is_the_engine_s_one_step_s_as_vllm_answers_it(world):
+    """vLLM runs one token for ``echo`` with ``max_tokens: 0`` and answers that step's
+    ``finish_reason`` and ``stop_reason``, not a fixed "length": a stop token it sampled is "stop"
+    with the token's id. The token is transformers' greedy choice after the prompt."""
+    client, model, folder, srv = world
+    ids, ref = _reference(folder, PROMPTS[0])
+    greedy = int(ref[-1].argmax())
+    kw = dict(model=model, prompt=PROMPTS[0], max_tokens=0, echo=True, temperature=0.0)
+    stopped = client.completions.create(**kw, extra_body={"stop_token_ids": [greedy]}).choices[0]
+    assert (stopped.text, stopped.finish_reason, stopped.model_extra["stop_reason"]) == (PROMPTS[0], "stop", greedy)
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw,
+                                                             extra_body={"stop_token_ids": [greedy]})]
+    assert "".join(c.text for c in chunks) == PROMPTS[0]
+    assert [(c.finish_reason, c.model_extra["stop_reason"]) for c in chunks if c.finish_reason] == [("stop", greedy)]
+    other = client.completions.create(**kw, extra_body={"stop_token_ids": [greedy + 1]}).choices[0]
+    assert (other.finish_reason, other.model_extra["stop_reason"]) == ("length", None)
 
 
 def test_max_tokens_0_without_echo_is_still_refused(world):
