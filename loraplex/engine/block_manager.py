@@ -121,8 +121,6 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         # seq_id -> how many of that sequence's leading full blocks are registered
         self._num_registered: dict[int, int] = {}
-        self.num_prefix_hit_tokens = 0  # counters for stats
-        self.num_prefix_query_tokens = 0
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -238,9 +236,6 @@ class BlockManager:
             raise RuntimeError(f"sequence {seq.seq_id} already holds blocks")
         hits = self._prefix_hits(seq)
         num_hit = len(hits[0])
-        if self.enable_prefix_caching:
-            self.num_prefix_query_tokens += seq.num_tokens
-            self.num_prefix_hit_tokens += num_hit * self.block_size
         for row in hits:
             for block in row:  # the hits before the first chunk's window are computed but never read
                 if block != FREED_BLOCK:

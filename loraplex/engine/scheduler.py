@@ -74,6 +74,11 @@ class SchedulerStats:
     num_chunked_prefills: int = 0
     num_starvation_preemptions: int = 0
     num_prompt_tokens_computed: int = 0
+    # prefix cache (vLLM's prefix_cache_queries / _hits): prompt tokens looked up and found, at
+    # each sequence's first admission only; a preempted sequence re-admitted mostly finds its
+    # own recomputed blocks, which vLLM keeps out of the hit rate too
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
     num_generated_tokens: int = 0
     # speculative decoding (vLLM's spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens)
     num_spec_drafts: int = 0  # sequence-steps that verified a non-empty draft
@@ -254,6 +259,7 @@ class Scheduler(StepResults):
             if seq.num_cached_tokens is None:  # the first admission's hits (vLLM's num_cached_tokens)
                 seq.num_cached_tokens = seq.num_computed_tokens
                 self._first_admitted.append(seq)
+                self._count_prefix_lookup(seq, 1)
             seq.status = SequenceStatus.RUNNING
             seq.admitted_time = time.monotonic()
             self.waiting.discard(seq)
@@ -265,6 +271,12 @@ class Scheduler(StepResults):
             scheduled[seq.seq_id] = self._make_scheduled(seq, num_tokens)
             budget -= num_tokens
         return budget
+
+    def _count_prefix_lookup(self, seq: Sequence, sign: int) -> None:
+        """Add (``sign`` 1) or take back (-1) a first admission's prefix-cache lookup."""
+        if self.block_manager.enable_prefix_caching:
+            self.stats.num_prefix_query_tokens += sign * seq.num_tokens
+            self.stats.num_prefix_hit_tokens += sign * seq.num_cached_tokens
 
     def _may_cut(self, remaining: int, num_tokens: int) -> bool:
         """Without chunked prefill a prompt runs whole; only a recompute after preemption that
@@ -391,6 +403,7 @@ class Scheduler(StepResults):
         # an admission whose step never ran did not happen: the hits it counted may be blocks that
         # step registered and never computed; the admission that runs counts again
         for seq in self._first_admitted:
+            self._count_prefix_lookup(seq, -1)  # nothing was generated: the same num_tokens
             seq.num_cached_tokens = None
         self._first_admitted = []
         if not self.block_manager.enable_prefix_caching:

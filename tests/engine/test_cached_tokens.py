@@ -96,8 +96,9 @@ def test_a_preempted_request_keeps_its_first_admission_s_count(tiny_llama_dir, l
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
     stats = llm.engine.stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0  # re-admissions hit
+    assert stats["num_preemptions"] > 0
     assert [o.num_cached_tokens for o in outs] == [0] * len(prompts)  # distinct prompts: no request hit
+    assert stats["prefix_cache_hits"] == 0  # nor in the global counter (test_prefix_hit_counter.py)
 
 
 def test_speculative_decoding_counts_the_same(tiny_llama_dir, loraplex_home):

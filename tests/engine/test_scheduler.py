@@ -164,11 +164,11 @@ def test_prefix_caching_shares_blocks_and_keeps_outputs():
     h = Harness(num_blocks=80, block_size=4, enable_prefix_caching=True, max_num_batched_tokens=64)
     first = h.add(prompts[0], max_tokens=5)
     h.run()
-    hits_before = h.block_manager.num_prefix_hit_tokens
+    hits_before = h.scheduler.stats.num_prefix_hit_tokens
     seqs = [h.add(p, max_tokens=5, adapter_id=None) for p in prompts[1:]]
     other_adapter = h.add(prompts[1], max_tokens=5, adapter_id="a" * 64)
     h.run()
-    assert h.block_manager.num_prefix_hit_tokens - hits_before >= 5 * 24
+    assert h.scheduler.stats.num_prefix_hit_tokens - hits_before >= 5 * 24
     assert first.output_token_ids == reference_output(prompts[0], 5)
     for seq, p in zip(seqs, prompts[1:]):
         assert seq.output_token_ids == reference_output(p, 5)
@@ -191,7 +191,7 @@ def test_prefix_shared_within_the_step_that_computes_it():
     tables = [s.block_table[:5] for s in seqs]
     assert all(t == tables[0] for t in tables)
     h.run()
-    assert h.block_manager.num_prefix_hit_tokens == 5 * 20
+    assert h.scheduler.stats.num_prefix_hit_tokens == 5 * 20
     for seq, p in zip(seqs, prompts):
         assert seq.output_token_ids == reference_output(p, 5)
     assert h.block_manager.num_free_blocks == 80

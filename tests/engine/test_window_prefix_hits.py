@@ -95,5 +95,5 @@ def test_shared_long_prefix_under_pressure_stays_exact_and_hits():
         assert seq.output_token_ids == reference_output(prompt, 20, sliding_window=8)
     # every request after the first finds the shared prefix's 8 full blocks: the two its first
     # chunk reads were used last (a walk from block 0 finds nothing once block 0 is evicted)
-    assert h.block_manager.num_prefix_hit_tokens >= 11 * 32
+    assert h.scheduler.stats.num_prefix_hit_tokens >= 11 * 32
     assert h.block_manager.num_free_blocks == 16
