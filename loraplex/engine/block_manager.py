@@ -9,8 +9,11 @@ tensors. All groups draw their pages from one free list.
 Prefix caching: every full block gets a hash chained over all tokens before it, the
 adapter's content hash and the request's cache salt (``h_i = sha256(h_{i-1} || tokens of block
 i)``, ``h_{-1} = sha256(adapter_id || cache_salt)``), so two sequences share a block only when
-the adapter, the salt and every earlier token are the same. The salt keeps users apart (vLLM's
-``cache_salt``): a hit is faster than a miss, and without it anyone could time whether another
+the adapter, the salt and every earlier token are the same. An adapter whose LoRA cannot change
+any K/V (``Sequence.shares_base_kv``: LoRA only on lm_head and the last layer's modules after its
+K/V, see ``lora/kv_effect.py``) computes the base model's K/V, so its blocks are keyed as the
+base model's (``adapter_id`` left out of the root; the salt kept). The salt keeps users apart
+(vLLM's ``cache_salt``): a hit is faster than a miss, and without it anyone could time whether another
 user's prompt is cached. A page is cached under its group and hash (group 0 under the hash
 alone), as if the group were part of the chain's root, without hashing the tokens once per group.
 A new sequence whose leading full blocks are already cached takes them by reference count instead
@@ -153,7 +156,11 @@ class BlockManager:
         """The chain hashes of ``seq``'s first ``num_blocks`` full blocks (at least), computed
         once per sequence: a waiting sequence is looked up every step it stays blocked."""
         hashes = seq.block_hashes
-        parent = hashes[-1] if hashes else _root_hash(seq.adapter_id, seq.cache_salt)
+        # an adapter that cannot change K/V computes the base model's: keyed as the base's
+        if hashes:
+            parent = hashes[-1]
+        else:
+            parent = _root_hash(None if seq.shares_base_kv else seq.adapter_id, seq.cache_salt)
         for i in range(len(hashes), num_blocks):
             parent = _chain_hash(parent, seq.token_slice(i * self.block_size, (i + 1) * self.block_size))
             hashes.append(parent)

@@ -196,6 +196,9 @@ class LLMEngine:
             # start the device load before it is needed; first, so that an adapter whose files
             # fail to load refuses the request before anything of it is recorded
             self.lora_manager.prefetch(req.adapter_id)
+            if self.lora_manager.shares_base_kv(req.adapter_id):
+                for seq in seqs:
+                    seq.shares_base_kv = True
         state = RequestState(req, seqs, self.tokenizer, self._fast_decode, self._token_texts)
         self._requests[req.request_id] = state
         for track in state.tracks:

@@ -53,6 +53,9 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter_id: str | None = None
+    # the adapter cannot change any K/V (LoRAManager.shares_base_kv): the prefix cache keys this
+    # sequence's blocks as the base model's, so it shares theirs
+    shares_base_kv: bool = False
     index: int = 0  # position among the request's n sequences
     cache_salt: str | None = None  # prefix-cache blocks are shared only with the same salt
     tenant: str | None = None  # whose request: the "fair" policy shares admissions between tenants

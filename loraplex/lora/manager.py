@@ -125,6 +125,11 @@ class LoRAManager:
     def registered(self) -> dict[str, str]:
         return dict(self.catalog.names)
 
+    def shares_base_kv(self, adapter_id: str) -> bool:
+        """The adapter's LoRA cannot change any layer's K/V (``kv_effect``, decided when this
+        version was validated): its requests may use the base model's prefix-cache blocks."""
+        return not self._records[adapter_id].info.changes_kv
+
     # ---- loading -------------------------------------------------------------------------
     def _load_slot(self, adapter_id: str, slot: int) -> None:
         weights = self.host_tier.weights_for(adapter_id)

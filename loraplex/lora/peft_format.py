@@ -56,6 +56,7 @@ from loraplex.lora.expert_format import (
     expert_tensor,
     validate_expert_modules,
 )
+from loraplex.lora.kv_effect import changes_kv
 from loraplex.lora.module_match import (
     TENSOR_PREFIX,
     Matcher,
@@ -134,6 +135,9 @@ class AdapterInfo:
     vocab_modules: dict[str, ModuleLoRA] = field(default_factory=dict)  # "embed_tokens" / "lm_head"
     # LoRA on an MoE model's experts: (layer, part, expert) -> it (``expert_format``)
     expert_modules: dict[tuple[int, str, int], ExpertModuleLoRA] = field(default_factory=dict)
+    # whether the LoRA can change some layer's K/V (``kv_effect``); False: the adapter's requests
+    # share the base model's prefix-cache blocks. True unless validation showed otherwise
+    changes_kv: bool = True
 
     def module_ranks(self) -> dict[str, int]:
         ranks = {f"{layer}.{mod}": m.rank for (layer, mod), m in self.modules.items()}
@@ -386,6 +390,7 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
         warnings=tuple(warnings),
         vocab_modules={m: vocab_modules[m] for m in VOCAB_TARGETS if m in vocab_modules},
         expert_modules=expert_modules,
+        changes_kv=changes_kv(modules, vocab_modules, (layer for (layer, _, _) in expert_modules), spec.num_layers),
     )
 
 

@@ -1,0 +1,89 @@
+"""``AdapterInfo.changes_kv`` (lora/kv_effect.py) against the K/V that PEFT's own model computes:
+for each adapter, the outputs of every layer's ``k_proj`` and ``v_proj`` (LoRA included) on a
+prompt, with the adapter and without. An adapter said not to change K/V must leave them equal
+bit for bit (its requests then share the base model's prefix-cache blocks); every adapter said
+to change them does. On Llama, Gemma 2 (windowed and global layers, sandwich norms) and
+Qwen2-MoE (expert and shared-expert LoRA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from loraplex.lora.peft_format import load_adapter_files, validate_adapter
+from loraplex.model.config import ModelSpec
+from tests.fixtures.peft_adapters import make_peft_adapter, peft_model_for
+from tests.fixtures.tiny_models import make_tiny_model_dir
+from tests.fixtures.tiny_moe import make_tiny_moe_dir
+
+AFTER_KV = ["o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _adapters(last: int, moe: bool) -> dict[str, tuple[dict, bool]]:
+    """name -> (PEFT LoraConfig arguments, whether the rule says the K/V change)."""
+    out = {
+        "head": (dict(target_modules=["lm_head"]), False),
+        "last_after_kv": (dict(target_modules=AFTER_KV, layers_to_transform=[last]), False),
+        "head_and_last": (dict(target_modules=["lm_head", "o_proj", "down_proj"], layers_to_transform=[last]), False),
+        "last_kv": (dict(target_modules=["k_proj", "v_proj"], layers_to_transform=[last]), True),
+        "earlier_o": (dict(target_modules=["o_proj"], layers_to_transform=[last - 1]), True),
+        "qkv": (dict(target_modules=["q_proj", "k_proj", "v_proj"]), True),
+        "embed": (dict(target_modules=["embed_tokens"]), True),
+        # the last layer's q does not reach any K/V, but it is kept on the safe side (module doc)
+        "last_q": (dict(target_modules=["q_proj"], layers_to_transform=[last]), True),
+    }
+    if moe:
+        experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        shared = ["shared_expert.gate_proj", "shared_expert.down_proj"]
+        out["last_experts"] = (dict(target_modules=rf".*layers\.{last}\.(self_attn\.o_proj|mlp\.shared_expert\.(gate|up|down)_proj)",
+                                    target_parameters=[f"layers.{last}.{p}" for p in experts]), False)
+        out["experts"] = (dict(target_modules=["o_proj", *shared], target_parameters=experts), True)
+    return out
+
+
+def _kv(model, prompt: list[int]) -> list[torch.Tensor]:
+    """Every layer's k_proj and v_proj outputs (PEFT's LoRA wrapper included) on ``prompt``."""
+    outs: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: outs.append(out.detach().clone()))
+             for name, m in model.named_modules() if name.endswith(("self_attn.k_proj", "self_attn.v_proj"))]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([prompt]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return outs
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen2_moe"])
+def test_changes_kv_agrees_with_peft_s_k_and_v(family, tmp_path):
+    moe = family == "qwen2_moe"
+    model_dir = (make_tiny_moe_dir(tmp_path / "base", family, "per_expert", seed=31) if moe
+                 else make_tiny_model_dir(tmp_path / "base", family, seed=5))
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
+    last = base.config.num_hidden_layers - 1
+    cases = _adapters(last, moe)
+    dirs = {name: make_peft_adapter(base, tmp_path / name, seed=60 + i, r=4, **kw)
+            for i, (name, (kw, _)) in enumerate(cases.items())}
+    spec = ModelSpec.from_dir(model_dir).lora_target_spec(expert_lora=moe)
+    prompt = torch.randint(4, 90, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    base_kv = _kv(base, prompt)
+    assert len(base_kv) == 2 * (last + 1)
+    for name, (_, rule) in cases.items():
+        info = validate_adapter(load_adapter_files(dirs[name]), spec, max_lora_rank=4)
+        assert info.changes_kv is rule, name
+        assert bool(info.expert_modules) == (name in ("last_experts", "experts")), name
+        # one PeftModel each: PEFT refuses adapters with different target_parameters side by side
+        peft_model = peft_model_for(base, {name: dirs[name]})
+        kv = _kv(peft_model, prompt)
+        same = all(torch.equal(a, b) for a, b in zip(kv, base_kv))
+        if not info.changes_kv:
+            assert same, name  # the promise the prefix cache relies on
+        elif name != "last_q":
+            assert not same, name  # the rule says so for a reason
+        # and the adapter does something: its logits differ from the base model's
+        with torch.no_grad():
+            logits = peft_model(input_ids=torch.tensor([prompt])).logits
+            plain = base(input_ids=torch.tensor([prompt])).logits
+        assert not torch.equal(logits, plain), name
