@@ -1,0 +1,140 @@
+"""On a real tiny engine, an adapter whose LoRA cannot change K/V (lm_head only, or the last
+layer's modules after its K/V) takes the base model's cached prefix blocks, and the base takes
+its; its tokens and logprobs are those of the same engine with prefix caching off (no sharing at
+all) and PEFT's. Adapters that do change K/V (attention, embed_tokens) get no base hits, the
+tenant / cache_salt isolation is the base's, and a name re-pointed at a version that touches
+attention stops sharing. Expected hits: ``(len(prompt) - 1) // 16 * 16`` (whole blocks, the last
+prompt token always computed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from loraplex import SamplingParams
+from loraplex.server.generation import cache_salt
+from tests.engine.test_engine_exact import tight_llm
+from tests.fixtures.peft_adapters import make_peft_adapter, peft_model_for
+from tests.lora.test_acceptance import reference
+
+BLOCK = 16
+MAX_TOKENS = 4
+PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+AFTER_KV = ["o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def whole_blocks(prompt: list[int]) -> int:
+    return (len(prompt) - 1) // BLOCK * BLOCK
+
+
+def random_ids(seed: int, n: int = 70) -> list[int]:
+    return torch.randint(4, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def world(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("share-base")
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    last = base.config.num_hidden_layers - 1
+    kinds = {
+        "head": dict(target_modules=["lm_head"]),
+        "last": dict(target_modules=AFTER_KV, layers_to_transform=[last]),
+        "qkv": dict(target_modules=["q_proj", "k_proj", "v_proj"]),
+        "embed": dict(target_modules=["embed_tokens"]),
+    }
+    dirs = {name: make_peft_adapter(base, root / name, seed=20 + i, **kw) for i, (name, kw) in enumerate(kinds.items())}
+    engines = {cached: tight_llm(tiny_llama_dir, root / f"home-{cached}", num_blocks=128, max_num_batched_tokens=256,
+                                 enable_prefix_caching=cached, max_loras=4, max_lora_rank=4)
+               for cached in (True, False)}
+    return engines, dirs, peft_model_for(base, dirs)
+
+
+def run(llm, prompt: list[int], adapter=None, salt: str | None = None):
+    item = {"prompt_token_ids": prompt} if salt is None else {"prompt_token_ids": prompt, "cache_salt": salt}
+    (out,) = llm.generate([item], PARAMS, adapters=[adapter])
+    return out
+
+
+def logprobs(out) -> list[tuple[int, float]]:
+    return [(e["token_id"], e["logprob"]) for e in out.outputs[0].logprobs]
+
+
+def assert_same_as_uncached_and_peft(world, out, prompt: list[int], adapter: str | None):
+    engines, dirs, peft_model = world
+    plain = run(engines[False], prompt, None if adapter is None else str(dirs[adapter]))
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids == reference(peft_model, prompt, adapter, MAX_TOKENS)
+    for (tok, lp), (plain_tok, plain_lp) in zip(logprobs(out), logprobs(plain)):
+        assert tok == plain_tok and lp == pytest.approx(plain_lp, abs=1e-5)
+    ids = torch.tensor([prompt + out.outputs[0].token_ids])
+    with torch.no_grad():
+        if adapter is None:
+            with peft_model.disable_adapter():
+                logits = peft_model(input_ids=ids).logits[0]
+        else:
+            peft_model.set_adapter(adapter)
+            logits = peft_model(input_ids=ids).logits[0]
+    ref = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), dim=-1)
+    for step, (tok, lp) in enumerate(logprobs(out)):
+        assert lp == pytest.approx(float(ref[step, tok]), abs=2e-4)
+
+
+@pytest.mark.parametrize("adapter", ["head", "last"])
+def test_an_adapter_that_leaves_kv_alone_shares_the_base_s_blocks(world, adapter):
+    engines, dirs, _ = world
+    llm = engines[True]
+    prompt = random_ids(1 if adapter == "head" else 2)
+    assert run(llm, prompt).num_cached_tokens == 0
+    out = run(llm, prompt, str(dirs[adapter]))
+    assert out.num_cached_tokens == whole_blocks(prompt) == 64
+    assert_same_as_uncached_and_peft(world, out, prompt, adapter)
+    # the other way round: the base finds the blocks the adapter's request computed
+    fresh = random_ids(3 if adapter == "head" else 4)
+    assert run(llm, fresh, str(dirs[adapter])).num_cached_tokens == 0
+    base_out = run(llm, fresh)
+    assert base_out.num_cached_tokens == whole_blocks(fresh)
+    assert_same_as_uncached_and_peft(world, base_out, fresh, None)
+
+
+@pytest.mark.parametrize("adapter", ["qkv", "embed"])
+def test_an_adapter_that_changes_kv_gets_no_base_hits(world, adapter):
+    engines, dirs, _ = world
+    llm = engines[True]
+    prompt = random_ids(5 if adapter == "qkv" else 6)
+    assert run(llm, prompt).num_cached_tokens == 0
+    out = run(llm, prompt, str(dirs[adapter]))
+    assert out.num_cached_tokens == 0
+    assert_same_as_uncached_and_peft(world, out, prompt, adapter)
+    assert run(llm, prompt, str(dirs[adapter])).num_cached_tokens == whole_blocks(prompt)  # its own blocks
+    assert run(llm, prompt, str(dirs["head"])).num_cached_tokens == whole_blocks(prompt)  # the base's
+
+
+def test_tenants_and_salts_stay_apart_as_for_the_base(world):
+    """The server's salts (``generation.cache_salt``: tenant, then the request's salt): the
+    adapter's requests share blocks with the base's of the same tenant and salt only."""
+    engines, dirs, _ = world
+    llm, head = engines[True], str(dirs["head"])
+    prompt = random_ids(7)
+    alice, bob = cache_salt("tenant", "alice", None), cache_salt("tenant", "bob", None)
+    alice_s1 = cache_salt("tenant", "alice", "s1")
+    assert run(llm, prompt, salt=alice).num_cached_tokens == 0
+    assert run(llm, prompt, head, salt=bob).num_cached_tokens == 0
+    assert run(llm, prompt, head, salt=alice_s1).num_cached_tokens == 0
+    assert run(llm, prompt, head).num_cached_tokens == 0  # no salt (offline): none of those
+    assert run(llm, prompt, head, salt=alice).num_cached_tokens == whole_blocks(prompt)
+    assert run(llm, prompt, salt=bob).num_cached_tokens == whole_blocks(prompt)  # bob's adapter request's
+
+
+def test_a_name_re_pointed_at_an_attention_version_stops_sharing(world):
+    engines, dirs, peft_model = world
+    llm = engines[True]
+    prompt = random_ids(8)
+    llm.add_adapter("swap", str(dirs["head"]))
+    assert run(llm, prompt).num_cached_tokens == 0
+    assert run(llm, prompt, "swap").num_cached_tokens == whole_blocks(prompt)
+    llm.add_adapter("swap", str(dirs["qkv"]))  # the new version touches attention
+    out = run(llm, prompt, "swap")
+    assert out.num_cached_tokens == 0
+    assert out.outputs[0].token_ids == reference(peft_model, prompt, "qkv", MAX_TOKENS)
+    llm.add_adapter("swap", str(dirs["last"]))  # and back to one that leaves K/V alone
+    assert run(llm, prompt, "swap").num_cached_tokens == whole_blocks(prompt)
