@@ -17,7 +17,7 @@ from tests.engine.test_engine_exact import PROMPT_LENGTHS, tight_llm
 BLOCK = 4
 
 
-def _count_every_allocation(monkeypatch) -> list[int]:
+def count_every_allocation(monkeypatch) -> list[int]:
     """The hits of every ``allocate`` (first admissions and re-admissions alike): what the old
     counter added up, so the test shows the scenario does re-admit onto cached blocks."""
     hits: list[int] = []
@@ -35,7 +35,7 @@ def test_re_admissions_after_preemption_count_no_hits_or_queries(monkeypatch):
     # four prompts of two shared blocks and two own tokens, admitted together: the first computes
     # the shared blocks and the other three take them in the same step. Then their decodes grow
     # past the 10 blocks, so sequences are preempted and re-admitted onto their own cached blocks.
-    all_hits = _count_every_allocation(monkeypatch)
+    all_hits = count_every_allocation(monkeypatch)
     shared = [7, 8, 9, 10, 11, 12, 13, 14]  # two whole blocks
     prompts = [shared + [20 + i, 30 + i] for i in range(4)]
     h = Harness(num_blocks=10, block_size=BLOCK, enable_prefix_caching=True, max_num_batched_tokens=64)
@@ -78,7 +78,7 @@ def test_engine_stats_count_first_admissions_only(tiny_llama_dir, loraplex_home,
     """A real tiny engine that preempts and chunks: distinct prompts share no block, so the hits
     are 0 and the queries the prompts' tokens, however often sequences were re-admitted; then a new
     prompt sent twice hits its whole blocks once."""
-    all_hits = _count_every_allocation(monkeypatch)
+    all_hits = count_every_allocation(monkeypatch)
     llm = tight_llm(tiny_llama_dir, loraplex_home, enable_prefix_caching=True)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, 300, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
