@@ -138,3 +138,32 @@ def test_a_name_re_pointed_at_an_attention_version_stops_sharing(world):
     assert out.outputs[0].token_ids == reference(peft_model, prompt, "qkv", MAX_TOKENS)
     llm.add_adapter("swap", str(dirs["last"]))  # and back to one that leaves K/V alone
     assert run(llm, prompt, "swap").num_cached_tokens == whole_blocks(prompt)
+
+
+def test_windowed_and_global_layer_groups_share_the_same_way(tmp_path):
+    """Gemma 2 with windowed and global layers (one block table each): a last-layer adapter takes
+    the base's pages of every group, those before the window included, and still answers PEFT's
+    tokens and the uncached engine's."""
+    from tests.engine.test_hybrid_kv_exact import BLOCK as PAGE
+    from tests.engine.test_hybrid_kv_exact import LAYER_TYPES, WINDOW, _llm
+    from tests.fixtures.tiny_models import make_tiny_model_dir
+
+    types = LAYER_TYPES["gemma2"]
+    model_dir = make_tiny_model_dir(tmp_path / "gemma2", "gemma2", seed=11, sliding_window=WINDOW,
+                                    num_hidden_layers=len(types), layer_types=types)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
+    last = make_peft_adapter(base, tmp_path / "last", seed=3, target_modules=AFTER_KV, layers_to_transform=[len(types) - 1])
+    peft_model = peft_model_for(base, {"last": last})
+    prompt = random_ids(9, 30)  # three windows long
+    outs = {}
+    for cached in (True, False):
+        llm = _llm(model_dir, tmp_path / f"home-{cached}", num_pages=256, enable_prefix_caching=cached, max_loras=2,
+                   max_lora_rank=4)
+        run(llm, prompt)
+        outs[cached] = run(llm, prompt, str(last))
+    assert outs[True].num_cached_tokens == (len(prompt) - 1) // PAGE * PAGE == 28
+    assert outs[False].num_cached_tokens == 0
+    assert outs[True].outputs[0].token_ids == outs[False].outputs[0].token_ids == reference(
+        peft_model, prompt, "last", MAX_TOKENS)
+    for (tok, lp), (plain_tok, plain_lp) in zip(logprobs(outs[True]), logprobs(outs[False])):
+        assert tok == plain_tok and lp == pytest.approx(plain_lp, abs=1e-5)
