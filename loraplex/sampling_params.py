@@ -98,19 +98,19 @@ class SamplingParams:
             bad("min_tokens", "min_tokens must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", "min_tokens must not exceed max_tokens")
-        if not 0.0 <= float(self.temperature) <= 100.0:
+        if not 0.0 <= as_float(self.temperature) <= 100.0:
             bad("temperature", "temperature must be in [0, 100]")
-        if not 0.0 < float(self.top_p) <= 1.0:
+        if not 0.0 < as_float(self.top_p) <= 1.0:
             bad("top_p", "top_p must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             bad("top_k", "top_k must be -1, 0 (disabled) or a positive integer")
-        if not 0.0 <= float(self.min_p) <= 1.0:
+        if not 0.0 <= as_float(self.min_p) <= 1.0:
             bad("min_p", "min_p must be in [0, 1]")
-        if not 0.0 < float(self.repetition_penalty) <= 10.0:
+        if not 0.0 < as_float(self.repetition_penalty) <= 10.0:
             bad("repetition_penalty", "repetition_penalty must be in (0, 10]")
-        if not -2.0 <= float(self.presence_penalty) <= 2.0:
+        if not -2.0 <= as_float(self.presence_penalty) <= 2.0:
             bad("presence_penalty", "presence_penalty must be in [-2, 2]")
-        if not -2.0 <= float(self.frequency_penalty) <= 2.0:
+        if not -2.0 <= as_float(self.frequency_penalty) <= 2.0:
             bad("frequency_penalty", "frequency_penalty must be in [-2, 2]")
         # the upper bound is the engine's max_logprobs (check_logprobs_cap), not the params'
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
@@ -152,6 +152,16 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def as_float(v) -> float:
+    """``float(v)``, or +-inf for an int no float holds (``10**400`` written out in JSON, where
+    ``1e400`` reads as inf): such a value is then out of range, where ``float()`` raised
+    OverflowError (a 500 on every route that reads or builds these params)."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
+
+
 def _check_logit_bias(bias) -> None:
     if not isinstance(bias, dict):
         raise InvalidRequestError("logit_bias must be a mapping of token ids to biases", param="logit_bias")
@@ -160,7 +170,7 @@ def _check_logit_bias(bias) -> None:
             raise InvalidRequestError(
                 f"logit_bias keys must be non-negative token ids, got {token!r}", param="logit_bias"
             )
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(as_float(value)):
             raise InvalidRequestError(f"logit_bias[{token}] must be a number, got {value!r}", param="logit_bias")
         if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
             raise InvalidRequestError(

@@ -4,6 +4,7 @@ OpenAI (protocol.py), TGI (tgi_protocol.py) and tokenizer request parsers."""
 
 from __future__ import annotations
 
+from loraplex.sampling_params import as_float
 from loraplex.server.errors import bad_request
 
 
@@ -35,7 +36,7 @@ def read_number(body, name, default=None, lo=None, hi=None):
     """An integer or float (not a boolean) in ``[lo, hi]`` where given, as a float."""
     v = _typed(body, name, is_number, "a number", default)
     _check_range(name, v, lo, hi)
-    return float(v) if v is not None else None
+    return as_float(v) if v is not None else None
 
 
 def read_bool(body, name, default=False):

@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from loraplex.sampling_params import InvalidRequestError, SamplingParams
-from loraplex.server.body_fields import is_int, is_number
+from loraplex.server.body_fields import as_float, is_int, is_number
 from loraplex.server.errors import bad_request
 from loraplex.server.protocol import GenerationRequest
 from loraplex.server.structured_fields import checked_constraint
@@ -133,7 +133,7 @@ def _number(sp: dict, name: str, default, *, integer: bool = False):
         return default
     if not (is_int(v) if integer else is_number(v)):
         raise _error(f"`sampling_params.{name}` must be {'an integer' if integer else 'a number'}.", name)
-    return v
+    return v if integer else as_float(v)
 
 
 def _flag(sp: dict, name: str, default: bool) -> bool:

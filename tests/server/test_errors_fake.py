@@ -85,6 +85,8 @@ def test_other_tenants_adapter_is_indistinguishable_from_missing(tenants):
         ({"top_k": "a"}, "top_k"),
         ({"min_p": 2}, "min_p"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": 10**400}, "repetition_penalty"),  # no float holds it: was a 500
+        ({"logit_bias": {"5": 10**400}}, "logit_bias"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"ignore_eos": "yes"}, "ignore_eos"),

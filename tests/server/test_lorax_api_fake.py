@@ -218,6 +218,11 @@ def test_unsupported_parameters_are_refused(world, parameters, field):
     ({"inputs": "x", "parameters": {"typical_p": 0}}, "typical_p"),
     ({"inputs": "x", "parameters": {"best_of": 0}}, "best_of"),
     ({"inputs": "x", "parameters": {"repetition_penalty": 0}}, "repetition_penalty"),
+    # integers no float holds (JSON's 1e400 reads as inf, 10**400 written out is an int): were 500s
+    ({"inputs": "x", "parameters": {"temperature": 10**400}}, "temperature"),
+    ({"inputs": "x", "parameters": {"top_p": 10**400}}, "top_p"),
+    ({"inputs": "x", "parameters": {"typical_p": 10**400}}, "typical_p"),
+    ({"inputs": "x", "parameters": {"repetition_penalty": 10**400}}, "repetition_penalty"),
     ({"inputs": "x", "parameters": {"max_new_tokens": 0}}, "max_new_tokens"),
     ({"inputs": "x", "parameters": {"max_new_tokens": 1000}}, "max"),  # past the context
     ({"inputs": "x", "parameters": {"seed": -1}}, "seed"),

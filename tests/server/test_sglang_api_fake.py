@@ -219,6 +219,13 @@ def test_stream_is_cumulative_and_ends_with_done(world):
     ({"text": "ab", "rid": ["a", "b"]}, ["rid"]),
     ({"text": ["ab", "cd"], "rid": ["a", "a"]}, ["Duplicate"]),
     ({"text": "ab", "sampling_params": {"json_schema": "{not json"}}, ["json_schema"]),
+    # integers no float holds (JSON's 1e400 reads as inf, 10**400 written out is an int): were 500s
+    ({"text": "ab", "sampling_params": {"temperature": 10**400}}, ["temperature"]),
+    ({"text": "ab", "sampling_params": {"top_p": 10**400}}, ["top_p"]),
+    ({"text": "ab", "sampling_params": {"min_p": -10**400}}, ["min_p"]),
+    ({"text": "ab", "sampling_params": {"frequency_penalty": 10**400}}, ["frequency_penalty"]),
+    ({"text": "ab", "sampling_params": {"repetition_penalty": 10**400}}, ["repetition_penalty"]),
+    ({"text": "ab", "sampling_params": {"logit_bias": {"5": 10**400}}}, ["logit_bias"]),
 ])
 def test_bad_input_is_a_400_in_sglangs_shape_and_runs_nothing(world, body, words):
     srv, client, sha = world
