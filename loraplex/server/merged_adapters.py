@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from loraplex.lora.errors import InvalidAdapterError
 from loraplex.lora.merge import MAJORITY_SIGN_METHODS, MERGE_STRATEGIES, USES_DENSITY, USES_SIGN_METHOD, MergeParams
 from loraplex.registry.adapter_merges import MergeBusy, UnknownAdapter
-from loraplex.server.body_fields import is_number
+from loraplex.server.body_fields import as_float, is_number
 from loraplex.server.errors import APIError, bad_request
 from loraplex.server.generation import Target
 from loraplex.server.rate_limits import TokenCost
@@ -54,7 +54,7 @@ def parse_merged_adapters(value) -> tuple[tuple[str, ...], MergeParams]:
     weights = value.get("weights")
     if weights is None or weights == []:
         weights = [1.0] * len(ids)  # LoRAX's server: every adapter weighs 1
-    if not isinstance(weights, list) or not all(is_number(w) and math.isfinite(w) for w in weights):
+    if not isinstance(weights, list) or not all(is_number(w) and math.isfinite(as_float(w)) for w in weights):
         raise _bad("`weights` must be a list of finite numbers")
     if len(weights) != len(ids):
         raise _bad(f"`ids` and `weights` must have the same length ({len(ids)} ids, {len(weights)} weights)")

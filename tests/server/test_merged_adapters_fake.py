@@ -192,11 +192,15 @@ def test_refusals_build_and_start_nothing(world, params, status, words):
     assert srv.adapters.stats()["in_use"] == {}
 
 
-def test_infinite_weight_is_refused(world):
+@pytest.mark.parametrize("weight", [b"1e400", b"1" + b"0" * 400, b"-1" + b"0" * 400])
+def test_infinite_weight_is_refused(world, weight):
+    """1e400 reads as inf; 10**400 written out is an int no float holds (it was a 500)."""
     srv, client = world
-    raw = b'{"inputs": "hi", "parameters": {"merged_adapters": {"ids": ["x", "y"], "weights": [1, 1e400]}}}'
+    before = (_merger(srv).stats(), srv.adapters.disk_cache.stats()["entries"], len(srv.engine.started))
+    raw = b'{"inputs": "hi", "parameters": {"merged_adapters": {"ids": ["x", "y"], "weights": [1, %s]}}}' % weight
     r = client.post("/t/acme/generate", content=raw, headers={"content-type": "application/json"})
-    assert r.status_code == 422 and "finite numbers" in r.json()["error"]
+    assert r.status_code == 422 and "finite numbers" in r.json()["error"], r.text
+    assert (_merger(srv).stats(), srv.adapters.disk_cache.stats()["entries"], len(srv.engine.started)) == before
 
 
 def test_distinct_merges_are_bounded_per_tenant(world, peft):
