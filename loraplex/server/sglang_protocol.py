@@ -265,8 +265,9 @@ def _logprob_options(body: dict, max_logprobs: int) -> tuple[bool, int, int, boo
     return bool(want), start, top, text
 
 
-def parse_sglang_request(body, served_model: str, max_logprobs: int = 20) -> SGLangRequest:
-    """The request, grouped; a 400 naming the field at fault otherwise."""
+def parse_sglang_request(body, served_model: str, max_logprobs: int = 20, max_n: int = 16) -> SGLangRequest:
+    """The request, grouped; a 400 naming the field at fault otherwise. ``n`` is held to
+    ``max_n`` (``--max-n``) here, before anything is made per sample (each sample's id)."""
     if not isinstance(body, dict):
         raise _error("request body must be a JSON object")
     for name in REFUSED_FIELDS:
@@ -283,6 +284,8 @@ def parse_sglang_request(body, served_model: str, max_logprobs: int = 20) -> SGL
     if len(ns) > 1:
         raise _error("The parallel_sample_num should be the same for all samples in sample params.", "n")
     n = ns.pop()
+    if n > max_n:  # admission checks it too, but only after the per-sample ids exist
+        raise _error(f"`n` must be <= {max_n}, got {n}", "n")
     want, start, top, text = _logprob_options(body, max_logprobs)
     logprobs = top if want else None
     prompt_logprobs = top if want and start >= 0 else None

@@ -108,7 +108,8 @@ async def _admit_all(request: Request, ctx: AppContext, body: dict, arrival: flo
     tenant = None
     try:
         tenant = await authenticate(ctx, request)
-        sreq = parse_sglang_request(body, ctx.served_model_name, ctx.settings.max_logprobs)
+        sreq = parse_sglang_request(body, ctx.served_model_name, ctx.settings.max_logprobs,
+                                    ctx.settings.max_n)
         for group in sreq.groups:
             try:
                 await check_model(ctx, tenant, group.gen.model)

@@ -288,6 +288,21 @@ def test_runtime_lora_routes_exist_only_when_turned_on(world):
     assert client.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"}).status_code == 404
 
 
+def test_n_past_max_n_is_refused_before_any_per_sample_work(world):
+    """A huge ``n`` is the server's ``--max-n`` 400 at once: the request's per-sample ids were
+    made first, so n = 10**12 held the event loop (every other request) for good."""
+    srv, client, sha = world
+    before = _started(srv)
+    for n in (17, 10**12):  # the test server's max_n is 16
+        for body in ({"text": "ab"}, {"text": ["ab", "cd"], "lora_path": ["sql", None]}):
+            r = client.post("/generate", json={**body, "sampling_params": {"n": n, "max_new_tokens": 2}}, timeout=5)
+            assert r.status_code == 400, r.text
+            assert r.json() == {"error": {"message": f"`n` must be <= 16, got {n}"}}
+    assert _started(srv) == before and srv.adapters.in_use.get(sha, 0) == 0
+    assert client.post("/generate", json={"text": "ab", "sampling_params": {"n": 16, "max_new_tokens": 1}}
+                       ).status_code == 200
+
+
 def test_context_overflow_and_logprob_cap_name_sglangs_fields(world):
     srv, client, _ = world
     before = _started(srv)
