@@ -15,8 +15,6 @@ the directory they came from.
 
 from __future__ import annotations
 
-import json
-
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -25,6 +23,7 @@ from starlette.routing import Route
 from loraplex.server import runtime_lora_routes
 from loraplex.server.context import AppContext
 from loraplex.server.errors import from_exception
+from loraplex.server.limits import parse_json
 
 
 async def _loaded(ctx: AppContext, tenant: str | None) -> dict[str, str]:
@@ -42,12 +41,12 @@ async def _answer(request: Request, handler) -> Response:
     tenant = None
     try:
         tenant = await ctx.tenant_auth.tenant_for(request, request.path_params.get("tenant"))
-        body = json.loads(await request.body() or b"{}")  # kept on the request for the handler
+        body = parse_json(await request.body() or b"{}")  # kept on the request for the handler
         if isinstance(body, dict) and body.get("load_inplace") is not None:
             raise ValueError("`load_inplace` is vLLM's (POST /v1/load_lora_adapter); SGLang loads a new name")
         await handler(request)
     except Exception as exc:
-        if isinstance(exc, ValueError) and not hasattr(exc, "message"):  # no JSON, or load_inplace
+        if isinstance(exc, ValueError) and not hasattr(exc, "message"):  # load_inplace
             status, message, headers = 400, str(exc), {}
         else:
             err = from_exception(exc)

@@ -158,7 +158,7 @@ def _constraint(sp: dict):
     if name == "json_schema":
         try:
             schema = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the parser's recursion: no ValueError
             raise _error("`sampling_params.json_schema` must be a JSON schema in a string.", name) from None
         return checked_constraint(name, json=schema)
     return checked_constraint(name, **({"regex": value} if name == "regex" else {"grammar": value}))

@@ -283,7 +283,7 @@ async def generate(request: Request) -> Response:
         return error_response(from_exception(exc))
     try:
         body = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the parser's recursion
         body = None
     if not isinstance(body, dict):
         return await tgi_routes.generate(request)

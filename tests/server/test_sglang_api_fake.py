@@ -264,6 +264,28 @@ def test_lorax_bodies_still_reach_lorax(world):
         "generated_text": expected_text(srv.engine.tokenizer, _ids(srv, "ab"), sha, None, 3)}
 
 
+@pytest.mark.parametrize("raw", [b"[" * 100_000, b'{"text": ' + b"[" * 100_000])
+def test_a_body_nested_past_the_parser_is_lorax_bad_json_answer(world, raw):
+    """Nested deeper than json.loads recurses (RecursionError, no ValueError): it was a 500 and a
+    reset connection; it is now what any other unparseable body gets here (LoRAX's 422)."""
+    srv, client, _ = world
+    before = _started(srv)
+    r = client.post("/generate", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error_type"] == "validation", r.text
+    assert client.post("/generate", content=b"{not json", headers={"content-type": "application/json"}
+                       ).json() == r.json()
+    assert _started(srv) == before
+
+
+def test_a_json_schema_nested_past_the_parser_is_a_400(world):
+    srv, client, _ = world
+    before = _started(srv)
+    r = client.post("/generate", json={"text": "ab", "sampling_params": {"json_schema": "[" * 100_000}})
+    assert r.status_code == 400, r.text
+    assert r.json() == {"error": {"message": "`sampling_params.json_schema` must be a JSON schema in a string."}}
+    assert _started(srv) == before
+
+
 def test_info_health_and_flush(world):
     srv, client, _ = world
     info = client.get("/t/sg/get_model_info").json()

@@ -61,3 +61,7 @@ def test_load_generate_unload(world):
         assert "cannot be found" in _fail(c.post("/unload_lora_adapter", json={"lora_name": "a"}))
         gone = c.post("/generate", json={"text": "ab", "lora_path": "a"})
         assert gone.status_code == 400 and "a" in gone.json()["error"]["message"]
+        # a body nested past json.loads' recursion (RecursionError) is SGLang's failure, not a 500
+        for path in ("/load_lora_adapter", "/unload_lora_adapter"):
+            raw = c.post(path, content=b"[" * 100_000, headers={"content-type": "application/json"})
+            assert "JSON" in _fail(raw)
