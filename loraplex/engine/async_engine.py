@@ -116,6 +116,9 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()  # guards _commands against a concurrent shutdown
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}  # engine thread only
+        # request id -> set (on the engine thread) when it is aborted while generate still
+        # prepares it (grammar, adapter read-ahead): the engine has no such request to abort yet
+        self._preparing: dict[str, threading.Event] = {}
         self._stopped = False
         self._dead: BaseException | None = None
         self._stats: dict = self.engine.stats()
@@ -168,8 +171,11 @@ class AsyncLLMEngine:
         engine = self.engine
         finished = False
         added = threading.Event()  # set on the engine thread once the request is in
+        aborted_early = threading.Event()
+        self._preparing[request_id] = aborted_early
 
         def add() -> None:
+            self._done_preparing(request_id, aborted_early)  # from here on, abort finds it in the engine
             req = engine.prepare_request(request_id, prompt, params, None, stream_deltas=True, grammar=grammar,
                                          cache_salt=cache_salt, priority=priority, tenant=tenant,
                                          tenant_weight=tenant_weight)
@@ -177,6 +183,8 @@ class AsyncLLMEngine:
             engine.add_prepared(req)
             self._streams[request_id] = stream
             added.set()
+            if aborted_early.is_set():  # aborted while it was prepared: it ends before any step
+                self._abort_now(request_id)
 
         try:
             prepared = grammar = None
@@ -197,30 +205,45 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
+            self._done_preparing(request_id, aborted_early)  # never added: a failed or cancelled prepare
             if not finished:
                 # also when cancelled while the add was queued: commands run in order, so this
                 # sees whether the add went in (and never aborts another request's duplicate id)
                 self._abort(request_id, only_if=added)
 
+    def _done_preparing(self, request_id: str, mark: threading.Event) -> None:
+        # from the loop (generate's end) or the engine thread (its add), maybe both at once
+        if self._preparing.get(request_id) is mark:
+            self._preparing.pop(request_id, None)
+
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe). Applied before the next step; its stream, if still
-        read, ends with a ``finish_reason == "abort"`` delta."""
+        read, ends with a ``finish_reason == "abort"`` delta. A request ``generate`` is still
+        preparing (its grammar compiled, its adapter read) ends so as soon as it is added."""
         self._abort(request_id)
 
     def _abort(self, request_id: str, only_if: threading.Event | None = None) -> None:
         def command() -> None:
             if only_if is not None and not only_if.is_set():
                 return
-            out = self.engine.abort(request_id)
-            self._refresh_stats()
-            stream = self._streams.pop(request_id, None)
-            if stream is not None and out is not None:
-                stream.put(out)
+            preparing = self._preparing.get(request_id)
+            if only_if is None and preparing is not None and request_id not in self._streams:
+                preparing.set()  # not in the engine yet (no step can run it): its add aborts it
+                return
+            self._abort_now(request_id)
 
         try:
             self._submit(command, lambda exc: None)
         except EngineDeadError:
             pass  # nothing runs any more
+
+    def _abort_now(self, request_id: str) -> None:
+        """On the engine thread: abort the request, its stream ending with the abort delta."""
+        out = self.engine.abort(request_id)
+        self._refresh_stats()
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and out is not None:
+            stream.put(out)
 
     async def flush_prefix_cache(self) -> bool:
         """Forget the prefix cache if no request is running or waiting (SGLang's

@@ -89,3 +89,40 @@ def test_abort_frees_blocks_and_the_adapter(world):
     assert stats["num_blocks_free"] == stats["num_blocks_total"]
     assert stats["lora"]["adapters"][sha]["outstanding_requests"] == 0
     assert client.app.state.ctx.adapters.stats()["in_use"] == {}
+
+
+def test_abort_while_the_request_is_prepared_is_not_lost(world, monkeypatch):
+    """An abort that comes while the engine request is still being prepared (its grammar
+    compiled off the engine thread, as a new adapter version is read) ends it as a queued
+    abort: the engine had no such request yet, so the abort was dropped and the request then
+    ran to its end, its full output answered as if never aborted."""
+    client, engine, sha = world
+    compiling, release = threading.Event(), threading.Event()
+    grammars = engine.engine.grammars
+    real = grammars.matcher
+
+    def slow_matcher(spec):
+        compiling.set()
+        assert release.wait(20)
+        return real(spec)
+
+    monkeypatch.setattr(grammars, "matcher", slow_matcher)
+    body = {"text": "one two three", "lora_path": "sql", "rid": "preparing",
+            "sampling_params": {"max_new_tokens": 40, "temperature": 0, "regex": "[a-z ]+"}}
+    got = {}
+    t = threading.Thread(target=lambda: got.update(r=client.post("/generate", json=body)))
+    t.start()
+    try:
+        assert compiling.wait(20)
+        assert client.post("/abort_request", json={"rid": "preparing"}).status_code == 200
+    finally:
+        release.set()
+    t.join(20)
+    r = got["r"]
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    assert r.json()["output_ids"] == []
+    _wait(engine, num_unfinished_requests=0)
+    stats = engine.stats()
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
+    assert client.app.state.ctx.adapters.stats()["in_use"] == {}
