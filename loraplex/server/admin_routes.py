@@ -316,7 +316,10 @@ async def drop_unused_from_engine(ctx: AppContext, removed: list[tuple[str, str]
                 for merged in merges:
                     await ctx.engine.unload_adapter(merged)
                 if merges:  # nothing can name them again: their records and names go too
-                    await forget_merges(ctx, merges)
+                    kept = await forget_merges(ctx, merges)
+                    for merged in kept:  # a request still runs on it: the engine forgets it after
+                        await _retire(ctx, merged)
+                    ctx.merges.hand_back(kept)  # its names: a later merge request's housekeeping
         except Exception:  # noqa: BLE001 - the delete itself is done; LRU eviction frees it later
             log.exception("could not drop deleted adapter %s from the engine", content_hash)
 

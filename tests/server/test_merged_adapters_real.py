@@ -188,3 +188,32 @@ def test_forgotten_merges_leave_the_engine(world):
         assert ctx.adapters.stats()["in_use"] == {}
     finally:
         ctx.merges.max_per_tenant = saved
+
+
+def test_a_merge_running_when_its_constituent_is_deleted_leaves_the_engine_once_done(world):
+    """Deleting a constituent drops the merges built from it; one a stream still runs on stays
+    until that stream ends, then leaves the engine's catalog and stats as a deleted adapter does
+    (the forget was tried once, found the merge held, and never again: a record kept for ever)."""
+    import time
+
+    client, base, _, llm, manager, ctx = world
+    lora = llm.engine.lora_manager
+    own = make_peft_adapter(base, manager.disk_cache.root.parent / "gone-src", seed=21, r=4, target_modules=["q_proj"])
+    manager.upload("acme", "gone", own, "admin")  # weights no other version has: deleting them drops them
+    known = set(lora.stats()["adapters"])
+    body = {"inputs": PROMPT, "parameters": {"merged_adapters": {"ids": ["p", "gone"], "weights": [0.7, 0.2]},
+                                             "max_new_tokens": 60, "ignore_eos_token": True}}
+    with client.stream("POST", "/t/acme/generate_stream", json=body) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        [merged_hash] = set(lora.stats()["adapters"]) - known - {manager.registry.resolve("acme", "gone").sha256}
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        assert client.delete("/admin/v1/tenants/acme/adapters/gone", headers=admin).status_code == 200
+        assert merged_hash in lora.stats()["adapters"]  # the stream still runs on it
+        tail = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+    assert tail[-1]["generated_text"] is not None  # the stream ran to its end
+    deadline = time.monotonic() + 5
+    while merged_hash in lora.stats()["adapters"] or merged_hash in lora.catalog.records:
+        assert time.monotonic() < deadline, "the merge's record outlived its last request"
+        time.sleep(0.02)
+    assert ctx.adapters.stats()["in_use"] == {}
