@@ -99,8 +99,8 @@ def tokenize_prompts(ctx: AppContext, req: GenerationRequest) -> list[list[int]]
             if isinstance(prompt, str):
                 out.append(list(tok(prompt, add_special_tokens=add_special)["input_ids"]))
             else:  # token ids are the prompt as given: no special tokens added (vLLM)
-                if any(t >= vocab for t in prompt):
-                    raise bad_request(f"prompt token ids must be < {vocab}", param="prompt")
+                if any(t < 0 or t >= vocab for t in prompt):  # the engine's own bounds (prepare_request)
+                    raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
                 out.append(list(prompt))
     return truncate_prompts(out, opts.truncate_prompt_tokens, ctx.max_model_len)
 

@@ -206,6 +206,8 @@ def test_stream_is_cumulative_and_ends_with_done(world):
     ({"text": ["ab", "cd"], "sampling_params": [{"n": 1}, {"n": 2}]}, ["parallel_sample_num"]),
     ({"text": "ab", "image_data": "x.png"}, ["image_data"]),
     ({"input_ids": [4, 10 ** 6]}, ["input_ids"]),
+    ({"input_ids": [-1, 4]}, ["input_ids"]),  # was run (the engine refuses it: a stream began, then failed)
+    ({"input_ids": [[4, 5], [-3]], "stream": True}, ["input_ids"]),
     ({"input_ids": [4, "a"]}, ["input_ids"]),
     ({"text": "ab", "sampling_params": {"max_new_tokens": -1}}, ["max_new_tokens"]),
     ({"text": "ab", "sampling_params": {"n": [2]}}, ["n"]),  # was a 500 (a list cannot be compared)
