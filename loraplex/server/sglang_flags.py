@@ -88,8 +88,16 @@ def _sglang_json_module(item: str) -> str:
     return json.dumps({"name": fields.get("lora_name"), "path": fields.get("lora_path")})
 
 
+def _int(flag: str, v: str) -> int:
+    """A value this table reads itself (serve's argparse reads the ones passed on)."""
+    try:
+        return int(v)
+    except ValueError:
+        raise SGLangFlagError(f"{flag} {v}: must be an integer") from None
+
+
 def _chunked_prefill(v) -> list[str]:
-    size = int(v)
+    size = _int("--chunked-prefill-size", v)
     return ["--no-enable-chunked-prefill"] if size == -1 else ["--max-num-batched-tokens", str(size)]
 
 
@@ -98,7 +106,7 @@ def _schedule_policy(v) -> list[str]:
 
 
 def _nodes(v) -> list[str]:
-    if int(v) != 1:
+    if _int("--nnodes", v) != 1:
         raise SGLangFlagError("--nnodes: loraplex runs a model on one device; run one replica per GPU on a "
                               "shared database and blob store instead")
     return []

@@ -96,6 +96,9 @@ def test_api_key_and_json_lora_paths(parsed):
     (["--lora-paths", "/bare/path"], ["--lora-paths", "NAME=PATH"]),
     (["--nnodes", "2"], ["--nnodes"]),
     (["--speculative-algorithm", "EAGLE"], ["--speculative-algorithm", "--speculative-config"]),
+    # values the table reads itself: a traceback (ValueError), not argparse's error
+    (["--chunked-prefill-size", "8k"], ["--chunked-prefill-size", "8k", "integer"]),
+    (["--nnodes", "two"], ["--nnodes", "two", "integer"]),
 ])
 def test_refusals_name_the_flag(argv, words, capsys):
     from loraplex import cli
