@@ -226,3 +226,16 @@ class UsageFlush(Base):
 
     batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     flushed_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ReplicaHeartbeat(Base):
+    """A serving replica that counts itself in the cluster-wide tenant limits
+    (``tenant_limits_scope`` "cluster"): it writes ``last_seen`` every registry poll and is
+    counted while that is recent (``replicas.ReplicaHeartbeatMixin``). ``last_seen`` is the
+    database's own clock in epoch seconds, so replicas' clocks never have to agree."""
+
+    __tablename__ = "replica_heartbeats"
+    __table_args__ = (Index(None, "last_seen"),)
+
+    replica_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    last_seen: Mapped[float] = mapped_column(Float)

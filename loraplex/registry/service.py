@@ -44,6 +44,7 @@ from loraplex.registry.flag_keys import FlagKeysMixin
 from loraplex.registry.info import AdapterInfo, ApiKeyInfo, AuditEventInfo, TenantInfo, VersionInfo
 from loraplex.registry.models import VERSION_DELETED, Adapter, Tenant, utcnow
 from loraplex.registry.names import parse_model_ref, parse_version, validate_adapter_name, validate_tenant_name
+from loraplex.registry.replicas import ReplicaHeartbeatMixin
 from loraplex.registry.serve_flags import ServeFlagsMixin
 from loraplex.registry.tenant_delete import TenantDeleteMixin, TenantDeletion, refuse_taken_name
 from loraplex.registry.tenant_settings import TenantSettingsMixin
@@ -76,7 +77,7 @@ RETRY_BACKOFF_S = 0.002
 
 
 class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDeleteMixin, FlagKeysMixin,
-                      UsageMixin, VersionBatchMixin, ServeFlagsMixin):
+                      UsageMixin, VersionBatchMixin, ServeFlagsMixin, ReplicaHeartbeatMixin):
     """The registry's public API. Thread-safe: it holds only a session factory."""
 
     def __init__(self, session_factory: sessionmaker[Session]):
