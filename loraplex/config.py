@@ -288,6 +288,11 @@ class Settings(BaseSettings):
     max_n: int = 16
     max_body_bytes: int = 64 * MiB  # adapter uploads included
     max_concurrent_requests_per_tenant: int = 256  # a tenant's own max_concurrent_requests replaces it
+    # where a tenant's own limits (max_requests_per_minute, max_tokens_per_minute,
+    # max_concurrent_requests) hold: "replica" (each replica applies them whole: N replicas admit
+    # up to N times them) or "cluster" (replicas heartbeat into the registry every
+    # registry_poll_seconds and each applies limit / live replicas; loraplex/server/cluster_presence.py)
+    tenant_limits_scope: Literal["replica", "cluster"] = "replica"
     shutdown_grace_seconds: float = 30.0
     max_upload_member_bytes: int = 2 * GiB
     # vLLM's --trust-request-chat-template: render a `chat_template` sent with a chat request
@@ -357,6 +362,14 @@ class Settings(BaseSettings):
         parse_speculative_config(self.speculative_config)
         check_quantization(self.quantization)
         check_gpu_memory_utilization(self.gpu_memory_utilization)
+        return self
+
+    @model_validator(mode="after")
+    def _cluster_limits_heartbeat(self) -> "Settings":
+        # the heartbeat runs every registry_poll_seconds: it needs an interval
+        if self.tenant_limits_scope == "cluster" and not self.registry_poll_seconds > 0:
+            raise ValueError(f"tenant_limits_scope cluster needs registry_poll_seconds > 0 (its replicas "
+                             f"heartbeat at that interval); got {self.registry_poll_seconds}")
         return self
 
     def engine_config(self) -> EngineConfig:

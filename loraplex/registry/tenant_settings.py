@@ -3,8 +3,8 @@ of the tenant in flight at once on one replica; None restores the server's
 ``max_concurrent_requests_per_tenant``) and ``scheduling_weight`` (the tenant's share of the
 engine under the fair scheduling policy; 1 by default, so weight 2 holds about twice the running
 sequences of a weight-1 tenant when both have queues), and the OpenAI-style rate limits
-``max_requests_per_minute`` and ``max_tokens_per_minute`` (per replica; None: unlimited, the
-default), which the server enforces at admission (loraplex/server/rate_limits.py).
+``max_requests_per_minute`` and ``max_tokens_per_minute`` (per replica, or shared by all under
+``tenant_limits_scope`` "cluster"; None: unlimited, the default), which the server enforces at admission (loraplex/server/rate_limits.py).
 
 Servers read them with the tenant (``RegistryService.get_tenant``) and cache them for
 ``registry_poll_seconds``, so a change made through any replica applies on every replica within

@@ -44,6 +44,7 @@ from loraplex.server import (
 from loraplex.server.auth import AdminAuth, TenantAuth
 from loraplex.server.blob_gc import BlobGarbageCollector
 from loraplex.server.chat_template import load_chat_template
+from loraplex.server.cluster_presence import ClusterPresence
 from loraplex.template_content_format import ContentFormatResolver
 from loraplex.server.components import Components
 from loraplex.server.context import AppContext
@@ -150,6 +151,14 @@ def use_parts(ctx: AppContext, engine, registry, adapters) -> None:
         ctx.metrics.model_name = ctx.served_model_name
 
 
+def _start_presence(ctx: AppContext) -> ClusterPresence:
+    """Heartbeats into the registry for ``--tenant-limits-scope cluster`` (cluster_presence.py)."""
+    beat, leave = getattr(ctx.registry, "replica_heartbeat", None), getattr(ctx.registry, "replica_leave", None)
+    if beat is None or leave is None:
+        raise ValueError("--tenant-limits-scope cluster needs the registry database to count replicas in")
+    return ClusterPresence(beat, leave, ctx.settings.registry_poll_seconds).start()
+
+
 async def _stop_usage(ctx: AppContext) -> None:
     """The recorder's last flush, once every admitted request has closed. uvicorn cancels the
     requests its graceful shutdown left running and runs the app's shutdown without waiting:
@@ -205,6 +214,8 @@ def create_app(
             # its thread's first flush replays what an earlier run spooled
             ctx.usage = UsageRecorder(record_usage, settings.usage_flush_seconds, spool=spool).start()
             ctx.metrics.registry.register(UsageCollector(ctx.usage))
+        if settings.tenant_limits_scope == "cluster":  # the first heartbeat before the first request
+            ctx.presence = await run_in_threadpool(_start_presence, ctx)
         if on_started is not None:
             on_started()
         lifecycle.started = True
@@ -214,6 +225,8 @@ def create_app(
         finally:
             lifecycle.started = False
             try:
+                if ctx.presence is not None:  # first: the others take over this replica's share
+                    await run_in_threadpool(ctx.presence.stop)
                 ctx.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
                 if blob_gc is not None:
                     await run_in_threadpool(blob_gc.stop)

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 SKIPPED_SETTINGS = frozenset({
     "host", "port", "registry_poll_seconds", "blob_gc_interval_seconds", "blob_gc_min_age_seconds", "max_body_bytes",
     "max_concurrent_requests_per_tenant", "shutdown_grace_seconds", "max_upload_member_bytes",
+    "tenant_limits_scope",  # a batch is one process, and applies no tenant's limits
     "usage_flush_seconds",  # a batch run records no usage: its output file has every line's usage
 }) | http_options.SERVER_ONLY_FIELDS
 DEFAULT_MAX_CONCURRENCY = 256

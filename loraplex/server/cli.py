@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 NOT_FLAGS = {"admin_key"}
 # flags with a fixed set of values: argparse names them on a wrong one
 CHOICES = {"tool_call_parser": list(TOOL_PARSERS), "reasoning_parser": list(REASONING_PARSERS),
-           "prefix_cache_scope": ["tenant", "shared"], "scheduling_policy": list(SCHEDULING_POLICIES),
+           "prefix_cache_scope": ["tenant", "shared"], "tenant_limits_scope": ["replica", "cluster"],
+           "scheduling_policy": list(SCHEDULING_POLICIES),
            "chat_template_content_format": list(CONTENT_FORMAT_OPTIONS), "kv_cache_dtype": list(KV_CACHE_DTYPES)}
 
 

@@ -53,6 +53,9 @@ class AppContext:
     merges_resolving: dict = field(default_factory=dict)
     # each tenant's requests- and tokens-per-minute buckets on this replica
     rate_limiter: TenantRateLimiter = field(default_factory=TenantRateLimiter)
+    # the live replicas sharing the tenant limits (cluster_presence.ClusterPresence), under
+    # --tenant-limits-scope cluster once started; None: this replica applies them whole
+    presence: Any = None
     # content hash -> display name ("tenant/name@version"), for status and logs
     adapter_display: dict[str, str] = field(default_factory=dict)
     # SGLang /generate calls in flight, for /abort_request (sglang_abort.py)
@@ -60,6 +63,11 @@ class AppContext:
     # where prompts are rendered and tokenized (``run_tokenizer``); threads start on first use
     tokenizer_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="loraplex-tokenize"))
+
+    @property
+    def live_replicas(self) -> int:
+        """How many replicas share each tenant's limits: 1 under the replica scope."""
+        return self.presence.live if self.presence is not None else 1
 
     @property
     def tokenizer(self):

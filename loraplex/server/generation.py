@@ -255,11 +255,11 @@ class RequestRun:
         try:
             ctx.lifecycle.admit()
             self._held.append("lifecycle")
-            limits = self.limits
+            limits, replicas = self.limits, ctx.live_replicas
             self._rate = ctx.rate_limiter.reserve(
                 self.tenant, limits.max_requests_per_minute, limits.max_tokens_per_minute, self.token_cost(),
-                prompt_param="messages" if self.req.kind == "chat" else "prompt")
-            ctx.limiter.acquire(self.tenant, limits.max_concurrent_requests)
+                prompt_param="messages" if self.req.kind == "chat" else "prompt", replicas=replicas)
+            ctx.limiter.acquire(self.tenant, limits.concurrency_cap(replicas))
             self._held.append("limiter")
         except BaseException:
             ctx.rate_limiter.cancel(self._rate)  # refused after the rate take: it gets all of it back

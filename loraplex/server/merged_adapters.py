@@ -136,11 +136,12 @@ def refuse_as_admission_would(ctx, tenant: str, limits) -> None:
     remembered merges, with every refused request. Admission checks again, as always."""
     ctx.lifecycle.admit()
     ctx.lifecycle.done()
-    ctx.limiter.acquire(tenant, limits.max_concurrent_requests)
+    replicas = ctx.live_replicas
+    ctx.limiter.acquire(tenant, limits.concurrency_cap(replicas))
     ctx.limiter.release(tenant)
     # one request and one token: whatever the prompt, a bucket that cannot give these refuses
     ctx.rate_limiter.cancel(ctx.rate_limiter.reserve(
-        tenant, limits.max_requests_per_minute, limits.max_tokens_per_minute, TokenCost(1, 0, 0)))
+        tenant, limits.max_requests_per_minute, limits.max_tokens_per_minute, TokenCost(1, 0, 0), replicas=replicas))
 
 
 async def drop_forgotten_merges(ctx, merger) -> None:

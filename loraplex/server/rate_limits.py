@@ -14,9 +14,17 @@ A request larger than the whole per-minute token budget is a 400, not a 429: it 
 so a 429 would only send clients (OpenAI's SDKs retry 429s by themselves) into retries that must
 all fail. The answer names ``max_tokens`` (or the prompt, when the prompt alone is too large).
 
-Limits are per replica, like the concurrency cap: N replicas behind a balancer admit up to N
-times a tenant's limits in all. Answers of a tenant with limits carry OpenAI's
-``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` headers, 429s included.
+By default (``tenant_limits_scope`` "replica") limits are per replica, like the concurrency cap:
+N replicas behind a balancer admit up to N times a tenant's limits in all. Under "cluster" each
+replica is given ``replicas``, the live replicas it counts (cluster_presence.py), and its buckets
+hold and refill ``limit / replicas``: the whole deployment admits about the limit when the
+balancer spreads a tenant's requests evenly (less when it does not). A request larger than the
+share but within the limit is admitted into a full share's bucket, which then refills for longer
+(``TokenBucket.wait``), so no request that fits the limit is refused forever.
+
+Answers of a tenant with limits carry OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}``
+headers, 429s included: the limit is the tenant's, remaining and reset are of the bucket of the
+replica that answered (its share, under "cluster").
 """
 
 from __future__ import annotations
@@ -82,29 +90,34 @@ class TenantRateLimiter:
         self._lock = threading.Lock()
 
     def reserve(self, tenant: str, rpm: int | None, tpm: int | None, cost: TokenCost,
-                prompt_param: str = "prompt") -> Reservation | None:
-        """Take one request and ``cost.reserved(tpm)`` tokens, or raise (taking nothing): 400 when
-        that exceeds ``tpm`` itself, 429 when it does not fit yet. None: the tenant has no limits."""
+                prompt_param: str = "prompt", replicas: int = 1) -> Reservation | None:
+        """Take one request and ``cost.reserved(...)`` tokens, or raise (taking nothing): 400 when
+        that exceeds ``tpm`` itself, 429 when it does not fit yet. None: the tenant has no limits.
+        ``replicas`` > 1: the limits are shared by that many replicas, this one's buckets hold a
+        ``1 / replicas`` share of each (module docstring)."""
         if rpm is None and tpm is None:
             return None
-        tokens = cost.reserved(tpm) if tpm is not None else cost.total
-        wanted = {REQUESTS: (rpm, 1), TOKENS: (tpm, tokens)}
+        if replicas < 1:
+            raise ValueError(f"replicas must be at least 1, got {replicas}")
+        # a request without max_tokens reserves at most what one bucket holds: the share
+        tokens = cost.reserved(max(1, tpm // replicas)) if tpm is not None else cost.total
+        wanted = {kind: _Want(limit, limit / replicas, amount)
+                  for kind, limit, amount in ((REQUESTS, rpm, 1), (TOKENS, tpm, tokens)) if limit is not None}
         with self._lock:
             now = self.clock()
             if tpm is not None and tokens > tpm:
                 raise _too_large(tenant, tpm, cost, prompt_param)
-            waits = {kind: self._bucket(tenant, kind, limit, now).wait(amount, now, limit)
-                     for kind, (limit, amount) in wanted.items() if limit is not None}
+            waits = {kind: self._bucket(tenant, kind, want.share, now).wait(want.amount, now, want.share)
+                     for kind, want in wanted.items()}
             kind = max(waits, key=waits.get)
             if waits[kind] > 0:
-                limit, amount = wanted[kind]
+                want = wanted[kind]
                 used = self._buckets[(tenant, kind)].used
-                raise _rate_limited(tenant, kind, limit, used, amount, waits[kind], self._headers(tenant, wanted, now))
+                raise _rate_limited(tenant, kind, want, used, waits[kind], replicas, self._headers(tenant, wanted, now))
             takes = {}
-            for kind in waits:
-                limit, amount = wanted[kind]
+            for kind, want in wanted.items():
                 bucket = self._buckets[(tenant, kind)]
-                takes[kind] = (bucket, bucket.take(amount, now, limit))
+                takes[kind] = (bucket, bucket.take(want.amount, now, want.share))
             headers = self._headers(tenant, wanted, now)
         return Reservation(tenant, 1 if rpm is not None else 0, tokens if tpm is not None else 0, headers,
                            takes=takes)
@@ -156,23 +169,34 @@ class TenantRateLimiter:
             bucket = self._buckets[(tenant, kind)] = TokenBucket(limit, now)
         return bucket
 
-    def _headers(self, tenant: str, wanted: dict, now: float) -> dict[str, str]:
+    def _headers(self, tenant: str, wanted: dict[str, _Want], now: float) -> dict[str, str]:
         headers = {}
-        for kind, (limit, _) in wanted.items():
-            if limit is None:
-                continue
-            bucket = self._bucket(tenant, kind, limit, now)
-            headers[f"x-ratelimit-limit-{kind}"] = str(limit)
-            headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(bucket.remaining(now, limit) + 1e-9)))
-            headers[f"x-ratelimit-reset-{kind}"] = go_duration(bucket.reset_seconds(now, limit))
+        for kind, want in wanted.items():
+            bucket = self._bucket(tenant, kind, want.share, now)
+            headers[f"x-ratelimit-limit-{kind}"] = str(want.limit)
+            remaining = bucket.remaining(now, want.share)
+            headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(remaining + 1e-9)))
+            headers[f"x-ratelimit-reset-{kind}"] = go_duration(bucket.reset_seconds(now, want.share))
         return headers
 
 
-def _rate_limited(tenant: str, kind: str, limit: int, used: float, requested: int, wait: float,
+@dataclass(frozen=True)
+class _Want:
+    """One limit of a request being reserved: the tenant's limit, the part of it this replica's
+    bucket holds (the limit itself under the replica scope) and what the request takes."""
+
+    limit: int
+    share: float
+    amount: int
+
+
+def _rate_limited(tenant: str, kind: str, want: _Want, used: float, wait: float, replicas: int,
                   headers: dict[str, str]) -> APIError:
     # OpenAI's words, and its error type ("requests" or "tokens") telling which limit refused
-    message = (f"Rate limit reached for tenant {tenant} on {kind} per min ({_SHORT[kind]}): Limit {limit}, "
-               f"Used {math.ceil(used - 1e-9)}, Requested {requested}. Please try again in {go_duration(wait)}.")
+    shared = f" ({want.share:g} on each of {replicas} replicas)" if replicas > 1 else ""
+    message = (f"Rate limit reached for tenant {tenant} on {kind} per min ({_SHORT[kind]}): Limit {want.limit}"
+               f"{shared}, Used {math.ceil(used - 1e-9)}, Requested {want.amount}. "
+               f"Please try again in {go_duration(wait)}.")
     retry_after = max(1, math.ceil(wait - 1e-9))
     return APIError(429, message, type=kind, code="rate_limit_exceeded",
                     headers={"Retry-After": str(retry_after), **headers})

@@ -1,6 +1,8 @@
 """Each tenant's serving limits as this replica applies them: its own concurrency cap (else the
 server's ``max_concurrent_requests_per_tenant``), its scheduling weight and its rate limits
 (rate_limits.py), read from the registry and kept for ``cache_seconds`` (``registry_poll_seconds``).
+Under ``tenant_limits_scope`` "cluster" the live replicas divide the cap (``concurrency_cap``)
+and the rate limits among themselves (cluster_presence.py).
 
 The registry is the one place they are set (admin API, CLI), so a change made through any
 replica reaches every replica within ``cache_seconds``; one made through this replica's admin
@@ -25,6 +27,15 @@ class TenantLimits:
     scheduling_weight: float = 1.0
     max_requests_per_minute: int | None = None  # None: unlimited
     max_tokens_per_minute: int | None = None  # None: unlimited
+
+    def concurrency_cap(self, replicas: int = 1) -> int | None:
+        """This replica's part of the tenant's own cap when ``replicas`` share it: rounded down,
+        so the replicas together never hold more than the cap (unless there are more replicas
+        than the cap: each keeps 1, or the tenant could not run at all). None: the server's
+        ``max_concurrent_requests_per_tenant``, a per-replica setting, applies whole."""
+        if self.max_concurrent_requests is None:
+            return None
+        return max(1, self.max_concurrent_requests // max(1, replicas))
 
 
 DEFAULT_LIMITS = TenantLimits()

@@ -27,7 +27,7 @@ class TokenBucket:
     """One per-minute limit's state. Every method takes ``now`` (monotonic seconds) and the
     limit in force, so the caller owns the clock and the limit can change between calls."""
 
-    def __init__(self, limit: int, now: float):
+    def __init__(self, limit: float, now: float):
         self.limit = limit
         self.used = 0.0
         self.updated = now
@@ -36,7 +36,7 @@ class TokenBucket:
         self._low_since: dict[int, float] = {}
         self._next_take = 0
 
-    def _advance(self, now: float, limit: int) -> None:
+    def _advance(self, now: float, limit: float) -> None:
         """Refill up to ``now`` at the rate of the limit the bucket had, then apply ``limit``."""
         elapsed = max(0.0, now - self.updated)  # a clock that steps back refills nothing
         self.used = max(0.0, self.used - elapsed * self.limit / SECONDS_PER_MINUTE)
@@ -53,21 +53,24 @@ class TokenBucket:
             if self.used < low:
                 self._low_since[take] = self.used
 
-    def wait(self, cost: float, now: float, limit: int) -> float:
-        """Seconds until ``cost`` fits (0: it fits now). A cost above the limit never fits: inf."""
+    def wait(self, cost: float, now: float, limit: float) -> float:
+        """Seconds until ``cost`` fits (0: it fits now). A cost above the limit fits only a full
+        bucket (nothing used), and then puts it in debt: it refills for ``cost / limit`` minutes.
+        Only a replica's share of a cluster-wide limit (rate_limits.py) is ever asked for more
+        than it holds; a replica-scope limit refuses such costs before asking."""
         self._advance(now, limit)
         if cost > self.limit:
-            return math.inf
+            return 0.0 if self.used <= _EPSILON * max(1.0, self.limit) else self.used * SECONDS_PER_MINUTE / self.limit
         over = self.used + cost - self.limit
         if over <= _EPSILON * max(1.0, self.limit):
             return 0.0
         return over * SECONDS_PER_MINUTE / self.limit
 
-    def take(self, cost: float, now: float, limit: int) -> int:
+    def take(self, cost: float, now: float, limit: float) -> int:
         """Spend ``cost``, which ``wait`` said fits. Returns the take's id, to be settled once
         with ``give_back`` or ``settle``."""
         self._advance(now, limit)
-        self.used = min(float(self.limit), self.used + cost)
+        self.used = min(max(float(self.limit), cost), self.used + cost)  # a cost above the limit: debt
         take, self._next_take = self._next_take, self._next_take + 1
         self._low_since[take] = self.used
         return take
@@ -89,11 +92,11 @@ class TokenBucket:
         """Settle ``take`` with nothing to give back."""
         self._low_since.pop(take, None)
 
-    def remaining(self, now: float, limit: int) -> float:
+    def remaining(self, now: float, limit: float) -> float:
         self._advance(now, limit)
         return self.limit - self.used
 
-    def reset_seconds(self, now: float, limit: int) -> float:
+    def reset_seconds(self, now: float, limit: float) -> float:
         """Seconds until the bucket is full again (OpenAI's ``x-ratelimit-reset-*``)."""
         self._advance(now, limit)
         return self.used * SECONDS_PER_MINUTE / self.limit

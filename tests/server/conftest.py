@@ -65,11 +65,13 @@ class RunningServer:
             self.thread.join(timeout=10)
 
 
-def start_server(tmp_path, engine: FakeEngine | None = None, make_adapters=None, **setting_overrides) -> RunningServer:
-    """``make_adapters(registry, home)`` gives the adapter manager (default: the fake one)."""
+def start_server(tmp_path, engine: FakeEngine | None = None, make_adapters=None, database_url: str | None = None,
+                 **setting_overrides) -> RunningServer:
+    """``make_adapters(registry, home)`` gives the adapter manager (default: the fake one);
+    ``database_url`` a registry shared with other servers (default: a SQLite file of its own)."""
     home = tmp_path / "home"
     home.mkdir(parents=True, exist_ok=True)
-    url = f"sqlite:///{home / 'registry.db'}"
+    url = database_url or f"sqlite:///{home / 'registry.db'}"
     db.upgrade(url)
     registry = RegistryService.from_url(url)
     engine = engine or FakeEngine()

@@ -1,0 +1,166 @@
+"""Tenant limits across two replicas over HTTP: two servers (fake engines) on one registry
+database, SQLite file or PostgreSQL, as two pods behind a balancer. Under
+``--tenant-limits-scope cluster`` a tenant at N requests a minute gets N through both together,
+the rest 429 with ``Retry-After`` in OpenAI's error shape; under ``replica`` (the default) each
+server admits N, as before; a replica that leaves, or goes silent, gives its share back to the
+other. The limiters' clocks are frozen (and moved by hand), so nothing refills while a test runs;
+the heartbeats run on real time."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.server.conftest import start_server
+from tests.server.fakes import FakeEngine
+
+POLL_SECONDS = 0.2  # the heartbeat interval; a silent replica expires after three
+BODY = {"model": "fake-model", "prompt": "ab", "max_tokens": 1}
+
+
+class GatedEngine(FakeEngine):
+    """The fake engine, holding every output while ``gate`` is clear (the request has started)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    async def generate(self, *args, **kwargs):
+        async for out in super().generate(*args, **kwargs):
+            while not self.gate.is_set():
+                await asyncio.sleep(0.005)
+            yield out
+
+
+@pytest.fixture
+def two_replicas(tmp_path, registry_url):
+    """``make(**settings)`` -> two servers on one registry, their limiter clocks frozen at one
+    shared, movable time (``clock[0]``)."""
+    started, clock = [], [1000.0]
+
+    def make(**settings):
+        for name in ("a", "b"):
+            srv = start_server(tmp_path / name, GatedEngine(), database_url=registry_url,
+                               registry_poll_seconds=POLL_SECONDS, **settings)
+            srv.app.state.ctx.rate_limiter.clock = lambda: clock[0]
+            started.append(srv)
+        return started[0], started[1], clock
+
+    yield make
+    for srv in started:
+        srv.stop()
+
+
+def _wait_for(condition, seconds: float) -> float:
+    """Seconds until ``condition()`` held; fails after ``seconds``."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < seconds, "condition not reached in time"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def _tenant(srv, name: str, **limits) -> str:
+    key = srv.make_tenant(name)
+    srv.registry.update_tenant_settings(name, limits)
+    return key
+
+
+def _post_alternating(servers, key: str, count: int) -> list:
+    clients = [srv.tenant_client(key) for srv in servers]
+    try:
+        return [clients[i % len(clients)].post("/v1/completions", json=BODY) for i in range(count)]
+    finally:
+        for c in clients:
+            c.close()
+
+
+def _assert_openai_rate_limited(answer) -> None:
+    assert answer.status_code == 429, answer.text
+    assert int(answer.headers["retry-after"]) >= 1
+    error = answer.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    assert error["code"] == "rate_limit_exceeded" and error["type"] == "requests"
+
+
+def test_cluster_scope_admits_the_limit_across_both_replicas(two_replicas):
+    a, b, _ = two_replicas(tenant_limits_scope="cluster")
+    _wait_for(lambda: a.app.state.ctx.live_replicas == b.app.state.ctx.live_replicas == 2, 5)
+    n = 6
+    key = _tenant(a, "acme", max_requests_per_minute=n)
+    answers = _post_alternating([a, b], key, 2 * n + 2)
+    assert sum(r.status_code == 200 for r in answers) == n
+    for refused in (r for r in answers if r.status_code != 200):
+        _assert_openai_rate_limited(refused)
+        assert refused.headers["x-ratelimit-limit-requests"] == str(n)  # the tenant's limit, not a share
+    # the database records both replicas
+    assert len(a.registry.live_replicas(60)) == 2
+
+
+def test_cluster_scope_holds_for_all_traffic_sent_to_one_replica(two_replicas):
+    # uneven balancing: one replica admits only its share, so the deployment admits less
+    # than the limit, never more
+    a, b, _ = two_replicas(tenant_limits_scope="cluster")
+    _wait_for(lambda: a.app.state.ctx.live_replicas == 2, 5)
+    key = _tenant(a, "acme", max_requests_per_minute=6)
+    answers = _post_alternating([a], key, 8)
+    assert [r.status_code for r in answers] == [200] * 3 + [429] * 5
+
+
+def test_replica_scope_lets_each_replica_admit_the_whole_limit(two_replicas):
+    a, b, _ = two_replicas()  # the default scope
+    n = 6
+    key = _tenant(a, "acme", max_requests_per_minute=n)
+    answers = _post_alternating([a, b], key, 2 * n + 2)
+    assert [r.status_code for r in answers] == [200] * (2 * n) + [429] * 2
+    assert a.app.state.ctx.presence is None and b.app.state.ctx.presence is None
+    assert a.registry.live_replicas(60) == []  # no heartbeats written
+
+
+def test_a_replica_leaving_gives_its_share_back(two_replicas):
+    a, b, clock = two_replicas(tenant_limits_scope="cluster")
+    _wait_for(lambda: a.app.state.ctx.live_replicas == 2, 5)
+    n = 6
+    key = _tenant(a, "acme", max_requests_per_minute=n)
+    assert [r.status_code for r in _post_alternating([a], key, n // 2 + 1)] == [200] * (n // 2) + [429]
+    b.stop()  # a graceful stop deletes its heartbeat: the next one of a counts one replica
+    _wait_for(lambda: a.app.state.ctx.live_replicas == 1, 2 * POLL_SECONDS + 1)
+    clock[0] += 60.0  # a full minute: the bucket holds what one replica now may admit
+    assert [r.status_code for r in _post_alternating([a], key, n + 1)] == [200] * n + [429]
+
+
+def test_a_silent_replica_stops_counting_within_the_ttl(two_replicas):
+    a, b, clock = two_replicas(tenant_limits_scope="cluster")
+    _wait_for(lambda: a.app.state.ctx.live_replicas == 2, 5)
+    presence = b.app.state.ctx.presence
+    presence._leave = lambda replica_id: None  # as if b died: its row stays behind
+    presence.stop()
+    gone = _wait_for(lambda: a.app.state.ctx.live_replicas == 1, 10)
+    assert gone <= presence.ttl_seconds + 2 * POLL_SECONDS + 1.0  # ttl + a poll, with slack for the CI
+    assert a.registry.live_replicas(60) == [a.app.state.ctx.presence.replica_id]  # b's row was deleted
+
+
+def test_cluster_scope_shares_the_concurrency_cap(two_replicas):
+    # a cap of 2 over two replicas: one request in flight on each, two in all
+    a, b, _ = two_replicas(tenant_limits_scope="cluster")
+    _wait_for(lambda: a.app.state.ctx.live_replicas == 2, 5)
+    key = _tenant(a, "acme", max_concurrent_requests=2)
+    with a.tenant_client(key) as ca, b.tenant_client(key) as cb, ThreadPoolExecutor(1) as pool:
+        a.engine.gate.clear()
+        try:
+            held = pool.submit(ca.post, "/v1/completions", json=BODY)
+            _wait_for(lambda: len(a.engine.started) == 1, 5)
+            second_on_a = ca.post("/v1/completions", json=BODY)
+            on_b = cb.post("/v1/completions", json=BODY)
+        finally:
+            a.engine.gate.set()
+        assert held.result().status_code == 200
+    assert second_on_a.status_code == 429 and second_on_a.headers["retry-after"] == "1"
+    assert second_on_a.json()["error"]["code"] == "rate_limit_exceeded"
+    assert "(limit 1)" in second_on_a.json()["error"]["message"]
+    assert on_b.status_code == 200
