@@ -20,7 +20,7 @@ replica is given ``replicas``, the live replicas it counts (cluster_presence.py)
 hold and refill ``limit / replicas``: the whole deployment admits about the limit when the
 balancer spreads a tenant's requests evenly (less when it does not). A request larger than the
 share but within the limit is admitted into a full share's bucket, which then refills for longer
-(``TokenBucket.wait``), so no request that fits the limit is refused forever.
+(``TokenBucket.wait``'s ``overdraw``), so no request that fits the limit is refused forever.
 
 Answers of a tenant with limits carry OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}``
 headers, 429s included: the limit is the tenant's, remaining and reset are of the bucket of the
@@ -107,7 +107,8 @@ class TenantRateLimiter:
             now = self.clock()
             if tpm is not None and tokens > tpm:
                 raise _too_large(tenant, tpm, cost, prompt_param)
-            waits = {kind: self._bucket(tenant, kind, want.share, now).wait(want.amount, now, want.share)
+            waits = {kind: self._bucket(tenant, kind, want.share, now).wait(want.amount, now, want.share,
+                                                                             overdraw=replicas > 1)
                      for kind, want in wanted.items()}
             kind = max(waits, key=waits.get)
             if waits[kind] > 0:

@@ -53,13 +53,15 @@ class TokenBucket:
             if self.used < low:
                 self._low_since[take] = self.used
 
-    def wait(self, cost: float, now: float, limit: float) -> float:
-        """Seconds until ``cost`` fits (0: it fits now). A cost above the limit fits only a full
-        bucket (nothing used), and then puts it in debt: it refills for ``cost / limit`` minutes.
-        Only a replica's share of a cluster-wide limit (rate_limits.py) is ever asked for more
-        than it holds; a replica-scope limit refuses such costs before asking."""
+    def wait(self, cost: float, now: float, limit: float, *, overdraw: bool = False) -> float:
+        """Seconds until ``cost`` fits (0: it fits now). A cost above the limit never fits (inf),
+        unless ``overdraw``: then it fits a full bucket (nothing used), which it puts in debt, to
+        refill for ``cost / limit`` minutes. A replica's share of a limit shared by several
+        (rate_limits.py) overdraws, so a request within the whole limit is never refused for good."""
         self._advance(now, limit)
         if cost > self.limit:
+            if not overdraw:
+                return math.inf
             return 0.0 if self.used <= _EPSILON * max(1.0, self.limit) else self.used * SECONDS_PER_MINUTE / self.limit
         over = self.used + cost - self.limit
         if over <= _EPSILON * max(1.0, self.limit):
@@ -94,7 +96,7 @@ class TokenBucket:
 
     def remaining(self, now: float, limit: float) -> float:
         self._advance(now, limit)
-        return self.limit - self.used
+        return max(0.0, self.limit - self.used)  # an overdrawn bucket has nothing left, not less
 
     def reset_seconds(self, now: float, limit: float) -> float:
         """Seconds until the bucket is full again (OpenAI's ``x-ratelimit-reset-*``)."""

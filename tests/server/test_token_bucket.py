@@ -143,3 +143,16 @@ def test_a_clock_that_steps_back_refills_nothing():
 def test_durations_are_written_as_openai_writes_them(seconds, text):
     # OpenAI's headers carry Go durations: "12ms", "17.28s", "6m0s" (its rate-limit guide)
     assert go_duration(seconds) == text
+
+
+def test_an_overdrawing_bucket_takes_a_cost_above_its_limit_only_when_full_and_refills_it_whole():
+    b = TokenBucket(20, 0.0)
+    assert b.wait(50, 0.0, 20) == math.inf  # without overdraw: never
+    b.take(5, 0.0, 20)
+    assert b.wait(50, 0.0, 20, overdraw=True) == pytest.approx(15.0)  # until the 5 used refilled: 5 at 20/min
+    assert b.wait(50, 15.0, 20, overdraw=True) == 0
+    b.take(50, 15.0, 20)
+    assert b.remaining(15.0, 20) == 0  # in debt: nothing left, not less than nothing
+    assert b.reset_seconds(15.0, 20) == pytest.approx(150.0)  # 50 at 20 a minute
+    assert b.wait(1, 15.0, 20, overdraw=True) == pytest.approx((50 + 1 - 20) * 3.0)  # 3 s per unit
+    assert b.wait(5, 15.0 + 150.0 - 15.0, 20) == 0  # after 135 s: 5 used, 15 free
