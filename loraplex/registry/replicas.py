@@ -68,7 +68,7 @@ class ReplicaHeartbeatMixin:
             table = ReplicaHeartbeat.__table__
             session.execute(delete(table).where(table.c.replica_id == replica_id))
 
-    def live_replicas(self, ttl_seconds: float) -> list[str]:
+    def replicas_seen(self, ttl_seconds: float) -> list[str]:
         """The ids of the replicas seen within ``ttl_seconds``, sorted (for operators and tests)."""
         with self._transaction() as session:
             now = database_seconds(session)

@@ -23,7 +23,7 @@ def test_each_replica_counts_every_live_one(registry_service):
     assert registry_service.replica_heartbeat("c", 60) == 3
     assert registry_service.replica_heartbeat("a", 60) == 3  # a second heartbeat is not a new replica
     assert set(_rows(registry_service)) == {"a", "b", "c"}
-    assert registry_service.live_replicas(60) == ["a", "b", "c"]
+    assert registry_service.replicas_seen(60) == ["a", "b", "c"]
 
 
 def test_a_replica_leaving_is_no_longer_counted(registry_service):

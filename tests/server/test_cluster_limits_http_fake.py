@@ -99,7 +99,7 @@ def test_cluster_scope_admits_the_limit_across_both_replicas(two_replicas):
         _assert_openai_rate_limited(refused)
         assert refused.headers["x-ratelimit-limit-requests"] == str(n)  # the tenant's limit, not a share
     # the database records both replicas
-    assert len(a.registry.live_replicas(60)) == 2
+    assert len(a.registry.replicas_seen(60)) == 2
 
 
 def test_cluster_scope_holds_for_all_traffic_sent_to_one_replica(two_replicas):
@@ -119,7 +119,7 @@ def test_replica_scope_lets_each_replica_admit_the_whole_limit(two_replicas):
     answers = _post_alternating([a, b], key, 2 * n + 2)
     assert [r.status_code for r in answers] == [200] * (2 * n) + [429] * 2
     assert a.app.state.ctx.presence is None and b.app.state.ctx.presence is None
-    assert a.registry.live_replicas(60) == []  # no heartbeats written
+    assert a.registry.replicas_seen(60) == []  # no heartbeats written
 
 
 def test_a_replica_leaving_gives_its_share_back(two_replicas):
@@ -142,7 +142,7 @@ def test_a_silent_replica_stops_counting_within_the_ttl(two_replicas):
     presence.stop()
     gone = _wait_for(lambda: a.app.state.ctx.live_replicas == 1, 10)
     assert gone <= presence.ttl_seconds + 2 * POLL_SECONDS + 1.0  # ttl + a poll, with slack for the CI
-    assert a.registry.live_replicas(60) == [a.app.state.ctx.presence.replica_id]  # b's row was deleted
+    assert a.registry.replicas_seen(60) == [a.app.state.ctx.presence.replica_id]  # b's row was deleted
 
 
 def test_cluster_scope_shares_the_concurrency_cap(two_replicas):
@@ -164,3 +164,23 @@ def test_cluster_scope_shares_the_concurrency_cap(two_replicas):
     assert second_on_a.json()["error"]["code"] == "rate_limit_exceeded"
     assert "(limit 1)" in second_on_a.json()["error"]["message"]
     assert on_b.status_code == 200
+
+
+def test_a_replica_cut_off_from_the_database_keeps_admitting_its_last_share(two_replicas):
+    # only a's heartbeats fail (keys and limits still load, as from their caches in a short
+    # outage); admission reads no database, so a keeps admitting its share of 2 replicas, while
+    # b, which still reaches the database, stops counting a after the TTL
+    a, b, _ = two_replicas(tenant_limits_scope="cluster")
+    _wait_for(lambda: a.app.state.ctx.live_replicas == b.app.state.ctx.live_replicas == 2, 5)
+    n = 6
+    key = _tenant(a, "acme", max_requests_per_minute=n)
+    presence = a.app.state.ctx.presence
+
+    def unreachable(replica_id, ttl):
+        raise ConnectionError("database unreachable")
+
+    presence._beat = unreachable
+    _wait_for(lambda: presence.failures >= 2, 5)
+    assert [r.status_code for r in _post_alternating([a], key, n // 2 + 1)] == [200] * (n // 2) + [429]
+    assert presence.live == 2
+    _wait_for(lambda: b.app.state.ctx.live_replicas == 1, presence.ttl_seconds + 2 * POLL_SECONDS + 1.0)
