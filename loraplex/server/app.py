@@ -197,6 +197,7 @@ def create_app(
             parts = Components(ctx.engine, ctx.registry, ctx.adapters)
         use_parts(ctx, parts.engine, parts.registry, parts.adapters)
         ctx.metrics.stats_source = ctx.engine_stats
+        ctx.metrics.limit_replicas = lambda: ctx.live_replicas
         await run_in_threadpool(sweep_stale_staging, ctx.staging_root)  # uploads a crash cut short
         disk_cache = getattr(ctx.adapters, "disk_cache", None)
         if disk_cache is not None:

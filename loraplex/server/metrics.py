@@ -17,7 +17,9 @@ accepted / draft tokens; all 0 without ``--speculative-config``).
 loraplex's own: ``loraplex_adapters{tier}``, ``loraplex_adapter_loads_total``,
 ``loraplex_adapter_evictions_total``, ``loraplex_adapter_load_seconds_total``,
 ``loraplex_adapter_requests_total{adapter}``, ``loraplex_adapter_tokens_total{adapter,kind}``,
-``loraplex_http_requests_total{route,status}``. Adapter labels are ``tenant/name`` (never a
+``loraplex_http_requests_total{route,status}``, ``loraplex_tenant_limit_replicas`` (the live
+replicas among which each tenant's limits are shared under ``--tenant-limits-scope cluster``;
+1 otherwise). Adapter labels are ``tenant/name`` (never a
 version or hash); past ``max_adapter_labels`` distinct values new adapters are counted under
 ``__other__`` so the series count stays bounded.
 
@@ -90,6 +92,8 @@ class ServerMetrics:
         self.max_adapter_labels = max_adapter_labels
         self.stats_source: Callable[[], dict] = dict
         self.disk_entries: Callable[[], int] = lambda: 0  # adapters in the local disk cache
+        # replicas sharing each tenant's limits (1 under --tenant-limits-scope replica)
+        self.limit_replicas: Callable[[], int] = lambda: 1
         self.hash_labels: dict[str, str] = {}  # adapter content hash -> "tenant/name"
         self._lock = threading.Lock()
         self._adapter_labels: set[str] = set()
@@ -339,3 +343,7 @@ class _EngineCollector:
                                     "Adapters being read from disk into host memory off the engine thread.")
         reading.add_metric([], _num(lora_stats(stats), "host_reads_in_flight"))
         yield reading
+        replicas = GaugeMetricFamily("loraplex_tenant_limit_replicas",
+                                     "Replicas this one counts as sharing each tenant's limits (1: per replica).")
+        replicas.add_metric([], m.limit_replicas())
+        yield replicas

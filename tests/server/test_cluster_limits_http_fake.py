@@ -13,6 +13,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from tests.server.conftest import start_server
@@ -80,6 +81,13 @@ def _post_alternating(servers, key: str, count: int) -> list:
             c.close()
 
 
+def _limit_replicas_metric(srv) -> float:
+    text = httpx.get(srv.url + "/metrics").text
+    values = [line.split()[1] for line in text.splitlines() if line.startswith("loraplex_tenant_limit_replicas ")]
+    assert len(values) == 1, text
+    return float(values[0])
+
+
 def _assert_openai_rate_limited(answer) -> None:
     assert answer.status_code == 429, answer.text
     assert int(answer.headers["retry-after"]) >= 1
@@ -98,8 +106,10 @@ def test_cluster_scope_admits_the_limit_across_both_replicas(two_replicas):
     for refused in (r for r in answers if r.status_code != 200):
         _assert_openai_rate_limited(refused)
         assert refused.headers["x-ratelimit-limit-requests"] == str(n)  # the tenant's limit, not a share
-    # the database records both replicas
+    # the database records both replicas, and each says on /metrics how many it counts
     assert len(a.registry.replicas_seen(60)) == 2
+    for srv in (a, b):
+        assert _limit_replicas_metric(srv) == 2.0
 
 
 def test_cluster_scope_holds_for_all_traffic_sent_to_one_replica(two_replicas):
@@ -120,6 +130,7 @@ def test_replica_scope_lets_each_replica_admit_the_whole_limit(two_replicas):
     assert [r.status_code for r in answers] == [200] * (2 * n) + [429] * 2
     assert a.app.state.ctx.presence is None and b.app.state.ctx.presence is None
     assert a.registry.replicas_seen(60) == []  # no heartbeats written
+    assert _limit_replicas_metric(a) == _limit_replicas_metric(b) == 1.0
 
 
 def test_a_replica_leaving_gives_its_share_back(two_replicas):
