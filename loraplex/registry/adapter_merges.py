@@ -26,6 +26,7 @@ is built again (the same weights: the key seeds DARE).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import shutil
 import threading
@@ -94,6 +95,10 @@ class AdapterMerger:
         self._forgotten: set[str] = set()  # content hashes of forgotten merges, for take_forgotten
         self._key_locks: dict[str, threading.Lock] = {}  # one build per key at a time
         self._made_of: dict[str, tuple[str, ...]] = {}  # merged content hash -> its constituents' hashes
+        # resolve under way -> content hashes ``drop_merges_of`` dropped since it began: a merge it
+        # builds from one of them is made of deleted weights, so it is never remembered
+        self._dropped_since: dict[int, set[str]] = {}
+        self._resolve_ids = itertools.count()
         self.builds = 0
         self.reuses = 0
 
@@ -103,6 +108,16 @@ class AdapterMerger:
         when these adapters cannot be merged (nothing is cached then), ``MergeBusy`` when the
         tenant's other builds under way are at ``max_builds_per_tenant`` (a request for a merge
         being built waits for it instead)."""
+        with self._lock:  # before the names are read: a delete from here on is seen by the build
+            resolve_id = next(self._resolve_ids)
+            self._dropped_since[resolve_id] = set()
+        try:
+            return self._resolve(tenant, refs, params, resolve_id)
+        finally:
+            with self._lock:
+                del self._dropped_since[resolve_id]
+
+    def _resolve(self, tenant: str, refs: list[str], params: MergeParams, resolve_id: int) -> MergedVersion:
         registry = self.adapters.registry
         versions = []
         for ref in refs:
@@ -134,7 +149,7 @@ class AdapterMerger:
                         raise MergeBusy(tenant, self.max_builds_per_tenant)
                     self._building[tenant] += 1
                 try:
-                    return MergedVersion(self._build(tenant, versions, params, key), key, built=True)
+                    return MergedVersion(self._build(tenant, versions, params, key, resolve_id), key, built=True)
                 finally:
                     with self._lock:
                         self._building[tenant] -= 1
@@ -149,8 +164,12 @@ class AdapterMerger:
         """Forget every merge this process built from the weights ``content_hash`` (a deleted
         constituent) and remove their files from the disk cache (files a running request holds
         stay until it ends and the cache evicts them; so do merges an earlier process built).
+        A merge being built from it now is not remembered once built: its request runs on it,
+        then it goes as a merge forgotten past the bounds does (``take_forgotten``).
         Returns the merges' content hashes, for the engine to drop."""
         with self._lock:
+            for dropped in self._dropped_since.values():  # merges being built from it: see _build
+                dropped.add(content_hash)
             merged = {h for h, parts in self._made_of.items() if content_hash in parts}
             for key in [k for k, h in self._merged.items() if h in merged]:
                 self._forget_key(key)
@@ -247,7 +266,8 @@ class AdapterMerger:
             self._made_of.pop(forgotten, None)
             self._forgotten.add(forgotten)
 
-    def _build(self, tenant: str, versions: list[VersionInfo], params: MergeParams, key: str) -> AdapterRef:
+    def _build(self, tenant: str, versions: list[VersionInfo], params: MergeParams, key: str,
+               resolve_id: int) -> AdapterRef:
         adapters, cache = self.adapters, self.adapters.disk_cache
         held: list[str] = []
         staging = None
@@ -272,7 +292,13 @@ class AdapterMerger:
                 adapters.release(content_hash_held)
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
+        made_of = tuple(v.sha256 for v in versions)
         with self._lock:
-            self._remember(tenant, key, content_hash, tuple(v.sha256 for v in versions))
+            if self._dropped_since[resolve_id].isdisjoint(made_of):
+                self._remember(tenant, key, content_hash, made_of)
+            elif content_hash not in self._merged.values():
+                # a constituent was deleted while this was built (drop_merges_of ran before it was
+                # remembered): its request runs on it, then it goes as any forgotten merge does
+                self._forgotten.add(content_hash)
             self.builds += 1
         return AdapterRef(name=f"+merged:{key[:12]}", path=str(path), content_hash=content_hash)

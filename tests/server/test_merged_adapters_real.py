@@ -217,3 +217,50 @@ def test_a_merge_running_when_its_constituent_is_deleted_leaves_the_engine_once_
         assert time.monotonic() < deadline, "the merge's record outlived its last request"
         time.sleep(0.02)
     assert ctx.adapters.stats()["in_use"] == {}
+
+
+def test_a_merge_built_while_its_constituent_is_deleted_is_forgotten_once_done(world, monkeypatch):
+    """The delete comes while the merge is being built (drop_merges_of finds nothing to drop
+    yet): the request still runs on it, but the merger does not remember it, and once that
+    request ended the next merge request's housekeeping takes it out of the disk cache, the
+    engine's catalog and stats and the status page's names (nothing can name it again)."""
+    import threading
+
+    import loraplex.registry.adapter_merges as adapter_merges
+
+    client, base, _, llm, manager, ctx = world
+    lora = llm.engine.lora_manager
+    own = make_peft_adapter(base, manager.disk_cache.root.parent / "mid-src", seed=22, r=4, target_modules=["v_proj"])
+    gone = manager.upload("acme", "mid", own, "admin")[0].sha256
+    building, release = threading.Event(), threading.Event()
+    real_merge = adapter_merges.merge_adapters
+
+    def held_merge(*args, **kwargs):
+        building.set()
+        assert release.wait(30), "the test never released the build"
+        return real_merge(*args, **kwargs)
+
+    monkeypatch.setattr(adapter_merges, "merge_adapters", held_merge)
+    known = set(lora.stats()["adapters"])
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(reply=generate(client, {"ids": ["p", "mid"],
+                                                                                   "weights": [0.6, 0.4]})))
+    worker.start()
+    try:
+        assert building.wait(30), "the merge was never built"
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        assert client.delete("/admin/v1/tenants/acme/adapters/mid", headers=admin).status_code == 200
+    finally:
+        release.set()
+        worker.join(60)
+    assert "reply" in result  # the request ran on the merge it asked for (generate checks the 200)
+    [merged_hash] = set(lora.stats()["adapters"]) - known - {gone}
+    assert merged_hash not in ctx.merges.remembered_hashes()
+    assert ctx.merges.stats()["forgotten_pending"] >= 1
+
+    monkeypatch.setattr(adapter_merges, "merge_adapters", real_merge)
+    generate(client, {"ids": ["p"], "weights": [0.35]})  # any merge request: its housekeeping
+    assert not manager.disk_cache.contains(merged_hash)
+    assert merged_hash not in lora.stats()["adapters"] and merged_hash not in lora.catalog.records
+    assert merged_hash not in ctx.adapter_display and merged_hash not in ctx.metrics.hash_labels
+    assert ctx.adapters.stats()["in_use"] == {}
