@@ -126,15 +126,25 @@ def settings_from_args(args: argparse.Namespace, **fixed) -> Settings:
 
 def settings_or_error(args: argparse.Namespace, command: str = "serve", **fixed) -> Settings | None:
     """``settings_from_args``, or None after printing why not (as argparse prints its errors)."""
-    from pydantic import ValidationError
-
     try:
         return settings_from_args(args, **fixed)
-    except (vllm_flags.VllmFlagError, GenerationConfigError) as exc:
-        message = str(exc)
-    except ValidationError as exc:
-        message = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
+    except Exception as exc:
+        message = settings_error_message(exc)
+        if message is None:
+            raise
     print(f"loraplex {command}: error: {message}", file=sys.stderr)
+    return None
+
+
+def settings_error_message(exc: Exception) -> str | None:
+    """The message of an error ``settings_from_args`` raises for values it refuses; None for
+    any other exception."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, (vllm_flags.VllmFlagError, GenerationConfigError)):
+        return str(exc)
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
     return None
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loraplex.flag_suggestions import unrecognized_message
 
@@ -200,6 +200,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def serve_flags_of_values() -> dict[str, str]:
+    """The ``serve`` flag each table flag with one value becomes -> the table flag."""
+    out = {}
+    for row in TABLE:
+        if row.to is None or row.nargs is not None:
+            continue
+        try:
+            mapped = row.to("1")
+        except (ValueError, TypeError):
+            continue
+        if mapped and mapped[0].startswith("--"):
+            out.setdefault(mapped[0], row.names[0])
+    return out
+
+
 def known_flags() -> list[str]:
     return [name for row in TABLE for name in row.names]
 
@@ -210,13 +225,16 @@ class Translation:
 
     serve_argv: list[str]
     notes: list[str]
+    # serve flag -> the SGLang flag given for it, as spelled (--tp or --tp-size ...): serve's
+    # errors about that value name it so
+    given_as: dict[str, str] = field(default_factory=dict)
 
 
 def translate(argv: list[str]) -> Translation:
     """SGLang's ``argv`` (without ``python -m sglang.launch_server``) as ``serve`` arguments;
     what the table does not know is passed on. Raises ``SGLangFlagError`` for a refused flag."""
     args, rest = parser().parse_known_args(argv)
-    serve, notes = [], []
+    serve, notes, given_as = [], [], {}
     for row in TABLE:
         value = getattr(args, row.dest)
         if value is None:
@@ -226,9 +244,16 @@ def translate(argv: list[str]) -> Translation:
             raise SGLangFlagError(f"{row.names[0]}: {row.refuse}")
         mapped = row.to(value) if row.to is not None else []
         serve += mapped
+        if mapped and mapped[0].startswith("--") and row.nargs != "0":  # a value serve checks
+            given_as[mapped[0]] = _spelling(row, argv)
         if row.note and not mapped:  # a no-op (--schedule-policy fcfs is taken, lpm is not)
             notes.append(f"{shown}: {row.note}")
-    return Translation(serve + rest, notes)
+    return Translation(serve + rest, notes, given_as)
+
+
+def _spelling(row: SGLangFlag, argv: list[str]) -> str:
+    """The name of ``row`` that ``argv`` used (the parser takes no abbreviations)."""
+    return next((n for n in row.names if any(a == n or a.startswith(n + "=") for a in argv)), row.names[0])
 
 
 def unknown_message(unknown: list[str], serve_options) -> str:

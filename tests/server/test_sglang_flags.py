@@ -108,9 +108,78 @@ def test_refusals_name_the_flag(argv, words, capsys):
     assert all(w in err for w in words), err
 
 
-def test_more_than_one_device_is_refused_by_serves_rule(parsed):
-    with pytest.raises(VllmFlagError, match="--tensor-parallel-size"):
-        settings_from_args(parsed(["sglang-serve", "--model-path", "M", "--tp", "2"]))
+def test_more_than_one_device_is_refused_by_serves_rule(capsys):
+    """serve's rule (vLLM's --tensor-parallel-size refusal), worded with the flag as given."""
+    from loraplex import cli
+
+    for flag in ("--tp", "--tp-size", "--tensor-parallel-size"):
+        assert cli.main(["sglang-serve", "--model-path", "M", flag, "2"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("loraplex sglang-serve: error: ") and f"  {flag}: loraplex runs a model on one device" in err
+        assert "vLLM" not in err and (flag == "--tensor-parallel-size" or "--tensor-parallel-size" not in err)
+    with pytest.raises(VllmFlagError, match="--tensor-parallel-size"):  # serve's own flag: serve's words
+        settings_from_args(cli_parser().parse_args(["serve", "--model", "M", "--tensor-parallel-size", "2"]))
+
+
+@pytest.mark.parametrize("argv, flag, setting", [
+    (["--mem-fraction-static", "1.5"], "--mem-fraction-static", "gpu_memory_utilization"),
+    (["--mem-fraction-static", "0"], "--mem-fraction-static", "gpu_memory_utilization"),
+    (["--context-length", "0"], "--context-length", "max_model_len"),
+    (["--max-running-requests", "0"], "--max-running-requests", "max_num_seqs"),
+    (["--chunked-prefill-size", "0"], "--chunked-prefill-size", "max_num_batched_tokens"),
+    (["--max-loras-per-batch=0"], "--max-loras-per-batch", "max_loras"),
+    (["--max-lora-rank", "0"], "--max-lora-rank", "max_lora_rank"),
+    (["--max-loaded-loras", "2", "--max-loras-per-batch", "4"], "--max-loaded-loras", "max_cpu_loras"),
+    (["--lora-paths", "a=/p", "a=/q"], "--lora-paths", "--lora-modules"),
+])
+def test_a_value_settings_refuse_names_the_sglang_flag(argv, flag, setting, capsys):
+    """Values serve's Settings / EngineConfig checks refuse: the same rule as serve's (the same
+    refusal for serve's own flag), but the error names the SGLang flag and this command, not
+    serve's setting (`loraplex serve: error: ... gpu_memory_utilization`)."""
+    from pydantic import ValidationError
+
+    from loraplex import cli
+    from loraplex.server.sglang_flags import translate
+
+    serve_argv = translate(["--model-path", "M", *argv]).serve_argv
+    with pytest.raises((ValidationError, VllmFlagError), match=setting):  # serve refuses it in its own words
+        settings_from_args(cli_parser().parse_args(["serve", *serve_argv]))
+        startup_flags(cli_parser().parse_args(["serve", *serve_argv]), {})
+    assert cli.main(["sglang-serve", "--model-path", "M", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("loraplex sglang-serve: error: ") and len(err.splitlines()) == 1, err
+    assert flag in err and setting not in err, err
+
+
+def test_a_default_in_the_message_is_named_by_its_sglang_flag(capsys):
+    from loraplex import cli
+
+    assert cli.main(["sglang-serve", "--model-path", "M", "--max-loaded-loras", "2"]) == 2
+    assert "--max-loaded-loras (2) must be >= --max-loras-per-batch (8)" in capsys.readouterr().err
+    # given by serve's own flag (passed on as it is): serve's name stays
+    assert cli.main(["sglang-serve", "--model-path", "M", "--max-loaded-loras", "2", "--max-loras", "4"]) == 2
+    assert "--max-loaded-loras (2) must be >= max_loras (4)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--mem-fraction-static", "most"], "argument --mem-fraction-static: invalid float value: 'most'"),
+    (["--max-loras-per-batch", "x"], "argument --max-loras-per-batch: invalid int value: 'x'"),
+    (["--tp", "two"], "argument --tp: invalid int value: 'two'"),
+    (["--lora-paths", "a="], "argument --lora-paths: 'a=': needs a non-empty name and path"),
+])
+def test_a_value_of_the_wrong_type_names_the_sglang_flag(argv, want, capsys):
+    from loraplex import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["sglang-serve", "--model-path", "M", *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"loraplex sglang-serve: error: {want}" in err, err
+
+
+def cli_parser():
+    from loraplex.cli import build_parser
+
+    return build_parser()
 
 
 def test_an_unknown_flag_gets_the_closest_one(capsys):
