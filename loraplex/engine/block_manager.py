@@ -166,6 +166,11 @@ class BlockManager:
             hashes.append(parent)
         return hashes
 
+    def reads_prefix_cache(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s cached prefix is looked up (vLLM's ``prefix_cache_lookup_enabled``):
+        not while it still needs prompt logprobs, which need its whole prompt computed."""
+        return self.enable_prefix_caching and not seq.needs_prompt_logprobs
+
     def _prefix_hits(self, seq: Sequence) -> list[list[int]]:
         """Per group, the cached pages matching ``seq``'s leading full blocks (all groups the
         same number of entries); at least one token is left to compute so the step that admits
@@ -174,7 +179,7 @@ class BlockManager:
         ``FREED_BLOCK``): a windowed sequence gives its head blocks back first, so they are the
         least recently used and evicted first, while the blocks after them stay findable."""
         none: list[list[int]] = [[] for _ in range(self.num_groups)]
-        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
+        if not self.reads_prefix_cache(seq):
             return none
         limit = (seq.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(seq, limit)

@@ -76,7 +76,8 @@ class SchedulerStats:
     num_prompt_tokens_computed: int = 0
     # prefix cache (vLLM's prefix_cache_queries / _hits): prompt tokens looked up and found, at
     # each sequence's first admission only; a preempted sequence re-admitted mostly finds its
-    # own recomputed blocks, which vLLM keeps out of the hit rate too
+    # own recomputed blocks, which vLLM keeps out of the hit rate too; one that skips the lookup
+    # (prompt logprobs) is not counted at all, as in vLLM
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
     num_generated_tokens: int = 0
@@ -273,8 +274,11 @@ class Scheduler(StepResults):
         return budget
 
     def _count_prefix_lookup(self, seq: Sequence, sign: int) -> None:
-        """Add (``sign`` 1) or take back (-1) a first admission's prefix-cache lookup."""
-        if self.block_manager.enable_prefix_caching:
+        """Add (``sign`` 1) or take back (-1) a first admission's prefix-cache lookup. A sequence
+        that skipped the lookup (prompt logprobs) is no query, as in vLLM
+        (``KVCacheManager.record_prefix_cache_stats``); a take-back follows a step that never ran,
+        so its prompt logprobs, and the answer, are still those of the admission."""
+        if self.block_manager.reads_prefix_cache(seq):
             self.stats.num_prefix_query_tokens += sign * seq.num_tokens
             self.stats.num_prefix_hit_tokens += sign * seq.num_cached_tokens
 

@@ -9,7 +9,8 @@ running_lora_adapters, waiting_lora_adapters, max_lora; value: the time of the s
 ``vllm:e2e_request_latency_seconds``, ``vllm:prompt_tokens_total``,
 ``vllm:generation_tokens_total``, ``vllm:prefix_cache_queries_total``,
 ``vllm:prefix_cache_hits_total`` (prompt tokens; hit rate = hits / queries; each sequence's
-first admission only, as vLLM: re-admissions after preemption count neither),
+first admission only, as vLLM: re-admissions after preemption count neither, nor do
+sequences that skip the lookup for prompt logprobs),
 ``vllm:spec_decode_num_drafts_total``, ``vllm:spec_decode_num_draft_tokens_total``,
 ``vllm:spec_decode_num_accepted_tokens_total`` (speculative decoding; acceptance rate =
 accepted / draft tokens; all 0 without ``--speculative-config``).

@@ -74,6 +74,44 @@ def test_without_prefix_caching_nothing_is_counted():
     assert (h.scheduler.stats.num_prefix_query_tokens, h.scheduler.stats.num_prefix_hit_tokens) == (0, 0)
 
 
+def test_a_sequence_that_skips_the_lookup_is_no_query():
+    """Prompt logprobs need the whole prompt computed, so such a sequence never reads the prefix
+    cache; vLLM counts no query for it (``record_prefix_cache_stats``: "Don't count a request that
+    skipped the cache lookup"), else every such request lowered the hit rate as a full miss. Its
+    blocks are still written: a later sequence hits them."""
+    h = Harness(num_blocks=64, block_size=BLOCK, enable_prefix_caching=True, max_num_batched_tokens=64)
+    prompt = list(range(40, 49))  # 9 tokens: two full blocks
+    first = h.add(prompt, max_tokens=2)
+    h.run()
+    stats = h.scheduler.stats
+    assert (stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens) == (9, 0)
+    scoring = h.add(prompt, max_tokens=2, prompt_logprobs=0)
+    h.run()
+    assert scoring.num_cached_tokens == 0  # computed whole, though its blocks were cached
+    assert (stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens) == (9, 0)
+    later = h.add(prompt + [70], max_tokens=2)
+    h.run()
+    assert later.num_cached_tokens == 2 * BLOCK
+    assert (stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens) == (9 + 10, 2 * BLOCK)
+    # the first token of each run is the fake model's: the scoring one ran as the others did
+    assert first.output_token_ids == scoring.output_token_ids == reference_output(prompt, 2)
+
+
+def test_engine_stats_leave_out_prompt_logprobs_requests(tiny_llama_dir, loraplex_home):
+    llm = tight_llm(tiny_llama_dir, loraplex_home, enable_prefix_caching=True)
+    prompt = torch.randint(4, 300, (50,), generator=torch.Generator().manual_seed(5)).tolist()
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate([{"prompt_token_ids": prompt}], greedy)
+    [scored] = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=1,
+                                                                          prompt_logprobs=1))
+    assert scored.num_cached_tokens == 0 and len(scored.prompt_logprobs) == 50
+    stats = llm.engine.stats()
+    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (50, 0)
+    llm.generate([{"prompt_token_ids": prompt}], greedy)
+    stats = llm.engine.stats()
+    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (100, (50 - 1) // 16 * 16)
+
+
 def test_engine_stats_count_first_admissions_only(tiny_llama_dir, loraplex_home, monkeypatch):
     """A real tiny engine that preempts and chunks: distinct prompts share no block, so the hits
     are 0 and the queries the prompts' tokens, however often sequences were re-admitted; then a new
