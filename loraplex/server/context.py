@@ -51,6 +51,8 @@ class AppContext:
     # merge requests resolving now, by (tenant, ids, params): an identical one waits on the event
     # loop for it, not on a thread-pool thread every other route needs (merged_adapters.py)
     merges_resolving: dict = field(default_factory=dict)
+    # housekeeping started from a sync place on the loop (merged_adapters.drop_forgotten_merges_soon)
+    housekeeping_tasks: set = field(default_factory=set)
     # each tenant's requests- and tokens-per-minute buckets on this replica
     rate_limiter: TenantRateLimiter = field(default_factory=TenantRateLimiter)
     # the live replicas sharing the tenant limits (cluster_presence.ClusterPresence), under

@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from jinja2 import TemplateError
@@ -44,6 +44,8 @@ class Target:
     adapter: object | None  # loraplex.lora.spec.AdapterRef, None for the base model
     label: str | None  # "tenant/name" for metrics, None for the base model
     version: int | None
+    # called once the run lets go of ``adapter`` (merged_adapters: drop merges forgotten meanwhile)
+    after_release: Callable[[], None] | None = None
 
 
 async def resolve_target(ctx: AppContext, tenant: str, model: str) -> Target:
@@ -271,6 +273,8 @@ class RequestRun:
         ctx = self.ctx
         if "adapter" in self._held:
             ctx.adapters.release(self.target.adapter.content_hash)
+            if self.target.after_release is not None:
+                self.target.after_release()
         if "limiter" in self._held:
             ctx.limiter.release(self.tenant)
         if "lifecycle" in self._held:

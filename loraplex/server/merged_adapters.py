@@ -108,7 +108,8 @@ async def resolve_merged_target(ctx, tenant: str, ids: tuple[str, ...], params: 
     names = ",".join(ids)
     ctx.adapter_display[ref.content_hash] = f"{tenant}/{MERGED_LABEL}({names})"
     ctx.metrics.hash_labels[ref.content_hash] = f"{tenant}/{MERGED_LABEL}"
-    return Target(model=names, adapter=ref, label=f"{tenant}/{MERGED_LABEL}", version=None)
+    return Target(model=names, adapter=ref, label=f"{tenant}/{MERGED_LABEL}", version=None,
+                  after_release=lambda: drop_forgotten_merges_soon(ctx, merger))
 
 
 async def _resolve_after_identical_ones(ctx, merger, tenant: str, ids: tuple[str, ...], params: MergeParams):
@@ -158,6 +159,22 @@ async def drop_forgotten_merges(ctx, merger) -> None:
         log.exception("could not drop %d forgotten merges from the engine", len(forgotten))
         kept = set(forgotten)
     merger.hand_back(kept)
+
+
+def drop_forgotten_merges_soon(ctx, merger) -> None:
+    """After a run let go of its merge: if the merger has forgotten merges waiting (this one,
+    when a constituent was deleted while it was built; or one past the bounds that this run
+    held), drop them on the event loop now rather than at the next merge request, which may
+    never come."""
+    if not merger.stats()["forgotten_pending"]:
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # released off the loop (no run does so today): the next request drops them
+        return
+    task = loop.create_task(drop_forgotten_merges(ctx, merger))
+    ctx.housekeeping_tasks.add(task)  # held until done: the loop keeps only a weak reference
+    task.add_done_callback(ctx.housekeeping_tasks.discard)
 
 
 async def forget_merges(ctx, content_hashes: list[str]) -> set[str]:

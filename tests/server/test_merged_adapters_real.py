@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 
 import pytest
 import torch
@@ -222,8 +223,8 @@ def test_a_merge_running_when_its_constituent_is_deleted_leaves_the_engine_once_
 def test_a_merge_built_while_its_constituent_is_deleted_is_forgotten_once_done(world, monkeypatch):
     """The delete comes while the merge is being built (drop_merges_of finds nothing to drop
     yet): the request still runs on it, but the merger does not remember it, and once that
-    request ended the next merge request's housekeeping takes it out of the disk cache, the
-    engine's catalog and stats and the status page's names (nothing can name it again)."""
+    request ended it leaves the disk cache, the engine's catalog and stats and the status page's
+    names (nothing can name it again), with no other merge request needed."""
     import threading
 
     import loraplex.registry.adapter_merges as adapter_merges
@@ -241,7 +242,16 @@ def test_a_merge_built_while_its_constituent_is_deleted_is_forgotten_once_done(w
         return real_merge(*args, **kwargs)
 
     monkeypatch.setattr(adapter_merges, "merge_adapters", held_merge)
-    known = set(lora.stats()["adapters"])
+    handed_over = []  # what the merger hands the server to drop, as it happens
+    take_forgotten = ctx.merges.take_forgotten
+
+    def recorded_take_forgotten():
+        taken = take_forgotten()
+        handed_over.extend(taken)
+        return taken
+
+    monkeypatch.setattr(ctx.merges, "take_forgotten", recorded_take_forgotten)
+    known = set(lora.stats()["adapters"]) | {gone}
     result = {}
     worker = threading.Thread(target=lambda: result.update(reply=generate(client, {"ids": ["p", "mid"],
                                                                                    "weights": [0.6, 0.4]})))
@@ -254,12 +264,15 @@ def test_a_merge_built_while_its_constituent_is_deleted_is_forgotten_once_done(w
         release.set()
         worker.join(60)
     assert "reply" in result  # the request ran on the merge it asked for (generate checks the 200)
-    [merged_hash] = set(lora.stats()["adapters"]) - known - {gone}
-    assert merged_hash not in ctx.merges.remembered_hashes()
-    assert ctx.merges.stats()["forgotten_pending"] >= 1
-
-    monkeypatch.setattr(adapter_merges, "merge_adapters", real_merge)
-    generate(client, {"ids": ["p"], "weights": [0.35]})  # any merge request: its housekeeping
+    # handed over to be dropped on the loop once the run let go of it, with no request meanwhile
+    deadline = time.monotonic() + 30
+    while not handed_over and time.monotonic() < deadline:
+        time.sleep(0.02)
+    [merged_hash] = handed_over
+    assert merged_hash not in known and merged_hash not in ctx.merges.remembered_hashes()
+    while merged_hash in lora.catalog.records and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ctx.merges.stats()["forgotten_pending"] == 0
     assert not manager.disk_cache.contains(merged_hash)
     assert merged_hash not in lora.stats()["adapters"] and merged_hash not in lora.catalog.records
     assert merged_hash not in ctx.adapter_display and merged_hash not in ctx.metrics.hash_labels
