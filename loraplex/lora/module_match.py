@@ -239,11 +239,26 @@ def add_tied_lm_head(
     """PEFT's ``ensure_weight_tying`` on a model whose lm_head shares the embedding's weight:
     with the embedding targeted, PEFT ties a LoRA on lm_head to it (``lora_A`` =
     ``lora_embedding_B.T``, ``lora_B`` = ``lora_embedding_A.T``) and drops lm_head from the saved
-    ``target_modules``, yet saves its tensors. lm_head counts as targeted then."""
+    ``target_modules``, yet saves its tensors. lm_head counts as targeted then.
+
+    With lm_head targeted and the embedding not, PEFT (``_add_targets_to_tie``) targets the
+    embedding itself when it loads the adapter and ties lm_head's LoRA to it, so the saved
+    lm_head LoRA acts on the embedding too: every layer's input and K/V change. PEFT saves such
+    an adapter with the embedding in ``target_modules`` and its tensors; a config that says
+    otherwise (edited by hand) is refused, as serving lm_head alone would give other tokens."""
     embed_key, head_key = f"{prefix}embed_tokens", lm_head_key(prefix)
-    if not (cfg.raw.get("ensure_weight_tying") and spec.tied_embeddings and embed_key in targeted):
+    if not (cfg.raw.get("ensure_weight_tying") and spec.tied_embeddings):
         return targeted
-    return {**targeted, head_key: (-1, "lm_head")}
+    if embed_key in targeted:
+        return {**targeted, head_key: (-1, "lm_head")}
+    if head_key in targeted:
+        raise InvalidAdapterError(
+            f"adapter_config.json: ensure_weight_tying is set and base model {spec.model_name!r} ties lm_head to "
+            "embed_tokens, so PEFT puts this adapter's lm_head LoRA on embed_tokens too, yet target_modules does not "
+            "name embed_tokens (PEFT saves it there, with its tensors): save the adapter again with PEFT, or set "
+            "ensure_weight_tying to false for a LoRA on lm_head alone"
+        )
+    return targeted
 
 
 class Matcher:

@@ -87,3 +87,36 @@ def test_changes_kv_agrees_with_peft_s_k_and_v(family, tmp_path):
             logits = peft_model(input_ids=torch.tensor([prompt])).logits
             plain = base(input_ids=torch.tensor([prompt])).logits
         assert not torch.equal(logits, plain), name
+
+
+def test_lm_head_lora_on_a_tied_model(tmp_path):
+    """Tied embeddings: a LoRA on lm_head alone leaves PEFT's K/V as the base's (it shares the
+    base's blocks), but the same tensors with ``ensure_weight_tying`` in the config (as hand
+    edited: PEFT itself then saves embed_tokens in target_modules, with its tensors) make PEFT
+    put that LoRA on the embedding too, so every K/V changes: such an adapter is refused, not
+    served as a base-K/V sharer with lm_head alone."""
+    import json
+    import shutil
+
+    from loraplex.lora.errors import InvalidAdapterError
+
+    model_dir = make_tiny_model_dir(tmp_path / "base", "tied", seed=3)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
+    spec = ModelSpec.from_dir(model_dir).lora_target_spec()
+    assert spec.tied_embeddings
+    head = make_peft_adapter(base, tmp_path / "head", seed=8, r=4, target_modules=["lm_head"])
+    prompt = torch.randint(4, 90, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    base_kv = _kv(base, prompt)
+
+    info = validate_adapter(load_adapter_files(head), spec, max_lora_rank=4)
+    assert info.changes_kv is False
+    assert all(torch.equal(a, b) for a, b in zip(_kv(peft_model_for(base, {"head": head}), prompt), base_kv))
+
+    edited = tmp_path / "edited"
+    shutil.copytree(head, edited)
+    config = json.loads((edited / "adapter_config.json").read_text())
+    (edited / "adapter_config.json").write_text(json.dumps({**config, "ensure_weight_tying": True}))
+    kv = _kv(peft_model_for(base, {"edited": edited}), prompt)
+    assert not all(torch.equal(a, b) for a, b in zip(kv, base_kv))  # PEFT: the embedding took the LoRA
+    with pytest.raises(InvalidAdapterError, match="ensure_weight_tying"):
+        validate_adapter(load_adapter_files(edited), spec, max_lora_rank=4)
