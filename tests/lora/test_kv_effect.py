@@ -20,7 +20,7 @@ from tests.fixtures.tiny_moe import make_tiny_moe_dir
 AFTER_KV = ["o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _adapters(last: int, moe: bool) -> dict[str, tuple[dict, bool]]:
+def _adapters(last: int, moe: bool, shared_expert: bool = True) -> dict[str, tuple[dict, bool]]:
     """name -> (PEFT LoraConfig arguments, whether the rule says the K/V change)."""
     out = {
         "head": (dict(target_modules=["lm_head"]), False),
@@ -35,9 +35,14 @@ def _adapters(last: int, moe: bool) -> dict[str, tuple[dict, bool]]:
     }
     if moe:
         experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-        shared = ["shared_expert.gate_proj", "shared_expert.down_proj"]
-        out["last_experts"] = (dict(target_modules=rf".*layers\.{last}\.(self_attn\.o_proj|mlp\.shared_expert\.(gate|up|down)_proj)",
-                                    target_parameters=[f"layers.{last}.{p}" for p in experts]), False)
+        shared = ["shared_expert.gate_proj", "shared_expert.down_proj"] if shared_expert else []
+        last_experts = [f"layers.{last}.{p}" for p in experts]
+        if shared_expert:
+            out["last_experts"] = (dict(target_modules=rf".*layers\.{last}\.(self_attn\.o_proj|mlp\.shared_expert\.(gate|up|down)_proj)",
+                                        target_parameters=last_experts), False)
+        else:  # PEFT turns a regex target_modules on Mixtral into its module names, on every layer
+            out["last_experts"] = (dict(target_modules=["o_proj"], layers_to_transform=[last],
+                                        target_parameters=last_experts), False)
         out["experts"] = (dict(target_modules=["o_proj", *shared], target_parameters=experts), True)
     return out
 
@@ -56,14 +61,19 @@ def _kv(model, prompt: list[int]) -> list[torch.Tensor]:
     return outs
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen2_moe", "mixtral"])
 def test_changes_kv_agrees_with_peft_s_k_and_v(family, tmp_path):
-    moe = family == "qwen2_moe"
+    moe = family in ("qwen2_moe", "mixtral")
     model_dir = (make_tiny_moe_dir(tmp_path / "base", family, "per_expert", seed=31) if moe
                  else make_tiny_model_dir(tmp_path / "base", family, seed=5))
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
     last = base.config.num_hidden_layers - 1
-    cases = _adapters(last, moe)
+    cases = _adapters(last, moe, shared_expert=family == "qwen2_moe")
+    if family == "mixtral":  # every MLP is experts: no dense gate/up/down to target
+        dense = {"gate_proj", "up_proj", "down_proj"}
+        cases = {name: ({**kw, "target_modules": [m for m in kw["target_modules"] if m not in dense]}
+                        if isinstance(kw["target_modules"], list) else kw, rule)
+                 for name, (kw, rule) in cases.items()}
     dirs = {name: make_peft_adapter(base, tmp_path / name, seed=60 + i, r=4, **kw)
             for i, (name, (kw, _)) in enumerate(cases.items())}
     spec = ModelSpec.from_dir(model_dir).lora_target_spec(expert_lora=moe)
@@ -120,3 +130,45 @@ def test_lm_head_lora_on_a_tied_model(tmp_path):
     assert not all(torch.equal(a, b) for a, b in zip(kv, base_kv))  # PEFT: the embedding took the LoRA
     with pytest.raises(InvalidAdapterError, match="ensure_weight_tying"):
         validate_adapter(load_adapter_files(edited), spec, max_lora_rank=4)
+
+
+def _outputs_of(model, prompt: list[int], suffixes: tuple[str, ...]) -> list[torch.Tensor]:
+    outs: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: outs.append(out.detach().clone()))
+             for name, m in model.named_modules() if name.endswith(suffixes)]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([prompt]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return outs
+
+
+def test_phi3_fused_modules(tmp_path):
+    """Phi-3's fused modules: the last layer's ``gate_up_proj`` (and ``o_proj``) come after its
+    K/V write and share the base's blocks; its fused ``qkv_proj`` writes them. Checked against
+    every layer's ``qkv_proj`` output in PEFT (K and V are slices of it; q alone never changes
+    here, so a change there is a K/V change)."""
+    from tests.fixtures.tiny_phi3 import make_tiny_phi3_dir
+
+    model_dir = make_tiny_phi3_dir(tmp_path / "base", seed=4)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
+    last = base.config.num_hidden_layers - 1
+    cases = {
+        "last_after_kv": (dict(target_modules=["o_proj", "gate_up_proj", "down_proj"], layers_to_transform=[last]), False),
+        "head_and_last": (dict(target_modules=["lm_head", "gate_up_proj"], layers_to_transform=[last]), False),
+        "last_qkv": (dict(target_modules=["qkv_proj"], layers_to_transform=[last]), True),
+        "earlier_gate_up": (dict(target_modules=["gate_up_proj"], layers_to_transform=[last - 1]), True),
+    }
+    spec = ModelSpec.from_dir(model_dir).lora_target_spec()
+    prompt = torch.randint(4, 90, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    base_qkv = _outputs_of(base, prompt, ("self_attn.qkv_proj",))
+    assert len(base_qkv) == last + 1
+    for i, (name, (kw, rule)) in enumerate(cases.items()):
+        d = make_peft_adapter(base, tmp_path / name, seed=70 + i, r=4, **kw)
+        info = validate_adapter(load_adapter_files(d), spec, max_lora_rank=4)
+        assert info.changes_kv is rule, name
+        peft_model = peft_model_for(base, {name: d})
+        same = all(torch.equal(a, b) for a, b in zip(_outputs_of(peft_model, prompt, ("self_attn.qkv_proj",)), base_qkv))
+        assert same is not rule, name
