@@ -404,14 +404,17 @@ class Scheduler(StepResults):
         same step may count one of them as a prefix hit. Every still-running sequence of the
         step therefore goes back to waiting (recomputed from scratch; ``free`` unregisters what
         was never computed). Without prefix caching nothing was registered: they just run again."""
+        if not self.block_manager.enable_prefix_caching:
+            # nothing was registered or counted, and the sequences stay running: their admission
+            # stands (re-admitted never, a count reset here would stay unknown for good)
+            self._first_admitted = []
+            return
         # an admission whose step never ran did not happen: the hits it counted may be blocks that
         # step registered and never computed; the admission that runs counts again
         for seq in self._first_admitted:
             self._count_prefix_lookup(seq, -1)  # nothing was generated: the same num_tokens
             seq.num_cached_tokens = None
         self._first_admitted = []
-        if not self.block_manager.enable_prefix_caching:
-            return
         for entry in reversed(sched_out.scheduled):
             if entry.seq.status is SequenceStatus.RUNNING:
                 self._preempt(entry.seq)

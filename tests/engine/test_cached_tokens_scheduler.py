@@ -40,3 +40,20 @@ def test_an_admission_whose_step_never_ran_is_counted_again():
     h.run()
     assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 2 * BLOCK)
     assert h.block_manager.num_free_blocks == h.block_manager.num_blocks
+
+
+def test_without_prefix_caching_an_unrun_step_keeps_the_admission():
+    """Without prefix caching a step that did not run leaves its sequences running (they run
+    again, never re-admitted): their count stays the 0 every request of such an engine gets,
+    not None (unknown) for good."""
+    h = Harness(num_blocks=64, block_size=BLOCK, max_num_batched_tokens=64, enable_prefix_caching=False)
+    plain = h.add(list(range(30, 39)), max_tokens=2)
+    h.run()
+    assert plain.num_cached_tokens == 0
+    seq = h.add(list(range(30, 39)), max_tokens=2)
+    out = h.scheduler.schedule()
+    assert seq.num_cached_tokens == 0
+    h.scheduler.requeue_unrun(out)
+    h.run()
+    assert seq.num_cached_tokens == 0
+    assert h.scheduler.stats.num_prefix_query_tokens == h.scheduler.stats.num_prefix_hit_tokens == 0
