@@ -126,3 +126,20 @@ def test_windowed_and_global_layer_groups_report_one_number(tmp_path_factory, lo
     assert one(llm, first).num_cached_tokens == 0
     assert one(llm, second).num_cached_tokens == expected_hits(len(second), len(shared), HYBRID_BLOCK) == 20
     assert one(llm, second).num_cached_tokens == expected_hits(len(second), len(second), HYBRID_BLOCK)
+
+
+def test_a_prompt_longer_than_a_step_counts_the_hits_of_its_first_chunk(tiny_llama_dir, loraplex_home):
+    """Chunked prefill (32 tokens a step): the hits are those found when the first chunk is
+    admitted, whole cached blocks however many chunks the rest takes; the later chunks' lookups
+    are no new admissions. n > 1 reports the prompt's hits once."""
+    llm = tight_llm(tiny_llama_dir, loraplex_home, num_blocks=128, enable_prefix_caching=True,
+                    max_num_batched_tokens=32)
+    a = random_ids(20, 90)
+    first = one(llm, a)
+    assert first.num_cached_tokens == 0
+    assert llm.engine.stats()["num_chunked_prefills"] > 0
+    b = a[:50] + random_ids(21, 60)  # 110 tokens: 48 cached, then 62 in two chunks
+    assert one(llm, b).num_cached_tokens == expected_hits(len(b), 50) == 48
+    again = one(llm, a, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, n=2))
+    assert again.num_cached_tokens == expected_hits(len(a), len(a)) == 80
+    assert [c.token_ids for c in again.outputs] == [first.token_ids] * 2
