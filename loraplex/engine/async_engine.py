@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -149,7 +150,7 @@ class AsyncLLMEngine:
         self._submit(command, lambda exc: _resolve_future(fut, exc=exc))
         return await fut
 
-    async def generate(
+    def generate(
         self,
         prompt: str | list[int],
         params: SamplingParams,
@@ -165,14 +166,36 @@ class AsyncLLMEngine:
         ``finish_reason`` set on a completion's last delta; the last yield has ``finished``.
         A bad request raises ``InvalidRequestError`` before anything is yielded. Closing the
         generator or cancelling the consuming task aborts the request. ``priority``,
-        ``tenant`` and ``tenant_weight``: see ``LLMEngine.prepare_request``."""
+        ``tenant`` and ``tenant_weight``: see ``LLMEngine.prepare_request``.
+
+        ``abort(request_id)`` counts from this call on, before the returned iterator is first
+        read: an async generator's body starts only then, some event-loop ticks later (a stream's
+        response, a group of prompts read through tasks), and an abort in those ticks found no
+        request and was dropped. One never read gives its mark up when it is collected."""
         request_id = request_id or f"req-{uuid.uuid4().hex}"
+        aborted_early = threading.Event()
+        self._preparing[request_id] = aborted_early
+        gen = self._generate(prompt, params, request_id, adapter, cache_salt, priority, tenant, tenant_weight,
+                             aborted_early)
+        weakref.finalize(gen, self._done_preparing, request_id, aborted_early)
+        return gen
+
+    async def _generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        adapter,
+        cache_salt: str | None,
+        priority: int,
+        tenant: str | None,
+        tenant_weight: float,
+        aborted_early: threading.Event,
+    ) -> AsyncIterator[RequestOutput]:
         stream = _Stream(asyncio.get_running_loop())
         engine = self.engine
         finished = False
         added = threading.Event()  # set on the engine thread once the request is in
-        aborted_early = threading.Event()
-        self._preparing[request_id] = aborted_early
 
         def add() -> None:
             self._done_preparing(request_id, aborted_early)  # from here on, abort finds it in the engine
