@@ -227,6 +227,7 @@ class RequestRun:
         self._closed = False
         self._held: list[str] = []
         self._rate = None  # rate_limits.Reservation while held; None without rate limits
+        self._gens: list | None = None  # the engine streams, once ``start`` submitted them
 
     @property
     def cached_tokens(self) -> int:
@@ -283,17 +284,27 @@ class RequestRun:
 
     # --- running -----------------------------------------------------------------------------
 
-    async def deltas(self) -> AsyncIterator[tuple[int, int, object]]:
-        """Yields ``(prompt_index, choice_index, CompletionOutput delta)`` from all prompts."""
-        engine = self.ctx.engine
-        n = self.req.params.n
+    def start(self) -> None:
+        """Submit the engine requests (one per prompt) that ``deltas`` reads; from here on an
+        ``engine.abort`` of their ids counts (``AsyncLLMEngine.generate``), though ``deltas`` is
+        read some event-loop ticks later (SGLang's /abort_request may come in between). Called
+        by ``deltas`` when nobody did before."""
+        if self._gens is not None:
+            return
         salt = cache_salt(self.ctx.settings.prefix_cache_scope, self.tenant, self.req.prompt_options.cache_salt)
-        run = beam_search_run(self) if self.req.beam is not None else engine.generate
-        gens = [
+        run = beam_search_run(self) if self.req.beam is not None else self.ctx.engine.generate
+        self._gens = [
             run(ids, self.req.params, request_id=rid, adapter=self.target.adapter, cache_salt=salt,
                 priority=self.req.priority, tenant=self.tenant, tenant_weight=self.limits.scheduling_weight)
             for ids, rid in zip(self.prompt_ids, self.engine_ids)
         ]
+
+    async def deltas(self) -> AsyncIterator[tuple[int, int, object]]:
+        """Yields ``(prompt_index, choice_index, CompletionOutput delta)`` from all prompts."""
+        engine = self.ctx.engine
+        n = self.req.params.n
+        self.start()
+        gens = self._gens
         last_token_at: dict[int, float] = {}
         cached = self.cached_per_prompt
         metrics = self.ctx.metrics

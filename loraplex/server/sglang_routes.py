@@ -252,6 +252,11 @@ async def _serve_sglang(request: Request, ctx: AppContext, body: dict, arrival: 
     except Exception as exc:
         return error_response(from_exception(exc, request_id=request_ids(request).server))
     outputs = _Outputs(ctx, sreq, runs, arrival)
+    # the engine requests are submitted before the call can be found by /abort_request: its
+    # outputs are read ticks later (the response's body, each group's pump), and an abort of an
+    # engine request not yet submitted was dropped
+    for run in runs:
+        run.start()
     ctx.sglang_calls.track(runs[0].tenant, outputs)  # for /abort_request (sglang_abort.py)
     headers = {k: v for run in runs for k, v in run.rate_headers.items()}
     if sreq.stream:

@@ -126,3 +126,54 @@ def test_abort_while_the_request_is_prepared_is_not_lost(world, monkeypatch):
     stats = engine.stats()
     assert stats["num_blocks_free"] == stats["num_blocks_total"]
     assert client.app.state.ctx.adapters.stats()["in_use"] == {}
+
+
+def _sse_outputs(text: str) -> dict[int, dict]:
+    """The last event of each output index of an SGLang batch stream."""
+    last: dict[int, dict] = {}
+    for line in text.splitlines():
+        if line.startswith("data: {"):
+            event = json.loads(line[len("data: "):])
+            last[event["index"]] = event
+    return last
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_abort_before_the_engine_requests_are_read_is_not_lost(world, monkeypatch, stream):
+    """An /abort_request that comes once the call can be found but before its outputs are read
+    (the response's body and each group's pump start ticks later) ends the aborted prompt as a
+    queued abort and only it; the engine had no request of that id yet, so the abort was
+    dropped and the prompt ran to its end. Done here at once after the call is tracked, the
+    earliest an /abort_request can see it."""
+    from loraplex.server.sglang_abort import abort_outputs
+
+    client, engine, _ = world
+    ctx = client.app.state.ctx
+    real_track = ctx.sglang_calls.track
+
+    def track_then_abort(tenant, outputs):
+        real_track(tenant, outputs)
+        assert abort_outputs(ctx.engine, outputs, "early-b") == 1
+        # the engine thread takes commands in order: once this one ran, so did the abort, all
+        # before any prompt's generate body can start (the event loop is held here)
+        applied = threading.Event()
+        engine._submit(applied.set, lambda exc: None)
+        assert applied.wait(20)
+
+    monkeypatch.setattr(ctx.sglang_calls, "track", track_then_abort)
+    body = {"text": ["one two three", "four five six", "seven eight"], "rid": ["early-a", "early-b", "early-c"],
+            "stream": stream, "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    outs = list(_sse_outputs(r.text).values()) if stream else r.json()
+    by_rid = {o["meta_info"]["id"]: o for o in outs}
+    assert set(by_rid) == {"early-a", "early-b", "early-c"}
+    assert by_rid["early-b"]["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    assert by_rid["early-b"]["output_ids"] == []
+    for rid in ("early-a", "early-c"):
+        assert by_rid[rid]["meta_info"]["finish_reason"] == {"type": "length", "length": 5}, by_rid[rid]
+        assert len(by_rid[rid]["output_ids"]) == 5
+    _wait(engine, num_unfinished_requests=0)
+    stats = engine.stats()
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
+    assert engine._preparing == {}
