@@ -167,3 +167,36 @@ def test_windowed_and_global_layer_groups_share_the_same_way(tmp_path):
         peft_model, prompt, "last", MAX_TOKENS)
     for (tok, lp), (plain_tok, plain_lp) in zip(logprobs(outs[True]), logprobs(outs[False])):
         assert tok == plain_tok and lp == pytest.approx(plain_lp, abs=1e-5)
+
+
+def test_crossed_with_speculation_chunks_preemption_and_prompt_logprobs(world, tiny_llama_dir, tmp_path):
+    """One batch of prompts with a common head, served by the base, the two K/V-keeping adapters
+    and the two K/V-changing ones side by side, under n-gram speculation, chunked prefill (32
+    tokens a step) and preemption (12 blocks), twice (the second time on the cache the first
+    left, base blocks written by adapter requests included); one request asks prompt logprobs
+    (it takes no hit). Every output is PEFT's, and the K/V-keeping adapters took hits."""
+    from tests.engine.spec_helpers import NGRAM
+
+    _, dirs, peft_model = world
+    llm = tight_llm(tiny_llama_dir, tmp_path / "home", num_blocks=12, max_num_batched_tokens=32, max_num_seqs=6,
+                    enable_prefix_caching=True, max_loras=4, max_lora_rank=4, speculative_config=NGRAM)
+    gen = torch.Generator().manual_seed(12)
+    head = torch.randint(4, 300, (36,), generator=gen).tolist()
+    prompts = []
+    for i in range(6):
+        segment = torch.randint(4, 300, (4 + i,), generator=gen).tolist()
+        prompts.append(head + segment * 3)
+    which = [None, "head", "last", "qkv", "embed", "head"]
+    adapters = [None if w is None else str(dirs[w]) for w in which]
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                             prompt_logprobs=1 if i == 2 else None) for i in range(len(prompts))]
+    expected = [reference(peft_model, p, w, 8) for p, w in zip(prompts, which)]
+    for _ in range(2):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapters=adapters)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = llm.engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_chunked_prefills"] > 0, stats
+    assert stats["spec_decode_num_drafts"] > 0, stats
+    assert outs[1].num_cached_tokens > 0 and outs[5].num_cached_tokens > 0
+    assert outs[2].num_cached_tokens == 0  # prompt logprobs: computed whole
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
