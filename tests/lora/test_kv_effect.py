@@ -172,3 +172,31 @@ def test_phi3_fused_modules(tmp_path):
         peft_model = peft_model_for(base, {name: d})
         same = all(torch.equal(a, b) for a, b in zip(_outputs_of(peft_model, prompt, ("self_attn.qkv_proj",)), base_qkv))
         assert same is not rule, name
+
+
+def test_a_merge_is_judged_on_its_own_modules(tmp_path):
+    """A merge is written as PEFT files and validated again: two last-layer adapters after the
+    K/V write merge into one that keeps K/V (PEFT's k/v equal the base's), and a merge with an
+    attention adapter into one that changes them."""
+    from loraplex.lora.merge import MergeParams, merge_adapters, write_adapter_dir
+
+    model_dir = make_tiny_model_dir(tmp_path / "base", "llama", seed=6)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
+    last = base.config.num_hidden_layers - 1
+    spec = ModelSpec.from_dir(model_dir).lora_target_spec()
+    kinds = {"o": dict(target_modules=["o_proj"], layers_to_transform=[last]),
+             "mlp": dict(target_modules=["down_proj", "up_proj"], layers_to_transform=[last]),
+             "kv": dict(target_modules=["k_proj", "v_proj"], layers_to_transform=[last])}
+    parts = {}
+    for i, (name, kw) in enumerate(kinds.items()):
+        parsed = load_adapter_files(make_peft_adapter(base, tmp_path / name, seed=80 + i, r=4, **kw))
+        parts[name] = (parsed, validate_adapter(parsed, spec, max_lora_rank=4))
+    prompt = torch.randint(4, 90, (10,), generator=torch.Generator().manual_seed(4)).tolist()
+    base_kv = _kv(base, prompt)
+    for names, rule in ((("o", "mlp"), False), (("o", "kv"), True)):
+        merged = merge_adapters([parts[n] for n in names], MergeParams("linear", (0.7, 0.6)), seed=3)
+        d = write_adapter_dir(merged, tmp_path / "+".join(names))
+        info = validate_adapter(load_adapter_files(d), spec, max_lora_rank=4)
+        assert info.changes_kv is rule, names
+        same = all(torch.equal(a, b) for a, b in zip(_kv(peft_model_for(base, {"m": d}), prompt), base_kv))
+        assert same is not rule, names
