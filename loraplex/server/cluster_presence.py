@@ -41,7 +41,8 @@ def new_replica_id() -> str:
 class ClusterPresence:
     """Keeps ``live``, the replicas sharing the tenant limits (1 until the first heartbeat), by
     calling ``beat(replica_id, ttl_seconds) -> live`` every ``interval_seconds`` from a daemon
-    thread (``start``/``stop``); ``leave(replica_id)`` at ``stop``."""
+    thread (``start``/``stop``); ``leave(replica_id)`` from that thread once
+    ``stop`` ends it, after its last heartbeat."""
 
     def __init__(self, beat: Callable[[str, float], int], leave: Callable[[str], None], interval_seconds: float,
                  *, ttl_seconds: float | None = None, replica_id: str | None = None):
@@ -75,28 +76,45 @@ class ClusterPresence:
         self.live = max(1, live)
         return True
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_seconds):
-            self.beat_once()
+    def _run(self, stop: threading.Event) -> None:
+        try:
+            while not stop.wait(self.interval_seconds):
+                self.beat_once()
+        finally:
+            # here, after the last heartbeat has returned: a leave made while a heartbeat was
+            # still in its database call would be undone by it (its update finds no row and
+            # inserts one), and the others would count a stopped replica for ttl_seconds
+            self._leave_now()
 
-    def start(self) -> ClusterPresence:
-        if self._thread is not None:
-            raise RuntimeError("cluster presence already started")
-        self.beat_once()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="replica-heartbeat", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float | None = 5.0) -> None:
-        """End the heartbeats and delete this replica's row (logged, not raised, if that fails:
-        the row then expires after ``ttl_seconds``)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+    def _leave_now(self) -> None:
         try:
             self._leave(self.replica_id)
         except Exception:  # noqa: BLE001 - shutting down; the row expires on its own
             log.warning("could not remove this replica's heartbeat; the others count it for %.0fs more",
                         self.ttl_seconds, exc_info=True)
+
+    def start(self) -> ClusterPresence:
+        if self._thread is not None:
+            raise RuntimeError("cluster presence already started")
+        self.beat_once()
+        # an event per thread: a thread a timed-out stop left in a database call ends when that
+        # returns, even if this object is started again meanwhile
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(self._stop,), name="replica-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        """End the heartbeats; the thread deletes this replica's row after its last one (logged,
+        not raised, if that fails: the row then expires after ``ttl_seconds``). Waits at most
+        ``timeout`` for that: a thread still in a database call then leaves when the call
+        returns, and the shutdown goes on without waiting on the database."""
+        thread, self._thread = self._thread, None
+        if thread is None:  # never started: no thread to leave for it
+            self._leave_now()
+            return
+        self._stop.set()
+        thread.join(timeout)
+        if thread.is_alive():
+            log.warning("replica heartbeat still in a database call after %.1fs; this replica's row goes "
+                        "when it returns (or expires after %.0fs)", timeout, self.ttl_seconds)
