@@ -11,7 +11,8 @@ the bucket is two numbers.
 The bucket is kept as ``used`` (the part not yet refilled, 0 <= used <= limit) rather than as
 what is left, so a changed limit has one rule: what was used stays used, capped at the new
 limit, and refills at the new rate from then on. A raised limit adds its difference at once; a
-lowered one refuses until the used part is below it, never for more than a minute.
+lowered one refuses until the used part is below it, never for more than a minute. A bucket in
+debt (``wait``'s ``overdraw``) keeps what it owes past its old limit through a change.
 """
 
 from __future__ import annotations
@@ -42,8 +43,12 @@ class TokenBucket:
         self.used = max(0.0, self.used - elapsed * self.limit / SECONDS_PER_MINUTE)
         self.updated = max(self.updated, now)
         if limit != self.limit:
+            # an overdraw's debt (used past the old limit) stays owed: a shared limit's share
+            # changes whenever a replica joins or leaves, and capping the debt away would let
+            # the next request above the share in at once, over the limit in all
+            debt = max(0.0, self.used - self.limit)
             self.limit = limit
-            self.used = min(self.used, float(limit))
+            self.used = min(self.used - debt, float(limit)) + debt
         self._note_low()
 
     def _note_low(self) -> None:

@@ -150,3 +150,18 @@ def test_a_database_down_at_start_counts_this_replica_alone_until_a_heartbeat_ge
         registry.leave = lambda replica_id: (_ for _ in ()).throw(ConnectionError("still down"))
         presence._leave = registry.leave
         presence.stop()  # a failed leave is logged, not raised
+
+
+@pytest.mark.parametrize("new_replicas", [5, 2])
+def test_a_pod_joining_or_leaving_does_not_forgive_an_overdrawn_share(new_replicas):
+    # 1000 tokens a minute over 4 replicas: a 600-token request overdraws a 250 share (350 past
+    # it). The count then changes (a pod starts or stops): what was used stays used, capped at the
+    # new share as any used part is, but the 350 owed past the old share is still owed
+    limiter, _ = _limiter()
+    big = TokenCost(prompt_tokens=100, max_tokens=500, completions=1)
+    assert limiter.reserve("t", None, 1000, big, replicas=4) is not None
+    share = 1000 / new_replicas
+    still_used = min(250, share) + (600 - 250)
+    with pytest.raises(APIError) as refused:
+        limiter.reserve("t", None, 1000, ONE_TOKEN, replicas=new_replicas)
+    assert refused.value.headers["Retry-After"] == str(math.ceil(60 * (still_used + 1 - share) / share - 1e-9))
