@@ -17,15 +17,11 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
-from loraplex.config import Settings
 from loraplex.engine.async_engine import AsyncLLMEngine
-from loraplex.registry import db
-from loraplex.registry.adapter_manager import AdapterManager
-from loraplex.registry.service import RegistryService
 from loraplex.server.app import create_app
-from loraplex.storage.base import open_blob_store
 from tests.engine.test_engine_exact import tight_llm
 from tests.fixtures.peft_adapters import make_peft_adapter
+from tests.server.registry_stack import registry_stack
 
 ADMIN_KEY = "cached-tokens-admin-key"
 FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -51,22 +47,13 @@ def client(tiny_llama_dir, tmp_path_factory):
     llm = tight_llm(tiny_llama_dir, home, num_blocks=256, enable_prefix_caching=True, max_num_batched_tokens=512,
                     max_loras=2, max_lora_rank=8)
     engine = AsyncLLMEngine(llm.config, engine=llm.engine)
-    url = f"sqlite:///{home / 'registry.db'}"
-    db.upgrade(url)
-    registry = RegistryService.from_url(url)
-    manager = AdapterManager(registry, open_blob_store(str(home / "blobs")),
-                             AdapterManager.make_disk_cache(home / "adapter-cache", 1 << 30),
-                             llm.engine.runner.lora_target_spec(), 8)
-    settings = Settings(home=home, admin_key=ADMIN_KEY, database_url=url, blob_gc_interval_seconds=0,
-                        model=str(tiny_llama_dir), enable_prompt_tokens_details=True)
-    registry.create_tenant("acme")
-    _, key = registry.create_api_key("acme")
+    stack = registry_stack(home, llm, tiny_llama_dir, ADMIN_KEY, enable_prompt_tokens_details=True)
     try:
-        with TestClient(create_app(settings, engine=engine, registry=registry, adapters=manager)) as c:
+        with TestClient(create_app(stack.settings, engine=engine, registry=stack.registry, adapters=stack.manager)) as c:
             r = c.post("/admin/v1/tenants/acme/adapters/sql/versions", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
                        files={n: (n, (adapter / n).read_bytes()) for n in FILES})
             assert r.status_code == 201, r.text
-            c.headers["Authorization"] = f"Bearer {key}"
+            c.headers["Authorization"] = f"Bearer {stack.tenant_key}"
             yield c
     finally:
         engine.shutdown()
