@@ -198,6 +198,21 @@ class FakeEngine:
         self.shut_down = True
 
 
+class GatedEngine(FakeEngine):
+    """The fake engine, holding every output while ``gate`` is clear (the request has started)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    async def generate(self, *args, **kwargs):
+        async for out in super().generate(*args, **kwargs):
+            while not self.gate.is_set():
+                await asyncio.sleep(0.005)
+            yield out
+
+
 class FakeAdapterManager:
     """Uploads record the two files' sha256 as the version's content hash (no validation)."""
 

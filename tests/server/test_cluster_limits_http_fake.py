@@ -8,8 +8,6 @@ the heartbeats run on real time."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,25 +15,10 @@ import httpx
 import pytest
 
 from tests.server.conftest import start_server
-from tests.server.fakes import FakeEngine
+from tests.server.fakes import GatedEngine
 
 POLL_SECONDS = 0.2  # the heartbeat interval; a silent replica expires after three
 BODY = {"model": "fake-model", "prompt": "ab", "max_tokens": 1}
-
-
-class GatedEngine(FakeEngine):
-    """The fake engine, holding every output while ``gate`` is clear (the request has started)."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-        self.gate.set()
-
-    async def generate(self, *args, **kwargs):
-        async for out in super().generate(*args, **kwargs):
-            while not self.gate.is_set():
-                await asyncio.sleep(0.005)
-            yield out
 
 
 @pytest.fixture

@@ -5,15 +5,13 @@ is frozen, so nothing refills while a test runs."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.server.conftest import start_server
-from tests.server.fakes import LETTERS, FakeEngine
+from tests.server.fakes import LETTERS, GatedEngine
 
 CHAT = [{"role": "user", "content": "hi"}]
 ROUTES = [
@@ -28,21 +26,6 @@ ROUTES = [
 ]
 REQUEST_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests")
 TOKEN_HEADERS = ("x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens")
-
-
-class GatedEngine(FakeEngine):
-    """The fake engine, holding every output while ``gate`` is clear (the request has started)."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-        self.gate.set()
-
-    async def generate(self, *args, **kwargs):
-        async for out in super().generate(*args, **kwargs):
-            while not self.gate.is_set():
-                await asyncio.sleep(0.005)
-            yield out
 
 
 def _freeze(srv) -> None:
