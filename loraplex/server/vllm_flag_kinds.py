@@ -106,9 +106,10 @@ def compilation_config(text: str) -> dict:
 
 
 def human_readable_int(text: str) -> int:
-    """vLLM's ``--max-model-len`` values: ``4096``, or with a suffix: ``k``/``m``/``g`` are powers
-    of 1000 (decimals allowed: ``25.6k``), ``K``/``M``/``G`` powers of 1024 (whole numbers)."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])", text.strip())
+    """vLLM's ``--max-model-len`` values: ``4096``, or with a suffix: ``k``/``m``/``g``/``t`` are
+    powers of 1000 (decimals allowed: ``25.6k``), ``K``/``M``/``G``/``T`` powers of 1024 (whole
+    numbers), as vLLM's ``human_readable_int``."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text.strip())
     if match is None:
         try:
             return int(text)
@@ -116,10 +117,10 @@ def human_readable_int(text: str) -> int:
             raise argparse.ArgumentTypeError(f"invalid integer: {text!r}") from None
     number, suffix = match.groups()
     if suffix.islower():
-        return int(float(number) * 1000 ** ("kmg".index(suffix) + 1))
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
     if "." in number:
         raise argparse.ArgumentTypeError(f"{text!r}: a binary suffix ({suffix}) takes a whole number")
-    return int(number) * 1024 ** ("KMG".index(suffix) + 1)
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
 
 
 # argparse options of vLLM's flag kinds
