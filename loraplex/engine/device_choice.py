@@ -16,6 +16,9 @@ def resolve_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} requested but this machine has {torch.cuda.device_count()} CUDA "
+                         f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {name!r}; use auto, cpu or cuda[:N]")
     return device

@@ -97,7 +97,7 @@ class ModelRunner:
         check_kv_dtype_device(self.kv_dtype, self.device)
         self.model_dir, self.model_name = resolve_model_dir(config.model, config.home)
         self.spec = ModelSpec.from_dir(self.model_dir, name=self.model_name, quantization=config.quantization)
-        self.max_model_len = self._resolve_max_model_len()
+        self.max_model_len = self.spec.served_context_len(self.config.max_model_len)
         # before the weights load: a GPU another process holds is refused first (kv_budget)
         self.memory_at_start = memory_at_start(self.device, config.gpu_memory_utilization)
         self.model = load_model(self.model_dir, self.spec, self.dtype, self.device, self.max_model_len,
@@ -163,16 +163,6 @@ class ModelRunner:
 
     def lora_target_spec(self) -> LoRATargetSpec:
         return self.spec.lora_target_spec(expert_lora=self.config.enable_expert_lora)
-
-    def _resolve_max_model_len(self) -> int:
-        limit = self.spec.max_context_len
-        wanted = self.config.max_model_len
-        if wanted is None:
-            return limit
-        if not 0 < wanted <= limit:
-            why = "its YaRN-scaled context" if self.spec.rope.rope_type == "yarn" else "its max_position_embeddings"
-            raise ValueError(f"max_model_len={wanted} must be in [1, {limit}] (the model's context: {why})")
-        return wanted
 
     def _collect_eos_ids(self) -> set[int]:
         ids = set(load_generation_eos(self.model_dir)) | set(self.spec.eos_token_ids)

@@ -120,6 +120,17 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def served_context_len(self, wanted: int | None) -> int:
+        """The context served for vLLM's ``max_model_len`` ``wanted`` (None: the model's whole
+        context); ValueError when the model cannot serve it."""
+        limit = self.max_context_len
+        if wanted is None:
+            return limit
+        if not 0 < wanted <= limit:
+            why = "its YaRN-scaled context" if self.rope.rope_type == "yarn" else "its max_position_embeddings"
+            raise ValueError(f"max_model_len={wanted} must be in [1, {limit}] (the model's context: {why})")
+        return wanted
+
     @property
     def max_context_len(self) -> int:
         """The longest context served: ``max_position_embeddings``, or with YaRN the original

@@ -16,19 +16,19 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from loraplex.config import DEFAULT_MODEL
 from loraplex.model.config import ModelSpec
 from loraplex.model.cpu_linear import use_prepacked_linears
 from loraplex.model.fp8_config import QUANTIZE_AT_LOAD, Fp8WeightFormat
 from loraplex.model.fp8_weights import (
     IGNORED_SUFFIXES, Fp8Weight, dequantize, pack_fp8, quantize_per_channel, take_fp8_weight, take_full_precision,
 )
-from loraplex.model.gguf import ModelNotFoundError, convert_gguf, smollm2_gguf_path
+from loraplex.model.gguf import ModelNotFoundError, convert_gguf
 from loraplex.model.gemma import GemmaForCausalLM
 from loraplex.model.gemma3_multimodal import GEMMA3_MULTIMODAL, language_model_key
 from loraplex.kernels.kv_quant import FP8_KV_DTYPES
 from loraplex.model.kv_scales import describe_kv_scales, take_kv_scales
 from loraplex.model.llama import LlamaForCausalLM
+from loraplex.model.model_source import conversion_dir, locate_model
 from loraplex.model.moe import MoEForCausalLM, sparse_layer_params
 
 logger = logging.getLogger(__name__)
@@ -39,22 +39,10 @@ __all__ = ["ModelNotFoundError", "resolve_model_dir", "load_model", "load_tokeni
 def resolve_model_dir(model: str | Path, home: Path) -> tuple[Path, str]:
     """``(directory, display name)`` for a model id; GGUF sources are converted under
     ``home / "models" / <name>`` on first use."""
-    model_str = str(model)
-    if model_str == DEFAULT_MODEL:
-        return convert_gguf(smollm2_gguf_path(), Path(home) / "models" / DEFAULT_MODEL), DEFAULT_MODEL
-    path = Path(model_str).expanduser()
-    if model_str.endswith(".gguf"):
-        if not path.is_file():
-            raise ModelNotFoundError(f"GGUF file not found: {path}")
-        return convert_gguf(path, Path(home) / "models" / path.stem), path.stem
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
-        return path, path.name
-    raise ModelNotFoundError(
-        f"model {model_str!r} not found: give a local Hugging Face directory, a .gguf file, "
-        f"or {DEFAULT_MODEL!r} (no downloads are made)"
-    )
+    source = locate_model(model)
+    if source.kind == "gguf":
+        return convert_gguf(source.path, conversion_dir(source, home)), source.name
+    return source.path, source.name
 
 
 def read_safetensors(model_dir: Path, rename: Callable[[str], str | None] | None = None) -> dict[str, torch.Tensor]:

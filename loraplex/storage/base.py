@@ -91,6 +91,16 @@ class BlobStore(ABC):
         """Where the blobs live, for logs and error messages (no secrets)."""
 
 
+def check_blob_url(url: str) -> None:
+    """Raise ValueError for a blob url of no form ``open_blob_store`` opens (nothing is opened:
+    ``loraplex serve`` checks its ``--blob-url`` so before anything starts)."""
+    if url.startswith("s3://"):
+        if not url[len("s3://") :].partition("/")[0]:
+            raise ValueError(f"blob url {url!r} names no bucket (expected s3://bucket/prefix)")
+    elif "://" in url and not url.startswith("file://"):
+        raise ValueError(f"unsupported blob url {url!r}: use a directory path, file:// or s3://")
+
+
 def open_blob_store(url: str, **options) -> BlobStore:
     """Open the store a ``LORAPLEX_BLOB_URL`` names.
 
@@ -98,16 +108,12 @@ def open_blob_store(url: str, **options) -> BlobStore:
       settings, e.g. ``AWS_ENDPOINT_URL``; ``options`` go to ``S3BlobStore``);
     * ``file:///path`` or a plain path: ``LocalBlobStore`` (created if missing).
     """
+    check_blob_url(url)
     if url.startswith("s3://"):
         from loraplex.storage.s3 import S3BlobStore
 
-        rest = url[len("s3://") :]
-        bucket, _, prefix = rest.partition("/")
-        if not bucket:
-            raise ValueError(f"blob url {url!r} names no bucket (expected s3://bucket/prefix)")
+        bucket, _, prefix = url[len("s3://") :].partition("/")
         return S3BlobStore(bucket, prefix, **options)
-    if "://" in url and not url.startswith("file://"):
-        raise ValueError(f"unsupported blob url {url!r}: use a directory path, file:// or s3://")
     from loraplex.storage.local import LocalBlobStore
 
     path = url[len("file://") :] if url.startswith("file://") else url
