@@ -11,6 +11,7 @@ Two layers:
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -90,6 +91,27 @@ def unserved_kv_cache_dtype(name: str) -> str:
     """Why vLLM's kv_cache_dtype ``name`` (one of ``UNSERVED_KV_CACHE_DTYPES``) is not served."""
     return (f"kv_cache_dtype {name} is {UNSERVED_KV_CACHE_DTYPES[name]}, which loraplex does not serve; "
             f"use one of {', '.join(KV_CACHE_DTYPES)}")
+
+
+# the dtypes an engine runs in (loraplex/engine/device_choice.py), and vLLM's other names for two
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+# the devices, by form; whether this machine has it is checked at start (server/startup_checks.py)
+DEVICE_FORM = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def dtype_name(value: str) -> str:
+    """``dtype`` as the engine names it (vLLM's ``half`` / ``float`` too); ValueError otherwise."""
+    name = DTYPE_ALIASES.get(value, value)
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype {value!r} is not served: use one of {', '.join(DTYPE_NAMES)} "
+                         f"(or vLLM's {', '.join(DTYPE_ALIASES)})")
+    return name
+
+
+def check_device_form(value: str) -> None:
+    if not DEVICE_FORM.fullmatch(value):
+        raise ValueError(f"device {value!r} is not served: use auto, cpu, cuda or cuda:N")
 
 
 def check_gpu_memory_utilization(utilization: float | None) -> None:
@@ -248,8 +270,8 @@ class Settings(BaseSettings):
     block_size: int = 16
     kv_cache_dtype: Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"  # see EngineConfig
     quantization: str | None = None  # "fp8": see EngineConfig
-    kv_cache_bytes: int | None = None
-    kv_cache_memory_fraction: float = DEFAULT_KV_CACHE_MEMORY_FRACTION
+    kv_cache_bytes: int | None = Field(default=None, gt=0)
+    kv_cache_memory_fraction: float = Field(default=DEFAULT_KV_CACHE_MEMORY_FRACTION, gt=0, le=1)
     gpu_memory_utilization: float | None = None  # see EngineConfig
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -260,10 +282,10 @@ class Settings(BaseSettings):
     max_loras: int = 8
     max_lora_rank: int = 64
     enable_expert_lora: bool = False  # see EngineConfig
-    max_cpu_lora_bytes: int | None = None  # see EngineConfig
+    max_cpu_lora_bytes: int | None = Field(default=None, ge=0)  # see EngineConfig
     max_cpu_loras: int | None = None
-    max_disk_lora_bytes: int = 20 * GiB
-    lora_starvation_steps: int = 64
+    max_disk_lora_bytes: int = Field(default=20 * GiB, ge=0)
+    lora_starvation_steps: int = Field(default=64, ge=0)
     scheduling_policy: Literal["fair", "fcfs", "priority"] = "fair"  # see EngineConfig
     generation_config: str = "auto"  # see EngineConfig; checked at start (cli.settings_from_args)
     override_generation_config: str | None = None  # a JSON object, e.g. '{"temperature": 0.5}'
@@ -271,30 +293,31 @@ class Settings(BaseSettings):
     # registry and storage
     database_url: str | None = None  # default: sqlite under home
     blob_url: str | None = None  # default: directory under home; or s3://bucket/prefix
-    registry_poll_seconds: float = 1.0  # how stale a replica's cached API keys and tenant limits may get
+    # how stale a replica's cached API keys and tenant limits may get
+    registry_poll_seconds: float = Field(default=1.0, ge=0)
     # the server deletes blobs no live version uses (crash leftovers) in a background thread:
     # first min(60 s, interval) after start, then every interval; 0 disables
-    blob_gc_interval_seconds: float = 3600.0
-    blob_gc_min_age_seconds: float = 3600.0  # younger blobs stay: an upload stores its blob before its row
+    blob_gc_interval_seconds: float = Field(default=3600.0, ge=0)
+    blob_gc_min_age_seconds: float = Field(default=3600.0, ge=0)  # younger blobs stay: an upload stores its blob before its row
     # usage accounting (loraplex/server/usage_recorder.py): finished requests are summed in memory
     # and written to the registry's usage table every this many seconds, and at shutdown; 0: off
     usage_flush_seconds: float = Field(default=5.0, ge=0)
 
     # server
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = Field(default=8000, ge=0, le=65535)  # 0: a free port the OS picks (uvicorn logs it)
     admin_key: str | None = None
-    max_prompt_tokens: int | None = None  # default: max_model_len - 1
-    max_n: int = 16
-    max_body_bytes: int = 64 * MiB  # adapter uploads included
-    max_concurrent_requests_per_tenant: int = 256  # a tenant's own max_concurrent_requests replaces it
+    max_prompt_tokens: int | None = Field(default=None, ge=1)  # default: max_model_len - 1
+    max_n: int = Field(default=16, ge=1)
+    max_body_bytes: int = Field(default=64 * MiB, ge=1)  # adapter uploads included
+    max_concurrent_requests_per_tenant: int = Field(default=256, ge=1)  # a tenant's own max_concurrent_requests replaces it
     # where a tenant's own limits (max_requests_per_minute, max_tokens_per_minute,
     # max_concurrent_requests) hold: "replica" (each replica applies them whole: N replicas admit
     # up to N times them) or "cluster" (replicas heartbeat into the registry every
     # registry_poll_seconds and each applies limit / live replicas; loraplex/server/cluster_presence.py)
     tenant_limits_scope: Literal["replica", "cluster"] = "replica"
-    shutdown_grace_seconds: float = 30.0
-    max_upload_member_bytes: int = 2 * GiB
+    shutdown_grace_seconds: float = Field(default=30.0, ge=0)
+    max_upload_member_bytes: int = Field(default=2 * GiB, ge=1)
     # vLLM's --trust-request-chat-template: render a `chat_template` sent with a chat request
     # (a template is code the server runs, sandboxed; off, such a request is a 400)
     # vLLM's --chat-template: the server's chat template (a file path or the Jinja itself) in
@@ -352,6 +375,17 @@ class Settings(BaseSettings):
     def _served_kv_cache_dtype(cls, value):
         if value in UNSERVED_KV_CACHE_DTYPES:  # named by what it is, not only "not one of ..."
             raise ValueError(unserved_kv_cache_dtype(value))
+        return value
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _served_dtype(cls, value):
+        return dtype_name(value) if isinstance(value, str) else value
+
+    @field_validator("device")
+    @classmethod
+    def _device_form(cls, value: str) -> str:
+        check_device_form(value)
         return value
 
     @model_validator(mode="after")

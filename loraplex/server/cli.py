@@ -18,6 +18,7 @@ import atexit
 import gc
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -129,23 +130,50 @@ def settings_or_error(args: argparse.Namespace, command: str = "serve", **fixed)
     try:
         return settings_from_args(args, **fixed)
     except Exception as exc:
-        message = settings_error_message(exc)
+        message = settings_error_message(exc, args)
         if message is None:
             raise
     print(f"loraplex {command}: error: {message}", file=sys.stderr)
     return None
 
 
-def settings_error_message(exc: Exception) -> str | None:
-    """The message of an error ``settings_from_args`` raises for values it refuses; None for
-    any other exception."""
+def settings_error_message(exc: Exception, args: argparse.Namespace | None = None) -> str | None:
+    """The message of an error ``settings_from_args`` (or ``startup_checks``) raises for values
+    it refuses; None for any other exception. A setting is named as it was given: its flag
+    (``--port``), or its environment variable when ``args`` shows no flag gave it."""
     from pydantic import ValidationError
 
-    if isinstance(exc, (vllm_flags.VllmFlagError, GenerationConfigError)):
+    from loraplex.server import startup_checks
+
+    if isinstance(exc, (vllm_flags.VllmFlagError, GenerationConfigError, *startup_checks.ERRORS)):
         return str(exc)
     if isinstance(exc, ValidationError):
-        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
+        return "; ".join(setting_words(e, args) for e in exc.errors())
     return None
+
+
+def setting_words(error: dict, args: argparse.Namespace | None) -> str:
+    """One pydantic error of ``Settings`` in flag words: ``--port: Input should be ...`` for a
+    field's own, a model validator's prose with each setting it names as its flag."""
+    message = error["msg"].removeprefix("Value error, ")
+    loc = error["loc"]
+    if not loc:  # a model validator's: it names settings by field name
+        return re.sub(r"\b[a-z]+(?:_[a-z]+)+\b", lambda m: flag_name(m.group(0)), message)
+    name = str(loc[0])
+    if name in Settings.model_fields and args is not None and not _given_as_flag(args, name):
+        return f"LORAPLEX_{name.upper()}: {message}"  # from the environment
+    return f"{flag_name(name)}: {message}"
+
+
+def _given_as_flag(args: argparse.Namespace, name: str) -> bool:
+    return getattr(args, name, None) is not None or (name == "model" and getattr(args, "model_tag", None) is not None)
+
+
+def flag_name(setting: str) -> str:
+    """A Settings field's flag (itself when it is no field, or has no flag)."""
+    if setting not in Settings.model_fields or setting in NOT_FLAGS:
+        return setting
+    return LIST_FLAG_NAMES.get(setting, (("--" + setting.replace("_", "-"),),))[0][0]
 
 
 def _configure_logging(level: str, access_lines: bool = True) -> None:
@@ -197,19 +225,24 @@ class GcPauseLog:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import OperationalError
+
     from loraplex.server.app import create_app
     from loraplex.server.components import prepare_registry
     from loraplex.server.lifecycle import DrainingServer
+    from loraplex.server.startup_checks import ERRORS, check_before_start
     from loraplex.server.vllm_startup import StartupError, apply_startup_flags
 
-    settings = settings_or_error(args)
+    # the command the user typed, and the flags' names as typed: sglang-serve runs this too (sglang_cli.py)
+    command = getattr(args, "serve_command", "serve")
+    words = getattr(args, "serve_words", None) or str
+    settings = settings_or_error(args, command)
     if settings is None:
         return 2
-    try:
-        flags = vllm_flags.startup_flags(args, os.environ)
-        http_options.check(settings)  # before the model loads: a bad certificate path fails fast
-    except (vllm_flags.VllmFlagError, http_options.HttpOptionsError) as exc:
-        print(f"loraplex serve: error: {exc}", file=sys.stderr)
+    try:  # before the registry opens and the model loads: a bad value fails at once
+        flags = check_before_start(args, settings, os.environ)
+    except ERRORS as exc:
+        print(f"loraplex {command}: error: {words(str(exc))}", file=sys.stderr)
         return 2
     _configure_logging(args.log_level, access_lines=not args.disable_uvicorn_access_log)
     if args.gc_debug:  # process-wide, so here in the program and not in the library
@@ -217,7 +250,12 @@ def run_serve(args: argparse.Namespace) -> int:
     for note in vllm_engine_flags.notes(args):
         log.info("vLLM flag taken: %s", note)
     embedded = settings.database_url is None
-    setup = prepare_registry(settings, create_demo=embedded)
+    try:
+        setup = prepare_registry(settings, create_demo=embedded)
+    except OperationalError as exc:  # a database that does not answer: one line, not a traceback
+        reason = str(exc.orig or exc).strip().splitlines()[0]  # the driver's words: never the URL's password
+        print(f"loraplex {command}: error: --database-url: cannot open the database: {reason}", file=sys.stderr)
+        return 2
     base = f"{http_options.scheme(settings)}://{settings.host}:{settings.port}"
     if setup.admin_secret:
         print(f"loraplex: admin key (shown once, stored hashed): {setup.admin_secret}", flush=True)
@@ -229,7 +267,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:  # after the one-time secrets are printed, before the server listens
         outcome = apply_startup_flags(flags, settings, setup.registry)
     except StartupError as exc:
-        print(f"loraplex serve: error: {exc}", file=sys.stderr)
+        print(f"loraplex {command}: error: {words(str(exc))}", file=sys.stderr)
         return 2
     for note in outcome.notes():
         print(f"loraplex: {note}", flush=True)

@@ -67,12 +67,15 @@ def serve_args(argv: list[str], environ=os.environ) -> tuple[argparse.Namespace,
         serve.error(sglang_flags.unknown_message(unknown, serve._option_string_actions))
     if args.port is None and "LORAPLEX_PORT" not in environ:
         args.port = SGLANG_PORT
+    # serve's own errors (what it checks before it starts: the model, the TLS files ...; then a
+    # --lora-paths adapter it cannot register) name this command and the SGLang flags too
+    args.serve_command, args.serve_words = COMMAND, lambda message: in_sglang_words(message, names)
     # checked here as serve checks them (again) when it starts, so that an error names the SGLang flag
     try:
         settings_from_args(args)
         vllm_flags.startup_flags(args, environ)
     except Exception as exc:
-        message = settings_error_message(exc)
+        message = settings_error_message(exc, args)
         if message is None:
             raise
         raise sglang_flags.SGLangFlagError(in_sglang_words(message, names)) from None

@@ -35,8 +35,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from loraplex.config import UNSERVED_KV_CACHE_DTYPES, Settings, unserved_kv_cache_dtype
+from loraplex.config import DTYPE_ALIASES, UNSERVED_KV_CACHE_DTYPES, Settings, unserved_kv_cache_dtype
 from loraplex.registry.errors import InvalidName
+from loraplex.registry.flag_keys import flag_key_positions
 from loraplex.registry.names import validate_adapter_name
 from loraplex.server import vllm_engine_flags
 from loraplex.server.vllm_flag_kinds import human_readable_int
@@ -130,16 +131,16 @@ def startup_flags(args: argparse.Namespace, environ: Mapping[str, str] | None = 
                     "as one more key; put the model first (`loraplex serve MODEL --api-key KEY`) or give --model")
     if not keys and (environ or {}).get("VLLM_API_KEY"):
         keys = (environ["VLLM_API_KEY"],)
+    try:  # here, before the registry is opened, rather than when the keys are stored
+        flag_key_positions(list(keys))
+    except InvalidName as exc:
+        raise VllmFlagError(str(exc)) from None
     return StartupFlags(api_keys=keys, lora_modules=modules)
 
 
 def runtime_updating_from_env(environ: Mapping[str, str]) -> bool:
     """vLLM's switch for its runtime LoRA endpoints (its own parsing: ``1`` or ``true``)."""
     return environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
-
-
-# vLLM's other names for dtypes (its --dtype choices)
-DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
 AUTO = "auto"

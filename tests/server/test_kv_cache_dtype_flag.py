@@ -58,7 +58,7 @@ def test_an_unknown_value_from_the_environment_stops_serve(tmp_path, monkeypatch
     monkeypatch.setenv("LORAPLEX_KV_CACHE_DTYPE", "int8")
     assert main(["serve", "m"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("loraplex serve: error: kv_cache_dtype: ") and "'fp8_e5m2'" in err
+    assert err.startswith("loraplex serve: error: LORAPLEX_KV_CACHE_DTYPE: ") and "'fp8_e5m2'" in err
     assert not (tmp_path / "home").exists()
 
 
