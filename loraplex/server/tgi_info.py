@@ -6,7 +6,15 @@ mean something in loraplex, read from the running server: ``model_id`` (the serv
 ``model_dtype`` and ``model_device_type`` (as torch names them), ``max_input_length`` (also
 under TGI's newer name ``max_input_tokens``) and ``max_total_tokens`` (the prompt limit and the
 context length), ``max_concurrent_requests`` (the caller's tenant's: its own cap when an operator
-set one, else the server's per-tenant default; loraplex's limit is a tenant's, not the server's), ``max_best_of`` 1, ``max_stop_sequences`` null (no limit), ``version`` (loraplex's).
+set one, else the server's per-tenant default; loraplex's limit is a tenant's, not the server's),
+``max_best_of`` 1, ``max_stop_sequences`` null (no limit), ``version`` (loraplex's).
+
+Under ``--tenant-limits-scope cluster`` the live replicas divide a tenant's own cap
+(tenant_limits.py). ``max_concurrent_requests`` stays the cap as configured, as the
+``x-ratelimit-limit-*`` headers give the tenant's whole rate limits (rate_limits.py): a client
+behind the balancer talks to the whole deployment. ``replica_max_concurrent_requests``, a field
+of loraplex's own, is what the replica that answered admits: its share (the whole cap under the
+replica scope, and the server's default, which is per replica, in both).
 LoRAX's router-scheduler knobs (``waiting_served_ratio``, ``max_batch_total_tokens``,
 ``max_waiting_tokens``, ``validation_workers``, ``eager_prefill``) have no counterpart and are
 left out rather than made up.
@@ -32,6 +40,7 @@ from loraplex.server.context import AppContext
 from loraplex.server.errors import bad_request, from_exception
 from loraplex.server.limits import max_prompt_len
 from loraplex.server.request_ids import request_ids
+from loraplex.server.tenant_limits import DEFAULT_LIMITS, TenantLimits
 from loraplex.server.tgi_protocol import parameters
 from loraplex.server.tgi_routes import error_response
 
@@ -41,9 +50,9 @@ def _runner(ctx: AppContext):
     return getattr(getattr(ctx.engine, "engine", None), "runner", None)
 
 
-def info_body(ctx: AppContext, max_concurrent_requests: int | None = None) -> dict:
-    """LoRAX's ``Info``; ``max_concurrent_requests`` is the caller's tenant's own cap, when an
-    operator set one (else the server's per-tenant default)."""
+def info_body(ctx: AppContext, limits: TenantLimits = DEFAULT_LIMITS, replicas: int = 1) -> dict:
+    """LoRAX's ``Info`` for a caller whose tenant has ``limits`` (its own concurrency cap, when
+    an operator set one), ``replicas`` live replicas sharing it (module docstring)."""
     runner = _runner(ctx)
     dtype = getattr(runner, "dtype", None)
     device = getattr(runner, "device", None)
@@ -55,7 +64,8 @@ def info_body(ctx: AppContext, max_concurrent_requests: int | None = None) -> di
         "model_dtype": str(dtype) if dtype is not None else s.dtype,
         "model_device_type": getattr(device, "type", None) or str(device or s.device),
         "model_pipeline_tag": "text-generation",
-        "max_concurrent_requests": max_concurrent_requests or s.max_concurrent_requests_per_tenant,
+        "max_concurrent_requests": limits.max_concurrent_requests or s.max_concurrent_requests_per_tenant,
+        "replica_max_concurrent_requests": limits.concurrency_cap(replicas) or s.max_concurrent_requests_per_tenant,
         "max_best_of": 1,
         "max_stop_sequences": None,
         "max_input_length": max_input,
@@ -75,7 +85,7 @@ async def info(request: Request) -> Response:
         limits = await ctx.tenant_limits.get(tenant)
     except Exception as exc:
         return error_response(from_exception(exc, request_id=request_ids(request).server))
-    return JSONResponse(info_body(ctx, limits.max_concurrent_requests))
+    return JSONResponse(info_body(ctx, limits, ctx.live_replicas))
 
 
 def parse_tokenize_request(body: dict) -> tuple[str, bool, int | None]:

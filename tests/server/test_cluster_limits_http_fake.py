@@ -178,3 +178,44 @@ def test_a_replica_cut_off_from_the_database_keeps_admitting_its_last_share(two_
     assert [r.status_code for r in _post_alternating([a], key, n // 2 + 1)] == [200] * (n // 2) + [429]
     assert presence.live == 2
     _wait_for(lambda: b.app.state.ctx.live_replicas == 1, presence.ttl_seconds + 2 * POLL_SECONDS + 1.0)
+
+
+def _info(srv, key: str) -> dict:
+    with srv.tenant_client(key) as client:
+        return client.get("/info").json()
+
+
+def test_info_reports_the_tenants_cap_and_the_share_this_replica_admits(two_replicas):
+    """LoRAX's /info: ``max_concurrent_requests`` is the tenant's cap as configured (as
+    x-ratelimit-limit-* gives the whole rate limit), ``replica_max_concurrent_requests`` what the
+    replica that answered admits. Checked against admission itself: that many requests held on
+    the replica, the next is a 429."""
+    a, b, _ = two_replicas(tenant_limits_scope="cluster")
+    _wait_for(lambda: a.app.state.ctx.live_replicas == b.app.state.ctx.live_replicas == 2, 5)
+    key = _tenant(a, "acme", max_concurrent_requests=4)
+    for srv in (a, b):
+        info = _info(srv, key)
+        assert (info["max_concurrent_requests"], info["replica_max_concurrent_requests"]) == (4, 2)
+    share = _info(a, key)["replica_max_concurrent_requests"]
+    with a.tenant_client(key) as ca, ThreadPoolExecutor(share) as pool:
+        a.engine.gate.clear()
+        try:
+            held = [pool.submit(ca.post, "/v1/completions", json=BODY) for _ in range(share)]
+            _wait_for(lambda: len(a.engine.started) == share, 5)
+            one_more = ca.post("/v1/completions", json=BODY)
+        finally:
+            a.engine.gate.set()
+        assert [f.result().status_code for f in held] == [200] * share
+    assert one_more.status_code == 429 and f"(limit {share})" in one_more.json()["error"]["message"]
+    # a tenant without a cap of its own: the server's per-tenant default, a per-replica setting, in both
+    plain = a.make_tenant("plain")
+    default = a.app.state.ctx.settings.max_concurrent_requests_per_tenant
+    assert {k: _info(a, plain)[k] for k in ("max_concurrent_requests", "replica_max_concurrent_requests")} == {
+        "max_concurrent_requests": default, "replica_max_concurrent_requests": default}
+
+
+def test_info_under_the_replica_scope_reports_the_whole_cap_twice(two_replicas):
+    a, b, _ = two_replicas()
+    key = _tenant(a, "acme", max_concurrent_requests=4)
+    info = _info(b, key)
+    assert (info["max_concurrent_requests"], info["replica_max_concurrent_requests"]) == (4, 4)
