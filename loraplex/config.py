@@ -170,7 +170,7 @@ class EngineConfig:
     """Engine options. Defaults are what ``LLM(...)`` and ``loraplex serve`` print at start."""
 
     model: str = DEFAULT_MODEL
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (vLLM's half / float read as these)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0
     # paged KV cache
@@ -238,6 +238,8 @@ class EngineConfig:
         if self.max_num_batched_tokens is None and self.enable_chunked_prefill:
             self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
         check_positive_options(dataclasses.asdict(self))
+        self.dtype = dtype_name(self.dtype)  # LLM(dtype="half") as vLLM's; a wrong name now, not at load
+        check_device_form(self.device)
         check_scheduling_policy(self.scheduling_policy)
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_quantization(self.quantization)

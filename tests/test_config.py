@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import pytest
+
 from loraplex.config import EngineConfig, Settings
 
 
@@ -53,3 +55,18 @@ def test_output_parsers_are_settings_off_by_default(monkeypatch):
     monkeypatch.setenv("LORAPLEX_REASONING_PARSER", "qwen3")
     assert (Settings().tool_call_parser, Settings().reasoning_parser) == ("hermes", "qwen3")
     assert "tool_call_parser" not in EngineConfig.option_names()  # the server's, not the engine's
+
+
+@pytest.mark.parametrize("given, served", [("auto", "auto"), ("float32", "float32"), ("bfloat16", "bfloat16"),
+                                           ("float16", "float16"), ("half", "float16"), ("float", "float32")])
+def test_engine_config_takes_vllm_dtype_names(given, served):
+    # vLLM's LLM(dtype="half") / "float" are float16 / float32; the runner reads only loraplex's names
+    assert EngineConfig(dtype=given).dtype == served
+
+
+@pytest.mark.parametrize("field, value", [("dtype", "fp16"), ("dtype", "int8"), ("dtype", ""), ("device", "tpu"),
+                                          ("device", "cuda:x"), ("device", "gpu"), ("device", "")])
+def test_engine_config_refuses_unknown_dtype_and_device_names_at_once(field, value):
+    # LLM(...) users got these only from the model runner, after reading the config and tokenizer
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})
