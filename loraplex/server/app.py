@@ -6,7 +6,9 @@ on a worker thread inside the lifespan's startup; uvicorn opens the port only on
 ``blob_gc_interval_seconds`` (``blob_gc.BlobGarbageCollector``; stopped at shutdown), and
 another writes finished requests' usage to the registry every ``usage_flush_seconds``
 (``usage_recorder.UsageRecorder``; flushed last at shutdown, what the database does not take
-then spooled under ``home/usage-spool`` and replayed at the next start).
+then spooled under ``home/usage-spool`` and replayed at the next start). Each part's stop is
+recorded as it starts (``shutdown_steps.ShutdownSteps``): shutdown stops them last-started
+first, and so does a start that fails part-way, before the process exits with its error.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from loraplex.server.limits import BodySizeLimitMiddleware, TenantConcurrencyLim
 from loraplex.server.metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
 from loraplex.server.reasoning_parsers import get_reasoning_parser
 from loraplex.server.request_ids import RequestIdMiddleware
+from loraplex.server.shutdown_steps import ShutdownSteps
 from loraplex.server.tenant_limits import TenantLimitsCache
 from loraplex.server.tool_parsers import get_tool_parser
 from loraplex.server.uploads import sweep_stale_staging
@@ -188,6 +191,33 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
+        steps = ShutdownSteps()
+        try:
+            await _start(app, steps)
+        except BaseException:  # stop what had started, then exit with this error, as before
+            await steps.run_after_failed_start()
+            raise
+        lifecycle.started = True
+        log.info("ready: serving %s", ctx.served_model_name)
+        try:
+            yield
+        finally:
+            lifecycle.started = False
+            errors = await steps.run()
+            for name, exc in errors[1:]:
+                log.error("stopping %s at shutdown failed", name, exc_info=exc)
+            if errors:
+                raise errors[0][1]
+
+    async def _start(app: Starlette, steps: ShutdownSteps) -> None:
+        """Each part's stop goes into ``steps`` as soon as it has started."""
+
+        async def stop_usage() -> None:
+            if ctx.usage is not None:
+                await _stop_usage(ctx)
+
+        # added first, so run last: by then every request has closed, so its usage is summed
+        steps.add("usage accounting", stop_usage)
         if ctx.engine is None or ctx.registry is None or ctx.adapters is None:
             build = builder
             if build is None:
@@ -195,6 +225,14 @@ def create_app(
             parts = await run_in_threadpool(build, settings, engine=ctx.engine, registry=ctx.registry, adapters=ctx.adapters)
         else:
             parts = Components(ctx.engine, ctx.registry, ctx.adapters)
+        shutdown = getattr(parts.engine, "shutdown", None)
+        if shutdown is not None:
+            steps.add("engine", lambda: run_in_threadpool(shutdown))
+
+        async def stop_tokenizer_thread() -> None:
+            ctx.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+        steps.add("tokenizer thread", stop_tokenizer_thread)
         use_parts(ctx, parts.engine, parts.registry, parts.adapters)
         ctx.metrics.stats_source = ctx.engine_stats
         ctx.metrics.limit_replicas = lambda: ctx.live_replicas
@@ -202,13 +240,14 @@ def create_app(
         disk_cache = getattr(ctx.adapters, "disk_cache", None)
         if disk_cache is not None:
             ctx.metrics.disk_entries = lambda: disk_cache.stats()["entries"]
-        blob_gc = None
+        app.state.blob_gc = None
         collect = getattr(ctx.adapters, "collect_garbage", None)
         if collect is not None and settings.blob_gc_interval_seconds > 0:
             blob_gc = BlobGarbageCollector(
                 collect, settings.blob_gc_interval_seconds, settings.blob_gc_min_age_seconds
             ).start()
-        app.state.blob_gc = blob_gc
+            app.state.blob_gc = blob_gc
+            steps.add("blob garbage collection", lambda: run_in_threadpool(blob_gc.stop))
         record_usage = getattr(ctx.registry, "record_usage", None)
         if record_usage is not None and settings.usage_flush_seconds > 0:
             spool = UsageSpool(settings.home / USAGE_SPOOL_DIR)
@@ -216,27 +255,11 @@ def create_app(
             ctx.usage = UsageRecorder(record_usage, settings.usage_flush_seconds, spool=spool).start()
             ctx.metrics.registry.register(UsageCollector(ctx.usage))
         if settings.tenant_limits_scope == "cluster":  # the first heartbeat before the first request
-            ctx.presence = await run_in_threadpool(_start_presence, ctx)
+            presence = ctx.presence = await run_in_threadpool(_start_presence, ctx)
+            # first at shutdown: the others take over this replica's share
+            steps.add("replica heartbeat", lambda: run_in_threadpool(presence.stop))
         if on_started is not None:
             on_started()
-        lifecycle.started = True
-        log.info("ready: serving %s", ctx.served_model_name)
-        try:
-            yield
-        finally:
-            lifecycle.started = False
-            try:
-                if ctx.presence is not None:  # first: the others take over this replica's share
-                    await run_in_threadpool(ctx.presence.stop)
-                ctx.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
-                if blob_gc is not None:
-                    await run_in_threadpool(blob_gc.stop)
-                shutdown = getattr(ctx.engine, "shutdown", None)
-                if shutdown is not None:
-                    await run_in_threadpool(shutdown)
-            finally:  # the usage summed in memory is written even when a step above failed
-                if ctx.usage is not None:  # last: every request has closed, so its usage is summed
-                    await _stop_usage(ctx)
 
     routes = [
         Route("/health", health, methods=["GET"]),

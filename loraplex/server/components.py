@@ -64,16 +64,31 @@ def build_components(settings: Settings, *, engine=None, registry=None, adapters
     """The parts not given: the registry, the engine (loads the model), the adapter manager."""
     if registry is None:
         registry = prepare_registry(settings, create_demo=False).registry
+    built_engine = engine is None
     if engine is None:
         from loraplex.engine.async_engine import AsyncLLMEngine
 
         engine = AsyncLLMEngine(settings.engine_config())
         # structured output's tokenizer (about half a second), off the engine thread
         threading.Thread(target=engine.engine.grammars.warm, name="grammar-warm", daemon=True).start()
-    if adapters is None:
-        from loraplex.registry.adapter_manager import build_adapter_manager
+    try:
+        if adapters is None:
+            from loraplex.registry.adapter_manager import build_adapter_manager
 
-        spec = engine.engine.runner.lora_target_spec()
-        # requests release adapters on the event loop: deferred blob deletes go to a thread
-        adapters = build_adapter_manager(settings, registry, spec, background_deletes=True)
+            spec = engine.engine.runner.lora_target_spec()
+            # requests release adapters on the event loop: deferred blob deletes go to a thread
+            adapters = build_adapter_manager(settings, registry, spec, background_deletes=True)
+    except BaseException:
+        if built_engine:  # the caller never gets this engine to stop: its thread would run on
+            _shutdown_quietly(engine)
+        raise
     return Components(engine=engine, registry=registry, adapters=adapters)
+
+
+def _shutdown_quietly(engine) -> None:
+    """Stop an engine whose build failed after it; an error here is logged, so the build's own
+    error is the one raised."""
+    try:
+        engine.shutdown()
+    except Exception:  # noqa: BLE001
+        log.exception("stopping the engine after the failed start failed too")
