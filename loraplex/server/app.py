@@ -256,8 +256,10 @@ def create_app(
             ctx.metrics.registry.register(UsageCollector(ctx.usage))
         if settings.tenant_limits_scope == "cluster":  # the first heartbeat before the first request
             presence = ctx.presence = await run_in_threadpool(_start_presence, ctx)
-            # first at shutdown: the others take over this replica's share
+            # first at shutdown: the others take over this replica's share; and already when a
+            # drain starts, since this replica admits nothing new from then on
             steps.add("replica heartbeat", lambda: run_in_threadpool(presence.stop))
+            lifecycle.add_drain_step(lambda: run_in_threadpool(presence.stop))
         if on_started is not None:
             on_started()
 

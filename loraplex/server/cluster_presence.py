@@ -6,7 +6,8 @@ heartbeat to the registry and reads back how many replicas were seen within ``tt
 (``RegistryService.replica_heartbeat``); admission divides each tenant's limits by that count
 (rate_limits.py, tenant_limits.py), reading only ``live``, so no request waits on the database.
 The first heartbeat runs in ``start``, before the server takes requests; ``stop`` deletes this
-replica's row so the others take over its share at their next heartbeat. A replica that dies
+replica's row so the others take over its share at their next heartbeat (the server stops it as
+its SIGTERM drain starts, and again at shutdown, where a second stop only deletes the row again). A replica that dies
 stops being counted ``ttl_seconds`` after its last heartbeat, so the others' shares grow back
 within ``ttl_seconds + interval_seconds``.
 

@@ -1,9 +1,11 @@
 """Readiness, in-flight accounting and the SIGTERM drain.
 
 On SIGTERM (or SIGINT) the server stops admitting: ``/ready`` answers 503 and new generation
-requests get 503, while requests already admitted (streams included) run on. When the last one
-ends, or after ``shutdown_grace_seconds``, uvicorn is told to exit; it then closes the
-connections and runs the app's shutdown (engine stopped). A second signal exits at once.
+requests get 503, while requests already admitted (streams included) run on. The drain steps
+run as it starts (the replica's heartbeat ends there: a replica that admits nothing new should
+not be counted in the others' shares of the tenant limits). When the last request ends, or after
+``shutdown_grace_seconds``, uvicorn is told to exit; it then closes the connections and runs the
+app's shutdown (engine stopped). A second signal exits at once.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Awaitable, Callable
 
 import uvicorn
 
@@ -28,6 +31,12 @@ class Lifecycle:
         self.draining = False
         self.in_flight = 0
         self._idle: asyncio.Event | None = None
+        self._drain_steps: list[Callable[[], Awaitable[None]]] = []
+
+    def add_drain_step(self, step: Callable[[], Awaitable[None]]) -> None:
+        """``step()`` is awaited once a drain starts, before it waits for the admitted requests
+        (an error is logged, and the drain goes on)."""
+        self._drain_steps.append(step)
 
     def _idle_event(self) -> asyncio.Event:
         if self._idle is None:
@@ -51,6 +60,8 @@ class Lifecycle:
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no admitted request is left (each has closed), at most ``timeout`` s."""
+        if self._idle_event().is_set():  # without a turn of the loop: a timeout of 0 still says so
+            return True
         try:
             await asyncio.wait_for(self._idle_event().wait(), timeout=timeout)
             return True
@@ -61,11 +72,13 @@ class Lifecycle:
         """Stop admitting and wait for admitted requests; True when all finished in time."""
         self.draining = True
         start = time.monotonic()
-        try:
-            await asyncio.wait_for(self._idle_event().wait(), timeout=grace_seconds)
-            ok = True
-        except asyncio.TimeoutError:
-            ok = False
+        for step in self._drain_steps:
+            try:
+                await step()
+            except Exception:  # noqa: BLE001 - the requests still get their grace
+                log.exception("drain: a step failed; draining on")
+        # the grace counts from the signal: the steps' time comes out of it
+        ok = await self.wait_idle(max(0.0, grace_seconds - (time.monotonic() - start)))
         log.info(
             "drain %s after %.2fs (%d requests still in flight)",
             "complete" if ok else "timed out", time.monotonic() - start, self.in_flight,

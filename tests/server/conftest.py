@@ -17,6 +17,7 @@ from loraplex.registry import db
 from loraplex.registry.service import RegistryService
 from loraplex.server import http_options
 from loraplex.server.http_protocol import BoundedHttpToolsProtocol
+from loraplex.server.lifecycle import DrainingServer
 from loraplex.server.app import create_app
 from tests.fixtures.ports import free_port
 from tests.server.fakes import FakeAdapterManager, FakeEngine
@@ -66,9 +67,11 @@ class RunningServer:
 
 
 def start_server(tmp_path, engine: FakeEngine | None = None, make_adapters=None, database_url: str | None = None,
-                 **setting_overrides) -> RunningServer:
+                 *, draining: bool = False, **setting_overrides) -> RunningServer:
     """``make_adapters(registry, home)`` gives the adapter manager (default: the fake one);
-    ``database_url`` a registry shared with other servers (default: a SQLite file of its own)."""
+    ``database_url`` a registry shared with other servers (default: a SQLite file of its own).
+    With ``draining`` the server is ``loraplex serve``'s ``DrainingServer``: a first
+    ``server.handle_exit(signal.SIGTERM, None)`` drains it."""
     home = tmp_path / "home"
     home.mkdir(parents=True, exist_ok=True)
     url = database_url or f"sqlite:///{home / 'registry.db'}"
@@ -82,7 +85,10 @@ def start_server(tmp_path, engine: FakeEngine | None = None, make_adapters=None,
     # TLS, the root path and the HTTP protocol as `loraplex serve` passes them to uvicorn
     config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", http=BoundedHttpToolsProtocol,
                             **http_options.uvicorn_options(settings, "warning"))
-    server = uvicorn.Server(config)
+    if draining:
+        server = DrainingServer(config, app.state.ctx.lifecycle, settings.shutdown_grace_seconds)
+    else:
+        server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"{http_options.scheme(settings)}://127.0.0.1:{port}"

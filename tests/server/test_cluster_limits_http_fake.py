@@ -8,6 +8,7 @@ the heartbeats run on real time."""
 
 from __future__ import annotations
 
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -126,6 +127,38 @@ def test_a_replica_leaving_gives_its_share_back(two_replicas):
     _wait_for(lambda: a.app.state.ctx.live_replicas == 1, 2 * POLL_SECONDS + 1)
     clock[0] += 60.0  # a full minute: the bucket holds what one replica now may admit
     assert [r.status_code for r in _post_alternating([a], key, n + 1)] == [200] * n + [429]
+
+
+def test_a_draining_replica_stops_counting_while_its_requests_finish(two_replicas):
+    # b drains (SIGTERM: 503 for new requests, a held one runs on): it admits nothing new, so a
+    # should stop sharing the limits with it then, not once its last request has finished
+    a, b, clock = two_replicas(tenant_limits_scope="cluster", draining=True, shutdown_grace_seconds=60)
+    _wait_for(lambda: a.app.state.ctx.live_replicas == b.app.state.ctx.live_replicas == 2, 5)
+    n = 6
+    key = _tenant(a, "acme", max_requests_per_minute=n)
+    assert [r.status_code for r in _post_alternating([a], key, n // 2 + 1)] == [200] * (n // 2) + [429]
+    b_lifecycle = b.app.state.ctx.lifecycle
+    with b.tenant_client(key) as cb, ThreadPoolExecutor(1) as pool:
+        b.engine.gate.clear()
+        try:
+            held = pool.submit(cb.post, "/v1/completions", json=BODY)
+            _wait_for(lambda: len(b.engine.started) == 1, 5)
+            b.server.handle_exit(signal.SIGTERM, None)
+            _wait_for(lambda: b_lifecycle.draining, 5)
+            refused = cb.post("/v1/completions", json=BODY)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+            gone = _wait_for(lambda: a.app.state.ctx.live_replicas == 1, 5)
+            assert gone <= a.app.state.ctx.presence.ttl_seconds
+            assert a.registry.replicas_seen(60) == [a.app.state.ctx.presence.replica_id]  # b's row deleted
+            clock[0] += 60.0  # a full minute: the bucket holds what one replica now may admit
+            assert [r.status_code for r in _post_alternating([a], key, n + 1)] == [200] * n + [429]
+            # all of that while b was still draining, its held request running
+            assert b.thread.is_alive() and b_lifecycle.in_flight == 1
+        finally:
+            b.engine.gate.set()
+        assert held.result().status_code == 200
+    b.thread.join(10)  # the drain ends with its last request: b exits
+    assert not b.thread.is_alive()
 
 
 def test_a_silent_replica_stops_counting_within_the_ttl(two_replicas):

@@ -1,11 +1,15 @@
-"""The lifespan's stop steps (shutdown_steps.py), alone: order, every step run when one fails,
-and which error comes out."""
+"""The lifespan's stop steps (shutdown_steps.py) and the drain's steps (lifecycle.py), alone:
+order, every step run when one fails, and which error comes out."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
+import pytest
+
+from loraplex.server.lifecycle import Lifecycle
 from loraplex.server.shutdown_steps import ShutdownSteps
 
 
@@ -44,3 +48,43 @@ def test_after_a_failed_start_the_stop_errors_are_logged_not_raised(caplog):
     assert calls == ["heartbeat", "blob gc", "engine"]
     assert "stopping what had started: heartbeat, blob gc, engine" in caplog.text
     assert any(r.exc_info and str(r.exc_info[1]) == "blob gc would not stop" for r in caplog.records)
+
+
+def test_drain_runs_its_steps_once_draining_then_waits_for_the_requests():
+    async def scenario():
+        lifecycle = Lifecycle()
+        seen = []
+
+        async def step():
+            seen.append(lifecycle.draining)
+
+        async def failing_step():
+            raise RuntimeError("database down")
+
+        lifecycle.add_drain_step(failing_step)
+        lifecycle.add_drain_step(step)
+        lifecycle.admit()
+        asyncio.get_running_loop().call_later(0.1, lifecycle.done)
+        ok = await lifecycle.drain(5.0)
+        return ok, seen
+
+    ok, seen = asyncio.run(scenario())
+    assert ok and seen == [True]  # the failing step did not keep the next one or the wait from running
+
+
+def test_the_drain_steps_time_counts_in_the_grace():
+    async def scenario():
+        lifecycle = Lifecycle()
+
+        async def slow_step():
+            await asyncio.sleep(0.3)
+
+        lifecycle.add_drain_step(slow_step)
+        lifecycle.admit()  # never done: the drain times out
+        started = time.monotonic()
+        ok = await lifecycle.drain(0.5)
+        return ok, time.monotonic() - started
+
+    ok, took = asyncio.run(scenario())
+    assert not ok
+    assert took == pytest.approx(0.5, abs=0.15)
