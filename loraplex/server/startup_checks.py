@@ -36,19 +36,51 @@ def check_before_start(args: argparse.Namespace, settings: Settings,
             raise StartupValueError(f"--lora-modules {module.name}={module.path}: adapter path "
                                     f"{module.path!r} is not a directory")
     http_options.check(settings)  # a bad certificate path fails here, not after the model load
-    check_model(settings.model, settings.home, settings.max_model_len, settings.quantization)
+    named = SettingNames(args, environ)
+    check_model(settings.model, settings.home, settings.max_model_len, settings.quantization,
+                model_name=named("model"), max_model_len_name=named("max_model_len"))
     # named as typed: vLLM's --dtype half is float16 in settings
-    check_placement(settings.device, settings.dtype, getattr(args, "dtype", None) or settings.dtype)
+    check_placement(settings.device, settings.dtype, named.value("dtype", settings.dtype),
+                    device_name=named("device"), dtype_name=named("dtype"))
     if settings.database_url is not None:
-        check_database_url(settings.database_url)
+        check_database_url(settings.database_url, named("database_url"))
     if settings.blob_url is not None:
-        _check_blob_url(settings.blob_url)
+        _check_blob_url(settings.blob_url, named("blob_url"))
     if settings.chat_template is not None:
-        _check_chat_template(settings.chat_template)
+        _check_chat_template(settings.chat_template, named("chat_template"))
     return flags
 
 
-def check_model(model: str, home: Path, max_model_len: int | None = None, quantization: str | None = None) -> None:
+class SettingNames:
+    """How the user gave a setting, to name it in an error: its flag (``--device``), or its
+    ``LORAPLEX_`` variable when no flag gave it (a Deployment's env has no command line)."""
+
+    def __init__(self, args: argparse.Namespace, environ: Mapping[str, str] | None):
+        self.args = args
+        self.environ = environ if environ is not None else {}
+
+    def _from_flag(self, setting: str) -> bool:
+        return getattr(self.args, setting, None) is not None or (
+            setting == "model" and getattr(self.args, "model_tag", None) is not None)
+
+    def __call__(self, setting: str) -> str:
+        if self._from_flag(setting) or self.variable(setting) not in self.environ:
+            return "--" + setting.replace("_", "-")
+        return self.variable(setting)
+
+    def value(self, setting: str, default: str) -> str:
+        """The value as typed (``half``, not the ``float16`` it means), flag or variable."""
+        if self._from_flag(setting):
+            return str(getattr(self.args, setting))
+        return self.environ.get(self.variable(setting), default)
+
+    @staticmethod
+    def variable(setting: str) -> str:
+        return f"LORAPLEX_{setting.upper()}"
+
+
+def check_model(model: str, home: Path, max_model_len: int | None = None, quantization: str | None = None,
+                *, model_name: str = "--model", max_model_len_name: str = "--max-model-len") -> None:
     """The model is there and, where its config.json can be read without converting anything,
     serves ``max_model_len`` (else the engine checks it once the model is converted)."""
     from loraplex.model.config import ModelSpec
@@ -58,7 +90,7 @@ def check_model(model: str, home: Path, max_model_len: int | None = None, quanti
     try:
         source = locate_model(model)
     except ModelNotFoundError as exc:
-        raise StartupValueError(f"--model: {exc}") from None
+        raise StartupValueError(f"{model_name}: {exc}") from None
     directory = described_dir(source, home)
     if max_model_len is None or directory is None:
         return
@@ -69,24 +101,25 @@ def check_model(model: str, home: Path, max_model_len: int | None = None, quanti
     try:
         spec.served_context_len(max_model_len)
     except ValueError as exc:
-        raise StartupValueError(f"--max-model-len {max_model_len}: {exc}") from None
+        raise StartupValueError(f"{max_model_len_name} {max_model_len}: {exc}") from None
 
 
-def check_placement(device: str, dtype: str, dtype_as_typed: str | None = None) -> None:
+def check_placement(device: str, dtype: str, dtype_as_typed: str | None = None, *,
+                    device_name: str = "--device", dtype_name: str = "--dtype") -> None:
     """The device exists on this machine and the dtype runs on it, as the engine will ask."""
     from loraplex.engine.device_choice import resolve_device, resolve_dtype
 
     try:
         resolved = resolve_device(device)
     except (ValueError, RuntimeError) as exc:
-        raise StartupValueError(f"--device {device}: {exc}") from None
+        raise StartupValueError(f"{device_name} {device}: {exc}") from None
     try:
         resolve_dtype(dtype, resolved)
     except ValueError as exc:
-        raise StartupValueError(f"--dtype {dtype_as_typed or dtype}: {exc}") from None
+        raise StartupValueError(f"{dtype_name} {dtype_as_typed or dtype}: {exc}") from None
 
 
-def check_database_url(url: str) -> None:
+def check_database_url(url: str, name: str = "--database-url") -> None:
     """The URL parses, names a dialect SQLAlchemy has and whose driver is installed. The URL is
     never repeated in the message: it may hold a password."""
     from sqlalchemy.engine import make_url
@@ -97,32 +130,32 @@ def check_database_url(url: str) -> None:
     try:
         make_url(normalize_url(url)).get_dialect().import_dbapi()
     except NoSuchModuleError as exc:  # an ArgumentError too: first
-        raise StartupValueError(f"--database-url: {exc}") from None
+        raise StartupValueError(f"{name}: {exc}") from None
     except ArgumentError:
-        raise StartupValueError("--database-url: not a database URL (expected e.g. sqlite:////path/loraplex.db "
+        raise StartupValueError(f"{name}: not a database URL (expected e.g. sqlite:////path/loraplex.db "
                                 "or postgresql://user@host/db)") from None
     except ImportError as exc:
-        raise StartupValueError(f"--database-url: its driver is not installed ({exc})") from None
+        raise StartupValueError(f"{name}: its driver is not installed ({exc})") from None
 
 
-def _check_blob_url(url: str) -> None:
+def _check_blob_url(url: str, name: str) -> None:
     from loraplex.storage.base import check_blob_url
 
     try:
         check_blob_url(url)
     except ValueError as exc:
-        raise StartupValueError(f"--blob-url: {exc}") from None
+        raise StartupValueError(f"{name}: {exc}") from None
 
 
-def _check_chat_template(value: str) -> None:
+def _check_chat_template(value: str, name: str) -> None:
     from loraplex.server.chat_template import load_chat_template
 
     try:
         load_chat_template(value)
     except ValueError as exc:  # its messages name --chat-template
-        raise StartupValueError(str(exc)) from None
+        raise StartupValueError(str(exc).replace("--chat-template", name, 1)) from None
     except OSError as exc:  # a file it cannot read
-        raise StartupValueError(f"--chat-template {value!r}: {exc}") from None
+        raise StartupValueError(f"{name} {value!r}: {exc}") from None
 
 
 def _check_tenant(name: str) -> None:

@@ -108,6 +108,37 @@ def test_a_value_from_the_environment_is_named_by_its_variable(capsys, home, mod
     assert line.startswith("loraplex serve: error: LORAPLEX_PORT: "), line
 
 
+@pytest.mark.parametrize("variable, value, words", [
+    ("LORAPLEX_DEVICE", "cuda:99", "LORAPLEX_DEVICE cuda:99: "),
+    ("LORAPLEX_MAX_MODEL_LEN", "17000", "LORAPLEX_MAX_MODEL_LEN 17000: max_model_len=17000 must be in [1, 16384]"),
+    ("LORAPLEX_DATABASE_URL", "foo", "LORAPLEX_DATABASE_URL: not a database URL"),
+    ("LORAPLEX_BLOB_URL", "ftp://x", "LORAPLEX_BLOB_URL: unsupported blob url 'ftp://x'"),
+    ("LORAPLEX_CHAT_TEMPLATE", "/no/such/template.jinja", "LORAPLEX_CHAT_TEMPLATE '/no/such/template.jinja': no such file"),
+])
+def test_a_value_from_the_environment_the_checks_refuse_is_named_by_its_variable(
+        capsys, home, model_dir, monkeypatch, variable, value, words):
+    # a Deployment's env (deploy/k8s/loraplex.yaml) sets these: the pod's command line has no such flag
+    monkeypatch.setenv(variable, value)
+    line = refused(capsys, home, ["serve", str(model_dir)])
+    assert line.startswith(f"loraplex serve: error: {words}"), line
+
+
+def test_a_model_from_the_environment_that_is_not_there_is_named_by_its_variable(capsys, home, tmp_path, monkeypatch):
+    monkeypatch.setenv("LORAPLEX_MODEL", str(tmp_path / "nothing"))
+    line = refused(capsys, home, ["serve"])
+    assert line.startswith("loraplex serve: error: LORAPLEX_MODEL: model "), line
+
+
+def test_the_dtype_from_the_environment_is_named_as_set(capsys, home, model_dir, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("float16 runs on the GPU this machine has")
+    monkeypatch.setenv("LORAPLEX_DTYPE", "half")
+    line = refused(capsys, home, ["serve", str(model_dir)])
+    assert line.startswith("loraplex serve: error: LORAPLEX_DTYPE half: float16 is not supported on CPU"), line
+
+
 def test_the_dtype_is_named_as_typed(capsys, home, model_dir):
     # vLLM's half is float16, which the CPU does not run; on a GPU machine it does: no refusal
     import torch
