@@ -47,6 +47,18 @@ def _parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def _section(report, name: str, fn, *args) -> None:
+    """Run one section; an exception is reported as a failure and the later sections still run
+    (a device call is minutes of a short lease: one broken reference must not cost the rest)."""
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001
+        report.line(f"{name} section FAILED:")
+        report.line("```\n" + traceback.format_exc() + "```")
+        report.failures.append(f"{name} section raised")
+    report.write()
+
+
 def main() -> int:
     args = _parse_args()
     if args.cpu_smoke:
@@ -76,17 +88,17 @@ def main() -> int:
     report.line()
     start = time.time()
 
-    run_checks(report, on_gpu)
+    _section(report, "correctness", run_checks, report, on_gpu)
     report.line(f"(correctness done at {time.time() - start:.0f} s)")
     report.line()
     report.write()  # after each section, so a run cut short still leaves its results
     if not args.skip_bench:
         copy_bw = measure_copy_bandwidth(report, on_gpu, device)
-        bench_lora(report, on_gpu, device, copy_bw)
-        bench_attention(report, on_gpu, device, copy_bw)
-        bench_moe(report, on_gpu, device, copy_bw)
-        bench_moe_lora(report, on_gpu, device)
-        bench_moe_fp8(report, on_gpu, device, copy_bw)
+        _section(report, "LoRA timings", bench_lora, report, on_gpu, device, copy_bw)
+        _section(report, "attention timings", bench_attention, report, on_gpu, device, copy_bw)
+        _section(report, "MoE timings", bench_moe, report, on_gpu, device, copy_bw)
+        _section(report, "MoE LoRA timings", bench_moe_lora, report, on_gpu, device)
+        _section(report, "MoE fp8 timings", bench_moe_fp8, report, on_gpu, device, copy_bw)
         report.line(f"(timings done at {time.time() - start:.0f} s)")
         report.line()
         report.write()

@@ -83,8 +83,8 @@ def paged_attention_ref(
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         # query row j sits at absolute position seq_len - q_len + j and sees keys up to it
-        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(first_block * kv_cache.shape[2], seq_len).unsqueeze(0)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
+        k_pos = torch.arange(first_block * kv_cache.shape[2], seq_len, device=query.device).unsqueeze(0)
         hidden = k_pos > q_pos
         if sliding_window is not None:
             hidden |= k_pos <= q_pos - sliding_window
