@@ -41,7 +41,7 @@ UNIT = {"stride_xk", "stride_ak", "stride_or", "stride_sr", "stride_br", "stride
         "stride_wk", "stride_ai", "stride_on"}
 I64 = {"stride_ckv", "stride_cb"}  # a KV cache of tens of GB: these exceed int32
 # do_not_specialize, or small
-NOT_DIV16 = {"num_pairs", "top_k", "tiles_per_seg", "k_blocks_per_split", "num_kv_heads", "num_kv_splits", "window"}
+NOT_DIV16 = {"num_pairs", "top_k", "tiles_per_seg", "k_blocks_per_split", "n_tiles", "num_kv_heads", "num_kv_splits", "window"}
 
 
 def _variants(quick: bool) -> list[tuple[str, object, dict, dict]]:
@@ -58,13 +58,24 @@ def _variants(quick: bool) -> list[tuple[str, object, dict, dict]]:
     out = []
     for seg in seg_lens:
         for rank in ranks:
-            shrink = tl_lora.shrink_tiles(seg, rank)
-            for atomic in ([True] if quick else [False, True]):
-                label = f"shrink seg<={seg} r{rank}{' split-K' if atomic else ''}"
-                consts = {**shrink, "ATOMIC": atomic, "EVEN_K": True}  # Llama: in % 256 == 0
-                out.append((label, tl_lora._sgmv_shrink_kernel, lora_ptrs, consts))
-            consts = {**tl_lora.expand_tiles(seg, rank), "R_EVEN": True}  # r_max % 16 == 0
-            out.append((f"expand seg<={seg} r{rank}", tl_lora._sgmv_expand_kernel, lora_ptrs, consts))
+            # the decode-shaped reductions the GPU check times side by side (the default first)
+            gemvs = [tl_lora.DEFAULT_SHRINK_GEMV]
+            if not quick and not tl_lora.shrink_tiles(seg, rank)["USE_DOT"]:
+                gemvs += [g for g in tl_lora.SHRINK_VARIANTS if g != tl_lora.DEFAULT_SHRINK_GEMV]
+            for gemv in gemvs:
+                shrink = tl_lora.shrink_tiles(seg, rank, gemv)
+                for atomic in ([True] if quick else [False, True]):
+                    name = "" if gemv == tl_lora.DEFAULT_SHRINK_GEMV else f" {gemv}"
+                    label = f"shrink seg<={seg} r{rank}{name}{' split-K' if atomic else ''}"
+                    consts = {**shrink, "ATOMIC": atomic, "EVEN_K": True}  # Llama: in % 256 == 0
+                    out.append((label, tl_lora._sgmv_shrink_kernel, lora_ptrs, consts))
+            decode = not tl_lora.expand_tiles(seg, rank).get("USE_DOT", False)
+            expands = list(tl_lora.EXPAND_VARIANTS) if not quick and decode else [tl_lora.DEFAULT_EXPAND_GEMV]
+            for gemv in expands:
+                consts = {**tl_lora.expand_tiles(seg, rank, gemv), "R_EVEN": True}  # r_max % 16 == 0
+                kernel = tl_lora._sgmv_expand_gemv_kernel if consts.pop("GEMV_TILED") else tl_lora._sgmv_expand_kernel
+                name = f" {gemv}" if len(expands) > 1 else ""
+                out.append((f"expand seg<={seg} r{rank}{name}", kernel, lora_ptrs, consts))
     groups = [4] if quick else [1, 4, 8]
     for group in groups:
         for q_len in (1, 512):
@@ -155,6 +166,8 @@ def _inspect(cubin: bytes) -> dict:
         "local": int(fields.get("LOCAL", -1)), "shared": int(fields.get("SHARED", -1)),
         "hgmma": sass.count("HGMMA"), "hmma": sass.count("HMMA"),
         "loads": _load_widths(sass),
+        # layout changes and cross-warp reductions go through shared memory behind barriers
+        "smem": f"{len(re.findall(r'[ ]STS[. ]', sass))}/{len(re.findall(r'[ ]LDS[. ]', sass))}/{sass.count('BAR.SYNC')}",
     }
 
 
@@ -182,8 +195,8 @@ def main() -> int:
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
     args = p.parse_args()
     print(f"triton {triton.__version__}, target sm_{args.arch}, num_warps 4")
-    print("| variant | regs | stack | local | shared B | HGMMA | HMMA | global loads | compile s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| variant | regs | stack | local | shared B | HGMMA | HMMA | global loads | STS/LDS/BAR | compile s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     failures = []
     for label, kernel, ptrs, consts in _variants(args.quick):
         t0 = time.time()
@@ -191,11 +204,11 @@ def main() -> int:
             compiled = _compile(kernel, ptrs, consts, args.arch)
         except Exception as exc:  # report every variant, then fail
             failures.append(f"{label}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-            print(f"| {label} | COMPILE FAILED | | | | | | | |", flush=True)
+            print(f"| {label} | COMPILE FAILED | | | | | | | | |", flush=True)
             continue
         r = _inspect(compiled.asm["cubin"])
         print(f"| {label} | {r['reg']} | {r['stack']} | {r['local']} | {r['shared']} | {r['hgmma']} | "
-              f"{r['hmma']} | {r['loads']} | {time.time() - t0:.1f} |", flush=True)
+              f"{r['hmma']} | {r['loads']} | {r['smem']} | {time.time() - t0:.1f} |", flush=True)
         if r["local"] > 0 or r["stack"] > 0:
             failures.append(f"{label}: spills ({r['stack']} B stack, {r['local']} B local)")
     for f in failures:

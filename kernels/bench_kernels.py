@@ -12,7 +12,15 @@ import torch
 from lab_common import Report, bench_ms, make_meta, spread_slots
 
 from loraplex.kernels.triton_attention import choose_num_kv_splits, paged_attention_triton
-from loraplex.kernels.triton_lora import lora_expand_triton, lora_shrink_triton
+from loraplex.kernels.triton_lora import (
+    DEFAULT_EXPAND_GEMV,
+    DEFAULT_SHRINK_GEMV,
+    EXPAND_VARIANTS,
+    GEMV_MAX_SEG_LEN,
+    SHRINK_VARIANTS,
+    lora_expand_triton,
+    lora_shrink_triton,
+)
 
 ROOFLINE_TARGET = 0.70  # shrink+expand, decode batches of >= 64 tokens
 RANK = 16
@@ -85,7 +93,7 @@ def bench_lora(report: Report, on_gpu: bool, device: str, copy_bw: float) -> Non
     report.line(f"Each figure: one CUDA graph running the kernels over enough distinct input sets to span "
                 f"3x the L2 ({l2 >> 20} MiB), replayed under do_bench (median), divided by the sets.")
     report.line()
-    rows, per_layer = [], {}
+    rows, per_layer, variant_rows = [], {}, []
     for tokens, adapters in configs:
         meta = make_meta(spread_slots(tokens, adapters), [RANK] * adapters, device)
         for mod, (in_f, widths) in modules.items():
@@ -128,6 +136,24 @@ def bench_lora(report: Report, on_gpu: bool, device: str, copy_bw: float) -> Non
 
             t_shrink = _graph_ms(shrink_all, on_gpu, n_sets)
             t_expand = _graph_ms(expand_all, on_gpu, n_sets)
+            if meta.max_seg_len <= GEMV_MAX_SEG_LEN:
+                # the decode-shaped kernels' other variants on the same inputs (the default is
+                # the first column of each group)
+                row = [tokens, adapters, mod, meta.max_seg_len, f"{t_shrink * 1e3:.1f}"]
+                for gemv in SHRINK_VARIANTS:
+                    if gemv != DEFAULT_SHRINK_GEMV:
+                        def shrink_variant(g=gemv):
+                            for x, a, _, _, shrunk in sets:
+                                lora_shrink_triton(x, a, meta, shrunk, gemv=g)
+                        row.append(f"{_graph_ms(shrink_variant, on_gpu, n_sets) * 1e3:.1f}")
+                row.append(f"{t_expand * 1e3:.1f}")
+                for gemv in EXPAND_VARIANTS:
+                    if gemv != DEFAULT_EXPAND_GEMV:
+                        def expand_variant(g=gemv):
+                            for _, _, b, y, shrunk in sets:
+                                lora_expand_triton(shrunk, b, scaling, offsets, meta, y, gemv=g)
+                        row.append(f"{_graph_ms(expand_variant, on_gpu, n_sets) * 1e3:.1f}")
+                variant_rows.append(row)
             t_both = _graph_ms(both_all, on_gpu, n_sets)
             t_base = _graph_ms(base_all, on_gpu, n_w)
             frac = (nb["shrink"] + nb["expand"]) / (t_both * 1e-3) / copy_bw
@@ -151,6 +177,13 @@ def bench_lora(report: Report, on_gpu: bool, device: str, copy_bw: float) -> Non
          "of copy BW", "base matmul us", "LoRA/base"],
         rows,
     )
+    if variant_rows:
+        report.line("Decode-shaped variants (us per launch, same inputs; the default first in each group):")
+        report.line()
+        shrink_names = [DEFAULT_SHRINK_GEMV] + [g for g in SHRINK_VARIANTS if g != DEFAULT_SHRINK_GEMV]
+        expand_names = [DEFAULT_EXPAND_GEMV] + [g for g in EXPAND_VARIANTS if g != DEFAULT_EXPAND_GEMV]
+        report.table(["tokens", "adapters", "module", "max seg"] + [f"shrink {g}" for g in shrink_names]
+                     + [f"expand {g}" for g in expand_names], variant_rows)
     report.line("Per decoder layer (qkv + o + gate_up + down), LoRA kernels against the base matmuls:")
     for (tokens, adapters), (t_lora, t_base) in per_layer.items():
         report.line(f"- T={tokens} adapters={adapters}: LoRA {t_lora * 1e3:.0f} us vs base {t_base * 1e3:.0f} us "

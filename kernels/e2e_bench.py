@@ -185,8 +185,14 @@ def run_e2e(
             if mode == "graphs" and (batch, n_adapters, "eager") in tokens_by_mode:
                 eager = tokens_by_mode[(batch, n_adapters, "eager")]
                 same = sum(a == b for a, b in zip(outs, eager))
+                # a flipped near-tie changes everything after it: where the first difference falls
+                # tells rounding (late, scattered) from a wrong graph step (the first decode steps)
+                firsts = sorted(next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+                                for a, b in zip(outs, eager) if a != b)
+                where = (f"; first differing token at step {firsts[0]} earliest, {firsts[len(firsts) // 2]} median"
+                         if firsts else "")
                 report.line(f"- batch {batch}, {n_adapters} adapters: graph and eager greedy tokens identical "
-                            f"for {same} of {len(outs)} sequences")
+                            f"for {same} of {len(outs)} sequences{where}")
         report.line()
         del llm, runner, graphs
         gc.collect()

@@ -8,7 +8,12 @@ import torch
 from tests.kernels.helpers import make_meta, nan_like, randn, rel_err
 
 from loraplex.kernels.lora_ref import lora_expand_ref, lora_shrink_ref  # noqa: E402
-from loraplex.kernels.triton_lora import lora_expand_triton, lora_shrink_triton  # noqa: E402
+from loraplex.kernels.triton_lora import (  # noqa: E402
+    EXPAND_VARIANTS,
+    SHRINK_VARIANTS,
+    lora_expand_triton,
+    lora_shrink_triton,
+)
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 
@@ -83,15 +88,17 @@ def _seed(name: str, dtype: torch.dtype, salt: int) -> int:
     return (sum(map(ord, name)) * 31 + (7 if dtype == torch.float16 else 0) + salt * 1009) % (2**31)
 
 
+@pytest.mark.parametrize("gemv", list(SHRINK_VARIANTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("name", list(CASES))
-def test_shrink_matches_reference(name, dtype):
+def test_shrink_matches_reference(name, dtype, gemv):
+    """Every decode-shaped reduction (the lab times each on a GPU) on every case."""
     case = CASES[name]
-    _, x, a_stack, _, _, _, meta = _case_inputs(case, dtype, _seed(name, dtype, 1))
+    _, x, a_stack, _, _, _, meta = _case_inputs(case, dtype, _seed(name, dtype, 1 + len(gemv)))
     shape = (len(case["widths"]), meta.num_tokens, case["r_max"])
     out = torch.full(shape, float("nan"))
     ref = torch.full(shape, float("nan"))
-    lora_shrink_triton(x, a_stack, meta, out)
+    lora_shrink_triton(x, a_stack, meta, out, gemv=gemv)
     lora_shrink_ref(x, a_stack, meta, ref)
     defined = _defined_mask(meta, shape[0], shape[2])
     assert defined.any()
@@ -99,36 +106,62 @@ def test_shrink_matches_reference(name, dtype):
     assert rel_err(out[defined], ref[defined]) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("gemv", list(SHRINK_VARIANTS))
 @pytest.mark.parametrize("name,split_k", [("ragged_short_qkv", 2), ("ragged_short_qkv", 3), ("medium_segments", 2)])
-def test_shrink_split_k_accumulates_all_splits(name, split_k):
-    """The split-K path (atomics into a zeroed output) forced on small problems, both tile shapes."""
+def test_shrink_split_k_accumulates_all_splits(name, split_k, gemv):
+    """The split-K path (atomics into a zeroed output) forced on small problems, both tile shapes;
+    ``in`` 160 is 5 blocks of 32 (uneven splits) or 2.5 of 64 (a masked last block)."""
     case = dict(CASES[name], in_features=160)
-    _, x, a_stack, _, _, _, meta = _case_inputs(case, torch.float32, 77 + split_k + len(name))
+    _, x, a_stack, _, _, _, meta = _case_inputs(case, torch.float32, 77 + split_k + len(name) + 3 * len(gemv))
     num_slices = len(case["widths"])
     shape = (num_slices, meta.num_tokens, case["r_max"])
     out, ref = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
-    lora_shrink_triton(x, a_stack, meta, out, split_k=split_k)
+    lora_shrink_triton(x, a_stack, meta, out, split_k=split_k, gemv=gemv)
     lora_shrink_ref(x, a_stack, meta, ref)
     defined = _defined_mask(meta, num_slices, case["r_max"])
     assert rel_err(out[defined], ref[defined]) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("gemv", EXPAND_VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("name", list(CASES))
-def test_expand_matches_reference(name, dtype):
+def test_expand_matches_reference(name, dtype, gemv):
     case = CASES[name]
-    gen, _, _, b_stack, scaling, offsets, meta = _case_inputs(case, dtype, _seed(name, dtype, 2))
+    gen, _, _, b_stack, scaling, offsets, meta = _case_inputs(case, dtype, _seed(name, dtype, 2 + len(gemv)))
     num_slices = len(case["widths"])
     defined = _defined_mask(meta, num_slices, case["r_max"])
     # undefined shrink entries are NaN: expand must never let them into y
     shrunk = torch.randn(num_slices, meta.num_tokens, case["r_max"], generator=gen).masked_fill(~defined, float("nan"))
     y0 = randn(meta.num_tokens, offsets[-1], dtype=dtype, gen=gen)
     y, y_ref = y0.clone(), y0.clone()
-    lora_expand_triton(shrunk, b_stack, scaling, offsets, meta, y)
+    lora_expand_triton(shrunk, b_stack, scaling, offsets, meta, y, gemv=gemv)
     lora_expand_ref(shrunk, b_stack, scaling, offsets, meta, y_ref)
     assert not y.isnan().any()
     base_rows = torch.tensor([s < 0 for s in case["slots"]])
     assert torch.equal(y[base_rows], y0[base_rows]), "base-only rows must be left untouched"
+    assert rel_err(y - y0, y_ref - y0) < TOL[dtype] * 3
+
+
+@pytest.mark.parametrize("gemv", ["rows", "tiled"])
+@pytest.mark.parametrize("n_tiles", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_tiled_expand_walks_column_tiles(dtype, n_tiles, gemv):
+    """The decode-shaped expands with several column tiles per program: rank 128 in two-token
+    segments makes 16-column ("tiled") or 32-column ("rows") tiles, so slices of 80 and 48 columns
+    take several tiles, and with 2 or 3 tiles per program a slice's last program runs a part of
+    its run."""
+    case = dict(slots=[0, 1, 1, -1, 2, 0, 2], ranks=[128, 5, 16], r_max=128, widths=(80, 48), in_features=32,
+                empty_segments=1)
+    gen, _, _, b_stack, scaling, offsets, meta = _case_inputs(case, dtype, 31 * n_tiles + (7 if dtype == torch.float16 else 0) + len(gemv))
+    defined = _defined_mask(meta, 2, case["r_max"])
+    shrunk = torch.randn(2, meta.num_tokens, case["r_max"], generator=gen).masked_fill(~defined, float("nan"))
+    y0 = randn(meta.num_tokens, offsets[-1], dtype=dtype, gen=gen)
+    y, y_ref = y0.clone(), y0.clone()
+    lora_expand_triton(shrunk, b_stack, scaling, offsets, meta, y, gemv=gemv, n_tiles=n_tiles)
+    lora_expand_ref(shrunk, b_stack, scaling, offsets, meta, y_ref)
+    assert not y.isnan().any()
+    base_rows = torch.tensor([s < 0 for s in case["slots"]])
+    assert torch.equal(y[base_rows], y0[base_rows])
     assert rel_err(y - y0, y_ref - y0) < TOL[dtype] * 3
 
 
