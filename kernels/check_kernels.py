@@ -143,7 +143,7 @@ def _fp8_weight_case(report, gen, name, tokens, in_features, out_features, dtype
                  f"rel err {err:.2e} ({tokens} tokens, {in_features} -> {out_features})")
 
 
-def run_checks(report: Report, on_gpu: bool) -> None:
+def run_checks(report: Report, on_gpu: bool, lora_only: bool = False) -> None:
     device = "cuda" if on_gpu else "cpu"
     # the interpreter multiplies bf16 wrongly in tl.dot (triton-lang/triton#11584): fp16 there
     dtype = torch.bfloat16 if on_gpu else torch.float16
@@ -181,6 +181,8 @@ def run_checks(report: Report, on_gpu: bool) -> None:
     mixed_ranks = [1, 3, 8, 16, 64, 128]
     slots = [g % len(mixed_ranks) for g, n in enumerate(prefill_lens) for _ in range(n)]
     _lora_case(report, shape, gen, "prefill qkv mixed ranks", slots, mixed_ranks, hidden, (hidden, kv, kv), dtype, device)
+    if lora_only:
+        return
     for block_size in (16, 32):
         _attention_case(
             report, gen, f"bs{block_size}", attn_seqs, heads, kv_heads, head_dim, block_size, dtype, device

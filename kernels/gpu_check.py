@@ -42,6 +42,10 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--e2e-max-tokens", type=int, default=64, help="tokens generated per request")
     p.add_argument("--e2e-prompt-len", type=int, default=512, help="prompt tokens per request (context size)")
     p.add_argument("--e2e-targets", choices=["all", "qkvo"], default="all", help="modules the adapters adapt")
+    p.add_argument("--tune-lora", action="store_true",
+                   help="time the decode-shaped LoRA launch sizes first and use the fastest for the rest of the run")
+    p.add_argument("--only-lora", action="store_true",
+                   help="LoRA checks and timings only (no attention, MoE or host-miss sections)")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="start no new end-to-end configuration after this many seconds of the run")
     return p.parse_args()
@@ -88,17 +92,27 @@ def main() -> int:
     report.line()
     start = time.time()
 
-    _section(report, "correctness", run_checks, report, on_gpu)
+    if args.tune_lora:
+        from tune_lora import tune_decode_lora
+
+        from loraplex.kernels import triton_lora
+
+        # installed for the rest of this process: the checks, timings and engine below use it
+        triton_lora.DEFAULT_TUNING = tune_decode_lora(report, on_gpu, device)
+        report.line(f"(tuning done at {time.time() - start:.0f} s)")
+        report.write()
+    _section(report, "correctness", run_checks, report, on_gpu, args.only_lora)
     report.line(f"(correctness done at {time.time() - start:.0f} s)")
     report.line()
     report.write()  # after each section, so a run cut short still leaves its results
     if not args.skip_bench:
         copy_bw = measure_copy_bandwidth(report, on_gpu, device)
         _section(report, "LoRA timings", bench_lora, report, on_gpu, device, copy_bw)
-        _section(report, "attention timings", bench_attention, report, on_gpu, device, copy_bw)
-        _section(report, "MoE timings", bench_moe, report, on_gpu, device, copy_bw)
-        _section(report, "MoE LoRA timings", bench_moe_lora, report, on_gpu, device)
-        _section(report, "MoE fp8 timings", bench_moe_fp8, report, on_gpu, device, copy_bw)
+        if not args.only_lora:
+            _section(report, "attention timings", bench_attention, report, on_gpu, device, copy_bw)
+            _section(report, "MoE timings", bench_moe, report, on_gpu, device, copy_bw)
+            _section(report, "MoE LoRA timings", bench_moe_lora, report, on_gpu, device)
+            _section(report, "MoE fp8 timings", bench_moe_fp8, report, on_gpu, device, copy_bw)
         report.line(f"(timings done at {time.time() - start:.0f} s)")
         report.line()
         report.write()
@@ -109,6 +123,7 @@ def main() -> int:
             run_e2e(
                 report, on_gpu, layers=args.e2e_layers, max_tokens=args.e2e_max_tokens,
                 prompt_len=args.e2e_prompt_len, targets=args.e2e_targets, deadline=start + args.budget_s,
+                host_miss=not args.only_lora,
             )
         except Exception:  # the engine is another team's moving part: report, keep the kernel results
             report.line("end-to-end run FAILED:")

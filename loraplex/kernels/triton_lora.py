@@ -25,6 +25,8 @@ host ints; a graph runner passes upper bounds there, and empty segments exit at 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -51,6 +53,22 @@ DEFAULT_SHRINK_GEMV = "rows_x_rank"
 EXPAND_VARIANTS = ("rows", "tiled", "plain")
 DEFAULT_EXPAND_GEMV = "rows"
 EXPAND_TARGET_PROGRAMS = 1024
+
+
+@dataclass(frozen=True)
+class GemvTuning:
+    """Launch sizes of the decode-shaped kernels (``kernels/tune_lora.py`` times alternatives on
+    a GPU): programs each launch aims for, elements of the register tiles, warps per program."""
+
+    shrink_programs: int = TARGET_PROGRAMS  # the K split grows until about this many programs
+    shrink_tile_elements: int = 4096  # rows_x_rank's [rows x rank, K] tile
+    expand_programs: int = EXPAND_TARGET_PROGRAMS  # column tiles are grouped down to about this many
+    expand_tile_elements: int = 4096  # "rows": [columns, rank] tile; "tiled": [rows, rank, columns]
+    shrink_num_warps: int = 4
+    expand_num_warps: int = 4
+
+
+DEFAULT_TUNING = GemvTuning()
 
 
 @triton.jit(do_not_specialize=["tiles_per_seg", "k_blocks_per_split"])
@@ -419,7 +437,9 @@ def _row_tile(max_seg_len: int) -> tuple[int, bool]:
     return min(64, _pow2_at_least(max_seg_len, 16)), True
 
 
-def shrink_tiles(max_seg_len: int, max_rank: int, gemv: str = DEFAULT_SHRINK_GEMV) -> dict[str, int | bool]:
+def shrink_tiles(
+    max_seg_len: int, max_rank: int, gemv: str = DEFAULT_SHRINK_GEMV, tile_elements: int = 4096
+) -> dict[str, int | bool]:
     """The shrink kernel's constexprs for a step's segment shape (also enumerated by the lab's
     ahead-of-time compile check); ``gemv`` names the decode-shaped reduction (SHRINK_VARIANTS)."""
     block_m, use_dot = _row_tile(max_seg_len)
@@ -435,12 +455,14 @@ def shrink_tiles(max_seg_len: int, max_rank: int, gemv: str = DEFAULT_SHRINK_GEM
     mode = SHRINK_VARIANTS[gemv]
     # bound what the registers hold: the [rows, rank, K] products (reduce, acc) or the
     # [rows x rank, K] tile with its prefetched next block (rows_x_rank)
-    budget = 4096 if mode == SHRINK_VARIANTS["rows_x_rank"] else 8192
+    budget = tile_elements if mode == SHRINK_VARIANTS["rows_x_rank"] else 8192
     block_k = max(16, min(256, budget // (block_m * block_r)))
     return dict(BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, USE_DOT=False, GEMV=mode)
 
 
-def expand_tiles(max_seg_len: int, max_rank: int, gemv: str = DEFAULT_EXPAND_GEMV) -> dict[str, int | bool]:
+def expand_tiles(
+    max_seg_len: int, max_rank: int, gemv: str = DEFAULT_EXPAND_GEMV, tile_elements: int = 4096
+) -> dict[str, int | bool]:
     """The expand kernel's constexprs for a step's segment shape. ``GEMV_TILED`` in the result
     selects the decode-shaped kernel that walks several column tiles per program."""
     block_m, use_dot = _row_tile(max_seg_len)
@@ -449,7 +471,7 @@ def expand_tiles(max_seg_len: int, max_rank: int, gemv: str = DEFAULT_EXPAND_GEM
         if block_m * block_r <= GEMV_MAX_ROWS_X_RANK:
             # the whole rank in one tile; the [(rows,) rank, columns] products bounded as in shrink
             rows = gemv == "rows"
-            block_n = max(16, min(256, 4096 // (block_r if rows else block_m * block_r)))
+            block_n = max(16, min(256, tile_elements // (block_r if rows else block_m * block_r)))
             return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, ROWS=rows, GEMV_TILED=True)
         block_m, use_dot = 16, True
     # rank in chunks of 16: a tensor-core K step, and at most 15 columns read past a real rank
@@ -466,19 +488,21 @@ def lora_shrink_triton(
     split_k: int | None = None,  # override the K split (tests, tuning); None = by work present
     slot_rank: torch.Tensor | None = None,  # [max_loras] int32: ranks to use instead of meta's
     gemv: str = DEFAULT_SHRINK_GEMV,  # the decode-shaped reduction (SHRINK_VARIANTS; the lab times each)
+    tuning: GemvTuning | None = None,  # None = DEFAULT_TUNING
 ) -> None:
     """``out[s, i, :r] = x[token_perm[i]] @ a_stack[s, slot, :r].T`` (see dispatch.lora_shrink)."""
     if meta.num_segments == 0 or meta.max_rank <= 0 or meta.max_seg_len == 0:
         return
     num_slices, _, _, in_features = a_stack.shape
-    tiles = shrink_tiles(meta.max_seg_len, meta.max_rank, gemv)
+    tuning = tuning or DEFAULT_TUNING
+    tiles = shrink_tiles(meta.max_seg_len, meta.max_rank, gemv, tuning.shrink_tile_elements)
     block_m, block_k = tiles["BLOCK_M"], tiles["BLOCK_K"]
     tiles_per_seg = triton.cdiv(meta.max_seg_len, block_m)
     programs = meta.num_segments * tiles_per_seg * num_slices
     k_blocks = triton.cdiv(in_features, block_k)
     if split_k is None:
         # split K only while each split keeps at least 4 K-blocks of work
-        split_k = min(triton.cdiv(TARGET_PROGRAMS, programs), k_blocks // 4)
+        split_k = min(triton.cdiv(tuning.shrink_programs, programs), k_blocks // 4)
     split_k = max(1, min(split_k, k_blocks))
     k_blocks_per_split = triton.cdiv(k_blocks, split_k)
     split_k = triton.cdiv(k_blocks, k_blocks_per_split)
@@ -503,7 +527,7 @@ def lora_shrink_triton(
         **tiles,
         ATOMIC=split_k > 1,
         EVEN_K=in_features % block_k == 0,
-        num_warps=4,
+        num_warps=4 if tiles["USE_DOT"] else tuning.shrink_num_warps,
     )
 
 
@@ -518,6 +542,7 @@ def lora_expand_triton(
     slot_rank: torch.Tensor | None = None,  # [max_loras] int32: ranks to use instead of meta's
     gemv: str = DEFAULT_EXPAND_GEMV,  # the decode-shaped kernel (EXPAND_VARIANTS; the lab times each)
     n_tiles: int | None = None,  # "rows" / "tiled": column tiles per program (tests); None = by work present
+    tuning: GemvTuning | None = None,  # None = DEFAULT_TUNING
 ) -> None:
     """``y[token_perm[i], slice s] += scaling[s, slot] * shrunk[s, i, :r] @ B_s[slot, :, :r].T``,
     every slice of a packed projection in one launch (see dispatch.lora_expand)."""
@@ -528,25 +553,26 @@ def lora_expand_triton(
         raise ValueError(f"lora_expand_triton supports 1..{MAX_SLICES} slices, got {num_slices}")
     offsets = list(slice_offsets) + [slice_offsets[-1]] * (MAX_SLICES + 1 - len(slice_offsets))
     max_width = max(slice_offsets[s + 1] - slice_offsets[s] for s in range(num_slices))
-    tiles = expand_tiles(meta.max_seg_len, meta.max_rank, gemv)
+    tuning = tuning or DEFAULT_TUNING
+    tiles = expand_tiles(meta.max_seg_len, meta.max_rank, gemv, tuning.expand_tile_elements)
     common = (
         shrunk, b_stack, scaling, y, meta.token_perm, meta.seg_starts, meta.seg_slot,
         meta.slot_rank if slot_rank is None else slot_rank,
     )
     strides = (*shrunk.stride(), *b_stack.stride(), *scaling.stride(), *y.stride())
     if tiles.pop("GEMV_TILED"):
-        # group column tiles into programs until about EXPAND_TARGET_PROGRAMS remain: each
+        # group column tiles into programs until about tuning.expand_programs remain: each
         # program then pays its metadata loads once for many tiles (the grid stays sized by the
         # segments present; a graph runner's upper bound only adds programs that exit at once)
         n_blocks = triton.cdiv(max_width, tiles["BLOCK_N"])
         if n_tiles is None:
-            n_tiles = meta.num_segments * num_slices * n_blocks // EXPAND_TARGET_PROGRAMS
+            n_tiles = meta.num_segments * num_slices * n_blocks // tuning.expand_programs
         n_tiles = max(1, min(n_blocks, n_tiles))
         grid = (meta.num_segments, triton.cdiv(n_blocks, n_tiles), num_slices)
         _sgmv_expand_gemv_kernel[grid](
             *common, n_tiles, *offsets, *strides, **tiles,
             R_EVEN=shrunk.shape[2] % 16 == 0 and b_stack.shape[2] % 16 == 0,
-            num_warps=4,
+            num_warps=tuning.expand_num_warps,
         )
         return
     tiles_per_seg = triton.cdiv(meta.max_seg_len, tiles["BLOCK_M"])

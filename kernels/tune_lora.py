@@ -1,0 +1,90 @@
+"""Launch sizes of the decode-shaped LoRA kernels, timed side by side (part of the GPU check).
+
+Each candidate ``GemvTuning`` is timed on the decode batches of the LoRA bench (Llama-3-8B's
+qkv, gate_up and down, rank 16), shrink and expand separately, each launch in a CUDA graph over
+input sets spanning 3x the L2 (as ``bench_kernels.py``). The fastest shrink settings and the
+fastest expand settings by total time are returned; ``gpu_check.py --tune-lora`` installs them for
+the rest of its run (bench and end to end), so the figures after it are of the settings printed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+from bench_kernels import RANK, _graph_ms, _l2_bytes, _lora_bytes
+from lab_common import Report, make_meta, spread_slots
+
+from loraplex.kernels import triton_lora
+from loraplex.kernels.triton_lora import GemvTuning, lora_expand_triton, lora_shrink_triton
+
+SHRINK_GRID = dict(shrink_programs=[512, 2048], shrink_tile_elements=[4096, 8192], shrink_num_warps=[4, 8])
+EXPAND_GRID = dict(expand_programs=[1024, 4096], expand_tile_elements=[4096, 8192], expand_num_warps=[4, 8])
+
+
+def _candidates(grid: dict[str, list[int]], base: GemvTuning) -> list[GemvTuning]:
+    names = list(grid)
+    return [dataclasses.replace(base, **dict(zip(names, values))) for values in itertools.product(*grid.values())]
+
+
+def tune_decode_lora(report: Report, on_gpu: bool, device: str) -> GemvTuning:
+    dtype = torch.bfloat16 if on_gpu else torch.float16
+    if on_gpu:
+        hidden, kv, inter = 4096, 1024, 14336
+        configs = [(64, 16), (64, 64), (256, 64), (256, 128)]
+    else:
+        hidden, kv, inter = 64, 16, 96
+        configs = [(8, 2)]
+    modules = {"qkv": (hidden, (hidden, kv, kv)), "gate_up": (hidden, (inter, inter)), "down": (inter, (hidden,))}
+    l2 = _l2_bytes(on_gpu)
+    base = triton_lora.DEFAULT_TUNING
+    shrink_cands = _candidates(SHRINK_GRID, base)
+    expand_cands = _candidates(EXPAND_GRID, base)
+    shrink_us = [0.0] * len(shrink_cands)
+    expand_us = [0.0] * len(expand_cands)
+    for tokens, adapters in configs:
+        meta = make_meta(spread_slots(tokens, adapters), [RANK] * adapters, device)
+        for in_f, widths in modules.values():
+            s, out_total = len(widths), sum(widths)
+            offsets = tuple([0] + [sum(widths[: i + 1]) for i in range(s)])
+            nb = _lora_bytes(tokens, adapters, in_f, widths, 2)
+            n_sets = max(1, min(256, -(-3 * l2 // (nb["shrink"] + nb["expand"]))))
+            sets = [
+                (
+                    torch.randn(tokens, in_f, device=device).to(dtype),
+                    (torch.randn(s, adapters, RANK, in_f, device=device) * in_f**-0.5).to(dtype),
+                    (torch.randn(adapters, out_total, RANK, device=device) * 0.25).to(dtype),
+                    torch.randn(tokens, out_total, device=device).to(dtype),
+                    torch.empty(s, tokens, RANK, device=device),
+                )
+                for _ in range(n_sets)
+            ]
+            scaling = torch.full((s, adapters), 2.0, device=device)
+            for i, cand in enumerate(shrink_cands):
+                def shrink_all(c=cand):
+                    for x, a, _, _, shrunk in sets:
+                        lora_shrink_triton(x, a, meta, shrunk, tuning=c)
+                shrink_us[i] += _graph_ms(shrink_all, on_gpu, n_sets) * 1e3
+            for i, cand in enumerate(expand_cands):
+                def expand_all(c=cand):
+                    for _, _, b, y, shrunk in sets:
+                        lora_expand_triton(shrunk, b, scaling, offsets, meta, y, tuning=c)
+                expand_us[i] += _graph_ms(expand_all, on_gpu, n_sets) * 1e3
+            del sets
+    report.line(f"## Decode-shaped LoRA launch sizes ({dtype}, rank {RANK}; us summed over T x adapters "
+                f"{configs} and qkv, gate_up, down; the default marked)")
+    report.line()
+    rows = []
+    for cands, times, grid in ((shrink_cands, shrink_us, SHRINK_GRID), (expand_cands, expand_us, EXPAND_GRID)):
+        for cand, t in zip(cands, times):
+            setting = ", ".join(f"{k}={getattr(cand, k)}" for k in grid)
+            mark = " (default)" if all(getattr(cand, k) == getattr(base, k) for k in grid) else ""
+            rows.append([setting + mark, f"{t:.1f}"])
+    report.table(["setting", "total us"], rows)
+    best_shrink = shrink_cands[min(range(len(shrink_cands)), key=shrink_us.__getitem__)]
+    best_expand = expand_cands[min(range(len(expand_cands)), key=expand_us.__getitem__)]
+    chosen = dataclasses.replace(best_shrink, **{k: getattr(best_expand, k) for k in EXPAND_GRID})
+    report.line(f"chosen: {chosen}")
+    report.line()
+    return chosen
