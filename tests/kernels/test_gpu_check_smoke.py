@@ -42,3 +42,25 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
     assert "## End to end" in results and "end-to-end run FAILED" not in results
     assert "| 4 | 2 | graphs |" in results and "| 4 | 2 | eager |" in results
     assert "batch 4, 2 adapters: graph and eager greedy tokens identical for 4 of 4 sequences" in results
+    assert "Decode-shaped variants" in results and "| shrink rows_x_rank | shrink reduce | shrink acc |" in results
+    # each mode also run twice, to tell run-to-run rounding from a graph-vs-eager difference
+    assert "batch 4, 2 adapters, graphs run twice: identical for 4 of 4 sequences" in results
+
+
+@pytest.mark.slow
+def test_gpu_check_tune_lora_runs_with_the_fastest_setting(tmp_path):
+    """``--tune-lora --only-lora``: the launch-size table, the choice, then LoRA sections only."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "kernels" / "gpu_check.py"), "--cpu-smoke", "--tune-lora", "--only-lora",
+         "--skip-e2e"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    results = (tmp_path / "results.md").read_text()
+    assert "## Decode-shaped LoRA launch sizes" in results and "(default) |" in results
+    (chosen,) = [x for x in results.splitlines() if x.startswith("chosen: GemvTuning(")]
+    assert "shrink_programs=" in chosen and "expand_num_warps=" in chosen
+    assert "PASS decode qkv shrink:" in results and "PASS prefill qkv mixed ranks expand:" in results
+    assert "## SGMV LoRA kernels" in results
+    assert "## Paged attention" not in results and "fused moe" not in results and "## End to end" not in results
