@@ -72,6 +72,27 @@ def _graph_ms(fn, on_gpu: bool, n_sets: int) -> float:
     return bench_ms(graph.replay, True) / n_sets
 
 
+def lora_input_sets(tokens: int, adapters: int, in_f: int, widths: tuple[int, ...], dtype, device, l2: int):
+    """``(sets, scaling, slice_offsets)``: enough distinct ``(x, A, B, y, shrunk)`` sets to span 3x
+    the L2 (so timed launches read HBM, not the cache), random data, never zeros."""
+    s, out_total = len(widths), sum(widths)
+    nb = _lora_bytes(tokens, adapters, in_f, widths, 2)
+    n_sets = max(1, min(256, -(-3 * l2 // (nb["shrink"] + nb["expand"]))))
+    sets = [
+        (
+            torch.randn(tokens, in_f, device=device).to(dtype),
+            (torch.randn(s, adapters, RANK, in_f, device=device) * in_f**-0.5).to(dtype),
+            (torch.randn(adapters, out_total, RANK, device=device) * 0.25).to(dtype),
+            torch.randn(tokens, out_total, device=device).to(dtype),
+            torch.empty(s, tokens, RANK, device=device),
+        )
+        for _ in range(n_sets)
+    ]
+    scaling = torch.full((s, adapters), 2.0, device=device)
+    offsets = tuple([0] + [sum(widths[: i + 1]) for i in range(s)])
+    return sets, scaling, offsets
+
+
 def bench_lora(report: Report, on_gpu: bool, device: str, copy_bw: float) -> None:
     dtype = torch.bfloat16 if on_gpu else torch.float16
     elt = 2
@@ -97,21 +118,10 @@ def bench_lora(report: Report, on_gpu: bool, device: str, copy_bw: float) -> Non
     for tokens, adapters in configs:
         meta = make_meta(spread_slots(tokens, adapters), [RANK] * adapters, device)
         for mod, (in_f, widths) in modules.items():
-            s, out_total = len(widths), sum(widths)
-            offsets = tuple([0] + [sum(widths[: i + 1]) for i in range(s)])
+            out_total = sum(widths)
             nb = _lora_bytes(tokens, adapters, in_f, widths, elt)
-            n_sets = max(1, min(256, -(-3 * l2 // (nb["shrink"] + nb["expand"]))))
-            sets = [
-                (
-                    torch.randn(tokens, in_f, device=device).to(dtype),
-                    (torch.randn(s, adapters, RANK, in_f, device=device) * in_f**-0.5).to(dtype),
-                    (torch.randn(adapters, out_total, RANK, device=device) * 0.25).to(dtype),
-                    torch.randn(tokens, out_total, device=device).to(dtype),
-                    torch.empty(s, tokens, RANK, device=device),
-                )
-                for _ in range(n_sets)
-            ]
-            scaling = torch.full((s, adapters), 2.0, device=device)
+            sets, scaling, offsets = lora_input_sets(tokens, adapters, in_f, widths, dtype, device, l2)
+            n_sets = len(sets)
             w_bytes = out_total * in_f * elt
             n_w = max(1, min(64, -(-3 * l2 // w_bytes)))
             weights = [(torch.randn(out_total, in_f, device=device) * in_f**-0.5).to(dtype) for _ in range(n_w)]

@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 
 import torch
-from bench_kernels import RANK, _graph_ms, _l2_bytes, _lora_bytes
+from bench_kernels import RANK, _graph_ms, _l2_bytes, lora_input_sets
 from lab_common import Report, make_meta, spread_slots
 
 from loraplex.kernels import triton_lora
@@ -46,21 +46,8 @@ def tune_decode_lora(report: Report, on_gpu: bool, device: str) -> GemvTuning:
     for tokens, adapters in configs:
         meta = make_meta(spread_slots(tokens, adapters), [RANK] * adapters, device)
         for in_f, widths in modules.values():
-            s, out_total = len(widths), sum(widths)
-            offsets = tuple([0] + [sum(widths[: i + 1]) for i in range(s)])
-            nb = _lora_bytes(tokens, adapters, in_f, widths, 2)
-            n_sets = max(1, min(256, -(-3 * l2 // (nb["shrink"] + nb["expand"]))))
-            sets = [
-                (
-                    torch.randn(tokens, in_f, device=device).to(dtype),
-                    (torch.randn(s, adapters, RANK, in_f, device=device) * in_f**-0.5).to(dtype),
-                    (torch.randn(adapters, out_total, RANK, device=device) * 0.25).to(dtype),
-                    torch.randn(tokens, out_total, device=device).to(dtype),
-                    torch.empty(s, tokens, RANK, device=device),
-                )
-                for _ in range(n_sets)
-            ]
-            scaling = torch.full((s, adapters), 2.0, device=device)
+            sets, scaling, offsets = lora_input_sets(tokens, adapters, in_f, widths, dtype, device, l2)
+            n_sets = len(sets)
             for i, cand in enumerate(shrink_cands):
                 def shrink_all(c=cand):
                     for x, a, _, _, shrunk in sets:

@@ -271,8 +271,7 @@ def _sgmv_expand_kernel(
     if row_lo >= seg_hi:
         return
     # this slice's columns of y: [n_lo, n_hi)
-    n_lo = tl.where(sl == 0, off0, tl.where(sl == 1, off1, tl.where(sl == 2, off2, off3)))
-    n_hi = tl.where(sl == 0, off1, tl.where(sl == 1, off2, tl.where(sl == 2, off3, off4)))
+    n_lo, n_hi = _slice_columns(sl, off0, off1, off2, off3, off4)
     n_start = n_lo + pid_n * BLOCK_N
     if n_start >= n_hi:
         return
@@ -357,8 +356,7 @@ def _sgmv_expand_gemv_kernel(
     seg_hi = tl.load(seg_starts_ptr + seg + 1)
     if row_lo >= seg_hi:
         return
-    n_lo = tl.where(sl == 0, off0, tl.where(sl == 1, off1, tl.where(sl == 2, off2, off3)))
-    n_hi = tl.where(sl == 0, off1, tl.where(sl == 1, off2, tl.where(sl == 2, off3, off4)))
+    n_lo, n_hi = _slice_columns(sl, off0, off1, off2, off3, off4)
     n_first = n_lo + pid_n * n_tiles * BLOCK_N
     if n_first >= n_hi:
         return
@@ -424,6 +422,14 @@ def _sgmv_expand_gemv_kernel(
             bt = tl.where(r_keep[:, None], bt, 0.0)
             acc = tl.sum(st[:, :, None] * bt[None, :, :].to(tl.float32), axis=1)  # [BLOCK_M, BLOCK_N]
             tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y.dtype), mask=y_mask)
+
+
+@triton.jit
+def _slice_columns(sl, off0, off1, off2, off3, off4):
+    """Columns ``[n_lo, n_hi)`` of y that slice ``sl`` of a packed projection owns."""
+    n_lo = tl.where(sl == 0, off0, tl.where(sl == 1, off1, tl.where(sl == 2, off2, off3)))
+    n_hi = tl.where(sl == 0, off1, tl.where(sl == 1, off2, tl.where(sl == 2, off3, off4)))
+    return n_lo, n_hi
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
