@@ -32,6 +32,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from loraplex.kernels import triton_attention as ta  # noqa: E402
 from loraplex.kernels import triton_lora as tl_lora  # noqa: E402
+from loraplex.kernels import triton_lora_expand as tl_expand  # noqa: E402
+from loraplex.kernels import triton_lora_shrink as tl_shrink  # noqa: E402
 from loraplex.kernels import triton_moe as tm  # noqa: E402
 from loraplex.kernels import triton_moe_lora as tml  # noqa: E402
 
@@ -68,12 +70,12 @@ def _variants(quick: bool) -> list[tuple[str, object, dict, dict]]:
                     name = "" if gemv == tl_lora.DEFAULT_SHRINK_GEMV else f" {gemv}"
                     label = f"shrink seg<={seg} r{rank}{name}{' split-K' if atomic else ''}"
                     consts = {**shrink, "ATOMIC": atomic, "EVEN_K": True}  # Llama: in % 256 == 0
-                    out.append((label, tl_lora._sgmv_shrink_kernel, lora_ptrs, consts))
+                    out.append((label, tl_shrink._sgmv_shrink_kernel, lora_ptrs, consts))
             decode = not tl_lora.expand_tiles(seg, rank).get("USE_DOT", False)
             expands = list(tl_lora.EXPAND_VARIANTS) if not quick and decode else [tl_lora.DEFAULT_EXPAND_GEMV]
             for gemv in expands:
                 consts = {**tl_lora.expand_tiles(seg, rank, gemv), "R_EVEN": True}  # r_max % 16 == 0
-                kernel = tl_lora._sgmv_expand_gemv_kernel if consts.pop("GEMV_TILED") else tl_lora._sgmv_expand_kernel
+                kernel = tl_expand._sgmv_expand_gemv_kernel if consts.pop("GEMV_TILED") else tl_expand._sgmv_expand_kernel
                 name = f" {gemv}" if len(expands) > 1 else ""
                 out.append((f"expand seg<={seg} r{rank}{name}", kernel, lora_ptrs, consts))
     groups = [4] if quick else [1, 4, 8]
