@@ -150,7 +150,7 @@ def run_e2e(
             llm.add_adapter(name, str(path))
         report.line(f"engine up and adapters registered in {time.perf_counter() - t0:.0f} s")
         gen = torch.Generator().manual_seed(1234)
-        results, rows, tokens_by_mode, repeats = {}, [], {}, {}
+        results, rows, repeats = {}, [], {}
         modes = ["eager"] + (["graphs"] if graphs is not None else [])
         for batch, n_adapters in configs:
             prompts = torch.randint(4, shape["vocab_size"], (batch, prompt_len), generator=gen).tolist()
@@ -172,7 +172,6 @@ def run_e2e(
                     report.failures.append("CUDA-graph decode raised")
                     modes.remove("graphs")
                     continue
-                tokens_by_mode[(batch, n_adapters, mode)] = outs[0]
                 repeats[(batch, n_adapters, mode)] = outs
                 results[(batch, n_adapters, mode)] = step
                 base = results.get((batch, 0, mode))
@@ -183,9 +182,9 @@ def run_e2e(
         runner.decode_graphs = graphs
         report.table(["batch", "distinct adapters", "decode", "tokens/s (whole run)", "decode step ms",
                       "decode tokens/s", "LoRA overhead vs base"], rows)
-        for (batch, n_adapters, mode), outs in tokens_by_mode.items():
-            if mode == "graphs" and (batch, n_adapters, "eager") in tokens_by_mode:
-                eager = tokens_by_mode[(batch, n_adapters, "eager")]
+        for (batch, n_adapters, mode), (outs, _) in repeats.items():
+            if mode == "graphs" and (batch, n_adapters, "eager") in repeats:
+                eager = repeats[(batch, n_adapters, "eager")][0]
                 report.line(f"- batch {batch}, {n_adapters} adapters: graph and eager greedy tokens identical "
                             f"for {_agreement(outs, eager)}")
         # the same mode run twice: split-K's fp32 atomics add in no fixed order, so bf16 results

@@ -57,9 +57,9 @@ def _section(report, name: str, fn, *args) -> None:
     try:
         fn(*args)
     except Exception:  # noqa: BLE001
-        report.line(f"{name} section FAILED:")
+        report.line(f"{name} FAILED:")
         report.line("```\n" + traceback.format_exc() + "```")
-        report.failures.append(f"{name} section raised")
+        report.failures.append(f"{name} raised")
     report.write()
 
 
@@ -101,34 +101,32 @@ def main() -> int:
         triton_lora.DEFAULT_TUNING = tune_decode_lora(report, on_gpu, device)
         report.line(f"(tuning done at {time.time() - start:.0f} s)")
         report.write()
-    _section(report, "correctness", run_checks, report, on_gpu, args.only_lora)
+    _section(report, "correctness section", run_checks, report, on_gpu, args.only_lora)
     report.line(f"(correctness done at {time.time() - start:.0f} s)")
     report.line()
     report.write()  # after each section, so a run cut short still leaves its results
     if not args.skip_bench:
         copy_bw = measure_copy_bandwidth(report, on_gpu, device)
-        _section(report, "LoRA timings", bench_lora, report, on_gpu, device, copy_bw)
+        _section(report, "LoRA timings section", bench_lora, report, on_gpu, device, copy_bw)
         if not args.only_lora:
-            _section(report, "attention timings", bench_attention, report, on_gpu, device, copy_bw)
-            _section(report, "MoE timings", bench_moe, report, on_gpu, device, copy_bw)
-            _section(report, "MoE LoRA timings", bench_moe_lora, report, on_gpu, device)
-            _section(report, "MoE fp8 timings", bench_moe_fp8, report, on_gpu, device, copy_bw)
+            _section(report, "attention timings section", bench_attention, report, on_gpu, device, copy_bw)
+            _section(report, "MoE timings section", bench_moe, report, on_gpu, device, copy_bw)
+            _section(report, "MoE LoRA timings section", bench_moe_lora, report, on_gpu, device)
+            _section(report, "MoE fp8 timings section", bench_moe_fp8, report, on_gpu, device, copy_bw)
         report.line(f"(timings done at {time.time() - start:.0f} s)")
         report.line()
         report.write()
     if not args.skip_e2e:
-        try:
-            from e2e_bench import run_e2e
+        def end_to_end() -> None:
+            from e2e_bench import run_e2e  # the engine is another team's moving part: a failure keeps the kernel results
 
             run_e2e(
                 report, on_gpu, layers=args.e2e_layers, max_tokens=args.e2e_max_tokens,
                 prompt_len=args.e2e_prompt_len, targets=args.e2e_targets, deadline=start + args.budget_s,
                 host_miss=not args.only_lora,
             )
-        except Exception:  # the engine is another team's moving part: report, keep the kernel results
-            report.line("end-to-end run FAILED:")
-            report.line("```\n" + traceback.format_exc() + "```")
-            report.failures.append("end-to-end run raised")
+
+        _section(report, "end-to-end run", end_to_end)
         report.line(f"(end to end done at {time.time() - start:.0f} s)")
 
     report.line()
