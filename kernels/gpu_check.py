@@ -118,7 +118,8 @@ def main() -> int:
         report.write()
     if not args.skip_e2e:
         def end_to_end() -> None:
-            from e2e_bench import run_e2e  # the engine is another team's moving part: a failure keeps the kernel results
+            # the engine is another team's moving part: a failure here keeps the kernel results
+            from e2e_bench import run_e2e
 
             run_e2e(
                 report, on_gpu, layers=args.e2e_layers, max_tokens=args.e2e_max_tokens,
