@@ -43,7 +43,8 @@ UNIT = {"stride_xk", "stride_ak", "stride_or", "stride_sr", "stride_br", "stride
         "stride_wk", "stride_ai", "stride_on"}
 I64 = {"stride_ckv", "stride_cb"}  # a KV cache of tens of GB: these exceed int32
 # do_not_specialize, or small
-NOT_DIV16 = {"num_pairs", "top_k", "tiles_per_seg", "k_blocks_per_split", "n_tiles", "num_kv_heads", "num_kv_splits", "window"}
+NOT_DIV16 = {"num_pairs", "top_k", "tiles_per_seg", "k_blocks_per_split", "n_tiles", "num_partials", "num_tokens",
+             "r_max", "num_kv_heads", "num_kv_splits", "window"}
 
 
 def _variants(quick: bool) -> list[tuple[str, object, dict, dict]]:
@@ -66,9 +67,10 @@ def _variants(quick: bool) -> list[tuple[str, object, dict, dict]]:
                 gemvs += [g for g in tl_lora.SHRINK_VARIANTS if g != tl_lora.DEFAULT_SHRINK_GEMV]
             for gemv in gemvs:
                 shrink = tl_lora.shrink_tiles(seg, rank, gemv)
-                for atomic in ([True] if quick else [False, True]):
+                # split-K partials (stores, the default) and the atomic form the lab compares
+                for atomic in ([False] if quick else [False, True]):
                     name = "" if gemv == tl_lora.DEFAULT_SHRINK_GEMV else f" {gemv}"
-                    label = f"shrink seg<={seg} r{rank}{name}{' split-K' if atomic else ''}"
+                    label = f"shrink seg<={seg} r{rank}{name}{' atomic' if atomic else ''}"
                     consts = {**shrink, "ATOMIC": atomic, "EVEN_K": True}  # Llama: in % 256 == 0
                     out.append((label, tl_shrink._sgmv_shrink_kernel, lora_ptrs, consts))
             decode = not tl_lora.expand_tiles(seg, rank).get("USE_DOT", False)
@@ -78,6 +80,10 @@ def _variants(quick: bool) -> list[tuple[str, object, dict, dict]]:
                 kernel = tl_expand._sgmv_expand_gemv_kernel if consts.pop("GEMV_TILED") else tl_expand._sgmv_expand_kernel
                 name = f" {gemv}" if len(expands) > 1 else ""
                 out.append((f"expand seg<={seg} r{rank}{name}", kernel, lora_ptrs, consts))
+    for block_r in ([16] if quick else [16, 128]):  # the K splits' partials summed (decode: 32 x 16 tiles)
+        block_t = max(1, tl_lora.SUM_TILE_ELEMENTS // block_r)
+        out.append((f"shrink partials sum r{block_r}", tl_shrink._sum_partials_kernel, lora_ptrs,
+                    dict(BLOCK_T=block_t, BLOCK_R=block_r, EVEN_R=True)))
     groups = [4] if quick else [1, 4, 8]
     for group in groups:
         for q_len in (1, 512):

@@ -39,6 +39,7 @@ from loraplex.engine.decode_inputs import DecodeInputs
 from loraplex.engine.host_arrays import to_tensor
 from loraplex.engine.kv_layout import KVLayout
 from loraplex.engine.outputs import ScheduledSeq
+from loraplex.kernels import dispatch
 from loraplex.kernels.lora_meta import LoRABatchMeta
 from loraplex.lora.context import MAX_SLICES, LoRAStepContext, group_by_slot
 from loraplex.lora.slots import SlotPool
@@ -145,7 +146,7 @@ class DecodeGraphs:
         self.token_perm = torch.arange(n, dtype=torch.int64, device=device)
         self.seg_starts = torch.zeros(n + 1, dtype=torch.int32, device=device)
         self.seg_slot = torch.zeros(n, dtype=torch.int32, device=device)
-        self._shrunk: torch.Tensor | None = None  # [MAX_SLICES, max_batch, r_max] fp32, at first LoRA use
+        self._shrunk: torch.Tensor | None = None  # [max_partials, MAX_SLICES, max_batch, r_max] fp32, at first LoRA use
 
     # ---- which steps ---------------------------------------------------------------------
     def can_run(self, scheduled: list[ScheduledSeq]) -> bool:
@@ -238,9 +239,7 @@ class DecodeGraphs:
 
     def _lora_context(self, batch: int, seg_class: int, pool: SlotPool) -> LoRAStepContext:
         if self._shrunk is None:
-            self._shrunk = torch.empty(
-                MAX_SLICES, self.max_batch, pool.max_rank, dtype=torch.float32, device=self.input_ids.device
-            )
+            self._shrunk = dispatch.lora_shrink_scratch(self.input_ids, self.max_batch, pool.max_rank, MAX_SLICES)
         num_segments = min(batch, pool.max_loras)
         meta = LoRABatchMeta(
             token_perm=self.token_perm[:batch],
@@ -256,4 +255,4 @@ class DecodeGraphs:
             seg_slot_host=[],
             slot_rank_host=[],
         )
-        return LoRAStepContext(pool, meta, shrunk=self._shrunk[:, :batch], every_projection=True)
+        return LoRAStepContext(pool, meta, shrunk=self._shrunk[:, :, :batch], every_projection=True)

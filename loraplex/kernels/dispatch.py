@@ -111,17 +111,32 @@ def paged_attention(
     )
 
 
+def lora_shrink_scratch(
+    like: torch.Tensor, num_tokens: int, max_rank: int, num_slices: int
+) -> torch.Tensor | None:  # [max_partials, num_slices, num_tokens, max_rank] fp32, or None on CPU
+    """The fp32 buffer ``lora_shrink`` writes and ``lora_expand`` reads, on ``like``'s device:
+    room for the Triton shrink's K-split partial outputs (``max_shrink_partials``). None on CPU,
+    whose fused ``lora_apply`` needs none."""
+    if not uses_triton(like):
+        return None
+    from loraplex.kernels.triton_lora import max_shrink_partials
+
+    shape = (max_shrink_partials(num_tokens), num_slices, num_tokens, max_rank)
+    return torch.empty(shape, dtype=torch.float32, device=like.device)
+
+
 def lora_shrink(
     x: torch.Tensor,  # [num_tokens, in] (original token order)
     a_stack: torch.Tensor,  # [num_slices, max_loras, r_max, in]
     meta: LoRABatchMeta,
-    out: torch.Tensor,  # [num_slices, num_tokens, r_max] fp32, rows in permuted order
+    out: torch.Tensor,  # [max_partials, num_slices, num_tokens, r_max] fp32 (lora_shrink_scratch; 3D: one)
     *,
     slot_rank: torch.Tensor | None = None,  # [max_loras] int32: ranks to use instead of meta's
-) -> None:
-    """``out[s, i, :r] = x[token_perm[i]] @ a_stack[s, slot, :r].T`` for every LoRA row ``i``
-    (``slot = seg_slot`` of its segment, ``r = slot_rank[slot]``). Columns ``>= r`` and base-only
-    rows are left unspecified; expand never reads them."""
+) -> torch.Tensor:  # [num_slices, num_tokens, r_max] fp32, rows in permuted order: out[0], for lora_expand
+    """``result[s, i, :r] = x[token_perm[i]] @ a_stack[s, slot, :r].T`` for every LoRA row ``i``
+    (``slot = seg_slot`` of its segment, ``r = slot_rank[slot]``). The Triton kernel may split
+    ``in`` over ``out``'s other partial outputs and sum them into the first, in a fixed order.
+    Columns ``>= r`` and base-only rows are left unspecified; expand never reads them."""
     if uses_triton(x):
         from loraplex.kernels.triton_lora import lora_shrink_triton
 
@@ -129,7 +144,9 @@ def lora_shrink(
     # CPU: the reference (the engine's CPU path is the fused ``lora_apply``)
     from loraplex.kernels.lora_ref import lora_shrink_ref
 
-    return lora_shrink_ref(x, a_stack, meta, out)
+    result = out[0] if out.dim() == 4 else out
+    lora_shrink_ref(x, a_stack, meta, result)
+    return result
 
 
 def lora_expand(
@@ -161,19 +178,19 @@ def lora_apply(
     slice_offsets: tuple[int, ...],  # num_slices + 1 offsets into out_total
     meta: LoRABatchMeta,
     y: torch.Tensor,  # [num_tokens, out_total] base output, original order; updated in place
-    shrunk: torch.Tensor | None,  # [num_slices, num_tokens, r_max] fp32 scratch; CUDA only
+    shrunk: torch.Tensor | None,  # [max_partials, num_slices, num_tokens, r_max] fp32 scratch; CUDA only
     *,
     slot_rank: torch.Tensor | None = None,  # [max_loras] int32: this projection's ranks, else meta's
 ) -> None:
     """``lora_shrink`` then ``lora_expand``: the one call the model's LoRA context makes.
 
-    On CUDA the two Triton kernels run through ``shrunk``, reading no weights past
-    ``slot_rank`` (a projection's own ranks: 0 where a slot's adapter leaves it alone; rows
-    past them are zero, so the result is the same); on CPU a fused twin keeps each batch's
-    shrink result local (``shrunk`` may be None), which halves the small ops per projection."""
+    On CUDA the two Triton kernels run through ``shrunk`` (``lora_shrink_scratch``), reading no
+    weights past ``slot_rank`` (a projection's own ranks: 0 where a slot's adapter leaves it
+    alone; rows past them are zero, so the result is the same); on CPU a fused twin keeps each
+    batch's shrink result local (``shrunk`` may be None), which halves the small ops per projection."""
     if uses_triton(y):
-        lora_shrink(x, a_stack, meta, shrunk, slot_rank=slot_rank)
-        lora_expand(shrunk, b_stack, scaling, slice_offsets, meta, y, slot_rank=slot_rank)
+        result = lora_shrink(x, a_stack, meta, shrunk, slot_rank=slot_rank)
+        lora_expand(result, b_stack, scaling, slice_offsets, meta, y, slot_rank=slot_rank)
         return
     from loraplex.kernels.lora_cpu import lora_apply_cpu
 

@@ -11,7 +11,11 @@ Two shapes of the same kernels, chosen per call from ``meta.max_seg_len`` (a hos
 * decode-shaped (segments of at most ``GEMV_MAX_SEG_LEN`` rows): a tensor-core tile is at least
   16 rows, so a one-token segment would waste 15/16 of it. These programs multiply on the CUDA
   cores (broadcast and ``tl.sum``), and shrink splits the ``in`` dimension across programs
-  (split-K, fp32 atomics into a zeroed output) so that a few segments still fill the GPU.
+  (split-K) so that a few segments still fill the GPU. Each split writes its own fp32 partial
+  output and one small launch sums them in split order, so a step's result is the same on every
+  run (fp32 atomics into one zeroed output, the other form kept for the lab, add in whatever
+  order the splits finish: the H200 check of 2026-12-04 saw greedy tokens differ between two
+  runs of the same batch).
   Each adapter's A and B tiles are read once per segment, which is the memory-roofline count.
 * prefill-shaped (longer segments): ``tl.dot`` tiles of 16 to 64 rows.
 
@@ -33,7 +37,13 @@ import triton
 
 from loraplex.kernels.lora_meta import LoRABatchMeta
 from loraplex.kernels.triton_lora_expand import _sgmv_expand_gemv_kernel, _sgmv_expand_kernel
-from loraplex.kernels.triton_lora_shrink import GEMV_ACC, GEMV_REDUCE, GEMV_ROWS_X_RANK, _sgmv_shrink_kernel
+from loraplex.kernels.triton_lora_shrink import (
+    GEMV_ACC,
+    GEMV_REDUCE,
+    GEMV_ROWS_X_RANK,
+    _sgmv_shrink_kernel,
+    _sum_partials_kernel,
+)
 
 # Longest segment the decode-shaped (no tl.dot) path takes; longer ones use tensor-core tiles.
 GEMV_MAX_SEG_LEN = 8
@@ -52,6 +62,15 @@ DEFAULT_SHRINK_GEMV = "rows_x_rank"
 EXPAND_VARIANTS = ("rows", "tiled", "plain")
 DEFAULT_EXPAND_GEMV = "rows"
 EXPAND_TARGET_PROGRAMS = 1024
+# split-K partial outputs: at most this many splits, and splits x tokens at most PARTIAL_ROWS
+# (the scratch of a prefill step stays near the size of one output without splits)
+MAX_SPLIT_K = 32
+PARTIAL_ROWS = 16384
+SUM_TILE_ELEMENTS = 512  # [rows, rank] elements per program of the partials' sum
+# how shrink's K splits are combined: "partials" (each split its own output, then summed in
+# split order: deterministic) or "atomic" (fp32 atomics into one zeroed output)
+SPLIT_REDUCTIONS = ("partials", "atomic")
+DEFAULT_SPLIT_REDUCTION = "partials"
 
 
 @dataclass(frozen=True)
@@ -68,6 +87,11 @@ class GemvTuning:
 
 
 DEFAULT_TUNING = GemvTuning()
+
+
+def max_shrink_partials(num_tokens: int) -> int:
+    """How many K-split partial outputs a shrink scratch for ``num_tokens`` rows holds."""
+    return max(1, min(MAX_SPLIT_K, PARTIAL_ROWS // max(1, num_tokens)))
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
@@ -123,35 +147,65 @@ def expand_tiles(
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=16, USE_DOT=use_dot, GEMV_TILED=False)
 
 
+def shrink_split_k(
+    in_features: int,
+    num_slices: int,
+    meta: LoRABatchMeta,
+    max_partials: int,  # the partial outputs the scratch holds (ignored by "atomic")
+    *,
+    split_k: int | None = None,
+    gemv: str = DEFAULT_SHRINK_GEMV,
+    tuning: GemvTuning | None = None,
+    split_reduction: str = DEFAULT_SPLIT_REDUCTION,
+) -> int:
+    """How many K splits ``lora_shrink_triton`` launches with these arguments (each whole K
+    blocks, none empty)."""
+    if split_reduction not in SPLIT_REDUCTIONS:
+        raise ValueError(f"split_reduction must be one of {SPLIT_REDUCTIONS}, got {split_reduction!r}")
+    tuning = tuning or DEFAULT_TUNING
+    tiles = shrink_tiles(meta.max_seg_len, meta.max_rank, gemv, tuning.shrink_tile_elements)
+    programs = meta.num_segments * triton.cdiv(meta.max_seg_len, tiles["BLOCK_M"]) * num_slices
+    k_blocks = triton.cdiv(in_features, tiles["BLOCK_K"])
+    partials = split_reduction == "partials"
+    if split_k is None:
+        # split K only while each split keeps at least 4 K-blocks of work
+        split_k = min(triton.cdiv(tuning.shrink_programs, programs), k_blocks // 4)
+        if partials:
+            split_k = min(split_k, max_partials)
+    elif partials and split_k > max_partials:
+        raise ValueError(f"{split_k} K splits need as many partial outputs; the scratch holds {max_partials}")
+    split_k = max(1, min(split_k, k_blocks))
+    return triton.cdiv(k_blocks, triton.cdiv(k_blocks, split_k))
+
+
 def lora_shrink_triton(
     x: torch.Tensor,  # [num_tokens, in]
     a_stack: torch.Tensor,  # [num_slices, max_loras, r_max, in]
     meta: LoRABatchMeta,
-    out: torch.Tensor,  # [num_slices, num_tokens, r_max] fp32, permuted rows
+    out: torch.Tensor,  # [max_partials, num_slices, num_tokens, r_max] fp32 (3D: one), permuted rows
     *,
     split_k: int | None = None,  # override the K split (tests, tuning); None = by work present
     slot_rank: torch.Tensor | None = None,  # [max_loras] int32: ranks to use instead of meta's
     gemv: str = DEFAULT_SHRINK_GEMV,  # the decode-shaped reduction (SHRINK_VARIANTS; the lab times each)
     tuning: GemvTuning | None = None,  # None = DEFAULT_TUNING
-) -> None:
-    """``out[s, i, :r] = x[token_perm[i]] @ a_stack[s, slot, :r].T`` (see dispatch.lora_shrink)."""
+    split_reduction: str = DEFAULT_SPLIT_REDUCTION,  # SPLIT_REDUCTIONS (the lab times both)
+) -> torch.Tensor:  # [num_slices, num_tokens, r_max]: out[0], the result for expand
+    """``out[0][s, i, :r] = x[token_perm[i]] @ a_stack[s, slot, :r].T`` (see dispatch.lora_shrink);
+    the other partial outputs of ``out`` hold K splits' partial sums on the way."""
+    if out.dim() == 3:
+        out = out.unsqueeze(0)
     if meta.num_segments == 0 or meta.max_rank <= 0 or meta.max_seg_len == 0:
-        return
+        return out[0]
     num_slices, _, _, in_features = a_stack.shape
     tuning = tuning or DEFAULT_TUNING
+    split_k = shrink_split_k(in_features, num_slices, meta, out.shape[0], split_k=split_k, gemv=gemv,
+                             tuning=tuning, split_reduction=split_reduction)
     tiles = shrink_tiles(meta.max_seg_len, meta.max_rank, gemv, tuning.shrink_tile_elements)
-    block_m, block_k = tiles["BLOCK_M"], tiles["BLOCK_K"]
-    tiles_per_seg = triton.cdiv(meta.max_seg_len, block_m)
-    programs = meta.num_segments * tiles_per_seg * num_slices
-    k_blocks = triton.cdiv(in_features, block_k)
-    if split_k is None:
-        # split K only while each split keeps at least 4 K-blocks of work
-        split_k = min(triton.cdiv(tuning.shrink_programs, programs), k_blocks // 4)
-    split_k = max(1, min(split_k, k_blocks))
-    k_blocks_per_split = triton.cdiv(k_blocks, split_k)
-    split_k = triton.cdiv(k_blocks, k_blocks_per_split)
-    if split_k > 1:
-        out.zero_()  # the splits add into it
+    block_k = tiles["BLOCK_K"]
+    tiles_per_seg = triton.cdiv(meta.max_seg_len, tiles["BLOCK_M"])
+    atomic = split_reduction == "atomic" and split_k > 1
+    if atomic:
+        out[0].zero_()  # the splits add into it
     grid = (meta.num_segments * tiles_per_seg, split_k, num_slices)
     _sgmv_shrink_kernel[grid](
         x,
@@ -163,16 +217,31 @@ def lora_shrink_triton(
         meta.slot_rank if slot_rank is None else slot_rank,
         in_features,
         tiles_per_seg,
-        k_blocks_per_split,
+        triton.cdiv(triton.cdiv(in_features, block_k), split_k),  # K blocks per split
         x.stride(0),
         x.stride(1),
         *a_stack.stride(),
-        *out.stride(),
+        0 if atomic else out.stride(0),
+        *out.stride()[1:],
         **tiles,
-        ATOMIC=split_k > 1,
+        ATOMIC=atomic,
         EVEN_K=in_features % block_k == 0,
         num_warps=4 if tiles["USE_DOT"] else tuning.shrink_num_warps,
     )
+    if split_k > 1 and not atomic:
+        _sum_partials(out[:split_k])
+    return out[0]
+
+
+def _sum_partials(partials: torch.Tensor) -> None:  # [num_partials, num_slices, num_tokens, r_max] fp32
+    """``partials[0] = partials[0] + partials[1] + ...``, in that order, for every row (rows no
+    segment covers hold unspecified values and stay so)."""
+    num_partials, num_slices, num_tokens, r_max = partials.shape
+    block_r = _pow2_at_least(r_max, 16)
+    block_t = max(1, SUM_TILE_ELEMENTS // block_r)
+    grid = (triton.cdiv(num_tokens, block_t), num_slices)
+    _sum_partials_kernel[grid](partials, num_tokens, r_max, num_partials, *partials.stride(),
+                               BLOCK_T=block_t, BLOCK_R=block_r, EVEN_R=r_max == block_r)
 
 
 def lora_expand_triton(

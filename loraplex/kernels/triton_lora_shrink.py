@@ -16,7 +16,7 @@ GEMV_ROWS_X_RANK = tl.constexpr(2)  # (row, rank) pairs as the rows of one 2D ti
 def _sgmv_shrink_kernel(
     x_ptr,  # [num_tokens, in]
     a_ptr,  # [num_slices, max_loras, r_max, in]
-    out_ptr,  # [num_slices, num_tokens, r_max] fp32, permuted rows
+    out_ptr,  # [num_partials, num_slices, num_tokens, r_max] fp32, permuted rows
     token_perm_ptr,  # [num_tokens] int64
     seg_starts_ptr,  # [num_segments + 1] int32
     seg_slot_ptr,  # [num_segments] int32
@@ -30,6 +30,7 @@ def _sgmv_shrink_kernel(
     stride_al,
     stride_ar,
     stride_ak,
+    stride_op,  # between K splits' partial outputs; 0 = every split adds into one (ATOMIC)
     stride_os,
     stride_ot,
     stride_or,
@@ -37,7 +38,7 @@ def _sgmv_shrink_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
-    ATOMIC: tl.constexpr,
+    ATOMIC: tl.constexpr,  # splits add into one output with fp32 atomics (in no fixed order)
     EVEN_K: tl.constexpr,  # in_features % BLOCK_K == 0: no K mask, so loads vectorise
     GEMV: tl.constexpr,  # without USE_DOT: how the CUDA cores reduce (see GEMV_*)
 ):
@@ -68,6 +69,9 @@ def _sgmv_shrink_kernel(
     if kb_lo >= kb_hi:
         return  # (the launcher makes no empty split; the prefetch below must not read past `in`)
     offs_k = tl.arange(0, BLOCK_K)
+    # each split its own partial output (summed in split order after: deterministic), or with
+    # ATOMIC (stride 0) all splits into one
+    out_ptr += split.to(tl.int64) * stride_op
 
     x_rows = x_ptr + tok[:, None] * stride_xt  # [BLOCK_M, 1]
     a_rows = (
@@ -145,6 +149,34 @@ def _sgmv_shrink_kernel(
             tl.atomic_add(out_ptrs, acc, mask=out_mask)
         else:
             tl.store(out_ptrs, acc, mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_partials"])
+def _sum_partials_kernel(
+    out_ptr,  # [num_partials, num_slices, num_tokens, r_max] fp32: partial 0 becomes their sum
+    num_tokens,
+    r_max,
+    num_partials,
+    stride_op,
+    stride_os,
+    stride_ot,
+    stride_or,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    EVEN_R: tl.constexpr,  # r_max == BLOCK_R: no rank mask, so loads vectorise
+):
+    """One [rows, rank] tile of one slice: the K splits' partials added in split order."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    r = tl.arange(0, BLOCK_R)
+    if EVEN_R:
+        mask = (t < num_tokens)[:, None]
+    else:
+        mask = (t < num_tokens)[:, None] & (r < r_max)[None, :]
+    ptrs = out_ptr + tl.program_id(1).to(tl.int64) * stride_os + t[:, None].to(tl.int64) * stride_ot + r[None, :] * stride_or
+    total = tl.load(ptrs, mask=mask, other=0.0)
+    for p in range(1, num_partials):  # p x stride_op stays far below 2^31: splits x tokens <= PARTIAL_ROWS
+        total += tl.load(ptrs + p * stride_op, mask=mask, other=0.0)
+    tl.store(ptrs, total, mask=mask)
 
 
 @triton.jit

@@ -88,7 +88,7 @@ class LoRAStepContext:
         pool: SlotPool,
         meta: LoRABatchMeta,
         *,
-        shrunk: torch.Tensor | None = None,  # [MAX_SLICES, num_tokens, r_max] fp32, e.g. a graph's
+        shrunk: torch.Tensor | None = None,  # [max_partials, MAX_SLICES, num_tokens, r_max] fp32, e.g. a graph's
         every_projection: bool = False,  # True under a CUDA graph: which kernels run is fixed
         token_slots: list[int] | None = None,  # [num_tokens] each token's slot (-1 = base); eager steps
     ):
@@ -97,13 +97,11 @@ class LoRAStepContext:
         self.token_slots = token_slots
         self.slots = sorted(set(meta.seg_slot_host))
         self.every_projection = every_projection
-        # [MAX_SLICES, num_tokens, r_max] fp32: shrink output, sliced per projection; only the
-        # Triton kernels pass it between shrink and expand (the CPU path is fused)
+        # [max_partials, MAX_SLICES, num_tokens, r_max] fp32: shrink output, sliced per
+        # projection; only the Triton kernels pass it between shrink and expand (the CPU path is fused)
         self._shrunk = shrunk
-        if shrunk is None and dispatch.uses_triton(pool.slot_rank):
-            self._shrunk = torch.empty(
-                MAX_SLICES, meta.num_tokens, pool.max_rank, dtype=torch.float32, device=pool.device
-            )
+        if shrunk is None:
+            self._shrunk = dispatch.lora_shrink_scratch(pool.slot_rank, meta.num_tokens, pool.max_rank, MAX_SLICES)
 
     def apply(self, layer_idx: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """``y[t] += sum_s scaling * (x[t] @ A_s.T) @ B_s.T`` for each token's adapter, in place.
@@ -117,7 +115,7 @@ class LoRAStepContext:
         if not self.every_projection and not any(stack.active[s] for s in self.slots):
             return  # no adapter of this step touches this projection in this layer
         num_slices = stack.a.shape[0]
-        shrunk = None if self._shrunk is None else self._shrunk[:num_slices]  # [num_slices, num_tokens, r_max]
+        shrunk = None if self._shrunk is None else self._shrunk[:, :num_slices]  # [max_partials, num_slices, T, r_max]
         dispatch.lora_apply(
             x, stack.a, stack.b, stack.scaling, stack.slice_offsets, self.meta, y, shrunk, slot_rank=stack.rank
         )
@@ -152,7 +150,7 @@ class LoRAStepContext:
             if meta is None:
                 return
         if self._shrunk is not None:
-            shrunk = self._shrunk[:1]  # free: the embedding runs before every projection
+            shrunk = self._shrunk[0, :1]  # free: the embedding runs before every projection
         else:
             shrunk = torch.empty(1, meta.num_tokens, self.pool.max_rank, dtype=torch.float32, device=hidden.device)
         add_embedding_lora(stack, meta, input_ids, hidden, scale, shrunk)

@@ -62,9 +62,7 @@ class LogitsLoRA:
         """``logits [N, vocab]`` fp32 += each row's lm_head delta from ``hidden [N, hidden]``,
         before any final soft-cap or logits scaling (PEFT adapts the head module itself)."""
         stack, meta = self.stack, self.meta
-        shrunk = None
-        if dispatch.uses_triton(logits):
-            shrunk = torch.empty(1, meta.num_tokens, self.max_rank, dtype=torch.float32, device=logits.device)
+        shrunk = dispatch.lora_shrink_scratch(logits, meta.num_tokens, self.max_rank, 1)
         dispatch.lora_apply(
             hidden, stack.a, stack.b, stack.scaling, (0, stack.out_features), meta, logits, shrunk,
             slot_rank=stack.rank,

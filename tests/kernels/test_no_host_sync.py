@@ -51,7 +51,7 @@ def test_launchers_read_no_tensor_values_on_the_host():
     x = torch.randn(7, 32, generator=gen)
     a = torch.randn(2, 3, 16, 32, generator=gen)
     b = torch.randn(3, 24, 16, generator=gen)
-    shrunk = torch.zeros(2, 7, 16)
+    shrunk = torch.zeros(2, 2, 7, 16)  # two K-split partials
     y = torch.randn(7, 24, generator=gen)
     kv = torch.randn(2, 4, 16, 1, 16, generator=gen)
     key, value = torch.randn(3, 1, 16, generator=gen), torch.randn(3, 1, 16, generator=gen)
@@ -65,7 +65,8 @@ def test_launchers_read_no_tensor_values_on_the_host():
     with trap_host_reads() as calls:
         lora_shrink_triton(x, a, meta, shrunk)
         lora_shrink_triton(x, a, meta, shrunk, split_k=2)
-        lora_expand_triton(shrunk, b, torch.ones(2, 3), (0, 16, 24), meta, y)
+        lora_shrink_triton(x, a, meta, shrunk, split_k=2, split_reduction="atomic")
+        lora_expand_triton(shrunk[0], b, torch.ones(2, 3), (0, 16, 24), meta, y)
         write_kv_cache_triton(key, value, kv, torch.tensor([5, -1, 40]))
         paged_attention_triton(query, kv, **args)
         paged_attention_triton(query, kv, **args, num_kv_splits=2)  # split-KV + merge

@@ -11,8 +11,12 @@ from loraplex.kernels.lora_ref import lora_expand_ref, lora_shrink_ref  # noqa: 
 from loraplex.kernels.triton_lora import (  # noqa: E402
     EXPAND_VARIANTS,
     SHRINK_VARIANTS,
+    SPLIT_REDUCTIONS,
+    GemvTuning,
+    _sum_partials,
     lora_expand_triton,
     lora_shrink_triton,
+    shrink_split_k,
 )
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
@@ -106,20 +110,68 @@ def test_shrink_matches_reference(name, dtype, gemv):
     assert rel_err(out[defined], ref[defined]) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("reduction", SPLIT_REDUCTIONS)
 @pytest.mark.parametrize("gemv", list(SHRINK_VARIANTS))
 @pytest.mark.parametrize("name,split_k", [("ragged_short_qkv", 2), ("ragged_short_qkv", 3), ("medium_segments", 2)])
-def test_shrink_split_k_accumulates_all_splits(name, split_k, gemv):
-    """The split-K path (atomics into a zeroed output) forced on small problems, both tile shapes;
-    ``in`` 160 is 5 blocks of 32 (uneven splits) or 2.5 of 64 (a masked last block)."""
-    case = dict(CASES[name], in_features=160)
+def test_shrink_split_k_accumulates_all_splits(name, split_k, gemv, reduction):
+    """The split-K path forced on small problems, both tile shapes, both ways of combining the
+    splits: one partial output per split, summed into the first in split order, or atomics into
+    one zeroed output. ``in`` 160 is 5 blocks of 32 (uneven splits) or 2.5 of 64 (a masked last
+    block); for the decode "dot" tiles (256 wide) ``in`` 640 is 2.5 blocks."""
+    in_features = 640 if gemv == "dot" else 160
+    case = dict(CASES[name], in_features=in_features)
     _, x, a_stack, _, _, _, meta = _case_inputs(case, torch.float32, 77 + split_k + len(name) + 3 * len(gemv))
     num_slices = len(case["widths"])
     shape = (num_slices, meta.num_tokens, case["r_max"])
-    out, ref = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
-    lora_shrink_triton(x, a_stack, meta, out, split_k=split_k, gemv=gemv)
+    out, ref = torch.full((4, *shape), float("nan")), torch.full(shape, float("nan"))
+    assert shrink_split_k(in_features, num_slices, meta, 4, split_k=split_k, gemv=gemv,
+                          split_reduction=reduction) == split_k
+    result = lora_shrink_triton(x, a_stack, meta, out, split_k=split_k, gemv=gemv, split_reduction=reduction)
     lora_shrink_ref(x, a_stack, meta, ref)
+    assert result.shape == shape and result.data_ptr() == out.data_ptr()  # the scratch's first partial
     defined = _defined_mask(meta, num_slices, case["r_max"])
-    assert rel_err(out[defined], ref[defined]) < TOL[torch.float32]
+    assert not result[defined].isnan().any()
+    assert rel_err(result[defined], ref[defined]) < TOL[torch.float32]
+    if reduction == "partials":  # every split wrote its own partial (and the sum is theirs, in order)
+        assert not out[1:split_k][:, defined].isnan().any()
+        assert out[split_k:].isnan().all()
+
+
+@pytest.mark.parametrize("r_max", [16, 12])
+def test_partials_are_summed_in_split_order(r_max):
+    """The sum of the K splits' partials is ``((p0 + p1) + p2) + ...`` exactly (fp32, every run
+    alike), against torch adding the same partials in that order; a rank not a power of two masks."""
+    gen = torch.Generator().manual_seed(321 + r_max)
+    partials = torch.randn(5, 2, 9, r_max, generator=gen) * torch.logspace(-3, 3, r_max)  # rounding matters
+    want = partials[0].clone()
+    for p in partials[1:]:
+        want += p
+    got = partials.clone()
+    _sum_partials(got)
+    assert torch.equal(got[0], want)
+    assert torch.equal(got[1:], partials[1:])
+
+
+def test_shrink_refuses_more_splits_than_the_scratch_holds():
+    case = dict(CASES["ragged_short_qkv"], in_features=160)
+    _, x, a_stack, _, _, _, meta = _case_inputs(case, torch.float32, 4711)
+    out = torch.full((2, 3, meta.num_tokens, case["r_max"]), float("nan"))
+    with pytest.raises(ValueError, match="3 K splits"):
+        lora_shrink_triton(x, a_stack, meta, out, split_k=3)
+    assert out.isnan().all()  # nothing launched
+    # chosen by the work present (here: many K blocks, few programs), the split is capped at
+    # what the scratch holds
+    case = dict(case, in_features=2048)
+    _, x, a_stack, _, _, _, meta = _case_inputs(case, torch.float32, 4712)
+    tuning = GemvTuning(shrink_programs=4096)
+    assert shrink_split_k(2048, 3, meta, 64, tuning=tuning) > 2
+    assert shrink_split_k(2048, 3, meta, 2, tuning=tuning) == 2
+    ref = torch.full(out.shape[1:], float("nan"))
+    lora_shrink_ref(x, a_stack, meta, ref)
+    result = lora_shrink_triton(x, a_stack, meta, out, tuning=tuning)
+    defined = _defined_mask(meta, 3, case["r_max"])
+    assert not out[1][defined].isnan().any()  # the second partial was used
+    assert rel_err(result[defined], ref[defined]) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("gemv", EXPAND_VARIANTS)
@@ -168,12 +220,13 @@ def test_tiled_expand_walks_column_tiles(dtype, n_tiles, gemv):
 def test_shrink_then_expand_equals_dense_lora():
     """The two kernels chained reproduce y + scaling * x @ A.T @ B.T per token (independent of lora_ref)."""
     case = CASES["ragged_short_qkv"]
+    case = dict(case, in_features=160)  # 5 K blocks of 32: the shrink splits three ways
     _, x, a_stack, b_stack, scaling, offsets, meta = _case_inputs(case, torch.float32, 4242)
-    shrunk = nan_like(torch.empty(3, meta.num_tokens, case["r_max"]))
-    lora_shrink_triton(x, a_stack, meta, shrunk)
+    shrunk = nan_like(torch.empty(4, 3, meta.num_tokens, case["r_max"]))
+    result = lora_shrink_triton(x, a_stack, meta, shrunk, split_k=3)
     y0 = torch.randn(meta.num_tokens, offsets[-1], generator=torch.Generator().manual_seed(5))
     y = y0.clone()
-    lora_expand_triton(shrunk, b_stack, scaling, offsets, meta, y)
+    lora_expand_triton(result, b_stack, scaling, offsets, meta, y)
     expected = y0.clone()
     for t, slot in enumerate(case["slots"]):
         if slot < 0:
@@ -223,3 +276,4 @@ def test_projection_ranks_override_the_steps_ranks():
                 expected[t, o0:o1] += scaling[s, slot] * delta
     assert not y.isnan().any()
     assert rel_err(y, expected) < 1e-5
+

@@ -132,7 +132,7 @@ def test_embedding_delta_under_a_graphs_static_padded_metadata(adapters, triton_
         num_tokens=batch, num_segments=num_segments, max_seg_len=8, max_rank=pool.max_rank,
         seg_starts_host=[], seg_slot_host=[], slot_rank_host=[],
     )
-    ctx = LoRAStepContext(pool, meta, shrunk=torch.empty(3, batch, pool.max_rank), every_projection=True)
+    ctx = LoRAStepContext(pool, meta, shrunk=torch.empty(2, 3, batch, pool.max_rank), every_projection=True)
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, spec.vocab_size, (batch,), generator=gen)
     base = torch.randn(batch, spec.hidden_size, generator=gen).to(dtype)
