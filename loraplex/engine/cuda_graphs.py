@@ -250,6 +250,9 @@ class DecodeGraphs:
             num_segments=num_segments,
             max_seg_len=seg_class,
             max_rank=pool.max_rank,
+            # a full bucket of this class has at least batch / seg_class adapters: the kernels
+            # split their work for those, as an eager step with them would
+            sizing_segments=-(-batch // seg_class),
             # the Triton kernels read only the device tensors; these host lists stay empty
             seg_starts_host=[],
             seg_slot_host=[],

@@ -30,6 +30,10 @@ class LoRABatchMeta:
     seg_starts_host: list[int]
     seg_slot_host: list[int]
     slot_rank_host: list[int]
+    # segments expected to hold rows, for launch sizing only (K splits, column tiles per
+    # program); a CUDA graph's num_segments is an upper bound (spare segments exit at once), and
+    # sizing by it would give the real segments fewer programs than an eager step. None = num_segments
+    sizing_segments: int | None = None
     # per-step scratch a backend may fill lazily and reuse across the step's layers
     # (e.g. the CPU path's grouping plan); never part of the contract between runner and kernels
     scratch: dict = field(default_factory=dict, repr=False)

@@ -25,7 +25,8 @@ real rank in 16-wide chunks (reading at most 15 padding columns of B, selected a
 loads stay 16 bytes wide). Row indices are widened to int64 before they meet a stride. Per-step counts are
 ``do_not_specialize`` so a new batch shape does not recompile, and nothing here reads a device
 value on the host, so the launches can be captured in a CUDA graph (the grid comes from meta's
-host ints; a graph runner passes upper bounds there, and empty segments exit at once).
+host ints; a graph runner passes upper bounds there, and empty segments exit at once; K splits
+and column runs are sized by ``meta.sizing_segments``, the segments expected to hold rows).
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ DEFAULT_TUNING = GemvTuning()
 def max_shrink_partials(num_tokens: int) -> int:
     """How many K-split partial outputs a shrink scratch for ``num_tokens`` rows holds."""
     return max(1, min(MAX_SPLIT_K, PARTIAL_ROWS // max(1, num_tokens)))
+
+
+def _sizing_segments(meta: LoRABatchMeta) -> int:
+    return meta.num_segments if meta.sizing_segments is None else max(1, min(meta.num_segments, meta.sizing_segments))
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
@@ -164,7 +169,7 @@ def shrink_split_k(
         raise ValueError(f"split_reduction must be one of {SPLIT_REDUCTIONS}, got {split_reduction!r}")
     tuning = tuning or DEFAULT_TUNING
     tiles = shrink_tiles(meta.max_seg_len, meta.max_rank, gemv, tuning.shrink_tile_elements)
-    programs = meta.num_segments * triton.cdiv(meta.max_seg_len, tiles["BLOCK_M"]) * num_slices
+    programs = _sizing_segments(meta) * triton.cdiv(meta.max_seg_len, tiles["BLOCK_M"]) * num_slices
     k_blocks = triton.cdiv(in_features, tiles["BLOCK_K"])
     partials = split_reduction == "partials"
     if split_k is None:
@@ -276,10 +281,11 @@ def lora_expand_triton(
     if tiles.pop("GEMV_TILED"):
         # group column tiles into programs until about tuning.expand_programs remain: each
         # program then pays its metadata loads once for many tiles (the grid stays sized by the
-        # segments present; a graph runner's upper bound only adds programs that exit at once)
+        # segments listed; a graph runner's upper bound only adds programs that exit at once,
+        # and its sizing_segments keeps the runs as short as an eager step's)
         n_blocks = triton.cdiv(max_width, tiles["BLOCK_N"])
         if n_tiles is None:
-            n_tiles = meta.num_segments * num_slices * n_blocks // tuning.expand_programs
+            n_tiles = _sizing_segments(meta) * num_slices * n_blocks // tuning.expand_programs
         n_tiles = max(1, min(n_blocks, n_tiles))
         grid = (meta.num_segments, triton.cdiv(n_blocks, n_tiles), num_slices)
         _sgmv_expand_gemv_kernel[grid](

@@ -116,3 +116,15 @@ def test_replayed_forward_reads_nothing_back_to_the_host(graph_setup, triton_on_
         for graph in graphs.graphs.values():
             graph.graph.replay()
     assert reads == [] and made == []
+
+
+def test_graph_metadata_sizes_launches_for_the_segments_a_full_bucket_holds(graph_setup, triton_on_cpu):
+    """The static metadata lists min(batch, max_loras) segments (spares exit at once) but sizes
+    the kernels' K splits and column runs for batch / segment class of them, as many as a full
+    bucket of that class holds, so a graph step's real segments get an eager step's programs."""
+    llm, _ = graph_setup
+    graphs, pool = llm.engine.runner.decode_graphs, llm.engine.lora_manager.pool
+    for batch, seg_class, expected in ((8, 2, 4), (8, 1, 8), (8, 8, 1), (4, 4, 1)):
+        meta = graphs._lora_context(batch, seg_class, pool).meta
+        assert meta.num_segments == min(batch, pool.max_loras)
+        assert meta.sizing_segments == expected

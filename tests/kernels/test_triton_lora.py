@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -277,3 +279,28 @@ def test_projection_ranks_override_the_steps_ranks():
     assert not y.isnan().any()
     assert rel_err(y, expected) < 1e-5
 
+
+def test_padded_metadata_with_a_sizing_hint_launches_like_the_exact_one():
+    """A CUDA graph's metadata lists spare empty segments (an upper bound); ``sizing_segments``
+    gives the K split the exact metadata would get, and the result is the same."""
+    case = dict(CASES["ragged_short_qkv"], in_features=2048)  # 3 adapters, many K blocks
+    _, x, a_stack, _, _, _, meta = _case_inputs(case, torch.float32, 8080)
+    num_slices, spare = 3, 9
+    padded = dataclasses.replace(
+        meta,
+        seg_starts=torch.cat([meta.seg_starts, meta.seg_starts[-1:].repeat(spare)]),
+        seg_slot=torch.cat([meta.seg_slot, torch.zeros(spare, dtype=torch.int32)]),
+        num_segments=meta.num_segments + spare,
+        seg_starts_host=meta.seg_starts_host + meta.seg_starts_host[-1:] * spare,
+        seg_slot_host=meta.seg_slot_host + [0] * spare,
+    )
+    tuning = GemvTuning(shrink_programs=8 * meta.num_segments * num_slices)  # the exact meta splits 8 ways
+    hinted_meta = dataclasses.replace(padded, sizing_segments=meta.num_segments)
+    splits = [shrink_split_k(2048, num_slices, m, 32, tuning=tuning) for m in (meta, padded, hinted_meta)]
+    assert splits[0] == splits[2] == 8 and splits[1] < 8
+    ref = torch.full((num_slices, meta.num_tokens, case["r_max"]), float("nan"))
+    lora_shrink_ref(x, a_stack, meta, ref)
+    defined = _defined_mask(meta, num_slices, case["r_max"])
+    for m in (meta, padded, hinted_meta):
+        result = lora_shrink_triton(x, a_stack, m, torch.full((32, *ref.shape), float("nan")), tuning=tuning)
+        assert rel_err(result[defined], ref[defined]) < TOL[torch.float32]
