@@ -55,12 +55,15 @@ GEMV_MAX_ROWS_X_RANK = 512
 TARGET_PROGRAMS = 512
 MAX_SLICES = 4  # packed projections: qkv has 3, gate_up 2
 # how the decode-shaped shrink reduces: the kernel's GEMV constexpr (triton_lora_shrink.GEMV_*)
-SHRINK_VARIANTS = {"reduce": GEMV_REDUCE.value, "acc": GEMV_ACC.value, "rows_x_rank": GEMV_ROWS_X_RANK.value}
+# ("dot": 16-row tensor-core tiles for decode segments too, the prefill path's kernel)
+SHRINK_VARIANTS = {"reduce": GEMV_REDUCE.value, "acc": GEMV_ACC.value, "rows_x_rank": GEMV_ROWS_X_RANK.value,
+                   "dot": 0}
 DEFAULT_SHRINK_GEMV = "rows_x_rank"
 # The decode-shaped expand: "rows" and "tiled" walk several column tiles per program (the whole
 # rank in one tile, the next B tile loaded before this one is used), "rows" taking the segment's
-# rows one by one, "tiled" all at once; "plain" is one column tile per program, the rank in chunks.
-EXPAND_VARIANTS = ("rows", "tiled", "plain")
+# rows one by one, "tiled" all at once; "plain" is one column tile per program, the rank in chunks;
+# "dot" the prefill path's 16-row tensor-core tiles.
+EXPAND_VARIANTS = ("rows", "tiled", "plain", "dot")
 DEFAULT_EXPAND_GEMV = "rows"
 EXPAND_TARGET_PROGRAMS = 1024
 # split-K partial outputs: at most this many splits, and splits x tokens at most PARTIAL_ROWS
@@ -123,6 +126,13 @@ def shrink_tiles(
         block_m, use_dot = 16, True
     if use_dot:
         return dict(BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64 if block_r <= 64 else 32, USE_DOT=True, GEMV=0)
+    if gemv == "dot":
+        # decode segments in 16-row tensor-core tiles: most rows are padding (never loaded), but
+        # the MMA costs nothing here and the K loop's loads are pipelined through shared memory
+        # (cp.async stages), so more bytes are in flight than registers alone hold; at most 16 KB
+        # of x and A per stage
+        block_k = max(32, min(256, triton.next_power_of_2(8192 // (16 + block_r) + 1) // 2))
+        return dict(BLOCK_M=16, BLOCK_R=block_r, BLOCK_K=block_k, USE_DOT=True, GEMV=0)
     if gemv == "rows_x_rank" and block_m * block_r > 128:
         gemv = "acc"  # a [rows x rank, 16] tile and its prefetch spill registers past 128 rows
     mode = SHRINK_VARIANTS[gemv]
@@ -146,6 +156,8 @@ def expand_tiles(
             rows = gemv == "rows"
             block_n = max(16, min(256, tile_elements // (block_r if rows else block_m * block_r)))
             return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, ROWS=rows, GEMV_TILED=True)
+        block_m, use_dot = 16, True
+    if gemv == "dot" and not use_dot:
         block_m, use_dot = 16, True
     # rank in chunks of 16: a tensor-core K step, and at most 15 columns read past a real rank
     block_n = 64 if use_dot or block_m > 2 else 128
