@@ -8,9 +8,12 @@ by shrink and read by expand; the attention decode reads each sequence's K and V
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from lab_common import Report, bench_ms, make_meta, spread_slots
 
+from loraplex.kernels.lora_meta import LoRABatchMeta
 from loraplex.kernels.triton_attention import choose_num_kv_splits, paged_attention_triton
 from loraplex.kernels.triton_lora import (
     DEFAULT_EXPAND_GEMV,
@@ -20,6 +23,8 @@ from loraplex.kernels.triton_lora import (
     SHRINK_VARIANTS,
     lora_expand_triton,
     lora_shrink_triton,
+    max_shrink_partials,
+    shrink_split_k,
 )
 
 ROOFLINE_TARGET = 0.70  # shrink+expand, decode batches of >= 64 tokens
@@ -73,8 +78,9 @@ def _graph_ms(fn, on_gpu: bool, n_sets: int) -> float:
 
 
 def lora_input_sets(tokens: int, adapters: int, in_f: int, widths: tuple[int, ...], dtype, device, l2: int):
-    """``(sets, scaling, slice_offsets)``: enough distinct ``(x, A, B, y, shrunk)`` sets to span 3x
-    the L2 (so timed launches read HBM, not the cache), random data, never zeros."""
+    """``(sets, scaling, slice_offsets)``: enough distinct ``(x, A, B, y, scratch)`` sets to span
+    3x the L2 (so timed launches read HBM, not the cache), random data, never zeros; ``scratch``
+    is the engine's shrink buffer (room for K-split partials)."""
     s, out_total = len(widths), sum(widths)
     nb = _lora_bytes(tokens, adapters, in_f, widths, 2)
     n_sets = max(1, min(256, -(-3 * l2 // (nb["shrink"] + nb["expand"]))))
@@ -84,7 +90,7 @@ def lora_input_sets(tokens: int, adapters: int, in_f: int, widths: tuple[int, ..
             (torch.randn(s, adapters, RANK, in_f, device=device) * in_f**-0.5).to(dtype),
             (torch.randn(adapters, out_total, RANK, device=device) * 0.25).to(dtype),
             torch.randn(tokens, out_total, device=device).to(dtype),
-            torch.empty(s, tokens, RANK, device=device),
+            torch.empty(max_shrink_partials(tokens), s, tokens, RANK, device=device),
         )
         for _ in range(n_sets)
     ]
@@ -93,21 +99,24 @@ def lora_input_sets(tokens: int, adapters: int, in_f: int, widths: tuple[int, ..
     return sets, scaling, offsets
 
 
+def shrink_results(sets, meta) -> list[torch.Tensor]:
+    """Each input set's shrink result (the first partial of its scratch), made by one default
+    shrink per set: what expand reads."""
+    return [lora_shrink_triton(x, a, meta, scratch) for x, a, _, _, scratch in sets]
+
+
+def lora_modules(on_gpu: bool) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Module name -> (in features, slice widths): Llama-3-8B's on the GPU, tiny ones on CPU."""
+    hidden, kv, inter = (4096, 1024, 14336) if on_gpu else (64, 16, 96)
+    return {"qkv": (hidden, (hidden, kv, kv)), "o": (hidden, (hidden,)), "gate_up": (hidden, (inter, inter)),
+            "down": (inter, (hidden,))}
+
+
 def bench_lora(report: Report, on_gpu: bool, device: str, copy_bw: float) -> None:
     dtype = torch.bfloat16 if on_gpu else torch.float16
     elt = 2
-    if on_gpu:
-        hidden, kv, inter = 4096, 1024, 14336
-        configs = [(64, 1), (64, 16), (64, 64), (256, 16), (256, 64), (256, 128), (2048, 4)]
-    else:
-        hidden, kv, inter = 64, 16, 96
-        configs = [(8, 2)]
-    modules = {
-        "qkv": (hidden, (hidden, kv, kv)),
-        "o": (hidden, (hidden,)),
-        "gate_up": (hidden, (inter, inter)),
-        "down": (inter, (hidden,)),
-    }
+    configs = [(64, 1), (64, 16), (64, 64), (256, 16), (256, 64), (256, 128), (2048, 4)] if on_gpu else [(8, 2)]
+    modules = lora_modules(on_gpu)
     l2 = _l2_bytes(on_gpu)
     report.line(f"## SGMV LoRA kernels ({dtype}, rank {RANK})")
     report.line()
@@ -127,17 +136,20 @@ def bench_lora(report: Report, on_gpu: bool, device: str, copy_bw: float) -> Non
             weights = [(torch.randn(out_total, in_f, device=device) * in_f**-0.5).to(dtype) for _ in range(n_w)]
             x0 = sets[0][0]
 
+            shrunk_sets = shrink_results(sets, meta)  # for the expand-only timings
+            splits = shrink_split_k(in_f, len(widths), meta, sets[0][4].shape[0])
+
             def shrink_all():
-                for x, a, _, _, shrunk in sets:
-                    lora_shrink_triton(x, a, meta, shrunk)
+                for x, a, _, _, scratch in sets:
+                    lora_shrink_triton(x, a, meta, scratch)
 
             def expand_all():
-                for _, _, b, y, shrunk in sets:
+                for (_, _, b, y, _), shrunk in zip(sets, shrunk_sets):
                     lora_expand_triton(shrunk, b, scaling, offsets, meta, y)
 
-            def both_all():
-                for x, a, b, y, shrunk in sets:
-                    lora_shrink_triton(x, a, meta, shrunk)
+            def both_all(reduction="partials"):
+                for x, a, b, y, scratch in sets:
+                    shrunk = lora_shrink_triton(x, a, meta, scratch, split_reduction=reduction)
                     lora_expand_triton(shrunk, b, scaling, offsets, meta, y)
 
             def base_all():
@@ -153,23 +165,26 @@ def bench_lora(report: Report, on_gpu: bool, device: str, copy_bw: float) -> Non
                 for gemv in SHRINK_VARIANTS:
                     if gemv != DEFAULT_SHRINK_GEMV:
                         def shrink_variant(g=gemv):
-                            for x, a, _, _, shrunk in sets:
-                                lora_shrink_triton(x, a, meta, shrunk, gemv=g)
+                            for x, a, _, _, scratch in sets:
+                                lora_shrink_triton(x, a, meta, scratch, gemv=g)
                         row.append(f"{_graph_ms(shrink_variant, on_gpu, n_sets) * 1e3:.1f}")
                 row.append(f"{t_expand * 1e3:.1f}")
                 for gemv in EXPAND_VARIANTS:
                     if gemv != DEFAULT_EXPAND_GEMV:
                         def expand_variant(g=gemv):
-                            for _, _, b, y, shrunk in sets:
+                            for (_, _, b, y, _), shrunk in zip(sets, shrunk_sets):
                                 lora_expand_triton(shrunk, b, scaling, offsets, meta, y, gemv=g)
                         row.append(f"{_graph_ms(expand_variant, on_gpu, n_sets) * 1e3:.1f}")
                 variant_rows.append(row)
             t_both = _graph_ms(both_all, on_gpu, n_sets)
+            # the K splits combined by fp32 atomics into one zeroed output instead (not
+            # deterministic; the default until 2026-12-04): what the partials cost or save
+            t_atomic = _graph_ms(lambda: both_all("atomic"), on_gpu, n_sets)
             t_base = _graph_ms(base_all, on_gpu, n_w)
             frac = (nb["shrink"] + nb["expand"]) / (t_both * 1e-3) / copy_bw
             rows.append([
-                tokens, adapters, mod, meta.max_seg_len, n_sets,
-                f"{t_shrink * 1e3:.1f}", f"{t_expand * 1e3:.1f}", f"{t_both * 1e3:.1f}",
+                tokens, adapters, mod, meta.max_seg_len, n_sets, splits,
+                f"{t_shrink * 1e3:.1f}", f"{t_expand * 1e3:.1f}", f"{t_both * 1e3:.1f}", f"{t_atomic * 1e3:.1f}",
                 f"{frac * 100:.0f}%", f"{t_base * 1e3:.1f}", f"{t_both / t_base * 100:.0f}%",
             ])
             acc = per_layer.setdefault((tokens, adapters), [0.0, 0.0])
@@ -181,10 +196,10 @@ def bench_lora(report: Report, on_gpu: bool, device: str, copy_bw: float) -> Non
                     f"{'MET' if ok else 'MISSED'} roofline T={tokens} adapters={adapters} {mod}: shrink+expand at "
                     f"{frac * 100:.0f}% of copy bandwidth (target >= {ROOFLINE_TARGET * 100:.0f}%)"
                 )
-            del sets, weights
+            del sets, weights, shrunk_sets
     report.table(
-        ["tokens", "adapters", "module", "max seg", "sets", "shrink us", "expand us", "both us",
-         "of copy BW", "base matmul us", "LoRA/base"],
+        ["tokens", "adapters", "module", "max seg", "sets", "K splits", "shrink us", "expand us", "both us",
+         "both us, atomic splits", "of copy BW", "base matmul us", "LoRA/base"],
         rows,
     )
     if variant_rows:
@@ -199,6 +214,46 @@ def bench_lora(report: Report, on_gpu: bool, device: str, copy_bw: float) -> Non
         report.line(f"- T={tokens} adapters={adapters}: LoRA {t_lora * 1e3:.0f} us vs base {t_base * 1e3:.0f} us "
                     f"({t_lora / t_base * 100:.0f}%)")
     report.line()
+
+
+def padded_like_a_graph(meta: LoRABatchMeta, num_segments: int, sizing: bool) -> LoRABatchMeta:
+    """``meta`` as a CUDA graph's static metadata lists it: empty spare segments up to
+    ``num_segments`` (the runner's ``min(batch, max_loras)``), with or without the sizing hint."""
+    spare = num_segments - meta.num_segments
+    return dataclasses.replace(
+        meta,
+        seg_starts=torch.cat([meta.seg_starts, meta.seg_starts[-1:].repeat(spare)]),
+        seg_slot=torch.cat([meta.seg_slot, torch.zeros(spare, dtype=torch.int32, device=meta.seg_slot.device)]),
+        num_segments=num_segments,
+        sizing_segments=meta.num_segments if sizing else None,
+    )
+
+
+def bench_graph_metadata(report: Report, on_gpu: bool, device: str) -> None:
+    """Shrink + expand at the end-to-end target (256 tokens over 64 adapters) with the exact
+    metadata and as a graph lists it for ``max_loras`` 128 (64 spare segments): sized by all 128
+    listed segments (the runner until 2026-12-04) or by the segments expected to hold rows."""
+    dtype = torch.bfloat16 if on_gpu else torch.float16
+    tokens, adapters, listed = (256, 64, 128) if on_gpu else (8, 2, 4)
+    exact = make_meta(spread_slots(tokens, adapters), [RANK] * adapters, device)
+    metas = {"exact": exact, "graph, sized by listed": padded_like_a_graph(exact, listed, False),
+             "graph, sized by expected": padded_like_a_graph(exact, listed, True)}
+    l2 = _l2_bytes(on_gpu)
+    rows = []
+    for mod, (in_f, widths) in lora_modules(on_gpu).items():
+        sets, scaling, offsets = lora_input_sets(tokens, adapters, in_f, widths, dtype, device, l2)
+        row = [mod]
+        for meta in metas.values():
+            def both_all(m=meta):
+                for x, a, b, y, scratch in sets:
+                    lora_expand_triton(lora_shrink_triton(x, a, m, scratch), b, scaling, offsets, m, y)
+            row.append(f"{_graph_ms(both_all, on_gpu, len(sets)) * 1e3:.1f}")
+        rows.append(row)
+        del sets
+    report.line(f"## LoRA kernels under a graph's metadata ({tokens} tokens, {adapters} adapters, {listed} segments "
+                f"listed; shrink + expand us)")
+    report.line()
+    report.table(["module"] + list(metas), rows)
 
 
 def bench_attention(report: Report, on_gpu: bool, device: str, copy_bw: float) -> None:

@@ -150,11 +150,12 @@ def run_e2e(
             llm.add_adapter(name, str(path))
         report.line(f"engine up and adapters registered in {time.perf_counter() - t0:.0f} s")
         gen = torch.Generator().manual_seed(1234)
-        results, rows, repeats = {}, [], {}
+        results, rows, repeats, inputs = {}, [], {}, {}
         modes = ["eager"] + (["graphs"] if graphs is not None else [])
         for batch, n_adapters in configs:
             prompts = torch.randint(4, shape["vocab_size"], (batch, prompt_len), generator=gen).tolist()
             adapters = [names[i % n_adapters] if n_adapters else None for i in range(batch)]
+            inputs[(batch, n_adapters)] = (prompts, adapters)
             for mode in list(modes):
                 if mode == "graphs" and not on_gpu and batch > 4:
                     continue  # the interpreter is slow: the smoke run's graph rows are batch 4 only
@@ -182,13 +183,18 @@ def run_e2e(
         runner.decode_graphs = graphs
         report.table(["batch", "distinct adapters", "decode", "tokens/s (whole run)", "decode step ms",
                       "decode tokens/s", "LoRA overhead vs base"], rows)
+        # the base and the target configuration (on CPU the batch-4 ones), split into host phases
+        phase_cases = {c: inputs[c] for c in ([(256, 0), (256, 64)] if on_gpu else [(4, 0), (4, 2)])
+                       if (*c, "graphs") in results}
+        if len(phase_cases) == 2 and time.time() < deadline:
+            _report_step_phases(report, llm, phase_cases, on_gpu, max_tokens)
         for (batch, n_adapters, mode), (outs, _) in repeats.items():
             if mode == "graphs" and (batch, n_adapters, "eager") in repeats:
                 eager = repeats[(batch, n_adapters, "eager")][0]
                 report.line(f"- batch {batch}, {n_adapters} adapters: graph and eager greedy tokens identical "
                             f"for {_agreement(outs, eager)}")
-        # the same mode run twice: split-K's fp32 atomics add in no fixed order, so bf16 results
-        # (and near-tie greedy choices) may differ between runs of the same step
+        # the same mode run twice: the same tokens unless something adds in no fixed order (the
+        # shrink's split-K fp32 atomics did until 2026-12-04: 69 of 256 sequences alike)
         for (batch, n_adapters, mode), (first, second) in repeats.items():
             report.line(f"- batch {batch}, {n_adapters} adapters, {mode} run twice: identical for "
                         f"{_agreement(first, second)}")
@@ -207,6 +213,43 @@ def run_e2e(
             ok = overhead <= OVERHEAD_TARGET
             report.target(f"{'MET' if ok else 'MISSED'} LoRA step overhead ({mode}) at batch 256, 64 distinct rank-16 "
                           f"adapters: {overhead * 100:+.1f}% (target <= {OVERHEAD_TARGET * 100:.0f}%)")
+
+
+def _report_step_phases(report: Report, llm, cases: dict, on_gpu: bool, max_tokens: int) -> None:
+    """One more run of each case with the engine's phases timed on the host (step_phases.py)."""
+    from step_phases import StepPhases, replay_device_us
+
+    columns, device, largest = {}, {}, {}
+    graphs = llm.engine.runner.decode_graphs
+    for (batch, n_adapters), (prompts, adapters) in cases.items():
+        with _triton_on_cpu(not on_gpu), StepPhases(llm) as phases:
+            _timed_generate(llm, prompts, adapters, max_tokens)
+        columns[(batch, n_adapters)] = phases.per_graph_step_ms()
+        # the last step's graph, replayed on its buffers (every request has ended: the KV slots
+        # it writes belong to no one), its device time by kernel group
+        seg_class = 0 if not n_adapters else 1 << max(0, -(-batch // n_adapters) - 1).bit_length()
+        graph = graphs.graphs.get((graphs.bucket_for(batch), seg_class))
+        if graph is not None:
+            with _triton_on_cpu(not on_gpu):
+                device[(batch, n_adapters)], largest[(batch, n_adapters)] = replay_device_us(graph.graph, on_gpu)
+    labels = list(next(iter(columns.values())))
+    report.line("Host milliseconds per graph-replayed decode step, by phase (mean over one run's graph steps; "
+                "\"graph run\" includes the two copies to graph buffers; the sampler's first read of a result "
+                "waits for the GPU):")
+    report.line()
+    rows = [[label] + [f"{col.get(label, 0.0):.3f}" for col in columns.values()] for label in labels]
+    report.table(["phase"] + [f"batch {b}, {n} adapters" for b, n in columns], rows)
+    if len(device) == len(cases):
+        kind = "device" if on_gpu else "CPU (stand-in capture: no GPU figure)"
+        report.line(f"{kind} microseconds per replay of the step's CUDA graph, by kernel group (profiler, 5 replays):")
+        report.line()
+        groups = list(next(iter(device.values())))
+        rows = [[g] + [f"{col[g]:.1f}" for col in device.values()] for g in groups]
+        report.table(["kernels"] + [f"batch {b}, {n} adapters" for b, n in device], rows)
+        for (batch, n_adapters), top in largest.items():
+            names = "; ".join(f"{name[:60]} {us:.1f}" for name, us in top)
+            report.line(f"- largest at batch {batch}, {n_adapters} adapters (us per replay): {names}")
+        report.line()
 
 
 def _agreement(outs: list[list[int]], other: list[list[int]]) -> str:

@@ -13,14 +13,17 @@ import dataclasses
 import itertools
 
 import torch
-from bench_kernels import RANK, _graph_ms, _l2_bytes, lora_input_sets
+from bench_kernels import RANK, _graph_ms, _l2_bytes, lora_input_sets, lora_modules, shrink_results
 from lab_common import Report, make_meta, spread_slots
 
 from loraplex.kernels import triton_lora
 from loraplex.kernels.triton_lora import GemvTuning, lora_expand_triton, lora_shrink_triton
 
-SHRINK_GRID = dict(shrink_programs=[512, 2048], shrink_tile_elements=[4096, 8192], shrink_num_warps=[4, 8])
-EXPAND_GRID = dict(expand_programs=[1024, 4096], expand_tile_elements=[4096, 8192], expand_num_warps=[4, 8])
+# The H200 sweep of 2026-12-04 (call 3) tried more programs (2048 / 4096), larger register tiles
+# (8192 elements) and 8 warps: each was slower than the defaults. This grid looks the other way
+# (fewer programs, smaller tiles) with 4 warps.
+SHRINK_GRID = dict(shrink_programs=[256, 384, 512, 1024], shrink_tile_elements=[2048, 4096], shrink_num_warps=[4])
+EXPAND_GRID = dict(expand_programs=[512, 1024, 2048], expand_tile_elements=[2048, 4096], expand_num_warps=[4])
 
 
 def _candidates(grid: dict[str, list[int]], base: GemvTuning) -> list[GemvTuning]:
@@ -30,13 +33,8 @@ def _candidates(grid: dict[str, list[int]], base: GemvTuning) -> list[GemvTuning
 
 def tune_decode_lora(report: Report, on_gpu: bool, device: str) -> GemvTuning:
     dtype = torch.bfloat16 if on_gpu else torch.float16
-    if on_gpu:
-        hidden, kv, inter = 4096, 1024, 14336
-        configs = [(64, 16), (64, 64), (256, 64), (256, 128)]
-    else:
-        hidden, kv, inter = 64, 16, 96
-        configs = [(8, 2)]
-    modules = {"qkv": (hidden, (hidden, kv, kv)), "gate_up": (hidden, (inter, inter)), "down": (inter, (hidden,))}
+    configs = [(64, 16), (64, 64), (256, 64), (256, 128)] if on_gpu else [(8, 2)]
+    modules = {k: v for k, v in lora_modules(on_gpu).items() if k != "o"}
     l2 = _l2_bytes(on_gpu)
     base = triton_lora.DEFAULT_TUNING
     shrink_cands = _candidates(SHRINK_GRID, base)
@@ -48,17 +46,18 @@ def tune_decode_lora(report: Report, on_gpu: bool, device: str) -> GemvTuning:
         for in_f, widths in modules.values():
             sets, scaling, offsets = lora_input_sets(tokens, adapters, in_f, widths, dtype, device, l2)
             n_sets = len(sets)
+            shrunk_sets = shrink_results(sets, meta)  # what the expand candidates read
             for i, cand in enumerate(shrink_cands):
                 def shrink_all(c=cand):
-                    for x, a, _, _, shrunk in sets:
-                        lora_shrink_triton(x, a, meta, shrunk, tuning=c)
+                    for x, a, _, _, scratch in sets:
+                        lora_shrink_triton(x, a, meta, scratch, tuning=c)
                 shrink_us[i] += _graph_ms(shrink_all, on_gpu, n_sets) * 1e3
             for i, cand in enumerate(expand_cands):
                 def expand_all(c=cand):
-                    for _, _, b, y, shrunk in sets:
+                    for (_, _, b, y, _), shrunk in zip(sets, shrunk_sets):
                         lora_expand_triton(shrunk, b, scaling, offsets, meta, y, tuning=c)
                 expand_us[i] += _graph_ms(expand_all, on_gpu, n_sets) * 1e3
-            del sets
+            del sets, shrunk_sets
     report.line(f"## Decode-shaped LoRA launch sizes ({dtype}, rank {RANK}; us summed over T x adapters "
                 f"{configs} and qkv, gate_up, down; the default marked)")
     report.line()

@@ -45,6 +45,19 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
     assert "Decode-shaped variants" in results and "| shrink rows_x_rank | shrink reduce | shrink acc |" in results
     # each mode also run twice, to tell run-to-run rounding from a graph-vs-eager difference
     assert "batch 4, 2 adapters, graphs run twice: identical for 4 of 4 sequences" in results
+    # the kernels' own repeat check splits K (the partials the expand sums in order)
+    (line,) = [x for x in results.splitlines() if x.startswith("PASS LoRA run to run, split-K partials:")]
+    assert " 0 of 7 repeats differ" in line and " 1 K splits" not in line
+    assert "| K splits |" in results and "| both us, atomic splits |" in results
+    # the graph steps split into host phases, base and with adapters, the LoRA copy among them
+    assert "Host milliseconds per graph-replayed decode step" in results
+    assert "| phase | batch 4, 0 adapters | batch 4, 2 adapters |" in results
+    (lora_row,) = [x for x in results.splitlines() if x.startswith("| LoRA metadata: copy to graph buffers |")]
+    assert float(lora_row.split("|")[2]) == 0.0 and float(lora_row.split("|")[3]) > 0.0
+    # and each case's captured step replayed under the profiler, its time by kernel group
+    assert "microseconds per replay of the step's CUDA graph, by kernel group" in results
+    (total_row,) = [x for x in results.splitlines() if x.startswith("| total |")]
+    assert all(float(v) > 0.0 for v in total_row.split("|")[2:4])
 
 
 @pytest.mark.slow
