@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from lab_common import Report, bench_ms, make_meta, spread_slots
+from lab_common import Report, bench_ms, make_meta, rel_err, spread_slots
 
 from loraplex.kernels.lora_meta import LoRABatchMeta
 from loraplex.kernels.triton_attention import choose_num_kv_splits, paged_attention_triton
@@ -28,6 +28,7 @@ from loraplex.kernels.triton_lora import (
 )
 
 ROOFLINE_TARGET = 0.70  # shrink+expand, decode batches of >= 64 tokens
+VARIANT_TOLERANCE = 2e-2  # a variant against the default, both bf16 (y rounded once each)
 RANK = 16
 
 
@@ -99,6 +100,17 @@ def lora_input_sets(tokens: int, adapters: int, in_f: int, widths: tuple[int, ..
     return sets, scaling, offsets
 
 
+def _variant_cell(time_all, error, on_gpu: bool, n_sets: int) -> str:
+    """A lab variant's us per launch, marked WRONG when its output is not the default's (it is
+    timed, not checked elsewhere), or why it failed: one variant must not end the section."""
+    try:
+        us = _graph_ms(time_all, on_gpu, n_sets) * 1e3
+        err = error()
+    except Exception as exc:  # noqa: BLE001
+        return f"failed ({type(exc).__name__})"
+    return f"{us:.1f}" if err < VARIANT_TOLERANCE else f"{us:.1f} WRONG (rel err {err:.1e})"
+
+
 def shrink_results(sets, meta) -> list[torch.Tensor]:
     """Each input set's shrink result (the first partial of its scratch), made by one default
     shrink per set: what expand reads."""
@@ -162,19 +174,30 @@ def bench_lora(report: Report, on_gpu: bool, device: str, copy_bw: float) -> Non
                 # the decode-shaped kernels' other variants on the same inputs (the default is
                 # the first column of each group)
                 row = [tokens, adapters, mod, meta.max_seg_len, f"{t_shrink * 1e3:.1f}"]
+                x0, a0, b0, y0, scratch0 = sets[0]
                 for gemv in SHRINK_VARIANTS:
                     if gemv != DEFAULT_SHRINK_GEMV:
                         def shrink_variant(g=gemv):
                             for x, a, _, _, scratch in sets:
                                 lora_shrink_triton(x, a, meta, scratch, gemv=g)
-                        row.append(f"{_graph_ms(shrink_variant, on_gpu, n_sets) * 1e3:.1f}")
+
+                        def shrink_error(g=gemv):  # against the default on the first set
+                            want = lora_shrink_triton(x0, a0, meta, torch.empty_like(scratch0)).clone()
+                            return rel_err(lora_shrink_triton(x0, a0, meta, torch.empty_like(scratch0), gemv=g), want)
+                        row.append(_variant_cell(shrink_variant, shrink_error, on_gpu, n_sets))
                 row.append(f"{t_expand * 1e3:.1f}")
                 for gemv in EXPAND_VARIANTS:
                     if gemv != DEFAULT_EXPAND_GEMV:
                         def expand_variant(g=gemv):
                             for (_, _, b, y, _), shrunk in zip(sets, shrunk_sets):
                                 lora_expand_triton(shrunk, b, scaling, offsets, meta, y, gemv=g)
-                        row.append(f"{_graph_ms(expand_variant, on_gpu, n_sets) * 1e3:.1f}")
+
+                        def expand_error(g=gemv):  # the delta added to y, against the default's
+                            want, got = y0.clone(), y0.clone()
+                            lora_expand_triton(shrunk_sets[0], b0, scaling, offsets, meta, want)
+                            lora_expand_triton(shrunk_sets[0], b0, scaling, offsets, meta, got, gemv=g)
+                            return rel_err(got.float() - y0.float(), want.float() - y0.float())
+                        row.append(_variant_cell(expand_variant, expand_error, on_gpu, n_sets))
                 variant_rows.append(row)
             t_both = _graph_ms(both_all, on_gpu, n_sets)
             # the K splits combined by fp32 atomics into one zeroed output instead (not

@@ -230,8 +230,11 @@ def _report_step_phases(report: Report, llm, cases: dict, on_gpu: bool, max_toke
         seg_class = 0 if not n_adapters else 1 << max(0, -(-batch // n_adapters) - 1).bit_length()
         graph = graphs.graphs.get((graphs.bucket_for(batch), seg_class))
         if graph is not None:
-            with _triton_on_cpu(not on_gpu):
-                device[(batch, n_adapters)], largest[(batch, n_adapters)] = replay_device_us(graph.graph, on_gpu)
+            try:
+                with _triton_on_cpu(not on_gpu):
+                    device[(batch, n_adapters)], largest[(batch, n_adapters)] = replay_device_us(graph.graph, on_gpu)
+            except Exception as exc:  # noqa: BLE001 - the profiler must not cost the rows that follow
+                report.line(f"profiling the batch {batch}, {n_adapters} adapters graph failed: {exc!r}")
     labels = list(next(iter(columns.values())))
     report.line("Host milliseconds per graph-replayed decode step, by phase (mean over one run's graph steps; "
                 "\"graph run\" includes the two copies to graph buffers; the sampler's first read of a result "

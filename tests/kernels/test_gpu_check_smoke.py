@@ -43,6 +43,9 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
     assert "| 4 | 2 | graphs |" in results and "| 4 | 2 | eager |" in results
     assert "batch 4, 2 adapters: graph and eager greedy tokens identical for 4 of 4 sequences" in results
     assert "Decode-shaped variants" in results and "| shrink rows_x_rank | shrink reduce | shrink acc |" in results
+    # every variant ran and matched the default's output
+    assert "| shrink dot |" in results and "| expand dot |" in results
+    assert " WRONG (" not in results and "failed (" not in results
     # each mode also run twice, to tell run-to-run rounding from a graph-vs-eager difference
     assert "batch 4, 2 adapters, graphs run twice: identical for 4 of 4 sequences" in results
     # the kernels' own repeat check splits K (the partials the expand sums in order)
