@@ -26,6 +26,8 @@ from loraplex.kernels.triton_lora import (
     max_shrink_partials,
     shrink_split_k,
 )
+from loraplex.lora.vocab_apply import add_embedding_lora
+from loraplex.lora.vocab_slots import VocabStack
 
 ROOFLINE_TARGET = 0.70  # shrink+expand, decode batches of >= 64 tokens
 VARIANT_TOLERANCE = 2e-2  # a variant against the default, both bf16 (y rounded once each)
@@ -277,6 +279,52 @@ def bench_graph_metadata(report: Report, on_gpu: bool, device: str) -> None:
                 f"listed; shrink + expand us)")
     report.line()
     report.table(["module"] + list(metas), rows)
+
+
+def bench_vocab_lora(report: Report, on_gpu: bool, device: str, copy_bw: float) -> None:
+    """LoRA on lm_head (shrink then expand over the whole vocabulary, into fp32 logits) and on
+    embed_tokens (its A.T rows gathered by token id, then expand into the hidden states:
+    ``vocab_apply.add_embedding_lora``), one rank-16 adapter per token group, in a CUDA graph."""
+    dtype = torch.bfloat16 if on_gpu else torch.float16
+    hidden, vocab = (4096, 128256) if on_gpu else (64, 320)
+    configs = [(64, 16), (256, 64)] if on_gpu else [(8, 2)]
+    rows = []
+    for tokens, adapters in configs:
+        meta = make_meta(spread_slots(tokens, adapters), [RANK] * adapters, device)
+        scaling = torch.full((1, adapters), 2.0, device=device)
+        ranks = torch.full((adapters,), RANK, dtype=torch.int32, device=device)
+        # lm_head: A [1, adapters, r, hidden], B [adapters, vocab, r], into fp32 logits
+        x = torch.randn(tokens, hidden, device=device).to(dtype)
+        a = (torch.randn(1, adapters, RANK, hidden, device=device) * hidden**-0.5).to(dtype)
+        b = (torch.randn(adapters, vocab, RANK, device=device) * 0.25).to(dtype)
+        logits = torch.randn(tokens, vocab, device=device)
+        scratch = torch.empty(max_shrink_partials(tokens), 1, tokens, RANK, device=device)
+
+        def head():
+            lora_expand_triton(lora_shrink_triton(x, a, meta, scratch), b, scaling, (0, vocab), meta, logits)
+
+        head_bytes = (a.numel() + b.numel() + x.numel()) * 2 + 2 * logits.numel() * 4
+        # embed_tokens: A.T [adapters, vocab, r] (rows gathered), B [adapters, hidden, r]
+        stack = VocabStack(a=(torch.randn(adapters, vocab, RANK, device=device) * 0.5).to(dtype),
+                           b=(torch.randn(adapters, hidden, RANK, device=device) * 0.25).to(dtype),
+                           scaling=scaling, rank=ranks, active=[True] * adapters)
+        ids = torch.randint(0, vocab, (tokens,), device=device)
+        states = torch.randn(tokens, hidden, device=device).to(dtype)
+        shrunk = torch.empty(1, tokens, RANK, device=device)
+
+        def embed():
+            add_embedding_lora(stack, meta, ids, states, 1.0, shrunk)
+
+        embed_bytes = tokens * RANK * 2 + stack.b.numel() * 2 + 2 * states.numel() * 2
+        for module, fn, nbytes in (("lm_head", head, head_bytes), ("embed_tokens", embed, embed_bytes)):
+            us = _graph_ms(fn, on_gpu, 1) * 1e3
+            rows.append([module, tokens, adapters, f"{us:.1f}", f"{nbytes / (us * 1e-6) / 1e9:.0f}",
+                         f"{nbytes / (us * 1e-6) / copy_bw * 100:.0f}%"])
+        del a, b, logits, stack, states
+    report.line(f"## LoRA on the vocabulary modules ({dtype}, rank {RANK}, hidden {hidden}, vocab {vocab}; "
+                "one CUDA graph per figure, median)")
+    report.line()
+    report.table(["module", "tokens", "adapters", "us", "GB/s", "of copy BW"], rows)
 
 
 def bench_attention(report: Report, on_gpu: bool, device: str, copy_bw: float) -> None:

@@ -128,6 +128,8 @@ def run_e2e(
         )
         report.line(f"model + {num_adapters} PEFT adapters written in {time.perf_counter() - t0:.0f} s")
         t0 = time.perf_counter()
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()  # the engine's peak, not the model writer's or the benches'
         llm = LLM(
             # the CPU smoke's graph rows run Triton under the interpreter, whose bf16 dot is wrong
             model=str(model_dir), dtype="bfloat16" if on_gpu else "float32", device=device, home=root / "home",
@@ -199,6 +201,7 @@ def run_e2e(
             report.line(f"- batch {batch}, {n_adapters} adapters, {mode} run twice: identical for "
                         f"{_agreement(first, second)}")
         report.line()
+        _report_memory(report, llm, on_gpu)
         del llm, runner, graphs
         gc.collect()
         if on_gpu:
@@ -253,6 +256,33 @@ def _report_step_phases(report: Report, llm, cases: dict, on_gpu: bool, max_toke
             names = "; ".join(f"{name[:60]} {us:.1f}" for name, us in top)
             report.line(f"- largest at batch {batch}, {n_adapters} adapters (us per replay): {names}")
         report.line()
+
+
+def _report_memory(report: Report, llm, on_gpu: bool) -> None:
+    """The device memory the whole run peaked at, split into weights, KV cache, LoRA slot pool and
+    the rest: activations of up to max_num_batched_tokens, CUDA-graph pools, scratch. The rest is
+    what the KV budget's reserve (1 - kv_cache_memory_fraction of free memory) has to cover, and
+    it does not grow with the number of layers (they run one after another)."""
+    from loraplex.config import DEFAULT_KV_CACHE_MEMORY_FRACTION
+
+    runner = llm.engine.runner
+    gib = 1 << 30
+    kv = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+    pool = runner.lora_manager.pool.allocated_bytes if runner.lora_manager is not None else 0
+    parts = f"weights {runner.weight_bytes / gib:.2f} GiB, KV cache {kv / gib:.2f} GiB, LoRA slot pool {pool / gib:.2f} GiB"
+    if not on_gpu:
+        report.line(f"memory (CPU: no peak to read): {parts}")
+        report.line()
+        return
+    peak = torch.cuda.max_memory_allocated()
+    total = torch.cuda.get_device_properties(0).total_memory
+    rest = peak - runner.weight_bytes - kv - pool
+    report.line(f"device memory: peak allocated {peak / gib:.2f} GiB = {parts}, and the rest {rest / gib:.2f} GiB "
+                f"(activations at up to {llm.engine.config.max_num_batched_tokens} batched tokens, CUDA-graph "
+                f"pools, scratch); the KV budget's reserve on this {total / gib:.0f} GiB card is about "
+                f"{(1 - DEFAULT_KV_CACHE_MEMORY_FRACTION) * (total - runner.weight_bytes) / gib:.1f} GiB "
+                f"({1 - DEFAULT_KV_CACHE_MEMORY_FRACTION:.0%} of the memory free after the weights)")
+    report.line()
 
 
 def _agreement(outs: list[list[int]], other: list[list[int]]) -> str:

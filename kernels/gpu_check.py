@@ -7,7 +7,8 @@
    the fused MoE kernels and a CUDA-graph replay of them in moe_lab.py, with expert LoRA in
    moe_lora_lab.py, with fp8 experts against fp32 on the dequantized experts in moe_fp8_lab.py)
 2. timings: median times, achieved GB/s against a copy bandwidth measured in this run, the LoRA
-   kernels against the base matmul and under a CUDA graph's padded metadata (bench_kernels.py),
+   kernels against the base matmul, under a CUDA graph's padded metadata and on lm_head /
+   embed_tokens (bench_kernels.py),
    the fused MoE kernels against the torch loop (moe_lab.py), with expert LoRA against without
    (moe_lora_lab.py), and fp8 experts against bf16 ones (moe_fp8_lab.py)
 3. end to end: a random-weight Llama with Llama-3-8B layer shapes and fewer layers, batch 64 and
@@ -74,7 +75,13 @@ def main() -> int:
 
     import torch
     import triton
-    from bench_kernels import bench_attention, bench_graph_metadata, bench_lora, measure_copy_bandwidth
+    from bench_kernels import (
+        bench_attention,
+        bench_graph_metadata,
+        bench_lora,
+        bench_vocab_lora,
+        measure_copy_bandwidth,
+    )
     from check_kernels import run_checks
     from moe_fp8_lab import bench_moe_fp8
     from moe_lab import bench_moe
@@ -110,6 +117,7 @@ def main() -> int:
         copy_bw = measure_copy_bandwidth(report, on_gpu, device)
         _section(report, "LoRA timings section", bench_lora, report, on_gpu, device, copy_bw)
         _section(report, "LoRA graph-metadata timings section", bench_graph_metadata, report, on_gpu, device)
+        _section(report, "vocabulary LoRA timings section", bench_vocab_lora, report, on_gpu, device, copy_bw)
         if not args.only_lora:
             _section(report, "attention timings section", bench_attention, report, on_gpu, device, copy_bw)
             _section(report, "MoE timings section", bench_moe, report, on_gpu, device, copy_bw)

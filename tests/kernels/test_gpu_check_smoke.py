@@ -43,6 +43,10 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
     assert "| 4 | 2 | graphs |" in results and "| 4 | 2 | eager |" in results
     assert "batch 4, 2 adapters: graph and eager greedy tokens identical for 4 of 4 sequences" in results
     assert "Decode-shaped variants" in results and "| shrink rows_x_rank | shrink reduce | shrink acc |" in results
+    # lm_head and embed_tokens LoRA timed; the engine's memory split after the end-to-end rows
+    assert "## LoRA on the vocabulary modules" in results
+    assert "| lm_head | 8 | 2 |" in results and "| embed_tokens | 8 | 2 |" in results
+    assert "memory (CPU: no peak to read): weights " in results
     # every variant ran and matched the default's output
     assert "| shrink dot |" in results and "| expand dot |" in results
     assert " WRONG (" not in results and "failed (" not in results
