@@ -18,7 +18,11 @@ import pytest
 from tests.server.conftest import start_server
 from tests.server.fakes import GatedEngine
 
-POLL_SECONDS = 0.2  # the heartbeat interval; a silent replica expires after three
+# the heartbeat interval; a silent replica expires after three. At 0.2 s a heartbeat 0.6 s late
+# was enough for a live replica to drop out of the count mid-test on a loaded CI machine (the
+# info test saw its share grow from 2 to 4 and a request it expected refused was admitted,
+# 2026-12-04); at 0.5 s that takes a 1.5 s stall.
+POLL_SECONDS = 0.5
 BODY = {"model": "fake-model", "prompt": "ab", "max_tokens": 1}
 
 
