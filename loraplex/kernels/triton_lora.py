@@ -177,6 +177,14 @@ def shrink_split_k(
 ) -> int:
     """How many K splits ``lora_shrink_triton`` launches with these arguments (each whole K
     blocks, none empty)."""
+    return _shrink_plan(in_features, num_slices, meta, max_partials, split_k, gemv, tuning, split_reduction)[1]
+
+
+def _shrink_plan(
+    in_features: int, num_slices: int, meta: LoRABatchMeta, max_partials: int, split_k: int | None, gemv: str,
+    tuning: GemvTuning | None, split_reduction: str,
+) -> tuple[dict[str, int | bool], int]:
+    """The shrink kernel's constexprs and its K split (see ``shrink_split_k``)."""
     if split_reduction not in SPLIT_REDUCTIONS:
         raise ValueError(f"split_reduction must be one of {SPLIT_REDUCTIONS}, got {split_reduction!r}")
     tuning = tuning or DEFAULT_TUNING
@@ -192,7 +200,7 @@ def shrink_split_k(
     elif partials and split_k > max_partials:
         raise ValueError(f"{split_k} K splits need as many partial outputs; the scratch holds {max_partials}")
     split_k = max(1, min(split_k, k_blocks))
-    return triton.cdiv(k_blocks, triton.cdiv(k_blocks, split_k))
+    return tiles, triton.cdiv(k_blocks, triton.cdiv(k_blocks, split_k))
 
 
 def lora_shrink_triton(
@@ -215,9 +223,7 @@ def lora_shrink_triton(
         return out[0]
     num_slices, _, _, in_features = a_stack.shape
     tuning = tuning or DEFAULT_TUNING
-    split_k = shrink_split_k(in_features, num_slices, meta, out.shape[0], split_k=split_k, gemv=gemv,
-                             tuning=tuning, split_reduction=split_reduction)
-    tiles = shrink_tiles(meta.max_seg_len, meta.max_rank, gemv, tuning.shrink_tile_elements)
+    tiles, split_k = _shrink_plan(in_features, num_slices, meta, out.shape[0], split_k, gemv, tuning, split_reduction)
     block_k = tiles["BLOCK_K"]
     tiles_per_seg = triton.cdiv(meta.max_seg_len, tiles["BLOCK_M"])
     atomic = split_reduction == "atomic" and split_k > 1

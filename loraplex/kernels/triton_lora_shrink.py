@@ -83,14 +83,8 @@ def _sgmv_shrink_kernel(
     if USE_DOT or GEMV == GEMV_REDUCE:
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for kb in range(kb_lo, kb_hi):
-            k = kb * BLOCK_K + offs_k
-            if EVEN_K:
-                xt = tl.load(x_rows + k[None, :] * stride_xk, mask=row_mask[:, None], other=0.0)
-                at = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None], other=0.0)
-            else:
-                k_mask = k < in_features
-                xt = tl.load(x_rows + k[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                at = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            xt, at = _shrink_block(x_rows, a_rows, kb, offs_k, row_mask, r_mask, in_features, stride_xk, stride_ak,
+                                   BLOCK_K, EVEN_K)
             if USE_DOT:
                 acc += tl.dot(xt, tl.trans(at))  # [BLOCK_M, BLOCK_R]
             else:
