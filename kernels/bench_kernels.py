@@ -15,9 +15,8 @@ from lab_common import Report, bench_ms, make_meta, rel_err, spread_slots
 
 from loraplex.kernels.lora_meta import LoRABatchMeta
 from loraplex.kernels.triton_attention import choose_num_kv_splits, paged_attention_triton
+from loraplex.kernels import triton_lora
 from loraplex.kernels.triton_lora import (
-    DEFAULT_EXPAND_GEMV,
-    DEFAULT_SHRINK_GEMV,
     EXPAND_VARIANTS,
     GEMV_MAX_SEG_LEN,
     SHRINK_VARIANTS,
@@ -30,7 +29,7 @@ from loraplex.lora.vocab_apply import add_embedding_lora
 from loraplex.lora.vocab_slots import VocabStack
 
 ROOFLINE_TARGET = 0.70  # shrink+expand, decode batches of >= 64 tokens
-VARIANT_TOLERANCE = 2e-2  # a variant against the default, both bf16 (y rounded once each)
+VARIANT_TOLERANCE = 2e-2  # a variant against the one in use, both bf16 (y rounded once each)
 RANK = 16
 
 
@@ -102,15 +101,52 @@ def lora_input_sets(tokens: int, adapters: int, in_f: int, widths: tuple[int, ..
     return sets, scaling, offsets
 
 
-def _variant_cell(time_all, error, on_gpu: bool, n_sets: int) -> str:
-    """A lab variant's us per launch, marked WRONG when its output is not the default's (it is
-    timed, not checked elsewhere), or why it failed: one variant must not end the section."""
+def variant_us(time_all, error, on_gpu: bool, n_sets: int) -> tuple[float | None, str]:
+    """A lab variant's us per launch (None when it failed or its output is not that of the variant
+    in use: it is timed, not checked elsewhere) and its table cell, marked WRONG or failed: one
+    variant must not end the section."""
     try:
         us = _graph_ms(time_all, on_gpu, n_sets) * 1e3
         err = error()
     except Exception as exc:  # noqa: BLE001
-        return f"failed ({type(exc).__name__})"
-    return f"{us:.1f}" if err < VARIANT_TOLERANCE else f"{us:.1f} WRONG (rel err {err:.1e})"
+        return None, f"failed ({type(exc).__name__})"
+    if err < VARIANT_TOLERANCE:
+        return us, f"{us:.1f}"
+    return None, f"{us:.1f} WRONG (rel err {err:.1e})"
+
+
+def shrink_variant_us(sets, meta: LoRABatchMeta, gemv: str, on_gpu: bool) -> tuple[float | None, str]:
+    """``variant_us`` of the shrink variant ``gemv`` over ``sets``, checked against the one in use."""
+    x0, a0, _, _, scratch0 = sets[0]
+
+    def run():
+        for x, a, _, _, scratch in sets:
+            lora_shrink_triton(x, a, meta, scratch, gemv=gemv)
+
+    def error():
+        want = lora_shrink_triton(x0, a0, meta, torch.empty_like(scratch0)).clone()
+        return rel_err(lora_shrink_triton(x0, a0, meta, torch.empty_like(scratch0), gemv=gemv), want)
+
+    return variant_us(run, error, on_gpu, len(sets))
+
+
+def expand_variant_us(sets, shrunk_sets, scaling, offsets, meta: LoRABatchMeta, gemv: str,
+                      on_gpu: bool) -> tuple[float | None, str]:
+    """``variant_us`` of the expand variant ``gemv`` (reading ``shrunk_sets``), its delta to y
+    checked against the one in use's."""
+    _, _, b0, y0, _ = sets[0]
+
+    def run():
+        for (_, _, b, y, _), shrunk in zip(sets, shrunk_sets):
+            lora_expand_triton(shrunk, b, scaling, offsets, meta, y, gemv=gemv)
+
+    def error():
+        want, got = y0.clone(), y0.clone()
+        lora_expand_triton(shrunk_sets[0], b0, scaling, offsets, meta, want)
+        lora_expand_triton(shrunk_sets[0], b0, scaling, offsets, meta, got, gemv=gemv)
+        return rel_err(got.float() - y0.float(), want.float() - y0.float())
+
+    return variant_us(run, error, on_gpu, len(sets))
 
 
 def shrink_results(sets, meta) -> list[torch.Tensor]:
@@ -173,33 +209,17 @@ def bench_lora(report: Report, on_gpu: bool, device: str, copy_bw: float) -> Non
             t_shrink = _graph_ms(shrink_all, on_gpu, n_sets)
             t_expand = _graph_ms(expand_all, on_gpu, n_sets)
             if meta.max_seg_len <= GEMV_MAX_SEG_LEN:
-                # the decode-shaped kernels' other variants on the same inputs (the default is
-                # the first column of each group)
-                row = [tokens, adapters, mod, meta.max_seg_len, f"{t_shrink * 1e3:.1f}"]
-                x0, a0, b0, y0, scratch0 = sets[0]
+                # every decode-shaped variant on the same inputs; the one in use (the tuning's
+                # for this segment class: what the other columns of this section timed) marked *
+                row = [tokens, adapters, mod, meta.max_seg_len]
+                tuning = triton_lora.DEFAULT_TUNING  # read now: --tune-lora may have installed another
                 for gemv in SHRINK_VARIANTS:
-                    if gemv != DEFAULT_SHRINK_GEMV:
-                        def shrink_variant(g=gemv):
-                            for x, a, _, _, scratch in sets:
-                                lora_shrink_triton(x, a, meta, scratch, gemv=g)
-
-                        def shrink_error(g=gemv):  # against the default on the first set
-                            want = lora_shrink_triton(x0, a0, meta, torch.empty_like(scratch0)).clone()
-                            return rel_err(lora_shrink_triton(x0, a0, meta, torch.empty_like(scratch0), gemv=g), want)
-                        row.append(_variant_cell(shrink_variant, shrink_error, on_gpu, n_sets))
-                row.append(f"{t_expand * 1e3:.1f}")
+                    in_use = gemv == tuning.shrink_gemv_for(meta.max_seg_len)
+                    row.append(f"{t_shrink * 1e3:.1f} *" if in_use else shrink_variant_us(sets, meta, gemv, on_gpu)[1])
                 for gemv in EXPAND_VARIANTS:
-                    if gemv != DEFAULT_EXPAND_GEMV:
-                        def expand_variant(g=gemv):
-                            for (_, _, b, y, _), shrunk in zip(sets, shrunk_sets):
-                                lora_expand_triton(shrunk, b, scaling, offsets, meta, y, gemv=g)
-
-                        def expand_error(g=gemv):  # the delta added to y, against the default's
-                            want, got = y0.clone(), y0.clone()
-                            lora_expand_triton(shrunk_sets[0], b0, scaling, offsets, meta, want)
-                            lora_expand_triton(shrunk_sets[0], b0, scaling, offsets, meta, got, gemv=g)
-                            return rel_err(got.float() - y0.float(), want.float() - y0.float())
-                        row.append(_variant_cell(expand_variant, expand_error, on_gpu, n_sets))
+                    in_use = gemv == tuning.expand_gemv_for(meta.max_seg_len)
+                    row.append(f"{t_expand * 1e3:.1f} *" if in_use
+                               else expand_variant_us(sets, shrunk_sets, scaling, offsets, meta, gemv, on_gpu)[1])
                 variant_rows.append(row)
             t_both = _graph_ms(both_all, on_gpu, n_sets)
             # the K splits combined by fp32 atomics into one zeroed output instead (not
@@ -228,12 +248,11 @@ def bench_lora(report: Report, on_gpu: bool, device: str, copy_bw: float) -> Non
         rows,
     )
     if variant_rows:
-        report.line("Decode-shaped variants (us per launch, same inputs; the default first in each group):")
+        report.line("Decode-shaped variants (us per launch, same inputs; * the one in use, whose output the "
+                    "others are checked against):")
         report.line()
-        shrink_names = [DEFAULT_SHRINK_GEMV] + [g for g in SHRINK_VARIANTS if g != DEFAULT_SHRINK_GEMV]
-        expand_names = [DEFAULT_EXPAND_GEMV] + [g for g in EXPAND_VARIANTS if g != DEFAULT_EXPAND_GEMV]
-        report.table(["tokens", "adapters", "module", "max seg"] + [f"shrink {g}" for g in shrink_names]
-                     + [f"expand {g}" for g in expand_names], variant_rows)
+        report.table(["tokens", "adapters", "module", "max seg"] + [f"shrink {g}" for g in SHRINK_VARIANTS]
+                     + [f"expand {g}" for g in EXPAND_VARIANTS], variant_rows)
     report.line("Per decoder layer (qkv + o + gate_up + down), LoRA kernels against the base matmuls:")
     for (tokens, adapters), (t_lora, t_base) in per_layer.items():
         report.line(f"- T={tokens} adapters={adapters}: LoRA {t_lora * 1e3:.0f} us vs base {t_base * 1e3:.0f} us "

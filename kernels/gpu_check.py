@@ -45,7 +45,8 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--e2e-prompt-len", type=int, default=512, help="prompt tokens per request (context size)")
     p.add_argument("--e2e-targets", choices=["all", "qkvo"], default="all", help="modules the adapters adapt")
     p.add_argument("--tune-lora", action="store_true",
-                   help="time the decode-shaped LoRA launch sizes first and use the fastest for the rest of the run")
+                   help="time the decode-shaped LoRA variants (per segment class) and launch sizes first and use "
+                        "the fastest for the rest of the run")
     p.add_argument("--only-lora", action="store_true",
                    help="LoRA checks and timings only (no attention, MoE or host-miss sections)")
     p.add_argument("--budget-s", type=float, default=420.0,

@@ -1,10 +1,15 @@
-"""Launch sizes of the decode-shaped LoRA kernels, timed side by side (part of the GPU check).
+"""The decode-shaped LoRA kernels' variants and launch sizes, timed side by side (part of the GPU
+check).
 
-Each candidate ``GemvTuning`` is timed on the decode batches of the LoRA bench (Llama-3-8B's
-qkv, gate_up and down, rank 16), shrink and expand separately, each launch in a CUDA graph over
-input sets spanning 3x the L2 (as ``bench_kernels.py``). The fastest shrink settings and the
-fastest expand settings by total time are returned; ``gpu_check.py --tune-lora`` installs them for
-the rest of its run (bench and end to end), so the figures after it are of the settings printed.
+First the variants (``SHRINK_VARIANTS`` / ``EXPAND_VARIANTS`` that might win: the H200 call of
+2026-12-04 found "reduce" and "plain" slower everywhere) at the launch sizes in use, per segment
+class: the fastest whose output matches the variant in use is chosen for that class (a class no
+case covers keeps its variant). Then each candidate ``GemvTuning`` of the launch-size grid, with
+those variants. Everything is timed on the decode batches of the LoRA bench (Llama-3-8B's qkv,
+gate_up and down, rank 16), shrink and expand separately, each launch in a CUDA graph over input
+sets spanning 3x the L2 (as ``bench_kernels.py``). ``gpu_check.py --tune-lora`` installs the
+result for the rest of its run (bench and end to end), so the figures after it are of the
+settings printed.
 """
 
 from __future__ import annotations
@@ -13,17 +18,34 @@ import dataclasses
 import itertools
 
 import torch
-from bench_kernels import RANK, _graph_ms, _l2_bytes, lora_input_sets, lora_modules, shrink_results
+from bench_kernels import (
+    RANK,
+    _graph_ms,
+    _l2_bytes,
+    expand_variant_us,
+    lora_input_sets,
+    lora_modules,
+    shrink_results,
+    shrink_variant_us,
+)
 from lab_common import Report, make_meta, spread_slots
 
 from loraplex.kernels import triton_lora
-from loraplex.kernels.triton_lora import GemvTuning, lora_expand_triton, lora_shrink_triton
+from loraplex.kernels.triton_lora import (
+    DECODE_SEG_CLASSES,
+    GemvTuning,
+    decode_seg_class_index,
+    lora_expand_triton,
+    lora_shrink_triton,
+)
 
 # The H200 sweep of 2026-12-04 (call 3) tried more programs (2048 / 4096), larger register tiles
 # (8192 elements) and 8 warps: each was slower than the defaults. This grid looks the other way
 # (fewer programs, smaller tiles) with 4 warps.
 SHRINK_GRID = dict(shrink_programs=[256, 384, 512, 1024], shrink_tile_elements=[2048, 4096], shrink_num_warps=[4])
 EXPAND_GRID = dict(expand_programs=[512, 1024, 2048], expand_tile_elements=[2048, 4096], expand_num_warps=[4])
+SHRINK_CANDIDATES = ("rows_x_rank", "acc", "dot")
+EXPAND_CANDIDATES = ("rows", "tiled", "dot")
 
 
 def _candidates(grid: dict[str, list[int]], base: GemvTuning) -> list[GemvTuning]:
@@ -31,35 +53,91 @@ def _candidates(grid: dict[str, list[int]], base: GemvTuning) -> list[GemvTuning
     return [dataclasses.replace(base, **dict(zip(names, values))) for values in itertools.product(*grid.values())]
 
 
-def tune_decode_lora(report: Report, on_gpu: bool, device: str) -> GemvTuning:
+def _cases(on_gpu: bool, device: str):
+    """Each (tokens, adapters, module, metadata, input sets, scaling, slice offsets) the tuning
+    times, made one at a time (the sets of one case span 3x the L2)."""
     dtype = torch.bfloat16 if on_gpu else torch.float16
-    configs = [(64, 16), (64, 64), (256, 64), (256, 128)] if on_gpu else [(8, 2)]
+    configs = [(64, 16), (64, 64), (256, 64), (256, 128)] if on_gpu else [(8, 2), (8, 8)]
     modules = {k: v for k, v in lora_modules(on_gpu).items() if k != "o"}
     l2 = _l2_bytes(on_gpu)
-    base = triton_lora.DEFAULT_TUNING
+    for tokens, adapters in configs:
+        meta = make_meta(spread_slots(tokens, adapters), [RANK] * adapters, device)
+        for mod, (in_f, widths) in modules.items():
+            sets, scaling, offsets = lora_input_sets(tokens, adapters, in_f, widths, dtype, device, l2)
+            yield tokens, adapters, mod, meta, sets, scaling, offsets
+            del sets
+
+
+def choose_variants(report: Report, on_gpu: bool, device: str, base: GemvTuning) -> GemvTuning:
+    """``base`` with, for each segment class the cases cover, the fastest correct variant of
+    shrink and of expand (summed over the class's cases)."""
+    totals: dict[tuple[str, int, str], float] = {}  # (kernel, class index, variant) -> us; absent = failed
+    wrong: set[tuple[str, int, str]] = set()
+    cells = []
+    for tokens, adapters, mod, meta, sets, scaling, offsets in _cases(on_gpu, device):
+        c = decode_seg_class_index(meta.max_seg_len)
+        shrunk_sets = shrink_results(sets, meta)  # by the shrink in use: what each expand reads
+        row = [tokens, adapters, mod, DECODE_SEG_CLASSES[c]]
+        for kernel, variants, timing in (
+            ("shrink", SHRINK_CANDIDATES, lambda g: shrink_variant_us(sets, meta, g, on_gpu)),
+            ("expand", EXPAND_CANDIDATES, lambda g: expand_variant_us(sets, shrunk_sets, scaling, offsets, meta, g,
+                                                                      on_gpu)),
+        ):
+            for gemv in variants:
+                us, cell = timing(gemv)
+                key = (kernel, c, gemv)
+                if us is None:
+                    wrong.add(key)
+                else:
+                    totals[key] = totals.get(key, 0.0) + us
+                row.append(cell)
+        cells.append(row)
+        del shrunk_sets
+    report.line("## Decode-shaped LoRA variants (us per launch, same inputs; the fastest correct one per segment "
+                "class is used from here on)")
+    report.line()
+    report.table(["tokens", "adapters", "module", "segment class"] + [f"shrink {g}" for g in SHRINK_CANDIDATES]
+                 + [f"expand {g}" for g in EXPAND_CANDIDATES], cells)
+    chosen = {"shrink": list(base.shrink_gemv), "expand": list(base.expand_gemv)}
+    for kernel, variants in (("shrink", SHRINK_CANDIDATES), ("expand", EXPAND_CANDIDATES)):
+        for c in {key[1] for key in totals if key[0] == kernel}:
+            timed = {g: totals[(kernel, c, g)] for g in variants
+                     if (kernel, c, g) in totals and (kernel, c, g) not in wrong}
+            if timed:
+                chosen[kernel][c] = min(timed, key=timed.__getitem__)
+    tuned = dataclasses.replace(base, shrink_gemv=tuple(chosen["shrink"]), expand_gemv=tuple(chosen["expand"]))
+    report.line(f"variants per segment class {DECODE_SEG_CLASSES}: shrink {tuned.shrink_gemv}, "
+                f"expand {tuned.expand_gemv} (were {base.shrink_gemv}, {base.expand_gemv})")
+    report.line()
+    return tuned
+
+
+def tune_decode_lora(report: Report, on_gpu: bool, device: str) -> GemvTuning:
+    dtype = torch.bfloat16 if on_gpu else torch.float16
+    base = choose_variants(report, on_gpu, device, triton_lora.DEFAULT_TUNING)
     shrink_cands = _candidates(SHRINK_GRID, base)
     expand_cands = _candidates(EXPAND_GRID, base)
     shrink_us = [0.0] * len(shrink_cands)
     expand_us = [0.0] * len(expand_cands)
-    for tokens, adapters in configs:
-        meta = make_meta(spread_slots(tokens, adapters), [RANK] * adapters, device)
-        for in_f, widths in modules.values():
-            sets, scaling, offsets = lora_input_sets(tokens, adapters, in_f, widths, dtype, device, l2)
-            n_sets = len(sets)
-            shrunk_sets = shrink_results(sets, meta)  # what the expand candidates read
-            for i, cand in enumerate(shrink_cands):
-                def shrink_all(c=cand):
-                    for x, a, _, _, scratch in sets:
-                        lora_shrink_triton(x, a, meta, scratch, tuning=c)
-                shrink_us[i] += _graph_ms(shrink_all, on_gpu, n_sets) * 1e3
-            for i, cand in enumerate(expand_cands):
-                def expand_all(c=cand):
-                    for (_, _, b, y, _), shrunk in zip(sets, shrunk_sets):
-                        lora_expand_triton(shrunk, b, scaling, offsets, meta, y, tuning=c)
-                expand_us[i] += _graph_ms(expand_all, on_gpu, n_sets) * 1e3
-            del sets, shrunk_sets
-    report.line(f"## Decode-shaped LoRA launch sizes ({dtype}, rank {RANK}; us summed over T x adapters "
-                f"{configs} and qkv, gate_up, down; the default marked)")
+    configs = []
+    for tokens, adapters, _, meta, sets, scaling, offsets in _cases(on_gpu, device):
+        if (tokens, adapters) not in configs:
+            configs.append((tokens, adapters))
+        n_sets = len(sets)
+        shrunk_sets = shrink_results(sets, meta)  # what the expand candidates read
+        for i, cand in enumerate(shrink_cands):
+            def shrink_all(c=cand):
+                for x, a, _, _, scratch in sets:
+                    lora_shrink_triton(x, a, meta, scratch, tuning=c)
+            shrink_us[i] += _graph_ms(shrink_all, on_gpu, n_sets) * 1e3
+        for i, cand in enumerate(expand_cands):
+            def expand_all(c=cand):
+                for (_, _, b, y, _), shrunk in zip(sets, shrunk_sets):
+                    lora_expand_triton(shrunk, b, scaling, offsets, meta, y, tuning=c)
+            expand_us[i] += _graph_ms(expand_all, on_gpu, n_sets) * 1e3
+        del shrunk_sets
+    report.line(f"## Decode-shaped LoRA launch sizes ({dtype}, rank {RANK}, the variants chosen above; us summed "
+                f"over T x adapters {configs} and qkv, gate_up, down; the sizes in use before marked (default))")
     report.line()
     rows = []
     for cands, times, grid in ((shrink_cands, shrink_us, SHRINK_GRID), (expand_cands, expand_us, EXPAND_GRID)):

@@ -77,10 +77,20 @@ SPLIT_REDUCTIONS = ("partials", "atomic")
 DEFAULT_SPLIT_REDUCTION = "partials"
 
 
+# the segment classes of the decode-shaped path (longest segment rounded up to a power of two)
+DECODE_SEG_CLASSES = (1, 2, 4, 8)
+
+
+def decode_seg_class_index(max_seg_len: int) -> int:
+    """Index into ``DECODE_SEG_CLASSES`` of a step's longest segment (longer ones: the last)."""
+    return min(len(DECODE_SEG_CLASSES) - 1, (max(1, max_seg_len) - 1).bit_length())
+
+
 @dataclass(frozen=True)
 class GemvTuning:
-    """Launch sizes of the decode-shaped kernels (``kernels/tune_lora.py`` times alternatives on
-    a GPU): programs each launch aims for, elements of the register tiles, warps per program."""
+    """How the decode-shaped kernels run (``kernels/tune_lora.py`` times alternatives on a GPU):
+    the variant per segment class, programs each launch aims for, elements of the register
+    tiles, warps per program."""
 
     shrink_programs: int = TARGET_PROGRAMS  # the K split grows until about this many programs
     shrink_tile_elements: int = 4096  # rows_x_rank's [rows x rank, K] tile
@@ -88,6 +98,22 @@ class GemvTuning:
     expand_tile_elements: int = 4096  # "rows": [columns, rank] tile; "tiled": [rows, rank, columns]
     shrink_num_warps: int = 4
     expand_num_warps: int = 4
+    # the variant (SHRINK_VARIANTS / EXPAND_VARIANTS) for each of DECODE_SEG_CLASSES
+    shrink_gemv: tuple[str, ...] = (DEFAULT_SHRINK_GEMV,) * len(DECODE_SEG_CLASSES)
+    expand_gemv: tuple[str, ...] = (DEFAULT_EXPAND_GEMV,) * len(DECODE_SEG_CLASSES)
+
+    def __post_init__(self) -> None:
+        for name, chosen, known in (("shrink_gemv", self.shrink_gemv, SHRINK_VARIANTS),
+                                    ("expand_gemv", self.expand_gemv, EXPAND_VARIANTS)):
+            if len(chosen) != len(DECODE_SEG_CLASSES) or any(g not in known for g in chosen):
+                raise ValueError(f"{name} names one of {tuple(known)} for each segment class "
+                                 f"{DECODE_SEG_CLASSES}, got {chosen!r}")
+
+    def shrink_gemv_for(self, max_seg_len: int) -> str:
+        return self.shrink_gemv[decode_seg_class_index(max_seg_len)]
+
+    def expand_gemv_for(self, max_seg_len: int) -> str:
+        return self.expand_gemv[decode_seg_class_index(max_seg_len)]
 
 
 DEFAULT_TUNING = GemvTuning()
@@ -171,7 +197,7 @@ def shrink_split_k(
     max_partials: int,  # the partial outputs the scratch holds (ignored by "atomic")
     *,
     split_k: int | None = None,
-    gemv: str = DEFAULT_SHRINK_GEMV,
+    gemv: str | None = None,
     tuning: GemvTuning | None = None,
     split_reduction: str = DEFAULT_SPLIT_REDUCTION,
 ) -> int:
@@ -181,13 +207,14 @@ def shrink_split_k(
 
 
 def _shrink_plan(
-    in_features: int, num_slices: int, meta: LoRABatchMeta, max_partials: int, split_k: int | None, gemv: str,
-    tuning: GemvTuning | None, split_reduction: str,
+    in_features: int, num_slices: int, meta: LoRABatchMeta, max_partials: int, split_k: int | None,
+    gemv: str | None, tuning: GemvTuning | None, split_reduction: str,
 ) -> tuple[dict[str, int | bool], int]:
     """The shrink kernel's constexprs and its K split (see ``shrink_split_k``)."""
     if split_reduction not in SPLIT_REDUCTIONS:
         raise ValueError(f"split_reduction must be one of {SPLIT_REDUCTIONS}, got {split_reduction!r}")
     tuning = tuning or DEFAULT_TUNING
+    gemv = tuning.shrink_gemv_for(meta.max_seg_len) if gemv is None else gemv
     tiles = shrink_tiles(meta.max_seg_len, meta.max_rank, gemv, tuning.shrink_tile_elements)
     programs = _sizing_segments(meta) * triton.cdiv(meta.max_seg_len, tiles["BLOCK_M"]) * num_slices
     k_blocks = triton.cdiv(in_features, tiles["BLOCK_K"])
@@ -211,7 +238,7 @@ def lora_shrink_triton(
     *,
     split_k: int | None = None,  # override the K split (tests, tuning); None = by work present
     slot_rank: torch.Tensor | None = None,  # [max_loras] int32: ranks to use instead of meta's
-    gemv: str = DEFAULT_SHRINK_GEMV,  # the decode-shaped reduction (SHRINK_VARIANTS; the lab times each)
+    gemv: str | None = None,  # the decode-shaped reduction (SHRINK_VARIANTS); None = the tuning's for this step
     tuning: GemvTuning | None = None,  # None = DEFAULT_TUNING
     split_reduction: str = DEFAULT_SPLIT_REDUCTION,  # SPLIT_REDUCTIONS (the lab times both)
 ) -> torch.Tensor:  # [num_slices, num_tokens, r_max]: out[0], the result for expand
@@ -276,7 +303,7 @@ def lora_expand_triton(
     y: torch.Tensor,  # [num_tokens, out_total], updated in place
     *,
     slot_rank: torch.Tensor | None = None,  # [max_loras] int32: ranks to use instead of meta's
-    gemv: str = DEFAULT_EXPAND_GEMV,  # the decode-shaped kernel (EXPAND_VARIANTS; the lab times each)
+    gemv: str | None = None,  # the decode-shaped kernel (EXPAND_VARIANTS); None = the tuning's for this step
     n_tiles: int | None = None,  # "rows" / "tiled": column tiles per program (tests); None = by work present
     tuning: GemvTuning | None = None,  # None = DEFAULT_TUNING
 ) -> None:
@@ -290,6 +317,7 @@ def lora_expand_triton(
     offsets = list(slice_offsets) + [slice_offsets[-1]] * (MAX_SLICES + 1 - len(slice_offsets))
     max_width = max(slice_offsets[s + 1] - slice_offsets[s] for s in range(num_slices))
     tuning = tuning or DEFAULT_TUNING
+    gemv = tuning.expand_gemv_for(meta.max_seg_len) if gemv is None else gemv
     tiles = expand_tiles(meta.max_seg_len, meta.max_rank, gemv, tuning.expand_tile_elements)
     common = (
         shrunk, b_stack, scaling, y, meta.token_perm, meta.seg_starts, meta.seg_slot,

@@ -12,6 +12,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _variants_in_use(results: str, row_start: str) -> list[str]:
+    """The columns marked in use (``*``) in the bench's decode-variant table row that starts so."""
+    lines = results.splitlines()
+    header = next(x for x in lines if x.startswith("| tokens | adapters | module | max seg | shrink "))
+    names = [c.strip() for c in header.split("|")[5:-1]]
+    (row,) = [x for x in lines if x.startswith(row_start) and x.count("|") == header.count("|")]
+    return [n for n, c in zip(names, row.split("|")[5:-1]) if c.strip().endswith(" *")]
+
+
 @pytest.mark.slow
 def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONUNBUFFERED": "1"}
@@ -42,7 +51,9 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
     assert "## End to end" in results and "end-to-end run FAILED" not in results
     assert "| 4 | 2 | graphs |" in results and "| 4 | 2 | eager |" in results
     assert "batch 4, 2 adapters: graph and eager greedy tokens identical for 4 of 4 sequences" in results
-    assert "Decode-shaped variants" in results and "| shrink rows_x_rank | shrink reduce | shrink acc |" in results
+    assert "Decode-shaped variants" in results and "| shrink reduce | shrink acc | shrink rows_x_rank |" in results
+    # without tuning, the defaults are the variants in use (marked *), the others checked against them
+    assert _variants_in_use(results, "| 8 | 2 | qkv | 4 | ") == ["shrink rows_x_rank", "expand rows"]
     # lm_head and embed_tokens LoRA timed; the engine's memory split after the end-to-end rows
     assert "## LoRA on the vocabulary modules" in results
     assert "| lm_head | 8 | 2 |" in results and "| embed_tokens | 8 | 2 |" in results
@@ -78,9 +89,19 @@ def test_gpu_check_tune_lora_runs_with_the_fastest_setting(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     results = (tmp_path / "results.md").read_text()
+    # first the variants per segment class (8 tokens over 2 adapters: class 4; over 8: class 1)
+    assert "## Decode-shaped LoRA variants" in results
+    assert "| 8 | 2 | qkv | 4 |" in results and "| 8 | 8 | down | 1 |" in results
+    assert " WRONG (" not in results and "failed (" not in results
+    (variants,) = [x for x in results.splitlines() if x.startswith("variants per segment class (1, 2, 4, 8): ")]
     assert "## Decode-shaped LoRA launch sizes" in results and "(default) |" in results
     (chosen,) = [x for x in results.splitlines() if x.startswith("chosen: GemvTuning(")]
     assert "shrink_programs=" in chosen and "expand_num_warps=" in chosen
+    # what was chosen is what the rest of the run used: the bench marks it in use (*) for class 4
+    shrink_4 = variants.split("shrink (")[1].split(")")[0].replace("'", "").split(", ")[2]
+    expand_4 = variants.split("expand (")[1].split(")")[0].replace("'", "").split(", ")[2]
+    assert "shrink_gemv=(" in chosen and f"'{shrink_4}'" in chosen
+    assert _variants_in_use(results, "| 8 | 2 | qkv | 4 | ") == [f"shrink {shrink_4}", f"expand {expand_4}"]
     assert "PASS decode qkv shrink:" in results and "PASS prefill qkv mixed ranks expand:" in results
     assert "## SGMV LoRA kernels" in results
     assert "## Paged attention" not in results and "fused moe" not in results and "## End to end" not in results

@@ -304,3 +304,69 @@ def test_padded_metadata_with_a_sizing_hint_launches_like_the_exact_one():
     for m in (meta, padded, hinted_meta):
         result = lora_shrink_triton(x, a_stack, m, torch.full((32, *ref.shape), float("nan")), tuning=tuning)
         assert rel_err(result[defined], ref[defined]) < TOL[torch.float32]
+
+
+class _LaunchRecorder:
+    """Stands in for a Triton kernel: records each launch's keyword arguments (the constexprs),
+    then launches the real kernel."""
+
+    def __init__(self, kernel, launches: list[dict]):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_the_tuning_names_the_decode_variant_of_each_segment_class(monkeypatch):
+    """``GemvTuning.shrink_gemv`` / ``expand_gemv`` pick the decode-shaped variant by the step's
+    longest segment (classes 1, 2, 4, 8), also when installed as ``DEFAULT_TUNING`` (as the GPU
+    check's ``--tune-lora`` does), and every choice still matches the reference."""
+    from loraplex.kernels import triton_lora
+
+    tuning = GemvTuning(shrink_gemv=("rows_x_rank", "acc", "dot", "reduce"), expand_gemv=("rows", "tiled", "dot", "plain"))
+    shrinks, expands = [], []
+    monkeypatch.setattr(triton_lora, "_sgmv_shrink_kernel", _LaunchRecorder(triton_lora._sgmv_shrink_kernel, shrinks))
+    monkeypatch.setattr(triton_lora, "_sgmv_expand_kernel", _LaunchRecorder(triton_lora._sgmv_expand_kernel, expands))
+    monkeypatch.setattr(triton_lora, "_sgmv_expand_gemv_kernel",
+                        _LaunchRecorder(triton_lora._sgmv_expand_gemv_kernel, expands))
+    # (longest segment, what the shrink launch and the expand launch must be)
+    expected = {
+        1: (dict(USE_DOT=False, GEMV=SHRINK_VARIANTS["rows_x_rank"]), dict(ROWS=True)),
+        2: (dict(USE_DOT=False, GEMV=SHRINK_VARIANTS["acc"]), dict(ROWS=False)),
+        3: (dict(USE_DOT=True, BLOCK_M=16), dict(USE_DOT=True, BLOCK_M=16)),
+        6: (dict(USE_DOT=False, GEMV=SHRINK_VARIANTS["reduce"]), dict(USE_DOT=False, BLOCK_M=8)),
+    }
+    for installed in (False, True):
+        if installed:
+            monkeypatch.setattr(triton_lora, "DEFAULT_TUNING", tuning)
+        for longest, (shrink_kw, expand_kw) in expected.items():
+            case = dict(slots=[0] * longest + [1, -1, 2], ranks=[16, 8, 3], r_max=16, widths=(24, 8),
+                        in_features=64, empty_segments=1)
+            _, x, a_stack, b_stack, scaling, offsets, meta = _case_inputs(case, torch.float32, 97 * longest + installed)
+            assert meta.max_seg_len == longest
+            kwargs = {} if installed else dict(tuning=tuning)
+            shrinks.clear(), expands.clear()
+            result = lora_shrink_triton(x, a_stack, meta, nan_like(torch.empty(4, 2, meta.num_tokens, 16)), **kwargs)
+            y0 = torch.randn(meta.num_tokens, offsets[-1], generator=torch.Generator().manual_seed(longest))
+            y = y0.clone()
+            lora_expand_triton(result, b_stack, scaling, offsets, meta, y, **kwargs)
+            assert all(shrinks[0][k] == v for k, v in shrink_kw.items()), (longest, shrinks[0])
+            assert all(expands[0][k] == v for k, v in expand_kw.items()), (longest, expands[0])
+            ref = torch.full((2, meta.num_tokens, 16), float("nan"))
+            lora_shrink_ref(x, a_stack, meta, ref)
+            defined = _defined_mask(meta, 2, 16)
+            assert rel_err(result[defined], ref[defined]) < TOL[torch.float32]
+            y_ref = y0.clone()
+            lora_expand_ref(ref.nan_to_num(), b_stack, scaling, offsets, meta, y_ref)
+            assert rel_err(y - y0, y_ref - y0) < 1e-4
+
+
+@pytest.mark.parametrize("field, value", [("shrink_gemv", ("rows_x_rank",) * 3), ("shrink_gemv", ("rows",) * 4),
+                                          ("expand_gemv", ("rows", "rows", "rows", "acc"))])
+def test_a_tuning_naming_an_unknown_variant_is_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        GemvTuning(**{field: value})
