@@ -45,7 +45,7 @@ from loraplex.kernels.triton_lora import (
 SHRINK_GRID = dict(shrink_programs=[256, 384, 512, 1024], shrink_tile_elements=[2048, 4096], shrink_num_warps=[4])
 EXPAND_GRID = dict(expand_programs=[512, 1024, 2048], expand_tile_elements=[2048, 4096], expand_num_warps=[4])
 SHRINK_CANDIDATES = ("rows_x_rank", "acc", "dot")
-EXPAND_CANDIDATES = ("rows", "tiled", "dot")
+EXPAND_CANDIDATES = ("rows", "tiled", "dot", "rows_ahead")
 
 
 def _candidates(grid: dict[str, list[int]], base: GemvTuning) -> list[GemvTuning]:

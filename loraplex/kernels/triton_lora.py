@@ -61,9 +61,10 @@ SHRINK_VARIANTS = {"reduce": GEMV_REDUCE.value, "acc": GEMV_ACC.value, "rows_x_r
 DEFAULT_SHRINK_GEMV = "rows_x_rank"
 # The decode-shaped expand: "rows" and "tiled" walk several column tiles per program (the whole
 # rank in one tile, the next B tile loaded before this one is used), "rows" taking the segment's
-# rows one by one, "tiled" all at once; "plain" is one column tile per program, the rank in chunks;
-# "dot" the prefill path's 16-row tensor-core tiles.
-EXPAND_VARIANTS = ("rows", "tiled", "plain", "dot")
+# rows one by one, "tiled" all at once; "rows_ahead" is "rows" with every row's y loaded a tile
+# ahead too; "plain" is one column tile per program, the rank in chunks; "dot" the prefill
+# path's 16-row tensor-core tiles.
+EXPAND_VARIANTS = ("rows", "tiled", "plain", "dot", "rows_ahead")
 DEFAULT_EXPAND_GEMV = "rows"
 EXPAND_TARGET_PROGRAMS = 1024
 # split-K partial outputs: at most this many splits, and splits x tokens at most PARTIAL_ROWS
@@ -175,13 +176,15 @@ def expand_tiles(
     """The expand kernel's constexprs for a step's segment shape. ``GEMV_TILED`` in the result
     selects the decode-shaped kernel that walks several column tiles per program."""
     block_m, use_dot = _row_tile(max_seg_len)
-    if not use_dot and gemv in ("rows", "tiled"):
+    if not use_dot and gemv in ("rows", "tiled", "rows_ahead"):
         block_r = _pow2_at_least(max_rank, 16)
         if block_m * block_r <= GEMV_MAX_ROWS_X_RANK:
             # the whole rank in one tile; the [(rows,) rank, columns] products bounded as in shrink
-            rows = gemv == "rows"
-            block_n = max(16, min(256, tile_elements // (block_r if rows else block_m * block_r)))
-            return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, ROWS=rows, GEMV_TILED=True)
+            # (rows_ahead also holds two tiles of y for each row: at most 4 rows a full tile)
+            rows, ahead = gemv != "tiled", gemv == "rows_ahead"
+            per_column = block_m * block_r if not rows else max(block_r, 4 * block_m) if ahead else block_r
+            block_n = max(16, min(256, tile_elements // per_column))
+            return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, ROWS=rows, AHEAD=ahead, GEMV_TILED=True)
         block_m, use_dot = 16, True
     if gemv == "dot" and not use_dot:
         block_m, use_dot = 16, True

@@ -126,6 +126,7 @@ def _sgmv_expand_gemv_kernel(
     BLOCK_R: tl.constexpr,  # >= the largest rank: the whole rank in one tile
     R_EVEN: tl.constexpr,  # r_max % 16 == 0: whole 16-wide rank chunks may be read
     ROWS: tl.constexpr,  # the segment's rows one at a time ("rows"), or all at once ("tiled")
+    AHEAD: tl.constexpr,  # with ROWS: every row's y loaded a tile ahead ("rows_ahead")
 ):
     """Decode-shaped expand: one program per (segment, run of ``n_tiles`` column tiles, slice)."""
     seg = tl.program_id(0)
@@ -159,7 +160,39 @@ def _sgmv_expand_gemv_kernel(
     n_stop = tl.minimum(n_hi, n_first + n_tiles * BLOCK_N)  # this program's columns end here
     n = n_first + offs_n
     s_base = s_ptr + sl.to(tl.int64) * stride_ss
-    if ROWS:
+    if AHEAD:
+        # as "rows", but no row waits on the one before: "rows" loads a row's y after storing the
+        # previous row's (the compiler cannot move a load above a store that may alias it), so a
+        # tile costs one memory round trip per row. Here each row's token, shrink output and
+        # next tile's y are loaded a tile ahead, with the next B tile (tuples: one entry a row)
+        b_cols = b_ptr + slot.to(tl.int64) * stride_bl + r[None, :] * stride_br  # [1, BLOCK_R]
+        toks = ()
+        s_rows = ()
+        for m in tl.static_range(BLOCK_M):
+            # rows past the segment read its last row again; their y is neither loaded nor stored
+            row = tl.minimum(row_lo + m, seg_hi - 1)
+            toks = toks + (tl.load(token_perm_ptr + row).to(tl.int64),)
+            s_m = tl.load(s_base + row.to(tl.int64) * stride_st + r * stride_sr, mask=r_read, other=0.0)
+            s_rows = s_rows + (tl.where(r_keep, s_m, 0.0),)  # [BLOCK_R] fp32
+        bt_next = tl.load(b_cols + n[:, None].to(tl.int64) * stride_bn, mask=(n < n_stop)[:, None] & r_read[None, :],
+                          other=0.0)
+        y_next = _y_rows(y_ptr, toks, row_lo, seg_hi, n, n_stop, stride_yt, stride_yn, BLOCK_M)
+        for t in range(n_tiles):
+            n = n_first + t * BLOCK_N + offs_n
+            bt = bt_next
+            y_rows = y_next
+            n_next = n + BLOCK_N
+            bt_next = tl.load(b_cols + n_next[:, None].to(tl.int64) * stride_bn,
+                              mask=(n_next < n_stop)[:, None] & r_read[None, :], other=0.0)
+            y_next = _y_rows(y_ptr, toks, row_lo, seg_hi, n_next, n_stop, stride_yt, stride_yn, BLOCK_M)
+            bt = tl.where(r_keep[None, :], bt, 0.0).to(tl.float32)  # [BLOCK_N, BLOCK_R]
+            for m in tl.static_range(BLOCK_M):
+                acc = tl.sum(bt * s_rows[m][None, :], axis=1)  # [BLOCK_N]
+                y = y_rows[m]
+                n_end = tl.where(row_lo + m < seg_hi, n_hi, 0)
+                tl.store(y_ptr + toks[m] * stride_yt + n * stride_yn, (y.to(tl.float32) + acc * scale).to(y.dtype),
+                         mask=n < n_end)
+    elif ROWS:
         # B as [columns, rank] tiles (rank contiguous: each column's products are summed in the
         # registers that loaded them), then the segment's rows one by one, each a run of y
         b_cols = b_ptr + slot.to(tl.int64) * stride_bl + r[None, :] * stride_br  # [1, BLOCK_R]
@@ -207,6 +240,16 @@ def _sgmv_expand_gemv_kernel(
             bt = tl.where(r_keep[:, None], bt, 0.0)
             acc = tl.sum(st[:, :, None] * bt[None, :, :].to(tl.float32), axis=1)  # [BLOCK_M, BLOCK_N]
             tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y.dtype), mask=y_mask)
+
+
+@triton.jit
+def _y_rows(y_ptr, toks, row_lo, seg_hi, n, n_stop, stride_yt, stride_yn, BLOCK_M: tl.constexpr):
+    """Columns ``n`` (those below ``n_stop``) of y for each of the segment's rows, a tuple."""
+    rows = ()
+    for m in tl.static_range(BLOCK_M):
+        n_end = tl.where(row_lo + m < seg_hi, n_stop, 0)  # no columns for a row past the segment
+        rows = rows + (tl.load(y_ptr + toks[m] * stride_yt + n * stride_yn, mask=n < n_end, other=0.0),)
+    return rows
 
 
 @triton.jit

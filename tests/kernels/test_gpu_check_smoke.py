@@ -15,9 +15,10 @@ REPO = Path(__file__).resolve().parents[2]
 def _variants_in_use(results: str, row_start: str) -> list[str]:
     """The columns marked in use (``*``) in the bench's decode-variant table row that starts so."""
     lines = results.splitlines()
-    header = next(x for x in lines if x.startswith("| tokens | adapters | module | max seg | shrink "))
-    names = [c.strip() for c in header.split("|")[5:-1]]
-    (row,) = [x for x in lines if x.startswith(row_start) and x.count("|") == header.count("|")]
+    at = next(i for i, x in enumerate(lines) if x.startswith("| tokens | adapters | module | max seg | shrink "))
+    names = [c.strip() for c in lines[at].split("|")[5:-1]]
+    table = lines[at + 2 : next(i for i in range(at, len(lines)) if not lines[i].startswith("|"))]
+    (row,) = [x for x in table if x.startswith(row_start)]
     return [n for n, c in zip(names, row.split("|")[5:-1]) if c.strip().endswith(" *")]
 
 

@@ -196,7 +196,7 @@ def test_expand_matches_reference(name, dtype, gemv):
     assert rel_err(y - y0, y_ref - y0) < TOL[dtype] * 3
 
 
-@pytest.mark.parametrize("gemv", ["rows", "tiled"])
+@pytest.mark.parametrize("gemv", ["rows", "tiled", "rows_ahead"])
 @pytest.mark.parametrize("n_tiles", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_tiled_expand_walks_column_tiles(dtype, n_tiles, gemv):
