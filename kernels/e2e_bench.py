@@ -181,8 +181,12 @@ def run_e2e(
                 overhead = f"{(step / base - 1) * 100:+.1f}%" if base and n_adapters else "-"
                 rows.append([batch, n_adapters, mode, f"{batch * max_tokens / t_long:.0f}", f"{step * 1e3:.2f}",
                              f"{batch / step:.0f}", overhead])
-                print(f"  e2e batch {batch} adapters {n_adapters} {mode}: decode step {step * 1e3:.2f} ms", flush=True)
+                # into results.md at once: a device call cut short by its time limit keeps the rows it measured
+                report.line(f"- measured: batch {batch}, {n_adapters} adapters, {mode}: decode step {step * 1e3:.2f} ms "
+                            f"(LoRA overhead {overhead})")
+                report.write()
         runner.decode_graphs = graphs
+        report.line()
         report.table(["batch", "distinct adapters", "decode", "tokens/s (whole run)", "decode step ms",
                       "decode tokens/s", "LoRA overhead vs base"], rows)
         # the base and the target configuration (on CPU the batch-4 ones), split into host phases

@@ -51,6 +51,8 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
     # and the graph path gave the eager path's tokens (float32 on CPU)
     assert "## End to end" in results and "end-to-end run FAILED" not in results
     assert "| 4 | 2 | graphs |" in results and "| 4 | 2 | eager |" in results
+    # each row also written as soon as it is measured (a device call cut short keeps them)
+    assert "- measured: batch 4, 2 adapters, graphs: decode step " in results
     assert "batch 4, 2 adapters: graph and eager greedy tokens identical for 4 of 4 sequences" in results
     assert "Decode-shaped variants" in results and "| shrink reduce | shrink acc | shrink rows_x_rank |" in results
     # without tuning, the defaults are the variants in use (marked *), the others checked against them
