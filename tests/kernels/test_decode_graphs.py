@@ -128,3 +128,30 @@ def test_graph_metadata_sizes_launches_for_the_segments_a_full_bucket_holds(grap
         meta = graphs._lora_context(batch, seg_class, pool).meta
         assert meta.num_segments == min(batch, pool.max_loras)
         assert meta.sizing_segments == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shrink, expand", [("dot", "rows_ahead"), ("acc", "dot")])
+def test_graph_decodes_run_any_variant_a_tuning_installs(graph_setup, triton_on_cpu, monkeypatch, shrink, expand):
+    """``gpu_check.py --tune-lora`` installs its choice as ``triton_lora.DEFAULT_TUNING`` before the
+    end-to-end engine runs: whichever decode variants it names, the graph steps (static padded
+    metadata, spare segments) must still give PEFT's greedy tokens, and run them."""
+    from loraplex.kernels import triton_lora
+
+    classes = len(triton_lora.DECODE_SEG_CLASSES)
+    tuning = triton_lora.GemvTuning(shrink_gemv=(shrink,) * classes, expand_gemv=(expand,) * classes)
+    monkeypatch.setattr(triton_lora, "DEFAULT_TUNING", tuning)
+    chosen = []
+    real_shrink_tiles, real_expand_tiles = triton_lora.shrink_tiles, triton_lora.expand_tiles
+    monkeypatch.setattr(triton_lora, "shrink_tiles", lambda *a, **k: chosen.append(a[2]) or real_shrink_tiles(*a, **k))
+    monkeypatch.setattr(triton_lora, "expand_tiles", lambda *a, **k: chosen.append(a[2]) or real_expand_tiles(*a, **k))
+    llm, peft_model = graph_setup
+    graphs = llm.engine.runner.decode_graphs
+    replays = sum(g.graph.replays for key, g in graphs.graphs.items() if key[1] > 0)
+    rng = random.Random(17 + len(shrink))
+    which = ["all_r16", "mlp_r8", None, "mlp_r8", "qv_r2"]  # segments of 1 and 2 rows
+    prompts = [[rng.randrange(4, 260) for _ in range(rng.randrange(3, 9))] for _ in which]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), adapters=which)
+    assert [o.token_ids for o in outs] == [reference(peft_model, p, a, 3) for p, a in zip(prompts, which)]
+    assert sum(g.graph.replays for key, g in graphs.graphs.items() if key[1] > 0) > replays
+    assert {shrink, expand} <= set(chosen)
