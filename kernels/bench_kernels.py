@@ -8,10 +8,10 @@ by shrink and read by expand; the attention decode reads each sequence's K and V
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from lab_common import Report, bench_ms, make_meta, rel_err, spread_slots
+
+from tests.kernels.helpers import padded_like_a_graph  # the test's: a graph's listing of the same metadata
 
 from loraplex.kernels.lora_meta import LoRABatchMeta
 from loraplex.kernels.triton_attention import choose_num_kv_splits, paged_attention_triton
@@ -258,19 +258,6 @@ def bench_lora(report: Report, on_gpu: bool, device: str, copy_bw: float) -> Non
         report.line(f"- T={tokens} adapters={adapters}: LoRA {t_lora * 1e3:.0f} us vs base {t_base * 1e3:.0f} us "
                     f"({t_lora / t_base * 100:.0f}%)")
     report.line()
-
-
-def padded_like_a_graph(meta: LoRABatchMeta, num_segments: int, sizing: bool) -> LoRABatchMeta:
-    """``meta`` as a CUDA graph's static metadata lists it: empty spare segments up to
-    ``num_segments`` (the runner's ``min(batch, max_loras)``), with or without the sizing hint."""
-    spare = num_segments - meta.num_segments
-    return dataclasses.replace(
-        meta,
-        seg_starts=torch.cat([meta.seg_starts, meta.seg_starts[-1:].repeat(spare)]),
-        seg_slot=torch.cat([meta.seg_slot, torch.zeros(spare, dtype=torch.int32, device=meta.seg_slot.device)]),
-        num_segments=num_segments,
-        sizing_segments=meta.num_segments if sizing else None,
-    )
 
 
 def bench_graph_metadata(report: Report, on_gpu: bool, device: str) -> None:

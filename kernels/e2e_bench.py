@@ -226,7 +226,7 @@ def _report_step_phases(report: Report, llm, cases: dict, on_gpu: bool, max_toke
     """One more run of each case with the engine's phases timed on the host (step_phases.py)."""
     from step_phases import StepPhases, replay_device_us
 
-    from loraplex.engine.cuda_graphs import _next_pow2
+    from loraplex.engine.cuda_graphs import segment_class
 
     columns, device, largest = {}, {}, {}
     graphs = llm.engine.runner.decode_graphs
@@ -236,7 +236,7 @@ def _report_step_phases(report: Report, llm, cases: dict, on_gpu: bool, max_toke
         columns[(batch, n_adapters)] = phases.per_graph_step_ms()
         # the last step's graph, replayed on its buffers (every request has ended: the KV slots
         # it writes belong to no one), its device time by kernel group
-        seg_class = 0 if not n_adapters else min(batch, _next_pow2(-(-batch // n_adapters)))  # as DecodeGraphs.run
+        seg_class = segment_class(batch, -(-batch // n_adapters)) if n_adapters else 0
         graph = graphs.graphs.get((graphs.bucket_for(batch), seg_class))
         if graph is not None:
             try:

@@ -100,8 +100,10 @@ def _padded(values: np.ndarray, length: int, fill: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+def segment_class(batch: int, max_seg_len: int) -> int:
+    """The LoRA segment class a graph of bucket ``batch`` is captured for, for a step whose
+    longest segment has ``max_seg_len`` rows: the next power of two, at most ``batch``."""
+    return min(batch, 1 << (max(1, max_seg_len) - 1).bit_length())
 
 
 @dataclass
@@ -211,7 +213,7 @@ class DecodeGraphs:
         self.token_perm[:batch].copy_(to_tensor(perm, np.int64))
         self.seg_starts[: num_segments + 1].copy_(to_tensor(seg_starts + [batch] * spare, np.int32))
         self.seg_slot[:num_segments].copy_(to_tensor(seg_slot + [0] * spare, np.int32))
-        return min(batch, _next_pow2(max(1, max_seg_len)))
+        return segment_class(batch, max_seg_len)
 
     def _capture(self, batch: int, seg_class: int, pool: SlotPool | None) -> _Graph:
         slot_mappings = [t[:batch] for t in self.slot_mappings]

@@ -212,8 +212,8 @@ def shrink_split_k(
 def _shrink_plan(
     in_features: int, num_slices: int, meta: LoRABatchMeta, max_partials: int, split_k: int | None,
     gemv: str | None, tuning: GemvTuning | None, split_reduction: str,
-) -> tuple[dict[str, int | bool], int]:
-    """The shrink kernel's constexprs and its K split (see ``shrink_split_k``)."""
+) -> tuple[dict[str, int | bool], int, int]:
+    """The shrink kernel's constexprs, its K split (see ``shrink_split_k``) and K blocks per split."""
     if split_reduction not in SPLIT_REDUCTIONS:
         raise ValueError(f"split_reduction must be one of {SPLIT_REDUCTIONS}, got {split_reduction!r}")
     tuning = tuning or DEFAULT_TUNING
@@ -230,7 +230,8 @@ def _shrink_plan(
     elif partials and split_k > max_partials:
         raise ValueError(f"{split_k} K splits need as many partial outputs; the scratch holds {max_partials}")
     split_k = max(1, min(split_k, k_blocks))
-    return tiles, triton.cdiv(k_blocks, triton.cdiv(k_blocks, split_k))
+    k_blocks_per_split = triton.cdiv(k_blocks, split_k)
+    return tiles, triton.cdiv(k_blocks, k_blocks_per_split), k_blocks_per_split
 
 
 def lora_shrink_triton(
@@ -253,7 +254,8 @@ def lora_shrink_triton(
         return out[0]
     num_slices, _, _, in_features = a_stack.shape
     tuning = tuning or DEFAULT_TUNING
-    tiles, split_k = _shrink_plan(in_features, num_slices, meta, out.shape[0], split_k, gemv, tuning, split_reduction)
+    tiles, split_k, k_blocks_per_split = _shrink_plan(in_features, num_slices, meta, out.shape[0], split_k, gemv,
+                                                      tuning, split_reduction)
     block_k = tiles["BLOCK_K"]
     tiles_per_seg = triton.cdiv(meta.max_seg_len, tiles["BLOCK_M"])
     atomic = split_reduction == "atomic" and split_k > 1
@@ -270,7 +272,7 @@ def lora_shrink_triton(
         meta.slot_rank if slot_rank is None else slot_rank,
         in_features,
         tiles_per_seg,
-        triton.cdiv(triton.cdiv(in_features, block_k), split_k),  # K blocks per split
+        k_blocks_per_split,
         x.stride(0),
         x.stride(1),
         *a_stack.stride(),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from loraplex.kernels.lora_meta import LoRABatchMeta
@@ -63,3 +65,19 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in float64; NaN anywhere gives NaN (which fails every bound)."""
     out, ref = out.double(), ref.double()
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def padded_like_a_graph(meta: LoRABatchMeta, num_segments: int, sizing: bool) -> LoRABatchMeta:
+    """``meta`` as a CUDA graph's static metadata lists it: empty spare segments up to
+    ``num_segments`` (the runner's ``min(batch, max_loras)``), with or without the sizing hint
+    (``sizing_segments``: the segments that hold rows). Also the GPU check's (kernels/bench_kernels.py)."""
+    spare = num_segments - meta.num_segments
+    return dataclasses.replace(
+        meta,
+        seg_starts=torch.cat([meta.seg_starts, meta.seg_starts[-1:].repeat(spare)]),
+        seg_slot=torch.cat([meta.seg_slot, torch.zeros(spare, dtype=torch.int32, device=meta.seg_slot.device)]),
+        num_segments=num_segments,
+        seg_starts_host=meta.seg_starts_host + meta.seg_starts_host[-1:] * spare,
+        seg_slot_host=meta.seg_slot_host + [0] * spare,
+        sizing_segments=meta.num_segments if sizing else None,
+    )

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from tests.kernels.helpers import make_meta, nan_like, randn, rel_err
+from tests.kernels.helpers import make_meta, nan_like, padded_like_a_graph, randn, rel_err
 
 from loraplex.kernels.lora_ref import lora_expand_ref, lora_shrink_ref  # noqa: E402
 from loraplex.kernels.triton_lora import (  # noqa: E402
@@ -286,16 +284,9 @@ def test_padded_metadata_with_a_sizing_hint_launches_like_the_exact_one():
     case = dict(CASES["ragged_short_qkv"], in_features=2048)  # 3 adapters, many K blocks
     _, x, a_stack, _, _, _, meta = _case_inputs(case, torch.float32, 8080)
     num_slices, spare = 3, 9
-    padded = dataclasses.replace(
-        meta,
-        seg_starts=torch.cat([meta.seg_starts, meta.seg_starts[-1:].repeat(spare)]),
-        seg_slot=torch.cat([meta.seg_slot, torch.zeros(spare, dtype=torch.int32)]),
-        num_segments=meta.num_segments + spare,
-        seg_starts_host=meta.seg_starts_host + meta.seg_starts_host[-1:] * spare,
-        seg_slot_host=meta.seg_slot_host + [0] * spare,
-    )
+    padded = padded_like_a_graph(meta, meta.num_segments + spare, sizing=False)
     tuning = GemvTuning(shrink_programs=8 * meta.num_segments * num_slices)  # the exact meta splits 8 ways
-    hinted_meta = dataclasses.replace(padded, sizing_segments=meta.num_segments)
+    hinted_meta = padded_like_a_graph(meta, meta.num_segments + spare, sizing=True)
     splits = [shrink_split_k(2048, num_slices, m, 32, tuning=tuning) for m in (meta, padded, hinted_meta)]
     assert splits[0] == splits[2] == 8 and splits[1] < 8
     ref = torch.full((num_slices, meta.num_tokens, case["r_max"]), float("nan"))
