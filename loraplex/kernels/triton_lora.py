@@ -50,9 +50,6 @@ from loraplex.kernels.triton_lora_shrink import (
 GEMV_MAX_SEG_LEN = 8
 # Largest rows x rank-tile product the decode-shaped shrink holds in registers without spilling.
 GEMV_MAX_ROWS_X_RANK = 512
-# Aim for about this many programs per launch before splitting the shrink's K dimension:
-# a few waves over the 132 SMs of an H100/H200, fixed so the choice needs no device query.
-TARGET_PROGRAMS = 512
 MAX_SLICES = 4  # packed projections: qkv has 3, gate_up 2
 # how the decode-shaped shrink reduces: the kernel's GEMV constexpr (triton_lora_shrink.GEMV_*)
 # ("dot": 16-row tensor-core tiles for decode segments too, the prefill path's kernel)
@@ -66,7 +63,6 @@ DEFAULT_SHRINK_GEMV = "rows_x_rank"
 # path's 16-row tensor-core tiles.
 EXPAND_VARIANTS = ("rows", "tiled", "plain", "dot", "rows_ahead")
 DEFAULT_EXPAND_GEMV = "rows"
-EXPAND_TARGET_PROGRAMS = 1024
 # split-K partial outputs: at most this many splits, and splits x tokens at most PARTIAL_ROWS
 # (the scratch of a prefill step stays near the size of one output without splits)
 MAX_SPLIT_K = 32
@@ -93,15 +89,21 @@ class GemvTuning:
     the variant per segment class, programs each launch aims for, elements of the register
     tiles, warps per program."""
 
-    shrink_programs: int = TARGET_PROGRAMS  # the K split grows until about this many programs
+    # The defaults are what --tune-lora chose on an H200 on 2026-12-04 (kernels/RESULTS.md, call
+    # 4), the setting that call's end-to-end rows ran: per segment class the fastest correct
+    # variant on its decode cases (class 8 was not among them and keeps the earlier defaults),
+    # then the launch sizes with them.
+    # programs per launch: a few waves over the 132 SMs of an H100/H200, fixed so the choice
+    # needs no device query; the shrink's K split grows until about this many
+    shrink_programs: int = 384
     shrink_tile_elements: int = 4096  # rows_x_rank's [rows x rank, K] tile
-    expand_programs: int = EXPAND_TARGET_PROGRAMS  # column tiles are grouped down to about this many
+    expand_programs: int = 512  # column tiles are grouped down to about this many
     expand_tile_elements: int = 4096  # "rows": [columns, rank] tile; "tiled": [rows, rank, columns]
     shrink_num_warps: int = 4
     expand_num_warps: int = 4
     # the variant (SHRINK_VARIANTS / EXPAND_VARIANTS) for each of DECODE_SEG_CLASSES
-    shrink_gemv: tuple[str, ...] = (DEFAULT_SHRINK_GEMV,) * len(DECODE_SEG_CLASSES)
-    expand_gemv: tuple[str, ...] = (DEFAULT_EXPAND_GEMV,) * len(DECODE_SEG_CLASSES)
+    shrink_gemv: tuple[str, ...] = ("rows_x_rank", "dot", "dot", DEFAULT_SHRINK_GEMV)
+    expand_gemv: tuple[str, ...] = ("rows_ahead", "rows_ahead", "rows_ahead", DEFAULT_EXPAND_GEMV)
 
     def __post_init__(self) -> None:
         for name, chosen, known in (("shrink_gemv", self.shrink_gemv, SHRINK_VARIANTS),
