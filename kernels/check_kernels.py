@@ -221,6 +221,12 @@ def run_checks(report: Report, on_gpu: bool, lora_only: bool = False) -> None:
     mixed_ranks = [1, 3, 8, 16, 64, 128]
     slots = [g % len(mixed_ranks) for g, n in enumerate(prefill_lens) for _ in range(n)]
     _lora_case(report, shape, gen, "prefill qkv mixed ranks", slots, mixed_ranks, hidden, (hidden, kv, kv), dtype, device)
+    # short prefill segments: 16- and 32-row tensor-core tiles (the case above runs 64-row ones),
+    # what a step of short prompts runs; on Hopper these take mma.sync, the 64-row tile wgmma
+    for name, lens in (("prefill qkv 9-16 rows", [12, 9, 16, 5, 1]), ("prefill gate_up 17-32 rows", [24, 17, 32, 3])):
+        slots = [g for g, n in enumerate(lens) for _ in range(n)]
+        widths = (hidden, kv, kv) if "qkv" in name else (inter, inter)
+        _lora_case(report, shape, gen, name, slots, [16, 8, 16, 3, 16][: len(lens)], hidden, widths, dtype, device)
     # the same inputs give the same output every time (the e2e run-twice comparison of
     # 2026-12-04 found greedy tokens differing with the atomic split-K); on CPU a wider input
     # than the tiny hidden size, so that the shrink splits K there too
