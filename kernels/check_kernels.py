@@ -230,7 +230,7 @@ def run_checks(report: Report, on_gpu: bool, lora_only: bool = False) -> None:
     # the same inputs give the same output every time (the e2e run-twice comparison of
     # 2026-12-04 found greedy tokens differing with the atomic split-K); on CPU a wider input
     # than the tiny hidden size, so that the shrink splits K there too
-    rep_tokens, rep_adapters, rep_in = (256, 64, hidden) if on_gpu else (8, 2, 1024)
+    rep_tokens, rep_adapters, rep_in = (256, 64, hidden) if on_gpu else (8, 2, 2048)
     _lora_repeatability(report, gen, rep_tokens, rep_adapters, rep_in, (hidden, kv, kv), dtype, device)
     if lora_only:
         return

@@ -3,8 +3,13 @@ layer shapes (fewer layers; nothing downloaded), decode throughput and LoRA over
 
 The model directory (config, bf16 safetensors, a byte-level tokenizer) and the rank-16 adapters
 (real PEFT directories written by peft, ``init_lora_weights=False``) are made on the fly. Each
-configuration is run with two generation lengths (best of two each) after a warm-up; the difference
-isolates the decode steps from the prefill: ``decode step = (t_long - t_short) / (long - short)``.
+configuration is run after a warm-up; its decode step is the median host time of the engine steps
+that ran one token for every sequence of the batch, over two runs (the overhead and the target
+use it). Beside it, as calls 1-3 of 2026-12-04 measured it, the difference of whole-run times
+with two generation lengths (best of two each): ``(t_long - t_short) / (long - short)``. That
+difference swung by up to 30% between calls and between rows of one call (call 5: the base graph
+step above its eager step, a LoRA step 26% under its base), while the median step of the same
+configurations agreed within a few percent (the step-phase table of calls 4 and 5).
 
 Every configuration runs eagerly and then with decode steps replayed from CUDA graphs
 (``cuda_graphs=True``; the same engine, its ``decode_graphs`` switched off for the eager rows).
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -152,7 +158,7 @@ def run_e2e(
             llm.add_adapter(name, str(path))
         report.line(f"engine up and adapters registered in {time.perf_counter() - t0:.0f} s")
         gen = torch.Generator().manual_seed(1234)
-        results, rows, repeats, inputs = {}, [], {}, {}
+        results, results_by_totals, rows, repeats, inputs = {}, {}, [], {}, {}
         modes = ["eager"] + (["graphs"] if graphs is not None else [])
         for batch, n_adapters in configs:
             prompts = torch.randint(4, shape["vocab_size"], (batch, prompt_len), generator=gen).tolist()
@@ -167,7 +173,7 @@ def run_e2e(
                 runner.decode_graphs = graphs if mode == "graphs" else None
                 try:
                     with _triton_on_cpu(mode == "graphs" and not on_gpu):
-                        step, t_long, outs = _measure(llm, prompts, adapters, short, max_tokens)
+                        step, step_by_totals, t_long, outs = _measure(llm, prompts, adapters, short, max_tokens)
                 except Exception as exc:  # noqa: BLE001 - the graph path has never run before
                     if mode != "graphs":
                         raise
@@ -179,16 +185,22 @@ def run_e2e(
                 results[(batch, n_adapters, mode)] = step
                 base = results.get((batch, 0, mode))
                 overhead = f"{(step / base - 1) * 100:+.1f}%" if base and n_adapters else "-"
+                base_totals = results_by_totals.get((batch, 0, mode))
+                results_by_totals[(batch, n_adapters, mode)] = step_by_totals
+                overhead_by_totals = (f"{(step_by_totals / base_totals - 1) * 100:+.1f}%"
+                                      if base_totals and n_adapters else "-")
                 rows.append([batch, n_adapters, mode, f"{batch * max_tokens / t_long:.0f}", f"{step * 1e3:.2f}",
-                             f"{batch / step:.0f}", overhead])
+                             f"{batch / step:.0f}", overhead, f"{step_by_totals * 1e3:.2f}", overhead_by_totals])
                 # into results.md at once: a device call cut short by its time limit keeps the rows it measured
                 report.line(f"- measured: batch {batch}, {n_adapters} adapters, {mode}: decode step {step * 1e3:.2f} ms "
-                            f"(LoRA overhead {overhead})")
+                            f"median (LoRA overhead {overhead}), {step_by_totals * 1e3:.2f} ms by run totals "
+                            f"({overhead_by_totals})")
                 report.write()
         runner.decode_graphs = graphs
         report.line()
-        report.table(["batch", "distinct adapters", "decode", "tokens/s (whole run)", "decode step ms",
-                      "decode tokens/s", "LoRA overhead vs base"], rows)
+        report.table(["batch", "distinct adapters", "decode", "tokens/s (whole run)", "decode step ms (median)",
+                      "decode tokens/s", "LoRA overhead vs base", "decode step ms (run totals)",
+                      "LoRA overhead (run totals)"], rows)
         # the base and the target configuration (on CPU the batch-4 ones), split into host phases
         phase_cases = {c: inputs[c] for c in ([(256, 0), (256, 64)] if on_gpu else [(4, 0), (4, 2)])
                        if (*c, "graphs") in results}
@@ -317,12 +329,17 @@ def _triton_on_cpu(enabled: bool):
         dispatch.uses_triton = saved
 
 
-def _measure(llm, prompts, adapters, short: int, max_tokens: int) -> tuple[float, float, tuple]:
-    """(decode step seconds, seconds of the long run, each prompt's generated tokens in each of
-    the two long runs)."""
+def _measure(llm, prompts, adapters, short: int, max_tokens: int) -> tuple[float, float, float, tuple]:
+    """(median decode step seconds, decode step seconds from the difference of run times,
+    seconds of the long run, each prompt's generated tokens in each of the two long runs)."""
+    from step_phases import StepPhases
+
     _timed_generate(llm, prompts, adapters, short)  # warm-up: compiles, captures, loads adapters to slots
     # best of two of each: host-side noise only ever adds time
     t_short = min(_timed_generate(llm, prompts, adapters, short)[0] for _ in range(2))
-    runs = [_timed_generate(llm, prompts, adapters, max_tokens) for _ in range(2)]
+    with StepPhases(llm) as phases:
+        runs = [_timed_generate(llm, prompts, adapters, max_tokens) for _ in range(2)]
     t_long = min(t for t, _ in runs)
-    return (t_long - t_short) / (max_tokens - short), t_long, (runs[0][1], runs[1][1])
+    steps = phases.decode_step_seconds(len(prompts))
+    median = statistics.median(steps) if steps else float("nan")
+    return median, (t_long - t_short) / (max_tokens - short), t_long, (runs[0][1], runs[1][1])

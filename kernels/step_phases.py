@@ -63,7 +63,12 @@ class StepPhases:
                 self._current = {}
             t0 = time.perf_counter()
             try:
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
+                if label == "schedule" and self._current is not None:
+                    # sequences of a step that runs one token for each (0: any prefill in it)
+                    one_each = result.num_batched_tokens == len(result.scheduled)
+                    self._current["decode_seqs"] = len(result.scheduled) if one_each else 0
+                return result
             finally:
                 spent = time.perf_counter() - t0
                 if self._current is not None:
@@ -74,6 +79,10 @@ class StepPhases:
 
         self._wrapped.append((obj, name, vars(obj).get(name)))
         setattr(obj, name, timed)
+
+    def decode_step_seconds(self, num_seqs: int) -> list[float]:
+        """Host seconds of each whole step that ran one token for each of ``num_seqs`` sequences."""
+        return [s["step"] for s in self.steps if s.get("decode_seqs") == num_seqs]
 
     def per_graph_step_ms(self) -> dict[str, float]:
         """Mean milliseconds per graph-replayed step, per phase (and "step": the whole step)."""

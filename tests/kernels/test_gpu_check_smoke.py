@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from loraplex.kernels.triton_lora import GemvTuning
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,10 +56,17 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
     assert "| 4 | 2 | graphs |" in results and "| 4 | 2 | eager |" in results
     # each row also written as soon as it is measured (a device call cut short keeps them)
     assert "- measured: batch 4, 2 adapters, graphs: decode step " in results
+    # the decode step is the median of the steps that ran one token for each of the 4 sequences
+    # (a number, so such steps were found), beside the difference of run totals
+    assert "| decode step ms (median) |" in results and "| decode step ms (run totals) |" in results
+    (row,) = [x for x in results.splitlines() if x.startswith("| 4 | 2 | graphs |")]
+    assert math.isfinite(float(row.split("|")[5])) and math.isfinite(float(row.split("|")[8]))
     assert "batch 4, 2 adapters: graph and eager greedy tokens identical for 4 of 4 sequences" in results
     assert "Decode-shaped variants" in results and "| shrink reduce | shrink acc | shrink rows_x_rank |" in results
     # without tuning, the defaults are the variants in use (marked *), the others checked against them
-    assert _variants_in_use(results, "| 8 | 2 | qkv | 4 | ") == ["shrink rows_x_rank", "expand rows"]
+    defaults = GemvTuning()
+    assert _variants_in_use(results, "| 8 | 2 | qkv | 4 | ") == [f"shrink {defaults.shrink_gemv_for(4)}",
+                                                                 f"expand {defaults.expand_gemv_for(4)}"]
     # lm_head and embed_tokens LoRA timed; the engine's memory split after the end-to-end rows
     assert "## LoRA on the vocabulary modules" in results
     assert "| lm_head | 8 | 2 |" in results and "| embed_tokens | 8 | 2 |" in results
