@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from loraplex.engine.decode_inputs import DecodeInputs
-from loraplex.engine.host_arrays import to_tensor
+from loraplex.engine.host_staging import HostStaging
 from loraplex.engine.kv_layout import KVLayout
 from loraplex.engine.outputs import ScheduledSeq
 from loraplex.kernels import dispatch
@@ -93,13 +93,6 @@ def eager_capture(forward: Callable[[], torch.Tensor]) -> tuple[EagerReplay, tor
     return graph, graph.hidden
 
 
-def _padded(values: np.ndarray, length: int, fill: int) -> torch.Tensor:
-    """``values`` [n] followed by ``fill`` up to ``length`` (a bucket's padding rows)."""
-    out = np.full(length, fill, dtype=values.dtype)
-    out[: len(values)] = values
-    return torch.from_numpy(out)
-
-
 def segment_class(batch: int, max_seg_len: int) -> int:
     """The LoRA segment class a graph of bucket ``batch`` is captured for, for a step whose
     longest segment has ``max_seg_len`` rows: the next power of two, at most ``batch``."""
@@ -149,6 +142,7 @@ class DecodeGraphs:
         self.seg_starts = torch.zeros(n + 1, dtype=torch.int32, device=device)
         self.seg_slot = torch.zeros(n, dtype=torch.int32, device=device)
         self._shrunk: torch.Tensor | None = None  # [max_partials, MAX_SLICES, max_batch, r_max] fp32, at first LoRA use
+        self._staging = HostStaging(device)  # each step's values reach the buffers above through it
 
     # ---- which steps ---------------------------------------------------------------------
     def can_run(self, scheduled: list[ScheduledSeq]) -> bool:
@@ -169,10 +163,12 @@ class DecodeGraphs:
     ) -> torch.Tensor:  # [num_seqs, hidden_size], in ``inputs`` order
         num_seqs = inputs.num_seqs
         batch = self.bucket_for(num_seqs)
+        self._staging.begin()
         self._fill_inputs(inputs, batch)
         seg_class = 0
         if token_slots is not None:
             seg_class = self._fill_lora(token_slots, batch, pool)
+        self._staging.end()
         if seg_class > 0 and not self._embed_lora and pool.vocab.get("embed_tokens") is not None:
             # the first adapter with LoRA on embed_tokens: graphs captured before lack its ops
             self.graphs = {k: g for k, g in self.graphs.items() if k[1] == 0}
@@ -195,24 +191,25 @@ class DecodeGraphs:
         if len(inputs.slot_mappings) != self.layout.num_groups:  # built without the runner's layout
             raise ValueError(f"{len(inputs.slot_mappings)} block tables per sequence for "
                              f"{self.layout.num_groups} layer groups")
-        self.input_ids[:batch].copy_(_padded(inputs.input_ids, batch, 0))
-        self.positions[:batch].copy_(_padded(inputs.positions, batch, 0))
+        put = self._staging.put
+        put(self.input_ids, inputs.input_ids, batch, fill=0)
+        put(self.positions, inputs.positions, batch, fill=0)
         for slots, tables, slot_mapping, block_tables in zip(
             inputs.slot_mappings, inputs.block_tables, self.slot_mappings, self.block_tables
         ):
-            slot_mapping[:batch].copy_(_padded(slots, batch, -1))
-            block_tables[:n, : tables.shape[1]].copy_(torch.from_numpy(tables))
-        self.seq_lens[:batch].copy_(_padded(inputs.seq_lens, batch, 0))
-        self.query_start_loc[: batch + 1].copy_(to_tensor(list(range(n + 1)) + [n] * (batch - n), np.int32))
+            put(slot_mapping, slots, batch, fill=-1)
+            put(block_tables, tables)
+        put(self.seq_lens, inputs.seq_lens, batch, fill=0)
+        put(self.query_start_loc, np.arange(n + 1), batch + 1, fill=n)
 
     def _fill_lora(self, token_slots: list[int], batch: int, pool: SlotPool) -> int:
         """Copy the step's segments into the static metadata; returns the segment class."""
         perm, seg_starts, seg_slot, max_seg_len = group_by_slot(token_slots + [-1] * (batch - len(token_slots)))
         num_segments = min(batch, pool.max_loras)
-        spare = num_segments - len(seg_slot)  # empty segments after the real ones
-        self.token_perm[:batch].copy_(to_tensor(perm, np.int64))
-        self.seg_starts[: num_segments + 1].copy_(to_tensor(seg_starts + [batch] * spare, np.int32))
-        self.seg_slot[:num_segments].copy_(to_tensor(seg_slot + [0] * spare, np.int32))
+        # the segments past the real ones are empty: they start and end at the batch's end
+        self._staging.put(self.token_perm, perm)
+        self._staging.put(self.seg_starts, seg_starts, num_segments + 1, fill=batch)
+        self._staging.put(self.seg_slot, seg_slot, num_segments, fill=0)
         return segment_class(batch, max_seg_len)
 
     def _capture(self, batch: int, seg_class: int, pool: SlotPool | None) -> _Graph:
