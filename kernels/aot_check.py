@@ -79,7 +79,10 @@ def _variants(quick: bool) -> list[tuple[str, object, dict, dict]]:
                 consts = {**tl_lora.expand_tiles(seg, rank, gemv), "R_EVEN": True}  # r_max % 16 == 0
                 kernel = tl_expand._sgmv_expand_gemv_kernel if consts.pop("GEMV_TILED") else tl_expand._sgmv_expand_kernel
                 name = f" {gemv}" if len(expands) > 1 else ""
-                out.append((f"expand seg<={seg} r{rank}{name}", kernel, lora_ptrs, consts))
+                # the shrink's split-K partials summed by the expand as it reads them (split_sum "expand")
+                for sums in ([False] if quick or rank > 16 else [False, True]):
+                    label = f"expand seg<={seg} r{rank}{name}{' summing partials' if sums else ''}"
+                    out.append((label, kernel, lora_ptrs, {**consts, "SUM_PARTIALS": sums}))
     for block_r in ([16] if quick else [16, 128]):  # the K splits' partials summed (decode: 32 x 16 tiles)
         block_t = max(1, tl_lora.SUM_TILE_ELEMENTS // block_r)
         out.append((f"shrink partials sum r{block_r}", tl_shrink._sum_partials_kernel, lora_ptrs,

@@ -6,6 +6,7 @@ Inputs are fresh random values (never zeros), outputs poisoned with NaN before e
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -18,8 +19,8 @@ from moe_lora_lab import check_moe_lora
 from loraplex.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
 from loraplex.kernels.lora_ref import lora_expand_ref, lora_shrink_ref
 from loraplex.kernels.triton_attention import paged_attention_triton, write_kv_cache_triton
+from loraplex.kernels import triton_lora
 from loraplex.kernels.triton_lora import (
-    SPLIT_REDUCTIONS,
     lora_expand_triton,
     lora_shrink_triton,
     max_shrink_partials,
@@ -30,8 +31,9 @@ from loraplex.model.fp8_weights import dequantize, quantize_per_channel
 TOLERANCE = 1e-2  # bf16 operands land between 1e-3 and 1e-2 against an fp32 reference
 
 
-def _lora_case(report, shape, gen, name, token_slots, ranks, in_features, widths, dtype, device):
-    """Shrink then expand on one batch; each compared with the fp32 reference on the same inputs."""
+def _lora_case(report, shape, gen, name, token_slots, ranks, in_features, widths, dtype, device, tuning=None):
+    """Shrink then expand on one batch; each compared with the fp32 reference on the same inputs
+    (``tuning``: a GemvTuning other than the one installed)."""
     num_slices, max_loras, r_max = len(widths), len(ranks), max(ranks)
     out_total = sum(widths)
     offsets = tuple([0] + [sum(widths[: i + 1]) for i in range(num_slices)])
@@ -48,18 +50,25 @@ def _lora_case(report, shape, gen, name, token_slots, ranks, in_features, widths
     # the engine's scratch: room for K-split partial outputs
     scratch = torch.full((max_shrink_partials(t), num_slices, t, r_max), float("nan"), device=device)
     shrunk_ref = torch.full((num_slices, t, r_max), float("nan"), device=device)
-    shrunk = lora_shrink_triton(x, a, meta, scratch)
+    shrunk = lora_shrink_triton(x, a, meta, scratch, tuning=tuning)
     lora_shrink_ref(x.float(), a.float(), meta, shrunk_ref)
     defined = ~shrunk_ref.isnan()
-    err = rel_err(shrunk[defined], shrunk_ref[defined])
-    splits = shrink_split_k(in_features, num_slices, meta, scratch.shape[0])
+    splits = shrink_split_k(in_features, num_slices, meta, scratch.shape[0], tuning=tuning)
+    if shrunk.dim() == 4:  # the split partials, left for expand to add (split_sum "expand")
+        summed = shrunk[0].clone()
+        for partial in shrunk[1:]:
+            summed += partial
+        err = rel_err(summed[defined], shrunk_ref[defined])
+    else:
+        err = rel_err(shrunk[defined], shrunk_ref[defined])
     report.check(f"{name} shrink", err < TOLERANCE and bool(defined.any()),
                  f"rel err {err:.2e} ({shape}, {splits} K splits)")
 
     y0 = rnd(t, out_total)
     y = y0.clone()
     y_ref = y0.float()
-    lora_expand_triton(shrunk_ref, b, scaling, offsets, meta, y)
+    # the reference shrink output, or with the partials left for expand, the kernel's own
+    lora_expand_triton(shrunk if shrunk.dim() == 4 else shrunk_ref, b, scaling, offsets, meta, y, tuning=tuning)
     lora_expand_ref(shrunk_ref, b.float(), scaling, offsets, meta, y_ref)
     err = rel_err(y, y_ref)
     base = torch.tensor([s < 0 for s in token_slots], device=device)
@@ -69,8 +78,9 @@ def _lora_case(report, shape, gen, name, token_slots, ranks, in_features, widths
 
 def _lora_repeatability(report, gen, tokens, adapters, in_features, widths, dtype, device, runs: int = 8):
     """Shrink then expand ``runs`` times on the same inputs, per way of combining the K splits:
-    how many repeats differ from the first. None may with the partials (the default); the fp32
-    atomics may differ (reported, not failed: it is why they are not the default)."""
+    how many repeats differ from the first. None may with the partials (added by a launch of
+    their own, the default, or by the expand); the fp32 atomics may differ (reported, not failed:
+    it is why they are not the default)."""
     num_slices, out_total = len(widths), sum(widths)
     offsets = tuple([0] + [sum(widths[: i + 1]) for i in range(num_slices)])
     meta = make_meta([i % adapters for i in range(tokens)], [16] * adapters, device)
@@ -81,16 +91,18 @@ def _lora_repeatability(report, gen, tokens, adapters, in_features, widths, dtyp
     y0 = torch.randn(tokens, out_total, generator=gen).to(device=device, dtype=dtype)
     scratch = torch.empty(max_shrink_partials(tokens), num_slices, tokens, 16, device=device)
     splits = shrink_split_k(in_features, num_slices, meta, scratch.shape[0])
-    for reduction in SPLIT_REDUCTIONS:
+    for reduction, split_sum in (("partials", "launch"), ("partials", "expand"), ("atomic", "launch")):
+        tuning = dataclasses.replace(triton_lora.DEFAULT_TUNING, split_sum=split_sum)
         outs = []
         for _ in range(runs):
             y = y0.clone()
-            lora_expand_triton(lora_shrink_triton(x, a, meta, scratch, split_reduction=reduction), b, scaling,
-                               offsets, meta, y)
+            lora_expand_triton(lora_shrink_triton(x, a, meta, scratch, split_reduction=reduction, tuning=tuning), b,
+                               scaling, offsets, meta, y, tuning=tuning)
             outs.append(y)
         differ = sum(not torch.equal(o, outs[0]) for o in outs[1:])
         if reduction == "partials":
-            report.check("LoRA run to run, split-K partials", differ == 0,
+            summed_by = "" if split_sum == "launch" else ", summed in expand"
+            report.check(f"LoRA run to run, split-K partials{summed_by}", differ == 0,
                          f"{differ} of {runs - 1} repeats differ from the first ({tokens} tokens, {adapters} adapters, "
                          f"{splits} K splits)")
         else:
@@ -227,6 +239,12 @@ def run_checks(report: Report, on_gpu: bool, lora_only: bool = False) -> None:
         slots = [g for g, n in enumerate(lens) for _ in range(n)]
         widths = (hidden, kv, kv) if "qkv" in name else (inter, inter)
         _lora_case(report, shape, gen, name, slots, [16, 8, 16, 3, 16][: len(lens)], hidden, widths, dtype, device)
+    # the K splits' partials added by the expand as it reads them (split_sum "expand", the lab's
+    # alternative to their own launch; decode-shaped steps). On CPU a wider input than the tiny
+    # intermediate size, so that the shrink splits K
+    in_expand = dataclasses.replace(triton_lora.DEFAULT_TUNING, split_sum="expand")
+    _lora_case(report, shape, gen, "decode down, partials summed in expand", [t % n4 for t in range(decode_tokens)],
+               [16] * n4, inter if on_gpu else 2048, (hidden,), dtype, device, tuning=in_expand)
     # the same inputs give the same output every time (the e2e run-twice comparison of
     # 2026-12-04 found greedy tokens differing with the atomic split-K); on CPU a wider input
     # than the tiny hidden size, so that the shrink splits K there too

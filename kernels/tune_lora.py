@@ -33,6 +33,7 @@ from lab_common import Report, make_meta, spread_slots
 from loraplex.kernels import triton_lora
 from loraplex.kernels.triton_lora import (
     DECODE_SEG_CLASSES,
+    SPLIT_SUMS,
     GemvTuning,
     decode_seg_class_index,
     lora_expand_triton,
@@ -149,6 +150,48 @@ def tune_decode_lora(report: Report, on_gpu: bool, device: str) -> GemvTuning:
     best_shrink = shrink_cands[min(range(len(shrink_cands)), key=shrink_us.__getitem__)]
     best_expand = expand_cands[min(range(len(expand_cands)), key=expand_us.__getitem__)]
     chosen = dataclasses.replace(best_shrink, **{k: getattr(best_expand, k) for k in EXPAND_GRID})
+    chosen = choose_split_sum(report, on_gpu, device, chosen)
     report.line(f"chosen: {chosen}")
     report.line()
     return chosen
+
+
+def choose_split_sum(report: Report, on_gpu: bool, device: str, base: GemvTuning) -> GemvTuning:
+    """``base`` with the faster of ``SPLIT_SUMS`` on the tuning's cases: shrink and expand timed
+    together (the choice moves work between them). Both must give the same bits (the same fp32
+    additions in the same order); where they do not, the sum keeps its own launch."""
+    totals = dict.fromkeys(SPLIT_SUMS, 0.0)
+    rows, differ = [], []
+    for tokens, adapters, mod, meta, sets, scaling, offsets in _cases(on_gpu, device):
+        row = [tokens, adapters, mod]
+        x0, a0, b0, y0, scratch0 = sets[0]
+        fresh = torch.randn(y0.shape, device=y0.device).to(y0.dtype)  # not the timed y (see expand_variant_us)
+        outs = {}
+        for split_sum in SPLIT_SUMS:
+            tuning = dataclasses.replace(base, split_sum=split_sum)
+
+            def both_all(t=tuning):
+                for x, a, b, y, scratch in sets:
+                    shrunk = lora_shrink_triton(x, a, meta, scratch, tuning=t)
+                    lora_expand_triton(shrunk, b, scaling, offsets, meta, y, tuning=t)
+
+            us = _graph_ms(both_all, on_gpu, len(sets)) * 1e3
+            totals[split_sum] += us
+            row.append(f"{us:.1f}")
+            outs[split_sum] = fresh.clone()
+            lora_expand_triton(lora_shrink_triton(x0, a0, meta, scratch0, tuning=tuning), b0, scaling, offsets, meta,
+                               outs[split_sum], tuning=tuning)
+        if not torch.equal(*outs.values()):
+            differ.append(f"{tokens}/{adapters} {mod}")
+            row[-1] += " DIFFERS"
+        rows.append(row)
+    report.line("## Where the shrink's K-split partials are added (us per shrink + expand, the setting above)")
+    report.line()
+    report.table(["tokens", "adapters", "module"] + [f"summed by {s}" for s in SPLIT_SUMS], rows)
+    best = "launch" if differ else min(totals, key=totals.__getitem__)
+    report.line("totals: " + ", ".join(f"{s} {t:.1f} us" for s, t in totals.items()) + f"; chosen: {best}"
+                + (f" (y differs between the two at {', '.join(differ)})" if differ else ""))
+    report.line()
+    if differ:
+        report.failures.append("split partials summed in expand differ from the sum launch")
+    return dataclasses.replace(base, split_sum=best)

@@ -133,6 +133,8 @@ def lora_shrink(
     *,
     slot_rank: torch.Tensor | None = None,  # [max_loras] int32: ranks to use instead of meta's
 ) -> torch.Tensor:  # [num_slices, num_tokens, r_max] fp32, rows in permuted order: out[0], for lora_expand
+    # (Triton with the tuning's split_sum "expand": [splits, num_slices, num_tokens, r_max], the
+    # K splits' partials, which lora_expand adds as it reads them)
     """``result[s, i, :r] = x[token_perm[i]] @ a_stack[s, slot, :r].T`` for every LoRA row ``i``
     (``slot = seg_slot`` of its segment, ``r = slot_rank[slot]``). The Triton kernel may split
     ``in`` over ``out``'s other partial outputs and sum them into the first, in a fixed order.
@@ -150,7 +152,7 @@ def lora_shrink(
 
 
 def lora_expand(
-    shrunk: torch.Tensor,  # [num_slices, num_tokens, r_max] fp32, from lora_shrink
+    shrunk: torch.Tensor,  # [num_slices, num_tokens, r_max] fp32 (or [splits, ...]), from lora_shrink
     b_stack: torch.Tensor,  # [max_loras, out_total, r_max]
     scaling: torch.Tensor,  # [num_slices, max_loras] fp32
     slice_offsets: tuple[int, ...],  # num_slices + 1 offsets into out_total

@@ -72,6 +72,11 @@ SUM_TILE_ELEMENTS = 512  # [rows, rank] elements per program of the partials' su
 # split order: deterministic) or "atomic" (fp32 atomics into one zeroed output)
 SPLIT_REDUCTIONS = ("partials", "atomic")
 DEFAULT_SPLIT_REDUCTION = "partials"
+# where the partials are added: a launch of their own after the shrink ("launch"), or, in
+# decode-shaped steps, by the expand as it loads each row's shrink output ("expand": one launch
+# fewer per projection, and the sum never written to memory; the same fp32 additions in the same
+# order, so the same bits)
+SPLIT_SUMS = ("launch", "expand")
 
 
 # the segment classes of the decode-shaped path (longest segment rounded up to a power of two)
@@ -104,8 +109,11 @@ class GemvTuning:
     # the variant (SHRINK_VARIANTS / EXPAND_VARIANTS) for each of DECODE_SEG_CLASSES
     shrink_gemv: tuple[str, ...] = ("rows_x_rank", "dot", "dot", DEFAULT_SHRINK_GEMV)
     expand_gemv: tuple[str, ...] = ("rows_ahead", "rows_ahead", "rows_ahead", DEFAULT_EXPAND_GEMV)
+    split_sum: str = "launch"  # SPLIT_SUMS: where the shrink's split-K partials are added
 
     def __post_init__(self) -> None:
+        if self.split_sum not in SPLIT_SUMS:
+            raise ValueError(f"split_sum must be one of {SPLIT_SUMS}, got {self.split_sum!r}")
         for name, chosen, known in (("shrink_gemv", self.shrink_gemv, SHRINK_VARIANTS),
                                     ("expand_gemv", self.expand_gemv, EXPAND_VARIANTS)):
             if len(chosen) != len(DECODE_SEG_CLASSES) or any(g not in known for g in chosen):
@@ -247,9 +255,12 @@ def lora_shrink_triton(
     gemv: str | None = None,  # the decode-shaped reduction (SHRINK_VARIANTS); None = the tuning's for this step
     tuning: GemvTuning | None = None,  # None = DEFAULT_TUNING
     split_reduction: str = DEFAULT_SPLIT_REDUCTION,  # SPLIT_REDUCTIONS (the lab times both)
-) -> torch.Tensor:  # [num_slices, num_tokens, r_max]: out[0], the result for expand
+) -> torch.Tensor:  # [num_slices, num_tokens, r_max]: out[0], the result for expand (or see below)
     """``out[0][s, i, :r] = x[token_perm[i]] @ a_stack[s, slot, :r].T`` (see dispatch.lora_shrink);
-    the other partial outputs of ``out`` hold K splits' partial sums on the way."""
+    the other partial outputs of ``out`` hold K splits' partial sums on the way. With the
+    tuning's ``split_sum == "expand"``, more than one split and decode-shaped segments, the
+    partials are left unsummed and returned, ``out[:split_k]`` [splits, num_slices, num_tokens,
+    r_max]: expand adds them."""
     if out.dim() == 3:
         out = out.unsqueeze(0)
     if meta.num_segments == 0 or meta.max_rank <= 0 or meta.max_seg_len == 0:
@@ -286,6 +297,10 @@ def lora_shrink_triton(
         num_warps=4 if tiles["USE_DOT"] else tuning.shrink_num_warps,
     )
     if split_k > 1 and not atomic:
+        if tuning.split_sum == "expand" and meta.max_seg_len <= GEMV_MAX_SEG_LEN:
+            # decode-shaped steps only: in the tensor-core expand of longer segments the partials'
+            # loads stop the rank loop's cp.async pipelining (sm_90 SASS, Triton 3.6)
+            return out[:split_k]  # lora_expand_triton adds them
         _sum_partials(out[:split_k])
     return out[0]
 
@@ -302,7 +317,7 @@ def _sum_partials(partials: torch.Tensor) -> None:  # [num_partials, num_slices,
 
 
 def lora_expand_triton(
-    shrunk: torch.Tensor,  # [num_slices, num_tokens, r_max] fp32
+    shrunk: torch.Tensor,  # [num_slices, num_tokens, r_max] fp32, or [splits, ...] partials to add
     b_stack: torch.Tensor,  # [max_loras, out_total, r_max]
     scaling: torch.Tensor,  # [num_slices, max_loras] fp32
     slice_offsets: tuple[int, ...],  # num_slices + 1 offsets into out_total
@@ -326,11 +341,14 @@ def lora_expand_triton(
     tuning = tuning or DEFAULT_TUNING
     gemv = tuning.expand_gemv_for(meta.max_seg_len) if gemv is None else gemv
     tiles = expand_tiles(meta.max_seg_len, meta.max_rank, gemv, tuning.expand_tile_elements)
+    partials = shrunk.dim() == 4  # the shrink's split-K partials, added here (split_sum "expand")
+    num_partials, stride_sp = (shrunk.shape[0], shrunk.stride(0)) if partials else (1, 0)
+    s_rows = shrunk[0] if partials else shrunk  # [num_slices, num_tokens, r_max]
     common = (
         shrunk, b_stack, scaling, y, meta.token_perm, meta.seg_starts, meta.seg_slot,
         meta.slot_rank if slot_rank is None else slot_rank,
     )
-    strides = (*shrunk.stride(), *b_stack.stride(), *scaling.stride(), *y.stride())
+    strides = (*s_rows.stride(), *b_stack.stride(), *scaling.stride(), *y.stride(), num_partials, stride_sp)
     if tiles.pop("GEMV_TILED"):
         # group column tiles into programs until about tuning.expand_programs remain: each
         # program then pays its metadata loads once for many tiles (the grid stays sized by the
@@ -343,7 +361,7 @@ def lora_expand_triton(
         grid = (meta.num_segments, triton.cdiv(n_blocks, n_tiles), num_slices)
         _sgmv_expand_gemv_kernel[grid](
             *common, n_tiles, *offsets, *strides, **tiles,
-            R_EVEN=shrunk.shape[2] % 16 == 0 and b_stack.shape[2] % 16 == 0,
+            R_EVEN=s_rows.shape[2] % 16 == 0 and b_stack.shape[2] % 16 == 0, SUM_PARTIALS=partials,
             num_warps=tuning.expand_num_warps,
         )
         return
@@ -351,6 +369,6 @@ def lora_expand_triton(
     grid = (meta.num_segments * tiles_per_seg, triton.cdiv(max_width, tiles["BLOCK_N"]), num_slices)
     _sgmv_expand_kernel[grid](
         *common, tiles_per_seg, *offsets, *strides, **tiles,
-        R_EVEN=shrunk.shape[2] % tiles["BLOCK_R"] == 0 and b_stack.shape[2] % tiles["BLOCK_R"] == 0,
-        num_warps=4,
+        R_EVEN=s_rows.shape[2] % tiles["BLOCK_R"] == 0 and b_stack.shape[2] % tiles["BLOCK_R"] == 0,
+        SUM_PARTIALS=partials, num_warps=4,
     )

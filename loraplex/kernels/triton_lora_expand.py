@@ -8,7 +8,7 @@ import triton.language as tl
 
 # slice offsets stay specialised: they are per-module constants, and knowing they are multiples
 # of 16 lets the y accesses vectorise
-@triton.jit(do_not_specialize=["tiles_per_seg"])
+@triton.jit(do_not_specialize=["tiles_per_seg", "num_partials"])
 def _sgmv_expand_kernel(
     s_ptr,  # [num_slices, num_tokens, r_max] fp32, permuted rows
     b_ptr,  # [max_loras, out_total, r_max]
@@ -34,11 +34,14 @@ def _sgmv_expand_kernel(
     stride_cl,
     stride_yt,
     stride_yn,
+    num_partials,  # with SUM_PARTIALS: the shrink's K splits, summed here in split order
+    stride_sp,  # between those partial outputs
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     USE_DOT: tl.constexpr,
     R_EVEN: tl.constexpr,  # r_max % BLOCK_R == 0: rank chunks need no bounds mask
+    SUM_PARTIALS: tl.constexpr = False,  # s_ptr holds num_partials partial outputs, not their sum
 ):
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -78,11 +81,18 @@ def _sgmv_expand_kernel(
             # whole 16-wide chunks (inside the r_max storage), so the loads vectorise; columns
             # past the real rank (padding, unspecified shrink output, even NaN) are selected away
             st = tl.load(s_rows + r[None, :] * stride_sr, mask=row_mask[:, None], other=0.0)
+            if SUM_PARTIALS:
+                for p in range(1, num_partials):
+                    st += tl.load(s_rows + p * stride_sp + r[None, :] * stride_sr, mask=row_mask[:, None], other=0.0)
             bt = tl.load(b_cols + r[:, None] * stride_br, mask=n_mask[None, :], other=0.0)
             st = tl.where(r_mask[None, :], st, 0.0)
             bt = tl.where(r_mask[:, None], bt, 0.0)
         else:
             st = tl.load(s_rows + r[None, :] * stride_sr, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+            if SUM_PARTIALS:
+                for p in range(1, num_partials):
+                    st += tl.load(s_rows + p * stride_sp + r[None, :] * stride_sr,
+                                  mask=row_mask[:, None] & r_mask[None, :], other=0.0)
             bt = tl.load(b_cols + r[:, None] * stride_br, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         if USE_DOT:
             acc += tl.dot(st.to(bt.dtype), bt)  # [BLOCK_M, BLOCK_N]
@@ -95,7 +105,7 @@ def _sgmv_expand_kernel(
     tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y.dtype), mask=y_mask)
 
 
-@triton.jit(do_not_specialize=["n_tiles"])
+@triton.jit(do_not_specialize=["n_tiles", "num_partials"])
 def _sgmv_expand_gemv_kernel(
     s_ptr,  # [num_slices, num_tokens, r_max] fp32, permuted rows
     b_ptr,  # [max_loras, out_total, r_max]
@@ -121,12 +131,15 @@ def _sgmv_expand_gemv_kernel(
     stride_cl,
     stride_yt,
     stride_yn,
+    num_partials,  # with SUM_PARTIALS: the shrink's K splits, summed here in split order
+    stride_sp,  # between those partial outputs
     BLOCK_M: tl.constexpr,  # >= the longest segment: one row tile per segment
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,  # >= the largest rank: the whole rank in one tile
     R_EVEN: tl.constexpr,  # r_max % 16 == 0: whole 16-wide rank chunks may be read
     ROWS: tl.constexpr,  # the segment's rows one at a time ("rows"), or all at once ("tiled")
     AHEAD: tl.constexpr,  # with ROWS: every row's y loaded a tile ahead ("rows_ahead")
+    SUM_PARTIALS: tl.constexpr = False,  # s_ptr holds num_partials partial outputs, not their sum
 ):
     """Decode-shaped expand: one program per (segment, run of ``n_tiles`` column tiles, slice)."""
     seg = tl.program_id(0)
@@ -173,6 +186,10 @@ def _sgmv_expand_gemv_kernel(
             row = tl.minimum(row_lo + m, seg_hi - 1)
             toks = toks + (tl.load(token_perm_ptr + row).to(tl.int64),)
             s_m = tl.load(s_base + row.to(tl.int64) * stride_st + r * stride_sr, mask=r_read, other=0.0)
+            if SUM_PARTIALS:
+                for p in range(1, num_partials):
+                    s_m += tl.load(s_base + p * stride_sp + row.to(tl.int64) * stride_st + r * stride_sr, mask=r_read,
+                                   other=0.0)
             s_rows = s_rows + (tl.where(r_keep, s_m, 0.0),)  # [BLOCK_R] fp32
         bt_next = tl.load(b_cols + n[:, None].to(tl.int64) * stride_bn, mask=(n < n_stop)[:, None] & r_read[None, :],
                           other=0.0)
@@ -212,6 +229,10 @@ def _sgmv_expand_gemv_kernel(
                 if row < seg_hi:
                     tok_m = tl.load(token_perm_ptr + row).to(tl.int64)
                     s_m = tl.load(s_base + row.to(tl.int64) * stride_st + r * stride_sr, mask=r_read, other=0.0)
+                    if SUM_PARTIALS:
+                        for p in range(1, num_partials):
+                            s_m += tl.load(s_base + p * stride_sp + row.to(tl.int64) * stride_st + r * stride_sr,
+                                           mask=r_read, other=0.0)
                     s_m = tl.where(r_keep, s_m, 0.0)  # [BLOCK_R] fp32
                     acc = tl.sum(bt * s_m[None, :], axis=1)  # [BLOCK_N]
                     y_ptrs = y_ptr + tok_m * stride_yt + n * stride_yn
@@ -224,6 +245,10 @@ def _sgmv_expand_gemv_kernel(
         tok = tl.load(token_perm_ptr + rows, mask=row_mask, other=0).to(tl.int64)
         st = tl.load(s_base + rows[:, None].to(tl.int64) * stride_st + r[None, :] * stride_sr,
                      mask=row_mask[:, None] & r_read[None, :], other=0.0)
+        if SUM_PARTIALS:
+            for p in range(1, num_partials):
+                st += tl.load(s_base + p * stride_sp + rows[:, None].to(tl.int64) * stride_st + r[None, :] * stride_sr,
+                              mask=row_mask[:, None] & r_read[None, :], other=0.0)
         st = tl.where(r_keep[None, :], st, 0.0)  # [BLOCK_M, BLOCK_R] fp32
         b_rows = b_ptr + slot.to(tl.int64) * stride_bl + r[:, None] * stride_br  # [BLOCK_R, 1]
         bt_next = tl.load(b_rows + n[None, :].to(tl.int64) * stride_bn, mask=r_read[:, None] & (n < n_stop)[None, :],

@@ -130,17 +130,31 @@ def test_graph_metadata_sizes_launches_for_the_segments_a_full_bucket_holds(grap
         assert meta.sizing_segments == expected
 
 
+# the K split forced on the tiny model (64 / 128 wide): 16-wide K blocks and a large program target
+_SPLITTING = dict(shrink_tile_elements=256, shrink_programs=1 << 16)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("shrink, expand", [("dot", "rows_ahead"), ("acc", "dot")])
-def test_graph_decodes_run_any_variant_a_tuning_installs(graph_setup, triton_on_cpu, monkeypatch, shrink, expand):
+@pytest.mark.parametrize("shrink, expand, split_sum, extra", [
+    ("dot", "rows_ahead", "launch", {}), ("acc", "dot", "launch", {}), ("rows_x_rank", "rows_ahead", "expand", _SPLITTING),
+    ("rows_x_rank", "dot", "expand", _SPLITTING),
+])
+def test_graph_decodes_run_any_variant_a_tuning_installs(graph_setup, triton_on_cpu, monkeypatch, shrink, expand,
+                                                         split_sum, extra):
     """``gpu_check.py --tune-lora`` installs its choice as ``triton_lora.DEFAULT_TUNING`` before the
-    end-to-end engine runs: whichever decode variants it names, the graph steps (static padded
-    metadata, spare segments) must still give PEFT's greedy tokens, and run them."""
+    end-to-end engine runs: whichever decode variants it names, and wherever it has the K splits'
+    partials added, the graph steps (static padded metadata, spare segments) must still give
+    PEFT's greedy tokens, and run them."""
     from loraplex.kernels import triton_lora
 
     classes = len(triton_lora.DECODE_SEG_CLASSES)
-    tuning = triton_lora.GemvTuning(shrink_gemv=(shrink,) * classes, expand_gemv=(expand,) * classes)
+    tuning = triton_lora.GemvTuning(shrink_gemv=(shrink,) * classes, expand_gemv=(expand,) * classes,
+                                    split_sum=split_sum, **extra)
     monkeypatch.setattr(triton_lora, "DEFAULT_TUNING", tuning)
+    read_partials = []  # per expand launch: did it add the split partials itself
+    real_expand = triton_lora.lora_expand_triton
+    monkeypatch.setattr(triton_lora, "lora_expand_triton",
+                        lambda shrunk, *a, **k: read_partials.append(shrunk.dim() == 4) or real_expand(shrunk, *a, **k))
     chosen = []
     real_shrink_tiles, real_expand_tiles = triton_lora.shrink_tiles, triton_lora.expand_tiles
     monkeypatch.setattr(triton_lora, "shrink_tiles", lambda *a, **k: chosen.append(a[2]) or real_shrink_tiles(*a, **k))
@@ -155,3 +169,4 @@ def test_graph_decodes_run_any_variant_a_tuning_installs(graph_setup, triton_on_
     assert [o.token_ids for o in outs] == [reference(peft_model, p, a, 3) for p, a in zip(prompts, which)]
     assert sum(g.graph.replays for key, g in graphs.graphs.items() if key[1] > 0) > replays
     assert {shrink, expand} <= set(chosen)
+    assert any(read_partials) == (split_sum == "expand")

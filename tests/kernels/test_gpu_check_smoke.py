@@ -79,7 +79,12 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
     # the kernels' own repeat check splits K (the partials the expand sums in order)
     (line,) = [x for x in results.splitlines() if x.startswith("PASS LoRA run to run, split-K partials:")]
     assert " 0 of 7 repeats differ" in line and " 1 K splits" not in line
-    assert "| K splits |" in results and "| both us, atomic splits |" in results
+    assert "PASS LoRA run to run, split-K partials, summed in expand: 0 of 7 repeats differ" in results
+    # the expand adding the partials itself: checked against the reference, and timed beside the sum launch
+    (line,) = [x for x in results.splitlines() if x.startswith("PASS decode down, partials summed in expand shrink:")]
+    assert " 1 K splits" not in line
+    assert "PASS decode down, partials summed in expand expand:" in results
+    assert "| K splits |" in results and "| both us, atomic splits | both us, splits summed in expand |" in results
     # the graph steps split into host phases, base and with adapters, the LoRA copy among them
     assert "Host milliseconds per graph-replayed decode step" in results
     assert "| phase | batch 4, 0 adapters | batch 4, 2 adapters |" in results
@@ -110,6 +115,10 @@ def test_gpu_check_tune_lora_runs_with_the_fastest_setting(tmp_path):
     assert "## Decode-shaped LoRA launch sizes" in results and "(default) |" in results
     (chosen,) = [x for x in results.splitlines() if x.startswith("chosen: GemvTuning(")]
     assert "shrink_programs=" in chosen and "expand_num_warps=" in chosen
+    # then where the split-K partials are added, both ways giving the same y, the faster chosen
+    assert "## Where the shrink's K-split partials are added" in results and " DIFFERS" not in results
+    (totals,) = [x for x in results.splitlines() if x.startswith("totals: launch ")]
+    assert f"split_sum='{totals.split('chosen: ')[1]}'" in chosen
     # what was chosen is what the rest of the run used: the bench marks it in use (*) for class 4
     shrink_4 = variants.split("shrink (")[1].split(")")[0].replace("'", "").split(", ")[2]
     expand_4 = variants.split("expand (")[1].split(")")[0].replace("'", "").split(", ")[2]

@@ -12,6 +12,7 @@ from loraplex.kernels.triton_lora import (  # noqa: E402
     EXPAND_VARIANTS,
     SHRINK_VARIANTS,
     SPLIT_REDUCTIONS,
+    SPLIT_SUMS,
     GemvTuning,
     _sum_partials,
     lora_expand_triton,
@@ -239,6 +240,51 @@ def test_shrink_then_expand_equals_dense_lora():
     assert rel_err(y, expected) < 1e-5
 
 
+@pytest.mark.parametrize("name,gemv", [(n, g) for n in ("ragged_short_qkv", "odd_r_max") for g in EXPAND_VARIANTS]
+                         + [("short_segments_rank128", None)])
+def test_expand_can_add_the_shrinks_split_partials(name, gemv):
+    """split_sum "expand": in a decode-shaped step the shrink leaves its K splits' partials
+    unsummed and the expand adds them as it reads each row, in split order. y is bit-equal to the
+    one after the separate sum launch (the same fp32 additions in the same order) and matches the
+    reference; the scratch's unused partials are NaN, so an expand reading past the splits would
+    fail. Every decode-shaped expand, and the tensor-core one ("dot", and rank 128's fallback),
+    with even and masked rank chunks."""
+    case = dict(CASES[name], in_features=640)
+    _, x, a_stack, b_stack, scaling, offsets, meta = _case_inputs(case, torch.float32, 909 + len(name) + len(gemv or ""))
+    num_slices = len(case["widths"])
+    y0 = torch.randn(meta.num_tokens, offsets[-1], generator=torch.Generator().manual_seed(3 + len(gemv or "")))
+    ys = {}
+    for split_sum in SPLIT_SUMS:
+        tuning = GemvTuning(split_sum=split_sum)
+        scratch = torch.full((4, num_slices, meta.num_tokens, case["r_max"]), float("nan"))
+        result = lora_shrink_triton(x, a_stack, meta, scratch, split_k=3, tuning=tuning)
+        assert result.shape[0] == (3 if split_sum == "expand" else num_slices)  # 3 partials, or their sum
+        ys[split_sum] = y0.clone()
+        lora_expand_triton(result, b_stack, scaling, offsets, meta, ys[split_sum], gemv=gemv, tuning=tuning)
+    assert torch.equal(ys["expand"], ys["launch"])
+    shrunk_ref = torch.full((num_slices, meta.num_tokens, case["r_max"]), float("nan"))
+    lora_shrink_ref(x, a_stack, meta, shrunk_ref)
+    y_ref = y0.clone()
+    lora_expand_ref(shrunk_ref, b_stack, scaling, offsets, meta, y_ref)
+    assert rel_err(ys["expand"] - y0, y_ref - y0) < TOL[torch.float32] * 3
+
+
+@pytest.mark.parametrize("name", ["medium_segments", "prefill_long_segment"])
+def test_longer_segments_keep_the_sum_launch(name):
+    """Past the decode shapes the partials are summed by their own launch whatever the tuning
+    says (the tensor-core expand would lose its pipelined loads): the shrink returns their sum."""
+    case = dict(CASES[name], in_features=640)
+    _, x, a_stack, _, _, _, meta = _case_inputs(case, torch.float32, 5150 + len(name))
+    num_slices = len(case["widths"])
+    scratch = torch.full((4, num_slices, meta.num_tokens, case["r_max"]), float("nan"))
+    result = lora_shrink_triton(x, a_stack, meta, scratch, split_k=3, tuning=GemvTuning(split_sum="expand"))
+    ref = torch.full(result.shape, float("nan"))
+    lora_shrink_ref(x, a_stack, meta, ref)
+    defined = _defined_mask(meta, num_slices, case["r_max"])
+    assert result.shape == (num_slices, meta.num_tokens, case["r_max"])
+    assert rel_err(result[defined], ref[defined]) < TOL[torch.float32]
+
+
 def test_no_lora_segments_is_a_no_op():
     meta = make_meta([-1, -1, -1], [8, 8])
     x = torch.randn(3, 16)
@@ -357,7 +403,7 @@ def test_the_tuning_names_the_decode_variant_of_each_segment_class(monkeypatch):
 
 
 @pytest.mark.parametrize("field, value", [("shrink_gemv", ("rows_x_rank",) * 3), ("shrink_gemv", ("rows",) * 4),
-                                          ("expand_gemv", ("rows", "rows", "rows", "acc"))])
+                                          ("expand_gemv", ("rows", "rows", "rows", "acc")), ("split_sum", "shrink")])
 def test_a_tuning_naming_an_unknown_variant_is_refused(field, value):
     with pytest.raises(ValueError, match=field):
         GemvTuning(**{field: value})
