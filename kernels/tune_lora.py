@@ -20,6 +20,7 @@ import itertools
 import torch
 from bench_kernels import (
     RANK,
+    VARIANT_TOLERANCE,
     _graph_ms,
     _l2_bytes,
     expand_variant_us,
@@ -28,7 +29,7 @@ from bench_kernels import (
     shrink_results,
     shrink_variant_us,
 )
-from lab_common import Report, make_meta, spread_slots
+from lab_common import Report, make_meta, rel_err, spread_slots
 
 from loraplex.kernels import triton_lora
 from loraplex.kernels.triton_lora import (
@@ -45,6 +46,11 @@ from loraplex.kernels.triton_lora import (
 # (fewer programs, smaller tiles) with 4 warps.
 SHRINK_GRID = dict(shrink_programs=[256, 384, 512, 1024], shrink_tile_elements=[2048, 4096], shrink_num_warps=[4])
 EXPAND_GRID = dict(expand_programs=[512, 1024, 2048], expand_tile_elements=[2048, 4096], expand_num_warps=[4])
+# The decode "dot" shrink's elements of x and A per pipeline stage (its K tile: 128 to 1024 at
+# rank 16) and stages in flight (call 4 ran 8192 and 3). Compiled for sm_90 (Triton 3.6) each
+# holds 40-120 registers, no spills, 8-192 KB of shared memory (sm_90: 227 KB); a setting that
+# fails to launch anyway is reported as failed, not chosen.
+DOT_GRID = dict(shrink_dot_stage_elements=[4096, 8192, 16384, 32768], shrink_dot_num_stages=[2, 3, 4])
 SHRINK_CANDIDATES = ("rows_x_rank", "acc", "dot")
 EXPAND_CANDIDATES = ("rows", "tiled", "dot", "rows_ahead")
 
@@ -150,10 +156,54 @@ def tune_decode_lora(report: Report, on_gpu: bool, device: str) -> GemvTuning:
     best_shrink = shrink_cands[min(range(len(shrink_cands)), key=shrink_us.__getitem__)]
     best_expand = expand_cands[min(range(len(expand_cands)), key=expand_us.__getitem__)]
     chosen = dataclasses.replace(best_shrink, **{k: getattr(best_expand, k) for k in EXPAND_GRID})
+    if "dot" in chosen.shrink_gemv:
+        chosen = choose_dot_stages(report, on_gpu, device, chosen)
     chosen = choose_split_sum(report, on_gpu, device, chosen)
     report.line(f"chosen: {chosen}")
     report.line()
     return chosen
+
+
+def choose_dot_stages(report: Report, on_gpu: bool, device: str, base: GemvTuning) -> GemvTuning:
+    """``base`` with the fastest ``DOT_GRID`` setting of the "dot" shrink, timed on the cases
+    whose segment class runs it; a setting that fails to launch or whose output strays from the
+    one in use is out."""
+    cands = _candidates(DOT_GRID, base)
+    totals = [0.0] * len(cands)
+    out: dict[int, str] = {}  # candidate -> why it is out
+    for _, _, _, meta, sets, _, _ in _cases(on_gpu, device):
+        if base.shrink_gemv_for(meta.max_seg_len) != "dot":
+            continue
+        x0, a0, _, _, scratch0 = sets[0]
+        want = lora_shrink_triton(x0, a0, meta, torch.empty_like(scratch0), tuning=base).clone()
+        for i, cand in enumerate(cands):
+            if i in out:
+                continue
+
+            def shrink_all(c=cand):
+                for x, a, _, _, scratch in sets:
+                    lora_shrink_triton(x, a, meta, scratch, tuning=c)
+
+            try:
+                totals[i] += _graph_ms(shrink_all, on_gpu, len(sets)) * 1e3
+                err = rel_err(lora_shrink_triton(x0, a0, meta, torch.empty_like(scratch0), tuning=cand), want)
+            except Exception as exc:  # noqa: BLE001 - e.g. the stages beyond the shared memory
+                out[i] = f"failed ({type(exc).__name__})"
+                continue
+            if not err < VARIANT_TOLERANCE:
+                out[i] = f"WRONG (rel err {err:.1e})"
+    report.line("## The dot shrink's pipeline (us summed over the cases it runs, the setting above)")
+    report.line()
+    rows = []
+    for i, cand in enumerate(cands):
+        setting = ", ".join(f"{k}={getattr(cand, k)}" for k in DOT_GRID)
+        mark = " (default)" if all(getattr(cand, k) == getattr(base, k) for k in DOT_GRID) else ""
+        rows.append([setting + mark, out.get(i, f"{totals[i]:.1f}")])
+    report.table(["setting", "total us"], rows)
+    usable = [i for i in range(len(cands)) if i not in out]
+    if not usable:
+        return base
+    return cands[min(usable, key=totals.__getitem__)]
 
 
 def choose_split_sum(report: Report, on_gpu: bool, device: str, base: GemvTuning) -> GemvTuning:

@@ -106,6 +106,10 @@ class GemvTuning:
     expand_tile_elements: int = 4096  # "rows": [columns, rank] tile; "tiled": [rows, rank, columns]
     shrink_num_warps: int = 4
     expand_num_warps: int = 4
+    # the "dot" shrink of decode segments: x and A elements per pipeline stage (sets the K tile)
+    # and the stages in flight (3: Triton's default)
+    shrink_dot_stage_elements: int = 8192
+    shrink_dot_num_stages: int = 3
     # the variant (SHRINK_VARIANTS / EXPAND_VARIANTS) for each of DECODE_SEG_CLASSES
     shrink_gemv: tuple[str, ...] = ("rows_x_rank", "dot", "dot", DEFAULT_SHRINK_GEMV)
     expand_gemv: tuple[str, ...] = ("rows_ahead", "rows_ahead", "rows_ahead", DEFAULT_EXPAND_GEMV)
@@ -150,26 +154,34 @@ def _row_tile(max_seg_len: int) -> tuple[int, bool]:
     return min(64, _pow2_at_least(max_seg_len, 16)), True
 
 
+def _is_decode_dot(max_seg_len: int, max_rank: int, gemv: str) -> bool:
+    """Whether the shrink runs decode segments in 16-row tensor-core tiles because ``gemv`` says
+    "dot" (not because the segments are long, nor as the large-rank fallback)."""
+    block_m, use_dot = _row_tile(max_seg_len)
+    return gemv == "dot" and not use_dot and block_m * _pow2_at_least(max_rank, 16) <= GEMV_MAX_ROWS_X_RANK
+
+
 def shrink_tiles(
-    max_seg_len: int, max_rank: int, gemv: str = DEFAULT_SHRINK_GEMV, tile_elements: int = 4096
+    max_seg_len: int, max_rank: int, gemv: str = DEFAULT_SHRINK_GEMV, tile_elements: int = 4096,
+    dot_stage_elements: int = 8192,
 ) -> dict[str, int | bool]:
     """The shrink kernel's constexprs for a step's segment shape (also enumerated by the lab's
     ahead-of-time compile check); ``gemv`` names the decode-shaped reduction (SHRINK_VARIANTS)."""
     block_m, use_dot = _row_tile(max_seg_len)
     block_r = _pow2_at_least(max_rank, 16)
+    if _is_decode_dot(max_seg_len, max_rank, gemv):
+        # decode segments in 16-row tensor-core tiles: most rows are padding (never loaded), but
+        # the MMA costs nothing here and the K loop's loads are pipelined through shared memory
+        # (cp.async stages), so more bytes are in flight than registers alone hold; at most
+        # dot_stage_elements of x and A per stage (8192: 16 KB in bf16)
+        block_k = max(32, min(1024, triton.next_power_of_2(dot_stage_elements // (16 + block_r) + 1) // 2))
+        return dict(BLOCK_M=16, BLOCK_R=block_r, BLOCK_K=block_k, USE_DOT=True, GEMV=0)
     if not use_dot and block_m * block_r > GEMV_MAX_ROWS_X_RANK:
         # several tokens x a large rank: the broadcast product would spill registers (sm_90,
         # 8 x 128), and a 16-row tensor-core tile is at most half padding here
         block_m, use_dot = 16, True
     if use_dot:
         return dict(BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64 if block_r <= 64 else 32, USE_DOT=True, GEMV=0)
-    if gemv == "dot":
-        # decode segments in 16-row tensor-core tiles: most rows are padding (never loaded), but
-        # the MMA costs nothing here and the K loop's loads are pipelined through shared memory
-        # (cp.async stages), so more bytes are in flight than registers alone hold; at most 16 KB
-        # of x and A per stage
-        block_k = max(32, min(256, triton.next_power_of_2(8192 // (16 + block_r) + 1) // 2))
-        return dict(BLOCK_M=16, BLOCK_R=block_r, BLOCK_K=block_k, USE_DOT=True, GEMV=0)
     if gemv == "rows_x_rank" and block_m * block_r > 128:
         gemv = "acc"  # a [rows x rank, 16] tile and its prefetch spill registers past 128 rows
     mode = SHRINK_VARIANTS[gemv]
@@ -228,7 +240,8 @@ def _shrink_plan(
         raise ValueError(f"split_reduction must be one of {SPLIT_REDUCTIONS}, got {split_reduction!r}")
     tuning = tuning or DEFAULT_TUNING
     gemv = tuning.shrink_gemv_for(meta.max_seg_len) if gemv is None else gemv
-    tiles = shrink_tiles(meta.max_seg_len, meta.max_rank, gemv, tuning.shrink_tile_elements)
+    tiles = shrink_tiles(meta.max_seg_len, meta.max_rank, gemv, tuning.shrink_tile_elements,
+                         tuning.shrink_dot_stage_elements)
     programs = _sizing_segments(meta) * triton.cdiv(meta.max_seg_len, tiles["BLOCK_M"]) * num_slices
     k_blocks = triton.cdiv(in_features, tiles["BLOCK_K"])
     partials = split_reduction == "partials"
@@ -267,6 +280,7 @@ def lora_shrink_triton(
         return out[0]
     num_slices, _, _, in_features = a_stack.shape
     tuning = tuning or DEFAULT_TUNING
+    gemv = tuning.shrink_gemv_for(meta.max_seg_len) if gemv is None else gemv
     tiles, split_k, k_blocks_per_split = _shrink_plan(in_features, num_slices, meta, out.shape[0], split_k, gemv,
                                                       tuning, split_reduction)
     block_k = tiles["BLOCK_K"]
@@ -295,6 +309,8 @@ def lora_shrink_triton(
         ATOMIC=atomic,
         EVEN_K=in_features % block_k == 0,
         num_warps=4 if tiles["USE_DOT"] else tuning.shrink_num_warps,
+        **({"num_stages": tuning.shrink_dot_num_stages} if _is_decode_dot(meta.max_seg_len, meta.max_rank, gemv)
+           else {}),
     )
     if split_k > 1 and not atomic:
         if tuning.split_sum == "expand" and meta.max_seg_len <= GEMV_MAX_SEG_LEN:

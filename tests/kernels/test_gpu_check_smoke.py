@@ -115,6 +115,8 @@ def test_gpu_check_tune_lora_runs_with_the_fastest_setting(tmp_path):
     assert "## Decode-shaped LoRA launch sizes" in results and "(default) |" in results
     (chosen,) = [x for x in results.splitlines() if x.startswith("chosen: GemvTuning(")]
     assert "shrink_programs=" in chosen and "expand_num_warps=" in chosen
+    # the dot shrink's pipeline swept when a class runs it
+    assert ("## The dot shrink's pipeline" in results) == ("'dot'" in chosen.split("shrink_gemv=(")[1].split(")")[0])
     # then where the split-K partials are added, both ways giving the same y, the faster chosen
     assert "## Where the shrink's K-split partials are added" in results and " DIFFERS" not in results
     (totals,) = [x for x in results.splitlines() if x.startswith("totals: launch ")]

@@ -18,6 +18,7 @@ from loraplex.kernels.triton_lora import (  # noqa: E402
     lora_expand_triton,
     lora_shrink_triton,
     shrink_split_k,
+    shrink_tiles,
 )
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
@@ -267,6 +268,23 @@ def test_expand_can_add_the_shrinks_split_partials(name, gemv):
     y_ref = y0.clone()
     lora_expand_ref(shrunk_ref, b_stack, scaling, offsets, meta, y_ref)
     assert rel_err(ys["expand"] - y0, y_ref - y0) < TOL[torch.float32] * 3
+
+
+@pytest.mark.parametrize("stage_elements", [4096, 32768])
+def test_the_dot_shrinks_k_tile_follows_the_tuning(stage_elements):
+    """The decode "dot" shrink's K tile comes from the tuning's elements per pipeline stage (128
+    and 1024 wide at rank 16 here, against 256 by default); either way it reads every K block,
+    the last one masked (``in`` 1600 is 12.5 blocks of 128, 1.6 of 1024)."""
+    case = dict(CASES["ragged_short_qkv"], in_features=1600)
+    _, x, a_stack, _, _, _, meta = _case_inputs(case, torch.float32, 61 + stage_elements)
+    tuning = GemvTuning(shrink_gemv=("dot",) * 4, shrink_dot_stage_elements=stage_elements, shrink_dot_num_stages=2)
+    shape = (len(case["widths"]), meta.num_tokens, case["r_max"])
+    out, ref = torch.full((4, *shape), float("nan")), torch.full(shape, float("nan"))
+    result = lora_shrink_triton(x, a_stack, meta, out, tuning=tuning)
+    lora_shrink_ref(x, a_stack, meta, ref)
+    defined = _defined_mask(meta, shape[0], shape[2])
+    assert rel_err(result[defined], ref[defined]) < TOL[torch.float32]
+    assert shrink_tiles(meta.max_seg_len, meta.max_rank, "dot", 4096, stage_elements)["BLOCK_K"] == stage_elements // 32
 
 
 @pytest.mark.parametrize("name", ["medium_segments", "prefill_long_segment"])
