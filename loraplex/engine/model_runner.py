@@ -257,14 +257,17 @@ class ModelRunner:
         scheduled = sched_out.scheduled
         lora_ctx = None
         if self.lora_manager is not None:
-            # each adapter's tokens contiguous, in slot order within a rank (see batch_order_key)
             adapter_ids = [item.adapter_id for item in scheduled]
             self.lora_manager.place(adapter_ids)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(scheduled):
+            # in the scheduler's order: a graph step groups its tokens by slot itself (_fill_lora),
+            # and each sequence's result is the same in any order
+            return self._execute_graph(scheduled)
+        if self.lora_manager is not None:
+            # each adapter's tokens contiguous, in slot order within a rank (see batch_order_key)
             order = {a: self.lora_manager.batch_order_key(a) for a in set(adapter_ids)}  # once per adapter
             if len(order) > 1:  # one adapter (or the base model alone): already in order
                 scheduled = sorted(scheduled, key=lambda item: order[item.adapter_id])
-        if self.decode_graphs is not None and self.decode_graphs.can_run(scheduled):
-            return self._execute_graph(scheduled)
         batch = self.prepare_batch(scheduled)
         if self.lora_manager is not None:
             lora_ctx = self.lora_manager.step_context(batch.token_adapter_ids)
