@@ -133,11 +133,11 @@ def lora_shrink(
     *,
     slot_rank: torch.Tensor | None = None,  # [max_loras] int32: ranks to use instead of meta's
 ) -> torch.Tensor:  # [num_slices, num_tokens, r_max] fp32, rows in permuted order: out[0], for lora_expand
-    # (Triton with the tuning's split_sum "expand": [splits, num_slices, num_tokens, r_max], the
-    # K splits' partials, which lora_expand adds as it reads them)
     """``result[s, i, :r] = x[token_perm[i]] @ a_stack[s, slot, :r].T`` for every LoRA row ``i``
     (``slot = seg_slot`` of its segment, ``r = slot_rank[slot]``). The Triton kernel may split
-    ``in`` over ``out``'s other partial outputs and sum them into the first, in a fixed order.
+    ``in`` over ``out``'s other partial outputs and sum them into the first, in a fixed order
+    (with the tuning's ``split_sum="expand"`` in a decode-shaped step it returns the partials,
+    ``[splits, num_slices, num_tokens, r_max]``, and ``lora_expand`` adds them as it reads them).
     Columns ``>= r`` and base-only rows are left unspecified; expand never reads them."""
     if uses_triton(x):
         from loraplex.kernels.triton_lora import lora_shrink_triton

@@ -92,12 +92,13 @@ def decode_seg_class_index(max_seg_len: int) -> int:
 class GemvTuning:
     """How the decode-shaped kernels run (``kernels/tune_lora.py`` times alternatives on a GPU):
     the variant per segment class, programs each launch aims for, elements of the register
-    tiles, warps per program."""
+    tiles, warps per program, the dot shrink's pipeline, where split-K partials are added."""
 
     # The defaults are what --tune-lora chose on an H200 on 2026-12-04 (kernels/RESULTS.md, call
     # 4), the setting that call's end-to-end rows ran: per segment class the fastest correct
     # variant on its decode cases (class 8 was not among them and keeps the earlier defaults),
-    # then the launch sizes with them.
+    # then the launch sizes with them. The dot pipeline and split_sum came later: their defaults
+    # are what that call ran, until a GPU call has timed the others.
     # programs per launch: a few waves over the 132 SMs of an H100/H200, fixed so the choice
     # needs no device query; the shrink's K split grows until about this many
     shrink_programs: int = 384
