@@ -22,6 +22,7 @@ from loraplex.kernels.triton_lora import (
     EXPAND_VARIANTS,
     GEMV_MAX_SEG_LEN,
     SHRINK_VARIANTS,
+    GemvTuning,
     lora_expand_triton,
     lora_shrink_triton,
     max_shrink_partials,
@@ -117,17 +118,19 @@ def variant_us(time_all, error, on_gpu: bool, n_sets: int) -> tuple[float | None
     return None, f"{us:.1f} WRONG (rel err {err:.1e})"
 
 
-def shrink_variant_us(sets, meta: LoRABatchMeta, gemv: str, on_gpu: bool) -> tuple[float | None, str]:
-    """``variant_us`` of the shrink variant ``gemv`` over ``sets``, checked against the one in use."""
+def shrink_variant_us(sets, meta: LoRABatchMeta, gemv: str, on_gpu: bool,
+                      tuning: GemvTuning | None = None) -> tuple[float | None, str]:
+    """``variant_us`` of the shrink variant ``gemv`` (launched with ``tuning``, None = the one
+    installed) over ``sets``, checked against the one in use."""
     x0, a0, _, _, scratch0 = sets[0]
 
     def run():
         for x, a, _, _, scratch in sets:
-            lora_shrink_triton(x, a, meta, scratch, gemv=gemv)
+            lora_shrink_triton(x, a, meta, scratch, gemv=gemv, tuning=tuning)
 
     def error():
         want = lora_shrink_triton(x0, a0, meta, torch.empty_like(scratch0)).clone()
-        return rel_err(lora_shrink_triton(x0, a0, meta, torch.empty_like(scratch0), gemv=gemv), want)
+        return rel_err(lora_shrink_triton(x0, a0, meta, torch.empty_like(scratch0), gemv=gemv, tuning=tuning), want)
 
     return variant_us(run, error, on_gpu, len(sets))
 

@@ -183,12 +183,9 @@ def run_e2e(
                     continue
                 repeats[(batch, n_adapters, mode)] = outs
                 results[(batch, n_adapters, mode)] = step
-                base = results.get((batch, 0, mode))
-                overhead = f"{(step / base - 1) * 100:+.1f}%" if base and n_adapters else "-"
-                base_totals = results_by_totals.get((batch, 0, mode))
                 results_by_totals[(batch, n_adapters, mode)] = step_by_totals
-                overhead_by_totals = (f"{(step_by_totals / base_totals - 1) * 100:+.1f}%"
-                                      if base_totals and n_adapters else "-")
+                overhead = _overhead(results, batch, n_adapters, mode)
+                overhead_by_totals = _overhead(results_by_totals, batch, n_adapters, mode)
                 rows.append([batch, n_adapters, mode, f"{batch * max_tokens / t_long:.0f}", f"{step * 1e3:.2f}",
                              f"{batch / step:.0f}", overhead, f"{step_by_totals * 1e3:.2f}", overhead_by_totals])
                 # into results.md at once: a device call cut short by its time limit keeps the rows it measured
@@ -327,6 +324,12 @@ def _triton_on_cpu(enabled: bool):
         yield
     finally:
         dispatch.uses_triton = saved
+
+
+def _overhead(steps: dict, batch: int, n_adapters: int, mode: str) -> str:
+    """The LoRA step overhead of a configuration against its batch's base step, as a table cell."""
+    base = steps.get((batch, 0, mode))
+    return f"{(steps[(batch, n_adapters, mode)] / base - 1) * 100:+.1f}%" if base and n_adapters else "-"
 
 
 def _measure(llm, prompts, adapters, short: int, max_tokens: int) -> tuple[float, float, float, tuple]:

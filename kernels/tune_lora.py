@@ -20,7 +20,6 @@ import itertools
 import torch
 from bench_kernels import (
     RANK,
-    VARIANT_TOLERANCE,
     _graph_ms,
     _l2_bytes,
     expand_variant_us,
@@ -29,7 +28,7 @@ from bench_kernels import (
     shrink_results,
     shrink_variant_us,
 )
-from lab_common import Report, make_meta, rel_err, spread_slots
+from lab_common import Report, make_meta, spread_slots
 
 from loraplex.kernels import triton_lora
 from loraplex.kernels.triton_lora import (
@@ -58,6 +57,16 @@ EXPAND_CANDIDATES = ("rows", "tiled", "dot", "rows_ahead")
 def _candidates(grid: dict[str, list[int]], base: GemvTuning) -> list[GemvTuning]:
     names = list(grid)
     return [dataclasses.replace(base, **dict(zip(names, values))) for values in itertools.product(*grid.values())]
+
+
+def _setting_rows(cands: list[GemvTuning], cells: list[str], grid: dict, base: GemvTuning) -> list[list[str]]:
+    """A table row per candidate: its ``grid`` settings (those of ``base`` marked) and its cell."""
+    rows = []
+    for cand, cell in zip(cands, cells):
+        setting = ", ".join(f"{k}={getattr(cand, k)}" for k in grid)
+        mark = " (default)" if all(getattr(cand, k) == getattr(base, k) for k in grid) else ""
+        rows.append([setting + mark, cell])
+    return rows
 
 
 def _cases(on_gpu: bool, device: str):
@@ -148,10 +157,7 @@ def tune_decode_lora(report: Report, on_gpu: bool, device: str) -> GemvTuning:
     report.line()
     rows = []
     for cands, times, grid in ((shrink_cands, shrink_us, SHRINK_GRID), (expand_cands, expand_us, EXPAND_GRID)):
-        for cand, t in zip(cands, times):
-            setting = ", ".join(f"{k}={getattr(cand, k)}" for k in grid)
-            mark = " (default)" if all(getattr(cand, k) == getattr(base, k) for k in grid) else ""
-            rows.append([setting + mark, f"{t:.1f}"])
+        rows += _setting_rows(cands, [f"{t:.1f}" for t in times], grid, base)
     report.table(["setting", "total us"], rows)
     best_shrink = shrink_cands[min(range(len(shrink_cands)), key=shrink_us.__getitem__)]
     best_expand = expand_cands[min(range(len(expand_cands)), key=expand_us.__getitem__)]
@@ -170,36 +176,21 @@ def choose_dot_stages(report: Report, on_gpu: bool, device: str, base: GemvTunin
     one in use is out."""
     cands = _candidates(DOT_GRID, base)
     totals = [0.0] * len(cands)
-    out: dict[int, str] = {}  # candidate -> why it is out
+    out: dict[int, str] = {}  # candidate -> its failed or WRONG cell
     for _, _, _, meta, sets, _, _ in _cases(on_gpu, device):
         if base.shrink_gemv_for(meta.max_seg_len) != "dot":
             continue
-        x0, a0, _, _, scratch0 = sets[0]
-        want = lora_shrink_triton(x0, a0, meta, torch.empty_like(scratch0), tuning=base).clone()
         for i, cand in enumerate(cands):
-            if i in out:
-                continue
-
-            def shrink_all(c=cand):
-                for x, a, _, _, scratch in sets:
-                    lora_shrink_triton(x, a, meta, scratch, tuning=c)
-
-            try:
-                totals[i] += _graph_ms(shrink_all, on_gpu, len(sets)) * 1e3
-                err = rel_err(lora_shrink_triton(x0, a0, meta, torch.empty_like(scratch0), tuning=cand), want)
-            except Exception as exc:  # noqa: BLE001 - e.g. the stages beyond the shared memory
-                out[i] = f"failed ({type(exc).__name__})"
-                continue
-            if not err < VARIANT_TOLERANCE:
-                out[i] = f"WRONG (rel err {err:.1e})"
+            if i not in out:
+                us, cell = shrink_variant_us(sets, meta, "dot", on_gpu, tuning=cand)
+                if us is None:
+                    out[i] = cell
+                else:
+                    totals[i] += us
     report.line("## The dot shrink's pipeline (us summed over the cases it runs, the setting above)")
     report.line()
-    rows = []
-    for i, cand in enumerate(cands):
-        setting = ", ".join(f"{k}={getattr(cand, k)}" for k in DOT_GRID)
-        mark = " (default)" if all(getattr(cand, k) == getattr(base, k) for k in DOT_GRID) else ""
-        rows.append([setting + mark, out.get(i, f"{totals[i]:.1f}")])
-    report.table(["setting", "total us"], rows)
+    cells = [out.get(i, f"{t:.1f}") for i, t in enumerate(totals)]
+    report.table(["setting", "total us"], _setting_rows(cands, cells, DOT_GRID, base))
     usable = [i for i in range(len(cands)) if i not in out]
     if not usable:
         return base
