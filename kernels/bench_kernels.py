@@ -129,8 +129,12 @@ def shrink_variant_us(sets, meta: LoRABatchMeta, gemv: str, on_gpu: bool,
             lora_shrink_triton(x, a, meta, scratch, gemv=gemv, tuning=tuning)
 
     def error():
-        want = lora_shrink_triton(x0, a0, meta, torch.empty_like(scratch0)).clone()
-        return rel_err(lora_shrink_triton(x0, a0, meta, torch.empty_like(scratch0), gemv=gemv, tuning=tuning), want)
+        # the sums of the K splits, compared: with split_sum "expand" installed the shrink would
+        # return its unsummed partials, split differently by each variant
+        summed = dataclasses.replace(tuning or triton_lora.DEFAULT_TUNING, split_sum="launch")
+        in_use = dataclasses.replace(triton_lora.DEFAULT_TUNING, split_sum="launch")
+        want = lora_shrink_triton(x0, a0, meta, torch.empty_like(scratch0), tuning=in_use).clone()
+        return rel_err(lora_shrink_triton(x0, a0, meta, torch.empty_like(scratch0), gemv=gemv, tuning=summed), want)
 
     return variant_us(run, error, on_gpu, len(sets))
 
