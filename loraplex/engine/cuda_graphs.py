@@ -143,6 +143,9 @@ class DecodeGraphs:
         self.seg_slot = torch.zeros(n, dtype=torch.int32, device=device)
         self._shrunk: torch.Tensor | None = None  # [max_partials, MAX_SLICES, max_batch, r_max] fp32, at first LoRA use
         self._staging = HostStaging(device)  # each step's values reach the buffers above through it
+        # (bucket, token slots, segment class) the LoRA metadata buffers hold: a step of the same
+        # slots in the same order (a steady decode batch) reuses them as they are
+        self._lora_filled: tuple[int, list[int], int] | None = None
 
     # ---- which steps ---------------------------------------------------------------------
     def can_run(self, scheduled: list[ScheduledSeq]) -> bool:
@@ -204,13 +207,18 @@ class DecodeGraphs:
 
     def _fill_lora(self, token_slots: list[int], batch: int, pool: SlotPool) -> int:
         """Copy the step's segments into the static metadata; returns the segment class."""
+        filled = self._lora_filled
+        if filled is not None and filled[0] == batch and filled[1] == token_slots:
+            return filled[2]  # the buffers hold these segments already (only this method writes them)
         perm, seg_starts, seg_slot, max_seg_len = group_by_slot(token_slots + [-1] * (batch - len(token_slots)))
         num_segments = min(batch, pool.max_loras)
         # the segments past the real ones are empty: they start and end at the batch's end
         self._staging.put(self.token_perm, perm)
         self._staging.put(self.seg_starts, seg_starts, num_segments + 1, fill=batch)
         self._staging.put(self.seg_slot, seg_slot, num_segments, fill=0)
-        return segment_class(batch, max_seg_len)
+        seg_class = segment_class(batch, max_seg_len)
+        self._lora_filled = (batch, list(token_slots), seg_class)
+        return seg_class
 
     def _capture(self, batch: int, seg_class: int, pool: SlotPool | None) -> _Graph:
         slot_mappings = [t[:batch] for t in self.slot_mappings]

@@ -59,6 +59,10 @@ class LoRAManager:
         self._records = self.catalog.records  # the same dict: adapter id -> AdapterRecord
         self.host_tier = HostTier(self.catalog, self.host, lambda adapter_id: self.pool.slot_of(adapter_id) is not None)
         self._last_step: set[str] = set()
+        # the last step's placement and token slots, reused by a step of the same adapters in the
+        # same order while the pool's slots stand (a steady decode batch: most steps at load)
+        self._placed: tuple[list, int, list[str]] | None = None  # (adapter ids, pool generation, step's adapters)
+        self._slotted: tuple[list, int, list[int]] | None = None  # (token adapter ids, pool generation, slots)
         self._queued: "OrderedDict[str, None]" = OrderedDict()  # adapters with requests, by first arrival
         self._device_pinned: set[str] = set()
         self._retiring: set[str] = set()  # retired while held: forgotten once nothing holds them
@@ -268,8 +272,13 @@ class LoRAManager:
     def place(self, adapter_ids: list[str | None]) -> None:
         """Put this step's adapters (``None`` entries ignored) in device slots; the scheduler
         guarantees they fit. Idempotent within a step."""
+        placed = self._placed
+        if placed is not None and placed[1] == self.pool.generation and placed[0] == adapter_ids:
+            self.pool.touch(placed[2])  # as placing them again would: all resident, nothing to load
+            return
         step = list(dict.fromkeys(a for a in adapter_ids if a is not None))
         self._last_step = set(step)
+        self._placed = None
         for adapter_id in step:
             if self.pool.slot_of(adapter_id) is None:
                 slot = self.pool.slot_to_fill(self._last_step)
@@ -283,6 +292,7 @@ class LoRAManager:
                 except Exception as exc:  # noqa: BLE001 - the engine drops this adapter's requests
                     raise AdapterLoadFailedError(adapter_id, str(exc)) from exc
         self.pool.touch(step)
+        self._placed = (list(adapter_ids), self.pool.generation, step)
 
     def batch_order_key(self, adapter_id: str | None) -> tuple[int, int]:
         """Sort key for a placed adapter's sequences in the flat batch: base model first, then by
@@ -309,11 +319,17 @@ class LoRAManager:
 
     def step_slots(self, token_adapter_ids: list[str | None]) -> list[int] | None:
         """Each token's device slot (-1 = base model), or None when no token uses an adapter, for
-        adapters already placed by ``place``; a CUDA graph builds its own metadata from these."""
+        adapters already placed by ``place``; a CUDA graph builds its own metadata from these.
+        The list may be the one an earlier step got (same adapters, same slots): do not change it."""
         token_slots = None
         if self._last_step:
-            slot_of = {a: self.pool.slot_of(a) for a in self._last_step}
-            token_slots = [-1 if a is None else slot_of[a] for a in token_adapter_ids]
+            slotted, generation = self._slotted, self.pool.generation
+            if slotted is not None and slotted[1] == generation and slotted[0] == token_adapter_ids:
+                token_slots = slotted[2]
+            else:
+                slot_of = {a: self.pool.slot_of(a) for a in self._last_step}
+                token_slots = [-1 if a is None else slot_of[a] for a in token_adapter_ids]
+                self._slotted = (list(token_adapter_ids), generation, token_slots)
         self._service_wanted()
         return token_slots
 

@@ -74,6 +74,9 @@ class SlotPool:
         self._tick = 0
         self.pinned: set[str] = set()
         self.refs: dict[str, int] = {}  # adapter -> requests still needing it (set by the manager)
+        # bumped whenever a slot's adapter changes (``write``, ``clear``): a step's slots computed
+        # at one generation hold while it stands (``LoRAManager`` reuses them across steps)
+        self.generation = 0
 
     def _allocate(self) -> None:
         spec, max_loras, max_rank, dtype = self.spec, self.max_loras, self.max_rank, self.dtype
@@ -197,6 +200,7 @@ class SlotPool:
             raise ValueError("adapter has expert LoRA, which this slot pool holds no room for")
         self.adapter_in[slot] = weights.adapter_id
         self._slot_of[weights.adapter_id] = slot
+        self.generation += 1
         self.slot_rank_host[slot] = weights.rank
         self.slot_rank[slot] = weights.rank
         self._tick += 1
@@ -210,6 +214,7 @@ class SlotPool:
             return None
         self._slot_of.pop(old, None)
         self.adapter_in[slot] = None
+        self.generation += 1
         self.slot_rank_host[slot] = 0
         self.slot_rank[slot] = 0
         for layer in self.stacks:

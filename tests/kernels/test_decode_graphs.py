@@ -170,3 +170,41 @@ def test_graph_decodes_run_any_variant_a_tuning_installs(graph_setup, triton_on_
     assert sum(g.graph.replays for key, g in graphs.graphs.items() if key[1] > 0) > replays
     assert {shrink, expand} <= set(chosen)
     assert any(read_partials) == (split_sum == "expand")
+
+
+def test_graph_lora_metadata_is_rewritten_only_when_the_segments_change():
+    """A steady decode batch (the same slots in the same order, the same bucket) reuses the
+    static LoRA metadata its last step wrote; any other step writes exactly its own segments.
+    Checked against ``group_by_slot`` of each step's slots, padded as the module doc says."""
+    from types import SimpleNamespace
+
+    from loraplex.lora.context import group_by_slot
+
+    graphs = DecodeGraphs(torch.nn.Identity(), [torch.zeros(2, 4, 16, 1, 8)], 16, 64, 8, capture=eager_capture)
+    pool = SimpleNamespace(max_loras=3)
+    puts = []
+    real_put = graphs._staging.put
+    graphs._staging.put = lambda buffer, *a, **k: puts.append(buffer) or real_put(buffer, *a, **k)
+
+    def expected(slots: list[int], batch: int):
+        perm, starts, seg_slot, _ = group_by_slot(slots + [-1] * (batch - len(slots)))
+        n = min(batch, pool.max_loras)
+        return perm, starts + [batch] * (n + 1 - len(starts)), seg_slot + [0] * (n - len(seg_slot))
+
+    rng = random.Random(3)
+    history = [([2, -1, 2, 0], 4), ([2, -1, 2, 0], 4), ([0, 2, 2, -1], 4), ([2, -1, 2, 0], 4), ([2, -1, 2, 0], 8),
+               ([2, -1, 2, 0], 8), ([1], 1), ([1], 1)]
+    history += [([rng.choice([-1, 0, 1, 2]) for _ in range(n)], graphs.bucket_for(n))
+                for n in (rng.randint(1, 8) for _ in range(30))]
+    last = None
+    for slots, batch in history:
+        puts.clear()
+        seg_class = graphs._fill_lora(list(slots), batch, pool)
+        perm, starts, seg_slot = expected(slots, batch)
+        n = min(batch, pool.max_loras)
+        assert graphs.token_perm[:batch].tolist() == perm
+        assert graphs.seg_starts[: n + 1].tolist() == starts and graphs.seg_slot[:n].tolist() == seg_slot
+        longest = max((b - a for a, b in zip(starts, starts[1:])), default=0)
+        assert seg_class == min(batch, 1 << (max(1, longest) - 1).bit_length())
+        assert (puts == []) == (last == (slots, batch))  # nothing written for the same step again
+        last = (slots, batch)
