@@ -87,7 +87,9 @@ def test_prompt_logprobs_match_peft(world):
             row = ref[pos - 1]
             assert entry["logprob"] == pytest.approx(float(row[prompt[pos]]), abs=2e-4)
             assert entry["rank"] == int((row > row[prompt[pos]]).sum()) + 1
-            assert list(entry["top_logprobs"]) == row.topk(3).indices.tolist()
+            # the reference's three best, by value: tokens of equal logprob may come in either
+            # order (the random tiny gemma2 ties some to the last bit)
+            assert [float(row[t]) for t in entry["top_logprobs"]] == pytest.approx(row.topk(3).values.tolist(), abs=2e-4)
 
 
 def test_vocab_slot_buffers_exist_only_once_an_adapter_needs_them(tiny_llama_dir, tmp_path):
