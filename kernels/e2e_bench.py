@@ -157,6 +157,11 @@ def run_e2e(
         for name, path in zip(names, adapter_dirs):
             llm.add_adapter(name, str(path))
         report.line(f"engine up and adapters registered in {time.perf_counter() - t0:.0f} s")
+        # as `loraplex serve` does once it is up (server/cli.py freeze_startup_objects): the start-up
+        # heap (torch, Triton, transformers, the model) leaves the collections, so a full collection
+        # scans only what the runs create; without it, one every hundred steps or so scanned it all
+        gc.collect()
+        gc.freeze()
         gen = torch.Generator().manual_seed(1234)
         results, results_by_totals, rows, repeats, inputs = {}, {}, [], {}, {}
         modes = ["eager"] + (["graphs"] if graphs is not None else [])
@@ -216,6 +221,7 @@ def run_e2e(
         report.line()
         _report_memory(report, llm, on_gpu)
         del llm, runner, graphs
+        gc.unfreeze()  # the engine's objects may be collected now
         gc.collect()
         if on_gpu:
             torch.cuda.empty_cache()  # the host-miss engines size their own KV caches
