@@ -260,9 +260,11 @@ def _report_step_phases(report: Report, llm, cases: dict, on_gpu: bool, max_toke
             except Exception as exc:  # noqa: BLE001 - the profiler must not cost the rows that follow
                 report.line(f"profiling the batch {batch}, {n_adapters} adapters graph failed: {exc!r}")
     labels = list(next(iter(columns.values())))
+    overlap = ("the previous step's outputs are made while the GPU runs this one" if llm.engine.overlap_outputs
+               else "outputs made after the scheduler update (overlap_outputs off)")
     report.line("Host milliseconds per graph-replayed decode step, by phase (mean over one run's graph steps; "
-                "\"graph run\" includes the two copies to graph buffers; the sampler's first read of a result "
-                "waits for the GPU):")
+                "\"graph run\" includes the two copies to graph buffers; the tokens' read-back waits for the GPU; "
+                f"{overlap}):")
     report.line()
     rows = [[label] + [f"{col.get(label, 0.0):.3f}" for col in columns.values()] for label in labels]
     report.table(["phase"] + [f"batch {b}, {n} adapters" for b, n in columns], rows)

@@ -5,8 +5,8 @@ captured step replayed under the profiler, its device time by kernel group.
 The 2026-12-04 H200 calls measured the same code at +23% and +95% LoRA step overhead (graph
 steps of 5.24 and 8.24 ms against 4.25 for the base): the kernel timings could not explain the
 difference, so this splits the step. Nothing here changes the engine: its methods are wrapped on
-the instances for one generate call and unwrapped after. The step is synchronous, so the wait
-for the GPU shows in the phase that first reads a result (the sampler's token read).
+the instances (``PendingRun.result`` on its class) for one generate call and unwrapped after. The
+wait for the GPU shows in the phase that reads the sampled tokens back.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-# (label, how to find the object on the LLM, method name), in the order a step runs them
+# (label, how to find the object on the LLM, method name), in the order a step runs them (with
+# overlap_outputs, on a GPU, the previous step's outputs are made between the sampler's launch and
+# the wait for this step's tokens; without it, after the scheduler update)
 PHASES: list[tuple[str, Callable, str]] = [
     ("schedule", lambda llm: llm.engine.scheduler, "schedule"),
     ("adapter placement", lambda llm: llm.engine.runner.lora_manager, "place"),
@@ -23,12 +25,20 @@ PHASES: list[tuple[str, Callable, str]] = [
     ("LoRA metadata: copy to graph buffers", lambda llm: llm.engine.runner.decode_graphs, "_fill_lora"),
     ("graph run (fill + replay launch)", lambda llm: llm.engine.runner.decode_graphs, "run"),
     ("lm_head (launch)", lambda llm: llm.engine.runner.model, "compute_logits"),
-    ("sampler (waits for the GPU)", lambda llm: llm.engine.runner, "sampler"),
+    ("sampler (launch)", lambda llm: llm.engine.runner.sampler, "launch"),
+    ("outputs (detokenizing, output objects)", lambda llm: llm.engine, "_outputs_of"),
+    ("tokens read back (waits for the GPU)", lambda llm: _pending_run_class(), "result"),
     ("scheduler update", lambda llm: llm.engine.scheduler, "update"),
 ]
 # phases timed inside another phase ("graph run" makes the two copies)
 NESTED = {"decode inputs: copy to graph buffers", "LoRA metadata: copy to graph buffers"}
-REST = "rest of the step (outputs, detokenizing, the rest of execute)"
+REST = "rest of the step (the rest of execute and of the engine's step)"
+
+
+def _pending_run_class():
+    from loraplex.engine.model_runner import PendingRun
+
+    return PendingRun  # its ``result`` is wrapped on the class (a new instance each step)
 
 
 class StepPhases:
@@ -55,7 +65,7 @@ class StepPhases:
             if own is None:
                 delattr(obj, name)  # the class's method is back
             else:
-                setattr(obj, name, own)  # an attribute of the instance itself (the sampler)
+                setattr(obj, name, own)  # its own attribute: a function on a class (PendingRun.result)
         self._wrapped.clear()
 
     def _wrap(self, obj, name: str, label: str) -> None:

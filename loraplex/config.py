@@ -203,6 +203,10 @@ class EngineConfig:
     # CUDA only: replay decode steps (one token per sequence) from captured CUDA graphs; off by
     # default until it has been measured on a GPU (see loraplex/engine/cuda_graphs.py)
     cuda_graphs: bool = False
+    # turn a step's sampled tokens into outputs (detokenizing, output objects) while the device
+    # runs the next step, so each output leaves one step later; None: on where the device runs
+    # asynchronously to the host (CUDA), off on CPU, where nothing would overlap
+    overlap_outputs: bool | None = None
     # multi-LoRA
     max_loras: int = 8
     max_lora_rank: int = 64
@@ -281,6 +285,7 @@ class Settings(BaseSettings):
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     cuda_graphs: bool = False
+    overlap_outputs: bool | None = None  # see EngineConfig
     max_loras: int = 8
     max_lora_rank: int = 64
     enable_expert_lora: bool = False  # see EngineConfig

@@ -92,6 +92,11 @@ class LLMEngine:
         self.driver = None
         self.num_requests_finished = 0
         self.num_requests_aborted = 0
+        # overlap_outputs: the sequences the last step changed, made into outputs by the next
+        # step while the device runs it (``step``)
+        device = getattr(getattr(runner, "device", None), "type", None)
+        self.overlap_outputs = config.overlap_outputs if config.overlap_outputs is not None else device == "cuda"
+        self._deferred: list[Sequence] = []
         log_start(self, max_concurrency(runner.num_blocks, layout, self.max_model_len, runner.block_size, chunk))
 
     # ---- requests --------------------------------------------------------------------------
@@ -231,9 +236,21 @@ class LLMEngine:
         state = self._requests.get(request_id)
         if state is None:
             return None
+        if self._deferred and self._detokenize_deferred(state):
+            return self._finish_request(state)  # its last token's text completed a stop string
         self.scheduler.abort(request_id)
         self.num_requests_aborted += 1
         return self._finish_request(state)
+
+    def _detokenize_deferred(self, state: RequestState) -> bool:
+        """Detokenize the tokens of ``state``'s sequences that wait in ``_deferred``, as the step
+        that sampled them would have without ``overlap_outputs``; whether that finished it (a stop
+        string). Its outputs are then built from what it holds, never from the deferred list."""
+        for track in state.tracks:
+            seq = track.seq
+            if track.detok_tokens < len(seq.output_token_ids):
+                self._detokenize(seq, track)
+        return state.finished
 
     def _finish_request(self, state: RequestState) -> RequestOutput | None:
         out = state.make_output()
@@ -256,28 +273,54 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batched model step; returns the outputs of requests that progressed
-        (cumulative, or deltas for requests added with ``stream_deltas``)."""
+        (cumulative, or deltas for requests added with ``stream_deltas``). With
+        ``overlap_outputs`` these are the previous step's, made while the device runs this one;
+        a step that schedules nothing returns those still due."""
         failed: list[RequestOutput] = []
         if self.lora_manager is not None:  # adapters read in the background since the last step
             for exc in self.lora_manager.collect_reads():
                 failed += self._drop_adapter(exc)
         sched_out = self.scheduler.schedule()
-        self.last_step_was_empty = sched_out.is_empty and not failed
         if sched_out.is_empty:
             if sched_out.released_seq_ids:
                 self.runner.release(sched_out.released_seq_ids)
-            return failed
+            outputs = failed + self._outputs_of(self._take_deferred())
+            self.last_step_was_empty = not outputs
+            return outputs
+        self.last_step_was_empty = False
         try:
-            run_out = self.runner.execute(sched_out)
+            run = self.runner.launch(sched_out)
         except AdapterLoadFailedError as exc:
-            failed = self._drop_adapter(exc)
+            failed += self._drop_adapter(exc)
             self.scheduler.requeue_unrun(sched_out)
-            return failed
-        changed = self.scheduler.update(sched_out, run_out)
+            return failed + self._outputs_of(self._take_deferred())
+        # the host's share of the last step while the device runs this one (overlap_outputs)
+        outputs = self._outputs_of(self._take_deferred(), failed)
+        changed = self.scheduler.update(sched_out, run.result())
+        if self.overlap_outputs:
+            self._deferred = changed
+            return outputs
+        return self._outputs_of(changed, outputs)
+
+    def _num_reporting(self) -> int:
+        """Requests whose sequences have all finished but whose final output waits in
+        ``_deferred`` (overlap_outputs): neither running nor waiting."""
+        states = {found[0] for seq in self._deferred if (found := self._seq_tracks.get(seq.seq_id)) is not None}
+        return sum(state.finished for state in states)
+
+    def _take_deferred(self) -> list[Sequence]:
+        deferred, self._deferred = self._deferred, []
+        return deferred
+
+    def _outputs_of(self, changed: list[Sequence], outputs: list[RequestOutput] | None = None) -> list[RequestOutput]:
+        """Detokenize what ``changed`` (a step's ``Scheduler.update``) got and append the outputs
+        of the requests that progressed to ``outputs``."""
+        outputs = [] if outputs is None else outputs
+        if not changed:
+            return outputs
         # per sequence per step (the host time of a decode step at large batches): one dict
         # read finds the request and the track, and the usual one new token skips _detokenize
         seq_tracks, inline_one_token = self._seq_tracks, self.inline_one_token
-        outputs: list[RequestOutput] = failed
         # a request of several sequences reports once all of them are detokenized: a slot
         # keeps its place among the outputs (the order is first touch, as for the others)
         pending: dict[RequestState, int] = {}
@@ -388,7 +431,7 @@ class LLMEngine:
         out = {
             "model": self.model_name,
             "num_requests_running": num_requests_running,
-            "num_requests_waiting": len(self._requests) - num_requests_running,
+            "num_requests_waiting": len(self._requests) - num_requests_running - self._num_reporting(),
             "num_seqs_running": sched.num_running,
             "num_seqs_waiting": sched.num_waiting,
             "num_unfinished_requests": len(self._requests),

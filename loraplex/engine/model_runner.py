@@ -52,7 +52,7 @@ from loraplex.engine.kv_budget import (
 from loraplex.engine.kv_layout import KVLayout
 from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from loraplex.engine.prompt_logprobs import prompt_token_logprobs
-from loraplex.engine.sampler import Sampler
+from loraplex.engine.sampler import PendingTokens, Sampler
 from loraplex.engine.spec_verify import position_views
 from loraplex.kernels.kv_quant import check_kv_dtype_device, kv_cache_torch_dtype
 from loraplex.lora.context import logits_lora
@@ -82,6 +82,30 @@ class FlatBatch:
     prompt_logprob_rows: list[tuple] = field(default_factory=list)
     # (seq_id, index of its first row in sample_rows, number of rows) per speculative sequence
     verify_spans: list[tuple] = field(default_factory=list)
+
+
+class PendingRun:
+    """A step queued by ``ModelRunner.launch``; ``result()`` waits for its sampled tokens and
+    returns the step's ``ModelRunnerOutput`` (once)."""
+
+    def __init__(self, tokens: PendingTokens | None, seqs: list, verify_spans: list[tuple] = (),
+                 prompt_logprobs: dict | None = None):
+        self.tokens = tokens  # None: the step samples nothing
+        self.seqs = seqs  # one per sampled row (a speculative sequence: one PositionView per verified row)
+        self.verify_spans = verify_spans  # (seq_id, first row, rows) per speculative sequence
+        self.prompt_logprobs = prompt_logprobs or {}
+
+    def result(self) -> ModelRunnerOutput:
+        if self.tokens is None:
+            return ModelRunnerOutput(sampled={}, prompt_logprobs=self.prompt_logprobs)
+        tokens, seqs, spans = self.tokens.result(), self.seqs, self.verify_spans
+        if not spans:
+            sampled = {seq.seq_id: tok for seq, tok in zip(seqs, tokens)}
+            return ModelRunnerOutput(sampled=sampled, prompt_logprobs=self.prompt_logprobs)
+        verified = {seq_id: tokens[first : first + count] for seq_id, first, count in spans}
+        in_span = {row for _, first, count in spans for row in range(first, first + count)}
+        sampled = {seq.seq_id: tok for row, (seq, tok) in enumerate(zip(seqs, tokens)) if row not in in_span}
+        return ModelRunnerOutput(sampled=sampled, verified=verified, prompt_logprobs=self.prompt_logprobs)
 
 
 class ModelRunner:
@@ -248,12 +272,19 @@ class ModelRunner:
 
     # ---- per step -----------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and return what it sampled."""
+        return self.launch(sched_out).result()
+
+    @torch.inference_mode()
+    def launch(self, sched_out: SchedulerOutput) -> PendingRun:
+        """Queue one step on the device (placing its adapters first); the result waits for the
+        sampled tokens. On a GPU the host is free in between: the engine turns the previous
+        step's tokens into outputs meanwhile."""
         if sched_out.released_seq_ids:
             self.release(sched_out.released_seq_ids)
         if sched_out.is_empty:
-            return ModelRunnerOutput(sampled={})
+            return PendingRun(None, [])
         scheduled = sched_out.scheduled
         lora_ctx = None
         if self.lora_manager is not None:
@@ -276,14 +307,14 @@ class ModelRunner:
         if batch.prompt_logprob_rows:
             prompt_logprobs = prompt_token_logprobs(self.model, hidden, batch.prompt_logprob_rows, lora_ctx)
         if not batch.sample_rows:
-            return ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_logprobs)
+            return PendingRun(None, [], prompt_logprobs=prompt_logprobs)
         rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
         head_lora = None if lora_ctx is None else lora_ctx.logits_lora(batch.sample_rows)
-        out = self._sample(hidden[rows], batch.sample_seqs, batch.verify_spans, head_lora)
-        out.prompt_logprobs = prompt_logprobs
-        return out
+        run = self._sample(hidden[rows], batch.sample_seqs, batch.verify_spans, head_lora)
+        run.prompt_logprobs = prompt_logprobs
+        return run
 
-    def _execute_graph(self, scheduled: list[ScheduledSeq]) -> ModelRunnerOutput:
+    def _execute_graph(self, scheduled: list[ScheduledSeq]) -> PendingRun:
         token_slots, pool = None, None
         if self.lora_manager is not None:
             token_slots = self.lora_manager.step_slots([item.adapter_id for item in scheduled])
@@ -296,16 +327,10 @@ class ModelRunner:
 
     def _sample(
         self, hidden: torch.Tensor, seqs: list, verify_spans: list[tuple] = (), head_lora=None
-    ) -> ModelRunnerOutput:
+    ) -> PendingRun:
         # hidden: [num_sampled, H]; head_lora: the lm_head LoRA of these rows (None = none)
         logits = self.model.compute_logits(hidden, head_lora)  # [num_sampled, vocab] fp32
-        tokens = self.sampler(logits, seqs, self.eos_token_ids)
-        if not verify_spans:
-            return ModelRunnerOutput(sampled={seq.seq_id: tok for seq, tok in zip(seqs, tokens)})
-        verified = {seq_id: tokens[first : first + count] for seq_id, first, count in verify_spans}
-        in_span = {row for _, first, count in verify_spans for row in range(first, first + count)}
-        sampled = {seq.seq_id: tok for row, (seq, tok) in enumerate(zip(seqs, tokens)) if row not in in_span}
-        return ModelRunnerOutput(sampled=sampled, verified=verified)
+        return PendingRun(self.sampler.launch(logits, seqs, self.eos_token_ids), seqs, verify_spans)
 
     def release(self, seq_ids) -> None:
         """Drop per-sequence state: the sequences' rows in the host copy of the block tables

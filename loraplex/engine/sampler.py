@@ -70,6 +70,13 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, seqs: Seq["Sequence"], eos_token_ids: set[int] | frozenset[int] = frozenset()
     ) -> list[SampledToken]:
+        return self.launch(logits, seqs, eos_token_ids).result()
+
+    def launch(
+        self, logits: torch.Tensor, seqs: Seq["Sequence"], eos_token_ids: set[int] | frozenset[int] = frozenset()
+    ) -> "PendingTokens":
+        """Queue the draw on the logits' device; ``result()`` of what it returns reads the tokens
+        back (on a GPU, the wait for the step's device work) and advances the grammars."""
         uses = _logit_changes(seqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if uses.logprobs else None
         # each apply_* below does nothing to a batch without its option (so is skipped for it)
@@ -104,16 +111,7 @@ class Sampler:
             chosen = self._sample_random(logits[index], [seqs[i] for i in random_rows])
             token_ids[index] = chosen
 
-        ids = token_ids.tolist()
-        for row in grammar_rows:
-            gate = seqs[row].reasoning_gate
-            if gate is None:
-                seqs[row].grammar.consume_token(ids[row])
-            else:
-                gate.advance(ids[row], seqs[row].grammar)
-        if raw_logprobs is None:
-            return [SampledToken(t) for t in ids]  # positional: a keyword costs more, per row
-        return _with_logprobs(ids, raw_logprobs, [s.params for s in seqs])
+        return PendingTokens(token_ids, seqs, grammar_rows, raw_logprobs)
 
     def _sample_random(self, logits: torch.Tensor, seqs: list["Sequence"]) -> torch.Tensor:
         params = [s.params for s in seqs]
@@ -137,6 +135,32 @@ class Sampler:
                 gen.manual_seed(row_seed(p.seed, getattr(seq, "index", 0), len(seq.output_token_ids)))
                 noise[i].exponential_(generator=gen)
         return row_argmax(probs / noise)
+
+
+class PendingTokens:
+    """A batch's draw, queued by ``Sampler.launch``: ``result()`` reads the tokens back (once)."""
+
+    __slots__ = ("token_ids", "seqs", "grammar_rows", "raw_logprobs")
+
+    def __init__(self, token_ids: torch.Tensor, seqs: Seq["Sequence"], grammar_rows: list[int],
+                 raw_logprobs: torch.Tensor | None):
+        self.token_ids = token_ids  # [n] int64, on the logits' device
+        self.seqs = seqs
+        self.grammar_rows = grammar_rows  # rows whose grammar takes the sampled token
+        self.raw_logprobs = raw_logprobs  # [n, vocab] fp32, or None when no row asked for logprobs
+
+    def result(self) -> list[SampledToken]:
+        ids = self.token_ids.tolist()
+        seqs = self.seqs
+        for row in self.grammar_rows:
+            gate = seqs[row].reasoning_gate
+            if gate is None:
+                seqs[row].grammar.consume_token(ids[row])
+            else:
+                gate.advance(ids[row], seqs[row].grammar)
+        if self.raw_logprobs is None:
+            return [SampledToken(t) for t in ids]  # positional: a keyword costs more, per row
+        return _with_logprobs(ids, self.raw_logprobs, [s.params for s in seqs])
 
 
 class _LogitChanges:

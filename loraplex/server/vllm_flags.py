@@ -245,6 +245,11 @@ def translate(args: argparse.Namespace, overrides: dict, environ: Mapping[str, s
         if out.get("cuda_graphs"):
             raise VllmFlagError("--enforce-eager turns CUDA graphs off and --cuda-graphs on: give one")
         out["cuda_graphs"] = False  # also over LORAPLEX_CUDA_GRAPHS=true
+    async_scheduling = getattr(args, "vllm_async_scheduling", None)
+    if async_scheduling is not None:  # vLLM's: the host's share of a step overlaps the next one's device work
+        if out.get("overlap_outputs", async_scheduling) != async_scheduling:
+            raise VllmFlagError("--[no-]async-scheduling and --[no-]overlap-outputs disagree: give one")
+        out["overlap_outputs"] = async_scheduling
     if "allow_runtime_lora_updating" not in out and runtime_updating_from_env(environ or {}):
         out["allow_runtime_lora_updating"] = True
     try:

@@ -16,6 +16,8 @@ model sees the whole context when some group is global, else the (shared) window
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import hashlib
 import itertools
 
@@ -178,3 +180,8 @@ class FakeModelRunner(FakeRunner):
 
     def release(self, seq_ids) -> None:
         self.released.extend(seq_ids)
+
+    def launch(self, out: SchedulerOutput):
+        """``ModelRunner.launch``: the fake model runs at once; the result is what it sampled."""
+        run_out = self.execute(out)
+        return SimpleNamespace(result=lambda: run_out)

@@ -11,10 +11,13 @@ import pytest
 from tests.engine.test_engine_fake import greedy, make_engine
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
 @pytest.mark.parametrize("policy", ["fair", "fcfs", "priority"])
-def test_waiting_and_running_counts_follow_the_sequences(policy):
+def test_waiting_and_running_counts_follow_the_sequences(policy, overlap):
+    """With overlap_outputs, a request whose final output has not left yet is neither."""
     rng = random.Random(policy)
-    engine = make_engine(max_num_batched_tokens=32, num_blocks=12, max_num_seqs=8, scheduling_policy=policy)
+    engine = make_engine(max_num_batched_tokens=32, num_blocks=12, max_num_seqs=8, scheduling_policy=policy,
+                         overlap_outputs=overlap)
     for i in range(12):
         prompt = [rng.randrange(4, 97) for _ in range(rng.randint(6, 16))]
         engine.add_request(f"r{i}", prompt, greedy(max_tokens=rng.randint(4, 16), n=1 + (i % 4 == 0)),

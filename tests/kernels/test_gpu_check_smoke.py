@@ -91,7 +91,8 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
     (lora_row,) = [x for x in results.splitlines() if x.startswith("| LoRA metadata: copy to graph buffers |")]
     assert float(lora_row.split("|")[2]) == 0.0 and float(lora_row.split("|")[3]) > 0.0
     # and what no phase covers, so the rows add up to the step
-    assert "| rest of the step (outputs, detokenizing, the rest of execute) |" in results
+    assert "| rest of the step (the rest of execute and of the engine's step) |" in results
+    assert "| outputs (detokenizing, output objects) |" in results and "| tokens read back (waits for the GPU) |" in results
     # and each case's captured step replayed under the profiler, its time by kernel group
     assert "microseconds per replay of the step's CUDA graph, by kernel group" in results
     (total_row,) = [x for x in results.splitlines() if x.startswith("| total |")]

@@ -42,7 +42,6 @@ NO_OPS = [
     (["--enable-log-requests"], "--enable-log-requests"),
     (["--task", "generate"], "--task"),
     (["--runner", "generate"], "--runner"),
-    (["--async-scheduling"], "--async-scheduling"),
     (["-O3"], "-O"),
     (["-O", "0"], "-O"),
     (["--compilation-config", '{"level": 3, "cudagraph_capture_sizes": [1, 2, 4]}'], "--compilation-config"),
@@ -69,6 +68,19 @@ def test_a_value_that_means_what_loraplex_does_is_taken_and_noted(argv, flag):
     assert [n for n in notes("m", *argv) if n.startswith(flag)], notes("m", *argv)
 
 
+def test_async_scheduling_is_overlap_outputs():
+    """vLLM's --async-scheduling (the host's share of a step overlapping the next one's device
+    work) sets loraplex's nearest option either way; a contradicting --overlap-outputs is refused."""
+    assert settings("m").overlap_outputs is None  # the engine's default: on where it overlaps (CUDA)
+    assert settings("m", "--async-scheduling").overlap_outputs is True
+    assert settings("m", "--no-async-scheduling").overlap_outputs is False
+    assert settings("m", "--async-scheduling", "--overlap-outputs").engine_config().overlap_outputs is True
+    assert [n for n in notes("m", "--async-scheduling") if n.startswith("--async-scheduling: taken as --overlap")]
+    assert notes("m", "--no-async-scheduling") == []
+    with pytest.raises(VllmFlagError, match="disagree"):
+        settings("m", "--async-scheduling", "--no-overlap-outputs")
+
+
 def test_vllms_boolean_optional_forms_turn_the_engine_options_off():
     s = settings("m", "--no-enable-prefix-caching", "--no-enable-chunked-prefill")
     assert (s.enable_prefix_caching, s.enable_chunked_prefill) == (False, False)
@@ -78,7 +90,7 @@ def test_vllms_boolean_optional_forms_turn_the_engine_options_off():
 def test_a_command_line_without_these_flags_logs_no_notes():
     assert notes("m", "--max-loras", "4") == []
     # vLLM's --no- forms of its switches ask for nothing either
-    off = ["--no-enable-log-requests", "--no-fully-sharded-loras", "--no-async-scheduling", "--no-disable-sliding-window",
+    off = ["--no-enable-log-requests", "--no-fully-sharded-loras", "--no-disable-sliding-window",
            "--no-headless", "--no-enable-sleep-mode"]
     assert notes("m", *off) == [] and settings("m", *off) == settings("m")
 
