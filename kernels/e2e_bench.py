@@ -238,17 +238,27 @@ def run_e2e(
 
 
 def _report_step_phases(report: Report, llm, cases: dict, on_gpu: bool, max_tokens: int) -> None:
-    """One more run of each case with the engine's phases timed on the host (step_phases.py)."""
+    """One more run of each case with the engine's phases timed on the host (step_phases.py),
+    then one with overlap_outputs the other way (between two generate calls nothing is deferred,
+    so the switch is safe), side by side."""
     from step_phases import StepPhases, replay_device_us
 
     from loraplex.engine.cuda_graphs import segment_class
 
-    columns, device, largest = {}, {}, {}
+    columns, medians, tokens, device, largest = {}, {}, {}, {}, {}
     graphs = llm.engine.runner.decode_graphs
-    for (batch, n_adapters), (prompts, adapters) in cases.items():
+    engine = llm.engine
+    overlap = engine.overlap_outputs
+
+    def timed_run(batch: int, n_adapters: int, prompts, adapters) -> None:
         with _triton_on_cpu(not on_gpu), StepPhases(llm) as phases:
-            _timed_generate(llm, prompts, adapters, max_tokens)
-        columns[(batch, n_adapters)] = phases.per_graph_step_ms()
+            _, tokens[(batch, n_adapters, engine.overlap_outputs)] = _timed_generate(llm, prompts, adapters, max_tokens)
+        columns[(batch, n_adapters, engine.overlap_outputs)] = phases.per_graph_step_ms()
+        steps = phases.decode_step_seconds(batch)
+        medians[(batch, n_adapters, engine.overlap_outputs)] = statistics.median(steps) * 1e3 if steps else float("nan")
+
+    for (batch, n_adapters), (prompts, adapters) in cases.items():
+        timed_run(batch, n_adapters, prompts, adapters)
         # the last step's graph, replayed on its buffers (every request has ended: the KV slots
         # it writes belong to no one), its device time by kernel group
         seg_class = segment_class(batch, -(-batch // n_adapters)) if n_adapters else 0
@@ -259,15 +269,26 @@ def _report_step_phases(report: Report, llm, cases: dict, on_gpu: bool, max_toke
                     device[(batch, n_adapters)], largest[(batch, n_adapters)] = replay_device_us(graph.graph, on_gpu)
             except Exception as exc:  # noqa: BLE001 - the profiler must not cost the rows that follow
                 report.line(f"profiling the batch {batch}, {n_adapters} adapters graph failed: {exc!r}")
+    engine.overlap_outputs = not overlap
+    try:
+        for (batch, n_adapters), (prompts, adapters) in cases.items():
+            timed_run(batch, n_adapters, prompts, adapters)
+    finally:
+        engine.overlap_outputs = overlap
+    for batch, n_adapters in cases:
+        on, off = (batch, n_adapters, True), (batch, n_adapters, False)
+        report.line(f"- batch {batch}, {n_adapters} adapters: decode step median {medians[on]:.3f} ms with "
+                    f"overlap_outputs, {medians[off]:.3f} ms without ({medians[on] / medians[off] - 1:+.1%}); "
+                    f"greedy tokens identical for {_agreement(tokens[on], tokens[off])}")
+    report.line()
     labels = list(next(iter(columns.values())))
-    overlap = ("the previous step's outputs are made while the GPU runs this one" if llm.engine.overlap_outputs
-               else "outputs made after the scheduler update (overlap_outputs off)")
     report.line("Host milliseconds per graph-replayed decode step, by phase (mean over one run's graph steps; "
                 "\"graph run\" includes the two copies to graph buffers; the tokens' read-back waits for the GPU; "
-                f"{overlap}):")
+                "overlapped: the previous step's outputs are made while the GPU runs this one, else after the "
+                "scheduler update):")
     report.line()
     rows = [[label] + [f"{col.get(label, 0.0):.3f}" for col in columns.values()] for label in labels]
-    report.table(["phase"] + [f"batch {b}, {n} adapters" for b, n in columns], rows)
+    report.table(["phase"] + [f"batch {b}, {n} adapters{', overlapped' if o else ''}" for b, n, o in columns], rows)
     if len(device) == len(cases):
         kind = "device" if on_gpu else "CPU (stand-in capture: no GPU figure)"
         report.line(f"{kind} microseconds per replay of the step's CUDA graph, by kernel group (profiler, 5 replays):")

@@ -87,7 +87,13 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
     assert "| K splits |" in results and "| both us, atomic splits | both us, splits summed in expand |" in results
     # the graph steps split into host phases, base and with adapters, the LoRA copy among them
     assert "Host milliseconds per graph-replayed decode step" in results
-    assert "| phase | batch 4, 0 adapters | batch 4, 2 adapters |" in results
+    assert ("| phase | batch 4, 0 adapters | batch 4, 2 adapters | batch 4, 0 adapters, overlapped "
+            "| batch 4, 2 adapters, overlapped |") in results
+    # the same runs with overlap_outputs on (off is the CPU default): the same greedy tokens
+    for n in (0, 2):
+        assert f"- batch 4, {n} adapters: decode step median" in results
+        (line,) = [x for x in results.splitlines() if x.startswith(f"- batch 4, {n} adapters: decode step median")]
+        assert line.endswith("greedy tokens identical for 4 of 4 sequences"), line
     (lora_row,) = [x for x in results.splitlines() if x.startswith("| LoRA metadata: copy to graph buffers |")]
     assert float(lora_row.split("|")[2]) == 0.0 and float(lora_row.split("|")[3]) > 0.0
     # and what no phase covers, so the rows add up to the step
