@@ -209,9 +209,14 @@ def test_a_step_with_nothing_to_run_delivers_what_waits():
     assert engine.step() == [] and engine.last_step_was_empty
 
 
-def test_default_is_off_on_cpu_and_the_option_turns_it_on():
-    assert make_engine(None).overlap_outputs is False
-    assert make_engine(True).overlap_outputs is True
+def test_default_is_off_on_cpu_and_the_option_turns_it_on(caplog):
+    with caplog.at_level("INFO", logger="loraplex.engine"):
+        assert make_engine(None).overlap_outputs is False
+        assert make_engine(True).overlap_outputs is True
+    # the start-up line says which
+    starts = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loraplex engine:")]
+    assert [s.endswith("overlap_outputs=off") for s in starts] == [True, False]
+    assert starts[1].endswith("cuda_graphs=off overlap_outputs=on")
 
 
 def test_async_streams_with_overlap():
