@@ -159,9 +159,9 @@ def main() -> int:
     step_times: list[tuple[float, int]] = []  # (start, outputs) of each step
     real_step = engine.step
 
-    def timed_step():
+    def timed_step(*args, **kwargs):  # AsyncLLMEngine passes step() its deliver callback
         start = time.perf_counter()
-        out = real_step()
+        out = real_step(*args, **kwargs)
         step_times.append((start, len(out)))
         return out
 

@@ -348,19 +348,23 @@ class AsyncLLMEngine:
                     self._wakeup.wait()
                     self._wakeup.clear()
                     continue
-                outputs = self.engine.step()
+                # with overlap_outputs the last step's outputs leave while the device runs this one
+                outputs = self.engine.step(self._deliver_with_stats)
                 if self.engine.last_step_was_empty:  # nothing runnable yet: do not spin hot
                     self._wakeup.wait(0.005)
                     self._wakeup.clear()
-                # before delivery: a caller that saw its last delta sees the freed blocks
-                if any(out.finished for out in outputs) or time.monotonic() - self._stats_time >= STATS_REFRESH_S:
-                    self._refresh_stats()
-                self._deliver(outputs)
+                self._deliver_with_stats(outputs)
         except BaseException as exc:  # a failed step: every open request learns why
             logger.exception("engine loop failed")
             self._dead = exc
         finally:
             self._fail_all(self._dead)
+
+    def _deliver_with_stats(self, outputs: list[RequestOutput]) -> None:
+        # before delivery: a caller that saw its last delta sees the freed blocks
+        if any(out.finished for out in outputs) or time.monotonic() - self._stats_time >= STATS_REFRESH_S:
+            self._refresh_stats()
+        self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """One ``call_soon_threadsafe`` per caller loop and step, not one per request: each call

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 
 from loraplex import generation_defaults
 from loraplex.config import EngineConfig
@@ -271,11 +272,13 @@ class LLMEngine:
         return len(self._requests)
 
     # ---- the step --------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, deliver: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """Run one batched model step; returns the outputs of requests that progressed
         (cumulative, or deltas for requests added with ``stream_deltas``). With
         ``overlap_outputs`` these are the previous step's, made while the device runs this one;
-        a step that schedules nothing returns those still due."""
+        a step that schedules nothing returns those still due. ``deliver``, when given, takes
+        the previous step's outputs as soon as they are made, before this step's tokens are
+        read back (a server streams them one device step sooner); they are not returned then."""
         failed: list[RequestOutput] = []
         if self.lora_manager is not None:  # adapters read in the background since the last step
             for exc in self.lora_manager.collect_reads():
@@ -296,6 +299,9 @@ class LLMEngine:
             return failed + self._outputs_of(self._take_deferred())
         # the host's share of the last step while the device runs this one (overlap_outputs)
         outputs = self._outputs_of(self._take_deferred(), failed)
+        if deliver is not None and outputs:
+            deliver(outputs)
+            outputs = []
         changed = self.scheduler.update(sched_out, run.result())
         if self.overlap_outputs:
             self._deferred = changed

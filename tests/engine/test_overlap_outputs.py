@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import defaultdict
+from types import SimpleNamespace
 
 import pytest
 
@@ -207,6 +208,50 @@ def test_a_step_with_nothing_to_run_delivers_what_waits():
     assert final.finished and final.outputs[0].token_ids == reference_output([5, 6, 7], 2)
     assert not engine.last_step_was_empty and not engine.has_unfinished()
     assert engine.step() == [] and engine.last_step_was_empty
+
+
+def _outputs_by_step(engine: LLMEngine, events: list[str] | None = None) -> list[list[tuple]]:
+    """Step until done; per step what reached the caller, through ``deliver`` (then marked, and
+    logged in ``events`` with each read-back of the step's tokens) or returned."""
+    launch = engine.runner.launch
+
+    def logged_launch(sched_out):
+        run = launch(sched_out)
+        return SimpleNamespace(result=lambda: (events.append("read back"), run.result())[1])
+
+    if events is not None:
+        engine.runner.launch = logged_launch
+    steps = []
+    while engine.has_unfinished():
+        delivered = []
+
+        def deliver(outputs):
+            events.append("deliver")
+            delivered.extend(("early", out.request_id, out.finished, _completions(out)) for out in outputs)
+
+        returned = engine.step(deliver if events is not None else None)
+        steps.append(delivered + [("returned", o.request_id, o.finished, _completions(o)) for o in returned])
+    return steps
+
+
+def test_deliver_takes_the_last_steps_outputs_before_this_steps_tokens_are_read_back():
+    prompts = {f"d{i}": [5 + i, 9, 30 + i] for i in range(4)}
+    runs = []
+    for events in (None, []):
+        engine = make_engine(True)
+        for rid, prompt in prompts.items():
+            engine.add_request(rid, prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=3 + int(rid[1])),
+                               stream_deltas=True)
+        runs.append((_outputs_by_step(engine, events), events))
+    (plain, _), (early, events) = runs
+    # the same outputs in the same steps; with deliver, all of them before the step's read-back
+    # but those of a step that ran nothing (the flush after the last one)
+    assert [[o[1:] for o in step] for step in early] == [[o[1:] for o in step] for step in plain]
+    assert all(o[0] == "early" for step in early[:-1] for o in step) and early[-1][0][0] == "returned"
+    assert early[0] == [] and events[0] == "read back"  # the first step had nothing to deliver yet
+    assert events.count("deliver") == len(early) - 2 and all(
+        events[i + 1] == "read back" for i, e in enumerate(events) if e == "deliver")
+    assert sum(o[2] for step in early for o in step) == len(prompts)
 
 
 def test_default_is_off_on_cpu_and_the_option_turns_it_on(caplog):

@@ -62,9 +62,9 @@ def test_many_adapters_over_the_host_budget_with_flaky_reads(adapters, tiny_llam
     manager.catalog.parse = flaky
     step = engine.step
 
-    def checked_step():
+    def checked_step(*args, **kwargs):
         _check_budget(manager)
-        out = step()
+        out = step(*args, **kwargs)
         _check_budget(manager)
         return out
 

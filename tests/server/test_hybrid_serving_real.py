@@ -62,14 +62,14 @@ def test_completions_match_transformers_and_kv_usage_counts_held_pages(world):
     paused, resume, steps = threading.Event(), threading.Event(), [0]
     step = engine.step
 
-    def step_then_pause():
+    def step_then_pause(*args, **kwargs):
         # all three requests in before the first step, however late their HTTP threads arrive
         # under load (the engine thread runs the queued adds between steps: this is that thread)
         deadline = time.monotonic() + 30
         while steps[0] == 0 and engine.scheduler.num_waiting < 3 and time.monotonic() < deadline:
             async_engine._run_commands()
             time.sleep(0.005)
-        out = step()
+        out = step(*args, **kwargs)
         steps[0] += 1
         if steps[0] == 6:
             async_engine._refresh_stats()  # the server reads the engine thread's last snapshot
