@@ -323,3 +323,19 @@ def test_real_model_with_adapters_sampling_and_logprobs(tiny_llama_dir, tmp_path
         if overlap:
             assert stats["num_preemptions"] > 0 and stats["num_chunked_prefills"] > 0
     assert runs[0] == runs[1]
+
+
+@pytest.mark.slow
+def test_the_overlap_benchmark_runs_and_finds_the_same_tokens():
+    """benchmarks/bench_overlap.py at a small size: it exits non-zero if overlap changed a token."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_overlap.py"), "--batch", "8", "--adapters",
+                          "2", "--max-tokens", "8", "--rounds", "1", "--device-ms", "0", "2"],
+                         capture_output=True, text=True, timeout=600, cwd=root)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| 0.0 |") or line.startswith("| 2.0 |")]
+    assert len(rows) == 2 and all(float(cell) > 0 for row in rows for cell in row.strip("| ").split(" | ")[1:])
