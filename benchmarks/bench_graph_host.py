@@ -64,35 +64,47 @@ def _host_only_graphs(runner, max_num_seqs: int, hidden_size: int):
                           capture=None, layout=runner.kv_layout)
 
 
-def main() -> int:
-    args = _parse_args()
+HIDDEN_SIZE, PROMPT_LEN = 64, 16
+
+
+def tiny_graph_llm(prefix: str, batch: int, num_adapters: int, max_tokens: int):
+    """A one-layer Llama (hidden 64) served through the graph decode path with a replay that
+    launches nothing, ``num_adapters`` rank-16 adapters registered; (llm, adapter names, vocab size)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from loraplex import LLM, SamplingParams
-    from step_phases import NESTED, PHASES, REST, StepPhases
+    from loraplex import LLM
     from tests.fixtures.peft_adapters import make_peft_adapter
     from tests.fixtures.tiny_models import make_tiny_model_dir
 
     torch.set_num_threads(1)
-    root = Path(tempfile.mkdtemp(prefix="loraplex-bench-graph-host-"))
-    hidden_size, prompt_len = 64, 16
-    model_dir = make_tiny_model_dir(root / "model", "llama", num_hidden_layers=1, hidden_size=hidden_size,
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    model_dir = make_tiny_model_dir(root / "model", "llama", num_hidden_layers=1, hidden_size=HIDDEN_SIZE,
                                     intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    num_adapters = max(args.adapters)
     llm = LLM(model=str(model_dir), dtype="float32", device="cpu", home=root / "home",
-              max_loras=max(1, num_adapters), max_lora_rank=16, max_num_seqs=args.batch,
-              max_num_batched_tokens=args.batch * prompt_len, max_model_len=prompt_len + args.max_tokens + 16,
+              max_loras=max(1, num_adapters), max_lora_rank=16, max_num_seqs=batch,
+              max_num_batched_tokens=batch * PROMPT_LEN, max_model_len=PROMPT_LEN + max_tokens + 16,
               enable_prefix_caching=False)
     names = [f"a{i:03d}" for i in range(num_adapters)]
     for i, name in enumerate(names):
-        path = make_peft_adapter(base, root / name, seed=i, r=16, target_modules="all-linear")
-        llm.add_adapter(name, str(path))
+        llm.add_adapter(name, str(make_peft_adapter(base, root / name, seed=i, r=16, target_modules="all-linear")))
     runner = llm.engine.runner
-    runner.decode_graphs = _host_only_graphs(runner, args.batch, hidden_size)
+    runner.decode_graphs = _host_only_graphs(runner, batch, HIDDEN_SIZE)
+    return llm, names, base.config.vocab_size
+
+
+def main() -> int:
+    args = _parse_args()
+    import torch
+
+    from loraplex import SamplingParams
+    from step_phases import NESTED, PHASES, REST, StepPhases
+
+    llm, names, vocab_size = tiny_graph_llm("loraplex-bench-graph-host-", args.batch, max(args.adapters),
+                                            args.max_tokens)
     gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(4, base.config.vocab_size, (args.batch, prompt_len), generator=gen).tolist()
+    prompts = torch.randint(4, vocab_size, (args.batch, PROMPT_LEN), generator=gen).tolist()
     if args.churn:  # stream i ends after 1 + i % max_tokens tokens: some end at every step
         params = [SamplingParams(max_tokens=1 + i % args.max_tokens, temperature=0.0, ignore_eos=True)
                   for i in range(args.batch)]

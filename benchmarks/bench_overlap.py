@@ -19,7 +19,6 @@ import argparse
 import gc
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -59,29 +58,13 @@ class StandInDevice:
 def main() -> int:
     args = _parse_args()
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from bench_graph_host import _host_only_graphs
-    from loraplex import LLM, SamplingParams
+    from bench_graph_host import PROMPT_LEN, tiny_graph_llm
+    from loraplex import SamplingParams
     from loraplex.engine import model_runner
-    from tests.fixtures.peft_adapters import make_peft_adapter
-    from tests.fixtures.tiny_models import make_tiny_model_dir
 
-    torch.set_num_threads(1)
-    root = Path(tempfile.mkdtemp(prefix="loraplex-bench-overlap-"))
-    hidden_size, prompt_len = 64, 16
-    model_dir = make_tiny_model_dir(root / "model", "llama", num_hidden_layers=1, hidden_size=hidden_size,
-                                    intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    llm = LLM(model=str(model_dir), dtype="float32", device="cpu", home=root / "home",
-              max_loras=max(1, args.adapters), max_lora_rank=16, max_num_seqs=args.batch,
-              max_num_batched_tokens=args.batch * prompt_len, max_model_len=prompt_len + args.max_tokens + 16,
-              enable_prefix_caching=False)
-    names = [f"a{i:03d}" for i in range(args.adapters)]
-    for i, name in enumerate(names):
-        llm.add_adapter(name, str(make_peft_adapter(base, root / name, seed=i, r=16, target_modules="all-linear")))
-    engine, runner = llm.engine, llm.engine.runner
-    runner.decode_graphs = graphs = _host_only_graphs(runner, args.batch, hidden_size)
+    llm, names, vocab_size = tiny_graph_llm("loraplex-bench-overlap-", args.batch, args.adapters, args.max_tokens)
+    engine, graphs = llm.engine, llm.engine.runner.decode_graphs
     device = StandInDevice()
 
     # the stand-in: a replay starts the device's work, a read-back of the tokens waits for it
@@ -108,7 +91,7 @@ def main() -> int:
 
     engine.step = timed_step
     gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(4, base.config.vocab_size, (args.batch, prompt_len), generator=gen).tolist()
+    prompts = torch.randint(4, vocab_size, (args.batch, PROMPT_LEN), generator=gen).tolist()
     adapters = [names[i % args.adapters] if args.adapters else None for i in range(args.batch)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     gc.collect()
