@@ -287,7 +287,7 @@ class LLMEngine:
         if sched_out.is_empty:
             if sched_out.released_seq_ids:
                 self.runner.release(sched_out.released_seq_ids)
-            outputs = failed + self._outputs_of(self._take_deferred())
+            outputs = self._outputs_of(self._take_deferred(), failed)
             self.last_step_was_empty = not outputs
             return outputs
         self.last_step_was_empty = False
@@ -296,7 +296,7 @@ class LLMEngine:
         except AdapterLoadFailedError as exc:
             failed += self._drop_adapter(exc)
             self.scheduler.requeue_unrun(sched_out)
-            return failed + self._outputs_of(self._take_deferred())
+            return self._outputs_of(self._take_deferred(), failed)
         # the host's share of the last step while the device runs this one (overlap_outputs)
         outputs = self._outputs_of(self._take_deferred(), failed)
         if deliver is not None and outputs:
