@@ -8,7 +8,9 @@ by shrink and read by expand; the attention decode reads each sequence's K and V
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import types
 
 import torch
 from lab_common import Report, bench_ms, make_meta, rel_err, spread_slots
@@ -28,6 +30,7 @@ from loraplex.kernels.triton_lora import (
     max_shrink_partials,
     shrink_split_k,
 )
+from loraplex.lora.shrink_overlap import ShrinkOverlap
 from loraplex.lora.vocab_apply import add_embedding_lora
 from loraplex.lora.vocab_slots import VocabStack
 
@@ -169,6 +172,44 @@ def shrink_results(sets, meta) -> list[torch.Tensor]:
     return [lora_shrink_triton(x, a, meta, scratch) for x, a, _, _, scratch in sets]
 
 
+def base_and_lora_us(sets, weights, scaling, offsets, meta: LoRABatchMeta, on_gpu: bool) -> list[str]:
+    """Cells: us per projection of base matmul + shrink + expand on one stream, then with the
+    shrink beside the matmul (``ShrinkOverlap``), their ratio, and whether their outputs are equal."""
+    overlap = ShrinkOverlap.on(torch.device("cuda")) if on_gpu else stand_in_overlap()
+
+    def projection(i, beside):
+        x, a, b, _, scratch = sets[i]
+        w = weights[i % len(weights)]
+
+        def shrink():
+            return lora_shrink_triton(x, a, meta, scratch)
+
+        def base():  # [tokens, out_total]
+            return torch.matmul(x, w.t())
+
+        if beside:
+            y, shrunk = overlap.run(shrink, base)
+        else:
+            y, shrunk = base(), shrink()
+        lora_expand_triton(shrunk, b, scaling, offsets, meta, y)
+        return y
+
+    def timed(beside):
+        return _graph_ms(lambda: [projection(i, beside) for i in range(len(sets))], on_gpu, len(sets)) * 1e3
+
+    one, two = timed(False), timed(True)
+    equal = torch.equal(projection(0, False), projection(0, True))
+    if on_gpu:
+        torch.cuda.synchronize()
+    return [f"{one:.1f}", f"{two:.1f}", f"{two / one:.2f}", "yes" if equal else "NO"]
+
+
+def stand_in_overlap() -> ShrinkOverlap:
+    """The CPU smoke's: the same calls, no streams."""
+    stream = types.SimpleNamespace(wait_stream=lambda other: None)
+    return ShrinkOverlap(stream, current=lambda: stream, use=lambda s: contextlib.nullcontext())
+
+
 def lora_modules(on_gpu: bool) -> dict[str, tuple[int, tuple[int, ...]]]:
     """Module name -> (in features, slice widths): Llama-3-8B's on the GPU, tiny ones on CPU."""
     hidden, kv, inter = (4096, 1024, 14336) if on_gpu else (64, 16, 96)
@@ -187,7 +228,7 @@ def bench_lora(report: Report, on_gpu: bool, device: str, copy_bw: float) -> Non
     report.line(f"Each figure: one CUDA graph running the kernels over enough distinct input sets to span "
                 f"3x the L2 ({l2 >> 20} MiB), replayed under do_bench (median), divided by the sets.")
     report.line()
-    rows, per_layer, variant_rows = [], {}, []
+    rows, per_layer, variant_rows, beside_rows = [], {}, [], []
     for tokens, adapters in configs:
         meta = make_meta(spread_slots(tokens, adapters), [RANK] * adapters, device)
         for mod, (in_f, widths) in modules.items():
@@ -243,6 +284,9 @@ def bench_lora(report: Report, on_gpu: bool, device: str, copy_bw: float) -> Non
             in_expand = dataclasses.replace(triton_lora.DEFAULT_TUNING, split_sum="expand")
             t_in_expand = _graph_ms(lambda: both_all(tuning=in_expand), on_gpu, n_sets)
             t_base = _graph_ms(base_all, on_gpu, n_w)
+            if meta.max_seg_len <= GEMV_MAX_SEG_LEN and adapters > 1:
+                beside_rows.append([tokens, adapters, mod, f"{t_base * 1e3:.1f}"]
+                                   + base_and_lora_us(sets, weights, scaling, offsets, meta, on_gpu))
             frac = (nb["shrink"] + nb["expand"]) / (t_both * 1e-3) / copy_bw
             rows.append([
                 tokens, adapters, mod, meta.max_seg_len, n_sets, splits,
@@ -270,6 +314,15 @@ def bench_lora(report: Report, on_gpu: bool, device: str, copy_bw: float) -> Non
         report.line()
         report.table(["tokens", "adapters", "module", "max seg"] + [f"shrink {g}" for g in SHRINK_VARIANTS]
                      + [f"expand {g}" for g in EXPAND_VARIANTS], variant_rows)
+    if beside_rows:
+        report.line("Base matmul + LoRA of a projection, as the engine runs them (us per projection, one CUDA graph "
+                    "over the input sets, weights as in \"base matmul us\"): on one stream, and with the shrink on a "
+                    "side stream beside the base matmul (overlap_lora_shrink; the expand waits for both). The "
+                    "outputs of the two are compared (the same kernels: they must be equal)"
+                    + ("" if on_gpu else "; CPU: a stand-in for the streams, no figure") + ":")
+        report.line()
+        report.table(["tokens", "adapters", "module", "base matmul us", "base + LoRA us, one stream",
+                      "base + LoRA us, shrink beside", "beside / one stream", "outputs equal"], beside_rows)
     report.line("Per decoder layer (qkv + o + gate_up + down), LoRA kernels against the base matmuls:")
     for (tokens, adapters), (t_lora, t_base) in per_layer.items():
         report.line(f"- T={tokens} adapters={adapters}: LoRA {t_lora * 1e3:.0f} us vs base {t_base * 1e3:.0f} us "

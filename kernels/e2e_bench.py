@@ -208,6 +208,8 @@ def run_e2e(
                        if (*c, "graphs") in results}
         if len(phase_cases) == 2 and time.time() < deadline:
             _report_step_phases(report, llm, phase_cases, on_gpu, max_tokens)
+        if len(phase_cases) == 2 and time.time() < deadline:
+            _report_shrink_beside(report, llm, phase_cases, on_gpu, max_tokens, results)
         for (batch, n_adapters, mode), (outs, _) in repeats.items():
             if mode == "graphs" and (batch, n_adapters, "eager") in repeats:
                 eager = repeats[(batch, n_adapters, "eager")][0]
@@ -300,6 +302,61 @@ def _report_step_phases(report: Report, llm, cases: dict, on_gpu: bool, max_toke
             names = "; ".join(f"{name[:60]} {us:.1f}" for name, us in top)
             report.line(f"- largest at batch {batch}, {n_adapters} adapters (us per replay): {names}")
         report.line()
+
+
+def _report_shrink_beside(report: Report, llm, cases: dict, on_gpu: bool, max_tokens: int, steps: dict) -> None:
+    """The cases with adapters run with each LoRA shrink on a side stream beside its base matmul
+    (``overlap_lora_shrink``), then without, back to back: median decode steps, the wall time of
+    one replay of the step's graph (kernels that overlap make the profiler's per-kernel sum no
+    measure of it), and the greedy tokens (the same kernels: identical). ``steps``: the table's
+    median steps in seconds by (batch, adapters, mode), whose base graph step gives the overhead."""
+    from lab_common import bench_ms
+    from step_phases import StepPhases
+
+    from loraplex.engine.cuda_graphs import segment_class
+
+    runner = llm.engine.runner
+    graphs = runner.decode_graphs
+    for (batch, n_adapters), (prompts, adapters) in cases.items():
+        if not n_adapters:
+            continue
+        got = {}
+        for beside in (True, False):
+            _set_shrink_beside(runner, on_gpu, beside)
+            with _triton_on_cpu(not on_gpu):
+                with StepPhases(llm) as phases:
+                    _, tokens = _timed_generate(llm, prompts, adapters, max_tokens)
+                # the last step's graph on its buffers (every request has ended: the KV slots it
+                # writes belong to no one)
+                graph = graphs.graphs.get((graphs.bucket_for(batch), segment_class(batch, -(-batch // n_adapters))))
+                with torch.inference_mode():
+                    replay = bench_ms(graph.graph.replay, on_gpu) if graph is not None else float("nan")
+            got[beside] = (statistics.median(phases.decode_step_seconds(batch)) * 1e3, replay, tokens)
+        (step_on, replay_on, tokens_on), (step_off, replay_off, tokens_off) = got[True], got[False]
+        report.line(f"- batch {batch}, {n_adapters} adapters, each LoRA shrink beside its base matmul "
+                    f"(overlap_lora_shrink{'' if on_gpu else '; CPU: a stand-in for the streams, no figure'}): "
+                    f"decode step median {step_on:.3f} ms, {step_off:.3f} ms on one stream "
+                    f"({step_on / step_off - 1:+.1%}); one replay of the step's graph {replay_on * 1e3:.1f} us, "
+                    f"{replay_off * 1e3:.1f} us on one stream ({replay_on / replay_off - 1:+.1%}); greedy tokens "
+                    f"identical for {_agreement(tokens_on, tokens_off)}")
+        base = steps.get((batch, 0, "graphs"))
+        if base:
+            report.line(f"  LoRA overhead against the base graph step of the table above ({base * 1e3:.3f} ms): "
+                        f"{step_on / (base * 1e3) - 1:+.1%} with the shrink beside, {step_off / (base * 1e3) - 1:+.1%} "
+                        f"on one stream")
+    report.line()
+
+
+def _set_shrink_beside(runner, on_gpu: bool, enabled: bool) -> None:
+    """``overlap_lora_shrink`` on or off between runs; on CPU a stand-in for the streams makes the
+    same calls (the runner's option stays off there: nothing runs asynchronously)."""
+    if on_gpu:
+        runner.set_overlap_lora_shrink(enabled)
+        return
+    from bench_kernels import stand_in_overlap
+
+    runner.shrink_overlap = stand_in_overlap() if enabled else None
+    runner.decode_graphs.set_shrink_overlap(runner.shrink_overlap)
 
 
 def _report_memory(report: Report, llm, on_gpu: bool) -> None:

@@ -207,6 +207,9 @@ class EngineConfig:
     # runs the next step, so each output leaves one step later; None: on where the device runs
     # asynchronously to the host (CUDA), off on CPU, where nothing would overlap
     overlap_outputs: bool | None = None
+    # CUDA only: each projection's LoRA shrink runs on a second stream while the base matmul runs
+    # (loraplex/lora/shrink_overlap.py); off until a GPU has measured it against the default
+    overlap_lora_shrink: bool = False
     # multi-LoRA
     max_loras: int = 8
     max_lora_rank: int = 64
@@ -286,6 +289,7 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = True
     cuda_graphs: bool = False
     overlap_outputs: bool | None = None  # see EngineConfig
+    overlap_lora_shrink: bool = False  # see EngineConfig
     max_loras: int = 8
     max_lora_rank: int = 64
     enable_expert_lora: bool = False  # see EngineConfig

@@ -42,6 +42,7 @@ from loraplex.engine.outputs import ScheduledSeq
 from loraplex.kernels import dispatch
 from loraplex.kernels.lora_meta import LoRABatchMeta
 from loraplex.lora.context import MAX_SLICES, LoRAStepContext, group_by_slot
+from loraplex.lora.shrink_overlap import ShrinkOverlap
 from loraplex.lora.slots import SlotPool
 from loraplex.model.layers import AttentionMetadata
 
@@ -146,6 +147,13 @@ class DecodeGraphs:
         # (bucket, token slots, segment class) the LoRA metadata buffers hold: a step of the same
         # slots in the same order (a steady decode batch) reuses them as they are
         self._lora_filled: tuple[int, list[int], int] | None = None
+        self.shrink_overlap: ShrinkOverlap | None = None  # the LoRA graphs' shrinks on a side stream
+
+    def set_shrink_overlap(self, overlap: ShrinkOverlap | None) -> None:
+        """Capture the LoRA graphs from now on with ``overlap`` (None: one stream); those
+        captured the other way are dropped."""
+        self.shrink_overlap = overlap
+        self.graphs = {k: g for k, g in self.graphs.items() if k[1] == 0}
 
     # ---- which steps ---------------------------------------------------------------------
     def can_run(self, scheduled: list[ScheduledSeq]) -> bool:
@@ -265,4 +273,5 @@ class DecodeGraphs:
             seg_slot_host=[],
             slot_rank_host=[],
         )
-        return LoRAStepContext(pool, meta, shrunk=self._shrunk[:, :, :batch], every_projection=True)
+        return LoRAStepContext(pool, meta, shrunk=self._shrunk[:, :, :batch], every_projection=True,
+                               overlap=self.shrink_overlap)

@@ -56,6 +56,7 @@ from loraplex.engine.sampler import PendingTokens, Sampler
 from loraplex.engine.spec_verify import position_views
 from loraplex.kernels.kv_quant import check_kv_dtype_device, kv_cache_torch_dtype
 from loraplex.lora.context import logits_lora
+from loraplex.lora.shrink_overlap import ShrinkOverlap
 from loraplex.lora.slots import SlotPool, slot_pool_dtype
 from loraplex.lora.spec import LoRATargetSpec
 from loraplex.model.config import ModelSpec
@@ -160,6 +161,8 @@ class ModelRunner:
                 self.model, self.kv_caches, self.block_size, self.max_model_len, config.max_num_seqs,
                 capture=cuda_capture(torch.cuda.graph_pool_handle()), layout=self.kv_layout,
             )
+        self.shrink_overlap: ShrinkOverlap | None = None
+        self.set_overlap_lora_shrink(config.overlap_lora_shrink)
         logger.info(
             "model %s (%s, %d layers) on %s, dtype %s, weights %.1f MiB; KV cache (%s): %d bytes per token, "
             "%d blocks of %d tokens (%.1f MiB; %d layer groups of %d); max_model_len %d; "
@@ -184,6 +187,17 @@ class ModelRunner:
         )
 
     # ---- set-up -------------------------------------------------------------------------------
+
+    def set_overlap_lora_shrink(self, enabled: bool) -> None:
+        """Run each LoRA shrink on a side stream beside its base matmul (``lora.shrink_overlap``),
+        or not; CUDA only (on CPU nothing runs asynchronously: it stays off). Between steps only;
+        CUDA graphs captured the other way are dropped (the GPU check times both)."""
+        overlap = ShrinkOverlap.on(self.device) if enabled and self.device.type == "cuda" else None
+        if (overlap is None) == (self.shrink_overlap is None):
+            return
+        self.shrink_overlap = overlap
+        if self.decode_graphs is not None:
+            self.decode_graphs.set_shrink_overlap(overlap)
 
     def lora_target_spec(self) -> LoRATargetSpec:
         return self.spec.lora_target_spec(expert_lora=self.config.enable_expert_lora)
@@ -302,6 +316,8 @@ class ModelRunner:
         batch = self.prepare_batch(scheduled)
         if self.lora_manager is not None:
             lora_ctx = self.lora_manager.step_context(batch.token_adapter_ids)
+            if lora_ctx is not None and self.shrink_overlap is not None:
+                lora_ctx.overlap = self.shrink_overlap
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, lora=lora_ctx)
         prompt_logprobs = {}
         if batch.prompt_logprob_rows:

@@ -1,13 +1,16 @@
 """One step's LoRA state: the batch metadata (DESIGN.md "LoRA batch metadata") and the calls the
-model makes after each base projection, after the embedding lookup and after the LM head."""
+model makes around each base projection, after the embedding lookup and after the LM head."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from loraplex.kernels import dispatch
 from loraplex.kernels.lora_meta import LoRABatchMeta
 from loraplex.kernels.moe_lora import ExpertLoRA, token_slots_from_meta
+from loraplex.lora.shrink_overlap import ShrinkOverlap
 from loraplex.lora.slots import SlotPool
 from loraplex.lora.vocab_apply import LogitsLoRA, add_embedding_lora
 from loraplex.lora.vocab_names import EMBED, LM_HEAD
@@ -91,12 +94,14 @@ class LoRAStepContext:
         shrunk: torch.Tensor | None = None,  # [max_partials, MAX_SLICES, num_tokens, r_max] fp32, e.g. a graph's
         every_projection: bool = False,  # True under a CUDA graph: which kernels run is fixed
         token_slots: list[int] | None = None,  # [num_tokens] each token's slot (-1 = base); eager steps
+        overlap: ShrinkOverlap | None = None,  # CUDA: each shrink on a side stream beside its base matmul
     ):
         self.pool = pool
         self.meta = meta
         self.token_slots = token_slots
         self.slots = sorted(set(meta.seg_slot_host))
         self.every_projection = every_projection
+        self.overlap = overlap
         # [max_partials, MAX_SLICES, num_tokens, r_max] fp32: shrink output, sliced per
         # projection; only the Triton kernels pass it between shrink and expand (the CPU path is fused)
         self._shrunk = shrunk
@@ -109,16 +114,41 @@ class LoRAStepContext:
         ``module`` is a packed projection name (``qkv_proj``, ``o_proj``, ``gate_up_proj``,
         ``down_proj``); ``x [num_tokens, in]``, ``y [num_tokens, out_total]`` (all slices).
         """
-        stack = self.pool.stacks[layer_idx].get(module)
+        stack = self._stack(layer_idx, module)
         if stack is None:
             return
-        if not self.every_projection and not any(stack.active[s] for s in self.slots):
-            return  # no adapter of this step touches this projection in this layer
-        num_slices = stack.a.shape[0]
-        shrunk = None if self._shrunk is None else self._shrunk[:, :num_slices]  # [max_partials, num_slices, T, r_max]
         dispatch.lora_apply(
-            x, stack.a, stack.b, stack.scaling, stack.slice_offsets, self.meta, y, shrunk, slot_rank=stack.rank
+            x, stack.a, stack.b, stack.scaling, stack.slice_offsets, self.meta, y, self._shrunk_for(stack),
+            slot_rank=stack.rank,
         )
+
+    def project(self, layer_idx: int, module: str, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``base()`` (the projection's base output ``[num_tokens, out_total]`` from ``x``) plus the
+        delta ``apply`` adds. With ``overlap`` (a ``ShrinkOverlap``, CUDA only) the shrink runs on
+        its side stream while ``base`` runs, and the expand after both."""
+        stack = self._stack(layer_idx, module)
+        if stack is None:
+            return base()
+        if self.overlap is None or self._shrunk is None:
+            y = base()
+            self.apply(layer_idx, module, x, y)
+            return y
+        meta, shrunk = self.meta, self._shrunk_for(stack)
+        y, result = self.overlap.run(lambda: dispatch.lora_shrink(x, stack.a, meta, shrunk, slot_rank=stack.rank), base)
+        dispatch.lora_expand(result, stack.b, stack.scaling, stack.slice_offsets, meta, y, slot_rank=stack.rank)
+        return y
+
+    def _stack(self, layer_idx: int, module: str):
+        """Layer ``layer_idx``'s slot stack of ``module``, or None when the step adds nothing to it."""
+        stack = self.pool.stacks[layer_idx].get(module)
+        if stack is None:
+            return None
+        if not self.every_projection and not any(stack.active[s] for s in self.slots):
+            return None  # no adapter of this step touches this projection in this layer
+        return stack
+
+    def _shrunk_for(self, stack) -> torch.Tensor | None:  # [max_partials, num_slices, T, r_max] fp32
+        return None if self._shrunk is None else self._shrunk[:, : stack.a.shape[0]]
 
     def expert_lora(self, layer_idx: int) -> ExpertLoRA | None:
         """The LoRA on the experts of sparse layer ``layer_idx`` for this step's tokens, or None when

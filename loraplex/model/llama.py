@@ -19,7 +19,7 @@ graph holds the same ops every replay).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,10 @@ class LoRAStepContext(Protocol):
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add the LoRA delta of ``module`` in ``layer`` to ``y`` in place (``x`` is the input)."""
+
+    def project(self, layer: int, module: str, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``base()``, the base projection of ``x``, plus the LoRA delta of ``module`` in ``layer``
+        (the context may queue part of the LoRA beside ``base``: ``lora.shrink_overlap``)."""
 
     def apply_embedding(self, input_ids: torch.Tensor, hidden: torch.Tensor, scale: float = 1.0) -> None:
         """Add the embed_tokens LoRA delta (times ``scale``) to the embedding output ``hidden``."""
@@ -178,10 +182,12 @@ class LlamaForCausalLM(nn.Module):
             if lora is not None:
                 lora.apply(i, f"{lora_prefix}{name}_proj", x32, y)
             return y if y.dtype == linear.out_dtype else y.to(linear.out_dtype)
-        y = F.linear(x, self.linear_weight(i, name, x.dtype), getattr(self.layers[i], f"{name}_bias"))
-        if lora is not None:
-            lora.apply(i, f"{lora_prefix}{name}_proj", x, y)
-        return y
+        def base() -> torch.Tensor:  # [T, out_total]
+            return F.linear(x, self.linear_weight(i, name, x.dtype), getattr(self.layers[i], f"{name}_bias"))
+
+        if lora is None:
+            return base()
+        return lora.project(i, f"{lora_prefix}{name}_proj", x, base)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

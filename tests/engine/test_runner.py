@@ -133,6 +133,11 @@ class FakeLoRAManager:
                 if layer == 0 and module == "o_proj":
                     y[mask] += x[mask] @ manager.delta.T
 
+            def project(self, layer, module, x, base):
+                y = base()
+                self.apply(layer, module, x, y)
+                return y
+
             def apply_embedding(self, input_ids, hidden, scale=1.0):
                 pass  # no LoRA on embed_tokens in this fake
 

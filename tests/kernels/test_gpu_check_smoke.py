@@ -96,6 +96,14 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
         assert line.endswith("greedy tokens identical for 4 of 4 sequences"), line
     (lora_row,) = [x for x in results.splitlines() if x.startswith("| LoRA metadata: copy to graph buffers |")]
     assert float(lora_row.split("|")[2]) == 0.0 and float(lora_row.split("|")[3]) > 0.0
+    # the LoRA case again with each shrink beside its base matmul (a stand-in for the streams on
+    # CPU), and the kernels' table of base + LoRA with and without it: the same outputs
+    (line,) = [x for x in results.splitlines() if x.startswith("- batch 4, 2 adapters, each LoRA shrink beside")]
+    assert line.endswith("greedy tokens identical for 4 of 4 sequences"), line
+    assert "| base + LoRA us, one stream | base + LoRA us, shrink beside | beside / one stream | outputs equal |" in results
+    (row,) = [x for x in results.splitlines() if x.startswith("| 8 | 2 | qkv | ") and x.endswith("|")
+              and x.count("|") == 9]
+    assert row.split("|")[-2].strip() == "yes", row
     # and what no phase covers, so the rows add up to the step
     assert "| rest of the step (the rest of execute and of the engine's step) |" in results
     assert "| outputs (detokenizing, output objects) |" in results and "| tokens read back (waits for the GPU) |" in results

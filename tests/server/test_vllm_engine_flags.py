@@ -248,3 +248,10 @@ def test_calculate_kv_scales_is_refused_with_an_fp8_kv_cache():
         args = ("m", "--calculate-kv-scales", "--kv-cache-dtype", dtype, "--dtype", dtype)
         assert settings(*args).kv_cache_dtype == dtype
         assert any(n.startswith("--calculate-kv-scales") for n in notes(*args))
+
+
+def test_overlap_lora_shrink_is_a_switch_that_reaches_the_engine():
+    """loraplex's own option (no vLLM flag means it): off unless asked for."""
+    assert settings("m").engine_config().overlap_lora_shrink is False
+    assert settings("m", "--overlap-lora-shrink").engine_config().overlap_lora_shrink is True
+    assert settings("m", "--overlap-lora-shrink", "--no-overlap-lora-shrink").overlap_lora_shrink is False
