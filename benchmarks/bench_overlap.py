@@ -1,16 +1,18 @@
-"""Decode step time with overlap_outputs off and on, against a stand-in device, on any machine.
+"""Decode step time with overlap_outputs and schedule_ahead off and on, against a stand-in device, on any machine.
 
     .venv/bin/python benchmarks/bench_overlap.py [--batch 256] [--adapters 64] [--device-ms 0 1.3 3]
 
 ``overlap_outputs`` makes a step's outputs (detokenizing, stop strings, output objects) while
-the device runs the next step. On CPU the forward is synchronous, so nothing can overlap: this
+the device runs the next step; ``schedule_ahead`` also schedules, prepares and launches the next
+plain decode step before this one's tokens are read back, so the device's steps queue back to
+back. On CPU the forward is synchronous, so nothing can overlap: this
 runs the engine's CUDA-graph decode path (as ``bench_graph_host.py`` does: a tiny Llama, a
 replay that launches nothing) with a stand-in device whose work takes ``--device-ms`` from the
 replay on. Reading a step's tokens back waits until then, as ``.tolist()`` waits for a GPU. The
 host work is the engine's own; only the device is imagined. H200 call 5 measured 1.3 ms of graph
 device time per step at batch 256 on a 4-layer model (kernels/RESULTS.md); the 32-layer model
-would take about 8 times that. Prints the median step per setting, off and on, side by side (runs
-alternate), and checks that both give the same tokens.
+would take about 8 times that. Prints the median step per setting side by side (runs alternate),
+and checks that all give the same tokens.
 """
 
 from __future__ import annotations
@@ -39,18 +41,21 @@ def _parse_args() -> argparse.Namespace:
 
 
 class StandInDevice:
-    """Device time per step: starts when the graph replays; reading the tokens back waits for it."""
+    """Device time per step: a step's work starts when its graph replays or when the step queued
+    before it ends, whichever is later (steps launched ahead queue up); reading a step's tokens
+    back waits for its own end."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self.ready_at = 0.0
+        self.free_at = 0.0
 
-    def run(self) -> None:
-        self.ready_at = time.perf_counter() + self.seconds
+    def enqueue(self) -> float:
+        self.free_at = max(time.perf_counter(), self.free_at) + self.seconds
+        return self.free_at
 
-    def wait(self) -> None:
+    @staticmethod
+    def wait(ready_at: float) -> None:
         # spins, as a CUDA synchronisation does by default (a sleep would add its wake-up)
-        ready_at = self.ready_at
         while time.perf_counter() < ready_at:
             pass
 
@@ -67,20 +72,28 @@ def main() -> int:
     engine, graphs = llm.engine, llm.engine.runner.decode_graphs
     device = StandInDevice()
 
-    # the stand-in: a replay starts the device's work, a read-back of the tokens waits for it
-    run_graph, result = graphs.run, model_runner.PendingRun.result
+    # the stand-in: a graph step queues the device's work, a read-back of its tokens waits for it
+    runner = engine.runner
+    execute_graph, result = runner._execute_graph, model_runner.PendingRun.result
 
-    def run_and_start(*a, **kw):
-        out = run_graph(*a, **kw)
-        device.run()
-        return out
+    def execute_and_queue(*a, **kw):
+        run = execute_graph(*a, **kw)
+        run.ready_at = device.enqueue()
+        return run
 
     def waited_result(self):
-        device.wait()
+        device.wait(getattr(self, "ready_at", 0.0))
         return result(self)
 
-    graphs.run = run_and_start
+    runner._execute_graph = execute_and_queue
     model_runner.PendingRun.result = waited_result
+    launch, num_ahead = runner.launch, [0]
+
+    def counting_launch(sched_out, after=None):
+        num_ahead[0] += after is not None
+        return launch(sched_out, after)
+
+    runner.launch = counting_launch
 
     step_starts: list[float] = []
     engine_step = engine.step
@@ -97,8 +110,8 @@ def main() -> int:
     gc.collect()
     gc.freeze()  # as `loraplex serve` does once its model is loaded
 
-    def decode_steps_ms(overlap: bool) -> tuple[list[float], list[list[int]]]:
-        engine.overlap_outputs = overlap
+    def decode_steps_ms(setting: tuple[bool, bool]) -> tuple[list[float], list[list[int]]]:
+        engine.overlap_outputs, engine.schedule_ahead = setting
         step_starts.clear()
         outs = llm.generate(prompts, params, adapters=adapters)
         step_starts.append(time.perf_counter())
@@ -114,24 +127,29 @@ def main() -> int:
             device.seconds = seconds / 1e3
             # per run its median step; per setting the median of those: on this VM a run now and
             # then comes out 1.5x slower whatever it runs, which pooled steps would carry along
-            medians: dict[bool, list[float]] = {False: [], True: []}
-            tokens: dict[bool, list[list[int]]] = {}
+            medians: dict[tuple, list[float]] = {setting: [] for setting in SETTINGS}
+            tokens: dict[tuple, list[list[int]]] = {}
             for _ in range(args.rounds):
-                for overlap in (False, True):
-                    steps, tokens[overlap] = decode_steps_ms(overlap)
-                    medians[overlap].append(statistics.median(steps))
-            if tokens[False] != tokens[True]:
-                raise SystemExit("overlap_outputs changed the generated tokens")
-            rows.append((seconds, statistics.median(medians[False]), statistics.median(medians[True])))
+                for setting in SETTINGS:
+                    steps, tokens[setting] = decode_steps_ms(setting)
+                    medians[setting].append(statistics.median(steps))
+            if any(tokens[setting] != tokens[SETTINGS[0]] for setting in SETTINGS):
+                raise SystemExit("overlap_outputs or schedule_ahead changed the generated tokens")
+            rows.append((seconds, *(statistics.median(medians[setting]) for setting in SETTINGS)))
     finally:
         model_runner.PendingRun.result = result
     print(f"Decode step ms (median of {args.rounds} runs' medians, {args.max_tokens} tokens each), batch {args.batch}, "
-          f"{args.adapters} adapters, stand-in device; the same tokens with and without overlap:\n")
-    print("| device ms per step | overlap_outputs off | on | on / off |")
-    print("| ---: | ---: | ---: | ---: |")
-    for seconds, off, on in rows:
-        print(f"| {seconds:.1f} | {off:.3f} | {on:.3f} | {on / off:.2f} |")
+          f"{args.adapters} adapters, stand-in device; the same tokens in every setting:\n")
+    print("| device ms per step | both off | overlap_outputs | + schedule_ahead | overlap / off | both / off |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for seconds, off, overlap, ahead in rows:
+        print(f"| {seconds:.1f} | {off:.3f} | {overlap:.3f} | {ahead:.3f} | {overlap / off:.2f} | {ahead / off:.2f} |")
+    print(f"\nsteps launched ahead (schedule_ahead, all runs): {num_ahead[0]}")
     return 0
+
+
+# (overlap_outputs, schedule_ahead), run in turn within each round
+SETTINGS = ((False, False), (True, False), (True, True))
 
 
 if __name__ == "__main__":

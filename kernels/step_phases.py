@@ -19,6 +19,8 @@ from collections.abc import Callable
 # the wait for this step's tokens; without it, after the scheduler update)
 PHASES: list[tuple[str, Callable, str]] = [
     ("schedule", lambda llm: llm.engine.scheduler, "schedule"),
+    # schedule_ahead: the next step, scheduled before this one's tokens are read back
+    ("schedule ahead", lambda llm: llm.engine.scheduler, "schedule_ahead"),
     ("adapter placement", lambda llm: llm.engine.runner.lora_manager, "place"),
     ("adapter slots", lambda llm: llm.engine.runner.lora_manager, "step_slots"),
     ("decode inputs: copy to graph buffers", lambda llm: llm.engine.runner.decode_graphs, "_fill_inputs"),
@@ -77,7 +79,7 @@ class StepPhases:
             t0 = time.perf_counter()
             try:
                 result = original(*args, **kwargs)
-                if label == "schedule" and self._current is not None:
+                if label in ("schedule", "schedule ahead") and result is not None and self._current is not None:
                     # sequences of a step that runs one token for each (0: any prefill in it)
                     one_each = result.num_batched_tokens == len(result.scheduled)
                     self._current["decode_seqs"] = len(result.scheduled) if one_each else 0

@@ -210,6 +210,10 @@ class EngineConfig:
     # CUDA only: each projection's LoRA shrink runs on a second stream while the base matmul runs
     # (loraplex/lora/shrink_overlap.py); off until a GPU has measured it against the default
     overlap_lora_shrink: bool = False
+    # schedule and launch the next plain decode step before this one's tokens are read back,
+    # its input tokens taken on the device (vLLM's async scheduling; loraplex/engine/schedule_ahead.py);
+    # off until a GPU has measured it
+    schedule_ahead: bool = False
     # multi-LoRA
     max_loras: int = 8
     max_lora_rank: int = 64
@@ -290,6 +294,7 @@ class Settings(BaseSettings):
     cuda_graphs: bool = False
     overlap_outputs: bool | None = None  # see EngineConfig
     overlap_lora_shrink: bool = False  # see EngineConfig
+    schedule_ahead: bool = False  # see EngineConfig
     max_loras: int = 8
     max_lora_rank: int = 64
     enable_expert_lora: bool = False  # see EngineConfig

@@ -52,16 +52,20 @@ def is_one_token_step(scheduled: list[ScheduledSeq]) -> bool:
 
 
 def decode_inputs(scheduled: list[ScheduledSeq], block_size: int, group_windows: tuple[int | None, ...],
-                  mirror: BlockTableMirror) -> DecodeInputs:
+                  mirror: BlockTableMirror, tokens_known: bool = True) -> DecodeInputs:
     """The inputs of a step for which ``is_one_token_step`` holds. The slots and block tables
-    come from ``mirror``'s rows with numpy, not from the table lists one sequence at a time."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    for item in scheduled:
-        seq, pos = item.seq, item.start_pos
-        out_index = pos - len(seq.prompt_token_ids)  # seq.token_at(pos), without the call
-        input_ids.append(seq.output_token_ids[out_index] if out_index >= 0 else seq.prompt_token_ids[pos])
-        positions.append(pos)
+    come from ``mirror``'s rows with numpy, not from the table lists one sequence at a time.
+    ``tokens_known`` False: a step scheduled ahead, whose input tokens are still being sampled
+    on the device (the caller puts them in); ``input_ids`` are zeros here."""
+    if tokens_known:
+        input_ids: list[int] = []
+        for item in scheduled:
+            seq, pos = item.seq, item.start_pos
+            out_index = pos - len(seq.prompt_token_ids)  # seq.token_at(pos), without the call
+            input_ids.append(seq.output_token_ids[out_index] if out_index >= 0 else seq.prompt_token_ids[pos])
+    else:
+        input_ids = [0] * len(scheduled)
+    positions = [item.start_pos for item in scheduled]
     rows = mirror.sync(scheduled)
     pos = np.array(positions, dtype=np.int64)
     blocks, offsets = np.divmod(pos, block_size)

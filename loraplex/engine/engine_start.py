@@ -83,7 +83,7 @@ def log_start(engine, max_concurrency: float) -> None:
         "block_size=%d max_concurrency=%.1f max_model_len=%d max_num_seqs=%d "
         "max_num_batched_tokens=%d chunked_prefill=%s prefix_caching=%s max_loras=%d "
         "max_lora_rank=%d max_cpu_lora_bytes=%s lora=%s cuda_graphs=%s overlap_outputs=%s "
-        "overlap_lora_shrink=%s",
+        "overlap_lora_shrink=%s schedule_ahead=%s",
         engine.model_name, runner.dtype, runner.device, kv_bytes_per_token(runner), runner.num_blocks,
         runner.block_size, max_concurrency, engine.max_model_len,
         cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill,
@@ -93,6 +93,7 @@ def log_start(engine, max_concurrency: float) -> None:
         "on" if getattr(runner, "decode_graphs", None) is not None else "off",
         "on" if engine.overlap_outputs else "off",
         "on" if getattr(runner, "shrink_overlap", None) is not None else "off",
+        "on" if engine.schedule_ahead else "off",
     )
     if cfg.speculative_config is not None:
         logger.info("speculative decoding: %s", cfg.speculative_config)

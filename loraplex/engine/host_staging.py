@@ -7,7 +7,9 @@ of the LoRA metadata 0.14 ms; kernels/RESULTS.md, the step-phase table). From pa
 a ``non_blocking`` copy is queued on the stream like a kernel, ahead of the replay that reads
 its buffer, and the host goes on. The price: a twin must not be rewritten before its last copy
 has read it, so each step waits for the previous step's copies first (long done by then: a step
-ends by reading its sampled tokens back).
+ends by reading its sampled tokens back; with ``schedule_ahead`` the step launched just before
+may still be queued, but behind nothing the host has not read back already, so its copies come
+first).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from loraplex.engine.engine_start import (
 )
 from loraplex.engine.detokenizer import backend_decoder, single_token_texts
 from loraplex.engine.grammar import GrammarFactory
-from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.outputs import RequestOutput, SchedulerOutput
 from loraplex.engine.reasoning_gate import ReasoningGate
 from loraplex.engine.request_state import PreparedRequest, RequestState
 from loraplex.engine.sampler import bad_words_token_ids
@@ -98,6 +98,11 @@ class LLMEngine:
         device = getattr(getattr(runner, "device", None), "type", None)
         self.overlap_outputs = config.overlap_outputs if config.overlap_outputs is not None else device == "cuda"
         self._deferred: list[Sequence] = []
+        # schedule_ahead: the next plain decode step is scheduled and launched right after this
+        # one, its input tokens taken on the device (schedule_ahead.py); _ahead holds it until
+        # the next call to ``step`` reads it back
+        self.schedule_ahead = config.schedule_ahead
+        self._ahead: tuple[SchedulerOutput, object] | None = None
         log_start(self, max_concurrency(runner.num_blocks, layout, self.max_model_len, runner.block_size, chunk))
 
     # ---- requests --------------------------------------------------------------------------
@@ -283,20 +288,29 @@ class LLMEngine:
         if self.lora_manager is not None:  # adapters read in the background since the last step
             for exc in self.lora_manager.collect_reads():
                 failed += self._drop_adapter(exc)
-        sched_out = self.scheduler.schedule()
-        if sched_out.is_empty:
-            if sched_out.released_seq_ids:
-                self.runner.release(sched_out.released_seq_ids)
-            outputs = self._outputs_of(self._take_deferred(), failed)
-            self.last_step_was_empty = not outputs
-            return outputs
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and any(e.seq.status is SequenceStatus.RUNNING for e in ahead[0].scheduled):
+            sched_out, run = ahead  # launched by the last step (schedule_ahead)
+        else:  # (a step ahead whose every sequence has ended since is dropped unread)
+            sched_out = self.scheduler.schedule()
+            if sched_out.is_empty:
+                if sched_out.released_seq_ids:
+                    self.runner.release(sched_out.released_seq_ids)
+                outputs = self._outputs_of(self._take_deferred(), failed)
+                self.last_step_was_empty = not outputs
+                return outputs
+            try:
+                run = self.runner.launch(sched_out)
+            except AdapterLoadFailedError as exc:
+                failed += self._drop_adapter(exc)
+                self.scheduler.requeue_unrun(sched_out)
+                self.last_step_was_empty = False
+                return self._outputs_of(self._take_deferred(), failed)
         self.last_step_was_empty = False
-        try:
-            run = self.runner.launch(sched_out)
-        except AdapterLoadFailedError as exc:
-            failed += self._drop_adapter(exc)
-            self.scheduler.requeue_unrun(sched_out)
-            return self._outputs_of(self._take_deferred(), failed)
+        if self.schedule_ahead:  # the next step queued behind this one before its tokens are back
+            ahead = self.scheduler.schedule_ahead(sched_out)
+            if ahead is not None:
+                self._ahead = (ahead, self.runner.launch(ahead, after=run))
         # the host's share of the last step while the device runs this one (overlap_outputs)
         outputs = self._outputs_of(self._take_deferred(), failed)
         if deliver is not None and outputs:

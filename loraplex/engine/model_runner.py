@@ -109,6 +109,17 @@ class PendingRun:
         return ModelRunnerOutput(sampled=sampled, verified=verified, prompt_logprobs=self.prompt_logprobs)
 
 
+def tokens_after(scheduled: list[ScheduledSeq], after: PendingRun) -> torch.Tensor:  # [num_seqs] int64
+    """The token ``after`` samples for each sequence of ``scheduled``, in that order, on the
+    device (nothing is read back: the step before may still be running)."""
+    tokens = after.tokens.token_ids  # [num_sampled] int64, in after.seqs order
+    if len(after.seqs) == len(scheduled) and all(seq is item.seq for seq, item in zip(after.seqs, scheduled)):
+        return tokens  # the same sequences in the same order: what schedule_ahead makes
+    rows = {seq.seq_id: row for row, seq in enumerate(after.seqs)}
+    order = [rows[item.seq.seq_id] for item in scheduled]
+    return tokens[torch.tensor(order, dtype=torch.long, device=tokens.device)]
+
+
 class ModelRunner:
     """Loads the model, owns the KV cache, executes scheduler steps (see module docstring)."""
 
@@ -291,10 +302,12 @@ class ModelRunner:
         return self.launch(sched_out).result()
 
     @torch.inference_mode()
-    def launch(self, sched_out: SchedulerOutput) -> PendingRun:
+    def launch(self, sched_out: SchedulerOutput, after: PendingRun | None = None) -> PendingRun:
         """Queue one step on the device (placing its adapters first); the result waits for the
         sampled tokens. On a GPU the host is free in between: the engine turns the previous
-        step's tokens into outputs meanwhile."""
+        step's tokens into outputs meanwhile. ``after``: the step before, launched and not yet
+        read back (``Scheduler.schedule_ahead``, one token per sequence): each sequence's input
+        token is the one ``after`` samples for it, taken on the device."""
         if sched_out.released_seq_ids:
             self.release(sched_out.released_seq_ids)
         if sched_out.is_empty:
@@ -307,13 +320,13 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.can_run(scheduled):
             # in the scheduler's order: a graph step groups its tokens by slot itself (_fill_lora),
             # and each sequence's result is the same in any order
-            return self._execute_graph(scheduled)
+            return self._execute_graph(scheduled, after)
         if self.lora_manager is not None:
             # each adapter's tokens contiguous, in slot order within a rank (see batch_order_key)
             order = {a: self.lora_manager.batch_order_key(a) for a in set(adapter_ids)}  # once per adapter
             if len(order) > 1:  # one adapter (or the base model alone): already in order
                 scheduled = sorted(scheduled, key=lambda item: order[item.adapter_id])
-        batch = self.prepare_batch(scheduled)
+        batch = self.prepare_batch(scheduled, after)
         if self.lora_manager is not None:
             lora_ctx = self.lora_manager.step_context(batch.token_adapter_ids)
             if lora_ctx is not None and self.shrink_overlap is not None:
@@ -330,13 +343,15 @@ class ModelRunner:
         run.prompt_logprobs = prompt_logprobs
         return run
 
-    def _execute_graph(self, scheduled: list[ScheduledSeq]) -> PendingRun:
+    def _execute_graph(self, scheduled: list[ScheduledSeq], after: PendingRun | None) -> PendingRun:
         token_slots, pool = None, None
         if self.lora_manager is not None:
             token_slots = self.lora_manager.step_slots([item.adapter_id for item in scheduled])
             pool = self.lora_manager.pool
-        inputs = decode_inputs(scheduled, self.block_size, self.kv_layout.group_windows, self.table_mirror)
-        hidden = self.decode_graphs.run(inputs, token_slots, pool)  # [num_seqs, hidden_size]
+        inputs = decode_inputs(scheduled, self.block_size, self.kv_layout.group_windows, self.table_mirror,
+                               tokens_known=after is None)
+        input_ids = None if after is None else tokens_after(scheduled, after)
+        hidden = self.decode_graphs.run(inputs, token_slots, pool, input_ids)  # [num_seqs, hidden_size]
         # the LM head runs after the replay, eagerly, so its LoRA takes this step's own metadata
         head_lora = None if token_slots is None else logits_lora(pool, token_slots)
         return self._sample(hidden, [item.seq for item in scheduled], head_lora=head_lora)
@@ -353,9 +368,11 @@ class ModelRunner:
         (seeded sampling derives its generator per draw, so it keeps none)."""
         self.table_mirror.forget(seq_ids)
 
-    def prepare_batch(self, scheduled: list[ScheduledSeq]) -> FlatBatch:
+    def prepare_batch(self, scheduled: list[ScheduledSeq], after: PendingRun | None = None) -> FlatBatch:
         if is_one_token_step(scheduled):  # decodes: most steps at large batches
-            return self._one_token_batch(scheduled)
+            return self._one_token_batch(scheduled, after)
+        if after is not None:
+            raise ValueError("only a step of one token per sequence can take its inputs from the step before")
         bs = self.block_size
         num_groups = self.kv_layout.num_groups
         input_ids: list[int] = []
@@ -421,14 +438,16 @@ class ModelRunner:
             max(item.num_tokens for item in scheduled), adapters, sample_rows, sample_seqs, prompt_logprob_rows,
             verify_spans)
 
-    def _one_token_batch(self, scheduled: list[ScheduledSeq]) -> FlatBatch:
+    def _one_token_batch(self, scheduled: list[ScheduledSeq], after: PendingRun | None) -> FlatBatch:
         """``prepare_batch`` for a step of one token per sequence (``decode_inputs``)."""
         dev = self.device
-        inputs = decode_inputs(scheduled, self.block_size, self.kv_layout.group_windows, self.table_mirror)
+        inputs = decode_inputs(scheduled, self.block_size, self.kv_layout.group_windows, self.table_mirror,
+                               tokens_known=after is None)
         sample_rows = [i for i, item in enumerate(scheduled) if item.needs_sample]
         sample_seqs = [scheduled[i].seq for i in sample_rows]
+        input_ids = torch.from_numpy(inputs.input_ids).to(dev) if after is None else tokens_after(scheduled, after)
         return self._flat_batch(
-            torch.from_numpy(inputs.input_ids).to(dev), torch.from_numpy(inputs.positions).to(dev),
+            input_ids, torch.from_numpy(inputs.positions).to(dev),
             inputs.slot_mappings, inputs.block_tables, inputs.seq_lens, int(inputs.seq_lens.max()),
             torch.arange(len(scheduled) + 1, dtype=torch.int32, device=dev), 1,
             [item.adapter_id for item in scheduled], sample_rows, sample_seqs, [], [])

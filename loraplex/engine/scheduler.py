@@ -18,7 +18,8 @@ Each ``schedule()`` builds one step under two budgets, ``max_num_batched_tokens`
    first sequence that cannot get KV blocks stops admission (strict order for memory). A sequence whose adapter cannot
    get a slot, or is not loaded yet, is skipped without holding up the ones behind it.
 
-A step's results are applied by ``update`` (step_results.py).
+A step's results are applied by ``update`` (step_results.py). ``schedule_ahead`` builds a plain
+decode step from the one before it, before that one's tokens are back (schedule_ahead.py).
 
 Adapter slots: the distinct adapters of the RUNNING sequences never exceed
 ``max_loras - gate.num_reserved_slots(running)``, so the runner can always place a step's
@@ -46,6 +47,7 @@ from loraplex.engine.admission_order import admission_order
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.outputs import SchedulerOutput, ScheduledSeq
 from loraplex.engine.running_set import RunningSet
+from loraplex.engine.schedule_ahead import ScheduleAhead
 from loraplex.engine.sequence import FINISH_STATUS, Sequence, SequenceStatus
 from loraplex.engine.spec_drafts import DraftPlanner
 from loraplex.engine.step_results import StepResults
@@ -62,6 +64,10 @@ class AdapterGate(Protocol):
 
     def num_reserved_slots(self, running: set[str]) -> int:
         """Device slots held by explicitly pinned adapters that are NOT in ``running``."""
+        ...
+
+    def is_placed(self, adapter_id: str) -> bool:
+        """In a device slot now (``schedule_ahead`` runs only steps whose adapters are)."""
         ...
 
 
@@ -87,7 +93,7 @@ class SchedulerStats:
     num_spec_accepted_tokens: int = 0
 
 
-class Scheduler(StepResults):
+class Scheduler(StepResults, ScheduleAhead):
     """Decides, step by step, which sequences run and how many tokens each (see module doc)."""
 
     def __init__(

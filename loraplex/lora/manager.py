@@ -294,6 +294,11 @@ class LoRAManager:
         self.pool.touch(step)
         self._placed = (list(adapter_ids), self.pool.generation, step)
 
+    def is_placed(self, adapter_id: str) -> bool:
+        """Whether ``adapter_id`` is in a device slot now: a step of it is placed without a load
+        (the scheduler's step ahead takes nothing that could fail to load)."""
+        return self.pool.slot_of(adapter_id) is not None
+
     def batch_order_key(self, adapter_id: str | None) -> tuple[int, int]:
         """Sort key for a placed adapter's sequences in the flat batch: base model first, then by
         (rank, slot), so each rank's tokens are one contiguous run in slot order and the CPU

@@ -98,8 +98,8 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
         "loraplex serves text generation only (completions, chat, responses): no pooling models"),
     "async_scheduling": EngineFlag(
         ("--async-scheduling",), {"action": argparse.BooleanOptionalAction, "default": None}, _always,
-        "--async-scheduling: taken as --overlap-outputs (a step's outputs are made while the device runs the "
-        "next step: speed, not outputs)"),
+        "--async-scheduling: taken as --overlap-outputs --schedule-ahead (a step's outputs are made, and the "
+        "next plain decode step is scheduled and launched, while the device runs this one: speed, not outputs)"),
     "optimization_level": EngineFlag(
         ("-O", "--optimization-level"), {"choices": ["0", "1", "2", "3"]}, _always,
         "-O / --optimization-level: loraplex does not compile the model (torch.compile); -O0 turns CUDA "

@@ -247,9 +247,11 @@ def translate(args: argparse.Namespace, overrides: dict, environ: Mapping[str, s
         out["cuda_graphs"] = False  # also over LORAPLEX_CUDA_GRAPHS=true
     async_scheduling = getattr(args, "vllm_async_scheduling", None)
     if async_scheduling is not None:  # vLLM's: the host's share of a step overlaps the next one's device work
-        if out.get("overlap_outputs", async_scheduling) != async_scheduling:
-            raise VllmFlagError("--[no-]async-scheduling and --[no-]overlap-outputs disagree: give one")
-        out["overlap_outputs"] = async_scheduling
+        for option in ("overlap_outputs", "schedule_ahead"):
+            if out.get(option, async_scheduling) != async_scheduling:
+                flag = option.replace("_", "-")
+                raise VllmFlagError(f"--[no-]async-scheduling and --[no-]{flag} disagree: give one")
+            out[option] = async_scheduling
     if "allow_runtime_lora_updating" not in out and runtime_updating_from_env(environ or {}):
         out["allow_runtime_lora_updating"] = True
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import dataclasses
 import hashlib
 import itertools
 
@@ -25,7 +26,7 @@ from loraplex.config import EngineConfig
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
 from loraplex.engine.scheduler import Scheduler
-from loraplex.engine.sequence import Sequence
+from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.sampling_params import SamplingParams
 
 VOCAB = 97
@@ -62,7 +63,9 @@ class FakeRunner:
         self.num_slots = num_blocks * block_size
         self.steps: list[SchedulerOutput] = []
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, out: SchedulerOutput, ahead: bool = False) -> ModelRunnerOutput:
+        """``ahead``: a step launched before the one it follows was applied, run late (see
+        ``FakeModelRunner.launch``): the scheduler may have gone ahead again meanwhile."""
         # like the real model (per layer: write every scheduled token's K/V, then attend), all
         # writes of a step land before any read, so a block filled in this step may be shared
         self.steps.append(out)
@@ -70,7 +73,7 @@ class FakeRunner:
         used_blocks: dict[int, int] = {}
         for entry in out.scheduled:
             seq = entry.seq
-            assert entry.start_pos == seq.num_computed_tokens
+            assert entry.start_pos == seq.num_computed_tokens or ahead and entry.start_pos + 1 == seq.num_computed_tokens
             end = entry.start_pos + entry.num_tokens
             assert end <= seq.num_tokens
             assert len(entry.block_tables) == len(self.group_windows)
@@ -177,11 +180,24 @@ class FakeModelRunner(FakeRunner):
         self.vocab_size = VOCAB
         self.lora_manager = None
         self.released: list[int] = []
+        self.num_ahead = 0  # steps launched after one not yet read back
 
     def release(self, seq_ids) -> None:
         self.released.extend(seq_ids)
 
-    def launch(self, out: SchedulerOutput):
-        """``ModelRunner.launch``: the fake model runs at once; the result is what it sampled."""
-        run_out = self.execute(out)
-        return SimpleNamespace(result=lambda: run_out)
+    def launch(self, out: SchedulerOutput, after=None):
+        """``ModelRunner.launch``: the fake model runs at once; the result is what it sampled.
+        A step launched ``after`` one not yet read back (schedule_ahead) runs when its result is
+        asked for, once the engine has applied the step before (the host then knows the input
+        tokens a GPU would take from the device); the rows of sequences that ended meanwhile are
+        computed by no one, as a GPU's are dropped."""
+        if after is None:
+            run_out = self.execute(out)
+            return SimpleNamespace(result=lambda: run_out)
+        self.num_ahead += 1
+
+        def result():
+            live = [e for e in out.scheduled if e.seq.status is SequenceStatus.RUNNING]
+            return self.execute(dataclasses.replace(out, scheduled=live), ahead=True)
+
+        return SimpleNamespace(result=result)

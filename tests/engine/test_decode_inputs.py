@@ -22,8 +22,9 @@ from tests.fixtures.tiny_models import make_tiny_model_dir
 S, F = "sliding_attention", "full_attention"
 
 
-def reference_inputs(scheduled, block_size: int, group_windows) -> dict:
-    """The step's inputs, token by token from each sequence's token and table lists."""
+def reference_inputs(scheduled, block_size: int, group_windows, tokens_known: bool = True) -> dict:
+    """The step's inputs, token by token from each sequence's token and table lists
+    (``tokens_known`` False: a step scheduled ahead, whose input tokens are still being sampled)."""
     ids, positions, seq_lens, query_start, sample_rows = [], [], [], [0], []
     slots = [[] for _ in group_windows]
     widths = [-(-(item.start_pos + item.num_tokens) // block_size) for item in scheduled]
@@ -47,13 +48,14 @@ def reference_inputs(scheduled, block_size: int, group_windows) -> dict:
             first = 0 if window is None else max(0, start - window + 1) // block_size
             row = [-1 if i < first else table[i] for i in range(length)]
             tables[g].append(row + [0] * (max(widths) - length))
-    return {"input_ids": ids, "positions": positions, "slots": slots, "tables": tables, "seq_lens": seq_lens,
+    return {"input_ids": ids if tokens_known else None, "positions": positions, "slots": slots, "tables": tables, "seq_lens": seq_lens,
             "query_start": query_start, "sample_rows": sample_rows}
 
 
 def check_batch(batch, want: dict, num_groups: int) -> None:
     attn = batch.attn
-    assert batch.input_ids.dtype == torch.int64 and batch.input_ids.tolist() == want["input_ids"]
+    assert batch.input_ids.dtype == torch.int64
+    assert want["input_ids"] is None or batch.input_ids.tolist() == want["input_ids"]
     assert batch.positions.dtype == torch.int64 and batch.positions.tolist() == want["positions"]
     slot_mappings = attn.group_slot_mappings if num_groups > 1 else [attn.slot_mapping]
     block_tables = attn.group_block_tables if num_groups > 1 else [attn.block_tables]
@@ -70,11 +72,12 @@ def check_batch(batch, want: dict, num_groups: int) -> None:
         assert attn.slot_mapping is slot_mappings[0] and attn.block_tables is block_tables[0]
 
 
-@pytest.mark.parametrize("kind, block_size, speculative", [
-    ("gemma2", 16, False), ("gemma2", 32, False), ("llama", 16, False), ("llama", 32, False),
-    ("gemma2", 16, True), ("llama", 32, True),
+@pytest.mark.parametrize("kind, block_size, speculative, ahead", [
+    ("gemma2", 16, False, False), ("gemma2", 32, False, False), ("llama", 16, False, False),
+    ("llama", 32, False, False), ("gemma2", 16, True, False), ("llama", 32, True, False),
+    ("gemma2", 16, False, True), ("llama", 32, False, True),
 ])
-def test_prepare_batch_matches_token_by_token_inputs(kind, block_size, speculative, tmp_path):
+def test_prepare_batch_matches_token_by_token_inputs(kind, block_size, speculative, ahead, tmp_path):
     rng = random.Random(block_size * 7 + len(kind))
     extra = {"sliding_window": 24, "layer_types": [S, F, S, F]} if kind == "gemma2" else {}
     model_dir = make_tiny_model_dir(tmp_path / kind, kind, seed=3, num_hidden_layers=4, **extra)
@@ -87,16 +90,22 @@ def test_prepare_batch_matches_token_by_token_inputs(kind, block_size, speculati
     page_bytes = probe.runner.kv_bytes_per_page
     del probe
     # room for about three 150-token sequences in every group: twelve running ones preempt
-    engine = LLMEngine(EngineConfig(**options, kv_cache_bytes=page_bytes * (3 * 2 * 160 // block_size)))
+    engine = LLMEngine(EngineConfig(**options, kv_cache_bytes=page_bytes * (3 * 2 * 160 // block_size),
+                                    schedule_ahead=ahead))
     runner = engine.runner
     layout = runner.kv_layout
     assert layout.num_groups == (2 if kind == "gemma2" else 1)
     seen = {"one_token": 0, "general": 0, "drafts": 0}
     real_prepare = runner.prepare_batch
 
-    def checked(scheduled):
-        batch = real_prepare(scheduled)
-        check_batch(batch, reference_inputs(scheduled, block_size, layout.group_windows), layout.num_groups)
+    launched_ahead = []  # (input ids, (sequence, position) per row) of the steps scheduled ahead
+
+    def checked(scheduled, after=None):
+        batch = real_prepare(scheduled, after)
+        want = reference_inputs(scheduled, block_size, layout.group_windows, tokens_known=after is None)
+        check_batch(batch, want, layout.num_groups)
+        if after is not None:  # its tokens are checked once they are known, below
+            launched_ahead.append((batch.input_ids.tolist(), [(item.seq, item.start_pos) for item in scheduled]))
         one_token = all(item.num_tokens == 1 for item in scheduled)
         seen["one_token" if one_token else "general"] += 1
         seen["drafts"] += any(item.draft_token_ids for item in scheduled)
@@ -116,6 +125,10 @@ def test_prepare_batch_matches_token_by_token_inputs(kind, block_size, speculati
             engine.add_request(None, prompt, params)
         engine.step()
     stats = engine.stats()
+    # each step launched ahead took, as its input, the token its sequence then got there
+    assert len(launched_ahead) > 20 if ahead else not launched_ahead
+    for ids, rows in launched_ahead:
+        assert ids == [seq.all_token_ids[pos] for seq, pos in rows]
     assert seen["general"] > 5 and (seen["drafts"] > 0 if speculative else seen["one_token"] > 20), seen
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
     engine.step()  # hands the runner the last finished sequences' ids

@@ -327,7 +327,8 @@ def test_real_model_with_adapters_sampling_and_logprobs(tiny_llama_dir, tmp_path
 
 @pytest.mark.slow
 def test_the_overlap_benchmark_runs_and_finds_the_same_tokens():
-    """benchmarks/bench_overlap.py at a small size: it exits non-zero if overlap changed a token."""
+    """benchmarks/bench_overlap.py at a small size: it exits non-zero if overlap_outputs or
+    schedule_ahead changed a token."""
     import subprocess
     import sys
     from pathlib import Path
@@ -339,3 +340,6 @@ def test_the_overlap_benchmark_runs_and_finds_the_same_tokens():
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line for line in run.stdout.splitlines() if line.startswith("| 0.0 |") or line.startswith("| 2.0 |")]
     assert len(rows) == 2 and all(float(cell) > 0 for row in rows for cell in row.strip("| ").split(" | ")[1:])
+    assert "| device ms per step | both off | overlap_outputs | + schedule_ahead |" in run.stdout
+    (ahead,) = [line for line in run.stdout.splitlines() if line.startswith("steps launched ahead")]
+    assert int(ahead.rsplit(" ", 1)[1]) > 0

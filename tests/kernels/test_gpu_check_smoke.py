@@ -104,6 +104,14 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
     (row,) = [x for x in results.splitlines() if x.startswith("| 8 | 2 | qkv | ") and x.endswith("|")
               and x.count("|") == 9]
     assert row.split("|")[-2].strip() == "yes", row
+    # the engine options side by side: schedule_ahead (and the shrink beside) compute the same tokens
+    assert "Engine options, decode step median ms" in results
+    for label in ("as configured", "schedule_ahead", "schedule_ahead + shrink beside"):
+        (row,) = [x for x in results.splitlines() if x.startswith(f"| {label} |")]
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        assert math.isfinite(float(cells[1])) and math.isfinite(float(cells[2])), row
+        assert cells[4] == cells[5] == "4 of 4 sequences", row
+    assert "| schedule ahead |" in results  # its own phase in the host table
     # and what no phase covers, so the rows add up to the step
     assert "| rest of the step (the rest of execute and of the engine's step) |" in results
     assert "| outputs (detokenizing, output objects) |" in results and "| tokens read back (waits for the GPU) |" in results

@@ -98,13 +98,17 @@ def test_async_request_on_changed_files_leaves_nothing(world, tmp_path):
     llm.remove_adapter("y")
 
 
-def test_adapter_lost_mid_run_aborts_only_its_requests(world, tmp_path):
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "schedule-ahead"])
+def test_adapter_lost_mid_run_aborts_only_its_requests(world, tmp_path, ahead, monkeypatch):
     """The weights of an adapter with running requests leave device and host and its files go:
     the next step cannot place it. Its requests end ("abort", blocks freed); a base request and
     another adapter's request in the same batch finish with their reference outputs; the engine
-    keeps serving."""
+    keeps serving. With schedule_ahead the step already launched ahead still runs (its adapter was
+    in place when it was launched); no step goes ahead without its adapters in their slots, so
+    the failure comes from a step the engine can drop, as without it."""
     llm, root, good, other, reference = world
     engine, manager = llm.engine, llm.engine.lora_manager
+    monkeypatch.setattr(engine, "schedule_ahead", ahead)
     doomed = tmp_path / "doomed"  # other weights than good's: another adapter id, another path
     shutil.copytree(other, doomed)
     long = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

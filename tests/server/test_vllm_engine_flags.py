@@ -68,12 +68,18 @@ def test_a_value_that_means_what_loraplex_does_is_taken_and_noted(argv, flag):
     assert [n for n in notes("m", *argv) if n.startswith(flag)], notes("m", *argv)
 
 
-def test_async_scheduling_is_overlap_outputs():
+def test_async_scheduling_is_overlap_outputs_and_schedule_ahead():
     """vLLM's --async-scheduling (the host's share of a step overlapping the next one's device
-    work) sets loraplex's nearest option either way; a contradicting --overlap-outputs is refused."""
+    work) sets loraplex's two options for it either way; a contradicting one is refused."""
     assert settings("m").overlap_outputs is None  # the engine's default: on where it overlaps (CUDA)
     assert settings("m", "--async-scheduling").overlap_outputs is True
     assert settings("m", "--no-async-scheduling").overlap_outputs is False
+    # and the step ahead, which is what vLLM's flag names
+    assert settings("m").schedule_ahead is False
+    assert settings("m", "--async-scheduling").engine_config().schedule_ahead is True
+    assert settings("m", "--no-async-scheduling").schedule_ahead is False
+    with pytest.raises(VllmFlagError, match=r"--\[no-\]schedule-ahead disagree"):
+        settings("m", "--async-scheduling", "--no-schedule-ahead")
     assert settings("m", "--async-scheduling", "--overlap-outputs").engine_config().overlap_outputs is True
     assert [n for n in notes("m", "--async-scheduling") if n.startswith("--async-scheduling: taken as --overlap")]
     assert notes("m", "--no-async-scheduling") == []

@@ -1,0 +1,269 @@
+"""``schedule_ahead``: the next plain decode step is scheduled and launched before this one's
+tokens are read back (loraplex/engine/schedule_ahead.py).
+
+Against the same engine without it, over the fake paged runner (which runs a step launched
+ahead once the step before is applied, with its KV checked against the block tables): the same
+tokens, text, finish and stop reasons, streamed deltas and generation count, with and without
+overlap_outputs, roomy, chunked and preempting, with aborts; no block or request left behind.
+The scheduler's step ahead leaves the state a ``schedule()`` after the update leaves. Steps do
+not go ahead when the sampler reads a sequence's own tokens on the host, when something waits,
+or when blocks are short. Then the real tiny model with adapters and logprobs, eagerly here and
+through the CUDA-graph path in tests/kernels/test_schedule_ahead_graphs.py.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+from collections import defaultdict
+
+import pytest
+
+from loraplex.engine.schedule_ahead import samples_without_history
+from loraplex.sampling_params import SamplingParams
+from tests.engine.scheduler_harness import FakeModelRunner, Harness, reference_output
+from tests.engine.test_overlap_outputs import CONFIGS, _run, _workload, make_engine
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync-outputs", "overlap-outputs"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["roomy", "chunked", "preempting"])
+@pytest.mark.parametrize("seed", range(8))
+def test_outputs_match_the_engine_that_waits(seed, config, overlap, monkeypatch):
+    sync_finals, sync_streamed, sync_stats = _run(False, seed, **config)
+    launches = []
+    launch = FakeModelRunner.launch
+
+    def counting_launch(self, out, after=None):
+        launches.append(after is not None)
+        return launch(self, out, after)
+
+    monkeypatch.setattr(FakeModelRunner, "launch", counting_launch)
+    finals, streamed, stats = _run(overlap, seed, schedule_ahead=True, **config)
+    assert finals == sync_finals
+    assert streamed == sync_streamed
+    assert stats["generation_tokens_total"] == sync_stats["generation_tokens_total"]
+    assert sum(launches) > 0, "no step went ahead: the comparison would be vacuous"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_aborts_between_steps_end_requests_as_without_it(seed):
+    """A step launched ahead holds no new request: one that arrives meanwhile is admitted a step
+    later, so an abort after step k may find fewer tokens than the engine that waits. What holds:
+    requests nobody aborts end alike, an aborted one holds a prefix of its full output, and no
+    block or request is left (``_run``)."""
+    rng = random.Random(2000 + seed)
+    engine = make_engine(False)
+    arrivals = _workload(seed, engine.tokenizer, with_stops=False)
+    requests = {rid: (prompt, params) for reqs in arrivals.values() for rid, prompt, params, _ in reqs}
+    aborts: dict[int, list[str]] = defaultdict(list)
+    aborted = rng.sample(sorted(requests), k=len(requests) // 2)
+    for rid in aborted:
+        aborts[rng.randrange(12)].append(rid)
+    sync = _run(False, seed, aborts, with_stops=False)[0]
+    ahead = _run(False, seed, aborts, with_stops=False, schedule_ahead=True)[0]
+    assert {r: c for r, c in ahead.items() if r not in aborted} == {r: c for r, c in sync.items() if r not in aborted}
+    for rid in aborted:
+        prompt, params = requests[rid]
+        full = reference_output(prompt, params.max_tokens)
+        for index, tokens, text, reason, stop_reason in ahead[rid]:
+            assert tokens == full[: len(tokens)] and reason in ("abort", "length")
+    reasons = [c[3] for rid in aborted for c in ahead[rid]]
+    assert "abort" in reasons
+
+
+def _decoding_pair(**params):
+    """Two harnesses in the same state: three sequences past their prompts, decoding."""
+    pair = []
+    for _ in range(2):
+        h = Harness(num_blocks=32, block_size=4)
+        for prompt in ([5, 6, 7], [8, 9, 10, 11, 12], [13, 14]):
+            h.add(prompt, max_tokens=20, **params)
+        h.step()  # the prompts
+        pair.append(h)
+    return pair
+
+
+def test_the_step_ahead_is_the_step_schedule_would_make_after_the_update():
+    ahead_h, sync_h = _decoding_pair()
+    for _ in range(6):  # across block boundaries (block size 4)
+        prev = ahead_h.scheduler.schedule()
+        run_out = ahead_h.runner.execute(prev)
+        ahead = ahead_h.scheduler.schedule_ahead(prev)  # before prev's tokens are applied
+        ahead_h.scheduler.update(prev, run_out)
+        sync_h.step()
+        want = sync_h.scheduler.schedule()  # after
+        assert [(e.seq.seq_id, e.start_pos, e.num_tokens, e.needs_sample) for e in ahead.scheduled] == [
+            (e.seq.seq_id, e.start_pos, e.num_tokens, e.needs_sample) for e in want.scheduled]
+        assert [s.block_tables for s in ahead_h.seqs] == [s.block_tables for s in sync_h.seqs]
+        assert [s.num_computed_tokens for s in ahead_h.seqs] == [s.num_computed_tokens for s in sync_h.seqs]
+        assert ahead_h.block_manager.num_free_blocks == sync_h.block_manager.num_free_blocks
+        assert ahead_h.scheduler.stats.num_steps == sync_h.scheduler.stats.num_steps
+        # the fake runner checks each step's KV slots and context against its tables
+        ahead_h.scheduler.update(ahead, ahead_h.runner.execute(ahead))
+        sync_h.scheduler.update(want, sync_h.runner.execute(want))
+        assert [s.output_token_ids for s in ahead_h.seqs] == [s.output_token_ids for s in sync_h.seqs]
+
+
+@pytest.mark.parametrize("params", [
+    dict(repetition_penalty=1.2), dict(frequency_penalty=0.5), dict(presence_penalty=0.5),
+    dict(min_tokens=10), dict(seed=7, temperature_override=0.8), dict(bad_words_token_ids=[[5]]),
+], ids=["repetition", "frequency", "presence", "min_tokens", "seeded", "bad_words"])
+def test_no_step_goes_ahead_when_the_sampler_reads_the_sequences_own_tokens(params):
+    params = dict(params)
+    temperature = params.pop("temperature_override", None)
+    bad_words = params.pop("bad_words_token_ids", None)
+    h, _ = _decoding_pair(**params)
+    if temperature is not None or bad_words is not None:
+        for seq in h.seqs:
+            if temperature is not None:
+                seq.params.temperature = temperature
+            if bad_words is not None:
+                seq.params.bad_words_token_ids = bad_words
+    assert not all(samples_without_history(s) for s in h.seqs)
+    prev = h.scheduler.schedule()
+    assert h.scheduler.schedule_ahead(prev) is None
+    # and the refusal changed nothing
+    assert [s.num_computed_tokens for s in h.seqs] == [e.start_pos for e in prev.scheduled]
+
+
+def test_a_seed_under_greedy_and_min_tokens_already_met_do_not_hold_it_back():
+    h, _ = _decoding_pair(seed=3, min_tokens=1)
+    assert all(samples_without_history(s) for s in h.seqs)
+    prev = h.scheduler.schedule()
+    assert h.scheduler.schedule_ahead(prev) is not None
+
+
+def test_no_step_goes_ahead_while_a_request_waits_or_blocks_are_short():
+    h, _ = _decoding_pair()
+    h.add([40, 41])
+    prev = h.scheduler.schedule()  # the three decodes and the new prompt
+    assert len(prev.scheduled) == 4 and h.scheduler.schedule_ahead(prev) is None
+    h.scheduler.update(prev, h.runner.execute(prev))
+    assert h.scheduler.schedule_ahead(h.scheduler.schedule()) is not None  # four decodes
+
+    full = Harness(num_blocks=32, block_size=4, max_num_seqs=2)
+    for prompt in ([5, 6, 7], [8, 9, 10], [11, 12]):
+        full.add(prompt, max_tokens=20)
+    full.step()
+    prev = full.scheduler.schedule()  # two decodes; the third request waits for a seat
+    assert full.scheduler.num_waiting == 1 and full.scheduler.schedule_ahead(prev) is None
+
+    short = Harness(num_blocks=4, block_size=4)  # 16 slots
+    for prompt in ([5, 6, 7], [8, 9, 10]):
+        short.add(prompt, max_tokens=20)
+    short.step()
+    for _ in range(5):
+        prev = short.scheduler.schedule()
+        run_out = short.runner.execute(prev)
+        free = short.block_manager.num_free_blocks
+        computed = [s.num_computed_tokens for s in short.seqs]
+        ahead = short.scheduler.schedule_ahead(prev)
+        if ahead is None:  # one of them needs a block and none is free: nothing was changed
+            assert short.block_manager.num_free_blocks == free == 0
+            assert [s.num_computed_tokens for s in short.seqs] == computed
+            return
+        short.scheduler.update(prev, run_out)
+        short.scheduler.update(ahead, short.runner.execute(ahead))
+    pytest.fail("the blocks never ran short")
+
+
+@pytest.mark.slow
+def test_real_tiny_model_with_adapters_gives_the_same_outputs(tiny_llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from loraplex.engine.llm import LLM
+    from tests.fixtures.peft_adapters import make_peft_adapter
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype="float32").eval()
+    adapters = {n: make_peft_adapter(base, tmp_path / n, seed=i, r=4 * (i + 1), target_modules="all-linear")
+                for i, n in enumerate(("a", "b"))}
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4, 250) for _ in range(rng.randrange(2, 9))] for _ in range(6)]
+    which = ["a", None, "b", "a", None, "b"]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(3, 12), logprobs=2, n=1 + (i == 3))
+              for i in range(6)]
+    results = []
+    for ahead in (False, True):
+        llm = LLM(model=str(tiny_llama_dir), dtype="float32", device="cpu", kv_cache_bytes=4 << 20, max_loras=4,
+                  max_lora_rank=8, max_num_seqs=8, max_model_len=64, schedule_ahead=ahead)
+        for name, path in adapters.items():
+            llm.add_adapter(name, str(path))
+        launch, afters = llm.engine.runner.launch, []
+        llm.engine.runner.launch = lambda out, after=None: (afters.append(after is not None), launch(out, after))[1]
+        outs = llm.generate(prompts, params, adapters=which)
+        results.append([[(c.token_ids, c.logprobs, c.finish_reason) for c in o.outputs] for o in outs])
+        assert (sum(afters) > 0) == ahead
+        engine = llm.engine
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    sync, ahead = results
+    for want, got in zip(sync, ahead):
+        for (w_tokens, w_lps, w_reason), (g_tokens, g_lps, g_reason) in zip(want, got):
+            assert g_tokens == w_tokens and g_reason == w_reason
+            assert len(w_lps) == len(g_lps) == len(w_tokens)
+            for w, g in zip(w_lps, g_lps):  # the batches differ in dropped rows: fp32 GEMMs of other sizes
+                assert w["token_id"] == g["token_id"] and abs(w["logprob"] - g["logprob"]) < 1e-4
+                assert w["top_logprobs"].keys() == g["top_logprobs"].keys()
+                assert all(abs(w["top_logprobs"][t] - g["top_logprobs"][t]) < 1e-4 for t in w["top_logprobs"])
+
+
+def test_tokens_after_follows_the_sequences_not_the_rows():
+    import torch
+
+    from loraplex.engine.model_runner import tokens_after
+
+    seqs = [SimpleNamespace(seq_id=i) for i in (7, 3, 9)]
+    after = SimpleNamespace(tokens=SimpleNamespace(token_ids=torch.tensor([70, 30, 90])), seqs=seqs)
+    same = [SimpleNamespace(seq=s) for s in seqs]
+    assert tokens_after(same, after) is after.tokens.token_ids  # a steady batch: the tensor as it is
+    other = [SimpleNamespace(seq=seqs[i]) for i in (2, 0, 1)]
+    assert tokens_after(other, after).tolist() == [90, 70, 30]
+    assert tokens_after(other[:2], after).tolist() == [90, 70]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync-outputs", "overlap-outputs"])
+def test_async_engine_streams_with_steps_ahead_and_aborts(overlap):
+    """The async engine (its own thread stepping, deliver callbacks, aborts from the event loop)
+    over the fake runner: streamed tokens are the reference's, a client that gives up midway is
+    aborted, every stream ends once, and nothing is held after."""
+    import asyncio
+
+    from loraplex.engine.async_engine import AsyncLLMEngine
+
+    engine = make_engine(overlap, num_blocks=256, max_model_len=512, schedule_ahead=True)
+    launches = []
+    launch = engine.runner.launch
+    engine.runner.launch = lambda out, after=None: (launches.append(after is not None), launch(out, after))[1]
+    aengine = AsyncLLMEngine(engine.config, engine=engine)
+    prompts = {f"a{i}": [4 + i, 20 + i, 40 + i] for i in range(8)}
+
+    async def consume(rid, prompt, give_up_after=None):
+        tokens, finals = [], 0
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=15)
+        async for delta in aengine.generate(prompt, params, request_id=rid):
+            tokens += delta.outputs[0].token_ids
+            finals += delta.finished
+            if give_up_after is not None and len(tokens) >= give_up_after:
+                break  # the client leaves: the engine aborts the request
+        return tokens, finals
+
+    async def main():
+        jobs = [consume(rid, p, 4 if i % 3 == 0 else None) for i, (rid, p) in enumerate(prompts.items())]
+        return await asyncio.wait_for(asyncio.gather(*jobs), 60)
+
+    try:
+        results = asyncio.run(main())
+        for _ in range(200):  # the aborts reach the engine thread
+            if not engine.has_unfinished():
+                break
+            asyncio.run(asyncio.sleep(0.01))
+    finally:
+        aengine.shutdown()
+    for i, ((tokens, finals), prompt) in enumerate(zip(results, prompts.values())):
+        want = reference_output(prompt, 15)
+        if i % 3 == 0:
+            assert tokens == want[: len(tokens)] and len(tokens) >= 4
+        else:
+            assert tokens == want and finals == 1
+    assert any(launches)
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
