@@ -171,8 +171,9 @@ class DecodeGraphs:
         inputs: DecodeInputs,  # the step's one token per sequence (decode_inputs.decode_inputs)
         token_slots: list[int] | None,  # per sequence (one token each); None = no adapter in the step
         pool: SlotPool | None,
-        input_ids: torch.Tensor | None = None,  # [num_seqs] int64 on the device: the tokens, when
-        # the step before is still sampling them (schedule_ahead); None: inputs.input_ids
+        # schedule_ahead: writes into the step's input ids ([num_seqs] on the device) the tokens
+        # the step before is still sampling (zeros in ``inputs``)
+        fill_pending: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:  # [num_seqs, hidden_size], in ``inputs`` order
         num_seqs = inputs.num_seqs
         batch = self.bucket_for(num_seqs)
@@ -182,8 +183,8 @@ class DecodeGraphs:
         if token_slots is not None:
             seg_class = self._fill_lora(token_slots, batch, pool)
         self._staging.end()
-        if input_ids is not None:  # after the staged copies, which wrote zeros there
-            self.input_ids[:num_seqs].copy_(input_ids)
+        if fill_pending is not None:  # after the staged copies, which wrote zeros there
+            fill_pending(self.input_ids[:num_seqs])
         if seg_class > 0 and not self._embed_lora and pool.vocab.get("embed_tokens") is not None:
             # the first adapter with LoRA on embed_tokens: graphs captured before lack its ops
             self.graphs = {k: g for k, g in self.graphs.items() if k[1] == 0}

@@ -32,6 +32,12 @@ class DecodeInputs:
         return len(self.input_ids)
 
 
+def pending_rows(scheduled: list[ScheduledSeq]) -> list[tuple[int, ScheduledSeq]]:
+    """(row, entry) of each entry of a one-token step whose input token the host does not have
+    yet (a step scheduled ahead: the step before is still sampling it)."""
+    return [(row, item) for row, item in enumerate(scheduled) if item.start_pos >= item.seq.num_tokens]
+
+
 def window_first_blocks(starts: np.ndarray, window: int | None, block_size: int) -> np.ndarray | None:
     """Per sequence whose step's queries start at ``starts[i]`` ([num_seqs] int64), the first
     block a layer with ``window`` reads (the block manager has given back the ones before it);
@@ -52,19 +58,21 @@ def is_one_token_step(scheduled: list[ScheduledSeq]) -> bool:
 
 
 def decode_inputs(scheduled: list[ScheduledSeq], block_size: int, group_windows: tuple[int | None, ...],
-                  mirror: BlockTableMirror, tokens_known: bool = True) -> DecodeInputs:
+                  mirror: BlockTableMirror, pending_ok: bool = False) -> DecodeInputs:
     """The inputs of a step for which ``is_one_token_step`` holds. The slots and block tables
     come from ``mirror``'s rows with numpy, not from the table lists one sequence at a time.
-    ``tokens_known`` False: a step scheduled ahead, whose input tokens are still being sampled
-    on the device (the caller puts them in); ``input_ids`` are zeros here."""
-    if tokens_known:
-        input_ids: list[int] = []
-        for item in scheduled:
-            seq, pos = item.seq, item.start_pos
-            out_index = pos - len(seq.prompt_token_ids)  # seq.token_at(pos), without the call
-            input_ids.append(seq.output_token_ids[out_index] if out_index >= 0 else seq.prompt_token_ids[pos])
-    else:
-        input_ids = [0] * len(scheduled)
+    ``pending_ok``: a step scheduled ahead, where a token the host does not have yet is one the
+    step before is still sampling (``pending_rows``; the caller puts those in): 0 here."""
+    input_ids: list[int] = []
+    for item in scheduled:
+        seq, pos = item.seq, item.start_pos
+        out_index = pos - len(seq.prompt_token_ids)  # seq.token_at(pos), without the call
+        if out_index < 0:
+            input_ids.append(seq.prompt_token_ids[pos])
+        elif pending_ok and out_index == len(seq.output_token_ids):
+            input_ids.append(0)
+        else:
+            input_ids.append(seq.output_token_ids[out_index])
     positions = [item.start_pos for item in scheduled]
     rows = mirror.sync(scheduled)
     pos = np.array(positions, dtype=np.int64)

@@ -43,7 +43,7 @@ import torch
 from loraplex.config import GiB, EngineConfig
 from loraplex.engine.block_table_mirror import BlockTableMirror
 from loraplex.engine.cuda_graphs import DecodeGraphs, cuda_capture
-from loraplex.engine.decode_inputs import decode_inputs, is_one_token_step, window_first_blocks
+from loraplex.engine.decode_inputs import decode_inputs, is_one_token_step, pending_rows, window_first_blocks
 from loraplex.engine.device_choice import available_ram_bytes, resolve_device, resolve_dtype
 from loraplex.engine.host_arrays import to_tensor
 from loraplex.engine.kv_budget import (
@@ -107,6 +107,19 @@ class PendingRun:
         in_span = {row for _, first, count in spans for row in range(first, first + count)}
         sampled = {seq.seq_id: tok for row, (seq, tok) in enumerate(zip(seqs, tokens)) if row not in in_span}
         return ModelRunnerOutput(sampled=sampled, verified=verified, prompt_logprobs=self.prompt_logprobs)
+
+
+def put_pending(input_ids: torch.Tensor, pending: list[tuple[int, ScheduledSeq]], after: PendingRun) -> None:
+    """Write into ``input_ids`` ([T] int64 on the device) the token of each pending ``(row, entry)``
+    (``decode_inputs.pending_rows``): the one ``after`` samples for its sequence."""
+    if not pending:
+        return
+    tokens = tokens_after([item for _, item in pending], after)
+    if len(pending) == input_ids.shape[0]:  # every row (rows 0..T-1): a step of decodes alone
+        input_ids.copy_(tokens)
+        return
+    rows = torch.tensor([row for row, _ in pending], dtype=torch.long, device=input_ids.device)
+    input_ids.index_copy_(0, rows, tokens)
 
 
 def tokens_after(scheduled: list[ScheduledSeq], after: PendingRun) -> torch.Tensor:  # [num_seqs] int64
@@ -349,9 +362,12 @@ class ModelRunner:
             token_slots = self.lora_manager.step_slots([item.adapter_id for item in scheduled])
             pool = self.lora_manager.pool
         inputs = decode_inputs(scheduled, self.block_size, self.kv_layout.group_windows, self.table_mirror,
-                               tokens_known=after is None)
-        input_ids = None if after is None else tokens_after(scheduled, after)
-        hidden = self.decode_graphs.run(inputs, token_slots, pool, input_ids)  # [num_seqs, hidden_size]
+                               pending_ok=after is not None)
+        fill = None
+        if after is not None:
+            pending = pending_rows(scheduled)
+            fill = lambda input_ids: put_pending(input_ids, pending, after)  # noqa: E731
+        hidden = self.decode_graphs.run(inputs, token_slots, pool, fill)  # [num_seqs, hidden_size]
         # the LM head runs after the replay, eagerly, so its LoRA takes this step's own metadata
         head_lora = None if token_slots is None else logits_lora(pool, token_slots)
         return self._sample(hidden, [item.seq for item in scheduled], head_lora=head_lora)
@@ -371,8 +387,6 @@ class ModelRunner:
     def prepare_batch(self, scheduled: list[ScheduledSeq], after: PendingRun | None = None) -> FlatBatch:
         if is_one_token_step(scheduled):  # decodes: most steps at large batches
             return self._one_token_batch(scheduled, after)
-        if after is not None:
-            raise ValueError("only a step of one token per sequence can take its inputs from the step before")
         bs = self.block_size
         num_groups = self.kv_layout.num_groups
         input_ids: list[int] = []
@@ -385,11 +399,16 @@ class ModelRunner:
         sample_seqs: list = []
         prompt_logprob_rows: list[tuple] = []
         verify_spans: list[tuple] = []
+        pending: list[tuple[int, ScheduledSeq]] = []  # rows whose token ``after`` is still sampling
         for item in scheduled:
             start, n, item_tables = item.start_pos, item.num_tokens, item.block_tables
             end = start + n
             if n == 1:  # a decode token beside prompt chunks
-                input_ids.append(item.seq.token_at(start))
+                if after is not None and start >= item.seq.num_tokens:
+                    pending.append((len(input_ids), item))
+                    input_ids.append(0)
+                else:
+                    input_ids.append(item.seq.token_at(start))
                 positions.append(start)
                 block, offset = divmod(start, bs)
                 for slots, table in zip(group_slots, item_tables):
@@ -432,8 +451,11 @@ class ModelRunner:
         tables = self.table_mirror.gather(
             self.table_mirror.sync(scheduled), [-(-n // bs) for n in seq_lens],
             [window_first_blocks(starts, window, bs) for window in self.kv_layout.group_windows])
+        input_ids_t = to_tensor(input_ids, np.int64, dev)
+        if pending:
+            put_pending(input_ids_t, pending, after)
         return self._flat_batch(
-            to_tensor(input_ids, np.int64, dev), to_tensor(positions, np.int64, dev), group_slots, tables,
+            input_ids_t, to_tensor(positions, np.int64, dev), group_slots, tables,
             seq_lens, max(seq_lens), to_tensor(query_start, np.int32, dev),
             max(item.num_tokens for item in scheduled), adapters, sample_rows, sample_seqs, prompt_logprob_rows,
             verify_spans)
@@ -442,10 +464,12 @@ class ModelRunner:
         """``prepare_batch`` for a step of one token per sequence (``decode_inputs``)."""
         dev = self.device
         inputs = decode_inputs(scheduled, self.block_size, self.kv_layout.group_windows, self.table_mirror,
-                               tokens_known=after is None)
+                               pending_ok=after is not None)
         sample_rows = [i for i, item in enumerate(scheduled) if item.needs_sample]
         sample_seqs = [scheduled[i].seq for i in sample_rows]
-        input_ids = torch.from_numpy(inputs.input_ids).to(dev) if after is None else tokens_after(scheduled, after)
+        input_ids = torch.from_numpy(inputs.input_ids).to(dev)
+        if after is not None:
+            put_pending(input_ids, pending_rows(scheduled), after)
         return self._flat_batch(
             input_ids, torch.from_numpy(inputs.positions).to(dev),
             inputs.slot_mappings, inputs.block_tables, inputs.seq_lens, int(inputs.seq_lens.max()),

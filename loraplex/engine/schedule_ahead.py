@@ -18,12 +18,16 @@ in N+1: its row is computed and dropped (``update`` skips what is no longer runn
 blocks go back when it ends, as usual. The KV that row writes lands in a block nobody else holds
 yet: a block handed out later is written by later device work, which runs after.
 
-Only plain decode steps go ahead, and only when a ``schedule()`` would run the same batch: no
-prompt chunk, nothing waiting to be admitted, no speculative drafts, blocks free for every new
-token without preempting, every adapter still in its device slot (nothing to load, so nothing
-that could fail to), and no sequence whose sampling reads its own earlier tokens on the host
-(penalties, bad words, a grammar, ``min_tokens`` still holding EOS back, a seed, which is drawn
-per generated count). Otherwise the engine schedules the next step as before, after the update.
+Only a step of plain decodes goes ahead, and only when a ``schedule()`` after the update would
+run each of its sequences again: no prompt chunk in it, no speculative drafts, blocks free for
+every new token without preempting, every adapter still in its device slot (nothing to load, so
+nothing that could fail to), and no sequence whose sampling reads its own earlier tokens on the
+host (penalties, bad words, a grammar, ``min_tokens`` still holding EOS back, a seed, which is
+drawn per generated count). Waiting requests are admitted into the step ahead as ``schedule()``
+admits them (their prompts are known), except those whose adapter is not in a device slot; if
+any is left waiting, the next step is a ``schedule()``, so none waits more than a step longer
+than without going ahead. An adapter starving for a slot leaves it to ``schedule()`` too.
+Otherwise the engine schedules the next step as before, after the update.
 """
 
 from __future__ import annotations
@@ -46,17 +50,20 @@ def samples_without_history(seq: Sequence) -> bool:
 
 
 class ScheduleAhead:
-    """``Scheduler.schedule_ahead`` (see module doc); a mixin of ``Scheduler``, reading its
-    ``waiting``, ``running``, ``block_manager``, ``adapter_gate``, ``drafts``, ``stats``, ``_starving`` and
-    ``_released``."""
+    """``Scheduler.schedule_ahead`` (see module doc); a mixin of ``Scheduler``, using its queues,
+    block manager, adapter gate, admission (``_admit``, ``_check_starvation``) and ``_output``."""
 
     def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
         """Step N+1 from step N (``prev``, launched, not yet updated), or None when it cannot go ahead."""
-        if self.waiting or self._starving is not None or self.drafts is not None:
-            return None
+        if self.drafts is not None or (self.waiting and self._left_waiting):
+            return None  # (the step ahead before this one left sequences waiting: schedule() places them)
         entries = prev.scheduled
         if not entries or len(entries) != len(self.running):
             return None  # a running sequence N left out (the token budget) is the scheduler's to place
+        if self.waiting:
+            self._check_starvation()  # picks S as schedule() would, which then handles it
+        if self._starving is not None:
+            return None
         running = SequenceStatus.RUNNING
         block_manager = self.block_manager
         need = 0
@@ -74,14 +81,17 @@ class ScheduleAhead:
         adapters.discard(None)
         if adapters and self.adapter_gate is not None and not all(map(self.adapter_gate.is_placed, adapters)):
             return None  # an adapter left its slot: placing it again may fail, which a normal step handles
-        ahead = []
+        self.stats.num_steps += 1
+        self._first_admitted = []
+        scheduled: dict[int, ScheduledSeq] = {}
         for entry in entries:
             seq = entry.seq
             seq.num_computed_tokens = entry.start_pos + 1  # as update() will set it
             block_manager.append(seq, 1)
             tables = seq.block_tables
-            ahead.append(ScheduledSeq(seq, seq.num_computed_tokens, 1, tables[0], True, seq.adapter_id, [], tables))
-        self.stats.num_steps += 1
-        out = SchedulerOutput(scheduled=ahead, num_batched_tokens=len(ahead), released_seq_ids=self._released)
-        self._released = []
-        return out
+            scheduled[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, 1, tables[0], True, seq.adapter_id,
+                                                 [], tables)
+        if self.waiting:  # their prompts are known: admitted here as schedule() would, adapters in slots only
+            self._admit(scheduled, self.config.max_num_batched_tokens - len(scheduled), placed_only=True)
+        self._left_waiting = bool(self.waiting)
+        return self._output(scheduled)

@@ -120,6 +120,8 @@ class Scheduler(StepResults, ScheduleAhead):
         # sequences whose first admission was in the step being built (requeue_unrun forgets it)
         self._first_admitted: list[Sequence] = []
         self._starving: Sequence | None = None  # S of the module doc
+        # a step ahead left sequences waiting: the next step is a schedule() (schedule_ahead.py)
+        self._left_waiting = False
         self._starving_since = 0
         self.stats = SchedulerStats()
         spec = parse_speculative_config(config.speculative_config)
@@ -227,7 +229,11 @@ class Scheduler(StepResults, ScheduleAhead):
         num_preempted += num_preempted_for_kv
         if num_preempted_for_kv == 0:
             budget = self._admit(scheduled, budget)
+        self._left_waiting = False
+        return self._output(scheduled, num_preempted)
 
+    def _output(self, scheduled: dict[int, ScheduledSeq], num_preempted: int = 0) -> SchedulerOutput:
+        """The step of ``scheduled``'s entries, with the sequences released since the last one."""
         entries = list(scheduled.values())
         num_batched_tokens = num_chunked_prefills = num_draft_tokens = 0
         for e in entries:  # one pass for the three sums
@@ -247,7 +253,10 @@ class Scheduler(StepResults, ScheduleAhead):
         self.stats.num_chunked_prefills += out.num_chunked_prefills
         return out
 
-    def _admit(self, scheduled: dict[int, ScheduledSeq], budget: int) -> int:
+    def _admit(self, scheduled: dict[int, ScheduledSeq], budget: int, placed_only: bool = False) -> int:
+        """Admit waiting sequences into the step being built; returns the budget left.
+        ``placed_only``: only those of the base model or of an adapter in a device slot now
+        (a step ahead loads nothing)."""
         if budget <= 0 or len(self.running) >= self.config.max_num_seqs or not self.waiting:
             return budget  # ordering thousands of waiting sequences for nothing costs a step time
         adapters = self.running_adapters()
@@ -255,6 +264,9 @@ class Scheduler(StepResults, ScheduleAhead):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if not self._adapter_admissible(seq, adapters):
+                continue
+            if (placed_only and seq.adapter_id is not None and self.adapter_gate is not None
+                    and not self.adapter_gate.is_placed(seq.adapter_id)):
                 continue
             cached = self.block_manager.num_cached_prefix_tokens(seq)
             num_tokens = min(seq.num_tokens - cached, budget)

@@ -22,9 +22,9 @@ from tests.fixtures.tiny_models import make_tiny_model_dir
 S, F = "sliding_attention", "full_attention"
 
 
-def reference_inputs(scheduled, block_size: int, group_windows, tokens_known: bool = True) -> dict:
-    """The step's inputs, token by token from each sequence's token and table lists
-    (``tokens_known`` False: a step scheduled ahead, whose input tokens are still being sampled)."""
+def reference_inputs(scheduled, block_size: int, group_windows) -> dict:
+    """The step's inputs, token by token from each sequence's token and table lists; None for
+    a token the host does not have yet (a step scheduled ahead: the step before samples it)."""
     ids, positions, seq_lens, query_start, sample_rows = [], [], [], [0], []
     slots = [[] for _ in group_windows]
     widths = [-(-(item.start_pos + item.num_tokens) // block_size) for item in scheduled]
@@ -33,6 +33,8 @@ def reference_inputs(scheduled, block_size: int, group_windows, tokens_known: bo
         start, end = item.start_pos, item.start_pos + item.num_tokens
         known = end - len(item.draft_token_ids)
         ids += item.seq.all_token_ids[start:known] + list(item.draft_token_ids)
+        if start >= item.seq.num_tokens:
+            ids.append(None)
         for pos in range(start, end):
             positions.append(pos)
             for g, table in enumerate(item.block_tables):
@@ -48,14 +50,15 @@ def reference_inputs(scheduled, block_size: int, group_windows, tokens_known: bo
             first = 0 if window is None else max(0, start - window + 1) // block_size
             row = [-1 if i < first else table[i] for i in range(length)]
             tables[g].append(row + [0] * (max(widths) - length))
-    return {"input_ids": ids if tokens_known else None, "positions": positions, "slots": slots, "tables": tables, "seq_lens": seq_lens,
+    return {"input_ids": ids, "positions": positions, "slots": slots, "tables": tables, "seq_lens": seq_lens,
             "query_start": query_start, "sample_rows": sample_rows}
 
 
 def check_batch(batch, want: dict, num_groups: int) -> None:
     attn = batch.attn
-    assert batch.input_ids.dtype == torch.int64
-    assert want["input_ids"] is None or batch.input_ids.tolist() == want["input_ids"]
+    assert batch.input_ids.dtype == torch.int64 and len(batch.input_ids) == len(want["input_ids"])
+    assert [t for t, w in zip(batch.input_ids.tolist(), want["input_ids"]) if w is not None] == [
+        w for w in want["input_ids"] if w is not None]
     assert batch.positions.dtype == torch.int64 and batch.positions.tolist() == want["positions"]
     slot_mappings = attn.group_slot_mappings if num_groups > 1 else [attn.slot_mapping]
     block_tables = attn.group_block_tables if num_groups > 1 else [attn.block_tables]
@@ -102,10 +105,12 @@ def test_prepare_batch_matches_token_by_token_inputs(kind, block_size, speculati
 
     def checked(scheduled, after=None):
         batch = real_prepare(scheduled, after)
-        want = reference_inputs(scheduled, block_size, layout.group_windows, tokens_known=after is None)
+        want = reference_inputs(scheduled, block_size, layout.group_windows)
         check_batch(batch, want, layout.num_groups)
-        if after is not None:  # its tokens are checked once they are known, below
-            launched_ahead.append((batch.input_ids.tolist(), [(item.seq, item.start_pos) for item in scheduled]))
+        assert after is not None or None not in want["input_ids"]
+        if after is not None:  # the tokens still being sampled are checked once they are known, below
+            rows = [(item.seq, pos) for item in scheduled for pos in range(item.start_pos, item.start_pos + item.num_tokens)]
+            launched_ahead.append((batch.input_ids.tolist(), rows))
         one_token = all(item.num_tokens == 1 for item in scheduled)
         seen["one_token" if one_token else "general"] += 1
         seen["drafts"] += any(item.draft_token_ids for item in scheduled)
@@ -125,8 +130,11 @@ def test_prepare_batch_matches_token_by_token_inputs(kind, block_size, speculati
             engine.add_request(None, prompt, params)
         engine.step()
     stats = engine.stats()
-    # each step launched ahead took, as its input, the token its sequence then got there
+    # each step launched ahead took, as its input, the token its sequence then got there; some
+    # admitted prompts beside the decodes (the general path) and some were decodes alone
     assert len(launched_ahead) > 20 if ahead else not launched_ahead
+    if ahead:
+        assert any(len(rows) > len({seq.seq_id for seq, _ in rows}) for _, rows in launched_ahead)
     for ids, rows in launched_ahead:
         assert ids == [seq.all_token_ids[pos] for seq, pos in rows]
     assert seen["general"] > 5 and (seen["drafts"] > 0 if speculative else seen["one_token"] > 20), seen

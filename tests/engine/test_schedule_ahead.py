@@ -85,12 +85,16 @@ def _decoding_pair(**params):
 
 def test_the_step_ahead_is_the_step_schedule_would_make_after_the_update():
     ahead_h, sync_h = _decoding_pair()
-    for _ in range(6):  # across block boundaries (block size 4)
+    for i in range(6):  # across block boundaries (block size 4)
         prev = ahead_h.scheduler.schedule()
         run_out = ahead_h.runner.execute(prev)
+        if i in (2, 4):  # a request arrives while prev runs: both admit it into the next step
+            ahead_h.add([60 + i, 61, 62])
         ahead = ahead_h.scheduler.schedule_ahead(prev)  # before prev's tokens are applied
         ahead_h.scheduler.update(prev, run_out)
         sync_h.step()
+        if i in (2, 4):
+            sync_h.add([60 + i, 61, 62])
         want = sync_h.scheduler.schedule()  # after
         assert [(e.seq.seq_id, e.start_pos, e.num_tokens, e.needs_sample) for e in ahead.scheduled] == [
             (e.seq.seq_id, e.start_pos, e.num_tokens, e.needs_sample) for e in want.scheduled]
@@ -133,21 +137,37 @@ def test_a_seed_under_greedy_and_min_tokens_already_met_do_not_hold_it_back():
     assert h.scheduler.schedule_ahead(prev) is not None
 
 
-def test_no_step_goes_ahead_while_a_request_waits_or_blocks_are_short():
+def test_waiting_requests_join_the_step_ahead_and_one_left_waiting_gets_a_schedule_next():
     h, _ = _decoding_pair()
     h.add([40, 41])
     prev = h.scheduler.schedule()  # the three decodes and the new prompt
-    assert len(prev.scheduled) == 4 and h.scheduler.schedule_ahead(prev) is None
+    assert len(prev.scheduled) == 4 and h.scheduler.schedule_ahead(prev) is None  # a prompt in it
     h.scheduler.update(prev, h.runner.execute(prev))
-    assert h.scheduler.schedule_ahead(h.scheduler.schedule()) is not None  # four decodes
+
+    prev = h.scheduler.schedule()  # four decodes; then a request arrives while they run
+    run_out = h.runner.execute(prev)
+    new = h.add([42, 43, 44])
+    ahead = h.scheduler.schedule_ahead(prev)
+    assert [(e.seq.seq_id, e.start_pos, e.num_tokens) for e in ahead.scheduled] == [
+        (e.seq.seq_id, e.start_pos + 1, 1) for e in prev.scheduled] + [(new.seq_id, 0, 3)]
+    h.scheduler.update(prev, run_out)
+    h.scheduler.update(ahead, h.runner.execute(ahead))
+    assert new.output_token_ids and h.scheduler.num_waiting == 0
 
     full = Harness(num_blocks=32, block_size=4, max_num_seqs=2)
     for prompt in ([5, 6, 7], [8, 9, 10], [11, 12]):
         full.add(prompt, max_tokens=20)
     full.step()
     prev = full.scheduler.schedule()  # two decodes; the third request waits for a seat
-    assert full.scheduler.num_waiting == 1 and full.scheduler.schedule_ahead(prev) is None
+    run_out = full.runner.execute(prev)
+    ahead = full.scheduler.schedule_ahead(prev)  # the same two: still no seat
+    assert len(ahead.scheduled) == 2 and full.scheduler.num_waiting == 1
+    full.scheduler.update(prev, run_out)
+    assert full.scheduler.schedule_ahead(ahead) is None  # it left one waiting: schedule() comes next
+    full.scheduler.update(ahead, full.runner.execute(ahead))
 
+
+def test_no_step_goes_ahead_when_blocks_are_short():
     short = Harness(num_blocks=4, block_size=4)  # 16 slots
     for prompt in ([5, 6, 7], [8, 9, 10]):
         short.add(prompt, max_tokens=20)

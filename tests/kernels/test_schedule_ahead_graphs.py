@@ -42,9 +42,9 @@ def test_graph_steps_launched_ahead_give_the_outputs_of_the_engine_that_waits(ti
                                             8, capture=eager_capture, layout=runner.kv_layout)
         run_graph, graph_ahead = runner.decode_graphs.run, []
 
-        def counting_run(inputs, token_slots, pool, input_ids=None, run_graph=run_graph, graph_ahead=graph_ahead):
-            graph_ahead.append(input_ids is not None)
-            return run_graph(inputs, token_slots, pool, input_ids)
+        def counting_run(inputs, token_slots, pool, fill_pending=None, run_graph=run_graph, graph_ahead=graph_ahead):
+            graph_ahead.append(fill_pending is not None)
+            return run_graph(inputs, token_slots, pool, fill_pending)
 
         runner.decode_graphs.run = counting_run
         outs = llm.generate(prompts, params, adapters=which)
