@@ -5,9 +5,9 @@ step at batch 256 against about 2.5 ms of device work), and without this the dev
 the host schedules, prepares and launches each step. Ahead, the host queues step N+1 right after
 step N, so the device runs them back to back while the host reads back and applies step N.
 
-``Scheduler.schedule_ahead(prev)`` builds N+1 from N alone: the same sequences, in the same
-order, one token further, each sampling from the token N draws (the runner feeds it from the
-device: ``ModelRunner.launch(after=)``). It leaves the state a ``schedule()`` of N+1 would leave
+``Scheduler.schedule_ahead(prev)`` builds N+1 from N: the same sequences, in the same order,
+each decoding the token N draws for it (in N a decode or a prompt's last chunk), which the
+runner takes on the device (``ModelRunner.launch(after=)``). It leaves the state a ``schedule()`` of N+1 would leave
 once ``update`` has applied N: each sequence's ``num_computed_tokens`` advanced (``update`` sets
 the same) and room for the new token in its blocks. The prefix cache registers only blocks the
 known tokens fill (``BlockManager.append``), so the block N's unknown token completes is
@@ -18,11 +18,11 @@ in N+1: its row is computed and dropped (``update`` skips what is no longer runn
 blocks go back when it ends, as usual. The KV that row writes lands in a block nobody else holds
 yet: a block handed out later is written by later device work, which runs after.
 
-Only a step of plain decodes goes ahead, and only when a ``schedule()`` after the update would
-run each of its sequences again: no prompt chunk in it, no speculative drafts, blocks free for
-every new token without preempting, every adapter still in its device slot (nothing to load, so
-nothing that could fail to), and no sequence whose sampling reads its own earlier tokens on the
-host (penalties, bad words, a grammar, ``min_tokens`` still holding EOS back, a seed, which is
+A step goes ahead only from a step whose every sequence samples (decodes, or prompts that end
+in it) and that a ``schedule()`` after the update would run again: no chunk short of a prompt's
+end, no speculative drafts, blocks free for every new token without preempting, every adapter
+still in its device slot (nothing to load, so nothing that could fail to), and no sequence whose
+sampling reads its own earlier tokens on the host (penalties, bad words, a grammar, ``min_tokens`` still holding EOS back, a seed, which is
 drawn per generated count). Waiting requests are admitted into the step ahead as ``schedule()``
 admits them (their prompts are known), except those whose adapter is not in a device slot; if
 any is left waiting, the next step is a ``schedule()``, so none waits more than a step longer
@@ -70,11 +70,11 @@ class ScheduleAhead:
         adapters = set()
         for entry in entries:
             seq = entry.seq
-            if (entry.num_tokens != 1 or not entry.needs_sample or entry.draft_token_ids
-                    or seq.status is not running or not samples_without_history(seq)):
+            if (not entry.needs_sample or entry.draft_token_ids or seq.status is not running
+                    or not samples_without_history(seq)):
                 return None
-            # N+1 computes position start_pos + 1: blocks for start_pos + 2 tokens
-            need += max(0, block_manager.blocks_for(entry.start_pos + 2) - len(seq.block_tables[0]))
+            # N+1 computes the position of the token N samples: blocks for one token more
+            need += max(0, block_manager.blocks_for(entry.start_pos + entry.num_tokens + 1) - len(seq.block_tables[0]))
             adapters.add(seq.adapter_id)
         if need * block_manager.num_groups > block_manager.num_free_blocks:
             return None  # the scheduler decides whom to preempt, after the update
@@ -86,7 +86,7 @@ class ScheduleAhead:
         scheduled: dict[int, ScheduledSeq] = {}
         for entry in entries:
             seq = entry.seq
-            seq.num_computed_tokens = entry.start_pos + 1  # as update() will set it
+            seq.num_computed_tokens = entry.start_pos + entry.num_tokens  # as update() will set it
             block_manager.append(seq, 1)
             tables = seq.block_tables
             scheduled[seq.seq_id] = ScheduledSeq(seq, seq.num_computed_tokens, 1, tables[0], True, seq.adapter_id,

@@ -139,10 +139,15 @@ def test_a_seed_under_greedy_and_min_tokens_already_met_do_not_hold_it_back():
 
 def test_waiting_requests_join_the_step_ahead_and_one_left_waiting_gets_a_schedule_next():
     h, _ = _decoding_pair()
-    h.add([40, 41])
-    prev = h.scheduler.schedule()  # the three decodes and the new prompt
-    assert len(prev.scheduled) == 4 and h.scheduler.schedule_ahead(prev) is None  # a prompt in it
-    h.scheduler.update(prev, h.runner.execute(prev))
+    first = h.add([40, 41])
+    prev = h.scheduler.schedule()  # the three decodes and the new prompt, whole: it samples too
+    run_out = h.runner.execute(prev)
+    ahead = h.scheduler.schedule_ahead(prev)
+    assert [(e.seq.seq_id, e.start_pos, e.num_tokens) for e in ahead.scheduled] == [
+        (e.seq.seq_id, e.start_pos + e.num_tokens, 1) for e in prev.scheduled]
+    assert ahead.scheduled[-1].seq is first and ahead.scheduled[-1].start_pos == 2
+    h.scheduler.update(prev, run_out)
+    h.scheduler.update(ahead, h.runner.execute(ahead))
 
     prev = h.scheduler.schedule()  # four decodes; then a request arrives while they run
     run_out = h.runner.execute(prev)
@@ -165,6 +170,13 @@ def test_waiting_requests_join_the_step_ahead_and_one_left_waiting_gets_a_schedu
     full.scheduler.update(prev, run_out)
     assert full.scheduler.schedule_ahead(ahead) is None  # it left one waiting: schedule() comes next
     full.scheduler.update(ahead, full.runner.execute(ahead))
+
+
+def test_no_step_goes_ahead_from_a_prompt_chunk_short_of_the_prompts_end():
+    h = Harness(num_blocks=32, block_size=4, max_num_batched_tokens=8)
+    h.add(list(range(5, 25)), max_tokens=4)  # 20 prompt tokens, 8 a step
+    prev = h.scheduler.schedule()
+    assert not prev.scheduled[0].needs_sample and h.scheduler.schedule_ahead(prev) is None
 
 
 def test_no_step_goes_ahead_when_blocks_are_short():
