@@ -13,4 +13,14 @@ import torch
 
 def to_tensor(values, dtype: np.dtype | type, device: torch.device | str = "cpu") -> torch.Tensor:
     """A host list (or nested list of equal rows) as a tensor on ``device``."""
-    return torch.from_numpy(np.asarray(values, dtype=dtype)).to(device)
+    return to_device(np.asarray(values, dtype=dtype), device)
+
+
+def to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """``array`` as a tensor on ``device``. To a GPU through page-locked memory, queued without
+    waiting: a copy from ordinary memory returns only once the stream has run everything queued
+    before it, which with ``schedule_ahead`` is the whole step before."""
+    tensor = torch.from_numpy(array)
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

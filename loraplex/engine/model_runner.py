@@ -45,7 +45,7 @@ from loraplex.engine.block_table_mirror import BlockTableMirror
 from loraplex.engine.cuda_graphs import DecodeGraphs, cuda_capture
 from loraplex.engine.decode_inputs import decode_inputs, is_one_token_step, pending_rows, window_first_blocks
 from loraplex.engine.device_choice import available_ram_bytes, resolve_device, resolve_dtype
-from loraplex.engine.host_arrays import to_tensor
+from loraplex.engine.host_arrays import to_device, to_tensor
 from loraplex.engine.kv_budget import (
     cpu_budget, device_memory, fraction_budget, memory_at_start, sizing_option, utilization_budget,
 )
@@ -118,7 +118,7 @@ def put_pending(input_ids: torch.Tensor, pending: list[tuple[int, ScheduledSeq]]
     if len(pending) == input_ids.shape[0]:  # every row (rows 0..T-1): a step of decodes alone
         input_ids.copy_(tokens)
         return
-    rows = torch.tensor([row for row, _ in pending], dtype=torch.long, device=input_ids.device)
+    rows = to_device(np.array([row for row, _ in pending], dtype=np.int64), input_ids.device)
     input_ids.index_copy_(0, rows, tokens)
 
 
@@ -130,7 +130,7 @@ def tokens_after(scheduled: list[ScheduledSeq], after: PendingRun) -> torch.Tens
         return tokens  # the same sequences in the same order: what schedule_ahead makes
     rows = {seq.seq_id: row for row, seq in enumerate(after.seqs)}
     order = [rows[item.seq.seq_id] for item in scheduled]
-    return tokens[torch.tensor(order, dtype=torch.long, device=tokens.device)]
+    return tokens[to_device(np.array(order, dtype=np.int64), tokens.device)]
 
 
 class ModelRunner:
@@ -467,11 +467,11 @@ class ModelRunner:
                                pending_ok=after is not None)
         sample_rows = [i for i, item in enumerate(scheduled) if item.needs_sample]
         sample_seqs = [scheduled[i].seq for i in sample_rows]
-        input_ids = torch.from_numpy(inputs.input_ids).to(dev)
+        input_ids = to_device(inputs.input_ids, dev)
         if after is not None:
             put_pending(input_ids, pending_rows(scheduled), after)
         return self._flat_batch(
-            input_ids, torch.from_numpy(inputs.positions).to(dev),
+            input_ids, to_device(inputs.positions, dev),
             inputs.slot_mappings, inputs.block_tables, inputs.seq_lens, int(inputs.seq_lens.max()),
             torch.arange(len(scheduled) + 1, dtype=torch.int32, device=dev), 1,
             [item.adapter_id for item in scheduled], sample_rows, sample_seqs, [], [])
@@ -485,7 +485,7 @@ class ModelRunner:
         dev = self.device
         hybrid = self.kv_layout.num_groups > 1
         slot_mappings = [to_tensor(slots, np.int64, dev) for slots in group_slots]
-        block_tables = [torch.from_numpy(table).to(dev) for table in tables]
+        block_tables = [to_device(table, dev) for table in tables]
         attn = AttentionMetadata(
             slot_mapping=slot_mappings[0],
             block_tables=block_tables[0],

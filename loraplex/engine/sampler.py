@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Sequence as Seq
 import numpy as np
 import torch
 
+from loraplex.engine.host_arrays import to_device
 from loraplex.engine.outputs import SampledToken
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -105,9 +106,9 @@ class Sampler:
             greedy_rows = [i for i, g in enumerate(greedy) if g]
             random_rows = [i for i, g in enumerate(greedy) if not g]
             if greedy_rows:
-                index = torch.tensor(greedy_rows, device=logits.device)
+                index = _on_device(greedy_rows, torch.long, logits.device)
                 token_ids[index] = row_argmax(logits[index])
-            index = torch.tensor(random_rows, device=logits.device)
+            index = _on_device(random_rows, torch.long, logits.device)
             chosen = self._sample_random(logits[index], [seqs[i] for i in random_rows])
             token_ids[index] = chosen
 
@@ -115,7 +116,7 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, seqs: list["Sequence"]) -> torch.Tensor:
         params = [s.params for s in seqs]
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+        temps = _on_device([p.temperature for p in params], logits.dtype, logits.device)
         # shifted so the best logit is 0 (softmax does not change): a tiny temperature then sends
         # the others to -inf instead of overflowing everything to +-inf (NaN probabilities)
         logits = (logits - logits.amax(dim=1, keepdim=True)) / temps.unsqueeze(1)
@@ -138,19 +139,32 @@ class Sampler:
 
 
 class PendingTokens:
-    """A batch's draw, queued by ``Sampler.launch``: ``result()`` reads the tokens back (once)."""
+    """A batch's draw, queued by ``Sampler.launch``: ``result()`` reads the tokens back (once).
 
-    __slots__ = ("token_ids", "seqs", "grammar_rows", "raw_logprobs")
+    What ``result`` reads (the tokens; with logprobs the chosen token's and the top ones) is
+    computed at once and copied toward the host without waiting (``HostCopy``): a read-back
+    queued on the stream at ``result`` time would wait for every step queued since, and with
+    ``schedule_ahead`` the next step is queued before this one is read."""
+
+    __slots__ = ("token_ids", "seqs", "grammar_rows", "_copy", "_max_top")
 
     def __init__(self, token_ids: torch.Tensor, seqs: Seq["Sequence"], grammar_rows: list[int],
                  raw_logprobs: torch.Tensor | None):
         self.token_ids = token_ids  # [n] int64, on the logits' device
         self.seqs = seqs
         self.grammar_rows = grammar_rows  # rows whose grammar takes the sampled token
-        self.raw_logprobs = raw_logprobs  # [n, vocab] fp32, or None when no row asked for logprobs
+        parts = [token_ids]
+        self._max_top = -1  # -1: no row asked for logprobs
+        if raw_logprobs is not None:  # [n, vocab] fp32
+            self._max_top = max((s.params.logprobs or 0) for s in seqs)
+            parts.append(raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1))  # [n] the chosen token's
+            if self._max_top > 0:
+                top = raw_logprobs.topk(self._max_top, dim=-1)
+                parts += [top.values, top.indices]  # [n, max_top] each
+        self._copy = HostCopy(parts)
 
     def result(self) -> list[SampledToken]:
-        ids = self.token_ids.tolist()
+        ids, *logprobs = self._copy.lists()
         seqs = self.seqs
         for row in self.grammar_rows:
             gate = seqs[row].reasoning_gate
@@ -158,9 +172,33 @@ class PendingTokens:
                 seqs[row].grammar.consume_token(ids[row])
             else:
                 gate.advance(ids[row], seqs[row].grammar)
-        if self.raw_logprobs is None:
+        if self._max_top < 0:
             return [SampledToken(t) for t in ids]  # positional: a keyword costs more, per row
-        return _with_logprobs(ids, self.raw_logprobs, [s.params for s in seqs])
+        chosen, top_vals, top_ids = logprobs[0], *(logprobs[1:] or (None, None))
+        return _with_logprobs(ids, chosen, top_vals, top_ids, [s.params for s in seqs])
+
+
+class HostCopy:
+    """Device tensors on their way to the host: page-locked copies queued now, without waiting;
+    ``lists()`` waits for those copies alone (not for work queued on the stream after them) and
+    returns each as a list. On the CPU the tensors are read as they are."""
+
+    __slots__ = ("_host", "_done")
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self._done = None
+        if tensors and tensors[0].is_cuda:
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                          for t in tensors]
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host = tensors
+
+    def lists(self) -> list[list]:
+        if self._done is not None:
+            self._done.synchronize()
+        return [t.tolist() for t in self._host]
 
 
 class _LogitChanges:
@@ -198,6 +236,14 @@ def _logit_changes(seqs: Seq["Sequence"]) -> _LogitChanges:
     uses.logprobs, uses.logit_bias, uses.min_tokens, uses.penalties = logprobs, logit_bias, min_tokens, penalties
     uses.allowed_token_ids, uses.bad_words, uses.grammar, uses.all_greedy = allowed, bad_words, grammar, all_greedy
     return uses
+
+
+def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A per-row option list as a ``dtype`` tensor on ``device``, copied without waiting for the
+    stream (``host_arrays.to_device``): a step scheduled ahead must not wait for the one before."""
+    if dtype == torch.bfloat16:  # no numpy twin
+        return torch.tensor(values, dtype=dtype, device=device)
+    return to_device(np.asarray(values, dtype=torch.empty((), dtype=dtype).numpy().dtype), device)
 
 
 def row_argmax(values: torch.Tensor) -> torch.Tensor:
@@ -377,7 +423,7 @@ def apply_penalties(logits: torch.Tensor, seqs: Seq["Sequence"]) -> torch.Tensor
 def apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     if not any(m > 0.0 for m in min_ps):
         return logits
-    min_p = torch.tensor(min_ps, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+    min_p = _on_device(min_ps, logits.dtype, logits.device).unsqueeze(1)
     probs = torch.softmax(logits, dim=-1)
     threshold = probs.max(dim=-1, keepdim=True).values * min_p
     return logits.masked_fill(probs < threshold, float("-inf"))
@@ -395,11 +441,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[floa
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if use_k:
-        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+        ks = _on_device([k if 0 < k < vocab else vocab for k in top_ks], torch.long, logits.device)
         drop |= ranks >= ks.unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     if use_p:
-        ps = torch.tensor(top_ps, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+        ps = _on_device(top_ps, logits.dtype, logits.device).unsqueeze(1)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly better tokens
         drop |= mass_before >= ps
@@ -408,14 +454,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[floa
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _with_logprobs(ids: list[int], raw_logprobs: torch.Tensor, params) -> list[SampledToken]:
+def _with_logprobs(ids: list[int], chosen: list[float], top_vals: list[list[float]] | None,
+                   top_ids: list[list[int]] | None, params) -> list[SampledToken]:
     out: list[SampledToken] = []
-    max_top = max((p.logprobs or 0) for p in params)
-    top_vals = top_ids = None
-    if max_top > 0:
-        top = raw_logprobs.topk(max_top, dim=-1)
-        top_vals, top_ids = top.values.tolist(), top.indices.tolist()
-    chosen = raw_logprobs.gather(1, torch.tensor(ids, device=raw_logprobs.device).unsqueeze(1)).squeeze(1).tolist()
     for row, (token, p) in enumerate(zip(ids, params)):
         if p.logprobs is None:
             out.append(SampledToken(token_id=token))

@@ -12,7 +12,6 @@ import torch
 
 from loraplex.engine.sampler import (
     Sampler,
-    _with_logprobs,
     apply_allowed_token_ids,
     apply_bad_words,
     apply_logit_bias,
@@ -42,8 +41,17 @@ def every_pass(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], eos
     if random_rows:
         token_ids[random_rows] = sampler._sample_random(logits[random_rows], [seqs[i] for i in random_rows])
     ids = token_ids.tolist()
-    return [(t.token_id, t.logprob, t.top_logprobs) for t in _with_logprobs(ids, raw, params)] if raw is not None \
-        else [(t, None, None) for t in ids]
+    if raw is None:
+        return [(t, None, None) for t in ids]
+    rows = []
+    for row, (token, p) in enumerate(zip(ids, params)):
+        if p.logprobs is None:
+            rows.append((token, None, None))
+            continue
+        top = raw[row].topk(p.logprobs) if p.logprobs else None
+        top_lp = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
+        rows.append((token, raw[row, token].item(), top_lp))
+    return rows
 
 
 def random_params(rng: random.Random, options: list[str]) -> SamplingParams:
