@@ -9,7 +9,7 @@ arrays for such a step; tests/engine/test_decode_inputs.py holds the two togethe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,16 +26,12 @@ class DecodeInputs:
     slot_mappings: list[np.ndarray]  # per layer group: [num_seqs] int64 KV slot of each token
     seq_lens: np.ndarray  # [num_seqs] int32, positions + 1
     block_tables: list[np.ndarray]  # per layer group: [num_seqs, max blocks] int32
+    # rows whose token the step before is still sampling (``pending_ok``): zeros in input_ids
+    pending_rows: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
         return len(self.input_ids)
-
-
-def pending_rows(scheduled: list[ScheduledSeq]) -> list[tuple[int, ScheduledSeq]]:
-    """(row, entry) of each entry of a one-token step whose input token the host does not have
-    yet (a step scheduled ahead: the step before is still sampling it)."""
-    return [(row, item) for row, item in enumerate(scheduled) if item.start_pos >= item.seq.num_tokens]
 
 
 def window_first_blocks(starts: np.ndarray, window: int | None, block_size: int) -> np.ndarray | None:
@@ -62,14 +58,16 @@ def decode_inputs(scheduled: list[ScheduledSeq], block_size: int, group_windows:
     """The inputs of a step for which ``is_one_token_step`` holds. The slots and block tables
     come from ``mirror``'s rows with numpy, not from the table lists one sequence at a time.
     ``pending_ok``: a step scheduled ahead, where a token the host does not have yet is one the
-    step before is still sampling (``pending_rows``; the caller puts those in): 0 here."""
+    step before is still sampling (listed in ``pending_rows``; the caller puts those in): 0 here."""
     input_ids: list[int] = []
-    for item in scheduled:
+    pending: list[int] = []
+    for row, item in enumerate(scheduled):
         seq, pos = item.seq, item.start_pos
         out_index = pos - len(seq.prompt_token_ids)  # seq.token_at(pos), without the call
         if out_index < 0:
             input_ids.append(seq.prompt_token_ids[pos])
         elif pending_ok and out_index == len(seq.output_token_ids):
+            pending.append(row)
             input_ids.append(0)
         else:
             input_ids.append(seq.output_token_ids[out_index])
@@ -80,4 +78,5 @@ def decode_inputs(scheduled: list[ScheduledSeq], block_size: int, group_windows:
     slot_mappings = [mirror.entries(g, rows, blocks) * block_size + offsets for g in range(len(group_windows))]
     first_blocks = [window_first_blocks(pos, window, block_size) for window in group_windows]
     tables = mirror.gather(rows, blocks + 1, first_blocks)
-    return DecodeInputs(np.array(input_ids, dtype=np.int64), pos, slot_mappings, (pos + 1).astype(np.int32), tables)
+    return DecodeInputs(np.array(input_ids, dtype=np.int64), pos, slot_mappings, (pos + 1).astype(np.int32), tables,
+                        pending)

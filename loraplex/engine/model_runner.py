@@ -43,7 +43,7 @@ import torch
 from loraplex.config import GiB, EngineConfig
 from loraplex.engine.block_table_mirror import BlockTableMirror
 from loraplex.engine.cuda_graphs import DecodeGraphs, cuda_capture
-from loraplex.engine.decode_inputs import decode_inputs, is_one_token_step, pending_rows, window_first_blocks
+from loraplex.engine.decode_inputs import decode_inputs, is_one_token_step, window_first_blocks
 from loraplex.engine.device_choice import available_ram_bytes, resolve_device, resolve_dtype
 from loraplex.engine.host_arrays import to_device, to_tensor
 from loraplex.engine.kv_budget import (
@@ -109,17 +109,21 @@ class PendingRun:
         return ModelRunnerOutput(sampled=sampled, verified=verified, prompt_logprobs=self.prompt_logprobs)
 
 
-def put_pending(input_ids: torch.Tensor, pending: list[tuple[int, ScheduledSeq]], after: PendingRun) -> None:
-    """Write into ``input_ids`` ([T] int64 on the device) the token of each pending ``(row, entry)``
-    (``decode_inputs.pending_rows``): the one ``after`` samples for its sequence."""
-    if not pending:
+def put_pending(input_ids: torch.Tensor, rows: list[int], items: list[ScheduledSeq], after: PendingRun) -> None:
+    """Write into ``input_ids`` ([T] int64 on the device), at each of ``rows``, the token ``after``
+    samples for the sequence of the matching entry of ``items``."""
+    if not rows:
         return
-    tokens = tokens_after([item for _, item in pending], after)
-    if len(pending) == input_ids.shape[0]:  # every row (rows 0..T-1): a step of decodes alone
+    tokens = tokens_after(items, after)
+    if len(rows) == input_ids.shape[0]:  # every row (rows 0..T-1): a step of decodes alone
         input_ids.copy_(tokens)
         return
-    rows = to_device(np.array([row for row, _ in pending], dtype=np.int64), input_ids.device)
-    input_ids.index_copy_(0, rows, tokens)
+    input_ids.index_copy_(0, to_device(np.array(rows, dtype=np.int64), input_ids.device), tokens)
+
+
+def pending_items(scheduled: list[ScheduledSeq], rows: list[int]) -> list[ScheduledSeq]:
+    """The entries of a one-token step's pending ``rows`` (``DecodeInputs.pending_rows``)."""
+    return scheduled if len(rows) == len(scheduled) else [scheduled[row] for row in rows]
 
 
 def tokens_after(scheduled: list[ScheduledSeq], after: PendingRun) -> torch.Tensor:  # [num_seqs] int64
@@ -365,8 +369,8 @@ class ModelRunner:
                                pending_ok=after is not None)
         fill = None
         if after is not None:
-            pending = pending_rows(scheduled)
-            fill = lambda input_ids: put_pending(input_ids, pending, after)  # noqa: E731
+            rows, items = inputs.pending_rows, pending_items(scheduled, inputs.pending_rows)
+            fill = lambda input_ids: put_pending(input_ids, rows, items, after)  # noqa: E731
         hidden = self.decode_graphs.run(inputs, token_slots, pool, fill)  # [num_seqs, hidden_size]
         # the LM head runs after the replay, eagerly, so its LoRA takes this step's own metadata
         head_lora = None if token_slots is None else logits_lora(pool, token_slots)
@@ -453,7 +457,7 @@ class ModelRunner:
             [window_first_blocks(starts, window, bs) for window in self.kv_layout.group_windows])
         input_ids_t = to_tensor(input_ids, np.int64, dev)
         if pending:
-            put_pending(input_ids_t, pending, after)
+            put_pending(input_ids_t, [row for row, _ in pending], [item for _, item in pending], after)
         return self._flat_batch(
             input_ids_t, to_tensor(positions, np.int64, dev), group_slots, tables,
             seq_lens, max(seq_lens), to_tensor(query_start, np.int32, dev),
@@ -469,7 +473,7 @@ class ModelRunner:
         sample_seqs = [scheduled[i].seq for i in sample_rows]
         input_ids = to_device(inputs.input_ids, dev)
         if after is not None:
-            put_pending(input_ids, pending_rows(scheduled), after)
+            put_pending(input_ids, inputs.pending_rows, pending_items(scheduled, inputs.pending_rows), after)
         return self._flat_batch(
             input_ids, to_device(inputs.positions, dev),
             inputs.slot_mappings, inputs.block_tables, inputs.seq_lens, int(inputs.seq_lens.max()),
