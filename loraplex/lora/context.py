@@ -115,8 +115,10 @@ class LoRAStepContext:
         ``down_proj``); ``x [num_tokens, in]``, ``y [num_tokens, out_total]`` (all slices).
         """
         stack = self._stack(layer_idx, module)
-        if stack is None:
-            return
+        if stack is not None:
+            self._apply_stack(stack, x, y)
+
+    def _apply_stack(self, stack, x: torch.Tensor, y: torch.Tensor) -> None:
         dispatch.lora_apply(
             x, stack.a, stack.b, stack.scaling, stack.slice_offsets, self.meta, y, self._shrunk_for(stack),
             slot_rank=stack.rank,
@@ -131,7 +133,7 @@ class LoRAStepContext:
             return base()
         if self.overlap is None or self._shrunk is None:
             y = base()
-            self.apply(layer_idx, module, x, y)
+            self._apply_stack(stack, x, y)  # (found above: apply would look it up again)
             return y
         meta, shrunk = self.meta, self._shrunk_for(stack)
         y, result = self.overlap.run(lambda: dispatch.lora_shrink(x, stack.a, meta, shrunk, slot_rank=stack.rank), base)
