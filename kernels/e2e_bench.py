@@ -206,14 +206,12 @@ def run_e2e(
         # the base and the target configuration (on CPU the batch-4 ones), split into host phases
         phase_cases = {c: inputs[c] for c in ([(256, 0), (256, 64)] if on_gpu else [(4, 0), (4, 2)])
                        if (*c, "graphs") in results}
-        # first the engine options (the target's overhead with schedule_ahead), then where a
-        # step's host time goes, then the shrink beside its matmul: a budget cut keeps the first
+        # first the engine options (the target's overhead with schedule_ahead and the shrink
+        # beside), then where a step's host time goes: a budget cut keeps the first
         if len(phase_cases) == 2 and time.time() < deadline:
             _report_engine_options(report, llm, phase_cases, on_gpu, max_tokens)
         if len(phase_cases) == 2 and time.time() < deadline:
             _report_step_phases(report, llm, phase_cases, on_gpu, max_tokens)
-        if len(phase_cases) == 2 and time.time() < deadline:
-            _report_shrink_beside(report, llm, phase_cases, on_gpu, max_tokens, results)
         for (batch, n_adapters, mode), (outs, _) in repeats.items():
             if mode == "graphs" and (batch, n_adapters, "eager") in repeats:
                 eager = repeats[(batch, n_adapters, "eager")][0]
@@ -308,69 +306,45 @@ def _report_step_phases(report: Report, llm, cases: dict, on_gpu: bool, max_toke
         report.line()
 
 
-def _report_shrink_beside(report: Report, llm, cases: dict, on_gpu: bool, max_tokens: int, steps: dict) -> None:
-    """The cases with adapters run with each LoRA shrink on a side stream beside its base matmul
-    (``overlap_lora_shrink``), then without, back to back: median decode steps, the wall time of
-    one replay of the step's graph (kernels that overlap make the profiler's per-kernel sum no
-    measure of it), and the greedy tokens (the same kernels: identical). ``steps``: the table's
-    median steps in seconds by (batch, adapters, mode), whose base graph step gives the overhead."""
-    from lab_common import bench_ms
-    from step_phases import StepPhases
-
-    from loraplex.engine.cuda_graphs import segment_class
-
-    runner = llm.engine.runner
-    graphs = runner.decode_graphs
-    for (batch, n_adapters), (prompts, adapters) in cases.items():
-        if not n_adapters:
-            continue
-        got = {}
-        for beside in (True, False):
-            _set_shrink_beside(runner, on_gpu, beside)
-            with _triton_on_cpu(not on_gpu):
-                with StepPhases(llm) as phases:
-                    _, tokens = _timed_generate(llm, prompts, adapters, max_tokens)
-                # the last step's graph on its buffers (every request has ended: the KV slots it
-                # writes belong to no one)
-                graph = graphs.graphs.get((graphs.bucket_for(batch), segment_class(batch, -(-batch // n_adapters))))
-                with torch.inference_mode():
-                    replay = bench_ms(graph.graph.replay, on_gpu) if graph is not None else float("nan")
-            got[beside] = (statistics.median(phases.decode_step_seconds(batch)) * 1e3, replay, tokens)
-        (step_on, replay_on, tokens_on), (step_off, replay_off, tokens_off) = got[True], got[False]
-        report.line(f"- batch {batch}, {n_adapters} adapters, each LoRA shrink beside its base matmul "
-                    f"(overlap_lora_shrink{'' if on_gpu else '; CPU: a stand-in for the streams, no figure'}): "
-                    f"decode step median {step_on:.3f} ms, {step_off:.3f} ms on one stream "
-                    f"({step_on / step_off - 1:+.1%}); one replay of the step's graph {replay_on * 1e3:.1f} us, "
-                    f"{replay_off * 1e3:.1f} us on one stream ({replay_on / replay_off - 1:+.1%}); greedy tokens "
-                    f"identical for {_agreement(tokens_on, tokens_off)}")
-        base = steps.get((batch, 0, "graphs"))
-        if base:
-            report.line(f"  LoRA overhead against the base graph step of the table above ({base * 1e3:.3f} ms): "
-                        f"{step_on / (base * 1e3) - 1:+.1%} with the shrink beside, {step_off / (base * 1e3) - 1:+.1%} "
-                        f"on one stream")
-    report.line()
-
-
 # (label, schedule_ahead, each LoRA shrink beside its base matmul); overlap_outputs as configured
-OPTION_SETTINGS = [("as configured", False, False), ("schedule_ahead", True, False),
+OPTION_SETTINGS = [("as configured", False, False), ("shrink beside", False, True), ("schedule_ahead", True, False),
                    ("schedule_ahead + shrink beside", True, True)]
 
 
 def _report_engine_options(report: Report, llm, cases: dict, on_gpu: bool, max_tokens: int) -> None:
     """The base and the adapter case under each of ``OPTION_SETTINGS``, back to back: median
-    decode steps, the LoRA overhead each setting gives, and the greedy tokens against the first
-    setting's (schedule_ahead changes when steps run, not what they compute)."""
+    decode steps, the LoRA overhead each setting gives, the wall time of one replay of the adapter
+    case's graph (with the shrink beside, kernels overlap, so the profiler's per-kernel sum is no
+    measure of it), and the greedy tokens against the first setting's (neither option changes
+    what a step computes). The shrink beside alone does not touch the base step: that row reuses
+    the first row's base run."""
+    from lab_common import bench_ms
     from step_phases import StepPhases
 
+    from loraplex.engine.cuda_graphs import segment_class
+
     engine, runner = llm.engine, llm.engine.runner
-    medians, tokens = {}, {}
+    graphs = runner.decode_graphs
+    medians, tokens, replays = {}, {}, {}
     try:
         for label, ahead, beside in OPTION_SETTINGS:
             engine.schedule_ahead = ahead
             _set_shrink_beside(runner, on_gpu, beside)
             for (batch, n_adapters), (prompts, adapters) in cases.items():
-                with _triton_on_cpu(not on_gpu), StepPhases(llm) as phases:
-                    _, tokens[label, batch, n_adapters] = _timed_generate(llm, prompts, adapters, max_tokens)
+                if beside and not ahead and not n_adapters:
+                    key = (OPTION_SETTINGS[0][0], batch, n_adapters)
+                    medians[label, batch, n_adapters], tokens[label, batch, n_adapters] = medians[key], tokens[key]
+                    continue
+                with _triton_on_cpu(not on_gpu):
+                    with StepPhases(llm) as phases:
+                        _, tokens[label, batch, n_adapters] = _timed_generate(llm, prompts, adapters, max_tokens)
+                    if n_adapters:
+                        # the last step's graph on its buffers (every request has ended: the KV
+                        # slots it writes belong to no one)
+                        key = (graphs.bucket_for(batch), segment_class(batch, -(-batch // n_adapters)))
+                        graph = graphs.graphs.get(key)
+                        with torch.inference_mode():
+                            replays[label] = bench_ms(graph.graph.replay, on_gpu) * 1e3 if graph else float("nan")
                 steps = phases.decode_step_seconds(batch)
                 medians[label, batch, n_adapters] = statistics.median(steps) * 1e3 if steps else float("nan")
     finally:
@@ -381,14 +355,18 @@ def _report_engine_options(report: Report, llm, cases: dict, on_gpu: bool, max_t
     rows = []
     for label, _, _ in OPTION_SETTINGS:
         b, lo = medians[label, *base], medians[label, *lora]
-        rows.append([label, f"{b:.3f}", f"{lo:.3f}", f"{lo / b - 1:+.1%}",
+        rows.append([label, f"{b:.3f}", f"{lo:.3f}", f"{lo / b - 1:+.1%}", f"{replays[label]:.1f}",
                      _agreement(tokens[label, *base], tokens[first, *base]),
                      _agreement(tokens[label, *lora], tokens[first, *lora])])
     report.line(f"Engine options, decode step median ms (overlap_outputs {'on' if engine.overlap_outputs else 'off'}; "
-                "schedule_ahead: the next decode step is launched before this one's tokens are read back):")
+                "schedule_ahead: the next decode step is launched before this one's tokens are read back; shrink "
+                "beside: each LoRA shrink on a side stream beside its base matmul, overlap_lora_shrink"
+                f"{'' if on_gpu else ', on CPU a stand-in for the streams: no figure'}; the shrink beside alone "
+                "reuses the first row's base step):")
     report.line()
     report.table(["setting", f"batch {base[0]}, {base[1]} adapters", f"batch {lora[0]}, {lora[1]} adapters",
-                  "LoRA overhead", "base greedy tokens as the first row", "LoRA greedy tokens as the first row"], rows)
+                  "LoRA overhead", "one replay of the LoRA step's graph us", "base greedy tokens as the first row",
+                  "LoRA greedy tokens as the first row"], rows)
     if on_gpu:
         for label, _, _ in OPTION_SETTINGS[1:]:
             overhead = medians[label, *lora] / medians[label, *base] - 1
