@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from lab_common import Report
+from lab_common import Report, run_section
 
 LLAMA3_8B_LAYER = dict(
     hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -208,10 +208,11 @@ def run_e2e(
                        if (*c, "graphs") in results}
         # first the engine options (the target's overhead with schedule_ahead and the shrink
         # beside), then where a step's host time goes: a budget cut keeps the first
+        # (each in its own section: the agreement lines, memory and host misses below still run)
         if len(phase_cases) == 2 and time.time() < deadline:
-            _report_engine_options(report, llm, phase_cases, on_gpu, max_tokens)
+            run_section(report, "engine options", _report_engine_options, report, llm, phase_cases, on_gpu, max_tokens)
         if len(phase_cases) == 2 and time.time() < deadline:
-            _report_step_phases(report, llm, phase_cases, on_gpu, max_tokens)
+            run_section(report, "step phases", _report_step_phases, report, llm, phase_cases, on_gpu, max_tokens)
         for (batch, n_adapters, mode), (outs, _) in repeats.items():
             if mode == "graphs" and (batch, n_adapters, "eager") in repeats:
                 eager = repeats[(batch, n_adapters, "eager")][0]
@@ -325,14 +326,16 @@ def _report_engine_options(report: Report, llm, cases: dict, on_gpu: bool, max_t
 
     engine, runner = llm.engine, llm.engine.runner
     graphs = runner.decode_graphs
-    medians, tokens, replays = {}, {}, {}
-    try:
-        for label, ahead, beside in OPTION_SETTINGS:
+    medians, tokens, replays, failed = {}, {}, {}, set()
+    first = OPTION_SETTINGS[0][0]
+    for label, ahead, beside in OPTION_SETTINGS:
+        # neither option has run on a GPU before: one that raises costs its own row only
+        try:
             engine.schedule_ahead = ahead
             _set_shrink_beside(runner, on_gpu, beside)
             for (batch, n_adapters), (prompts, adapters) in cases.items():
                 if beside and not ahead and not n_adapters:
-                    key = (OPTION_SETTINGS[0][0], batch, n_adapters)
+                    key = (first, batch, n_adapters)
                     medians[label, batch, n_adapters], tokens[label, batch, n_adapters] = medians[key], tokens[key]
                     continue
                 with _triton_on_cpu(not on_gpu):
@@ -347,17 +350,29 @@ def _report_engine_options(report: Report, llm, cases: dict, on_gpu: bool, max_t
                             replays[label] = bench_ms(graph.graph.replay, on_gpu) * 1e3 if graph else float("nan")
                 steps = phases.decode_step_seconds(batch)
                 medians[label, batch, n_adapters] = statistics.median(steps) * 1e3 if steps else float("nan")
-    finally:
-        engine.schedule_ahead = False
-        _set_shrink_beside(runner, on_gpu, False)
+        except Exception:  # noqa: BLE001
+            failed.add(label)
+            report.raised(f"engine option setting {label!r}")
+            if label == first:
+                return  # no reference row to set the others against
+        finally:
+            engine.schedule_ahead = False
+            _set_shrink_beside(runner, on_gpu, False)
     (base, lora) = cases
-    first = OPTION_SETTINGS[0][0]
     rows = []
     for label, _, _ in OPTION_SETTINGS:
+        if label in failed:
+            rows.append([label] + ["FAILED"] * 6)
+            continue
         b, lo = medians[label, *base], medians[label, *lora]
         rows.append([label, f"{b:.3f}", f"{lo:.3f}", f"{lo / b - 1:+.1%}", f"{replays[label]:.1f}",
                      _agreement(tokens[label, *base], tokens[first, *base]),
                      _agreement(tokens[label, *lora], tokens[first, *lora])])
+        # neither option changes what a step computes: the same greedy tokens, or a bug
+        for case in (base, lora):
+            if tokens[label, *case] != tokens[first, *case]:
+                report.failures.append(f"engine option setting {label!r} changed the greedy tokens at batch "
+                                       f"{case[0]}, {case[1]} adapters")
     report.line(f"Engine options, decode step median ms (overlap_outputs {'on' if engine.overlap_outputs else 'off'}; "
                 "schedule_ahead: the next decode step is launched before this one's tokens are read back; shrink "
                 "beside: each LoRA shrink on a side stream beside its base matmul, overlap_lora_shrink"
@@ -369,6 +384,8 @@ def _report_engine_options(report: Report, llm, cases: dict, on_gpu: bool, max_t
                   "LoRA greedy tokens as the first row"], rows)
     if on_gpu:
         for label, _, _ in OPTION_SETTINGS[1:]:
+            if label in failed:
+                continue
             overhead = medians[label, *lora] / medians[label, *base] - 1
             report.target(f"{'MET' if overhead <= OVERHEAD_TARGET else 'MISSED'} LoRA step overhead (graphs, {label}) "
                           f"at batch {lora[0]}, {lora[1]} distinct rank-16 adapters: {overhead * 100:+.1f}% "

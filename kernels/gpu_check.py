@@ -31,7 +31,6 @@ import os
 import platform
 import sys
 import time
-import traceback
 from pathlib import Path
 
 
@@ -52,18 +51,6 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="start no new end-to-end configuration after this many seconds of the run")
     return p.parse_args()
-
-
-def _section(report, name: str, fn, *args) -> None:
-    """Run one section; an exception is reported as a failure and the later sections still run
-    (a device call is minutes of a short lease: one broken reference must not cost the rest)."""
-    try:
-        fn(*args)
-    except Exception:  # noqa: BLE001
-        report.line(f"{name} FAILED:")
-        report.line("```\n" + traceback.format_exc() + "```")
-        report.failures.append(f"{name} raised")
-    report.write()
 
 
 def main() -> int:
@@ -87,7 +74,7 @@ def main() -> int:
     from moe_fp8_lab import bench_moe_fp8
     from moe_lab import bench_moe
     from moe_lora_lab import bench_moe_lora
-    from lab_common import Report
+    from lab_common import Report, run_section
 
     on_gpu = torch.cuda.is_available() and not args.cpu_smoke
     if not on_gpu and not args.cpu_smoke:
@@ -110,20 +97,20 @@ def main() -> int:
         triton_lora.DEFAULT_TUNING = tune_decode_lora(report, on_gpu, device)
         report.line(f"(tuning done at {time.time() - start:.0f} s)")
         report.write()
-    _section(report, "correctness section", run_checks, report, on_gpu, args.only_lora)
+    run_section(report, "correctness section", run_checks, report, on_gpu, args.only_lora)
     report.line(f"(correctness done at {time.time() - start:.0f} s)")
     report.line()
     report.write()  # after each section, so a run cut short still leaves its results
     if not args.skip_bench:
         copy_bw = measure_copy_bandwidth(report, on_gpu, device)
-        _section(report, "LoRA timings section", bench_lora, report, on_gpu, device, copy_bw)
-        _section(report, "LoRA graph-metadata timings section", bench_graph_metadata, report, on_gpu, device)
-        _section(report, "vocabulary LoRA timings section", bench_vocab_lora, report, on_gpu, device, copy_bw)
+        run_section(report, "LoRA timings section", bench_lora, report, on_gpu, device, copy_bw)
+        run_section(report, "LoRA graph-metadata timings section", bench_graph_metadata, report, on_gpu, device)
+        run_section(report, "vocabulary LoRA timings section", bench_vocab_lora, report, on_gpu, device, copy_bw)
         if not args.only_lora:
-            _section(report, "attention timings section", bench_attention, report, on_gpu, device, copy_bw)
-            _section(report, "MoE timings section", bench_moe, report, on_gpu, device, copy_bw)
-            _section(report, "MoE LoRA timings section", bench_moe_lora, report, on_gpu, device)
-            _section(report, "MoE fp8 timings section", bench_moe_fp8, report, on_gpu, device, copy_bw)
+            run_section(report, "attention timings section", bench_attention, report, on_gpu, device, copy_bw)
+            run_section(report, "MoE timings section", bench_moe, report, on_gpu, device, copy_bw)
+            run_section(report, "MoE LoRA timings section", bench_moe_lora, report, on_gpu, device)
+            run_section(report, "MoE fp8 timings section", bench_moe_fp8, report, on_gpu, device, copy_bw)
         report.line(f"(timings done at {time.time() - start:.0f} s)")
         report.line()
         report.write()
@@ -138,7 +125,7 @@ def main() -> int:
                 host_miss=not args.only_lora,
             )
 
-        _section(report, "end-to-end run", end_to_end)
+        run_section(report, "end-to-end run", end_to_end)
         report.line(f"(end to end done at {time.time() - start:.0f} s)")
 
     report.line()

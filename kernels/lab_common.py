@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -96,6 +97,12 @@ class Report:
         if not ok:
             self.failures.append(text)
 
+    def raised(self, name: str) -> None:
+        """Report the exception being handled as a failure of ``name``, with its traceback."""
+        self.line(f"{name} FAILED:")
+        self.line("```\n" + traceback.format_exc() + "```")
+        self.failures.append(f"{name} raised")
+
     def target(self, text: str) -> None:
         self.targets.append(text)
 
@@ -106,3 +113,13 @@ class Report:
         path = Path(out_dir) / "results.md"
         path.write_text("\n".join(self.lines) + "\n")
         return path
+
+
+def run_section(report: Report, name: str, fn, *args) -> None:
+    """Run one section; an exception is reported as a failure and the later sections still run
+    (a device call is minutes of a short lease: one broken reference must not cost the rest)."""
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001
+        report.raised(name)
+    report.write()
