@@ -256,23 +256,35 @@ class Scheduler(StepResults, ScheduleAhead):
     def _admit(self, scheduled: dict[int, ScheduledSeq], budget: int, placed_only: bool = False) -> int:
         """Admit waiting sequences into the step being built; returns the budget left.
         ``placed_only``: only those of the base model or of an adapter in a device slot now
-        (a step ahead loads nothing)."""
+        (a step ahead loads nothing); it sets ``_left_waiting`` when something other than the
+        token budget, which ``schedule()`` after the update would have the same of, held a
+        waiting sequence back (seats, blocks and adapter slots that sequences ending in the step
+        before may free, or an adapter to place)."""
+        if placed_only:
+            self._left_waiting = bool(self.waiting) and budget > 0
         if budget <= 0 or len(self.running) >= self.config.max_num_seqs or not self.waiting:
             return budget  # ordering thousands of waiting sequences for nothing costs a step time
+        held = False
         adapters = self.running_adapters()
         for seq in self.waiting.admission_order(self.running):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0:
+                break
+            if len(self.running) >= self.config.max_num_seqs:
+                held = True
                 break
             if not self._adapter_admissible(seq, adapters):
+                held = True
                 continue
             if (placed_only and seq.adapter_id is not None and self.adapter_gate is not None
                     and not self.adapter_gate.is_placed(seq.adapter_id)):
+                held = True
                 continue
             cached = self.block_manager.num_cached_prefix_tokens(seq)
             num_tokens = min(seq.num_tokens - cached, budget)
             if not self._may_cut(seq.num_tokens - cached, num_tokens):
                 break
             if not self.block_manager.can_allocate(seq, num_tokens):
+                held = True
                 break
             self.block_manager.allocate(seq, num_tokens)
             if seq.num_cached_tokens is None:  # the first admission's hits (vLLM's num_cached_tokens)
@@ -289,6 +301,8 @@ class Scheduler(StepResults, ScheduleAhead):
                 self._starving = None
             scheduled[seq.seq_id] = self._make_scheduled(seq, num_tokens)
             budget -= num_tokens
+        if placed_only:
+            self._left_waiting = held and bool(self.waiting)
         return budget
 
     def _count_prefix_lookup(self, seq: Sequence, sign: int) -> None:
