@@ -52,6 +52,7 @@ from loraplex.engine.kv_budget import (
 from loraplex.engine.kv_layout import KVLayout
 from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from loraplex.engine.pending_run import PendingRun, pending_items, put_pending, tokens_after  # noqa: F401
+from loraplex.engine.penalties import PendingLastTokens
 from loraplex.engine.prompt_logprobs import prompt_token_logprobs
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.spec_verify import position_views
@@ -84,6 +85,8 @@ class FlatBatch:
     prompt_logprob_rows: list[tuple] = field(default_factory=list)
     # (seq_id, index of its first row in sample_rows, number of rows) per speculative sequence
     verify_spans: list[tuple] = field(default_factory=list)
+    # a step launched ahead: the sampled rows whose input token the step before is still drawing
+    pending: PendingLastTokens | None = None
 
 
 class ModelRunner:
@@ -305,7 +308,7 @@ class ModelRunner:
             return PendingRun(None, [], prompt_logprobs=prompt_logprobs)
         rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
         head_lora = None if lora_ctx is None else lora_ctx.logits_lora(batch.sample_rows)
-        run = self._sample(hidden[rows], batch.sample_seqs, batch.verify_spans, head_lora)
+        run = self._sample(hidden[rows], batch.sample_seqs, batch.verify_spans, head_lora, batch.pending)
         run.prompt_logprobs = prompt_logprobs
         return run
 
@@ -316,21 +319,24 @@ class ModelRunner:
             pool = self.lora_manager.pool
         inputs = decode_inputs(scheduled, self.block_size, self.kv_layout.group_windows, self.table_mirror,
                                pending_ok=after is not None)
-        fill = None
-        if after is not None:
-            rows, items = inputs.pending_rows, pending_items(scheduled, inputs.pending_rows)
-            fill = lambda input_ids: put_pending(input_ids, rows, items, after)  # noqa: E731
+        fill, pending = None, None
+        if after is not None and inputs.pending_rows:
+            rows = inputs.pending_rows  # every row of a graph step samples: row == sampled row
+            tokens = tokens_after(pending_items(scheduled, rows), after)
+            fill = lambda input_ids: put_pending(input_ids, rows, tokens)  # noqa: E731
+            pending = PendingLastTokens(rows, tokens)
         hidden = self.decode_graphs.run(inputs, token_slots, pool, fill)  # [num_seqs, hidden_size]
         # the LM head runs after the replay, eagerly, so its LoRA takes this step's own metadata
         head_lora = None if token_slots is None else logits_lora(pool, token_slots)
-        return self._sample(hidden, [item.seq for item in scheduled], head_lora=head_lora)
+        return self._sample(hidden, [item.seq for item in scheduled], head_lora=head_lora, pending=pending)
 
     def _sample(
-        self, hidden: torch.Tensor, seqs: list, verify_spans: list[tuple] = (), head_lora=None
+        self, hidden: torch.Tensor, seqs: list, verify_spans: list[tuple] = (), head_lora=None,
+        pending: PendingLastTokens | None = None,
     ) -> PendingRun:
         # hidden: [num_sampled, H]; head_lora: the lm_head LoRA of these rows (None = none)
         logits = self.model.compute_logits(hidden, head_lora)  # [num_sampled, vocab] fp32
-        return PendingRun(self.sampler.launch(logits, seqs, self.eos_token_ids), seqs, verify_spans)
+        return PendingRun(self.sampler.launch(logits, seqs, self.eos_token_ids, pending), seqs, verify_spans)
 
     def release(self, seq_ids) -> None:
         """Drop per-sequence state: the sequences' rows in the host copy of the block tables
@@ -352,13 +358,14 @@ class ModelRunner:
         sample_seqs: list = []
         prompt_logprob_rows: list[tuple] = []
         verify_spans: list[tuple] = []
-        pending: list[tuple[int, ScheduledSeq]] = []  # rows whose token ``after`` is still sampling
+        # (flat row, its sampled row, entry) of each token ``after`` is still sampling
+        pending: list[tuple[int, int, ScheduledSeq]] = []
         for item in scheduled:
             start, n, item_tables = item.start_pos, item.num_tokens, item.block_tables
             end = start + n
             if n == 1:  # a decode token beside prompt chunks
                 if after is not None and start >= item.seq.num_tokens:
-                    pending.append((len(input_ids), item))
+                    pending.append((len(input_ids), len(sample_rows), item))  # (a decode samples)
                     input_ids.append(0)
                 else:
                     input_ids.append(item.seq.token_at(start))
@@ -405,13 +412,16 @@ class ModelRunner:
             self.table_mirror.sync(scheduled), [-(-n // bs) for n in seq_lens],
             [window_first_blocks(starts, window, bs) for window in self.kv_layout.group_windows])
         input_ids_t = to_tensor(input_ids, np.int64, dev)
+        pending_last = None
         if pending:
-            put_pending(input_ids_t, [row for row, _ in pending], [item for _, item in pending], after)
+            tokens = tokens_after([item for _, _, item in pending], after)
+            put_pending(input_ids_t, [row for row, _, _ in pending], tokens)
+            pending_last = PendingLastTokens([sampled for _, sampled, _ in pending], tokens)
         return self._flat_batch(
             input_ids_t, to_tensor(positions, np.int64, dev), group_slots, tables,
             seq_lens, max(seq_lens), to_tensor(query_start, np.int32, dev),
             max(item.num_tokens for item in scheduled), adapters, sample_rows, sample_seqs, prompt_logprob_rows,
-            verify_spans)
+            verify_spans, pending_last)
 
     def _one_token_batch(self, scheduled: list[ScheduledSeq], after: PendingRun | None) -> FlatBatch:
         """``prepare_batch`` for a step of one token per sequence (``decode_inputs``)."""
@@ -421,18 +431,26 @@ class ModelRunner:
         sample_rows = [i for i, item in enumerate(scheduled) if item.needs_sample]
         sample_seqs = [scheduled[i].seq for i in sample_rows]
         input_ids = to_device(inputs.input_ids, dev)
-        if after is not None:
-            put_pending(input_ids, inputs.pending_rows, pending_items(scheduled, inputs.pending_rows), after)
+        pending = None
+        if after is not None and inputs.pending_rows:
+            rows = inputs.pending_rows
+            tokens = tokens_after(pending_items(scheduled, rows), after)
+            put_pending(input_ids, rows, tokens)
+            if len(sample_rows) != len(scheduled):  # pending rows are decodes: each samples
+                sampled_row = {row: i for i, row in enumerate(sample_rows)}
+                rows = [sampled_row[row] for row in rows]
+            pending = PendingLastTokens(rows, tokens)
         return self._flat_batch(
             input_ids, to_device(inputs.positions, dev),
             inputs.slot_mappings, inputs.block_tables, inputs.seq_lens, int(inputs.seq_lens.max()),
             torch.arange(len(scheduled) + 1, dtype=torch.int32, device=dev), 1,
-            [item.adapter_id for item in scheduled], sample_rows, sample_seqs, [], [])
+            [item.adapter_id for item in scheduled], sample_rows, sample_seqs, [], [], pending)
 
     def _flat_batch(self, input_ids: torch.Tensor, positions: torch.Tensor, group_slots: list,
                     tables: list[np.ndarray], seq_lens, max_seq_len: int, query_start_loc: torch.Tensor,
                     max_query_len: int, adapters: list, sample_rows: list[int], sample_seqs: list,
-                    prompt_logprob_rows: list[tuple], verify_spans: list[tuple]) -> FlatBatch:
+                    prompt_logprob_rows: list[tuple], verify_spans: list[tuple],
+                    pending: PendingLastTokens | None = None) -> FlatBatch:
         # group_slots: per layer group [T] (lists or int64 arrays); tables: per layer group
         # [num_seqs, width] int32; seq_lens: [num_seqs] (a list or an int32 array)
         dev = self.device
@@ -459,4 +477,5 @@ class ModelRunner:
             sample_seqs=sample_seqs,
             prompt_logprob_rows=prompt_logprob_rows,
             verify_spans=verify_spans,
+            pending=pending,
         )

@@ -35,12 +35,11 @@ class PendingRun:
         return ModelRunnerOutput(sampled=sampled, verified=verified, prompt_logprobs=self.prompt_logprobs)
 
 
-def put_pending(input_ids: torch.Tensor, rows: list[int], items: list[ScheduledSeq], after: PendingRun) -> None:
-    """Write into ``input_ids`` ([T] int64 on the device), at each of ``rows``, the token ``after``
-    samples for the sequence of the matching entry of ``items``."""
+def put_pending(input_ids: torch.Tensor, rows: list[int], tokens: torch.Tensor) -> None:
+    """Write into ``input_ids`` ([T] int64 on the device), at each of ``rows``, the matching one of
+    ``tokens`` ([len(rows)] int64 on the device: ``tokens_after`` the step before)."""
     if not rows:
         return
-    tokens = tokens_after(items, after)
     if len(rows) == input_ids.shape[0]:  # every row (rows 0..T-1): a step of decodes alone
         input_ids.copy_(tokens)
         return

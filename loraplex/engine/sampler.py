@@ -42,6 +42,7 @@ import torch
 
 from loraplex.engine.host_arrays import to_device
 from loraplex.engine.outputs import SampledToken
+from loraplex.engine.penalties import PendingLastTokens, apply_penalties
 
 if TYPE_CHECKING:  # pragma: no cover
     from loraplex.engine.sequence import Sequence
@@ -74,19 +75,22 @@ class Sampler:
         return self.launch(logits, seqs, eos_token_ids).result()
 
     def launch(
-        self, logits: torch.Tensor, seqs: Seq["Sequence"], eos_token_ids: set[int] | frozenset[int] = frozenset()
+        self, logits: torch.Tensor, seqs: Seq["Sequence"], eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        pending: PendingLastTokens | None = None,
     ) -> "PendingTokens":
         """Queue the draw on the logits' device; ``result()`` of what it returns reads the tokens
-        back (on a GPU, the wait for the step's device work) and advances the grammars."""
+        back (on a GPU, the wait for the step's device work) and advances the grammars.
+        ``pending``: in a step launched ahead, the rows whose last output token is still being
+        drawn by the step before (penalties count it, ``min_tokens`` and seeds count it too)."""
         uses = _logit_changes(seqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if uses.logprobs else None
         # each apply_* below does nothing to a batch without its option (so is skipped for it)
         if uses.logit_bias:
             logits = apply_logit_bias(logits, seqs)
         if uses.min_tokens:
-            logits = apply_min_tokens(logits, seqs, eos_token_ids)
+            logits = apply_min_tokens(logits, seqs, eos_token_ids, pending)
         if uses.penalties:
-            logits = apply_penalties(logits, seqs)
+            logits = apply_penalties(logits, seqs, pending)
         if uses.allowed_token_ids:
             logits = apply_allowed_token_ids(logits, seqs)
         if uses.bad_words:
@@ -109,12 +113,15 @@ class Sampler:
                 index = _on_device(greedy_rows, torch.long, logits.device)
                 token_ids[index] = row_argmax(logits[index])
             index = _on_device(random_rows, torch.long, logits.device)
-            chosen = self._sample_random(logits[index], [seqs[i] for i in random_rows])
+            generated = [len(seqs[i].output_token_ids) if pending is None else pending.num_generated(i, seqs[i])
+                         for i in random_rows]  # (what a seeded draw is seeded by)
+            chosen = self._sample_random(logits[index], [seqs[i] for i in random_rows], generated)
             token_ids[index] = chosen
 
         return PendingTokens(token_ids, seqs, grammar_rows, raw_logprobs)
 
-    def _sample_random(self, logits: torch.Tensor, seqs: list["Sequence"]) -> torch.Tensor:
+    def _sample_random(self, logits: torch.Tensor, seqs: list["Sequence"], generated: list[int]) -> torch.Tensor:
+        # generated: per row, the tokens its sequence has generated so far
         params = [s.params for s in seqs]
         temps = _on_device([p.temperature for p in params], logits.dtype, logits.device)
         # shifted so the best logit is 0 (softmax does not change): a tiny temperature then sends
@@ -133,7 +140,7 @@ class Sampler:
         for i, (seq, p) in enumerate(zip(seqs, params)):
             if p.seed is not None:
                 gen = torch.Generator(device=probs.device)
-                gen.manual_seed(row_seed(p.seed, getattr(seq, "index", 0), len(seq.output_token_ids)))
+                gen.manual_seed(row_seed(p.seed, getattr(seq, "index", 0), generated[i]))
                 noise[i].exponential_(generator=gen)
         return row_argmax(probs / noise)
 
@@ -384,39 +391,19 @@ def _logit_bias_tensors(params, device: torch.device) -> tuple[torch.Tensor, tor
     return cached[2], cached[3]
 
 
-def apply_min_tokens(logits: torch.Tensor, seqs: Seq["Sequence"], eos_token_ids) -> torch.Tensor:
+def apply_min_tokens(logits: torch.Tensor, seqs: Seq["Sequence"], eos_token_ids,
+                     pending: PendingLastTokens | None = None) -> torch.Tensor:
     """Forbid EOS and stop token ids for rows that have not yet generated ``min_tokens``."""
     for row, seq in enumerate(seqs):
         p = seq.params
-        if p.min_tokens and len(seq.output_token_ids) < p.min_tokens:
+        generated = len(seq.output_token_ids) if pending is None else pending.num_generated(row, seq)
+        if p.min_tokens and generated < p.min_tokens:
             banned = set(p.stop_token_ids)
             if not p.ignore_eos:
                 banned |= set(eos_token_ids)
             banned = [t for t in banned if 0 <= t < logits.shape[1]]
             if banned:
                 logits[row, banned] = float("-inf")
-    return logits
-
-
-def apply_penalties(logits: torch.Tensor, seqs: Seq["Sequence"]) -> torch.Tensor:
-    """Repetition (prompt + output), frequency and presence (output only) penalties, in place."""
-    vocab = logits.shape[1]
-    for row, seq in enumerate(seqs):
-        p = seq.params
-        rep, freq, pres = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
-        if rep == 1.0 and freq == 0.0 and pres == 0.0:
-            continue
-        out_ids = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
-        counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)  # [vocab]
-        if rep != 1.0:
-            prompt_ids = torch.tensor(seq.prompt_token_ids, dtype=torch.long, device=logits.device)
-            seen = counts > 0
-            seen[prompt_ids[prompt_ids < vocab]] = True
-            row_logits = logits[row]
-            penalized = torch.where(row_logits > 0, row_logits / rep, row_logits * rep)
-            logits[row] = torch.where(seen, penalized, row_logits)
-        if freq != 0.0 or pres != 0.0:
-            logits[row] -= freq * counts + pres * (counts > 0).to(logits.dtype)
     return logits
 
 

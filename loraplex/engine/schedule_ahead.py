@@ -25,9 +25,9 @@ A sequence that ended after N was built (N computes its row and drops it) is lef
 as ``schedule()`` leaves it out. A step goes ahead from a step N that ran every running sequence
 and that a ``schedule()`` after the update would run again: no speculative drafts, blocks free for every new token without
 preempting, every adapter still in its device slot (nothing to load, so nothing that could fail
-to), no sequence whose sampling reads its own earlier tokens on the host (penalties, bad words,
-a grammar, ``min_tokens`` still holding EOS back, a seed, which is drawn per generated count),
-and no chunk that reports prompt logprobs (which positions it reports depends on what N's update
+to), no sequence whose sampling reads its own earlier tokens on the host (bad words, a grammar;
+penalties, ``min_tokens`` and seeds count the token still being drawn on the device), and no
+chunk that reports prompt logprobs (which positions it reports depends on what N's update
 appends). Waiting requests are admitted into the step ahead as ``schedule()`` admits them (their
 prompts are known), except those whose adapter is not in a device slot. A request the token
 budget holds back would be held back by ``schedule()`` too; if anything else held one back
@@ -44,16 +44,11 @@ from loraplex.engine.sequence import Sequence, SequenceStatus
 
 
 def samples_without_history(seq: Sequence) -> bool:
-    """Whether ``seq``'s next draw reads nothing of its earlier output on the host (the sampler's
-    options that do: ``sampler._logit_changes`` and the seeded draw)."""
-    p = seq.params
-    if seq.grammar is not None or p.bad_words_token_ids:
-        return False
-    if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-        return False
-    if p.min_tokens and len(seq.output_token_ids) < p.min_tokens:
-        return False  # the count the step after N sees is one more than the host's now
-    return p.seed is None or p.temperature == 0.0
+    """Whether ``seq``'s next draw reads nothing of its earlier output on the host but how many
+    tokens there are and how often each came (a grammar's state and bad words' endings are read
+    from the tokens themselves). Penalties, ``min_tokens`` and seeds count the token the step
+    before is still drawing on the device (``penalties.PendingLastTokens``)."""
+    return seq.grammar is None and not seq.params.bad_words_token_ids
 
 
 class ScheduleAhead:

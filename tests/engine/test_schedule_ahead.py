@@ -108,30 +108,31 @@ def test_the_step_ahead_is_the_step_schedule_would_make_after_the_update():
         assert [s.output_token_ids for s in ahead_h.seqs] == [s.output_token_ids for s in sync_h.seqs]
 
 
-@pytest.mark.parametrize("params", [
-    dict(repetition_penalty=1.2), dict(frequency_penalty=0.5), dict(presence_penalty=0.5),
-    dict(min_tokens=10), dict(seed=7, temperature_override=0.8), dict(bad_words_token_ids=[[5]]),
-], ids=["repetition", "frequency", "presence", "min_tokens", "seeded", "bad_words"])
-def test_no_step_goes_ahead_when_the_sampler_reads_the_sequences_own_tokens(params):
-    params = dict(params)
-    temperature = params.pop("temperature_override", None)
-    bad_words = params.pop("bad_words_token_ids", None)
-    h, _ = _decoding_pair(**params)
-    if temperature is not None or bad_words is not None:
-        for seq in h.seqs:
-            if temperature is not None:
-                seq.params.temperature = temperature
-            if bad_words is not None:
-                seq.params.bad_words_token_ids = bad_words
-    assert not all(samples_without_history(s) for s in h.seqs)
+@pytest.mark.parametrize("option", ["bad_words", "grammar"])
+def test_no_step_goes_ahead_when_the_sampler_reads_the_sequences_own_tokens(option):
+    h, _ = _decoding_pair()
+    for seq in h.seqs:
+        if option == "bad_words":
+            seq.params.bad_words_token_ids = [[5]]
+        else:
+            seq.grammar = SimpleNamespace()  # a matcher: its state follows the tokens themselves
+    assert not any(samples_without_history(s) for s in h.seqs)
     prev = h.scheduler.schedule()
     assert h.scheduler.schedule_ahead(prev) is None
     # and the refusal changed nothing
     assert [s.num_computed_tokens for s in h.seqs] == [e.start_pos for e in prev.scheduled]
 
 
-def test_a_seed_under_greedy_and_min_tokens_already_met_do_not_hold_it_back():
-    h, _ = _decoding_pair(seed=3, min_tokens=1)
+@pytest.mark.parametrize("params", [
+    dict(repetition_penalty=1.2), dict(frequency_penalty=0.5), dict(presence_penalty=0.5),
+    dict(min_tokens=10), dict(seed=7),
+], ids=["repetition", "frequency", "presence", "min_tokens", "seeded"])
+def test_penalties_min_tokens_and_seeds_go_ahead(params):
+    """They count the token the step before is still drawing on the device (the sampler's
+    ``pending``; checked against the full history in tests/engine/test_penalties.py)."""
+    h, _ = _decoding_pair(**params)
+    for seq in h.seqs:
+        seq.params.temperature = 0.8
     assert all(samples_without_history(s) for s in h.seqs)
     prev = h.scheduler.schedule()
     assert h.scheduler.schedule_ahead(prev) is not None
@@ -364,10 +365,12 @@ def test_no_step_goes_ahead_when_blocks_are_short():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chunked", [False, True], ids=["whole-prompts", "prompt-chunks"])
-def test_real_tiny_model_with_adapters_gives_the_same_outputs(tiny_llama_dir, tmp_path, chunked):
+@pytest.mark.parametrize("chunked,options", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["whole-prompts", "prompt-chunks", "whole-prompts-options", "prompt-chunks-options"])
+def test_real_tiny_model_with_adapters_gives_the_same_outputs(tiny_llama_dir, tmp_path, chunked, options):
     """``prompt-chunks``: prompts longer than an 8-token budget, so their chunks go ahead beside
-    decodes whose input tokens are still being sampled."""
+    decodes whose input tokens are still being sampled. ``options``: penalties, ``min_tokens``
+    and seeded draws, which count the token the step before is still drawing, on the device."""
     from transformers import AutoModelForCausalLM
 
     from loraplex.engine.llm import LLM
@@ -383,6 +386,12 @@ def test_real_tiny_model_with_adapters_gives_the_same_outputs(tiny_llama_dir, tm
     which = ["a", None, "b", "a", None, "b"]
     params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(3, 12), logprobs=2, n=1 + (i == 3))
               for i in range(6)]
+    if options:  # greedy under penalties; seeded draws (the shared generator's would follow the batches)
+        steer = [dict(repetition_penalty=1.5), dict(frequency_penalty=1.5, presence_penalty=0.5),
+                 dict(temperature=0.9, seed=11, min_tokens=8), dict(temperature=1.2, seed=5, presence_penalty=1.0),
+                 dict(presence_penalty=2.0), dict(temperature=0.7, seed=2, repetition_penalty=1.3)]
+        params = [SamplingParams(max_tokens=12, logprobs=2, n=1 + (i == 3), **{"temperature": 0.0, **extra})
+                  for i, extra in enumerate(steer)]
     results = []
     for ahead in (False, True):
         llm = LLM(model=str(tiny_llama_dir), dtype="float32", device="cpu", kv_cache_bytes=4 << 20, max_loras=4,

@@ -31,7 +31,11 @@ def test_graph_steps_launched_ahead_give_the_outputs_of_the_engine_that_waits(ti
     rng = random.Random(11)
     prompts = [[rng.randrange(4, 250) for _ in range(rng.randrange(2, 7))] for _ in range(5)]
     which = ["a", None, "a", None, "a"]
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n, logprobs=1) for n in (5, 3, 6, 6, 4)]
+    # penalties and a seeded draw count the token the step before is still drawing (its graph's output)
+    steer = [dict(presence_penalty=2.0), {}, dict(frequency_penalty=1.5), dict(repetition_penalty=1.5),
+             dict(temperature=0.9, seed=3)]
+    params = [SamplingParams(ignore_eos=True, max_tokens=n, logprobs=1, **{"temperature": 0.0, **extra})
+              for n, extra in zip((5, 3, 6, 6, 4), steer)]
     results = []
     for ahead in (False, True):
         llm = LLM(model=str(tiny_llama_dir), dtype="float32", device="cpu", kv_cache_bytes=4 << 20, max_loras=2,

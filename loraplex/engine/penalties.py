@@ -1,0 +1,96 @@
+"""Repetition, frequency and presence penalties for a whole batch at once (the sampler's step 3).
+
+Why batched: one row at a time cost a host-to-device copy of the row's tokens and a few
+launches per penalized row, per step (at 256 rows, hundreds of synchronous copies a step on a
+GPU). Here the penalized rows' tokens go up as two padded arrays (page-locked, without waiting)
+and the counts come from one scatter.
+
+Rows of a step launched ahead (``schedule_ahead``) may not have their last output token on the
+host yet: the step before is still drawing it. ``pending`` gives those rows and the tokens, on
+the device, and they count as output like the rest.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence as Seq
+
+import numpy as np
+import torch
+
+from loraplex.engine.host_arrays import to_device
+
+if TYPE_CHECKING:  # pragma: no cover
+    from loraplex.engine.sequence import Sequence
+
+
+class PendingLastTokens:
+    """Sampled rows whose last output token the host does not have yet (a step launched ahead):
+    ``rows`` (indices into the step's sampled rows) and ``tokens`` ([len(rows)] int64 on the
+    device, the step before's draw for each)."""
+
+    __slots__ = ("rows", "tokens", "row_set")
+
+    def __init__(self, rows: list[int], tokens: torch.Tensor):
+        self.rows = rows
+        self.tokens = tokens
+        self.row_set = frozenset(rows)
+
+    def num_generated(self, row: int, seq: "Sequence") -> int:
+        """Tokens ``seq`` has generated, the one still being drawn included."""
+        return len(seq.output_token_ids) + (row in self.row_set)
+
+
+def _padded(token_lists: list[list[int]], vocab: int) -> np.ndarray:
+    """[len(token_lists), longest] int64, each list left-aligned; padding and ids outside the
+    vocabulary point at column ``vocab`` (a spare column, dropped after the scatter)."""
+    width = max(map(len, token_lists), default=0)
+    out = np.full((len(token_lists), max(width, 1)), vocab, dtype=np.int64)
+    for i, tokens in enumerate(token_lists):
+        out[i, : len(tokens)] = tokens
+    out[(out < 0) | (out > vocab)] = vocab
+    return out
+
+
+def apply_penalties(logits: torch.Tensor, seqs: Seq["Sequence"], pending: PendingLastTokens | None = None
+                    ) -> torch.Tensor:
+    """Repetition (prompt + output), frequency and presence (output only) penalties, in place.
+    ``logits``: [rows, vocab] fp32; ``seqs``: one per row."""
+    rows, reps, freqs, press = [], [], [], []
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            rows.append(row)
+            reps.append(p.repetition_penalty)
+            freqs.append(p.frequency_penalty)
+            press.append(p.presence_penalty)
+    if not rows:
+        return logits
+    vocab, device, dtype = logits.shape[1], logits.device, logits.dtype
+    outputs = to_device(_padded([seqs[r].output_token_ids for r in rows], vocab), device)  # [R, longest]
+    counts = torch.zeros(len(rows), vocab + 1, dtype=dtype, device=device)
+    counts.scatter_add_(1, outputs, torch.ones(outputs.shape, dtype=dtype, device=device))
+    if pending is not None:
+        at = {row: i for i, row in enumerate(rows)}
+        hits = [(at[row], j) for j, row in enumerate(pending.rows) if row in at]
+        if hits:
+            index = to_device(np.array(hits, dtype=np.int64), device)  # [H, 2]: (penalized row, pending row)
+            tokens = pending.tokens[index[:, 1]]
+            counts.index_put_((index[:, 0], torch.where(tokens < vocab, tokens, vocab)),
+                              torch.ones(len(hits), dtype=dtype, device=device), accumulate=True)
+    counts = counts[:, :vocab]  # [R, vocab]
+    index = to_device(np.array(rows, dtype=np.int64), device)
+    penalized = logits[index]  # [R, vocab]
+    if any(r != 1.0 for r in reps):
+        prompts = to_device(_padded([seqs[r].prompt_token_ids for r in rows], vocab), device)
+        seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
+        seen.scatter_(1, prompts, True)
+        seen = seen[:, :vocab] | (counts > 0)
+        rep = to_device(np.array(reps, dtype=np.float32), device).to(dtype).unsqueeze(1)
+        # a row without it divides and multiplies by 1.0: its logits are left as they are
+        penalized = torch.where(seen, torch.where(penalized > 0, penalized / rep, penalized * rep), penalized)
+    if any(freqs) or any(press):
+        freq = to_device(np.array(freqs, dtype=np.float32), device).to(dtype).unsqueeze(1)
+        pres = to_device(np.array(press, dtype=np.float32), device).to(dtype).unsqueeze(1)
+        penalized -= freq * counts + pres * (counts > 0).to(dtype)
+    logits[index] = penalized
+    return logits

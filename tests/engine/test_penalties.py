@@ -1,0 +1,103 @@
+"""Batched penalties (loraplex/engine/penalties.py) against a row-by-row torch reference, and the
+rows of a step launched ahead, whose last token is still on the device, against the same rows
+with that token on the host: penalties, ``min_tokens`` and seeded draws alike."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from loraplex.engine.penalties import PendingLastTokens, apply_penalties
+from loraplex.engine.sampler import Sampler, apply_min_tokens
+from loraplex.sampling_params import SamplingParams
+
+VOCAB = 64
+
+
+def reference_penalties(logits: torch.Tensor, seqs) -> torch.Tensor:
+    """One row at a time, from the token lists (ids outside the vocabulary ignored)."""
+    vocab = logits.shape[1]
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        rep, freq, pres = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+        if rep == 1.0 and freq == 0.0 and pres == 0.0:
+            continue
+        out = torch.tensor([t for t in seq.output_token_ids if 0 <= t < vocab], dtype=torch.long)
+        counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
+        if rep != 1.0:
+            seen = counts > 0
+            prompt = torch.tensor([t for t in seq.prompt_token_ids if 0 <= t < vocab], dtype=torch.long)
+            seen[prompt] = True
+            x = logits[row]
+            logits[row] = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        logits[row] -= freq * counts + pres * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _batch(rng: random.Random, rows: int):
+    seqs = []
+    for i in range(rows):
+        kind = rng.choice(["none", "rep", "freq", "pres", "all"])
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 0.8]), seed=rng.choice([None, 17 + i]), min_tokens=rng.choice([0, 3, 9]),
+            stop_token_ids=[5, 6],
+            repetition_penalty=rng.choice([1.3, 0.7]) if kind in ("rep", "all") else 1.0,
+            frequency_penalty=rng.uniform(-1, 1.5) if kind in ("freq", "all") else 0.0,
+            presence_penalty=rng.uniform(-1, 1.5) if kind in ("pres", "all") else 0.0)
+        # ids past the vocabulary (a tokenizer larger than the head) and empty outputs included
+        prompt = [rng.randrange(0, VOCAB + 8) for _ in range(rng.randint(1, 20))]
+        output = [rng.randrange(0, VOCAB + 2) for _ in range(rng.randint(0, 12))]
+        seqs.append(SimpleNamespace(params=params, prompt_token_ids=prompt, output_token_ids=output, index=0,
+                                    seq_id=i, grammar=None, reasoning_gate=None))
+    return seqs
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batched_penalties_match_the_row_by_row_reference_bit_for_bit(seed):
+    rng = random.Random(seed)
+    seqs = _batch(rng, rng.randint(1, 12))
+    logits = torch.randn(len(seqs), VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+    assert torch.equal(apply_penalties(logits.clone(), seqs), reference_penalties(logits.clone(), seqs))
+
+
+def _ahead_view(rng: random.Random, seqs):
+    """The same rows as a step launched ahead sees them: some decodes' last output token not yet
+    on the host, but on the device (``PendingLastTokens``)."""
+    rows = [i for i, s in enumerate(seqs) if s.output_token_ids and s.output_token_ids[-1] < VOCAB
+            and rng.random() < 0.7]
+    short = [SimpleNamespace(**{**vars(s), "output_token_ids": s.output_token_ids[:-1] if i in rows
+                                else s.output_token_ids}) for i, s in enumerate(seqs)]
+    tokens = torch.tensor([seqs[i].output_token_ids[-1] for i in rows], dtype=torch.long)
+    return short, PendingLastTokens(rows, tokens), rows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_token_still_on_the_device_counts_as_output(seed):
+    rng = random.Random(100 + seed)
+    seqs = _batch(rng, rng.randint(2, 12))
+    short, pending, rows = _ahead_view(rng, seqs)
+    assert rows, "no row went ahead: the comparison would be vacuous"
+    logits = torch.randn(len(seqs), VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+    want = apply_penalties(logits.clone(), seqs)
+    assert torch.equal(apply_penalties(logits.clone(), short, pending), want)
+    want = apply_min_tokens(logits.clone(), seqs, {2})
+    assert torch.equal(apply_min_tokens(logits.clone(), short, {2}, pending), want)
+    # the whole draw: seeded rows seeded by the generated count, the pending token included
+    seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None or s.params.temperature == 0.0]
+    full = Sampler(seed=1).launch(logits.clone(), seqs, {2}).result()
+    ahead = Sampler(seed=1).launch(logits.clone(), short, {2}, pending).result()
+    assert [full[i].token_id for i in seeded] == [ahead[i].token_id for i in seeded]
+
+
+def test_without_the_pending_token_the_counts_would_differ():
+    """The comparison above can fail: dropping a penalized row's last token changes its logits."""
+    seq = SimpleNamespace(params=SamplingParams(frequency_penalty=1.0), prompt_token_ids=[1],
+                          output_token_ids=[3, 4], index=0, seq_id=0, grammar=None, reasoning_gate=None)
+    short = SimpleNamespace(**{**vars(seq), "output_token_ids": [3]})
+    logits = torch.zeros(1, VOCAB)
+    assert not torch.equal(apply_penalties(logits.clone(), [short]), apply_penalties(logits.clone(), [seq]))
+    pending = PendingLastTokens([0], torch.tensor([4]))
+    assert torch.equal(apply_penalties(logits.clone(), [short], pending), apply_penalties(logits.clone(), [seq]))
