@@ -28,16 +28,18 @@ class PendingLastTokens:
     ``rows`` (indices into the step's sampled rows) and ``tokens`` ([len(rows)] int64 on the
     device, the step before's draw for each)."""
 
-    __slots__ = ("rows", "tokens", "row_set")
+    __slots__ = ("rows", "tokens", "_row_set")
 
     def __init__(self, rows: list[int], tokens: torch.Tensor):
         self.rows = rows
         self.tokens = tokens
-        self.row_set = frozenset(rows)
+        self._row_set: frozenset[int] | None = None  # built when first asked (most steps never are)
 
     def num_generated(self, row: int, seq: "Sequence") -> int:
         """Tokens ``seq`` has generated, the one still being drawn included."""
-        return len(seq.output_token_ids) + (row in self.row_set)
+        if self._row_set is None:
+            self._row_set = frozenset(self.rows)
+        return len(seq.output_token_ids) + (row in self._row_set)
 
 
 def _padded(token_lists: list[list[int]], vocab: int) -> np.ndarray:
