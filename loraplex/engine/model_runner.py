@@ -51,7 +51,7 @@ from loraplex.engine.kv_budget import (
 )
 from loraplex.engine.kv_layout import KVLayout
 from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
-from loraplex.engine.pending_run import PendingRun, pending_items, put_pending, tokens_after  # noqa: F401
+from loraplex.engine.pending_run import PendingRun, last_tokens_ahead, pending_items, put_pending
 from loraplex.engine.penalties import PendingLastTokens
 from loraplex.engine.prompt_logprobs import prompt_token_logprobs
 from loraplex.engine.sampler import Sampler
@@ -322,9 +322,8 @@ class ModelRunner:
         fill, pending = None, None
         if after is not None and inputs.pending_rows:
             rows = inputs.pending_rows  # every row of a graph step samples: row == sampled row
-            tokens = tokens_after(pending_items(scheduled, rows), after)
-            fill = lambda input_ids: put_pending(input_ids, rows, tokens)  # noqa: E731
-            pending = PendingLastTokens(rows, tokens)
+            pending = last_tokens_ahead(pending_items(scheduled, rows), rows, after)
+            fill = lambda input_ids: put_pending(input_ids, rows, pending.tokens)  # noqa: E731
         hidden = self.decode_graphs.run(inputs, token_slots, pool, fill)  # [num_seqs, hidden_size]
         # the LM head runs after the replay, eagerly, so its LoRA takes this step's own metadata
         head_lora = None if token_slots is None else logits_lora(pool, token_slots)
@@ -414,9 +413,9 @@ class ModelRunner:
         input_ids_t = to_tensor(input_ids, np.int64, dev)
         pending_last = None
         if pending:
-            tokens = tokens_after([item for _, _, item in pending], after)
-            put_pending(input_ids_t, [row for row, _, _ in pending], tokens)
-            pending_last = PendingLastTokens([sampled for _, sampled, _ in pending], tokens)
+            pending_last = last_tokens_ahead([item for _, _, item in pending], [sampled for _, sampled, _ in pending],
+                                             after)
+            put_pending(input_ids_t, [row for row, _, _ in pending], pending_last.tokens)
         return self._flat_batch(
             input_ids_t, to_tensor(positions, np.int64, dev), group_slots, tables,
             seq_lens, max(seq_lens), to_tensor(query_start, np.int32, dev),
@@ -433,13 +432,12 @@ class ModelRunner:
         input_ids = to_device(inputs.input_ids, dev)
         pending = None
         if after is not None and inputs.pending_rows:
-            rows = inputs.pending_rows
-            tokens = tokens_after(pending_items(scheduled, rows), after)
-            put_pending(input_ids, rows, tokens)
+            rows = sampled = inputs.pending_rows
             if len(sample_rows) != len(scheduled):  # pending rows are decodes: each samples
                 sampled_row = {row: i for i, row in enumerate(sample_rows)}
-                rows = [sampled_row[row] for row in rows]
-            pending = PendingLastTokens(rows, tokens)
+                sampled = [sampled_row[row] for row in rows]
+            pending = last_tokens_ahead(pending_items(scheduled, rows), sampled, after)
+            put_pending(input_ids, rows, pending.tokens)
         return self._flat_batch(
             input_ids, to_device(inputs.positions, dev),
             inputs.slot_mappings, inputs.block_tables, inputs.seq_lens, int(inputs.seq_lens.max()),

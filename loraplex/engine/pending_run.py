@@ -8,6 +8,7 @@ import torch
 
 from loraplex.engine.host_arrays import to_device
 from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq
+from loraplex.engine.penalties import PendingLastTokens
 from loraplex.engine.sampler import PendingTokens
 
 
@@ -33,6 +34,13 @@ class PendingRun:
         in_span = {row for _, first, count in spans for row in range(first, first + count)}
         sampled = {seq.seq_id: tok for row, (seq, tok) in enumerate(zip(seqs, tokens)) if row not in in_span}
         return ModelRunnerOutput(sampled=sampled, verified=verified, prompt_logprobs=self.prompt_logprobs)
+
+
+def last_tokens_ahead(items: list[ScheduledSeq], sampled_rows: list[int], after: PendingRun) -> PendingLastTokens:
+    """The tokens ``after`` is still sampling for ``items`` (this step's decode entries whose
+    last token the host lacks), for the sampler at ``sampled_rows`` (each item's index among the
+    step's sampled rows); ``put_pending`` writes the same tokens into the step's input ids."""
+    return PendingLastTokens(sampled_rows, tokens_after(items, after))
 
 
 def put_pending(input_ids: torch.Tensor, rows: list[int], tokens: torch.Tensor) -> None:

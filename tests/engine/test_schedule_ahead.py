@@ -422,7 +422,7 @@ def test_real_tiny_model_with_adapters_gives_the_same_outputs(tiny_llama_dir, tm
 def test_tokens_after_follows_the_sequences_not_the_rows():
     import torch
 
-    from loraplex.engine.model_runner import tokens_after
+    from loraplex.engine.pending_run import tokens_after
 
     seqs = [SimpleNamespace(seq_id=i) for i in (7, 3, 9)]
     after = SimpleNamespace(tokens=SimpleNamespace(token_ids=torch.tensor([70, 30, 90])), seqs=seqs)
