@@ -113,15 +113,17 @@ class Sampler:
                 index = _on_device(greedy_rows, torch.long, logits.device)
                 token_ids[index] = row_argmax(logits[index])
             index = _on_device(random_rows, torch.long, logits.device)
-            generated = [len(seqs[i].output_token_ids) if pending is None else pending.num_generated(i, seqs[i])
-                         for i in random_rows]  # (what a seeded draw is seeded by)
+            # what a seeded draw is seeded by: the tokens its sequence has generated so far
+            generated = {j: len(seqs[i].output_token_ids) if pending is None else pending.num_generated(i, seqs[i])
+                         for j, i in enumerate(random_rows) if params[i].seed is not None}
             chosen = self._sample_random(logits[index], [seqs[i] for i in random_rows], generated)
             token_ids[index] = chosen
 
         return PendingTokens(token_ids, seqs, grammar_rows, raw_logprobs)
 
-    def _sample_random(self, logits: torch.Tensor, seqs: list["Sequence"], generated: list[int]) -> torch.Tensor:
-        # generated: per row, the tokens its sequence has generated so far
+    def _sample_random(self, logits: torch.Tensor, seqs: list["Sequence"], generated: dict[int, int]
+                       ) -> torch.Tensor:
+        # generated: for each seeded row (an index into seqs), the tokens its sequence has generated so far
         params = [s.params for s in seqs]
         temps = _on_device([p.temperature for p in params], logits.dtype, logits.device)
         # shifted so the best logit is 0 (softmax does not change): a tiny temperature then sends

@@ -40,7 +40,8 @@ def every_pass(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], eos
         token_ids[greedy_rows] = row_argmax(logits[greedy_rows])
     if random_rows:
         token_ids[random_rows] = sampler._sample_random(logits[random_rows], [seqs[i] for i in random_rows],
-                                                        [len(seqs[i].output_token_ids) for i in random_rows])
+                                                        {j: len(seqs[i].output_token_ids)
+                                                         for j, i in enumerate(random_rows)})
     ids = token_ids.tolist()
     if raw is None:
         return [(t, None, None) for t in ids]
