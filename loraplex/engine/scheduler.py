@@ -260,10 +260,21 @@ class Scheduler(StepResults, ScheduleAhead):
         token budget, which ``schedule()`` after the update would have the same of, held a
         waiting sequence back (seats, blocks and adapter slots that sequences ending in the step
         before may free, or an adapter to place)."""
+        held = False  # a waiting sequence held back by something other than the token budget
+        # (ordering thousands of waiting sequences for nothing costs a step time)
+        if budget > 0 and self.waiting:
+            if len(self.running) >= self.config.max_num_seqs:
+                held = True
+            else:
+                budget, held = self._admit_in_order(scheduled, budget, placed_only)
         if placed_only:
-            self._left_waiting = bool(self.waiting) and budget > 0
-        if budget <= 0 or len(self.running) >= self.config.max_num_seqs or not self.waiting:
-            return budget  # ordering thousands of waiting sequences for nothing costs a step time
+            self._left_waiting = held and bool(self.waiting)
+        return budget
+
+    def _admit_in_order(self, scheduled: dict[int, ScheduledSeq], budget: int, placed_only: bool
+                        ) -> tuple[int, bool]:
+        """``_admit``'s walk over the waiting sequences in admission order; returns the budget
+        left and whether something other than the token budget held one back."""
         held = False
         adapters = self.running_adapters()
         for seq in self.waiting.admission_order(self.running):
@@ -301,9 +312,7 @@ class Scheduler(StepResults, ScheduleAhead):
                 self._starving = None
             scheduled[seq.seq_id] = self._make_scheduled(seq, num_tokens)
             budget -= num_tokens
-        if placed_only:
-            self._left_waiting = held and bool(self.waiting)
-        return budget
+        return budget, held
 
     def _count_prefix_lookup(self, seq: Sequence, sign: int) -> None:
         """Add (``sign`` 1) or take back (-1) a first admission's prefix-cache lookup. A sequence
