@@ -338,9 +338,11 @@ class ModelRunner:
         return PendingRun(self.sampler.launch(logits, seqs, self.eos_token_ids, pending), seqs, verify_spans)
 
     def release(self, seq_ids) -> None:
-        """Drop per-sequence state: the sequences' rows in the host copy of the block tables
-        (seeded sampling derives its generator per draw, so it keeps none)."""
+        """Drop per-sequence state: the sequences' rows in the host copy of the block tables and
+        their prompts the sampler keeps on the device (seeded sampling derives its generator per
+        draw, so it keeps none)."""
         self.table_mirror.forget(seq_ids)
+        self.sampler.forget(seq_ids)
 
     def prepare_batch(self, scheduled: list[ScheduledSeq], after: PendingRun | None = None) -> FlatBatch:
         if is_one_token_step(scheduled):  # decodes: most steps at large batches

@@ -42,7 +42,7 @@ import torch
 
 from loraplex.engine.host_arrays import to_device
 from loraplex.engine.outputs import SampledToken
-from loraplex.engine.penalties import PendingLastTokens, apply_penalties
+from loraplex.engine.penalties import PendingLastTokens, PromptTokens, apply_penalties
 
 if TYPE_CHECKING:  # pragma: no cover
     from loraplex.engine.sequence import Sequence
@@ -68,6 +68,11 @@ class Sampler:
         # structured output: (matchers) -> [n, vocab] bool allowed tokens, computed in parallel
         # (the engine's GrammarFactory.allowed_tokens); None computes them one by one
         self.grammar_masks = None
+        self.prompts = PromptTokens()  # the repetition penalty's prompts, on the device
+
+    def forget(self, seq_ids) -> None:
+        """Drop what the sampler keeps of released sequences (their prompts on the device)."""
+        self.prompts.forget(seq_ids)
 
     def __call__(
         self, logits: torch.Tensor, seqs: Seq["Sequence"], eos_token_ids: set[int] | frozenset[int] = frozenset()
@@ -90,7 +95,7 @@ class Sampler:
         if uses.min_tokens:
             logits = apply_min_tokens(logits, seqs, eos_token_ids, pending)
         if uses.penalties:
-            logits = apply_penalties(logits, seqs, pending)
+            logits = apply_penalties(logits, seqs, pending, self.prompts)
         if uses.allowed_token_ids:
             logits = apply_allowed_token_ids(logits, seqs)
         if uses.bad_words:

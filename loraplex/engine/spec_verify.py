@@ -40,6 +40,7 @@ class PositionView:
     output_token_ids: list[int]
     params: SamplingParams
     index: int
+    seq_id: int
     grammar: object | None = None
     reasoning_gate: object | None = None
 
@@ -48,7 +49,7 @@ def position_views(seq, draft: list[int]) -> list[PositionView]:
     """One view per verified position of ``seq`` (``1 + len(draft)`` of them)."""
     out = seq.output_token_ids
     return [
-        PositionView(seq.prompt_token_ids, out + draft[:j] if j else out, seq.params, seq.index)
+        PositionView(seq.prompt_token_ids, out + draft[:j] if j else out, seq.params, seq.index, seq.seq_id)
         for j in range(len(draft) + 1)
     ]
 

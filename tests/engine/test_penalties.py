@@ -1,6 +1,7 @@
 """Batched penalties (loraplex/engine/penalties.py) against a row-by-row torch reference, and the
 rows of a step launched ahead, whose last token is still on the device, against the same rows
-with that token on the host: penalties, ``min_tokens`` and seeded draws alike."""
+with that token on the host: penalties, ``min_tokens`` and seeded draws alike; and the prompts
+kept on the device across steps (``PromptTokens``) against the same reference."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from loraplex.engine.penalties import PendingLastTokens, apply_penalties
+from loraplex.engine.penalties import PendingLastTokens, PromptTokens, apply_penalties
 from loraplex.engine.sampler import Sampler, apply_min_tokens
 from loraplex.sampling_params import SamplingParams
 
@@ -61,6 +62,42 @@ def test_batched_penalties_match_the_row_by_row_reference_bit_for_bit(seed):
     seqs = _batch(rng, rng.randint(1, 12))
     logits = torch.randn(len(seqs), VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
     assert torch.equal(apply_penalties(logits.clone(), seqs), reference_penalties(logits.clone(), seqs))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prompts_kept_across_steps_match_the_reference(seed):
+    """Steps of shuffled subsets of one set of sequences: each sequence's prompt is found again by
+    its id whatever row it takes, forgotten ones go up again, and nothing else is kept."""
+    rng = random.Random(200 + seed)
+    seqs = _batch(rng, 12)
+    for seq in seqs[::2]:  # every other one with a repetition penalty at least
+        seq.params = SamplingParams(repetition_penalty=1.4, frequency_penalty=seq.params.frequency_penalty)
+    prompts = PromptTokens()
+    for step in range(5):
+        batch = rng.sample(seqs, rng.randint(1, len(seqs)))
+        logits = torch.randn(len(batch), VOCAB, generator=torch.Generator().manual_seed(seed * 10 + step)) * 3
+        got = apply_penalties(logits.clone(), batch, prompts=prompts)
+        assert torch.equal(got, reference_penalties(logits.clone(), batch)), f"step {step}"
+        if step == 2:
+            prompts.forget([s.seq_id for s in seqs[:6]] + [99])  # an id never seen is no error
+    kept = {s.seq_id for s in seqs if s.params.repetition_penalty != 1.0}
+    assert 0 < len(prompts) <= len(kept)  # only prompts a repetition penalty reads
+    prompts.forget(kept)
+    assert len(prompts) == 0
+
+
+def test_a_prompt_kept_is_the_sequences_own():
+    """Two sequences with different prompts in swapped rows: a cache keyed by row, or one that
+    kept the first prompt it saw, would penalize the wrong tokens."""
+    a = SimpleNamespace(params=SamplingParams(repetition_penalty=2.0), prompt_token_ids=[1, 2], output_token_ids=[],
+                        index=0, seq_id=7, grammar=None, reasoning_gate=None)
+    b = SimpleNamespace(**{**vars(a), "prompt_token_ids": [3, 4], "seq_id": 8})
+    prompts = PromptTokens()
+    logits = torch.ones(2, VOCAB)
+    for batch in ([a, b], [b, a], [b]):
+        got = apply_penalties(logits[: len(batch)].clone(), batch, prompts=prompts)
+        assert torch.equal(got, reference_penalties(logits[: len(batch)].clone(), batch))
+    assert not torch.equal(apply_penalties(logits.clone(), [a, b]), apply_penalties(logits.clone(), [b, a]))
 
 
 def _ahead_view(rng: random.Random, seqs):

@@ -151,6 +151,7 @@ def test_penalties_logit_bias_and_logprobs(tiny_llama_dir, loraplex_home):
     ]
     plain, spec, llm = run_both(tiny_llama_dir, loraplex_home, prompts, params)
     assert token_ids(spec) == token_ids(plain)
+    assert len(llm.engine.runner.sampler.prompts) == 0  # the prompts kept for the penalty are released
     for a, b in zip(spec, plain):
         if b.outputs[0].logprobs is None:
             continue
