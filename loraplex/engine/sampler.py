@@ -252,12 +252,18 @@ def _logit_changes(seqs: Seq["Sequence"]) -> _LogitChanges:
     return uses
 
 
+# the numpy twin of each torch dtype the sampler's per-row lists take (bfloat16 has none)
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64,
+                 torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_}
+
+
 def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A per-row option list as a ``dtype`` tensor on ``device``, copied without waiting for the
     stream (``host_arrays.to_device``): a step scheduled ahead must not wait for the one before."""
-    if dtype == torch.bfloat16:  # no numpy twin
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    if np_dtype is None:
         return torch.tensor(values, dtype=dtype, device=device)
-    return to_device(np.asarray(values, dtype=torch.empty((), dtype=dtype).numpy().dtype), device)
+    return to_device(np.asarray(values, dtype=np_dtype), device)
 
 
 def row_argmax(values: torch.Tensor) -> torch.Tensor:
