@@ -431,7 +431,6 @@ class ModelRunner:
                                pending_ok=after is not None)
         sample_rows = [i for i, item in enumerate(scheduled) if item.needs_sample]
         sample_seqs = [scheduled[i].seq for i in sample_rows]
-        input_ids = to_device(inputs.input_ids, dev)
         pending = None
         if after is not None and inputs.pending_rows:
             rows = sampled = inputs.pending_rows
@@ -439,7 +438,12 @@ class ModelRunner:
                 sampled_row = {row: i for i, row in enumerate(sample_rows)}
                 sampled = [sampled_row[row] for row in rows]
             pending = last_tokens_ahead(pending_items(scheduled, rows), sampled, after)
-            put_pending(input_ids, rows, pending.tokens)
+        if pending is not None and len(pending.rows) == len(scheduled):
+            input_ids = pending.tokens  # every row's token is still being drawn: nothing to upload
+        else:
+            input_ids = to_device(inputs.input_ids, dev)
+            if pending is not None:
+                put_pending(input_ids, inputs.pending_rows, pending.tokens)
         return self._flat_batch(
             input_ids, to_device(inputs.positions, dev),
             inputs.slot_mappings, inputs.block_tables, inputs.seq_lens, int(inputs.seq_lens.max()),
