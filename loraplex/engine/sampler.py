@@ -429,19 +429,30 @@ def apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+# Above this top_k (or with a row of none) the tokens are ordered by a full sort; up to it, by
+# ``topk`` of the largest top_k of the batch. At 256 rows of a 152k vocabulary on one CPU
+# thread: sort 4 s, topk(20) 54 ms, topk(1024) 0.21 s (Qwen's generation config asks top_k 20).
+PARTIAL_TOP_K_MAX = 1024
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
     """Keep each row's ``top_k`` best tokens (0 = all), then the smallest prefix (by probability)
     whose mass reaches ``top_p``. The best token always survives."""
     vocab = logits.shape[1]
-    use_k = any(0 < k < vocab for k in top_ks)
+    ks_list = [k if 0 < k < vocab else vocab for k in top_ks]
+    use_k = any(k < vocab for k in ks_list)
     use_p = any(p < 1.0 for p in top_ps)
     if not use_k and not use_p:
         return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, vocab]
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    width = max(ks_list)  # every row keeps at most this many: order only those
+    if width <= PARTIAL_TOP_K_MAX:
+        sorted_logits, order = logits.topk(width, dim=-1)  # [n, width], best first
+    else:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, vocab]
+    ranks = torch.arange(sorted_logits.shape[1], device=logits.device).unsqueeze(0)
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if use_k:
-        ks = _on_device([k if 0 < k < vocab else vocab for k in top_ks], torch.long, logits.device)
+        ks = _on_device(ks_list, torch.long, logits.device)
         drop |= ranks >= ks.unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     if use_p:
@@ -451,6 +462,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[floa
         drop |= mass_before >= ps
         drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    if sorted_logits.shape[1] < vocab:  # the tokens past the batch's largest top_k: dropped in every row
+        return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 

@@ -256,3 +256,40 @@ def test_row_argmax_is_torch_argmax_on_ties_nan_and_inf():
         assert got.dtype == want.dtype and torch.equal(got, want)
     bf16 = torch.randn(4, 10, generator=g).bfloat16()  # not a numpy dtype: torch's own
     assert torch.equal(row_argmax(bf16), bf16.argmax(dim=-1))
+
+
+def _kept_by_rule(row: torch.Tensor, k: int, p: float) -> set[int]:
+    """One row's survivors of top-k then top-p, from a full descending argsort of the row."""
+    order = row.argsort(descending=True)
+    k = k if 0 < k < row.shape[0] else row.shape[0]
+    top = order[:k]
+    probs = torch.softmax(row[top], -1)
+    mass_before = probs.cumsum(0) - probs
+    keep = top[mass_before < p]
+    return set(keep.tolist()) | {int(order[0])}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_top_k_top_p_partial_order_matches_the_rule_and_the_full_sort(seed, monkeypatch):
+    """Batches whose largest top_k is small order only that many tokens (``topk``); with a row of
+    no top_k or a large one, everything (a sort). Both keep each row's survivors of the rule, at
+    their own logits, and the two ways give the same tensor bit for bit."""
+    import random
+
+    from loraplex.engine import sampler as sampler_module
+
+    rng = random.Random(seed)
+    vocab = 3000  # above PARTIAL_TOP_K_MAX, so 0 and 2000 force the full sort
+    for ks in ([rng.choice([1, 5, 20, 64]) for _ in range(9)],
+               [rng.choice([0, 20, 2000]) for _ in range(9)] + [0],
+               [sampler_module.PARTIAL_TOP_K_MAX, 3]):
+        ps = [rng.choice([1.0, 0.8, 0.3, 0.05]) for _ in ks]
+        logits = torch.randn(len(ks), vocab, generator=torch.Generator().manual_seed(seed)) * 3
+        got = sampler_module.apply_top_k_top_p(logits.clone(), ks, ps)
+        for row, (k, p) in enumerate(zip(ks, ps)):
+            kept = torch.isfinite(got[row]).nonzero().flatten()
+            assert set(kept.tolist()) == _kept_by_rule(logits[row], k, p), (row, k, p)
+            assert torch.equal(got[row, kept], logits[row, kept])
+        monkeypatch.setattr(sampler_module, "PARTIAL_TOP_K_MAX", 0)  # every batch sorted in full
+        assert torch.equal(sampler_module.apply_top_k_top_p(logits.clone(), ks, ps), got)
+        monkeypatch.undo()
