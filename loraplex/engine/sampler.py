@@ -456,9 +456,14 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[floa
         drop |= ranks >= ks.unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     if use_p:
-        ps = _on_device(top_ps, logits.dtype, logits.device).unsqueeze(1)
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly better tokens
+        # a row of top_p 1 keeps all (rounding may bring its mass to 1 before the last token)
+        ps = _on_device([p if p < 1.0 else float("inf") for p in top_ps], logits.dtype, logits.device).unsqueeze(1)
+        # each row's mass from its own kept tokens, best first, by a prefix sum: the columns past
+        # its top_k (there are more when another row of the batch has a larger one) add exact
+        # zeros after the entries that decide, instead of joining a softmax's sum over the row
+        weights = torch.exp(sorted_logits - sorted_logits[:, :1])  # [n, width]; dropped ones 0
+        cumulative = weights.cumsum(dim=-1)
+        mass_before = (cumulative - weights) / cumulative[:, -1:]  # mass of strictly better tokens
         drop |= mass_before >= ps
         drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))

@@ -263,6 +263,8 @@ def _kept_by_rule(row: torch.Tensor, k: int, p: float) -> set[int]:
     order = row.argsort(descending=True)
     k = k if 0 < k < row.shape[0] else row.shape[0]
     top = order[:k]
+    if p >= 1.0:
+        return set(top.tolist())
     probs = torch.softmax(row[top], -1)
     mass_before = probs.cumsum(0) - probs
     keep = top[mass_before < p]
@@ -293,3 +295,18 @@ def test_top_k_top_p_partial_order_matches_the_rule_and_the_full_sort(seed, monk
         monkeypatch.setattr(sampler_module, "PARTIAL_TOP_K_MAX", 0)  # every batch sorted in full
         assert torch.equal(sampler_module.apply_top_k_top_p(logits.clone(), ks, ps), got)
         monkeypatch.undo()
+
+
+def test_a_rows_survivors_do_not_depend_on_its_batch():
+    """The same row beside companions of other top_k (so ordered by topk of another width, or by
+    a full sort) keeps exactly the same tokens, p at many boundaries included."""
+    from loraplex.engine.sampler import apply_top_k_top_p
+
+    logits = torch.randn(1, 3000, generator=torch.Generator().manual_seed(11)) * 2
+    companion = torch.randn(1, 3000, generator=torch.Generator().manual_seed(12))
+    for k in (20, 300):
+        for p in [i / 40 for i in range(1, 40)]:
+            alone = apply_top_k_top_p(logits.clone(), [k], [p])
+            for other in (k + 1, 1000, 0):
+                pair = apply_top_k_top_p(torch.cat([logits, companion]), [k, other], [p, 0.9])
+                assert torch.equal(pair[0], alone[0]), (k, p, other)
