@@ -74,6 +74,7 @@ def main() -> int:
     from moe_fp8_lab import bench_moe_fp8
     from moe_lab import bench_moe
     from moe_lora_lab import bench_moe_lora
+    from sampler_lab import bench_sampler
     from lab_common import Report, run_section
 
     on_gpu = torch.cuda.is_available() and not args.cpu_smoke
@@ -111,6 +112,7 @@ def main() -> int:
             run_section(report, "MoE timings section", bench_moe, report, on_gpu, device, copy_bw)
             run_section(report, "MoE LoRA timings section", bench_moe_lora, report, on_gpu, device)
             run_section(report, "MoE fp8 timings section", bench_moe_fp8, report, on_gpu, device, copy_bw)
+            run_section(report, "sampler timings section", bench_sampler, report, on_gpu, device)
         report.line(f"(timings done at {time.time() - start:.0f} s)")
         report.line()
         report.write()

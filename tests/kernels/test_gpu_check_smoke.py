@@ -50,6 +50,12 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
         assert ", k_scale " in line and ", v_scale " in line and ", k_scale 1," not in line
     assert "copy bandwidth:" in results and "## Paged attention" in results and "## Fused MoE" in results
     assert "## Fused MoE with expert LoRA" in results
+    # the sampler's filters, each pair on the same inputs with equal outputs
+    assert "## Sampler filters" in results
+    for name in ("top_k 20, top_p 0.8", "penalties, 40-token prompts"):
+        assert f"PASS sampler {name}:" in results
+    assert "| top_k 20, top_p 0.8 | topk of the largest top_k |" in results
+    assert "| penalties, 40-token prompts | prompts kept on device |" in results
     # the end-to-end part ran both decode modes (graphs: interpreter + eager stand-in capture),
     # and the graph path gave the eager path's tokens (float32 on CPU)
     assert "## End to end" in results and "end-to-end run FAILED" not in results
