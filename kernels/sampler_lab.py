@@ -43,7 +43,7 @@ def _penalized_rows(rows: int, prompt_len: int, vocab: int):
 
 
 def bench_sampler(report: Report, on_gpu: bool, device: str) -> None:
-    from loraplex.engine import sampler
+    from loraplex.engine import top_k_top_p as filters
     from loraplex.engine.penalties import PromptTokens, apply_penalties
 
     rows, vocab, prompt_len = (256, 128256, 1000) if on_gpu else (8, 512, 40)
@@ -57,20 +57,20 @@ def bench_sampler(report: Report, on_gpu: bool, device: str) -> None:
         for label, fn in zip(labels, (first, second)):
             rows_out.append([name, label, f"{bench_ms(fn, on_gpu):.3f}", f"{_wall_ms(fn, on_gpu, calls):.3f}"])
 
-    default_max = sampler.PARTIAL_TOP_K_MAX
+    default_max = filters.PARTIAL_TOP_K_MAX
 
     def top_k_with(limit: int):
         def run():
-            sampler.PARTIAL_TOP_K_MAX = limit
+            filters.PARTIAL_TOP_K_MAX = limit
             try:
-                return sampler.apply_top_k_top_p(logits.clone(), [20] * rows, [0.8] * rows)
+                return filters.apply_top_k_top_p(logits.clone(), [20] * rows, [0.8] * rows)
             finally:
-                sampler.PARTIAL_TOP_K_MAX = default_max
+                filters.PARTIAL_TOP_K_MAX = default_max
         return run
 
     pair("top_k 20, top_p 0.8", top_k_with(0), top_k_with(default_max), ("full sort", "topk of the largest top_k"))
     def top_p_alone():
-        return sampler.apply_top_k_top_p(logits.clone(), [0] * rows, [0.9] * rows)
+        return filters.apply_top_k_top_p(logits.clone(), [0] * rows, [0.9] * rows)
 
     rows_out.append(["top_p 0.9 alone", "full sort", f"{bench_ms(top_p_alone, on_gpu):.3f}",
                      f"{_wall_ms(top_p_alone, on_gpu, calls):.3f}"])

@@ -24,3 +24,18 @@ def to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+# the numpy twin of each torch dtype the sampler's per-row lists take (bfloat16 has none)
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64,
+                 torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_}
+
+
+def values_to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A per-row list (the sampler's options, row indices) as a ``dtype`` tensor on ``device``,
+    copied without waiting for the stream (``to_device``): a step scheduled ahead must not wait
+    for the one before."""
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    if np_dtype is None:
+        return torch.tensor(values, dtype=dtype, device=device)
+    return to_device(np.asarray(values, dtype=np_dtype), device)

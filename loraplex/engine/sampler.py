@@ -40,9 +40,10 @@ from typing import TYPE_CHECKING, Sequence as Seq
 import numpy as np
 import torch
 
-from loraplex.engine.host_arrays import to_device
+from loraplex.engine.host_arrays import values_to_device
 from loraplex.engine.outputs import SampledToken
 from loraplex.engine.penalties import PendingLastTokens, PromptTokens, apply_penalties
+from loraplex.engine.top_k_top_p import apply_top_k_top_p
 
 if TYPE_CHECKING:  # pragma: no cover
     from loraplex.engine.sequence import Sequence
@@ -115,9 +116,9 @@ class Sampler:
             greedy_rows = [i for i, g in enumerate(greedy) if g]
             random_rows = [i for i, g in enumerate(greedy) if not g]
             if greedy_rows:
-                index = _on_device(greedy_rows, torch.long, logits.device)
+                index = values_to_device(greedy_rows, torch.long, logits.device)
                 token_ids[index] = row_argmax(logits[index])
-            index = _on_device(random_rows, torch.long, logits.device)
+            index = values_to_device(random_rows, torch.long, logits.device)
             # what a seeded draw is seeded by: the tokens its sequence has generated so far
             generated = {j: len(seqs[i].output_token_ids) if pending is None else pending.num_generated(i, seqs[i])
                          for j, i in enumerate(random_rows) if params[i].seed is not None}
@@ -130,7 +131,7 @@ class Sampler:
                        ) -> torch.Tensor:
         # generated: for each seeded row (an index into seqs), the tokens its sequence has generated so far
         params = [s.params for s in seqs]
-        temps = _on_device([p.temperature for p in params], logits.dtype, logits.device)
+        temps = values_to_device([p.temperature for p in params], logits.dtype, logits.device)
         # shifted so the best logit is 0 (softmax does not change): a tiny temperature then sends
         # the others to -inf instead of overflowing everything to +-inf (NaN probabilities)
         logits = (logits - logits.amax(dim=1, keepdim=True)) / temps.unsqueeze(1)
@@ -250,20 +251,6 @@ def _logit_changes(seqs: Seq["Sequence"]) -> _LogitChanges:
     uses.logprobs, uses.logit_bias, uses.min_tokens, uses.penalties = logprobs, logit_bias, min_tokens, penalties
     uses.allowed_token_ids, uses.bad_words, uses.grammar, uses.all_greedy = allowed, bad_words, grammar, all_greedy
     return uses
-
-
-# the numpy twin of each torch dtype the sampler's per-row lists take (bfloat16 has none)
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64,
-                 torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_}
-
-
-def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A per-row option list as a ``dtype`` tensor on ``device``, copied without waiting for the
-    stream (``host_arrays.to_device``): a step scheduled ahead must not wait for the one before."""
-    np_dtype = _NUMPY_DTYPES.get(dtype)
-    if np_dtype is None:
-        return torch.tensor(values, dtype=dtype, device=device)
-    return to_device(np.asarray(values, dtype=np_dtype), device)
 
 
 def row_argmax(values: torch.Tensor) -> torch.Tensor:
@@ -423,53 +410,10 @@ def apply_min_tokens(logits: torch.Tensor, seqs: Seq["Sequence"], eos_token_ids,
 def apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     if not any(m > 0.0 for m in min_ps):
         return logits
-    min_p = _on_device(min_ps, logits.dtype, logits.device).unsqueeze(1)
+    min_p = values_to_device(min_ps, logits.dtype, logits.device).unsqueeze(1)
     probs = torch.softmax(logits, dim=-1)
     threshold = probs.max(dim=-1, keepdim=True).values * min_p
     return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-# Above this top_k (or with a row of none) the tokens are ordered by a full sort; up to it, by
-# ``topk`` of the largest top_k of the batch. At 256 rows of a 152k vocabulary on one CPU
-# thread: sort 4 s, topk(20) 54 ms, topk(1024) 0.21 s (Qwen's generation config asks top_k 20).
-PARTIAL_TOP_K_MAX = 1024
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
-    """Keep each row's ``top_k`` best tokens (0 = all), then the smallest prefix (by probability)
-    whose mass reaches ``top_p``. The best token always survives."""
-    vocab = logits.shape[1]
-    ks_list = [k if 0 < k < vocab else vocab for k in top_ks]
-    use_k = any(k < vocab for k in ks_list)
-    use_p = any(p < 1.0 for p in top_ps)
-    if not use_k and not use_p:
-        return logits
-    width = max(ks_list)  # every row keeps at most this many: order only those
-    if width <= PARTIAL_TOP_K_MAX:
-        sorted_logits, order = logits.topk(width, dim=-1)  # [n, width], best first
-    else:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, vocab]
-    ranks = torch.arange(sorted_logits.shape[1], device=logits.device).unsqueeze(0)
-    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if use_k:
-        ks = _on_device(ks_list, torch.long, logits.device)
-        drop |= ranks >= ks.unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    if use_p:
-        # a row of top_p 1 keeps all (rounding may bring its mass to 1 before the last token)
-        ps = _on_device([p if p < 1.0 else float("inf") for p in top_ps], logits.dtype, logits.device).unsqueeze(1)
-        # each row's mass from its own kept tokens, best first, by a prefix sum: the columns past
-        # its top_k (there are more when another row of the batch has a larger one) add exact
-        # zeros after the entries that decide, instead of joining a softmax's sum over the row
-        weights = torch.exp(sorted_logits - sorted_logits[:, :1])  # [n, width]; dropped ones 0
-        cumulative = weights.cumsum(dim=-1)
-        mass_before = (cumulative - weights) / cumulative[:, -1:]  # mass of strictly better tokens
-        drop |= mass_before >= ps
-        drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    if sorted_logits.shape[1] < vocab:  # the tokens past the batch's largest top_k: dropped in every row
-        return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
 def _with_logprobs(ids: list[int], chosen: list[float], top_vals: list[list[float]] | None,

@@ -1,0 +1,101 @@
+"""Top-k and top-p filtering of a batch's logits (the sampler's last filter before the draw).
+
+Both need each row's tokens best first, and a sort of the whole vocabulary is the costly part:
+vLLM timed a sort-based top-k over 256 rows of a 131,072 vocabulary at 3.8 ms on its GPU
+(vllm-project/vllm#32558), and on this project's 2-core CPU seconds over 256 rows of Qwen's 152k
+(``benchmarks/bench_top_k.py``). So only as many tokens as can survive are ordered:
+
+- every row with a top_k of at most ``PARTIAL_TOP_K_MAX``: ``topk`` of the batch's largest;
+- on the CPU, rows of top_p alone: the best ``PARTIAL_TOP_K_MAX`` tokens first, with the mass
+  taken over the whole row; a row whose nucleus reaches past them is sorted in full. Deciding
+  that reads a flag per row back, free on the CPU; on a GPU it would wait for the device (and
+  for the step ahead of it, ``schedule_ahead``), so there those rows are sorted in full;
+- anything else (a top_k above the limit): a full sort.
+
+Which way a row goes never depends on the rest of its batch in a way that changes its survivors:
+the mass is a prefix sum over the row's own candidates, best first (the columns past its top_k
+add exact zeros), and a row of top_p 1 keeps everything.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.engine.host_arrays import values_to_device
+
+# the most tokens of a row ordered by ``topk`` instead of a full sort (Qwen's generation config
+# asks top_k 20); ``topk``'s cost grows with it (bench_top_k: top_k 1000 costs several times 20)
+PARTIAL_TOP_K_MAX = 1024
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """Keep each row's ``top_k`` best tokens (0 = all), then the smallest prefix (by probability)
+    whose mass reaches ``top_p``; the rest become -inf. The best token always survives.
+    ``logits``: [n, vocab]."""
+    vocab = logits.shape[1]
+    ks = [k if 0 < k < vocab else vocab for k in top_ks]
+    ps = list(top_ps)
+    if all(k == vocab for k in ks) and all(p >= 1.0 for p in ps):
+        return logits
+    width = max(ks)
+    if width <= PARTIAL_TOP_K_MAX:
+        return _keep_best(logits, *logits.topk(width, dim=-1), ks, ps)[0]
+    if logits.device.type == "cpu" and 0 < PARTIAL_TOP_K_MAX < vocab:
+        return _keep_best_cpu(logits, ks, ps)
+    return _keep_best(logits, *logits.sort(dim=-1, descending=True), ks, ps)[0]
+
+
+def _keep_best(logits: torch.Tensor, best: torch.Tensor, order: torch.Tensor, ks: list[int], ps: list[float],
+               whole_row: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The filtered logits ([n, vocab]) from each row's candidates ``best`` ([n, width], best
+    first; ``order`` their token ids), and whether each row's last candidate was dropped ([n]
+    bool). ``whole_row``: rows (of top_p alone) whose mass is over the whole row, not only over
+    their candidates."""
+    vocab, width, device = logits.shape[1], best.shape[1], logits.device
+    drop = torch.zeros_like(best, dtype=torch.bool)
+    if any(k < width for k in ks):
+        ranks = torch.arange(width, device=device).unsqueeze(0)
+        drop |= ranks >= values_to_device(ks, torch.long, device).unsqueeze(1)
+        best = best.masked_fill(drop, float("-inf"))
+    if any(p < 1.0 for p in ps):
+        # a row of top_p 1 keeps all (rounding may bring its mass to 1 before the last token)
+        limits = values_to_device([p if p < 1.0 else float("inf") for p in ps], logits.dtype, device).unsqueeze(1)
+        # each row's mass from its own candidates, best first, by a prefix sum: the columns past
+        # its top_k (there are more when another row of the batch has a larger one) add exact
+        # zeros after the entries that decide, instead of joining a softmax's sum over the row
+        weights = torch.exp(best - best[:, :1])  # [n, width]; dropped ones 0
+        cumulative = weights.cumsum(dim=-1)
+        total = cumulative[:, -1:]
+        if whole_row is not None and any(whole_row):
+            row_sums = torch.exp(logits - best[:, :1]).sum(dim=-1, keepdim=True)
+            total = torch.where(values_to_device(whole_row, torch.bool, device).unsqueeze(1), row_sums, total)
+        drop |= (cumulative - weights) / total >= limits  # the mass of strictly better tokens
+        drop[:, 0] = False
+    best = best.masked_fill(drop, float("-inf"))
+    if width < vocab:  # the tokens past every row's candidates are dropped
+        return torch.full_like(logits, float("-inf")).scatter_(1, order, best), drop[:, -1]
+    return torch.empty_like(logits).scatter_(1, order, best), drop[:, -1]
+
+
+def _keep_best_cpu(logits: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
+    """``apply_top_k_top_p`` on the CPU for a batch with a row that has no top_k of at most
+    ``PARTIAL_TOP_K_MAX``: rows with one, and rows of top_p alone whose nucleus lies within
+    their best ``PARTIAL_TOP_K_MAX`` tokens, from ``topk``; the others sorted in full."""
+    vocab, limit = logits.shape[1], PARTIAL_TOP_K_MAX
+    out = logits.clone()  # rows with neither filter stay as they are
+    near = [r for r, (k, p) in enumerate(zip(ks, ps)) if k <= limit or (k == vocab and p < 1.0)]
+    far = [r for r, k in enumerate(ks) if limit < k < vocab]
+    if near:
+        sub = logits[near]
+        whole_row = [ks[r] == vocab for r in near]
+        kept, last_dropped = _keep_best(sub, *sub.topk(limit, dim=-1), [ks[r] for r in near], [ps[r] for r in near],
+                                        whole_row)
+        # a row of top_p alone fits when its last candidate was dropped: every token past it
+        # has at least that much better mass (read back: free on the CPU)
+        fits = [not whole or dropped for whole, dropped in zip(whole_row, last_dropped.tolist())]
+        out[[r for r, ok in zip(near, fits) if ok]] = kept[[i for i, ok in enumerate(fits) if ok]]
+        far += [r for r, ok in zip(near, fits) if not ok]
+    if far:
+        sub = logits[far]
+        out[far] = _keep_best(sub, *sub.sort(dim=-1, descending=True), [ks[r] for r in far], [ps[r] for r in far])[0]
+    return out
