@@ -18,7 +18,8 @@ Order of operations per row (as vLLM v1):
 5. Greedy rows (``temperature == 0``) take the argmax here.
 6. Other rows: divide by temperature, then ``min_p`` (drop tokens with probability below
    ``min_p`` times the top one), ``top_k``, ``top_p`` (smallest set of top tokens whose mass
-   reaches ``top_p``), then draw from the softmax.
+   reaches ``top_p``; ordering only the tokens that can survive: ``top_k_top_p``), then draw
+   from the softmax.
 
 Logprobs (``params.logprobs = N``) are those of the raw model distribution, before any of the
 above, like vLLM's default ``raw_logprobs`` mode: the chosen token's logprob plus the top N.
