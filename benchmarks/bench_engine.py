@@ -4,6 +4,7 @@ same run, same process.
     .venv/bin/python benchmarks/bench_engine.py                      # base section, fp32 + bf16
     .venv/bin/python benchmarks/bench_engine.py --dtypes float32 --only engine
     .venv/bin/python benchmarks/bench_engine.py --section lora       # multi-LoRA (benchmarks/bench_lora.py)
+    .venv/bin/python benchmarks/bench_engine.py --section sampling --dtypes float32   # top-k / top-p
 
 Base section: ``--num-requests`` prompts (default 64) x ``--output-tokens`` greedy tokens
 (default 32, EOS ignored so every request produces them all) on SmolLM2-135M-Instruct. The
@@ -90,11 +91,13 @@ def ratio_median(num: list[float], den: list[float]) -> float:
     return median([a / b for a, b in zip(num, den)])
 
 
-def engine_runner(llm, prompt_ids: list[list[int]], output_tokens: int, adapters=None) -> Callable[[], float]:
-    """One timed ``LLM.generate`` of the whole workload -> output tokens per second."""
+def engine_runner(llm, prompt_ids: list[list[int]], output_tokens: int, adapters=None, params=None
+                  ) -> Callable[[], float]:
+    """One timed ``LLM.generate`` of the whole workload -> output tokens per second (greedy
+    unless ``params``)."""
     from loraplex import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+    params = params or SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
 
     def run() -> float:
         llm.reset_prefix_cache()  # each round starts cold: only sharing within the round counts
@@ -171,7 +174,48 @@ def section_lora(args) -> list[Row]:
     return run(args)
 
 
-SECTIONS = {"base": section_base, "lora": section_lora}
+# (note, SamplingParams fields): Qwen2.5-Instruct's generation config, and top_p alone
+SAMPLING = [("top_k 20, top_p 0.8", dict(top_k=20, top_p=0.8)), ("top_p 0.9", dict(top_p=0.9))]
+
+
+def section_sampling(args) -> list[Row]:
+    """The engine sampling with top-k / top-p, ordering only the tokens that can survive
+    (``top_k_top_p``) against the same engine sorting the whole vocabulary each step (the way
+    before, ``PARTIAL_TOP_K_MAX`` 0): temperature 0.8, prefix caching on, the first dtype."""
+    from loraplex import LLM, SamplingParams
+    from loraplex.engine import top_k_top_p
+    from loraplex.model.loader import load_tokenizer, resolve_model_dir
+
+    model_dir, _name = resolve_model_dir(args.model, Path(args.home).expanduser())
+    prompt_ids = chat_token_ids(load_tokenizer(model_dir), make_prompts(args.num_requests))
+    dtype = args.dtypes.split(",")[0]
+    llm = LLM(model=args.model, dtype=dtype, home=Path(args.home).expanduser(), max_model_len=args.max_model_len,
+              max_num_seqs=max(256, len(prompt_ids)))
+    default_max = top_k_top_p.PARTIAL_TOP_K_MAX
+
+    def with_limit(run: Callable[[], float], limit: int) -> Callable[[], float]:
+        def limited() -> float:
+            top_k_top_p.PARTIAL_TOP_K_MAX = limit
+            try:
+                return run()
+            finally:
+                top_k_top_p.PARTIAL_TOP_K_MAX = default_max
+        return limited
+
+    rows = []
+    for note, fields in SAMPLING:
+        params = SamplingParams(temperature=0.8, seed=1, max_tokens=args.output_tokens, ignore_eos=True, **fields)
+        run = engine_runner(llm, prompt_ids, args.output_tokens, params=params)
+        print(f"## {note}", flush=True)
+        rates = alternate({"only candidates": with_limit(run, default_max), "full sort": with_limit(run, 0)},
+                          args.repeats)
+        new, old = rates["only candidates"], rates["full sort"]
+        rows.append(Row("sampling", dtype, median(new), median(old), ratio_median(new, old),
+                        f"{note}; baseline: the same engine sorting the whole vocabulary"))
+    return rows
+
+
+SECTIONS = {"base": section_base, "lora": section_lora, "sampling": section_sampling}
 
 
 def print_table(rows: list[Row]) -> None:
