@@ -1,5 +1,6 @@
 """The sampler's filters on the device: ordering only the batch's largest top_k tokens against a
-full sort, and the repetition penalty's prompts kept on the device against uploaded each call.
+full sort, drawing among each row's top_k best against over the whole vocabulary, and the
+repetition penalty's prompts kept on the device against uploaded each call.
 
 Both changes were measured on CPU only when made (session 21: ``benchmarks/bench_top_k.py``,
 ``benchmarks/bench_penalty_host.py``); this gives their GPU figures, each pair run on the same
@@ -69,6 +70,34 @@ def bench_sampler(report: Report, on_gpu: bool, device: str) -> None:
         return run
 
     pair("top_k 20, top_p 0.8", top_k_with(0), top_k_with(default_max), ("full sort", "topk of the largest top_k"))
+
+    # the whole draw (temperature, filters, softmax, noise, argmax), seeded and not: over the
+    # whole vocabulary (the way before) against among each row's top_k best
+    from types import SimpleNamespace
+
+    from loraplex.engine.sampler import Sampler
+    from loraplex.sampling_params import SamplingParams
+
+    top20 = logits.topk(20, dim=-1).indices
+    for seeded in (False, True):
+        params = SamplingParams(temperature=0.8, top_k=20, top_p=0.8, seed=7 if seeded else None)
+        draw_seqs = [SimpleNamespace(params=params, index=0, output_token_ids=[]) for _ in range(rows)]
+        name = f"draw, top_k 20, top_p 0.8{', seeded' if seeded else ''}"
+
+        def draw_with(limit: int, seqs=draw_seqs):
+            def run():
+                filters.PARTIAL_TOP_K_MAX = limit
+                try:
+                    return Sampler(seed=0, device=device)._sample_random(logits, seqs, {i: 0 for i in range(rows)})
+                finally:
+                    filters.PARTIAL_TOP_K_MAX = default_max
+            return run
+
+        for label, fn in (("whole vocabulary", draw_with(0)), ("among the top_k", draw_with(default_max))):
+            among = (fn().unsqueeze(1) == top20).any(dim=1).all().item()
+            report.check(f"sampler {name}, {label}", among, "every token among its row's 20 best")
+            rows_out.append([name, label, f"{bench_ms(fn, on_gpu):.3f}", f"{_wall_ms(fn, on_gpu, calls):.3f}"])
+
     def top_p_alone():
         return filters.apply_top_k_top_p(logits.clone(), [0] * rows, [0.9] * rows)
 
@@ -84,6 +113,6 @@ def bench_sampler(report: Report, on_gpu: bool, device: str) -> None:
     report.line()
     report.line("device ms: triton's do_bench (CUDA events), so host work hidden behind queued kernels does not "
                 "show; wall ms: launch to synchronize, host work included, median of "
-                f"{calls} calls. Both include a clone of the logits.")
+                f"{calls} calls. The filter and penalty rows include a clone of the logits.")
     report.line()
     report.table(["filter", "way", "device ms", "wall ms"], rows_out)

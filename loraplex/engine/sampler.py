@@ -44,7 +44,7 @@ import torch
 from loraplex.engine.host_arrays import values_to_device
 from loraplex.engine.outputs import SampledToken
 from loraplex.engine.penalties import PendingLastTokens, PromptTokens, apply_penalties
-from loraplex.engine.top_k_top_p import apply_top_k_top_p
+from loraplex.engine.top_k_top_p import apply_top_k_top_p, keep_candidates, rows_with_small_top_k, top_candidates
 
 if TYPE_CHECKING:  # pragma: no cover
     from loraplex.engine.sequence import Sequence
@@ -132,6 +132,24 @@ class Sampler:
                        ) -> torch.Tensor:
         # generated: for each seeded row (an index into seqs), the tokens its sequence has generated so far
         params = [s.params for s in seqs]
+        seeds = [None if p.seed is None else row_seed(p.seed, getattr(seq, "index", 0), generated[i])
+                 for i, (seq, p) in enumerate(zip(seqs, params))]
+        near = rows_with_small_top_k([p.top_k for p in params], logits.shape[1])
+        if len(near) == len(params):
+            return self._draw_among_best(logits, params, seeds)
+        if not near:
+            return self._draw_over_vocab(logits, params, seeds)
+        chosen = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        near_set = set(near)
+        far = [i for i in range(len(params)) if i not in near_set]
+        for rows, draw in ((near, self._draw_among_best), (far, self._draw_over_vocab)):
+            index = values_to_device(rows, torch.long, logits.device)
+            chosen[index] = draw(logits[index], [params[i] for i in rows], [seeds[i] for i in rows])
+        return chosen
+
+    def _draw_over_vocab(self, logits: torch.Tensor, params: list, seeds: list[int | None]) -> torch.Tensor:
+        """One token per row ([n] int64) from the whole vocabulary's softmax after temperature,
+        min_p, top_k and top_p. ``seeds``: each row's draw seed (None: the shared generator)."""
         temps = values_to_device([p.temperature for p in params], logits.dtype, logits.device)
         # shifted so the best logit is 0 (softmax does not change): a tiny temperature then sends
         # the others to -inf instead of overflowing everything to +-inf (NaN probabilities)
@@ -139,19 +157,46 @@ class Sampler:
         logits = apply_min_p(logits, [p.min_p for p in params])
         logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
         probs = torch.softmax(logits, dim=-1)  # [n, vocab]
-        # exponential race: argmax(p / q) with q ~ Exp(1) draws from p (one sync-free op)
+        return row_argmax(probs / self._noise(probs, seeds))
+
+    def _draw_among_best(self, logits: torch.Tensor, params: list, seeds: list[int | None]) -> torch.Tensor:
+        """``_draw_over_vocab`` for rows that all have a small top_k (``rows_with_small_top_k``):
+        the same distribution, computed over each row's top_k best tokens only (a full
+        vocabulary's softmax and noise per row cost more than the model's step on a CPU). A seeded
+        row's noise is drawn for its own top_k candidates, best first, so it does not depend on
+        the rest of the batch either."""
+        ks = [p.top_k for p in params]
+        best, order = top_candidates(logits, ks)  # [n, width], best first
+        temps = values_to_device([p.temperature for p in params], logits.dtype, logits.device)
+        scaled = (best - best[:, :1]) / temps.unsqueeze(1)  # the best at 0, as in _draw_over_vocab
+        min_ps = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_ps):
+            # a token's probability over the best one's is exp(its scaled logit)
+            min_p = values_to_device(min_ps, logits.dtype, logits.device).unsqueeze(1)
+            scaled = scaled.masked_fill(torch.exp(scaled) < min_p, float("-inf"))
+        scaled = keep_candidates(scaled, ks, [p.top_p for p in params])[0]
+        probs = torch.softmax(scaled, dim=-1)  # [n, width]; 0 past each row's survivors
+        choice = row_argmax(probs / self._noise(probs, seeds, ks))
+        return order.gather(1, choice.unsqueeze(1).to(order.device)).squeeze(1)
+
+    def _noise(self, probs: torch.Tensor, seeds: list[int | None], widths: list[int] | None = None) -> torch.Tensor:
+        """Exp(1) noise for the exponential race: argmax(p / q) with q ~ Exp(1) draws from p (one
+        sync-free op). Rows without a seed share the sampler's generator; a seeded row's comes
+        from its own, over its first ``widths[row]`` columns (1 past them, where p is 0)."""
         noise = torch.empty_like(probs)
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        unseeded = [i for i, seed in enumerate(seeds) if seed is None]
         if unseeded:
             noise[unseeded] = torch.empty(
                 len(unseeded), probs.shape[1], dtype=probs.dtype, device=probs.device
             ).exponential_(generator=self.generator)
-        for i, (seq, p) in enumerate(zip(seqs, params)):
-            if p.seed is not None:
+        for i, seed in enumerate(seeds):
+            if seed is not None:
                 gen = torch.Generator(device=probs.device)
-                gen.manual_seed(row_seed(p.seed, getattr(seq, "index", 0), generated[i]))
-                noise[i].exponential_(generator=gen)
-        return row_argmax(probs / noise)
+                gen.manual_seed(seed)
+                width = probs.shape[1] if widths is None else widths[i]
+                noise[i, :width].exponential_(generator=gen)
+                noise[i, width:] = 1.0
+        return noise
 
 
 class PendingTokens:

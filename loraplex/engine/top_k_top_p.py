@@ -45,13 +45,26 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[floa
     return _keep_best(logits, *logits.sort(dim=-1, descending=True), ks, ps)[0]
 
 
-def _keep_best(logits: torch.Tensor, best: torch.Tensor, order: torch.Tensor, ks: list[int], ps: list[float],
-               whole_row: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The filtered logits ([n, vocab]) from each row's candidates ``best`` ([n, width], best
-    first; ``order`` their token ids), and whether each row's last candidate was dropped ([n]
-    bool). ``whole_row``: rows (of top_p alone) whose mass is over the whole row, not only over
-    their candidates."""
-    vocab, width, device = logits.shape[1], best.shape[1], logits.device
+def rows_with_small_top_k(top_ks: list[int], vocab: int) -> list[int]:
+    """The rows whose top_k (0 < k < vocab) is at most ``PARTIAL_TOP_K_MAX``: their candidates
+    come from ``top_candidates`` whatever the rest of the batch asks."""
+    limit = min(PARTIAL_TOP_K_MAX, vocab - 1)
+    return [row for row, k in enumerate(top_ks) if 0 < k <= limit]
+
+
+def top_candidates(logits: torch.Tensor, top_ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows that all have a top_k (``rows_with_small_top_k``): the batch's largest top_k best
+    logits of each row, best first, and their token ids (both [n, max top_k])."""
+    return logits.topk(max(top_ks), dim=-1)
+
+
+def keep_candidates(best: torch.Tensor, ks: list[int], ps: list[float], row_sums: torch.Tensor | None = None,
+                    whole_row: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's survivors among its candidates ``best`` ([n, width], best first; the rest
+    become -inf), and whether each row's last candidate was dropped ([n] bool). ``ks``: each
+    row's top_k (``width`` or more: none); ``whole_row``: rows (of top_p alone) whose mass is
+    over the whole row, whose ``row_sums`` ([n, 1]: sum of exp(logit - best logit)) are given."""
+    width, device = best.shape[1], best.device
     drop = torch.zeros_like(best, dtype=torch.bool)
     if any(k < width for k in ks):
         ranks = torch.arange(width, device=device).unsqueeze(0)
@@ -59,7 +72,7 @@ def _keep_best(logits: torch.Tensor, best: torch.Tensor, order: torch.Tensor, ks
         best = best.masked_fill(drop, float("-inf"))
     if any(p < 1.0 for p in ps):
         # a row of top_p 1 keeps all (rounding may bring its mass to 1 before the last token)
-        limits = values_to_device([p if p < 1.0 else float("inf") for p in ps], logits.dtype, device).unsqueeze(1)
+        limits = values_to_device([p if p < 1.0 else float("inf") for p in ps], best.dtype, device).unsqueeze(1)
         # each row's mass from its own candidates, best first, by a prefix sum: the columns past
         # its top_k (there are more when another row of the batch has a larger one) add exact
         # zeros after the entries that decide, instead of joining a softmax's sum over the row
@@ -67,14 +80,23 @@ def _keep_best(logits: torch.Tensor, best: torch.Tensor, order: torch.Tensor, ks
         cumulative = weights.cumsum(dim=-1)
         total = cumulative[:, -1:]
         if whole_row is not None and any(whole_row):
-            row_sums = torch.exp(logits - best[:, :1]).sum(dim=-1, keepdim=True)
             total = torch.where(values_to_device(whole_row, torch.bool, device).unsqueeze(1), row_sums, total)
         drop |= (cumulative - weights) / total >= limits  # the mass of strictly better tokens
         drop[:, 0] = False
-    best = best.masked_fill(drop, float("-inf"))
-    if width < vocab:  # the tokens past every row's candidates are dropped
-        return torch.full_like(logits, float("-inf")).scatter_(1, order, best), drop[:, -1]
-    return torch.empty_like(logits).scatter_(1, order, best), drop[:, -1]
+    return best.masked_fill(drop, float("-inf")), drop[:, -1]
+
+
+def _keep_best(logits: torch.Tensor, best: torch.Tensor, order: torch.Tensor, ks: list[int], ps: list[float],
+               whole_row: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``keep_candidates`` over ``best`` ([n, width], best first; ``order`` their token ids),
+    scattered back into [n, vocab] logits (-inf for every token not among the survivors)."""
+    row_sums = None
+    if whole_row is not None and any(whole_row):
+        row_sums = torch.exp(logits - best[:, :1]).sum(dim=-1, keepdim=True)
+    best, last_dropped = keep_candidates(best, ks, ps, row_sums, whole_row)
+    if best.shape[1] < logits.shape[1]:  # the tokens past every row's candidates are dropped
+        return torch.full_like(logits, float("-inf")).scatter_(1, order, best), last_dropped
+    return torch.empty_like(logits).scatter_(1, order, best), last_dropped
 
 
 def _keep_best_cpu(logits: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:

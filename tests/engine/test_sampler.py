@@ -330,3 +330,59 @@ def test_a_rows_survivors_do_not_depend_on_its_batch():
             for other in (k + 1, 1000, 0):
                 pair = apply_top_k_top_p(torch.cat([logits, companion]), [k, other], [p, 0.9])
                 assert torch.equal(pair[0], alone[0]), (k, p, other)
+
+
+@pytest.mark.parametrize("options", [dict(top_k=10), dict(top_k=10, min_p=0.35), dict(top_k=12, top_p=0.7)],
+                         ids=["top_k", "top_k+min_p", "top_k+top_p"])
+def test_draw_among_the_best_follows_the_filtered_distribution(options):
+    """Rows with a small top_k draw among their top_k best tokens only (``_draw_among_best``):
+    the frequencies over many identical rows match the renormalised distribution that the rules
+    leave, computed here over the whole vocabulary in float64."""
+    logits = random_logits(seed=8)[0] * 0.6
+    params = SamplingParams(temperature=0.9, **options)
+    probs = torch.softmax(logits.double() / 0.9, -1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros(VOCAB, dtype=torch.bool)
+    keep[order[: params.top_k]] = True
+    if params.min_p:
+        keep &= probs >= params.min_p * probs.max()
+    if params.top_p < 1.0:
+        kept = probs * keep
+        kept = kept / kept.sum()
+        mass_before = kept[order].cumsum(0) - kept[order]
+        keep[order[mass_before >= params.top_p]] = False
+    expected = probs * keep
+    expected /= expected.sum()
+    draws = 30000
+    tokens = Sampler(seed=3)(logits.expand(draws, -1).clone(), [seq(params, seq_id=i) for i in range(draws)])
+    counts = torch.bincount(torch.tensor([t.token_id for t in tokens]), minlength=VOCAB).double() / draws
+    assert set(torch.nonzero(counts).flatten().tolist()) == set(torch.nonzero(expected).flatten().tolist())
+    assert (counts - expected).abs().max().item() < 0.012
+
+
+def test_seeded_rows_with_a_small_top_k_do_not_depend_on_the_batch():
+    """A seeded row with a top_k draws the same token alone and beside rows that move the batch
+    onto other paths: a larger top_k (other candidate width), none (the whole vocabulary), a
+    greedy row; unseeded companions draw from the shared generator meanwhile."""
+    params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=77)
+    companions = [SamplingParams(temperature=1.0, top_k=40), SamplingParams(temperature=0.7),
+                  SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.5, seed=5)]
+    changed = 0
+    for step in range(12):
+        logits = random_logits(1, seed=100 + step) * 0.5
+        alone = Sampler(seed=0)(logits.clone(), [seq(params, output=[1] * step)])[0].token_id
+        for n in range(1, len(companions) + 1):
+            batch = torch.cat([random_logits(n, seed=200 + step) * 0.5, logits])
+            rows = [seq(p, seq_id=i + 1) for i, p in enumerate(companions[:n])] + [seq(params, output=[1] * step)]
+            assert Sampler(seed=n)(batch, rows)[n].token_id == alone, (step, n)
+        changed += alone != int(logits.argmax())
+    assert changed > 0  # not the argmax every time: the noise decided
+
+
+def test_rows_of_both_draws_in_one_batch_keep_their_own_tokens():
+    """A batch mixing rows with a small top_k and rows without one (drawn apart, then put back
+    in their rows): at tiny temperatures every row must still get its own argmax."""
+    logits = random_logits(12, seed=9) * 5.0
+    params = [SamplingParams(temperature=1e-30, top_k=[3, 0, 50, 0][i % 4], seed=[None, 4][i % 2]) for i in range(12)]
+    tokens = Sampler(seed=0)(logits.clone(), [seq(p, seq_id=i) for i, p in enumerate(params)])
+    assert [t.token_id for t in tokens] == logits.argmax(-1).tolist()

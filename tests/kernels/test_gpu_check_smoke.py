@@ -56,6 +56,9 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
         assert f"PASS sampler {name}:" in results
     assert "| top_k 20, top_p 0.8 | topk of the largest top_k |" in results
     assert "| penalties, 40-token prompts | prompts kept on device |" in results
+    for name in ("draw, top_k 20, top_p 0.8", "draw, top_k 20, top_p 0.8, seeded"):
+        for way in ("whole vocabulary", "among the top_k"):
+            assert f"PASS sampler {name}, {way}:" in results and f"| {name} | {way} |" in results
     # the end-to-end part ran both decode modes (graphs: interpreter + eager stand-in capture),
     # and the graph path gave the eager path's tokens (float32 on CPU)
     assert "## End to end" in results and "end-to-end run FAILED" not in results
