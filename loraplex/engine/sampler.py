@@ -19,7 +19,8 @@ Order of operations per row (as vLLM v1):
 6. Other rows: divide by temperature, then ``min_p`` (drop tokens with probability below
    ``min_p`` times the top one), ``top_k``, ``top_p`` (smallest set of top tokens whose mass
    reaches ``top_p``; ordering only the tokens that can survive: ``top_k_top_p``), then draw
-   from the softmax.
+   from the softmax. Rows with a top_k of at most ``top_k_top_p.PARTIAL_TOP_K_MAX`` do all of
+   step 6 over their top_k best tokens only (the same distribution, far less work).
 
 Logprobs (``params.logprobs = N``) are those of the raw model distribution, before any of the
 above, like vLLM's default ``raw_logprobs`` mode: the chosen token's logprob plus the top N.
