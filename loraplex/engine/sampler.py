@@ -45,6 +45,7 @@ import torch
 from loraplex.engine.host_arrays import values_to_device
 from loraplex.engine.outputs import SampledToken
 from loraplex.engine.penalties import PendingLastTokens, PromptTokens, apply_penalties
+from loraplex.engine.race_noise import RaceNoise
 from loraplex.engine.top_k_top_p import apply_top_k_top_p, keep_candidates, rows_with_small_top_k, top_candidates
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -66,8 +67,7 @@ class Sampler:
 
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed)
+        self.noise = RaceNoise(seed, self.device)
         # structured output: (matchers) -> [n, vocab] bool allowed tokens, computed in parallel
         # (the engine's GrammarFactory.allowed_tokens); None computes them one by one
         self.grammar_masks = None
@@ -158,7 +158,7 @@ class Sampler:
         logits = apply_min_p(logits, [p.min_p for p in params])
         logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
         probs = torch.softmax(logits, dim=-1)  # [n, vocab]
-        return row_argmax(probs / self._noise(probs, seeds))
+        return row_argmax(probs / self.noise(probs, seeds))
 
     def _draw_among_best(self, logits: torch.Tensor, params: list, seeds: list[int | None]) -> torch.Tensor:
         """``_draw_over_vocab`` for rows that all have a small top_k (``rows_with_small_top_k``):
@@ -177,28 +177,8 @@ class Sampler:
             scaled = scaled.masked_fill(torch.exp(scaled) < min_p, float("-inf"))
         scaled = keep_candidates(scaled, ks, [p.top_p for p in params])[0]
         probs = torch.softmax(scaled, dim=-1)  # [n, width]; 0 past each row's survivors
-        choice = row_argmax(probs / self._noise(probs, seeds, ks))
+        choice = row_argmax(probs / self.noise(probs, seeds, ks))
         return order.gather(1, choice.unsqueeze(1).to(order.device)).squeeze(1)
-
-    def _noise(self, probs: torch.Tensor, seeds: list[int | None], widths: list[int] | None = None) -> torch.Tensor:
-        """Exp(1) noise for the exponential race: argmax(p / q) with q ~ Exp(1) draws from p (one
-        sync-free op). Rows without a seed share the sampler's generator; a seeded row's comes
-        from its own, over its first ``widths[row]`` columns (1 past them, where p is 0)."""
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, seed in enumerate(seeds) if seed is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(
-                len(unseeded), probs.shape[1], dtype=probs.dtype, device=probs.device
-            ).exponential_(generator=self.generator)
-        for i, seed in enumerate(seeds):
-            if seed is not None:
-                gen = torch.Generator(device=probs.device)
-                gen.manual_seed(seed)
-                width = probs.shape[1] if widths is None else widths[i]
-                noise[i, :width].exponential_(generator=gen)
-                noise[i, width:] = 1.0
-        return noise
-
 
 class PendingTokens:
     """A batch's draw, queued by ``Sampler.launch``: ``result()`` reads the tokens back (once).
