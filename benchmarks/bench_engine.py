@@ -180,8 +180,9 @@ SAMPLING = [("top_k 20, top_p 0.8", dict(top_k=20, top_p=0.8)), ("top_p 0.9", di
 
 def section_sampling(args) -> list[Row]:
     """The engine sampling with top-k / top-p, ordering only the tokens that can survive
-    (``top_k_top_p``) against the same engine sorting the whole vocabulary each step (the way
-    before, ``PARTIAL_TOP_K_MAX`` 0): temperature 0.8, prefix caching on, the first dtype."""
+    (``top_k_top_p``) and drawing among a small top_k's candidates, against the same engine
+    sorting the whole vocabulary and drawing over it each step (the way before,
+    ``PARTIAL_TOP_K_MAX`` 0): temperature 0.8, seeded, prefix caching on, the first dtype."""
     from loraplex import LLM, SamplingParams
     from loraplex.engine import top_k_top_p
     from loraplex.model.loader import load_tokenizer, resolve_model_dir
