@@ -26,34 +26,32 @@ class RaceNoise:
         """Noise for ``probs`` ([n, width]). ``seeds``: each row's draw seed (None: the shared
         generator); a seeded row's noise covers its first ``widths[row]`` columns (all without
         ``widths``), and is 1 past them (where p is 0)."""
-        if probs.device.type == "cpu" and probs.dtype == torch.float32:
-            return self._on_host(tuple(probs.shape), seeds, widths)
-        noise = torch.empty_like(probs)
+        n, width = probs.shape
+        on_host = probs.device.type == "cpu" and probs.dtype == torch.float32
+        noise = np.empty((n, width), dtype=np.float32) if on_host else torch.empty_like(probs)
+        draw = self._on_host if on_host else (lambda seed, shape: self._on_device(seed, shape, probs))
         unseeded = [i for i, seed in enumerate(seeds) if seed is None]
         if unseeded:
-            noise[unseeded] = torch.empty(
-                len(unseeded), probs.shape[1], dtype=probs.dtype, device=probs.device
-            ).exponential_(generator=self.generator)
+            noise[unseeded] = draw(None, (len(unseeded), width))
         for i, seed in enumerate(seeds):
             if seed is not None:
-                gen = torch.Generator(device=probs.device)
-                gen.manual_seed(seed)
-                width = probs.shape[1] if widths is None else widths[i]
-                noise[i, :width].exponential_(generator=gen)
-                noise[i, width:] = 1.0
-        return noise
-
-    def _on_host(self, shape: tuple[int, int], seeds: list[int | None], widths: list[int] | None) -> torch.Tensor:
-        noise = np.empty(shape, dtype=np.float32)
-        unseeded = [i for i, seed in enumerate(seeds) if seed is None]
-        if unseeded:
-            noise[unseeded] = self.host_generator.standard_exponential((len(unseeded), shape[1]), dtype=np.float32)
-        for i, seed in enumerate(seeds):
-            if seed is not None:
-                width = shape[1] if widths is None else widths[i]
-                noise[i, :width] = np.random.default_rng(seed).standard_exponential(width, dtype=np.float32)
-                noise[i, width:] = 1.0
+                row_width = width if widths is None else widths[i]
+                noise[i, :row_width] = draw(seed, (row_width,))
+                noise[i, row_width:] = 1.0
+        if not on_host:
+            return noise
         # numpy's float32 draws include exact zeros: 0 / 0 (NaN, which argmax takes) would pick a
         # token the filters dropped
         np.maximum(noise, np.finfo(np.float32).tiny, out=noise)
         return torch.from_numpy(noise)
+
+    def _on_host(self, seed: int | None, shape: tuple[int, ...]) -> np.ndarray:
+        generator = self.host_generator if seed is None else np.random.default_rng(seed)
+        return generator.standard_exponential(shape, dtype=np.float32)
+
+    def _on_device(self, seed: int | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        generator = self.generator
+        if seed is not None:
+            generator = torch.Generator(device=like.device)
+            generator.manual_seed(seed)
+        return torch.empty(shape, dtype=like.dtype, device=like.device).exponential_(generator=generator)
