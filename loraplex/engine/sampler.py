@@ -46,7 +46,7 @@ from loraplex.engine.host_arrays import values_to_device
 from loraplex.engine.outputs import SampledToken
 from loraplex.engine.penalties import PendingLastTokens, PromptTokens, apply_penalties
 from loraplex.engine.race_noise import RaceNoise
-from loraplex.engine.top_k_top_p import apply_top_k_top_p, keep_candidates, rows_with_small_top_k, top_candidates
+from loraplex.engine.top_k_top_p import apply_top_k_top_p, keep_candidates, rows_with_small_top_k
 
 if TYPE_CHECKING:  # pragma: no cover
     from loraplex.engine.sequence import Sequence
@@ -151,13 +151,9 @@ class Sampler:
     def _draw_over_vocab(self, logits: torch.Tensor, params: list, seeds: list[int | None]) -> torch.Tensor:
         """One token per row ([n] int64) from the whole vocabulary's softmax after temperature,
         min_p, top_k and top_p. ``seeds``: each row's draw seed (None: the shared generator)."""
-        temps = values_to_device([p.temperature for p in params], logits.dtype, logits.device)
-        # shifted so the best logit is 0 (softmax does not change): a tiny temperature then sends
-        # the others to -inf instead of overflowing everything to +-inf (NaN probabilities)
-        logits = (logits - logits.amax(dim=1, keepdim=True)) / temps.unsqueeze(1)
-        logits = apply_min_p(logits, [p.min_p for p in params])
-        logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
-        probs = torch.softmax(logits, dim=-1)  # [n, vocab]
+        scaled = apply_min_p(_scaled(logits, logits.amax(dim=1, keepdim=True), params), [p.min_p for p in params])
+        scaled = apply_top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
+        probs = torch.softmax(scaled, dim=-1)  # [n, vocab]
         return row_argmax(probs / self.noise(probs, seeds))
 
     def _draw_among_best(self, logits: torch.Tensor, params: list, seeds: list[int | None]) -> torch.Tensor:
@@ -168,18 +164,20 @@ class Sampler:
         row's noise is drawn for its own top_k candidates, best first, so it does not depend on
         the rest of the batch either."""
         ks = [p.top_k for p in params]
-        best, order = top_candidates(logits, ks)  # [n, width], best first
-        temps = values_to_device([p.temperature for p in params], logits.dtype, logits.device)
-        scaled = (best - best[:, :1]) / temps.unsqueeze(1)  # the best at 0, as in _draw_over_vocab
-        min_ps = [p.min_p for p in params]
-        if any(m > 0.0 for m in min_ps):
-            # a token's probability over the best one's is exp(its scaled logit)
-            min_p = values_to_device(min_ps, logits.dtype, logits.device).unsqueeze(1)
-            scaled = scaled.masked_fill(torch.exp(scaled) < min_p, float("-inf"))
+        best, order = logits.topk(max(ks), dim=-1)  # [n, width], best first
+        scaled = apply_min_p(_scaled(best, best[:, :1], params), [p.min_p for p in params])
         scaled = keep_candidates(scaled, ks, [p.top_p for p in params])[0]
         probs = torch.softmax(scaled, dim=-1)  # [n, width]; 0 past each row's survivors
         choice = row_argmax(probs / self.noise(probs, seeds, ks))
         return order.gather(1, choice.unsqueeze(1).to(order.device)).squeeze(1)
+
+
+def _scaled(logits: torch.Tensor, best: torch.Tensor, params: list) -> torch.Tensor:
+    """``logits`` ([n, width]) less each row's ``best`` logit ([n, 1]), over its temperature.
+    With the best at 0 (softmax does not change), a tiny temperature sends the others to -inf
+    instead of overflowing everything to +-inf (NaN probabilities)."""
+    temps = values_to_device([p.temperature for p in params], logits.dtype, logits.device)
+    return (logits - best) / temps.unsqueeze(1)
 
 
 class PendingTokens:
@@ -436,13 +434,13 @@ def apply_min_tokens(logits: torch.Tensor, seqs: Seq["Sequence"], eos_token_ids,
     return logits
 
 
-def apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+def apply_min_p(scaled: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """Drop each token whose probability is below ``min_p`` times the best one's. ``scaled``:
+    [n, width], each row's best at 0 (``_scaled``), so that ratio is exp(the token's value)."""
     if not any(m > 0.0 for m in min_ps):
-        return logits
-    min_p = values_to_device(min_ps, logits.dtype, logits.device).unsqueeze(1)
-    probs = torch.softmax(logits, dim=-1)
-    threshold = probs.max(dim=-1, keepdim=True).values * min_p
-    return logits.masked_fill(probs < threshold, float("-inf"))
+        return scaled
+    min_p = values_to_device(min_ps, scaled.dtype, scaled.device).unsqueeze(1)
+    return scaled.masked_fill(torch.exp(scaled) < min_p, float("-inf"))
 
 
 def _with_logprobs(ids: list[int], chosen: list[float], top_vals: list[list[float]] | None,
