@@ -7,8 +7,9 @@ live on PyTorch's ``meta`` device, where operations compute shapes only: what is
 host's part (Python, numpy, the dispatcher), which on a GPU is what the step waits for, not the
 arithmetic, which this machine's CPU would dominate. Thread CPU time per call, 10th percentile
 and median over ``--calls`` calls; the two ways alternate call by call so that drift on a shared
-VM falls on both alike. "uploaded each step" is ``apply_penalties`` without ``prompts``, the
-way every step worked before ``PromptTokens``. A meta operation costs more host time than a CUDA
+VM falls on both alike. "uploaded each step" is ``apply_penalties`` with a fresh
+``PromptTokens`` each call: every prompt goes up for that step alone, as before ``PromptTokens``
+(which padded them into one array instead). A meta operation costs more host time than a CUDA
 launch (its shape rules run in Python; ``torch.cat`` of many tensors most), so the fixed part of
 both columns is overstated, "kept on device" (a cat of the rows' prompts) the more.
 """
@@ -60,12 +61,12 @@ def main() -> None:
             seqs = _rows(num_rows, prompt_len, rng)
             logits = torch.empty(num_rows, VOCAB, device="meta")
             kept = PromptTokens()
-            apply_penalties(logits, seqs, prompts=kept)  # the first step uploads them
+            apply_penalties(logits, seqs, kept)  # the first step uploads them
             times: dict[str, list[float]] = {"each": [], "kept": []}
             for _ in range(args.calls):
                 for name, prompts in (("each", None), ("kept", kept)):
                     start = time.thread_time()
-                    apply_penalties(logits, seqs, prompts=prompts)
+                    apply_penalties(logits, seqs, PromptTokens() if prompts is None else prompts)
                     times[name].append((time.thread_time() - start) * 1e3)
             stats = {k: (statistics.quantiles(v, n=10)[0], statistics.median(v)) for k, v in times.items()}
             print(f"{num_rows:>5} {prompt_len:>7} | {stats['each'][0]:>16.2f} / {stats['each'][1]:>18.2f} | "

@@ -106,8 +106,8 @@ def bench_sampler(report: Report, on_gpu: bool, device: str) -> None:
 
     seqs = _penalized_rows(rows, prompt_len, vocab)
     kept = PromptTokens()
-    pair(f"penalties, {prompt_len}-token prompts", lambda: apply_penalties(logits.clone(), seqs),
-         lambda: apply_penalties(logits.clone(), seqs, prompts=kept), ("prompts uploaded", "prompts kept on device"))
+    pair(f"penalties, {prompt_len}-token prompts", lambda: apply_penalties(logits.clone(), seqs, PromptTokens()),
+         lambda: apply_penalties(logits.clone(), seqs, kept), ("prompts uploaded", "prompts kept on device"))
 
     report.line(f"## Sampler filters ({rows} rows, vocabulary {vocab}; ms per call)")
     report.line()

@@ -98,11 +98,11 @@ class PromptTokens:
         return seen.view(len(seqs), width)
 
 
-def apply_penalties(logits: torch.Tensor, seqs: Seq["Sequence"], pending: PendingLastTokens | None = None,
-                    prompts: PromptTokens | None = None) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, seqs: Seq["Sequence"], prompts: PromptTokens,
+                    pending: PendingLastTokens | None = None) -> torch.Tensor:
     """Repetition (prompt + output), frequency and presence (output only) penalties, in place.
     ``logits``: [rows, vocab] fp32; ``seqs``: one per row; ``prompts``: where the repetition
-    penalty finds the prompts on the device (None: uploads them for this call)."""
+    penalty finds the prompts on the device (a fresh one uploads them for this call)."""
     rows, reps, freqs, press = [], [], [], []
     for row, seq in enumerate(seqs):
         p = seq.params
@@ -131,13 +131,7 @@ def apply_penalties(logits: torch.Tensor, seqs: Seq["Sequence"], pending: Pendin
     if any(r != 1.0 for r in reps):
         # only rows with a repetition penalty read their prompt
         with_prompt = [seqs[r] if rep != 1.0 else None for r, rep in zip(rows, reps)]
-        if prompts is None:
-            seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
-            tokens = [[] if seq is None else seq.prompt_token_ids for seq in with_prompt]
-            seen.scatter_(1, to_device(_padded(tokens, vocab), device), True)
-        else:
-            seen = prompts.seen(with_prompt, vocab, device)
-        seen = seen[:, :vocab] | (counts > 0)
+        seen = prompts.seen(with_prompt, vocab, device)[:, :vocab] | (counts > 0)
         rep = to_device(np.array(reps, dtype=np.float32), device).to(dtype).unsqueeze(1)
         # a row without it divides and multiplies by 1.0: its logits are left as they are
         penalized = torch.where(seen, torch.where(penalized > 0, penalized / rep, penalized * rep), penalized)

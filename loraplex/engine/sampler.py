@@ -98,7 +98,7 @@ class Sampler:
         if uses.min_tokens:
             logits = apply_min_tokens(logits, seqs, eos_token_ids, pending)
         if uses.penalties:
-            logits = apply_penalties(logits, seqs, pending, self.prompts)
+            logits = apply_penalties(logits, seqs, self.prompts, pending)
         if uses.allowed_token_ids:
             logits = apply_allowed_token_ids(logits, seqs)
         if uses.bad_words:

@@ -56,12 +56,17 @@ def _batch(rng: random.Random, rows: int):
     return seqs
 
 
+def penalized(logits: torch.Tensor, seqs, pending: PendingLastTokens | None = None) -> torch.Tensor:
+    """``apply_penalties`` on a copy of ``logits``, the prompts uploaded for this call alone."""
+    return apply_penalties(logits.clone(), seqs, PromptTokens(), pending)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_batched_penalties_match_the_row_by_row_reference_bit_for_bit(seed):
     rng = random.Random(seed)
     seqs = _batch(rng, rng.randint(1, 12))
     logits = torch.randn(len(seqs), VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
-    assert torch.equal(apply_penalties(logits.clone(), seqs), reference_penalties(logits.clone(), seqs))
+    assert torch.equal(penalized(logits, seqs), reference_penalties(logits.clone(), seqs))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -76,7 +81,7 @@ def test_prompts_kept_across_steps_match_the_reference(seed):
     for step in range(5):
         batch = rng.sample(seqs, rng.randint(1, len(seqs)))
         logits = torch.randn(len(batch), VOCAB, generator=torch.Generator().manual_seed(seed * 10 + step)) * 3
-        got = apply_penalties(logits.clone(), batch, prompts=prompts)
+        got = apply_penalties(logits.clone(), batch, prompts)
         assert torch.equal(got, reference_penalties(logits.clone(), batch)), f"step {step}"
         if step == 2:
             prompts.forget([s.seq_id for s in seqs[:6]] + [99])  # an id never seen is no error
@@ -95,9 +100,9 @@ def test_a_prompt_kept_is_the_sequences_own():
     prompts = PromptTokens()
     logits = torch.ones(2, VOCAB)
     for batch in ([a, b], [b, a], [b]):
-        got = apply_penalties(logits[: len(batch)].clone(), batch, prompts=prompts)
+        got = apply_penalties(logits[: len(batch)].clone(), batch, prompts)
         assert torch.equal(got, reference_penalties(logits[: len(batch)].clone(), batch))
-    assert not torch.equal(apply_penalties(logits.clone(), [a, b]), apply_penalties(logits.clone(), [b, a]))
+    assert not torch.equal(penalized(logits, [a, b]), penalized(logits, [b, a]))
 
 
 def _ahead_view(rng: random.Random, seqs):
@@ -118,8 +123,7 @@ def test_a_token_still_on_the_device_counts_as_output(seed):
     short, pending, rows = _ahead_view(rng, seqs)
     assert rows, "no row went ahead: the comparison would be vacuous"
     logits = torch.randn(len(seqs), VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
-    want = apply_penalties(logits.clone(), seqs)
-    assert torch.equal(apply_penalties(logits.clone(), short, pending), want)
+    assert torch.equal(penalized(logits, short, pending), penalized(logits, seqs))
     want = apply_min_tokens(logits.clone(), seqs, {2})
     assert torch.equal(apply_min_tokens(logits.clone(), short, {2}, pending), want)
     # the whole draw: seeded rows seeded by the generated count, the pending token included
@@ -135,6 +139,6 @@ def test_without_the_pending_token_the_counts_would_differ():
                           output_token_ids=[3, 4], index=0, seq_id=0, grammar=None, reasoning_gate=None)
     short = SimpleNamespace(**{**vars(seq), "output_token_ids": [3]})
     logits = torch.zeros(1, VOCAB)
-    assert not torch.equal(apply_penalties(logits.clone(), [short]), apply_penalties(logits.clone(), [seq]))
+    assert not torch.equal(penalized(logits, [short]), penalized(logits, [seq]))
     pending = PendingLastTokens([0], torch.tensor([4]))
-    assert torch.equal(apply_penalties(logits.clone(), [short], pending), apply_penalties(logits.clone(), [seq]))
+    assert torch.equal(penalized(logits, [short], pending), penalized(logits, [seq]))

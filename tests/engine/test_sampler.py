@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loraplex.engine.penalties import PromptTokens
 from loraplex.engine.sampler import Sampler, apply_logit_bias, apply_penalties
 from loraplex.engine.sequence import Sequence
 from loraplex.sampling_params import SamplingParams
@@ -81,7 +82,7 @@ def test_penalties_formula():
     logits = random_logits(2, seed=5)
     p = SamplingParams(repetition_penalty=1.7, presence_penalty=0.5, frequency_penalty=0.3)
     rows = [seq(p, prompt=[1, 2, 2, 40], output=[2, 7, 7, 7, 9]), seq(SamplingParams(), prompt=[1], output=[1, 1])]
-    got = apply_penalties(logits.clone(), rows)
+    got = apply_penalties(logits.clone(), rows, PromptTokens())
     want = logits.clone()
     for token in range(VOCAB):
         x = want[0, token].item()

@@ -30,7 +30,8 @@ def every_pass(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], eos
     """The sampler without the option pass: every apply_* on every batch, then the draw."""
     params = [s.params for s in seqs]
     raw = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
-    for apply in (apply_logit_bias, lambda lg, ss: apply_min_tokens(lg, ss, eos), apply_penalties,
+    for apply in (apply_logit_bias, lambda lg, ss: apply_min_tokens(lg, ss, eos),
+                  lambda lg, ss: apply_penalties(lg, ss, sampler.prompts),
                   apply_allowed_token_ids, apply_bad_words):
         logits = apply(logits, seqs)
     greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0.0]
