@@ -1,18 +1,20 @@
-"""Top-k / top-p filtering of a batch: ordering only the tokens that can survive against a full sort.
+"""The sampler's draw with top-k / top-p: ordering only the tokens that can survive against a full sort.
 
     .venv/bin/python benchmarks/bench_top_k.py [--rows 64 256] [--vocab 49152 151936] [--calls 5]
 
-``apply_top_k_top_p`` (loraplex/engine/top_k_top_p.py) orders each row's tokens to apply top-k
-and top-p. When every row of the batch has a top_k of at most ``PARTIAL_TOP_K_MAX``, it takes
-``topk`` of the largest one instead of sorting the whole vocabulary; on the CPU, rows of top_p
-alone try their best ``PARTIAL_TOP_K_MAX`` tokens first (tests/engine/test_sampler.py checks
-both against the rule). This times them and the full sort on the same logits, side by side, on
-CUDA when there is one (where top_p alone is always sorted in full), else on the CPU (all its
-threads): "full sort" is the same function with ``PARTIAL_TOP_K_MAX`` set to 0. The settings are
-Qwen2.5-Instruct's generation config (top_k 20, top_p 0.8), a top_k of 50 alone, top_k 1000 with
-top_p 0.95, and top_p 0.9 alone. The logits are drawn from N(0, 4^2), so a top_p 0.9 nucleus
-holds tens to hundreds of tokens (printed); a model's are often more peaked. Median of
-``--calls`` calls each, the two alternating.
+A sampled row's draw (``Sampler._sample_random``: temperature, min_p, top-k, top-p, softmax,
+the race's noise, argmax) needs its tokens best first for top-k and top-p. Rows with a top_k of
+at most ``PARTIAL_TOP_K_MAX`` draw among the ``topk`` of the batch's largest top_k
+(``_draw_among_best``); on the CPU, rows of top_p alone try their best ``PARTIAL_TOP_K_MAX``
+tokens first (``top_k_top_p.apply_top_k_top_p``; tests/engine/test_sampler.py checks both
+against the rule). This times the whole draw both ways on the same logits, side by side, on CUDA
+when there is one (where top_p alone is always sorted in full), else on the CPU (all its
+threads): "full sort" is the same code with ``PARTIAL_TOP_K_MAX`` set to 0 (every row sorted
+and drawn over the whole vocabulary). The settings are Qwen2.5-Instruct's generation config
+(temperature 0.7, top_k 20, top_p 0.8), a top_k of 50 alone, top_k 1000 with top_p 0.95, and
+top_p 0.9 alone; unseeded. The logits are drawn from N(0, 4^2), so a top_p 0.9 nucleus holds
+tens to hundreds of tokens (printed); a model's are often more peaked. Median of ``--calls``
+calls each, the two alternating.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
@@ -41,17 +44,20 @@ def main() -> None:
     import torch
 
     from loraplex.engine import top_k_top_p as filters
+    from loraplex.engine.sampler import Sampler
+    from loraplex.sampling_params import SamplingParams
 
     args = _parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     default_max = filters.PARTIAL_TOP_K_MAX
+    sampler = Sampler(seed=0, device=device)
 
-    def timed(limit: int, logits, ks, ps) -> float:
+    def timed(limit: int, logits, seqs) -> float:
         filters.PARTIAL_TOP_K_MAX = limit
         sync()
         start = time.perf_counter()
-        filters.apply_top_k_top_p(logits, ks, ps)
+        sampler._sample_random(logits, seqs, {})
         sync()
         return (time.perf_counter() - start) * 1e3
 
@@ -64,13 +70,14 @@ def main() -> None:
                 nucleus = torch.isfinite(filters.apply_top_k_top_p(logits[:8].clone(), [0] * 8, [0.9] * 8)).sum(1)
                 print(f"  (rows {rows}, vocab {vocab}: top_p 0.9 keeps {int(nucleus.median())} tokens, median of 8 rows)")
                 for name, k, p in SETTINGS:
-                    ks, ps = [k] * rows, [p] * rows
-                    timed(default_max, logits, ks, ps)  # warm-up (CUDA: kernels, allocator)
-                    times: dict[str, list[float]] = {"sort": [], "topk": []}
+                    params = SamplingParams(temperature=0.7, top_k=k, top_p=p)
+                    seqs = [SimpleNamespace(params=params, output_token_ids=[]) for _ in range(rows)]
+                    timed(default_max, logits, seqs)  # warm-up (CUDA: kernels, allocator)
+                    times: dict[str, list[float]] = {"sort": [], "partial": []}
                     for _ in range(args.calls):
-                        times["sort"].append(timed(0, logits, ks, ps))
-                        times["topk"].append(timed(default_max, logits, ks, ps))
-                    full, part = statistics.median(times["sort"]), statistics.median(times["topk"])
+                        times["sort"].append(timed(0, logits, seqs))
+                        times["partial"].append(timed(default_max, logits, seqs))
+                    full, part = statistics.median(times["sort"]), statistics.median(times["partial"])
                     print(f"{rows:>5} {vocab:>7} {name:<24} | {full:>12.2f} | {part:>13.2f} | {part / full:>6.3f}")
     finally:
         filters.PARTIAL_TOP_K_MAX = default_max

@@ -60,16 +60,15 @@ def bench_sampler(report: Report, on_gpu: bool, device: str) -> None:
 
     default_max = filters.PARTIAL_TOP_K_MAX
 
-    def top_k_with(limit: int):
-        def run():
-            filters.PARTIAL_TOP_K_MAX = limit
-            try:
-                return filters.apply_top_k_top_p(logits.clone(), [20] * rows, [0.8] * rows)
-            finally:
-                filters.PARTIAL_TOP_K_MAX = default_max
-        return run
+    def full_sort():
+        return filters.apply_top_k_top_p(logits.clone(), [20] * rows, [0.8] * rows)
 
-    pair("top_k 20, top_p 0.8", top_k_with(0), top_k_with(default_max), ("full sort", "topk of the largest top_k"))
+    def candidates():  # what _draw_among_best keeps, scattered back over the vocabulary
+        best, order = logits.topk(20, dim=-1)
+        kept = filters.keep_candidates(best, [20] * rows, [0.8] * rows)[0]
+        return torch.full_like(logits, float("-inf")).scatter_(1, order, kept)
+
+    pair("top_k 20, top_p 0.8", full_sort, candidates, ("full sort", "topk + keep_candidates"))
 
     # the whole draw (temperature, filters, softmax, noise, argmax), seeded and not: over the
     # whole vocabulary (the way before) against among each row's top_k best

@@ -1,20 +1,22 @@
-"""Top-k and top-p filtering of a batch's logits (the sampler's last filter before the draw).
+"""Top-k and top-p filtering of a batch's logits over the whole vocabulary (the sampler's last
+filter before a draw over the vocabulary; ``keep_candidates`` is the same rule over each row's
+best tokens, which rows with a small top_k draw among: ``Sampler._draw_among_best``).
 
 Both need each row's tokens best first, and a sort of the whole vocabulary is the costly part:
 vLLM timed a sort-based top-k over 256 rows of a 131,072 vocabulary at 3.8 ms on its GPU
 (vllm-project/vllm#32558), and on this project's 2-core CPU seconds over 256 rows of Qwen's 152k
-(``benchmarks/bench_top_k.py``). So only as many tokens as can survive are ordered:
+(``benchmarks/bench_top_k.py``). The rows that come here have no top_k or one above
+``PARTIAL_TOP_K_MAX`` (any top_k is still filtered right, by a full sort). So:
 
-- every row with a top_k of at most ``PARTIAL_TOP_K_MAX``: ``topk`` of the batch's largest;
 - on the CPU, rows of top_p alone: the best ``PARTIAL_TOP_K_MAX`` tokens first, with the mass
   taken over the whole row; a row whose nucleus reaches past them is sorted in full. Deciding
   that reads a flag per row back, free on the CPU; on a GPU it would wait for the device (and
   for the step ahead of it, ``schedule_ahead``), so there those rows are sorted in full;
-- anything else (a top_k above the limit): a full sort.
+- anything else: a full sort.
 
-Which way a row goes never depends on the rest of its batch in a way that changes its survivors:
-the mass is a prefix sum over the row's own candidates, best first (the columns past its top_k
-add exact zeros), and a row of top_p 1 keeps everything.
+A row's survivors never depend on the rest of its batch: the mass is a prefix sum over the row's
+own candidates, best first (the columns past its top_k add exact zeros), and a row of top_p 1
+keeps everything.
 """
 
 from __future__ import annotations
@@ -37,33 +39,25 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[floa
     ps = list(top_ps)
     if all(k == vocab for k in ks) and all(p >= 1.0 for p in ps):
         return logits
-    width = max(ks)
-    if width <= PARTIAL_TOP_K_MAX:
-        return _keep_best(logits, *logits.topk(width, dim=-1), ks, ps)[0]
-    if logits.device.type == "cpu" and 0 < PARTIAL_TOP_K_MAX < vocab:
+    if logits.device.type == "cpu" and 0 < PARTIAL_TOP_K_MAX < vocab and any(
+            k == vocab and p < 1.0 for k, p in zip(ks, ps)):
         return _keep_best_cpu(logits, ks, ps)
     return _keep_best(logits, *logits.sort(dim=-1, descending=True), ks, ps)[0]
 
 
 def rows_with_small_top_k(top_ks: list[int], vocab: int) -> list[int]:
     """The rows whose top_k (0 < k < vocab) is at most ``PARTIAL_TOP_K_MAX``: their candidates
-    come from ``top_candidates`` whatever the rest of the batch asks."""
+    are the ``topk`` of the batch's largest such top_k, whatever the rest of the batch asks."""
     limit = min(PARTIAL_TOP_K_MAX, vocab - 1)
     return [row for row, k in enumerate(top_ks) if 0 < k <= limit]
 
 
-def top_candidates(logits: torch.Tensor, top_ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows that all have a top_k (``rows_with_small_top_k``): the batch's largest top_k best
-    logits of each row, best first, and their token ids (both [n, max top_k])."""
-    return logits.topk(max(top_ks), dim=-1)
-
-
-def keep_candidates(best: torch.Tensor, ks: list[int], ps: list[float], row_sums: torch.Tensor | None = None,
-                    whole_row: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def keep_candidates(best: torch.Tensor, ks: list[int], ps: list[float], row_sums: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's survivors among its candidates ``best`` ([n, width], best first; the rest
     become -inf), and whether each row's last candidate was dropped ([n] bool). ``ks``: each
-    row's top_k (``width`` or more: none); ``whole_row``: rows (of top_p alone) whose mass is
-    over the whole row, whose ``row_sums`` ([n, 1]: sum of exp(logit - best logit)) are given."""
+    row's top_k (``width`` or more: none). The top_p mass is over the candidates, or over the
+    whole row where ``row_sums`` ([n, 1]: sum of exp(logit - best logit)) is given."""
     width, device = best.shape[1], best.device
     drop = torch.zeros_like(best, dtype=torch.bool)
     if any(k < width for k in ks):
@@ -78,45 +72,39 @@ def keep_candidates(best: torch.Tensor, ks: list[int], ps: list[float], row_sums
         # zeros after the entries that decide, instead of joining a softmax's sum over the row
         weights = torch.exp(best - best[:, :1])  # [n, width]; dropped ones 0
         cumulative = weights.cumsum(dim=-1)
-        total = cumulative[:, -1:]
-        if whole_row is not None and any(whole_row):
-            total = torch.where(values_to_device(whole_row, torch.bool, device).unsqueeze(1), row_sums, total)
+        total = cumulative[:, -1:] if row_sums is None else row_sums
         drop |= (cumulative - weights) / total >= limits  # the mass of strictly better tokens
         drop[:, 0] = False
     return best.masked_fill(drop, float("-inf")), drop[:, -1]
 
 
 def _keep_best(logits: torch.Tensor, best: torch.Tensor, order: torch.Tensor, ks: list[int], ps: list[float],
-               whole_row: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               whole_row: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``keep_candidates`` over ``best`` ([n, width], best first; ``order`` their token ids),
-    scattered back into [n, vocab] logits (-inf for every token not among the survivors)."""
-    row_sums = None
-    if whole_row is not None and any(whole_row):
-        row_sums = torch.exp(logits - best[:, :1]).sum(dim=-1, keepdim=True)
-    best, last_dropped = keep_candidates(best, ks, ps, row_sums, whole_row)
+    scattered back into [n, vocab] logits (-inf for every token not among the survivors);
+    ``whole_row``: the top_p mass over the whole row, not the candidates."""
+    row_sums = torch.exp(logits - best[:, :1]).sum(dim=-1, keepdim=True) if whole_row else None
+    best, last_dropped = keep_candidates(best, ks, ps, row_sums)
     if best.shape[1] < logits.shape[1]:  # the tokens past every row's candidates are dropped
         return torch.full_like(logits, float("-inf")).scatter_(1, order, best), last_dropped
     return torch.empty_like(logits).scatter_(1, order, best), last_dropped
 
 
 def _keep_best_cpu(logits: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
-    """``apply_top_k_top_p`` on the CPU for a batch with a row that has no top_k of at most
-    ``PARTIAL_TOP_K_MAX``: rows with one, and rows of top_p alone whose nucleus lies within
-    their best ``PARTIAL_TOP_K_MAX`` tokens, from ``topk``; the others sorted in full."""
+    """``apply_top_k_top_p`` on the CPU: rows of top_p alone whose nucleus lies within their
+    best ``PARTIAL_TOP_K_MAX`` tokens from ``topk``; the others with a filter sorted in full."""
     vocab, limit = logits.shape[1], PARTIAL_TOP_K_MAX
     out = logits.clone()  # rows with neither filter stay as they are
-    near = [r for r, (k, p) in enumerate(zip(ks, ps)) if k <= limit or (k == vocab and p < 1.0)]
-    far = [r for r, k in enumerate(ks) if limit < k < vocab]
-    if near:
-        sub = logits[near]
-        whole_row = [ks[r] == vocab for r in near]
-        kept, last_dropped = _keep_best(sub, *sub.topk(limit, dim=-1), [ks[r] for r in near], [ps[r] for r in near],
-                                        whole_row)
-        # a row of top_p alone fits when its last candidate was dropped: every token past it
-        # has at least that much better mass (read back: free on the CPU)
-        fits = [not whole or dropped for whole, dropped in zip(whole_row, last_dropped.tolist())]
-        out[[r for r, ok in zip(near, fits) if ok]] = kept[[i for i, ok in enumerate(fits) if ok]]
-        far += [r for r, ok in zip(near, fits) if not ok]
+    near = [r for r, (k, p) in enumerate(zip(ks, ps)) if k == vocab and p < 1.0]
+    far = [r for r, k in enumerate(ks) if k < vocab]
+    sub = logits[near]
+    kept, last_dropped = _keep_best(sub, *sub.topk(limit, dim=-1), [vocab] * len(near), [ps[r] for r in near],
+                                    whole_row=True)
+    # a row fits when its last candidate was dropped: every token past it has at least that
+    # much better mass (read back: free on the CPU)
+    fits = last_dropped.tolist()
+    out[[r for r, ok in zip(near, fits) if ok]] = kept[[i for i, ok in enumerate(fits) if ok]]
+    far += [r for r, ok in zip(near, fits) if not ok]
     if far:
         sub = logits[far]
         out[far] = _keep_best(sub, *sub.sort(dim=-1, descending=True), [ks[r] for r in far], [ps[r] for r in far])[0]

@@ -283,26 +283,27 @@ def _check_survivors(row: torch.Tensor, filtered: torch.Tensor, k: int, p: float
     return int(kept.sum())
 
 
+def _batch(seed: int, ks: list[int], rng, vocab: int = 3000) -> tuple[torch.Tensor, list[float]]:
+    """Logits [len(ks), vocab], flat to peaked rows, and a top_p for each row."""
+    ps = [rng.choice([1.0, 0.8, 0.3, 0.05, 0.95, 0.999]) for _ in ks]
+    scales = torch.tensor([rng.choice([0.05, 1.0, 3.0]) for _ in ks]).unsqueeze(1)
+    return torch.randn(len(ks), vocab, generator=torch.Generator().manual_seed(seed)) * scales, ps
+
+
 @pytest.mark.parametrize("seed", range(5))
-def test_top_k_top_p_partial_order_matches_the_rule_and_the_full_sort(seed, monkeypatch):
-    """Batches whose largest top_k is small order only that many tokens (``topk``); on the CPU,
-    rows of top_p alone first try their best PARTIAL_TOP_K_MAX tokens (flat rows' nuclei reach
-    past them and are sorted in full); a top_k above the limit sorts in full. Every way keeps
-    each row's survivors of the rule, at their own logits, and gives the full sort's tensor
-    bit for bit."""
+def test_top_k_top_p_over_the_vocabulary_matches_the_rule_and_the_full_sort(seed, monkeypatch):
+    """What ``_draw_over_vocab`` filters: rows without a top_k or with one above
+    PARTIAL_TOP_K_MAX (and, still right, a small one). On the CPU, rows of top_p alone first try
+    their best PARTIAL_TOP_K_MAX tokens (flat rows' nuclei reach past them and are sorted in
+    full). Every row keeps the rule's survivors at their own logits, as the full sort does."""
     import random
 
     from loraplex.engine import top_k_top_p as filters
 
     rng = random.Random(seed)
-    vocab = 3000  # above PARTIAL_TOP_K_MAX, so 0 and 2000 take the other ways
     nuclei = []  # sizes of the top_p-alone rows' survivors
-    for ks in ([rng.choice([1, 5, 20, 64]) for _ in range(9)],
-               [rng.choice([0, 0, 20, 2000]) for _ in range(11)] + [0],
-               [filters.PARTIAL_TOP_K_MAX, 3], [0] * 6):
-        ps = [rng.choice([1.0, 0.8, 0.3, 0.05, 0.95, 0.999]) for _ in ks]
-        scales = torch.tensor([rng.choice([0.05, 1.0, 3.0]) for _ in ks]).unsqueeze(1)  # flat to peaked
-        logits = torch.randn(len(ks), vocab, generator=torch.Generator().manual_seed(seed)) * scales
+    for ks in ([rng.choice([0, 0, 20, 2000]) for _ in range(11)] + [0], [0] * 6, [2000, 1500, 0]):
+        logits, ps = _batch(seed, ks, rng)  # vocab 3000: above PARTIAL_TOP_K_MAX
         got = filters.apply_top_k_top_p(logits.clone(), ks, ps)
         monkeypatch.setattr(filters, "PARTIAL_TOP_K_MAX", 0)  # every batch sorted in full
         full_sort = filters.apply_top_k_top_p(logits.clone(), ks, ps)
@@ -312,10 +313,30 @@ def test_top_k_top_p_partial_order_matches_the_rule_and_the_full_sort(seed, monk
             _check_survivors(logits[row], full_sort[row], k, p)
             if k == 0 and p < 1.0:
                 nuclei.append(survivors)
-        if max(ks) <= filters.PARTIAL_TOP_K_MAX:  # the same prefix sums over the same candidates
-            assert torch.equal(got, full_sort)
+            elif k > 0:  # sorted in full either way
+                assert torch.equal(got[row], full_sort[row])
     # both kinds of top_p-alone rows occurred: within the first tokens, and reaching past them
     assert min(nuclei) <= filters.PARTIAL_TOP_K_MAX < max(nuclei), nuclei
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_small_top_k_candidates_match_the_full_sort(seed):
+    """What ``_draw_among_best`` filters: ``keep_candidates`` over the ``topk`` of the batch's
+    largest top_k keeps the rule's survivors, bit for bit those of the full sort (the same
+    prefix sums over the same candidates; columns past a row's own top_k add exact zeros)."""
+    import random
+
+    from loraplex.engine import top_k_top_p as filters
+
+    rng = random.Random(seed)
+    for ks in ([rng.choice([1, 5, 20, 64]) for _ in range(9)], [filters.PARTIAL_TOP_K_MAX, 3], [7] * 4):
+        logits, ps = _batch(seed, ks, rng)
+        best, order = logits.topk(max(ks), dim=-1)
+        kept = filters.keep_candidates(best, ks, ps)[0]
+        got = torch.full_like(logits, float("-inf")).scatter_(1, order, kept)
+        assert torch.equal(got, filters.apply_top_k_top_p(logits.clone(), ks, ps))
+        for row, (k, p) in enumerate(zip(ks, ps)):
+            _check_survivors(logits[row], got[row], k, p)
 
 
 def test_a_rows_survivors_do_not_depend_on_its_batch():

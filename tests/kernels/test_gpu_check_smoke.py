@@ -54,7 +54,7 @@ def test_gpu_check_cpu_smoke_passes_and_writes_results(tmp_path):
     assert "## Sampler filters" in results
     for name in ("top_k 20, top_p 0.8", "penalties, 40-token prompts"):
         assert f"PASS sampler {name}:" in results
-    assert "| top_k 20, top_p 0.8 | topk of the largest top_k |" in results
+    assert "| top_k 20, top_p 0.8 | topk + keep_candidates |" in results
     assert "| penalties, 40-token prompts | prompts kept on device |" in results
     for name in ("draw, top_k 20, top_p 0.8", "draw, top_k 20, top_p 0.8, seeded"):
         for way in ("whole vocabulary", "among the top_k"):
