@@ -6,8 +6,8 @@ that copies from its context (code edits, quoting answers, JSON rewrites) contin
 copied passage did, so such drafts are often right; the model verifies them anyway (see
 spec_verify.py). No torch: the scheduler calls this.
 
-The search runs on a numpy array of the history; ``TokenHistory`` keeps one per sequence and
-appends the tokens that arrived since the last step, so a step converts only those.
+The search runs on a numpy array of the history; ``token_history.TokenHistory`` keeps one per
+sequence and appends the tokens that arrived since the last step, so a step converts only those.
 """
 
 from __future__ import annotations
@@ -48,31 +48,3 @@ class NgramProposer:
                 follow = int(hits[-1]) + n
                 return tokens[follow : follow + limit].tolist()
         return []
-
-
-class TokenHistory:
-    """A sequence's tokens (prompt + output) in a numpy array with room to grow.
-
-    A live sequence's tokens are only ever appended (a stop string trims them only as the
-    sequence ends), so ``view`` converts just the tokens that arrived since its last call. A
-    history that got shorter, or whose last known token changed, is rebuilt whole."""
-
-    __slots__ = ("_buf", "_len")
-
-    def __init__(self) -> None:
-        self._buf = np.empty(0, dtype=np.int64)
-        self._len = 0
-
-    def view(self, seq) -> np.ndarray:
-        """``seq.all_token_ids`` as an int64 array (a view of the buffer: read, do not keep)."""
-        n, known = seq.num_tokens, self._len
-        if n < known or (known and self._buf[known - 1] != seq.token_at(known - 1)):
-            known = 0  # not a continuation of what is held
-        if n > known:
-            if n > len(self._buf):  # doubling: appends cost O(1) amortised
-                grown = np.empty(max(n, 2 * len(self._buf), 64), dtype=np.int64)
-                grown[:known] = self._buf[:known]
-                self._buf = grown
-            self._buf[known:n] = seq.token_slice(known, n)
-        self._len = n
-        return self._buf[:n]

@@ -8,6 +8,8 @@ and the counts come from one scatter.
 The repetition penalty also reads each row's prompt. Turning a 1,000-token prompt from a Python
 list into an array costs about 25 us on the CI VM, so 6-8 ms a step at 256 such rows; with
 ``PromptTokens`` each prompt goes up once and stays on the device until its sequence is released.
+The output tokens, which grow, are read from each sequence's ``TokenHistory`` (a numpy array
+that converts only the tokens added since the last step), not converted whole each step.
 
 Rows of a step launched ahead (``schedule_ahead``) may not have their last output token on the
 host yet: the step before is still drawing it. ``pending`` gives those rows and the tokens, on
@@ -16,15 +18,14 @@ the device, and they count as output like the rest.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence as Seq
+from typing import Sequence as Seq
 
 import numpy as np
 import torch
 
 from loraplex.engine.host_arrays import to_device
-
-if TYPE_CHECKING:  # pragma: no cover
-    from loraplex.engine.sequence import Sequence
+from loraplex.engine.sequence import Sequence
+from loraplex.engine.token_history import history_of
 
 
 class PendingLastTokens:
@@ -46,7 +47,7 @@ class PendingLastTokens:
         return len(seq.output_token_ids) + (row in self._row_set)
 
 
-def _padded(token_lists: list[list[int]], vocab: int) -> np.ndarray:
+def _padded(token_lists: "list[list[int] | np.ndarray]", vocab: int) -> np.ndarray:
     """[len(token_lists), longest] int64, each list left-aligned; padding and ids outside the
     vocabulary point at column ``vocab`` (a spare column, dropped after the scatter)."""
     width = max(map(len, token_lists), default=0)
@@ -55,6 +56,15 @@ def _padded(token_lists: list[list[int]], vocab: int) -> np.ndarray:
         out[i, : len(tokens)] = tokens
     out[(out < 0) | (out > vocab)] = vocab
     return out
+
+
+def _output_tokens(seq) -> "list[int] | np.ndarray":
+    """A row's output token ids: of a ``Sequence``, from its ``TokenHistory`` (which converts
+    only the tokens added since the last step); else (a speculative step's ``PositionView``) its
+    list."""
+    if isinstance(seq, Sequence):
+        return history_of(seq).view(seq)[len(seq.prompt_token_ids):]
+    return seq.output_token_ids
 
 
 class PromptTokens:
@@ -114,7 +124,7 @@ def apply_penalties(logits: torch.Tensor, seqs: Seq["Sequence"], prompts: Prompt
     if not rows:
         return logits
     vocab, device, dtype = logits.shape[1], logits.device, logits.dtype
-    outputs = to_device(_padded([seqs[r].output_token_ids for r in rows], vocab), device)  # [R, longest]
+    outputs = to_device(_padded([_output_tokens(seqs[r]) for r in rows], vocab), device)  # [R, longest]
     counts = torch.zeros(len(rows), vocab + 1, dtype=dtype, device=device)
     counts.scatter_add_(1, outputs, torch.ones(outputs.shape, dtype=dtype, device=device))
     if pending is not None:

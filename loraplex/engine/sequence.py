@@ -93,8 +93,8 @@ class Sequence:
     # prefix-cache keys of the leading full blocks of all_token_ids, filled in by the block
     # manager as it needs them; tokens are only ever appended, so they never go stale
     block_hashes: list[bytes] = field(default_factory=list)
-    # speculative decoding: all_token_ids as a numpy array the n-gram proposer grows as tokens
-    # arrive (ngram_proposer.TokenHistory), instead of converting the whole history every step
+    # all_token_ids as a numpy array grown as tokens arrive (token_history.TokenHistory), for the
+    # n-gram proposer and the penalties, instead of converting the whole history every step
     token_history: object | None = field(default=None, repr=False)
 
     @property

@@ -10,8 +10,9 @@ Pure Python: the scheduler calls this.
 
 from __future__ import annotations
 
-from loraplex.engine.ngram_proposer import NgramProposer, TokenHistory
+from loraplex.engine.ngram_proposer import NgramProposer
 from loraplex.engine.sequence import Sequence
+from loraplex.engine.token_history import history_of
 from loraplex.speculative_config import NgramSpeculation
 
 
@@ -35,7 +36,4 @@ class DraftPlanner:
             limit = min(limit, self.max_model_len - seq.num_tokens - 1)
         if limit <= 0:
             return []
-        history = seq.token_history
-        if history is None:
-            history = seq.token_history = TokenHistory()
-        return self.proposer.propose_array(history.view(seq), limit)
+        return self.proposer.propose_array(history_of(seq).view(seq), limit)

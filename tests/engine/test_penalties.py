@@ -13,6 +13,7 @@ import torch
 
 from loraplex.engine.penalties import PendingLastTokens, PromptTokens, apply_penalties
 from loraplex.engine.sampler import Sampler, apply_min_tokens
+from loraplex.engine.sequence import Sequence
 from loraplex.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -103,6 +104,35 @@ def test_a_prompt_kept_is_the_sequences_own():
         got = apply_penalties(logits[: len(batch)].clone(), batch, prompts)
         assert torch.equal(got, reference_penalties(logits[: len(batch)].clone(), batch))
     assert not torch.equal(penalized(logits, [a, b]), penalized(logits, [b, a]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_output_tokens_from_each_sequences_history_match_the_reference(seed):
+    """Real ``Sequence`` rows read their output tokens from their ``TokenHistory``, grown by the
+    tokens that arrived since the last step. Over steps that append one or several tokens, cut
+    an output back or change its last token (a history that must be rebuilt), and shuffle the
+    rows, the penalties equal the reference's from the lists."""
+    rng = random.Random(300 + seed)
+    seqs = []
+    for i, row in enumerate(_batch(rng, 10)):
+        seq = Sequence(i, f"r{i}", row.prompt_token_ids, row.params)
+        seq.output_token_ids = list(row.output_token_ids)
+        seqs.append(seq)
+    for step in range(12):
+        for seq in seqs:
+            roll = rng.random()
+            if roll < 0.1 and seq.output_token_ids:
+                del seq.output_token_ids[rng.randrange(len(seq.output_token_ids)):]
+            elif roll < 0.2 and seq.output_token_ids:
+                seq.output_token_ids[-1] = (seq.output_token_ids[-1] + 1) % VOCAB
+            else:
+                seq.output_token_ids.extend(rng.randrange(VOCAB) for _ in range(rng.choice([1, 1, 3])))
+        batch = rng.sample(seqs, rng.randint(1, len(seqs)))
+        logits = torch.randn(len(batch), VOCAB, generator=torch.Generator().manual_seed(seed * 100 + step)) * 3
+        assert torch.equal(penalized(logits, batch), reference_penalties(logits.clone(), batch)), f"step {step}"
+    penalizing = [s for s in seqs if s.params.frequency_penalty or s.params.presence_penalty
+                  or s.params.repetition_penalty != 1.0]
+    assert penalizing and all(s.token_history is not None for s in penalizing)
 
 
 def _ahead_view(rng: random.Random, seqs):

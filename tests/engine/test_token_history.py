@@ -1,4 +1,4 @@
-"""The n-gram proposer's per-sequence history (ngram_proposer.TokenHistory), grown as tokens
+"""The per-sequence history of the n-gram proposer and the penalties (token_history.TokenHistory), grown as tokens
 arrive, against converting the whole history each step: on random sequences that grow by one
 or several tokens a step (speculative steps), and that are sometimes cut back (a stop string's
 trim) and grown again, the array equals ``all_token_ids`` and the drafts are the same."""
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import random
 
-from loraplex.engine.ngram_proposer import NgramProposer, TokenHistory
+from loraplex.engine.ngram_proposer import NgramProposer
+from loraplex.engine.token_history import TokenHistory
 from loraplex.engine.sequence import Sequence
 from loraplex.engine.spec_drafts import DraftPlanner
 from loraplex.sampling_params import SamplingParams
