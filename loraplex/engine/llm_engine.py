@@ -12,6 +12,7 @@ from collections.abc import Callable
 from loraplex import generation_defaults
 from loraplex.config import EngineConfig
 from loraplex.engine.admission_order import check_priority, check_tenant_weight
+from loraplex.engine.bad_words import bad_words_token_ids
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.engine_start import (
     build_lora_manager, finalised_config, kv_layout_of, log_start, max_concurrency, served_context,
@@ -21,7 +22,6 @@ from loraplex.engine.grammar import GrammarFactory
 from loraplex.engine.outputs import RequestOutput, SchedulerOutput
 from loraplex.engine.reasoning_gate import ReasoningGate
 from loraplex.engine.request_state import PreparedRequest, RequestState
-from loraplex.engine.sampler import bad_words_token_ids
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
 from loraplex.lora.errors import AdapterLoadFailedError

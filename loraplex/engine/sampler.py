@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Sequence as Seq
 import numpy as np
 import torch
 
+from loraplex.engine.bad_words import apply_bad_words
 from loraplex.engine.host_arrays import values_to_device
 from loraplex.engine.outputs import SampledToken
 from loraplex.engine.penalties import PendingLastTokens, PromptTokens, apply_penalties
@@ -102,7 +103,7 @@ class Sampler:
         if uses.allowed_token_ids:
             logits = apply_allowed_token_ids(logits, seqs)
         if uses.bad_words:
-            logits = apply_bad_words(logits, seqs)
+            logits = apply_bad_words(logits, seqs, pending)
         grammar_rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None] if uses.grammar else []
         # rows still reasoning are left free (their grammar starts after it)
         masked_rows = [r for r in grammar_rows if seqs[r].reasoning_gate is None or seqs[r].reasoning_gate.masks]
@@ -297,34 +298,6 @@ def apply_allowed_token_ids(logits: torch.Tensor, seqs: Seq["Sequence"]) -> torc
         kept = logits[row, ids]
         logits[row] = float("-inf")
         logits[row, ids] = kept
-    return logits
-
-
-def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
-    """vLLM's rule: each word as tokenized alone and, where that differs, after a space (how it
-    appears inside a text), without special tokens."""
-    sequences: list[list[int]] = []
-    for word in words:
-        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
-        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        for ids in (plain, spaced):
-            if ids and ids not in sequences:
-                sequences.append(ids)
-    return sequences
-
-
-def apply_bad_words(logits: torch.Tensor, seqs: Seq["Sequence"]) -> torch.Tensor:
-    """vLLM's ``bad_words``: ``-inf`` for the token that would complete one of a row's bad
-    token sequences after the tokens it generated so far (a one-token word: always)."""
-    for row, seq in enumerate(seqs):
-        sequences = seq.params.bad_words_token_ids
-        if not sequences:
-            continue
-        out = seq.output_token_ids
-        for ids in sequences:
-            prefix = ids[:-1]
-            if not prefix or (len(out) >= len(prefix) and out[len(out) - len(prefix) :] == prefix):
-                logits[row, ids[-1]] = float("-inf")
     return logits
 
 

@@ -25,8 +25,8 @@ A sequence that ended after N was built (N computes its row and drops it) is lef
 as ``schedule()`` leaves it out. A step goes ahead from a step N that ran every running sequence
 and that a ``schedule()`` after the update would run again: no speculative drafts, blocks free for every new token without
 preempting, every adapter still in its device slot (nothing to load, so nothing that could fail
-to), no sequence whose sampling reads its own earlier tokens on the host (bad words, a grammar;
-penalties, ``min_tokens`` and seeds count the token still being drawn on the device), and no
+to), no sequence with a grammar (its matcher takes each token on the host; penalties,
+``min_tokens``, seeds and bad words read the token still being drawn on the device), and no
 chunk that reports prompt logprobs (which positions it reports depends on what N's update
 appends). Waiting requests are admitted into the step ahead as ``schedule()`` admits them (their
 prompts are known), except those whose adapter is not in a device slot. A request the token
@@ -43,12 +43,11 @@ from loraplex.engine.outputs import SchedulerOutput, ScheduledSeq
 from loraplex.engine.sequence import Sequence, SequenceStatus
 
 
-def samples_without_history(seq: Sequence) -> bool:
-    """Whether ``seq``'s next draw reads nothing of its earlier output on the host but how many
-    tokens there are and how often each came (a grammar's state and bad words' endings are read
-    from the tokens themselves). Penalties, ``min_tokens`` and seeds count the token the step
-    before is still drawing on the device (``penalties.PendingLastTokens``)."""
-    return seq.grammar is None and not seq.params.bad_words_token_ids
+def can_sample_ahead(seq: Sequence) -> bool:
+    """Whether ``seq``'s next draw can be queued before the token the step before draws for it
+    is on the host: all but a grammar, whose matcher must take that token first. Penalties,
+    ``min_tokens``, seeds and bad words read it on the device (``penalties.PendingLastTokens``)."""
+    return seq.grammar is None
 
 
 class ScheduleAhead:
@@ -109,7 +108,7 @@ class ScheduleAhead:
             adapters.add(seq.adapter_id)
             computed = entry.start_pos + entry.num_tokens
             if entry.needs_sample:
-                if not samples_without_history(seq):
+                if not can_sample_ahead(seq):
                     return None
                 decodes.append((seq, computed, 1, True))
             elif seq.needs_prompt_logprobs:

@@ -10,15 +10,9 @@ import random
 
 import torch
 
-from loraplex.engine.sampler import (
-    Sampler,
-    apply_allowed_token_ids,
-    apply_bad_words,
-    apply_logit_bias,
-    apply_min_tokens,
-    apply_penalties,
-    row_argmax,
-)
+from loraplex.engine.bad_words import apply_bad_words
+from loraplex.engine.penalties import apply_penalties
+from loraplex.engine.sampler import Sampler, apply_allowed_token_ids, apply_logit_bias, apply_min_tokens, row_argmax
 from loraplex.engine.sequence import Sequence
 from loraplex.sampling_params import SamplingParams
 

@@ -6,9 +6,9 @@ ahead once the step before is applied, with its KV checked against the block tab
 tokens, text, finish and stop reasons, streamed deltas and generation count, with and without
 overlap_outputs, roomy, chunked and preempting, with aborts; no block or request left behind.
 The scheduler's step ahead leaves the state a ``schedule()`` after the update leaves. Steps do
-not go ahead when the sampler reads a sequence's own tokens on the host, when something waits,
-or when blocks are short. Then the real tiny model with adapters and logprobs, eagerly here and
-through the CUDA-graph path in tests/kernels/test_schedule_ahead_graphs.py.
+not go ahead for a sequence with a grammar (its matcher reads each token on the host), when
+something waits, or when blocks are short. Then the real tiny model with adapters and logprobs,
+eagerly here and through the CUDA-graph path in tests/kernels/test_schedule_ahead_graphs.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import pytest
 
-from loraplex.engine.schedule_ahead import samples_without_history
+from loraplex.engine.schedule_ahead import can_sample_ahead
 from loraplex.sampling_params import SamplingParams
 from tests.engine.scheduler_harness import FakeModelRunner, Harness, reference_output
 from tests.engine.test_overlap_outputs import CONFIGS, _run, _workload, make_engine
@@ -108,15 +108,11 @@ def test_the_step_ahead_is_the_step_schedule_would_make_after_the_update():
         assert [s.output_token_ids for s in ahead_h.seqs] == [s.output_token_ids for s in sync_h.seqs]
 
 
-@pytest.mark.parametrize("option", ["bad_words", "grammar"])
-def test_no_step_goes_ahead_when_the_sampler_reads_the_sequences_own_tokens(option):
+def test_no_step_goes_ahead_with_a_grammar():
     h, _ = _decoding_pair()
     for seq in h.seqs:
-        if option == "bad_words":
-            seq.params.bad_words_token_ids = [[5]]
-        else:
-            seq.grammar = SimpleNamespace()  # a matcher: its state follows the tokens themselves
-    assert not any(samples_without_history(s) for s in h.seqs)
+        seq.grammar = SimpleNamespace()  # a matcher: its state follows the tokens themselves, on the host
+    assert not any(can_sample_ahead(s) for s in h.seqs)
     prev = h.scheduler.schedule()
     assert h.scheduler.schedule_ahead(prev) is None
     # and the refusal changed nothing
@@ -125,15 +121,16 @@ def test_no_step_goes_ahead_when_the_sampler_reads_the_sequences_own_tokens(opti
 
 @pytest.mark.parametrize("params", [
     dict(repetition_penalty=1.2), dict(frequency_penalty=0.5), dict(presence_penalty=0.5),
-    dict(min_tokens=10), dict(seed=7),
-], ids=["repetition", "frequency", "presence", "min_tokens", "seeded"])
-def test_penalties_min_tokens_and_seeds_go_ahead(params):
-    """They count the token the step before is still drawing on the device (the sampler's
-    ``pending``; checked against the full history in tests/engine/test_penalties.py)."""
+    dict(min_tokens=10), dict(seed=7), dict(bad_words_token_ids=[[5], [6, 7]]),
+], ids=["repetition", "frequency", "presence", "min_tokens", "seeded", "bad_words"])
+def test_penalties_min_tokens_seeds_and_bad_words_go_ahead(params):
+    """They read the token the step before is still drawing on the device (the sampler's
+    ``pending``; checked against the full history in tests/engine/test_penalties.py and
+    tests/engine/test_bad_words.py)."""
     h, _ = _decoding_pair(**params)
     for seq in h.seqs:
         seq.params.temperature = 0.8
-    assert all(samples_without_history(s) for s in h.seqs)
+    assert all(can_sample_ahead(s) for s in h.seqs)
     prev = h.scheduler.schedule()
     assert h.scheduler.schedule_ahead(prev) is not None
 
@@ -367,14 +364,18 @@ def test_no_step_goes_ahead_when_blocks_are_short():
 @pytest.mark.slow
 @pytest.mark.parametrize("chunked,options", [(False, False), (True, False), (False, True), (True, True)],
                          ids=["whole-prompts", "prompt-chunks", "whole-prompts-options", "prompt-chunks-options"])
-def test_real_tiny_model_with_adapters_gives_the_same_outputs(tiny_llama_dir, tmp_path, chunked, options):
+def test_real_tiny_model_with_adapters_gives_the_same_outputs(tiny_llama_dir, tmp_path, chunked, options, monkeypatch):
     """``prompt-chunks``: prompts longer than an 8-token budget, so their chunks go ahead beside
-    decodes whose input tokens are still being sampled. ``options``: penalties, ``min_tokens``
-    and seeded draws, which count the token the step before is still drawing, on the device."""
+    decodes whose input tokens are still being sampled. ``options``: penalties, ``min_tokens``,
+    seeded draws and bad words (two greedy rows ban every token right after itself: each
+    word's prefix is the token the step before is still drawing), which read that token on the
+    device."""
     from transformers import AutoModelForCausalLM
 
+    from loraplex.engine import sampler as sampler_module
     from loraplex.engine.llm import LLM
     from tests.fixtures.peft_adapters import make_peft_adapter
+    from tests.fixtures.tiny_models import VOCAB_SIZE
 
     base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype="float32").eval()
     adapters = {n: make_peft_adapter(base, tmp_path / n, seed=i, r=4 * (i + 1), target_modules="all-linear")
@@ -392,6 +393,20 @@ def test_real_tiny_model_with_adapters_gives_the_same_outputs(tiny_llama_dir, tm
                  dict(presence_penalty=2.0), dict(temperature=0.7, seed=2, repetition_penalty=1.3)]
         params = [SamplingParams(max_tokens=12, logprobs=2, n=1 + (i == 3), **{"temperature": 0.0, **extra})
                   for i, extra in enumerate(steer)]
+        # and two greedy rows of prompts that repeat tokens greedily, banned from doing so
+        no_repeats = [[t, t] for t in range(VOCAB_SIZE)]
+        prompts, which = prompts + [prompts[1], prompts[4]], which + [None, None]
+        params += [SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, bad_words_token_ids=no_repeats)
+                   for _ in range(2)]
+    ahead_bans = []  # steps that banned bad words of rows whose last token was still being drawn
+    apply_bad_words = sampler_module.apply_bad_words
+
+    def spy(logits, seqs, pending=None):
+        if pending is not None and any(seqs[row].params.bad_words_token_ids for row in pending.rows):
+            ahead_bans.append(len(pending.rows))
+        return apply_bad_words(logits, seqs, pending)
+
+    monkeypatch.setattr(sampler_module, "apply_bad_words", spy)
     results = []
     for ahead in (False, True):
         llm = LLM(model=str(tiny_llama_dir), dtype="float32", device="cpu", kv_cache_bytes=4 << 20, max_loras=4,
@@ -411,6 +426,10 @@ def test_real_tiny_model_with_adapters_gives_the_same_outputs(tiny_llama_dir, tm
         engine.step()  # nothing left to run: hands the runner the sequences the last step ended
         assert len(engine.runner.sampler.prompts) == 0  # each penalized prompt released with its sequence
     sync, ahead = results
+    if options:
+        assert ahead_bans, "no bad word was matched against a token still on the device"
+        for tokens in (ahead[6][0][0], ahead[7][0][0]):
+            assert all(a != b for a, b in zip(tokens, tokens[1:])), tokens
     for want, got in zip(sync, ahead):
         for (w_tokens, w_lps, w_reason), (g_tokens, g_lps, g_reason) in zip(want, got):
             assert g_tokens == w_tokens and g_reason == w_reason
