@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Sequence as Seq
 import numpy as np
 import torch
 
-from loraplex.engine.host_arrays import to_device
+from loraplex.engine.host_arrays import to_tensor
 
 if TYPE_CHECKING:  # pragma: no cover
     from loraplex.engine.penalties import PendingLastTokens
@@ -63,10 +63,10 @@ def apply_bad_words(logits: torch.Tensor, seqs: Seq["Sequence"], pending: "Pendi
                 if_drawn.append((row, at, prefix[-1], ids[-1]))
     device = logits.device
     if banned:
-        index = to_device(np.array(banned, dtype=np.int64), device)  # [B, 2]
+        index = to_tensor(banned, np.int64, device)  # [B, 2]
         logits[index[:, 0], index[:, 1]] = float("-inf")
     if if_drawn:
-        index = to_device(np.array(if_drawn, dtype=np.int64), device)  # [D, 4]
+        index = to_tensor(if_drawn, np.int64, device)  # [D, 4]
         drawn = pending.tokens[index[:, 1]] == index[:, 2]
         # added, not written: a (row, token) listed twice (by two words) must not have one
         # entry's "keep" overwrite the other's -inf

@@ -306,7 +306,7 @@ class ModelRunner:
             prompt_logprobs = prompt_token_logprobs(self.model, hidden, batch.prompt_logprob_rows, lora_ctx)
         if not batch.sample_rows:
             return PendingRun(None, [], prompt_logprobs=prompt_logprobs)
-        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
+        rows = to_tensor(batch.sample_rows, np.int64, self.device)
         head_lora = None if lora_ctx is None else lora_ctx.logits_lora(batch.sample_rows)
         run = self._sample(hidden[rows], batch.sample_seqs, batch.verify_spans, head_lora, batch.pending)
         run.prompt_logprobs = prompt_logprobs

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from loraplex.engine.host_arrays import to_tensor
 
 PROMPT_LOGPROB_ROWS = 256  # prompt rows per logits block: 256 x a 128k vocab in fp32 is 128 MiB
 
@@ -22,7 +25,7 @@ def prompt_token_logprobs(model, hidden: torch.Tensor, specs: list[tuple], lora_
             head_lora = None if lora_ctx is None else lora_ctx.logits_lora(list(range(row0 + lo, row0 + hi)))
             logits = model.compute_logits(hidden[row0 + lo : row0 + hi], head_lora)
             logprobs = torch.log_softmax(logits, dim=-1)
-            chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device).unsqueeze(1))  # [rows, 1]
+            chosen = logprobs.gather(1, to_tensor(targets, np.int64, logprobs.device).unsqueeze(1))  # [rows, 1]
             ranks = (logprobs > chosen).sum(dim=1) + 1
             top_ids = top_lps = None
             if top_n:

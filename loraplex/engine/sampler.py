@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from loraplex.engine.bad_words import apply_bad_words
-from loraplex.engine.host_arrays import values_to_device
+from loraplex.engine.host_arrays import to_device, to_tensor, values_to_device
 from loraplex.engine.outputs import SampledToken
 from loraplex.engine.penalties import PendingLastTokens, PromptTokens, apply_penalties
 from loraplex.engine.race_noise import RaceNoise
@@ -307,7 +307,7 @@ def _cached_ids(params, name: str, device: torch.device) -> torch.Tensor:
     key = f"_{name}_tensor"
     cached = params.__dict__.get(key)
     if cached is None or cached[0] is not ids or cached[1].device != device:
-        cached = (ids, torch.tensor(ids, dtype=torch.long, device=device))
+        cached = (ids, to_tensor(ids, np.int64, device))
         params.__dict__[key] = cached
     return cached[1]
 
@@ -352,8 +352,8 @@ def apply_grammars(
             allowed[k, gate.opening_token()] = True
     for k in np.flatnonzero(~allowed.any(axis=1)):
         allowed[k, [t for t in eos_token_ids if t < vocab]] = True
-    index = torch.tensor(rows, device=logits.device)
-    mask = torch.from_numpy(allowed).to(logits.device)
+    index = values_to_device(rows, torch.long, logits.device)
+    mask = to_device(allowed, logits.device)
     logits[index] = logits[index].masked_fill(~mask, float("-inf"))
     return logits
 
@@ -374,7 +374,8 @@ def apply_logit_bias(logits: torch.Tensor, seqs: Seq["Sequence"]) -> torch.Tenso
         values.append(row_values)
         counts.append(row_ids.numel())
     row_index = torch.repeat_interleave(  # output_size: no device sync to learn the length
-        torch.tensor(rows, device=logits.device), torch.tensor(counts, device=logits.device), output_size=sum(counts)
+        values_to_device(rows, torch.long, logits.device), values_to_device(counts, torch.long, logits.device),
+        output_size=sum(counts)
     )
     logits.index_put_((row_index, torch.cat(ids)), torch.cat(values).to(logits.dtype), accumulate=True)
     return logits
@@ -384,8 +385,8 @@ def _logit_bias_tensors(params, device: torch.device) -> tuple[torch.Tensor, tor
     bias = params.logit_bias
     cached = params.__dict__.get("_logit_bias_tensors")
     if cached is None or cached[0] is not bias or cached[1] != device:
-        ids = torch.tensor(list(bias.keys()), dtype=torch.long, device=device)
-        values = torch.tensor(list(bias.values()), dtype=torch.float32, device=device)
+        ids = to_tensor(list(bias.keys()), np.int64, device)
+        values = to_tensor(list(bias.values()), np.float32, device)
         cached = (bias, device, ids, values)
         params.__dict__["_logit_bias_tensors"] = cached
     return cached[2], cached[3]
@@ -393,17 +394,20 @@ def _logit_bias_tensors(params, device: torch.device) -> tuple[torch.Tensor, tor
 
 def apply_min_tokens(logits: torch.Tensor, seqs: Seq["Sequence"], eos_token_ids,
                      pending: PendingLastTokens | None = None) -> torch.Tensor:
-    """Forbid EOS and stop token ids for rows that have not yet generated ``min_tokens``."""
+    """Forbid EOS and stop token ids for rows that have not yet generated ``min_tokens`` (in
+    place, one write for the batch)."""
+    banned: list[tuple[int, int]] = []  # (row, token)
     for row, seq in enumerate(seqs):
         p = seq.params
         generated = len(seq.output_token_ids) if pending is None else pending.num_generated(row, seq)
         if p.min_tokens and generated < p.min_tokens:
-            banned = set(p.stop_token_ids)
+            tokens = set(p.stop_token_ids)
             if not p.ignore_eos:
-                banned |= set(eos_token_ids)
-            banned = [t for t in banned if 0 <= t < logits.shape[1]]
-            if banned:
-                logits[row, banned] = float("-inf")
+                tokens |= set(eos_token_ids)
+            banned += [(row, t) for t in tokens if 0 <= t < logits.shape[1]]
+    if banned:
+        index = to_tensor(banned, np.int64, logits.device)  # [B, 2]
+        logits[index[:, 0], index[:, 1]] = float("-inf")
     return logits
 
 
