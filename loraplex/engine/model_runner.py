@@ -51,7 +51,7 @@ from loraplex.engine.kv_budget import (
 )
 from loraplex.engine.kv_layout import KVLayout
 from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
-from loraplex.engine.pending_run import PendingRun, last_tokens_ahead, pending_items, put_pending
+from loraplex.engine.pending_run import DeferredDraw, PendingRun, last_tokens_ahead, pending_items, put_pending
 from loraplex.engine.penalties import PendingLastTokens
 from loraplex.engine.prompt_logprobs import prompt_token_logprobs
 from loraplex.engine.sampler import Sampler
@@ -335,6 +335,8 @@ class ModelRunner:
     ) -> PendingRun:
         # hidden: [num_sampled, H]; head_lora: the lm_head LoRA of these rows (None = none)
         logits = self.model.compute_logits(hidden, head_lora)  # [num_sampled, vocab] fp32
+        if pending is not None and any(seqs[row].grammar is not None for row in pending.rows):
+            return PendingRun(DeferredDraw(self.sampler, logits, seqs, self.eos_token_ids), seqs, verify_spans)
         return PendingRun(self.sampler.launch(logits, seqs, self.eos_token_ids, pending), seqs, verify_spans)
 
     def release(self, seq_ids) -> None:

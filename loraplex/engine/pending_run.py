@@ -9,14 +9,51 @@ import torch
 from loraplex.engine.host_arrays import to_device
 from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq
 from loraplex.engine.penalties import PendingLastTokens
-from loraplex.engine.sampler import PendingTokens
+from loraplex.engine.sampler import PendingTokens, Sampler
+from loraplex.engine.spec_verify import PositionView
+
+
+class DeferredDraw:
+    """A step's draw queued only once the step before it is applied: a step launched ahead
+    (``schedule_ahead``) whose rows include a grammar's still being drawn by the step before,
+    which the grammar's matcher must take on the host before it allows the next token. The
+    step's logits are computed at launch, so the device runs its forward meanwhile; the draw is
+    queued when a later step needs its tokens (``token_ids``: the step after it launched ahead)
+    or when it is read (``result``), both after the engine applied the step before. By then the
+    host has every row's last token, so the draw reads none of them on the device. A row whose
+    sequence has ended since (its row is dropped, as in any step ahead) draws without its
+    grammar, which is not advanced."""
+
+    __slots__ = ("_launch", "_tokens")
+
+    def __init__(self, sampler: Sampler, logits: torch.Tensor, seqs: list, eos_token_ids):
+        # logits: [num_sampled, vocab] fp32
+        def launch() -> PendingTokens:
+            rows = [PositionView(seq.prompt_token_ids, seq.output_token_ids, seq.params, seq.index, seq.seq_id)
+                    if seq.is_finished else seq for seq in seqs]
+            return sampler.launch(logits, rows, eos_token_ids)
+
+        self._launch = launch
+        self._tokens: PendingTokens | None = None
+
+    def launched(self) -> PendingTokens:
+        if self._tokens is None:
+            self._tokens, self._launch = self._launch(), None
+        return self._tokens
+
+    @property
+    def token_ids(self) -> torch.Tensor:  # [num_sampled] int64, on the device
+        return self.launched().token_ids
+
+    def result(self):
+        return self.launched().result()
 
 
 class PendingRun:
     """A step queued by ``ModelRunner.launch``; ``result()`` waits for its sampled tokens and
     returns the step's ``ModelRunnerOutput`` (once)."""
 
-    def __init__(self, tokens: PendingTokens | None, seqs: list, verify_spans: list[tuple] = (),
+    def __init__(self, tokens: PendingTokens | DeferredDraw | None, seqs: list, verify_spans: list[tuple] = (),
                  prompt_logprobs: dict | None = None):
         self.tokens = tokens  # None: the step samples nothing
         self.seqs = seqs  # one per sampled row (a speculative sequence: one PositionView per verified row)

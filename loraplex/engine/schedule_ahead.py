@@ -25,9 +25,7 @@ A sequence that ended after N was built (N computes its row and drops it) is lef
 as ``schedule()`` leaves it out. A step goes ahead from a step N that ran every running sequence
 and that a ``schedule()`` after the update would run again: no speculative drafts, blocks free for every new token without
 preempting, every adapter still in its device slot (nothing to load, so nothing that could fail
-to), no sequence with a grammar (its matcher takes each token on the host; penalties,
-``min_tokens``, seeds and bad words read the token still being drawn on the device), and no
-chunk that reports prompt logprobs (which positions it reports depends on what N's update
+to), and no chunk that reports prompt logprobs (which positions it reports depends on what N's update
 appends). Waiting requests are admitted into the step ahead as ``schedule()`` admits them (their
 prompts are known), except those whose adapter is not in a device slot. A request the token
 budget holds back would be held back by ``schedule()`` too; if anything else held one back
@@ -35,19 +33,18 @@ budget holds back would be held back by ``schedule()`` too; if anything else hel
 next step is a ``schedule()``, so none waits more than a step longer than without going ahead.
 An adapter starving for a slot leaves it to ``schedule()`` too. Otherwise the engine schedules
 the next step as before, after the update.
+
+Sampling goes ahead whatever it reads of the token still being drawn: penalties, ``min_tokens``,
+seeds and bad words read it on the device (``penalties.PendingLastTokens``). A grammar's
+matcher must take it on the host before it allows the next token, so a step with such a row
+computes its logits at launch and queues its draw once the step before is applied
+(``pending_run.DeferredDraw``).
 """
 
 from __future__ import annotations
 
 from loraplex.engine.outputs import SchedulerOutput, ScheduledSeq
 from loraplex.engine.sequence import Sequence, SequenceStatus
-
-
-def can_sample_ahead(seq: Sequence) -> bool:
-    """Whether ``seq``'s next draw can be queued before the token the step before draws for it
-    is on the host: all but a grammar, whose matcher must take that token first. Penalties,
-    ``min_tokens``, seeds and bad words read it on the device (``penalties.PendingLastTokens``)."""
-    return seq.grammar is None
 
 
 class ScheduleAhead:
@@ -108,8 +105,6 @@ class ScheduleAhead:
             adapters.add(seq.adapter_id)
             computed = entry.start_pos + entry.num_tokens
             if entry.needs_sample:
-                if not can_sample_ahead(seq):
-                    return None
                 decodes.append((seq, computed, 1, True))
             elif seq.needs_prompt_logprobs:
                 return None  # which prompt positions N+1 reports depends on what N's update appends

@@ -6,8 +6,7 @@ ahead once the step before is applied, with its KV checked against the block tab
 tokens, text, finish and stop reasons, streamed deltas and generation count, with and without
 overlap_outputs, roomy, chunked and preempting, with aborts; no block or request left behind.
 The scheduler's step ahead leaves the state a ``schedule()`` after the update leaves. Steps do
-not go ahead for a sequence with a grammar (its matcher reads each token on the host), when
-something waits, or when blocks are short. Then the real tiny model with adapters and logprobs,
+not go ahead when something waits, or when blocks are short. Then the real tiny model with adapters and logprobs,
 eagerly here and through the CUDA-graph path in tests/kernels/test_schedule_ahead_graphs.py.
 """
 
@@ -19,7 +18,6 @@ from collections import defaultdict
 
 import pytest
 
-from loraplex.engine.schedule_ahead import can_sample_ahead
 from loraplex.sampling_params import SamplingParams
 from tests.engine.scheduler_harness import FakeModelRunner, Harness, reference_output
 from tests.engine.test_overlap_outputs import CONFIGS, _run, _workload, make_engine
@@ -108,29 +106,21 @@ def test_the_step_ahead_is_the_step_schedule_would_make_after_the_update():
         assert [s.output_token_ids for s in ahead_h.seqs] == [s.output_token_ids for s in sync_h.seqs]
 
 
-def test_no_step_goes_ahead_with_a_grammar():
-    h, _ = _decoding_pair()
-    for seq in h.seqs:
-        seq.grammar = SimpleNamespace()  # a matcher: its state follows the tokens themselves, on the host
-    assert not any(can_sample_ahead(s) for s in h.seqs)
-    prev = h.scheduler.schedule()
-    assert h.scheduler.schedule_ahead(prev) is None
-    # and the refusal changed nothing
-    assert [s.num_computed_tokens for s in h.seqs] == [e.start_pos for e in prev.scheduled]
-
-
 @pytest.mark.parametrize("params", [
     dict(repetition_penalty=1.2), dict(frequency_penalty=0.5), dict(presence_penalty=0.5),
-    dict(min_tokens=10), dict(seed=7), dict(bad_words_token_ids=[[5], [6, 7]]),
-], ids=["repetition", "frequency", "presence", "min_tokens", "seeded", "bad_words"])
-def test_penalties_min_tokens_seeds_and_bad_words_go_ahead(params):
-    """They read the token the step before is still drawing on the device (the sampler's
-    ``pending``; checked against the full history in tests/engine/test_penalties.py and
-    tests/engine/test_bad_words.py)."""
+    dict(min_tokens=10), dict(seed=7), dict(bad_words_token_ids=[[5], [6, 7]]), dict(grammar=True),
+], ids=["repetition", "frequency", "presence", "min_tokens", "seeded", "bad_words", "grammar"])
+def test_every_sampling_option_goes_ahead(params):
+    """Penalties, min_tokens, seeds and bad words read the token the step before is still
+    drawing on the device (the sampler's ``pending``; checked against the full history in
+    tests/engine/test_penalties.py and tests/engine/test_bad_words.py); a grammar's draw waits
+    until that token is applied (``DeferredDraw``; end to end on the tiny model below)."""
+    grammar = params.pop("grammar", False)
     h, _ = _decoding_pair(**params)
     for seq in h.seqs:
         seq.params.temperature = 0.8
-    assert all(can_sample_ahead(s) for s in h.seqs)
+        if grammar:
+            seq.grammar = SimpleNamespace()  # a matcher: its state follows the tokens, on the host
     prev = h.scheduler.schedule()
     assert h.scheduler.schedule_ahead(prev) is not None
 

@@ -33,8 +33,13 @@ PROMPTS = ["question:", "why", "Think first. "]
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    path = make_thinking_model_dir(tmp_path_factory.mktemp("thinking"))
+def thinking_dir(tmp_path_factory):
+    return make_thinking_model_dir(tmp_path_factory.mktemp("thinking"))
+
+
+@pytest.fixture(scope="module")
+def world(thinking_dir, tmp_path_factory):
+    path = thinking_dir
     llm = LLM(model=str(path), dtype="float32", device="cpu", home=tmp_path_factory.mktemp("home"))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = llm.get_tokenizer()
@@ -122,18 +127,21 @@ def test_reasoning_cut_by_max_tokens_has_no_answer(world):
     assert END_THINK not in out.text and _not_a_choice_prefix(tok, tokens)
 
 
-def test_sampled_json_after_reasoning_validates(world):
-    """Several sampled sequences (n=3, each its own gate and matcher): reasoning of free bytes,
-    then JSON that validates against the schema."""
-    llm, model, tok, think, end = world
+def _sampled_json_params(think: int, end: int) -> SamplingParams:
     # the end marker favoured enough to close every reasoning within max_tokens, not so much
     # that it closes at once: with +9 about 3% of the sequences reasoned at all, so whether any
     # of these 6 did hung on the sampler's random stream (+5: about 80%, all stopping)
     bias = {end: 5.0, 4 + ord('"'): 3.0}
     spec = StructuredOutputs(json=SCHEMA, disable_any_whitespace=True)
-    params = SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=120, logit_bias=bias, structured_outputs=spec,
-                            reasoning_boundary=ReasoningBoundary((end,), (think,), "reasoning"))
-    outs = llm.generate([byte_ids("q:"), byte_ids("data")], params)
+    return SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=120, logit_bias=bias, structured_outputs=spec,
+                          reasoning_boundary=ReasoningBoundary((end,), (think,), "reasoning"))
+
+
+def test_sampled_json_after_reasoning_validates(world):
+    """Several sampled sequences (n=3, each its own gate and matcher): reasoning of free bytes,
+    then JSON that validates against the schema."""
+    llm, model, tok, think, end = world
+    outs = llm.generate([byte_ids("q:"), byte_ids("data")], _sampled_json_params(think, end))
     free = 0
     for comp in [c for o in outs for c in o.outputs]:
         assert comp.finish_reason == "stop" and comp.token_ids.count(end) == 1, comp.text
@@ -141,6 +149,18 @@ def test_sampled_json_after_reasoning_validates(world):
         jsonschema.validate(json.loads(answer), SCHEMA)
         free += bool(reasoning) and not reasoning.startswith("{")
     assert free  # reasoning the grammar would have refused came through
+
+
+def test_steps_ahead_give_the_same_reasoning_and_answers(world, thinking_dir, tmp_path):
+    """With ``schedule_ahead`` the grammar rows' draws wait for the step before
+    (``DeferredDraw``) and each gate opens the grammar at the same token: the same outputs."""
+    llm, model, tok, think, end = world
+    ahead = LLM(model=str(thinking_dir), dtype="float32", device="cpu", home=tmp_path / "home", schedule_ahead=True)
+    prompts = [byte_ids("q:"), byte_ids("data")]
+    params = _sampled_json_params(think, end)
+    want = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in llm.generate(prompts, params)]
+    got = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in ahead.generate(prompts, params)]
+    assert got == want and any(end in tokens[1:] for out in want for tokens, _ in out)
 
 
 def test_gate_with_multi_token_markers():
