@@ -11,6 +11,7 @@ from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq
 from loraplex.engine.penalties import PendingLastTokens
 from loraplex.engine.sampler import PendingTokens, Sampler
 from loraplex.engine.spec_verify import PositionView
+from loraplex.sampling_params import SamplingParams
 
 
 class DeferredDraw:
@@ -21,15 +22,17 @@ class DeferredDraw:
     queued when a later step needs its tokens (``token_ids``: the step after it launched ahead)
     or when it is read (``result``), both after the engine applied the step before. By then the
     host has every row's last token, so the draw reads none of them on the device. A row whose
-    sequence has ended since (its row is dropped, as in any step ahead) draws without its
-    grammar, which is not advanced."""
+    sequence has ended since (its row is dropped, as in any step ahead) is drawn greedily with
+    no option: its grammar is not advanced, and nothing is kept for it (the runner may have
+    released the sequence already: a repetition penalty would keep its prompt again)."""
 
     __slots__ = ("_launch", "_tokens")
 
     def __init__(self, sampler: Sampler, logits: torch.Tensor, seqs: list, eos_token_ids):
         # logits: [num_sampled, vocab] fp32
         def launch() -> PendingTokens:
-            rows = [PositionView(seq.prompt_token_ids, seq.output_token_ids, seq.params, seq.index, seq.seq_id)
+            ended = SamplingParams(temperature=0.0)  # a dropped row's draw: greedy, nothing kept
+            rows = [PositionView(seq.prompt_token_ids, seq.output_token_ids, ended, seq.index, seq.seq_id)
                     if seq.is_finished else seq for seq in seqs]
             return sampler.launch(logits, rows, eos_token_ids)
 

@@ -93,7 +93,8 @@ class _RecordingGrammar:
 
 def test_a_deferred_draw_leaves_the_grammar_of_a_sequence_ended_since_alone():
     """Drawn after the step before is applied: the row of a sequence that step ended is drawn
-    without its grammar (no mask asked, no token consumed); the others as usual, once."""
+    greedily without any option (no mask asked, no token consumed, no prompt kept for its
+    repetition penalty); the others as usual, once."""
     import torch
 
     from loraplex.engine.pending_run import DeferredDraw
@@ -101,16 +102,20 @@ def test_a_deferred_draw_leaves_the_grammar_of_a_sequence_ended_since_alone():
     from loraplex.engine.sequence import Sequence, SequenceStatus
 
     vocab = 16
-    seqs = [Sequence(i, f"r{i}", [1, 2], SamplingParams(temperature=0.0)) for i in range(2)]
+    seqs = [Sequence(i, f"r{i}", [1, 2], SamplingParams(temperature=0.0, repetition_penalty=1.3)) for i in range(2)]
     for seq in seqs:
         seq.grammar = _RecordingGrammar(vocab)
         seq.status = SequenceStatus.RUNNING
-    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0))
-    draw = DeferredDraw(Sampler(), logits, seqs, {1})
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0)).abs()  # penalized: divided
+    sampler = Sampler()
+    draw = DeferredDraw(sampler, logits, seqs, {1})
     assert seqs[0].grammar.masks == 0  # nothing drawn at launch
     seqs[1].status = SequenceStatus.FINISHED_STOPPED  # ended by the step before
     tokens = [t.token_id for t in draw.result()]
-    assert tokens == logits.argmax(dim=-1).tolist()
+    penalized = logits.clone()
+    penalized[0, [1, 2]] /= 1.3  # the prompt's tokens, in the live row only
+    assert tokens == penalized.argmax(dim=-1).tolist()
+    assert len(sampler.prompts) == 1  # the ended sequence's prompt not kept (it may be released already)
     assert (seqs[0].grammar.masks, seqs[0].grammar.consumed) == (1, [tokens[0]])
     assert (seqs[1].grammar.masks, seqs[1].grammar.consumed) == (0, [])
     assert draw.token_ids.tolist() == tokens  # drawn once
