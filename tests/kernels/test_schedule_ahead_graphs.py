@@ -1,9 +1,10 @@
 """``schedule_ahead`` through the CUDA-graph decode path, on CPU: the Triton kernels under the
 interpreter, a stand-in capture that replays the forward eagerly on the same static buffers. A
 step launched ahead takes its input tokens from the step before on the device, copied into the
-graph's input buffer after the staged host inputs; greedy outputs and logprobs must be those of
-the engine that waits (tests/engine/test_schedule_ahead.py holds the eager path and the fake
-runner's exhaustive comparison)."""
+graph's input buffer after the staged host inputs; greedy outputs (penalties, a seeded draw,
+a grammar and bad words among them) and logprobs must be those of the engine that waits
+(tests/engine/test_schedule_ahead.py holds the eager path and the fake runner's exhaustive
+comparison)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from tests.fixtures.peft_adapters import make_peft_adapter
 from loraplex.engine.cuda_graphs import DecodeGraphs, eager_capture
 from loraplex.kernels import dispatch
 from loraplex.sampling_params import SamplingParams
+from loraplex.structured_output import StructuredOutputs
+from tests.fixtures.tiny_models import VOCAB_SIZE
 
 
 @pytest.mark.slow
@@ -36,6 +39,13 @@ def test_graph_steps_launched_ahead_give_the_outputs_of_the_engine_that_waits(ti
              dict(temperature=0.9, seed=3)]
     params = [SamplingParams(ignore_eos=True, max_tokens=n, logprobs=1, **{"temperature": 0.0, **extra})
               for n, extra in zip((5, 3, 6, 6, 4), steer)]
+    # a grammar row (its draw waits for the step before: DeferredDraw) and bad words read on the device
+    prompts += [prompts[1], prompts[3]]
+    which += [None, "a"]
+    params += [SamplingParams(temperature=0.0, max_tokens=6, logprobs=1,
+                              structured_outputs=StructuredOutputs(regex="[a-c]{2}-[0-9]{3}")),
+               SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=5, logprobs=1,
+                              bad_words_token_ids=[[t, t] for t in range(VOCAB_SIZE)])]
     results = []
     for ahead in (False, True):
         llm = LLM(model=str(tiny_llama_dir), dtype="float32", device="cpu", kv_cache_bytes=4 << 20, max_loras=2,
@@ -56,6 +66,7 @@ def test_graph_steps_launched_ahead_give_the_outputs_of_the_engine_that_waits(ti
         assert graph_ahead and (sum(graph_ahead) > 0) == ahead
         assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     sync, ahead = results
+    assert len(sync[5][0]) == 6 and all(a != b for a, b in zip(sync[6][0], sync[6][0][1:]))
     for (w_tokens, w_lps), (g_tokens, g_lps) in zip(sync, ahead):
         assert g_tokens == w_tokens
         # the graph's bucket pads both alike, so the same rows compute the same numbers
