@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Sequence as Seq
 import numpy as np
 import torch
 
-from loraplex.engine.host_arrays import to_tensor
+from loraplex.host_arrays import to_tensor
 
 if TYPE_CHECKING:  # pragma: no cover
     from loraplex.engine.penalties import PendingLastTokens

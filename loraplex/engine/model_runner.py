@@ -45,7 +45,7 @@ from loraplex.engine.block_table_mirror import BlockTableMirror
 from loraplex.engine.cuda_graphs import DecodeGraphs, cuda_capture
 from loraplex.engine.decode_inputs import decode_inputs, is_one_token_step, window_first_blocks
 from loraplex.engine.device_choice import available_ram_bytes, resolve_device, resolve_dtype
-from loraplex.engine.host_arrays import to_device, to_tensor
+from loraplex.host_arrays import to_device, to_tensor
 from loraplex.engine.kv_budget import (
     cpu_budget, device_memory, fraction_budget, memory_at_start, sizing_option, utilization_budget,
 )

@@ -23,7 +23,7 @@ from typing import Sequence as Seq
 import numpy as np
 import torch
 
-from loraplex.engine.host_arrays import to_device
+from loraplex.host_arrays import to_device
 from loraplex.engine.sequence import Sequence
 from loraplex.engine.token_history import history_of
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from loraplex.engine.host_arrays import to_device
+from loraplex.host_arrays import to_device
 from loraplex.engine.outputs import ModelRunnerOutput, ScheduledSeq
 from loraplex.engine.penalties import PendingLastTokens
 from loraplex.engine.sampler import PendingTokens, Sampler
@@ -31,9 +31,7 @@ class DeferredDraw:
     def __init__(self, sampler: Sampler, logits: torch.Tensor, seqs: list, eos_token_ids):
         # logits: [num_sampled, vocab] fp32
         def launch() -> PendingTokens:
-            ended = SamplingParams(temperature=0.0)  # a dropped row's draw: greedy, nothing kept
-            rows = [PositionView(seq.prompt_token_ids, seq.output_token_ids, ended, seq.index, seq.seq_id)
-                    if seq.is_finished else seq for seq in seqs]
+            rows = [_ended_row(seq) if seq.is_finished else seq for seq in seqs]
             return sampler.launch(logits, rows, eos_token_ids)
 
         self._launch = launch
@@ -50,6 +48,12 @@ class DeferredDraw:
 
     def result(self):
         return self.launched().result()
+
+
+def _ended_row(seq) -> PositionView:
+    """A dropped row's stand-in in a deferred draw: greedy, with no option, no grammar."""
+    return PositionView(seq.prompt_token_ids, seq.output_token_ids, SamplingParams(temperature=0.0), seq.index,
+                        seq.seq_id)
 
 
 class PendingRun:

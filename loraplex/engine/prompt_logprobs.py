@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from loraplex.engine.host_arrays import to_tensor
+from loraplex.host_arrays import to_tensor
 
 PROMPT_LOGPROB_ROWS = 256  # prompt rows per logits block: 256 x a 128k vocab in fp32 is 128 MiB
 

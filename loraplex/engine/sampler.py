@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from loraplex.engine.bad_words import apply_bad_words
-from loraplex.engine.host_arrays import to_device, to_tensor, values_to_device
+from loraplex.host_arrays import to_device, to_tensor, values_to_device
 from loraplex.engine.outputs import SampledToken
 from loraplex.engine.penalties import PendingLastTokens, PromptTokens, apply_penalties
 from loraplex.engine.race_noise import RaceNoise

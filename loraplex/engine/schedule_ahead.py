@@ -23,10 +23,10 @@ the budget may cut a chunk in N+1 a token shorter than ``schedule()`` would: the
 
 A sequence that ended after N was built (N computes its row and drops it) is left out of N+1,
 as ``schedule()`` leaves it out. A step goes ahead from a step N that ran every running sequence
-and that a ``schedule()`` after the update would run again: no speculative drafts, blocks free for every new token without
-preempting, every adapter still in its device slot (nothing to load, so nothing that could fail
-to), and no chunk that reports prompt logprobs (which positions it reports depends on what N's update
-appends). Waiting requests are admitted into the step ahead as ``schedule()`` admits them (their
+and that a ``schedule()`` after the update would run again: no speculative drafts, blocks free
+for every new token without preempting, every adapter still in its device slot (nothing to load,
+so nothing that could fail to), and no chunk that reports prompt logprobs (which positions it
+reports depends on what N's update appends). Waiting requests are admitted into the step ahead as ``schedule()`` admits them (their
 prompts are known), except those whose adapter is not in a device slot. A request the token
 budget holds back would be held back by ``schedule()`` too; if anything else held one back
 (seats, blocks or adapter slots that sequences ending in N may free, an adapter to place), the

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.engine.host_arrays import values_to_device
+from loraplex.host_arrays import values_to_device
 
 # the most tokens of a row ordered by ``topk`` instead of a full sort (Qwen's generation config
 # asks top_k 20); ``topk``'s cost grows with it (bench_top_k: top_k 1000 costs several times 20)

@@ -8,6 +8,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from loraplex.host_arrays import to_tensor
 from loraplex.kernels import dispatch
 from loraplex.kernels.lora_meta import LoRABatchMeta
 from loraplex.kernels.moe_lora import ExpertLoRA, token_slots_from_meta
@@ -44,25 +45,15 @@ def group_by_slot(token_slots: list[int]) -> tuple[list[int], list[int], list[in
     return perm, seg_starts, seg_slot, max_seg_len
 
 
-def _to_device(values: list[int], dtype: type, device: torch.device) -> torch.Tensor:
-    """A host list on ``device``; to a GPU from page-locked memory without waiting: a copy from
-    ordinary memory first waits for all the stream's work, which with ``schedule_ahead`` is the
-    step before (the engine's ``host_arrays.to_device``, which ``lora`` may not import)."""
-    tensor = torch.from_numpy(np.asarray(values, dtype=dtype))
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 def build_batch_meta(token_slots: list[int], slot_rank: torch.Tensor, slot_rank_host: list[int]) -> LoRABatchMeta:
     """The step's ``LoRABatchMeta``: tokens grouped by device slot (see ``group_by_slot``)."""
     device = slot_rank.device
     perm, seg_starts, seg_slot, max_seg_len = group_by_slot(token_slots)
     max_rank = max((slot_rank_host[s] for s in seg_slot), default=0)
     return LoRABatchMeta(
-        token_perm=_to_device(perm, np.int64, device),
-        seg_starts=_to_device(seg_starts, np.int32, device),
-        seg_slot=_to_device(seg_slot, np.int32, device),
+        token_perm=to_tensor(perm, np.int64, device),
+        seg_starts=to_tensor(seg_starts, np.int32, device),
+        seg_slot=to_tensor(seg_slot, np.int32, device),
         slot_rank=slot_rank,
         num_tokens=len(token_slots),
         num_segments=len(seg_slot),

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import torch
 
-from loraplex.engine.host_arrays import to_tensor
+from loraplex.host_arrays import to_tensor
 from tests.engine.block_table_reference import block_table_rows
 
 
