@@ -182,9 +182,8 @@ def section_sampling(args) -> list[Row]:
     """The engine sampling with top-k / top-p, ordering only the tokens that can survive
     (``top_k_top_p``) and drawing among a small top_k's candidates, against the same engine
     sorting the whole vocabulary and drawing over it each step (the way before,
-    ``PARTIAL_TOP_K_MAX`` 0): temperature 0.8, seeded, prefix caching on, the first dtype."""
+    the engine's sampler with ``partial_top_k_max`` 0): temperature 0.8, seeded, prefix caching on, the first dtype."""
     from loraplex import LLM, SamplingParams
-    from loraplex.engine import top_k_top_p
     from loraplex.model.loader import load_tokenizer, resolve_model_dir
 
     model_dir, _name = resolve_model_dir(args.model, Path(args.home).expanduser())
@@ -192,15 +191,16 @@ def section_sampling(args) -> list[Row]:
     dtype = args.dtypes.split(",")[0]
     llm = LLM(model=args.model, dtype=dtype, home=Path(args.home).expanduser(), max_model_len=args.max_model_len,
               max_num_seqs=max(256, len(prompt_ids)))
-    default_max = top_k_top_p.PARTIAL_TOP_K_MAX
+    sampler = llm.engine.runner.sampler
+    default_max = sampler.partial_top_k_max
 
     def with_limit(run: Callable[[], float], limit: int) -> Callable[[], float]:
         def limited() -> float:
-            top_k_top_p.PARTIAL_TOP_K_MAX = limit
+            sampler.partial_top_k_max = limit
             try:
                 return run()
             finally:
-                top_k_top_p.PARTIAL_TOP_K_MAX = default_max
+                sampler.partial_top_k_max = default_max
         return limited
 
     rows = []

@@ -84,13 +84,8 @@ def bench_sampler(report: Report, on_gpu: bool, device: str) -> None:
         name = f"draw, top_k 20, top_p 0.8{', seeded' if seeded else ''}"
 
         def draw_with(limit: int, seqs=draw_seqs):
-            def run():
-                filters.PARTIAL_TOP_K_MAX = limit
-                try:
-                    return Sampler(seed=0, device=device)._sample_random(logits, seqs, {i: 0 for i in range(rows)})
-                finally:
-                    filters.PARTIAL_TOP_K_MAX = default_max
-            return run
+            sampler = Sampler(seed=0, device=device, partial_top_k_max=limit)
+            return lambda: sampler._sample_random(logits, seqs, {i: 0 for i in range(rows)})
 
         for label, fn in (("whole vocabulary", draw_with(0)), ("among the top_k", draw_with(default_max))):
             among = (fn().unsqueeze(1) == top20).any(dim=1).all().item()

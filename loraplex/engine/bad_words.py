@@ -35,6 +35,13 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     return sequences
 
 
+def ban_tokens(logits: torch.Tensor, banned: list[tuple[int, int]]) -> None:
+    """``-inf`` at each (row, token) of ``banned``, in place: one write for the batch."""
+    if banned:
+        index = to_tensor(banned, np.int64, logits.device)  # [B, 2]
+        logits[index[:, 0], index[:, 1]] = float("-inf")
+
+
 def _ends_with(out: list[int], tail: list[int]) -> bool:
     return len(out) >= len(tail) and out[len(out) - len(tail):] == tail
 
@@ -61,12 +68,9 @@ def apply_bad_words(logits: torch.Tensor, seqs: Seq["Sequence"], pending: "Pendi
                     banned.append((row, ids[-1]))
             elif _ends_with(out, prefix[:-1]):  # the output is out + the token being drawn
                 if_drawn.append((row, at, prefix[-1], ids[-1]))
-    device = logits.device
-    if banned:
-        index = to_tensor(banned, np.int64, device)  # [B, 2]
-        logits[index[:, 0], index[:, 1]] = float("-inf")
+    ban_tokens(logits, banned)
     if if_drawn:
-        index = to_tensor(if_drawn, np.int64, device)  # [D, 4]
+        index = to_tensor(if_drawn, np.int64, logits.device)  # [D, 4]
         drawn = pending.tokens[index[:, 1]] == index[:, 2]
         # added, not written: a (row, token) listed twice (by two words) must not have one
         # entry's "keep" overwrite the other's -inf

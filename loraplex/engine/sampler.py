@@ -19,7 +19,7 @@ Order of operations per row (as vLLM v1):
 6. Other rows: divide by temperature, then ``min_p`` (drop tokens with probability below
    ``min_p`` times the top one), ``top_k``, ``top_p`` (smallest set of top tokens whose mass
    reaches ``top_p``; ordering only the tokens that can survive: ``top_k_top_p``), then draw
-   from the softmax. Rows with a top_k of at most ``top_k_top_p.PARTIAL_TOP_K_MAX`` do all of
+   from the softmax. Rows with a top_k of at most the sampler's ``partial_top_k_max`` do all of
    step 6 over their top_k best tokens only (the same distribution, far less work).
 
 Logprobs (``params.logprobs = N``) are those of the raw model distribution, before any of the
@@ -42,12 +42,12 @@ from typing import TYPE_CHECKING, Sequence as Seq
 import numpy as np
 import torch
 
-from loraplex.engine.bad_words import apply_bad_words
+from loraplex.engine.bad_words import apply_bad_words, ban_tokens
 from loraplex.host_arrays import to_device, to_tensor, values_to_device
 from loraplex.engine.outputs import SampledToken
 from loraplex.engine.penalties import PendingLastTokens, PromptTokens, apply_penalties
 from loraplex.engine.race_noise import RaceNoise
-from loraplex.engine.top_k_top_p import apply_top_k_top_p, keep_candidates, rows_with_small_top_k
+from loraplex.engine.top_k_top_p import PARTIAL_TOP_K_MAX, apply_top_k_top_p, keep_candidates, rows_with_small_top_k
 
 if TYPE_CHECKING:  # pragma: no cover
     from loraplex.engine.sequence import Sequence
@@ -64,10 +64,15 @@ def row_seed(seed: int, index: int, step: int) -> int:
 
 
 class Sampler:
-    """Turns ``logits[N, vocab]`` (fp32) for N sequences into one ``SampledToken`` each."""
+    """Turns ``logits[N, vocab]`` (fp32) for N sequences into one ``SampledToken`` each.
 
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+    ``partial_top_k_max``: rows with a top_k up to it draw among their top_k best tokens, and
+    on the CPU rows of top_p alone try that many best tokens before a full sort
+    (``top_k_top_p``); 0 sorts and draws over the whole vocabulary (benchmarks' baseline)."""
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu", partial_top_k_max: int = PARTIAL_TOP_K_MAX):
         self.device = torch.device(device)
+        self.partial_top_k_max = partial_top_k_max
         self.noise = RaceNoise(seed, self.device)
         # structured output: (matchers) -> [n, vocab] bool allowed tokens, computed in parallel
         # (the engine's GrammarFactory.allowed_tokens); None computes them one by one
@@ -136,7 +141,7 @@ class Sampler:
         params = [s.params for s in seqs]
         seeds = [None if p.seed is None else row_seed(p.seed, getattr(seq, "index", 0), generated[i])
                  for i, (seq, p) in enumerate(zip(seqs, params))]
-        near = rows_with_small_top_k([p.top_k for p in params], logits.shape[1])
+        near = rows_with_small_top_k([p.top_k for p in params], logits.shape[1], self.partial_top_k_max)
         if len(near) == len(params):
             return self._draw_among_best(logits, params, seeds)
         if not near:
@@ -153,7 +158,8 @@ class Sampler:
         """One token per row ([n] int64) from the whole vocabulary's softmax after temperature,
         min_p, top_k and top_p. ``seeds``: each row's draw seed (None: the shared generator)."""
         scaled = apply_min_p(_scaled(logits, logits.amax(dim=1, keepdim=True), params), [p.min_p for p in params])
-        scaled = apply_top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
+        scaled = apply_top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params],
+                                   self.partial_top_k_max)
         probs = torch.softmax(scaled, dim=-1)  # [n, vocab]
         return row_argmax(probs / self.noise(probs, seeds))
 
@@ -405,9 +411,7 @@ def apply_min_tokens(logits: torch.Tensor, seqs: Seq["Sequence"], eos_token_ids,
             if not p.ignore_eos:
                 tokens |= set(eos_token_ids)
             banned += [(row, t) for t in tokens if 0 <= t < logits.shape[1]]
-    if banned:
-        index = to_tensor(banned, np.int64, logits.device)  # [B, 2]
-        logits[index[:, 0], index[:, 1]] = float("-inf")
+    ban_tokens(logits, banned)
     return logits
 
 

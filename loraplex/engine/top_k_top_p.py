@@ -6,9 +6,9 @@ Both need each row's tokens best first, and a sort of the whole vocabulary is th
 vLLM timed a sort-based top-k over 256 rows of a 131,072 vocabulary at 3.8 ms on its GPU
 (vllm-project/vllm#32558), and on this project's 2-core CPU seconds over 256 rows of Qwen's 152k
 (``benchmarks/bench_top_k.py``). The rows that come here have no top_k or one above
-``PARTIAL_TOP_K_MAX`` (any top_k is still filtered right, by a full sort). So:
+the sampler's ``partial_top_k_max`` (any top_k is still filtered right, by a full sort). So:
 
-- on the CPU, rows of top_p alone: the best ``PARTIAL_TOP_K_MAX`` tokens first, with the mass
+- on the CPU, rows of top_p alone: their best ``partial_max`` tokens first, with the mass
   taken over the whole row; a row whose nucleus reaches past them is sorted in full. Deciding
   that reads a flag per row back, free on the CPU; on a GPU it would wait for the device (and
   for the step ahead of it, ``schedule_ahead``), so there those rows are sorted in full;
@@ -26,29 +26,33 @@ import torch
 from loraplex.host_arrays import values_to_device
 
 # the most tokens of a row ordered by ``topk`` instead of a full sort (Qwen's generation config
-# asks top_k 20); ``topk``'s cost grows with it (bench_top_k: top_k 1000 costs several times 20)
+# asks top_k 20); ``topk``'s cost grows with it (bench_top_k: top_k 1000 costs several times 20).
+# A sampler's default; benchmarks pass 0 (every row sorted in full: the way before)
 PARTIAL_TOP_K_MAX = 1024
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float],
+                      partial_max: int = PARTIAL_TOP_K_MAX) -> torch.Tensor:
     """Keep each row's ``top_k`` best tokens (0 = all), then the smallest prefix (by probability)
     whose mass reaches ``top_p``; the rest become -inf. The best token always survives.
-    ``logits``: [n, vocab]."""
+    ``logits``: [n, vocab]. ``partial_max``: on the CPU, rows of top_p alone try their best
+    ``partial_max`` tokens first (0: every row sorted in full)."""
     vocab = logits.shape[1]
     ks = [k if 0 < k < vocab else vocab for k in top_ks]
     ps = list(top_ps)
     if all(k == vocab for k in ks) and all(p >= 1.0 for p in ps):
         return logits
-    if logits.device.type == "cpu" and 0 < PARTIAL_TOP_K_MAX < vocab and any(
-            k == vocab and p < 1.0 for k, p in zip(ks, ps)):
-        return _keep_best_cpu(logits, ks, ps)
+    if logits.device.type == "cpu" and 0 < partial_max < vocab:
+        top_p_alone = [r for r, (k, p) in enumerate(zip(ks, ps)) if k == vocab and p < 1.0]
+        if top_p_alone:
+            return _keep_best_cpu(logits, ks, ps, top_p_alone, partial_max)
     return _keep_best(logits, *logits.sort(dim=-1, descending=True), ks, ps)[0]
 
 
-def rows_with_small_top_k(top_ks: list[int], vocab: int) -> list[int]:
-    """The rows whose top_k (0 < k < vocab) is at most ``PARTIAL_TOP_K_MAX``: their candidates
-    are the ``topk`` of the batch's largest such top_k, whatever the rest of the batch asks."""
-    limit = min(PARTIAL_TOP_K_MAX, vocab - 1)
+def rows_with_small_top_k(top_ks: list[int], vocab: int, partial_max: int = PARTIAL_TOP_K_MAX) -> list[int]:
+    """The rows whose top_k (0 < k < vocab) is at most ``partial_max``: their candidates are the
+    ``topk`` of the batch's largest such top_k, whatever the rest of the batch asks."""
+    limit = min(partial_max, vocab - 1)
     return [row for row, k in enumerate(top_ks) if 0 < k <= limit]
 
 
@@ -90,12 +94,12 @@ def _keep_best(logits: torch.Tensor, best: torch.Tensor, order: torch.Tensor, ks
     return torch.empty_like(logits).scatter_(1, order, best), last_dropped
 
 
-def _keep_best_cpu(logits: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
-    """``apply_top_k_top_p`` on the CPU: rows of top_p alone whose nucleus lies within their
-    best ``PARTIAL_TOP_K_MAX`` tokens from ``topk``; the others with a filter sorted in full."""
-    vocab, limit = logits.shape[1], PARTIAL_TOP_K_MAX
+def _keep_best_cpu(logits: torch.Tensor, ks: list[int], ps: list[float], near: list[int], limit: int
+                   ) -> torch.Tensor:
+    """``apply_top_k_top_p`` on the CPU: rows of top_p alone (``near``) whose nucleus lies within
+    their best ``limit`` tokens from ``topk``; the others with a filter sorted in full."""
+    vocab = logits.shape[1]
     out = logits.clone()  # rows with neither filter stay as they are
-    near = [r for r, (k, p) in enumerate(zip(ks, ps)) if k == vocab and p < 1.0]
     far = [r for r, k in enumerate(ks) if k < vocab]
     sub = logits[near]
     kept, last_dropped = _keep_best(sub, *sub.topk(limit, dim=-1), [vocab] * len(near), [ps[r] for r in near],

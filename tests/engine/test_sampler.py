@@ -291,7 +291,7 @@ def _batch(seed: int, ks: list[int], rng, vocab: int = 3000) -> tuple[torch.Tens
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_top_k_top_p_over_the_vocabulary_matches_the_rule_and_the_full_sort(seed, monkeypatch):
+def test_top_k_top_p_over_the_vocabulary_matches_the_rule_and_the_full_sort(seed):
     """What ``_draw_over_vocab`` filters: rows without a top_k or with one above
     PARTIAL_TOP_K_MAX (and, still right, a small one). On the CPU, rows of top_p alone first try
     their best PARTIAL_TOP_K_MAX tokens (flat rows' nuclei reach past them and are sorted in
@@ -305,9 +305,7 @@ def test_top_k_top_p_over_the_vocabulary_matches_the_rule_and_the_full_sort(seed
     for ks in ([rng.choice([0, 0, 20, 2000]) for _ in range(11)] + [0], [0] * 6, [2000, 1500, 0]):
         logits, ps = _batch(seed, ks, rng)  # vocab 3000: above PARTIAL_TOP_K_MAX
         got = filters.apply_top_k_top_p(logits.clone(), ks, ps)
-        monkeypatch.setattr(filters, "PARTIAL_TOP_K_MAX", 0)  # every batch sorted in full
-        full_sort = filters.apply_top_k_top_p(logits.clone(), ks, ps)
-        monkeypatch.undo()
+        full_sort = filters.apply_top_k_top_p(logits.clone(), ks, ps, partial_max=0)  # every row sorted in full
         for row, (k, p) in enumerate(zip(ks, ps)):
             survivors = _check_survivors(logits[row], got[row], k, p)
             _check_survivors(logits[row], full_sort[row], k, p)
