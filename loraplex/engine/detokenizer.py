@@ -16,6 +16,12 @@ The text is kept as the pieces each token added (``text_between`` reads a span o
 one string with ``+=`` copies it whole per token, which is quadratic in the output's length
 (a stream of 8,000 tokens copied about 180 MB of text that way); the whole text is joined only
 when someone reads ``text``.
+
+With a Rust fast tokenizer (``backend_decoder``), each new token goes through its
+``DecodeStream``, the same windowed rule in one Rust call (about 0.85 against 1.6 us per token on
+the CI VM: 0.2 ms of a decode step's host time at 256 streams). Its one difference: started on
+a prompt tail that ends inside a multi-byte character, its first piece repeats the prompt's
+tail; such a sequence keeps the Python window (``_stream_for``).
 """
 
 from __future__ import annotations
@@ -56,6 +62,23 @@ def backend_decoder(tokenizer) -> Callable[..., str] | None:
     return backend.decode
 
 
+def _stream_for(fast_decode: Callable[..., str] | None, context: list[int], skip_special_tokens: bool):
+    """A ``tokenizers`` ``DecodeStream`` that continues after ``context`` (the prompt's tail),
+    or None where the window in Python must decode instead: no Rust decoder, a ``tokenizers``
+    without ``DecodeStream(ids=...)``, or a context whose text ends in an incomplete character."""
+    backend = getattr(fast_decode, "__self__", None)
+    if backend is None:
+        return None
+    try:
+        from tokenizers.decoders import DecodeStream
+
+        if context and backend.decode(context, skip_special_tokens).endswith("\ufffd"):
+            return None
+        return DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+    except (ImportError, TypeError):
+        return None
+
+
 def single_token_texts() -> dict[bool, dict[int, str]]:
     """A cache of what single tokens decode to, by ``skip_special_tokens`` then token id, for
     the detokenizers of one tokenizer to share. Once a sequence's text started, each new token's
@@ -83,12 +106,17 @@ class IncrementalDetokenizer:
         self.stop = list(params.stop)
         self.include_stop = params.include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self._stop_ends = frozenset(s[-1] for s in self.stop)  # each stop string's last character
+        # the characters a held-back tail can end in (each stop string's but its last)
+        self._hold_ends = frozenset(c for s in self.stop for c in s[:-1])
         self.min_tokens = params.min_tokens
         self._num_tokens = 0  # generated tokens seen
         context = list(prompt_token_ids[-(_CONTEXT_TOKENS + 1) :])
         self._ids = context  # decode window: prompt tail + every generated token
         self._prefix_offset = max(len(context) - _CONTEXT_TOKENS, 0)
         self._read_offset = len(context)
+        self._backend = getattr(fast_decode, "__self__", None)
+        self._stream = _stream_for(fast_decode, context, self.skip_special_tokens)
         # the decoded generated text (cut at a stop string once one was found), as pieces
         self._pieces: list[str] = []
         self.text_len = 0  # len(text)
@@ -132,6 +160,13 @@ class IncrementalDetokenizer:
         ids = self._ids
         ids.append(token_id)
         self._num_tokens += 1
+        if self._stream is not None:
+            try:
+                piece = self._stream.step(self._backend, token_id)
+            except Exception:  # noqa: BLE001 (never seen; a guard on a Rust error)
+                self._leave_stream()
+            else:
+                return None if piece is None else self._add_piece(piece)
         prefix_offset, read_offset = self._prefix_offset, self._read_offset
         fast_decode = self._fast_decode
         if read_offset - prefix_offset == 1:  # after the first text: the token read last
@@ -151,25 +186,42 @@ class IncrementalDetokenizer:
             return None
         self._prefix_offset = read_offset
         self._read_offset = len(ids)
-        piece = new_text[num_prefix_chars:]
-        start = self.text_len - self._max_stop_len + 1  # where a stop string ending in ``piece`` starts
+        return self._add_piece(new_text[num_prefix_chars:])
+
+    def _leave_stream(self) -> None:
+        """The window in Python decodes from the new token on, after a ``DecodeStream`` failed:
+        the tokens before it become its context (what they had not yet shown, an incomplete
+        character, is lost)."""
+        self._stream = None
+        self._read_offset = len(self._ids) - 1
+        self._prefix_offset = max(self._read_offset - _CONTEXT_TOKENS, 0)
+
+    def _add_piece(self, piece: str) -> str | None:
+        """Append a token's new text; returns the stop string if the text now contains one."""
+        before = self.text_len
         self._pieces.append(piece)
         self.text_len += len(piece)
-        if not self.stop or self._num_tokens <= self.min_tokens:
+        # a stop string that ends in the new text has its last character in it (most pieces
+        # have none: no search, about 1.5 us a token less for a request with stop strings)
+        if not self.stop or self._num_tokens <= self.min_tokens or self._stop_ends.isdisjoint(piece):
             return None
-        return self._find_stop(max(start, 0))
+        return self._find_stop(before)
 
-    def _find_stop(self, start: int) -> str | None:
-        tail = self.text_between(start, self.text_len)
+    def _find_stop(self, before: int) -> str | None:
+        """The stop string that starts first among those ending in the text after ``before``
+        (each one's own window, as vLLM's ``check_stop_strings``: one that lies wholly in the
+        earlier text, which ``min_tokens`` kept unsearched, does not count)."""
+        begin = max(before - self._max_stop_len + 1, 0)
+        tail = self.text_between(begin, self.text_len)
         best: tuple[int, str] | None = None
         for stop in self.stop:
-            pos = tail.find(stop)
+            pos = tail.find(stop, max(before - len(stop) + 1 - begin, 0))
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, stop)
         if best is None:
             return None
         pos, stop = best
-        cut = start + pos + (len(stop) if self.include_stop else 0)
+        cut = begin + pos + (len(stop) if self.include_stop else 0)
         text = self.text[:cut]
         self._pieces[:] = [text] if text else []
         self.text_len = cut
@@ -180,6 +232,9 @@ class IncrementalDetokenizer:
         """How many characters at the end of the text to hold back now: none when finished or
         without stop strings, else the longest tail that could still grow into a stop string."""
         if finished or not self.stop:
+            return 0
+        last = self._pieces[-1] if self._pieces else ""
+        if last and last[-1] not in self._hold_ends:  # no stop string's start ends the text
             return 0
         tail = self.text_between(max(self.text_len - self._max_stop_len + 1, 0), self.text_len)
         hold = 0

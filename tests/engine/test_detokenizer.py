@@ -143,13 +143,15 @@ def brute_force_stop(pieces: list[str], stops: list[str], min_tokens: int) -> tu
     return len(pieces), None
 
 
+@pytest.mark.parametrize("stops", [["ab", " c"], ["b", " xab c"], ["a", "b x"]])
 @pytest.mark.parametrize("min_tokens", [0, 1, 2, 3, 4, 6, 9])
-def test_stop_strings_wait_for_min_tokens(tok, min_tokens):
+def test_stop_strings_wait_for_min_tokens(tok, min_tokens, stops):
     # vLLM (v1 detokenizer, vllm-project/vllm#22014): the text of the first min_tokens tokens is
-    # never searched for a stop string; a stop string may start in it and end after it
+    # never searched for a stop string; a stop string may start in it and end after it. Stop
+    # strings of unequal lengths: a short one wholly in that text must not be found later
+    # through a longer one's window
     text = "ab ab xab cab"
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    stops = ["ab", " c"]
     detok = IncrementalDetokenizer(tok, [5], SamplingParams(stop=stops, min_tokens=min_tokens, max_tokens=20))
     consumed, stop = len(ids), None
     for k, t in enumerate(ids, start=1):
@@ -158,3 +160,67 @@ def test_stop_strings_wait_for_min_tokens(tok, min_tokens):
             consumed = k
             break
     assert (consumed, stop) == brute_force_stop([tok.decode([t]) for t in ids], stops, min_tokens)
+
+
+def _pieces(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+    """The text each token added (streamed outputs send exactly these)."""
+    pieces = []
+    for t in ids:
+        before = detok.text_len
+        detok.add_token(t)
+        pieces.append(detok.text_between(before, detok.text_len))
+    return pieces
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_stream_adds_the_same_pieces_as_the_window(tok, skip_special_tokens):
+    """With a Rust tokenizer each token goes through ``tokenizers``' DecodeStream: token by
+    token the same pieces as the window decoded in Python, and the same text as a one-shot
+    decode, over random ids (incomplete UTF-8 and special tokens included) and real text;
+    prompts whose tail ends inside a character keep the window (the stream would repeat it)."""
+    import random
+
+    from loraplex.engine.detokenizer import backend_decoder
+
+    fast = backend_decoder(tok)
+    rng = random.Random(23 + skip_special_tokens)
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    streamed = windowed = checked = 0
+    for trial in range(300):
+        prompt = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 8))]
+        if trial % 3 == 0:
+            ids = tok(rng.choice(["héllo wörld 😀 ok", "日本語 text", "a\n\n  b"]) * 2, add_special_tokens=False)["input_ids"]
+        else:
+            ids = [rng.choice([tok.eos_token_id, rng.randrange(len(tok))]) for _ in range(rng.randint(1, 30))]
+        detok = IncrementalDetokenizer(tok, prompt, params, fast)
+        if detok._stream is None:
+            windowed += 1
+        else:
+            streamed += 1
+        got = _pieces(detok, ids)
+        assert got == _pieces(IncrementalDetokenizer(tok, prompt, params), ids), (prompt, ids)
+        whole = tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        if "\ufffd" not in whole:  # bytes that never form a character: neither way shows them
+            assert "".join(got) == whole
+            checked += 1
+    assert streamed > 150 and windowed > 10 and checked > 100, (streamed, windowed, checked)  # all ran
+
+
+def test_a_failing_decode_stream_leaves_the_text_to_the_window(tok):
+    """Should the Rust stream raise (never seen), the window goes on from that token: the
+    text stays that of a one-shot decode."""
+    from loraplex.engine.detokenizer import backend_decoder
+
+    class Failing:
+        def step(self, backend, token_id):
+            raise RuntimeError("Invalid prefix encountered")
+
+    ids = tok("say hello, world", add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tok, tok("q")["input_ids"], SamplingParams(), backend_decoder(tok))
+    assert detok._stream is not None
+    for t in ids[:3]:
+        detok.add_token(t)
+    detok._stream = Failing()
+    for t in ids[3:]:
+        detok.add_token(t)
+    assert detok._stream is None and detok.text == tok.decode(ids)
