@@ -2,8 +2,8 @@
 
 Why batched: one row at a time cost a host-to-device copy of the row's tokens and a few
 launches per penalized row, per step (at 256 rows, hundreds of synchronous copies a step on a
-GPU). Here the penalized rows' tokens go up as two padded arrays (page-locked, without waiting)
-and the counts come from one scatter.
+GPU). Here the penalized rows' output tokens go up as one flat array (page-locked, without
+waiting) and the counts come from one scatter.
 
 The repetition penalty also reads each row's prompt. Turning a 1,000-token prompt from a Python
 list into an array costs about 25 us on the CI VM, so 6-8 ms a step at 256 such rows; with
@@ -47,15 +47,23 @@ class PendingLastTokens:
         return len(seq.output_token_ids) + (row in self._row_set)
 
 
-def _padded(token_lists: "list[list[int] | np.ndarray]", vocab: int) -> np.ndarray:
-    """[len(token_lists), longest] int64, each list left-aligned; padding and ids outside the
-    vocabulary point at column ``vocab`` (a spare column, dropped after the scatter)."""
-    width = max(map(len, token_lists), default=0)
-    out = np.full((len(token_lists), max(width, 1)), vocab, dtype=np.int64)
-    for i, tokens in enumerate(token_lists):
-        out[i, : len(tokens)] = tokens
-    out[(out < 0) | (out > vocab)] = vocab
-    return out
+def _flat_tokens(token_lists: "list[list[int] | np.ndarray]", vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every list's ids one after another ([total] int64; ids outside the vocabulary as
+    ``vocab``, a spare column dropped after the scatter) and each list's length ([n] int64).
+    One concatenation: padding to the longest list filled twice its size (256 rows of 1,000
+    output tokens: 0.53 against 0.29 ms on the CI VM)."""
+    arrays = [t if isinstance(t, np.ndarray) else np.asarray(t, dtype=np.int64) for t in token_lists]
+    flat = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
+    if flat.size and (flat.min() < 0 or flat.max() > vocab):
+        flat = np.where((flat < 0) | (flat > vocab), vocab, flat)
+    return flat, np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+
+
+def _row_starts(lengths: np.ndarray, width: int, device: torch.device) -> torch.Tensor:
+    """[lengths.sum()] int64: ``r * width`` for each of row r's entries, so that row r's token t
+    lands at ``r * width + t`` of a flattened [rows, width] tensor (one scatter for all rows)."""
+    return torch.repeat_interleave(torch.arange(0, len(lengths) * width, width, device=device),
+                                   to_device(lengths, device), output_size=int(lengths.sum()))
 
 
 def _output_tokens(seq) -> "list[int] | np.ndarray":
@@ -98,13 +106,9 @@ class PromptTokens:
                 ids = self._ids[seq.seq_id] = to_device(prompt, device)
             parts.append(ids)
         lengths = np.array([part.shape[0] for part in parts], dtype=np.int64)
-        total = int(lengths.sum())
         width = vocab + 1
-        # row r's tokens land at r * width + token of the flattened mask: one scatter for all rows
-        starts = torch.repeat_interleave(torch.arange(0, len(seqs) * width, width, device=device),
-                                         to_device(lengths, device), output_size=total)
         seen = torch.zeros(len(seqs) * width, dtype=torch.bool, device=device)
-        seen[starts + torch.cat(parts)] = True
+        seen[_row_starts(lengths, width, device) + torch.cat(parts)] = True
         return seen.view(len(seqs), width)
 
 
@@ -124,9 +128,11 @@ def apply_penalties(logits: torch.Tensor, seqs: Seq["Sequence"], prompts: Prompt
     if not rows:
         return logits
     vocab, device, dtype = logits.shape[1], logits.device, logits.dtype
-    outputs = to_device(_padded([_output_tokens(seqs[r]) for r in rows], vocab), device)  # [R, longest]
-    counts = torch.zeros(len(rows), vocab + 1, dtype=dtype, device=device)
-    counts.scatter_add_(1, outputs, torch.ones(outputs.shape, dtype=dtype, device=device))
+    flat, lengths = _flat_tokens([_output_tokens(seqs[r]) for r in rows], vocab)
+    index = _row_starts(lengths, vocab + 1, device) + to_device(flat, device)  # [total output tokens]
+    counts = torch.zeros(len(rows) * (vocab + 1), dtype=dtype, device=device)
+    counts.index_add_(0, index, torch.ones(flat.shape[0], dtype=dtype, device=device))
+    counts = counts.view(len(rows), vocab + 1)
     if pending is not None:
         at = {row: i for i, row in enumerate(rows)}
         hits = [(at[row], j) for j, row in enumerate(pending.rows) if row in at]
