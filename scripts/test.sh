@@ -19,4 +19,4 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 bash scripts/install.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 --durations=25 "$@"
