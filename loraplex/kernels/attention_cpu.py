@@ -15,6 +15,13 @@ entries before the window (freed by the block manager, see ``block_manager.FREED
 never read. Logit soft-capping runs the scores through tanh, which SDPA cannot, so those calls
 compute the softmax written out. A layer's KV-cache scales (``kv_quant``) cost no pass over the
 gathered K/V: ``k_scale`` joins the softmax scale and ``v_scale`` multiplies the output.
+
+Padding gathers keys no real query of the row may attend (past a shorter sequence's length, or
+before a window), whose slots hold whatever the block's last owner left. A mask does not make
+them harmless: SDPA's masked score of a NaN key is NaN, and a 0 probability times a NaN value
+is NaN. A NaN there (another request's overflowed adapter) would end every row that pads past
+it. So each group lists those keys (``_Group.stale``) and the gathered K and V are zeroed there,
+a write per stale key, not a pass over the gather.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ class _Group:
     valid: torch.Tensor | None  # [P, Q] bool, padded queries that are real rows; None = all
     q_pos: torch.Tensor  # [P, Q] absolute position of each padded query
     tables: torch.Tensor | None = None  # [P, max_blocks] int64, each sequence's whole block table
+    # (rows, keys) gathered that no real query of their row may attend; None = there are none
+    stale: tuple[torch.Tensor, torch.Tensor] | None = None
     windowed: dict[int, "_Group"] = field(default_factory=dict)  # window -> the group narrowed to it
 
     def for_window(self, window: int | None, block_size: int) -> "_Group":
@@ -64,8 +73,9 @@ def _window_group(group: _Group, window: int, block_size: int) -> _Group:
     last_q = last_q.amax(1)  # [P] its last real query
     first = (first_q + 1 - window).clamp_min(0) // block_size  # [P] first block with a key in the window
     if not bool(first.any()):  # every window starts in block 0: only the mask narrows
-        return _Group(group.blocks, group.num_blocks, group.longest, group.rows,
-                      group.mask & _inside(group, window), group.valid, group.q_pos)
+        mask = group.mask & _inside(group, window)
+        return _Group(group.blocks, group.num_blocks, group.longest, group.rows, mask, group.valid, group.q_pos,
+                      stale=_stale_keys(mask, group.valid))
     num_blocks = int((last_q // block_size - first).max()) + 1
     length = num_blocks * block_size
     k_pos = first.unsqueeze(1) * block_size + torch.arange(length)  # [P, L] position of each key read
@@ -75,7 +85,17 @@ def _window_group(group: _Group, window: int, block_size: int) -> _Group:
     # the last column again), masked as in _blocks
     index = (first.unsqueeze(1) + torch.arange(num_blocks)).clamp_max(group.tables.shape[1] - 1)  # [P, nb]
     return _Group(group.tables.gather(1, index).flatten(), num_blocks, length, group.rows, mask, group.valid,
-                  group.q_pos)
+                  group.q_pos, stale=_stale_keys(mask, group.valid))
+
+
+def _stale_keys(mask: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row, key) index pairs of the keys that no real query of their row may attend ([P, 1, Q,
+    L] ``mask``, [P, Q] ``valid``: padded queries attend what they like, and are dropped)."""
+    attended = mask[:, 0] if valid is None else mask[:, 0] & valid.unsqueeze(2)  # [P, Q, L]
+    stale = ~attended.any(dim=1)  # [P, L]
+    if not bool(stale.any()):
+        return None
+    return tuple(stale.nonzero(as_tuple=True))
 
 
 def _inside(group: _Group, window: int) -> torch.Tensor:  # [P, 1, Q, L] keys at positions > q_pos - window
@@ -129,7 +149,8 @@ def _decode_group(block_tables, decode, starts, lens, block_size) -> _Group:
     rows = None if pure else torch.tensor([[starts[i]] for i in decode])
     mask = keep.view(len(decode), 1, 1, longest)
     tables = (block_tables if pure else block_tables[decode]).long()
-    return _Group(blocks, num_blocks, longest, rows, mask, None, (dec_lens - 1).unsqueeze(1), tables)
+    return _Group(blocks, num_blocks, longest, rows, mask, None, (dec_lens - 1).unsqueeze(1), tables,
+                  _stale_keys(mask, None))
 
 
 def _prefill_groups(chunks: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
@@ -153,7 +174,8 @@ def _prefill_group(block_tables, group, starts, block_size) -> _Group:
     valid = j < q_lens.unsqueeze(1)
     valid = None if bool(valid.all()) else valid
     tables = block_tables[[i for i, _, _ in group]].long()
-    return _Group(blocks, num_blocks, longest, rows, allowed.unsqueeze(1), valid, q_pos, tables)
+    mask = allowed.unsqueeze(1)
+    return _Group(blocks, num_blocks, longest, rows, mask, valid, q_pos, tables, _stale_keys(mask, valid))
 
 
 def write_kv_cache_cpu(
@@ -186,8 +208,12 @@ def _gather_kv(kv_cache: torch.Tensor, group: _Group, dtype: torch.dtype) -> tup
     the gather)."""
     shape = (-1, group.num_blocks * kv_cache.shape[2], *kv_cache.shape[3:])
     # index_select on dim 0 copies whole blocks (memcpy); advanced indexing is ~5x slower here
-    k, v = (torch.index_select(kv_cache[i], 0, group.blocks).view(shape)[:, : group.longest] for i in (0, 1))
-    return k.to(dtype).transpose(1, 2), v.to(dtype).transpose(1, 2)
+    k, v = (torch.index_select(kv_cache[i], 0, group.blocks).view(shape)[:, : group.longest].to(dtype)
+            for i in (0, 1))  # [P, L, kvh, d], fresh copies: ours to write
+    if group.stale is not None:  # whatever a block's last owner left there must not reach a row
+        k[group.stale] = 0
+        v[group.stale] = 0
+    return k.transpose(1, 2), v.transpose(1, 2)
 
 
 def _softcapped_attention(

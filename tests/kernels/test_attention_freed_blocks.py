@@ -49,7 +49,7 @@ def _case(name: str, dtype: torch.dtype, stale_finite: bool) -> tuple[dict, dict
     seed = sum(map(ord, name)) + (1 if dtype == torch.float16 else 0)
     batch = _build_batch(case["seqs"], 4, 2, 16, case["block_size"], dtype, seed)
     batch["scale"] = 0.5
-    if stale_finite:  # the CPU path reads whole blocks of its window, masked: no NaN in them
+    if stale_finite:  # slots nobody wrote finite (the reference's own case); else NaN
         stale = torch.randn(batch["kv_cache"].shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
         batch["kv_cache"] = torch.where(batch["kv_cache"].isnan(), stale, batch["kv_cache"])
     freed, num_freed = _with_freed_blocks(batch, case["seqs"], case["window"], case["block_size"])
@@ -75,7 +75,7 @@ def test_reference_skips_freed_blocks(name):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("name", list(CASES))
 def test_cpu_path_skips_freed_blocks(name, dtype, tol):
-    case, intact, freed = _case(name, dtype, stale_finite=True)
+    case, intact, freed = _case(name, dtype, stale_finite=False)
     got = paged_attention_cpu(**freed, **_kwargs(case))
     want = paged_attention_ref(**intact, **_kwargs(case))
     assert not got.isnan().any(), "a freed (NaN) block was read"
