@@ -90,6 +90,11 @@ NEW_EMBEDDINGS_NAME = "new_embeddings.safetensors"
 MAX_CONFIG_BYTES = 1024 * 1024
 HASH_VERSION = b"loraplex-adapter-v1\n"
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+# the most any entry of a module's update (scaling x B @ A) may reach: trained updates are orders
+# of magnitude below it, and one past float16's range overflows a half-precision forward, whose
+# inf/NaN then fills the request's KV blocks (the next owner of such a block read it: see
+# kernels/attention_cpu.py) and its logits
+MAX_UPDATE_ENTRY = float(torch.finfo(torch.float16).max)
 
 
 @dataclass
@@ -357,6 +362,7 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
             raise InvalidAdapterError(
                 f"module {key!r} has scaling {scaling:g} (lora_alpha {alpha:g}, rank {rank}), beyond float32"
             )
+        check_update_bound(key, a, b, scaling)
         module = ModuleLoRA(
             layer=layer,
             module=mod,
@@ -370,6 +376,9 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
             vocab_modules[mod] = module
         else:
             modules[(layer, mod)] = module
+
+    for expert_key, m in expert_modules.items():
+        check_update_bound(expert_label(expert_key), parsed.tensors[m.a_name], parsed.tensors[m.b_name], m.scaling)
 
     present = {mod for (_, mod) in modules}
     warnings = []
@@ -392,6 +401,21 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
         expert_modules=expert_modules,
         changes_kv=changes_kv(modules, vocab_modules, (layer for (layer, _, _) in expert_modules), spec.num_layers),
     )
+
+
+def check_update_bound(key: str, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+    """Refuse a module whose update ``scaling * B @ A`` could hold an entry past
+    ``MAX_UPDATE_ENTRY``. Each entry of B @ A is a dot product of a row of B and a column of A,
+    so (Cauchy-Schwarz) at most the largest row norm of B times the largest column norm of A: no
+    product to compute. The bound can exceed the true largest entry (by at most the rank's
+    square root for random weights), far less than the distance from a trained update to it."""
+    bound = abs(scaling) * float(b.double().norm(dim=1).max()) * float(a.double().norm(dim=0).max())
+    if not bound <= MAX_UPDATE_ENTRY:
+        raise InvalidAdapterError(
+            f"module {key!r}: its update (scaling {scaling:g} x lora_B @ lora_A) may reach {bound:.3g} per weight, "
+            f"beyond {MAX_UPDATE_ENTRY:g}: an update that large overflows the forward pass (check lora_alpha, "
+            "alpha_pattern and the weights)"
+        )
 
 
 def _base_copy(name: str, tensor: torch.Tensor, spec: LoRATargetSpec) -> str | None:

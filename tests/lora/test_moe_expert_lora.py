@@ -275,6 +275,8 @@ def test_expert_adapters_the_engine_cannot_serve_are_refused(tmp_path):
          r"is for expert 6, but base model .* has 6 experts per layer"),
         (dict(target_parameters=["mlp.experts.down_proj"]), None,  # gate_up's tensors sit one level deeper
          r"name \['down_proj'\] expert parameters in layer 0, which PEFT would not nest 1 deep"),
+        (None, lambda t: {k: (v * 1e8 if k.endswith("experts.lora_B.weight") else v) for k, v in t.items()},
+         r"module '0\.experts\.(gate_up|down)': its update .* beyond 65504"),  # would overflow the forward
     ]
     for i, (config, tensors, message) in enumerate(cases):
         bad = _edit(good, tmp_path / f"bad{i}", config, tensors)

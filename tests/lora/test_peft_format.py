@@ -152,6 +152,10 @@ def test_rejects_vllms_extra_vocabulary_file(lora_base, make_adapter, tmp_path):
         (dict(rank_pattern={"[": 2}), "regular expression"),
         (dict(lora_alpha=1e300), "scaling"),  # alpha / r beyond float32, where slot scalings live
         (dict(alpha_pattern={"v_proj": -1e300}), "scaling"),
+        # finite in float32, but the update would overflow the forward (and poison the KV cache)
+        (dict(lora_alpha=1e30), "may reach .* beyond 65504"),
+        (dict(alpha_pattern={"q_proj": 1e38}), r"'model.layers.0.self_attn.q_proj': its update .* beyond 65504"),
+        (dict(alpha_pattern={"v_proj": -3e6}), r"v_proj': its update \(scaling -.*beyond 65504"),
     ],
 )
 def test_rejects_config(changes, match, lora_base, make_adapter, tmp_path):
@@ -283,3 +287,22 @@ def test_rejects_json_the_parser_chokes_on(where, value, lora_base, make_adapter
         write_safetensors_raw(d / "adapter_model.safetensors", header)
         match = "header is not valid JSON"
     _rejects(d, lora_base.spec, match)
+
+
+def test_update_bound_is_the_largest_possible_entry(lora_base, make_adapter, tmp_path):
+    """The update check refuses by an upper bound of max |scaling * B @ A| (row norms of B times
+    column norms of A): an update whose largest entry lies just under the limit loads, one just
+    over it is refused, and the bound never lies below the true largest entry."""
+    from loraplex.lora.peft_format import MAX_UPDATE_ENTRY, check_update_bound
+
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        a, b = torch.randn(4, 64, generator=gen), torch.randn(96, 4, generator=gen)
+        largest = float((b @ a).abs().max())
+        check_update_bound("m", a, b, 0.999 * MAX_UPDATE_ENTRY / largest / 4)  # bound <= 4 x largest here
+        with pytest.raises(InvalidAdapterError, match="beyond 65504"):
+            check_update_bound("m", a, b, 1.001 * MAX_UPDATE_ENTRY / largest)
+    # a single entry: the bound is exact
+    check_update_bound("m", torch.tensor([[2.0]]), torch.tensor([[3.0]]), MAX_UPDATE_ENTRY / 6)
+    with pytest.raises(InvalidAdapterError):
+        check_update_bound("m", torch.tensor([[2.0]]), torch.tensor([[3.0]]), MAX_UPDATE_ENTRY / 5.99)
