@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from loraplex.engine.logprob_floor import reportable
 from loraplex.host_arrays import to_tensor
 
 PROMPT_LOGPROB_ROWS = 256  # prompt rows per logits block: 256 x a 128k vocab in fp32 is 128 MiB
@@ -27,10 +28,11 @@ def prompt_token_logprobs(model, hidden: torch.Tensor, specs: list[tuple], lora_
             logprobs = torch.log_softmax(logits, dim=-1)
             chosen = logprobs.gather(1, to_tensor(targets, np.int64, logprobs.device).unsqueeze(1))  # [rows, 1]
             ranks = (logprobs > chosen).sum(dim=1) + 1
+            chosen = reportable(chosen)
             top_ids = top_lps = None
             if top_n:
                 top = logprobs.topk(top_n, dim=-1)
-                top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+                top_ids, top_lps = top.indices.tolist(), reportable(top.values).tolist()
             for i, (token, lp, rank) in enumerate(zip(targets, chosen.squeeze(1).tolist(), ranks.tolist())):
                 entries.append({
                     "token_id": token,

@@ -44,6 +44,7 @@ import torch
 
 from loraplex.engine.bad_words import apply_bad_words, ban_tokens
 from loraplex.host_arrays import to_device, to_tensor, values_to_device
+from loraplex.engine.logprob_floor import reportable
 from loraplex.engine.outputs import SampledToken
 from loraplex.engine.penalties import PendingLastTokens, PromptTokens, apply_penalties
 from loraplex.engine.race_noise import RaceNoise
@@ -206,10 +207,11 @@ class PendingTokens:
         self._max_top = -1  # -1: no row asked for logprobs
         if raw_logprobs is not None:  # [n, vocab] fp32
             self._max_top = max((s.params.logprobs or 0) for s in seqs)
-            parts.append(raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1))  # [n] the chosen token's
+            chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [n] the chosen token's
+            parts.append(reportable(chosen))
             if self._max_top > 0:
                 top = raw_logprobs.topk(self._max_top, dim=-1)
-                parts += [top.values, top.indices]  # [n, max_top] each
+                parts += [reportable(top.values), top.indices]  # [n, max_top] each
         self._copy = HostCopy(parts)
 
     def result(self) -> list[SampledToken]:
