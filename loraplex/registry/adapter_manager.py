@@ -65,6 +65,9 @@ class AdapterManager(AdapterUploadMixin):
         self.spec = spec
         self.max_lora_rank = max_lora_rank
         self.max_member_bytes = max_member_bytes
+        # the names a request's ``model`` resolves to the base model by (the server's served
+        # model name, set once it is known): an adapter may not take one (``check_adapter_name``)
+        self.base_model_names: frozenset[str] = frozenset()
         self._lock = threading.Lock()
         self._inflight: dict[str, Future] = {}  # content hash -> the running fetch
         self._in_use: Counter[str] = Counter()  # content hash -> running requests

@@ -25,7 +25,7 @@ from typing import TypeVar
 from loraplex.lora.peft_format import CONFIG_NAME, WEIGHTS_NAME, inspect_adapter_dir
 from loraplex.lora.snapshot import adapter_snapshot
 from loraplex.lora.spec import LoRATargetSpec
-from loraplex.registry.errors import BlobMissing, NotFound
+from loraplex.registry.errors import BlobMissing, InvalidName, NotFound
 from loraplex.registry.info import VersionInfo
 from loraplex.registry.names import validate_adapter_name, validate_tenant_name
 from loraplex.registry.service import RegistryService
@@ -50,6 +50,15 @@ class AdapterUploadMixin:
     spec: LoRATargetSpec
     max_lora_rank: int
     max_member_bytes: int
+    base_model_names: frozenset[str]
+
+    def check_adapter_name(self, name: str) -> None:
+        """``InvalidName`` unless ``name`` is a valid adapter name that is not the base model's:
+        a request naming it would reach the base model, and the adapter only as ``name@N``."""
+        validate_adapter_name(name)
+        if name in self.base_model_names:
+            raise InvalidName(f"adapter name {name!r} is the served base model's name: requests naming it reach the "
+                              "base model; choose another name")
 
     def _delete_blob_if_unused(self, content_hash: str, blob_key: str) -> None:
         raise NotImplementedError  # provided by AdapterManager
@@ -67,7 +76,7 @@ class AdapterUploadMixin:
         version is added. ``warnings``, when given, receives what the validator noted about an
         accepted adapter (e.g. LoRA on a vision tower that is not served), for the upload's answer."""
         validate_tenant_name(tenant)
-        validate_adapter_name(name)
+        self.check_adapter_name(name)
         if self.registry.get_tenant(tenant) is None:
             raise NotFound(f"tenant {tenant!r} not found")
         # one read of the files: the bytes checked and hashed are the bytes stored
@@ -147,6 +156,8 @@ class AdapterUploadMixin:
         raises ``BlobMissing`` (a concurrent delete) the blobs are stored again and it is called
         again. On failure the blobs this call stored are removed again (unless used); a
         ``BlobStoreError`` names its adapter as ``adapter``. Returns what ``register`` returned."""
+        for name, _ in dirs:
+            self.check_adapter_name(name)
         infos = [(name, inspect_adapter_dir(path, self.spec, self.max_lora_rank), path) for name, path in dirs]
         versions = [NewVersion(name, info.content_hash, self.spec.model_name, info.rank, info.alpha,
                                list(info.targets), info.size_bytes, content_key(info.content_hash))

@@ -152,6 +152,8 @@ def use_parts(ctx: AppContext, engine, registry, adapters) -> None:
     if not ctx.settings.served_model_name and getattr(ctx.engine, "model_name", None):
         ctx.served_model_name = ctx.engine.model_name
         ctx.metrics.model_name = ctx.served_model_name
+    if hasattr(adapters, "base_model_names"):  # no adapter may take the name requests reach the base by
+        adapters.base_model_names = frozenset({ctx.served_model_name})
 
 
 def _start_presence(ctx: AppContext) -> ClusterPresence:

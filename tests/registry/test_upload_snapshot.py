@@ -67,3 +67,22 @@ def test_a_file_over_the_fetch_limit_is_refused_at_upload(registry, adapters, tm
     manager.max_member_bytes = weights  # at the limit: stored, and fetched back
     version, _ = manager.upload("acme", "support", dirs["a"])
     assert compute_content_hash(manager.resolve("acme", "support").path) == version.sha256
+
+
+def test_an_adapter_may_not_take_the_served_base_models_name(manager, adapters, tmp_path):
+    """A request's ``model`` naming the base model reaches the base model, so an adapter of that
+    name would be reachable only as ``name@N``: refused (400 ``invalid_name``), nothing stored,
+    by a single upload and by a batch (``upload_all_active``, as ``--lora-modules`` stores)."""
+    from loraplex.registry.errors import InvalidName
+
+    _, dirs = adapters
+    manager.base_model_names = frozenset({"smollm2"})
+    for upload in (lambda: manager.upload("acme", "smollm2", dirs["a"]),
+                   lambda: manager.upload_all_active("acme", [("ok-name", dirs["a"]), ("smollm2", dirs["b"])], "admin")):
+        with pytest.raises(InvalidName, match="'smollm2' is the served base model's name") as info:
+            upload()
+        assert info.value.http_status == 400
+    assert manager.registry.list_adapters("acme") == []
+    assert list(manager.blobs.list_blobs()) == []  # the name is checked before any blob is stored
+    version, created = manager.upload("acme", "smollm2-sql", dirs["a"])  # a name beside it is fine
+    assert created and version.version == 1

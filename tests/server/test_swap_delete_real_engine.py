@@ -140,3 +140,19 @@ def test_delete_of_a_pinned_adapter_mid_stream(world):
     stats = _engine(client)
     assert stats["num_blocks_free"] == stats["num_blocks_total"]
     assert stats["lora"]["slots"]["pinned"] == 0 and not stats["lora"]["adapters"].get(sha, {}).get("pinned")
+
+
+def test_an_adapter_named_as_the_base_model_is_refused(world):
+    """``model`` naming the served base model reaches the base model, so an upload under that
+    name is a 400 ``invalid_name`` and registers nothing (it was a 201 whose adapter only
+    ``name@1`` could reach, beside a second ``/v1/models`` entry of the same id)."""
+    client, headers, adapters, _, _ = world
+    base = client.get("/v1/models", headers=headers).json()["data"][0]["id"]
+    r = client.post(f"/admin/v1/tenants/acme/adapters/{base}/versions",
+                    files={n: (n, (adapters["other"] / n).read_bytes()) for n in FILES})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_name" and "served base model's name" in error["message"], error
+    assert base not in [a["name"] for a in client.get("/admin/v1/tenants/acme/adapters").json()["data"]]
+    ids = [m["id"] for m in client.get("/v1/models", headers=headers).json()["data"]]
+    assert ids.count(base) == 1
