@@ -4,6 +4,8 @@ OpenAI (protocol.py), TGI (tgi_protocol.py) and tokenizer request parsers."""
 
 from __future__ import annotations
 
+import math
+
 from loraplex.sampling_params import as_float
 from loraplex.server.errors import bad_request
 
@@ -33,8 +35,12 @@ def read_int(body, name, default=None, lo=None, hi=None):
 
 
 def read_number(body, name, default=None, lo=None, hi=None):
-    """An integer or float (not a boolean) in ``[lo, hi]`` where given, as a float."""
+    """A finite integer or float (not a boolean) in ``[lo, hi]`` where given, as a float. The
+    request parser reads ``NaN`` and ``Infinity`` (as Python's json does), and NaN passes every
+    range comparison."""
     v = _typed(body, name, is_number, "a number", default)
+    if isinstance(v, float) and not math.isfinite(v):  # (an int is finite, and may not fit a float)
+        raise bad_request(f"`{name}` must be a finite number, got {v}", param=name)
     _check_range(name, v, lo, hi)
     return as_float(v) if v is not None else None
 

@@ -105,6 +105,20 @@ def test_completion_validation(tenants, patch, param):
         _envelope(c.post("/v1/completions", json=body), 400, param=param)
 
 
+@pytest.mark.parametrize("field,literal", [("temperature", "NaN"), ("top_p", "NaN"), ("presence_penalty", "Infinity"),
+                                           ("frequency_penalty", "-Infinity")])
+def test_a_number_that_is_not_finite_is_named(tenants, field, literal):
+    """The body's parser reads NaN and Infinity literals (as Python's json does); NaN passes
+    every range comparison, so a NaN temperature reached the engine, whose message named
+    another bound."""
+    srv, acme, _ = tenants
+    body = f'{{"model": "sql", "prompt": "x", "{field}": {literal}}}'.encode()
+    with srv.tenant_client(acme) as c:
+        r = c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    err = _envelope(r, 400, param=field)
+    assert err["message"].startswith(f"`{field}` must be a finite number"), err
+
+
 def test_seeds_at_the_64_bit_bounds_are_taken(tenants):
     srv, acme, _ = tenants
     with srv.tenant_client(acme) as c:
