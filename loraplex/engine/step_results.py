@@ -97,10 +97,12 @@ class StepResults:
         params = seq.params
         num_output_tokens = len(seq.output_token_ids)  # once: every sampled token is checked
         if num_output_tokens >= params.min_tokens:
-            if token in params.stop_token_ids:
-                return SequenceStatus.FINISHED_STOPPED, token
+            # EOS first, as vLLM's check_stop: an EOS also listed in stop_token_ids reports no
+            # stop_reason (with ignore_eos it is a stop token like any other)
             if not params.ignore_eos and token in self.eos_token_ids:
                 return SequenceStatus.FINISHED_STOPPED, None
+            if token in params.stop_token_ids:
+                return SequenceStatus.FINISHED_STOPPED, token
         if params.max_tokens is not None and num_output_tokens >= params.max_tokens:
             return SequenceStatus.FINISHED_LENGTH, None
         if self.max_model_len is not None and len(seq.prompt_token_ids) + num_output_tokens >= self.max_model_len:

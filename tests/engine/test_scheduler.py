@@ -131,6 +131,10 @@ def test_abort_waiting_request():
         ({"max_tokens": 20, "ignore_eos": True}, "third", 20, "length"),
         ({"max_tokens": 20, "ignore_eos": False, "min_tokens": 5}, "third", 20, "length"),
         ({"max_tokens": 20, "stop_token_ids": "third"}, None, 3, "stop"),
+        # an EOS also listed in stop_token_ids: EOS first (vLLM's check_stop), no stop_reason
+        ({"max_tokens": 20, "ignore_eos": False, "stop_token_ids": "third"}, "third", 3, "stop"),
+        # ignore_eos: the listed EOS is a stop token like any other
+        ({"max_tokens": 20, "ignore_eos": True, "stop_token_ids": "third"}, "third", 3, "stop"),
     ],
 )
 def test_stop_conditions(params, eos, expected_len, reason):
@@ -147,7 +151,9 @@ def test_stop_conditions(params, eos, expected_len, reason):
     assert seq.output_token_ids == ref[:expected_len]
     assert seq.finish_reason == reason
     if params.get("stop_token_ids"):
-        assert seq.stop_reason == third
+        assert seq.stop_reason == (None if eos and not params.get("ignore_eos", True) else third)
+    else:
+        assert seq.stop_reason is None
 
 
 def test_max_model_len_caps_generation():
