@@ -16,7 +16,7 @@ from loraplex.server.errors import CLIENT_CLOSED, from_exception, model_not_foun
 from loraplex.server.generation import RequestRun
 from loraplex.server.protocol import GenerationRequest, parse_chat_request, parse_completion_request, with_default_model
 from loraplex.server.request_defaults import apply_server_defaults
-from loraplex.server.shapes import ResponseShaper
+from loraplex.server.shapes import ResponseShaper, TextOffsets
 from loraplex.server.streaming import DONE, ClientDisconnected, SSEResponse, run_unless_disconnected, sse_event
 from loraplex.server.token_ids_output import StreamTokenIds, add_to_answer
 
@@ -127,9 +127,13 @@ async def collect(run: RequestRun, shaper: ResponseShaper) -> dict:
         if req.logprobs and req.kind == "chat":
             logprobs = shaper.chat_logprobs(entries[i], req.top_logprobs)
         elif req.logprobs and req.echo:  # the prompt's tokens first, then the completion's
-            logprobs = shaper.completion_logprobs(_prompt_entries(run, shaper, p_idx) + entries[i], req.top_logprobs, 0)
+            prompt_entries = _prompt_entries(run, shaper, p_idx)
+            offsets = (_prompt_offsets(run, shaper, p_idx, prompt_entries)
+                       + _output_offsets(run, shaper, p_idx, len(prefix)).of(_ids(entries[i])))
+            logprobs = shaper.completion_logprobs(prompt_entries + entries[i], req.top_logprobs, offsets)
         elif req.logprobs:
-            logprobs = shaper.completion_logprobs(entries[i], req.top_logprobs, len(prefix))
+            offsets = _output_offsets(run, shaper, p_idx, len(prefix)).of(_ids(entries[i]))
+            logprobs = shaper.completion_logprobs(entries[i], req.top_logprobs, offsets)
         choice = {"index": i, "text": prefix + texts[i], "logprobs": logprobs, "finish_reason": finish[i]}
         if req.kind == "chat" and req.tools.mode is not None:  # the output is a tool call's arguments
             choice["message"], called = reasoned_constraints.tool_message(run, texts[i])
@@ -161,6 +165,22 @@ def cached_tokens(run: RequestRun) -> int | None:
 def _prompt_entries(run: RequestRun, shaper: ResponseShaper, p_idx: int) -> list[dict]:
     computed = run.prompt_logprobs.get(p_idx)
     return shaper.prompt_entries(run.prompt_ids[p_idx], computed) if computed else []
+
+
+def _ids(entries: list[dict]) -> list[int]:
+    return [e["token_id"] for e in entries]
+
+
+def _prompt_offsets(run: RequestRun, shaper: ResponseShaper, p_idx: int, entries: list[dict]) -> list[int]:
+    """Text offsets of the echoed prompt's tokens in the echoed text: a text prompt as sent
+    (its special tokens, a BOS, not in it), token ids as decoded (``_echo_text``: kept)."""
+    skip_special = isinstance(run.req.prompts[p_idx], str)
+    return shaper.text_offsets([], skip_special).of(_ids(entries))
+
+
+def _output_offsets(run: RequestRun, shaper: ResponseShaper, p_idx: int, start: int) -> TextOffsets:
+    """Text offsets of a choice's output tokens, after ``start`` characters (an echoed prompt)."""
+    return shaper.text_offsets(run.prompt_ids[p_idx], run.req.params.skip_special_tokens, start)
 
 
 def _vllm_prompt_logprobs(run: RequestRun, shaper: ResponseShaper, p_idx: int) -> list | None:
@@ -237,7 +257,7 @@ async def _chunks(run: RequestRun, shaper: ResponseShaper, ids: StreamTokenIds |
     # echo with logprobs: each choice's echo chunk carries the prompt's logprobs, which come
     # with the choice's first output
     echo_pending = set(range(n_choices)) if req.echo and req.logprobs else set()
-    offsets = [0] * n_choices
+    offsets: dict[int, TextOffsets] = {}  # choice -> its output tokens' text offsets, across deltas
     async for p_idx, choice, comp in run.deltas():
         if ids is not None:  # before this delta's chunks: they carry its ids
             ids.take(choice, comp.token_ids)
@@ -246,9 +266,9 @@ async def _chunks(run: RequestRun, shaper: ResponseShaper, ids: StreamTokenIds |
         if choice in echo_pending:
             echo_pending.discard(choice)
             prompt_entries = _prompt_entries(run, shaper, p_idx)
-            prompt_part = shaper.completion_logprobs(prompt_entries, req.top_logprobs, 0)
+            prompt_part = shaper.completion_logprobs(prompt_entries, req.top_logprobs,
+                                                     _prompt_offsets(run, shaper, p_idx, prompt_entries))
             yield shaper.chunk(choice, _echo_text(run, p_idx), None, prompt_part)
-            offsets[choice] = shaper.text_length(prompt_entries)
         shaper.count_tokens(choice, len(comp.token_ids))  # continuous usage: cumulative per choice
         if req.echo_without_generation:  # the prompt (echoed above) and the finish, no completion
             if comp.finish_reason is not None:
@@ -261,7 +281,10 @@ async def _chunks(run: RequestRun, shaper: ResponseShaper, ids: StreamTokenIds |
             if req.kind == "chat":
                 logprobs = shaper.chat_logprobs(comp.logprobs, req.top_logprobs)
             else:
-                logprobs = shaper.completion_logprobs(comp.logprobs, req.top_logprobs, offsets[choice])
+                if choice not in offsets:
+                    offsets[choice] = _output_offsets(run, shaper, p_idx, len(_echo_text(run, p_idx)) if req.echo else 0)
+                logprobs = shaper.completion_logprobs(comp.logprobs, req.top_logprobs,
+                                                      offsets[choice].of(_ids(comp.logprobs)))
         if calls is not None:
             for chunk in _tool_call_chunks(shaper, calls[choice], splits[choice], choice, comp, logprobs,
                                            req.tools.mode):
@@ -271,7 +294,6 @@ async def _chunks(run: RequestRun, shaper: ResponseShaper, ids: StreamTokenIds |
             for chunk in chat_output.stream_chunks(shaper, parsed[choice], choice, comp, logprobs):
                 yield chunk
             continue
-        offsets[choice] += len(comp.text)
         if req.kind == "chat" and comp.finish_reason is not None and comp.text:
             # OpenAI sends the finish reason on a chunk of its own with an empty delta
             yield shaper.chunk(choice, comp.text, None, logprobs)

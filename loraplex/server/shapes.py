@@ -12,6 +12,12 @@ vLLM's ``return_tokens_as_token_ids`` writes each logprob token as ``"token_id:<
 form), so tokens that are not valid text on their own stay identifiable. Chat's ``bytes`` stay the
 token's own bytes and completions' ``text_offset`` stays the offset in the text, where vLLM takes
 both from the ``"token_id:<id>"`` string for some entries.
+
+Completions' ``text_offset`` is where each token's text starts in the answer's text
+(``TextOffsets``): the tokens go through the engine's incremental detokenizer, so a token inside
+a multi-byte character adds nothing until the character is whole and a skipped special token
+adds nothing. vLLM adds up each token's text decoded alone, which counts a partial character's
+"\ufffd" as a character: offsets past the end of the text, and other offsets streamed.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import re
 import time
 import uuid
 
+from loraplex.engine.detokenizer import IncrementalDetokenizer, backend_decoder
+from loraplex.sampling_params import SamplingParams
 from loraplex.server.chunk_templates import TextChunkTemplate
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback tokens
@@ -115,9 +123,10 @@ class ResponseShaper:
         """A token as the logprobs name it: its text, or vLLM's ``"token_id:<id>"``."""
         return f"token_id:{token_id}" if self.tokens_as_ids else self._token_text(token_id)
 
-    def text_length(self, entries: list[dict]) -> int:
-        """The length of the text the entries' tokens decode to, one by one (text offsets)."""
-        return sum(len(self._token_text(e["token_id"])) for e in entries)
+    def text_offsets(self, context_ids: list[int], skip_special_tokens: bool, start: int = 0) -> "TextOffsets":
+        """Text offsets of tokens that follow ``context_ids`` (a prompt: [] for the prompt's own
+        tokens), counted from ``start`` (the length of the text before theirs)."""
+        return TextOffsets(self.tokenizer, context_ids, skip_special_tokens, start)
 
     @staticmethod
     def _top_items(entry: dict, limit: int) -> list[tuple[int, float]]:
@@ -126,14 +135,13 @@ class ResponseShaper:
         items.sort(key=lambda kv: -kv[1])
         return items[:limit]
 
-    def completion_logprobs(self, entries: list[dict], top_n: int, text_offset0: int) -> dict:
-        """Completions' ``logprobs`` object for the tokens of ``entries``. Each ``top_logprobs``
-        dict holds the ``top_n`` most likely tokens and always the sampled one, so up to
-        ``top_n + 1`` entries (OpenAI's rule; vLLM does the same)."""
-        tokens, token_logprobs, top, offsets = [], [], [], []
-        offset = text_offset0
+    def completion_logprobs(self, entries: list[dict], top_n: int, offsets: list[int]) -> dict:
+        """Completions' ``logprobs`` object for the tokens of ``entries``, whose ``text_offset``
+        are ``offsets`` (``TextOffsets``). Each ``top_logprobs`` dict holds the ``top_n`` most
+        likely tokens and always the sampled one, so up to ``top_n + 1`` entries (OpenAI's rule;
+        vLLM does the same)."""
+        tokens, token_logprobs, top = [], [], []
         for e in entries:
-            text = self._token_text(e["token_id"])
             label = self._token_label(e["token_id"])
             tokens.append(label)
             token_logprobs.append(e.get("logprob"))
@@ -145,9 +153,7 @@ class ResponseShaper:
                 entry.setdefault(label, e["logprob"])
             # a prompt's first token: nothing predicts it, so no logprob and no alternatives
             top.append(None if e.get("logprob") is None and e.get("top_logprobs") is None else entry)
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": list(offsets)}
 
     @staticmethod
     def prompt_entries(prompt_ids: list[int], prompt_logprobs: list) -> list[dict]:
@@ -257,3 +263,28 @@ class ResponseShaper:
         body["choices"] = []
         body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return body
+
+
+class TextOffsets:
+    """Where each token's text starts, for tokens arriving in order (one per choice, kept
+    across a stream's deltas): the length of the text the tokens before it decode to through
+    the engine's ``IncrementalDetokenizer`` (with the prompt's tail as context, as the engine
+    decodes), plus ``start``. Without a tokenizer each token counts as its id's digits."""
+
+    def __init__(self, tokenizer, context_ids: list[int], skip_special_tokens: bool, start: int = 0):
+        self._start = start
+        self._length = 0  # without a tokenizer
+        self._detok = None if tokenizer is None else IncrementalDetokenizer(
+            tokenizer, context_ids, SamplingParams(skip_special_tokens=skip_special_tokens), backend_decoder(tokenizer))
+
+    def of(self, token_ids: list[int]) -> list[int]:
+        """The offsets of ``token_ids``, the next tokens."""
+        offsets, detok = [], self._detok
+        for token in token_ids:
+            if detok is None:
+                offsets.append(self._start + self._length)
+                self._length += len(str(token))
+            else:
+                offsets.append(self._start + detok.text_len)
+                detok.add_token(token)
+        return offsets
