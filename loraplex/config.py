@@ -272,6 +272,12 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="LORAPLEX_", env_file=None, extra="ignore")
 
+    @property
+    def served_name(self) -> str:
+        """The name requests reach the base model by, as known before the engine loads
+        (without ``served_model_name`` the server then takes the engine's: app.use_parts)."""
+        return self.served_model_name or self.model
+
     home: Path = Field(default_factory=lambda: Path("~/.loraplex").expanduser())
 
     # model and engine

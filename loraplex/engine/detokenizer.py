@@ -62,11 +62,11 @@ def backend_decoder(tokenizer) -> Callable[..., str] | None:
     return backend.decode
 
 
-def _stream_for(fast_decode: Callable[..., str] | None, context: list[int], skip_special_tokens: bool):
+def _stream_for(backend, context: list[int], skip_special_tokens: bool):
     """A ``tokenizers`` ``DecodeStream`` that continues after ``context`` (the prompt's tail),
-    or None where the window in Python must decode instead: no Rust decoder, a ``tokenizers``
-    without ``DecodeStream(ids=...)``, or a context whose text ends in an incomplete character."""
-    backend = getattr(fast_decode, "__self__", None)
+    or None where the window in Python must decode instead: no Rust tokenizer (``backend``), a
+    ``tokenizers`` without ``DecodeStream(ids=...)``, or a context whose text ends in an
+    incomplete character."""
     if backend is None:
         return None
     try:
@@ -115,8 +115,8 @@ class IncrementalDetokenizer:
         self._ids = context  # decode window: prompt tail + every generated token
         self._prefix_offset = max(len(context) - _CONTEXT_TOKENS, 0)
         self._read_offset = len(context)
-        self._backend = getattr(fast_decode, "__self__", None)
-        self._stream = _stream_for(fast_decode, context, self.skip_special_tokens)
+        self._backend = getattr(fast_decode, "__self__", None)  # the Rust tokenizer behind it
+        self._stream = _stream_for(self._backend, context, self.skip_special_tokens)
         # the decoded generated text (cut at a stop string once one was found), as pieces
         self._pieces: list[str] = []
         self.text_len = 0  # len(text)
