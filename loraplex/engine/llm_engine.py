@@ -72,6 +72,7 @@ class LLMEngine:
             adapter_gate=self.lora_manager,
             eos_token_ids=runner.eos_token_ids,
             max_model_len=self.max_model_len,
+            reported_eos_token_ids=getattr(runner, "reported_eos_token_ids", ()),
         )
         # prompt ids must index the model's embedding table
         self.vocab_size = getattr(runner, "vocab_size", None) or getattr(spec, "vocab_size", None) or len(self.tokenizer)

@@ -114,6 +114,9 @@ class ModelRunner:
                                 if not t.is_meta)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids: set[int] = self._collect_eos_ids()
+        # the generation config's EOS ids beyond the tokenizer's report themselves as stop_reason
+        tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
+        self.reported_eos_token_ids: set[int] = self.eos_token_ids - {tokenizer_eos}
         self.block_size = config.block_size
         self.kv_bytes_per_token = self.spec.kv_bytes_per_token(self.kv_dtype.itemsize)
         self.kv_layout = KVLayout.from_layer_windows(self.spec.layer_windows)

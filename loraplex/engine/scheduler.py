@@ -103,11 +103,15 @@ class Scheduler(StepResults, ScheduleAhead):
         adapter_gate: AdapterGate | None = None,
         eos_token_ids: Iterable[int] = (),
         max_model_len: int | None = None,
+        reported_eos_token_ids: Iterable[int] = (),
     ):
         self.config = config
         self.block_manager = block_manager
         self.adapter_gate = adapter_gate
         self.eos_token_ids = frozenset(eos_token_ids)
+        # EOS ids that end a sequence with themselves as stop_reason: the generation config's
+        # beyond the tokenizer's own, which vLLM moves into stop_token_ids
+        self.reported_eos_token_ids = frozenset(reported_eos_token_ids) & self.eos_token_ids
         self.max_model_len = max_model_len or config.max_model_len
         self.max_loras = config.max_loras
         # both keep the policy's order up to date as sequences come and go, so a step's

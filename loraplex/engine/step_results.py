@@ -14,7 +14,7 @@ from loraplex.engine.spec_verify import num_accepted
 
 class StepResults:
     """``Scheduler.update`` and its helpers; reads the scheduler's ``stats``, ``block_manager``,
-    ``eos_token_ids``, ``max_model_len``, ``_seqs`` and ``_release``."""
+    ``eos_token_ids``, ``reported_eos_token_ids``, ``max_model_len``, ``_seqs`` and ``_release``."""
 
     def update(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Sequence]:
         """Apply a step's results: advance computed tokens, append sampled tokens, stop checks.
@@ -97,10 +97,11 @@ class StepResults:
         params = seq.params
         num_output_tokens = len(seq.output_token_ids)  # once: every sampled token is checked
         if num_output_tokens >= params.min_tokens:
-            # EOS first, as vLLM's check_stop: an EOS also listed in stop_token_ids reports no
-            # stop_reason (with ignore_eos it is a stop token like any other)
+            # EOS first, as vLLM's check_stop: the tokenizer's EOS reports no stop_reason even
+            # when listed in stop_token_ids, the generation config's others report their id (with
+            # ignore_eos an EOS is a stop token only where the request lists it)
             if not params.ignore_eos and token in self.eos_token_ids:
-                return SequenceStatus.FINISHED_STOPPED, None
+                return SequenceStatus.FINISHED_STOPPED, (token if token in self.reported_eos_token_ids else None)
             if token in params.stop_token_ids:
                 return SequenceStatus.FINISHED_STOPPED, token
         if params.max_tokens is not None and num_output_tokens >= params.max_tokens:
