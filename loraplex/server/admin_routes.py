@@ -6,6 +6,7 @@ registry service, the adapter manager (uploads, blobs, in-use tracking) and the 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -13,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from loraplex.registry.errors import NotFound
+from loraplex.registry.info import VersionInfo
 from loraplex.registry.names import parse_version
 from loraplex.server.context import AppContext
 from loraplex.server.errors import APIError, bad_request
@@ -250,7 +252,7 @@ async def load(request: Request) -> Response:
         try:  # a delete that landed meanwhile found nothing to unload yet: drop what we loaded
             await run_in_threadpool(ctx.registry.resolve, p["tenant"], ref.name)
         except NotFound:
-            await drop_unused_from_engine(ctx, [(ref.content_hash, content_key(ref.content_hash))])
+            await drop_weights_if_unused(ctx, ref.content_hash, content_key(ref.content_hash))
             raise
     finally:
         ctx.adapters.release(ref.content_hash)
@@ -286,7 +288,7 @@ async def delete_adapter(request: Request) -> Response:
         removed = await run_in_threadpool(ctx.adapters.delete_adapter, p["tenant"], p["name"], ACTOR)
     else:
         removed = await run_in_threadpool(ctx.registry.delete_adapter, p["tenant"], p["name"], ACTOR)
-    await drop_unused_from_engine(ctx, [(v.sha256, v.blob_key) for v in removed or []])
+    await drop_unused_from_engine(ctx, removed or [])
     return JSONResponse({"deleted": [v.to_dict() for v in removed or []]})
 
 
@@ -298,30 +300,40 @@ async def delete_version(request: Request) -> Response:
         removed = await run_in_threadpool(ctx.adapters.delete_version, p["tenant"], p["name"], version, ACTOR)
     else:
         removed = await run_in_threadpool(ctx.registry.delete_version, p["tenant"], p["name"], version, ACTOR)
-    await drop_unused_from_engine(ctx, [(v.sha256, v.blob_key) for v in removed or []])
+    await drop_unused_from_engine(ctx, removed or [])
     return JSONResponse({"deleted": [v.to_dict() for v in removed or []]})
 
 
-async def drop_unused_from_engine(ctx: AppContext, removed: list[tuple[str, str]]) -> None:
+async def drop_unused_from_engine(ctx: AppContext, removed: Iterable[VersionInfo]) -> None:
+    """``drop_weights_if_unused`` for each deleted version."""
+    for version in removed:
+        await drop_weights_if_unused(ctx, version.sha256, version.blob_key, f"{version.tenant}/{version.ref}")
+
+
+async def drop_weights_if_unused(ctx: AppContext, content_hash: str, blob_key: str, label: str | None = None) -> None:
     """Deleted weights that no live version of any tenant uses any more leave the engine's device
     slots and host cache, pins included (else a pinned slot would stay taken until a restart).
     Requests still running on them reload them from their local copy, which stays until the last
-    of them ends; weights another version still uses (same content hash) are left alone. So do
-    the merges built from them (LoRAX's merged_adapters), and their files, records and names."""
-    for content_hash, blob_key in removed:  # (content hash, blob key) of each deleted version
-        try:
-            if await run_in_threadpool(ctx.registry.versions_using_blob, blob_key) == 0:
-                await _retire(ctx, content_hash)
-                merges = await run_in_threadpool(ctx.merges.drop_merges_of, content_hash) if ctx.merges else []
-                for merged in merges:
-                    await ctx.engine.unload_adapter(merged)
-                if merges:  # nothing can name them again: their records and names go too
-                    kept = await forget_merges(ctx, merges)
-                    for merged in kept:  # a request still runs on it: the engine forgets it after
-                        await _retire(ctx, merged)
-                    ctx.merges.hand_back(kept)  # its names: a later merge request's housekeeping
-        except Exception:  # noqa: BLE001 - the delete itself is done; LRU eviction frees it later
-            log.exception("could not drop deleted adapter %s from the engine", content_hash)
+    of them ends; weights another version still uses (same content hash) are left alone, but lose
+    their status-page name when it was ``label``, the deleted version's (a request naming a live
+    version names them again). Merges built from unused weights (LoRAX's merged_adapters) go too,
+    with their files, records and names."""
+    try:
+        if await run_in_threadpool(ctx.registry.versions_using_blob, blob_key) > 0:
+            if label is not None and ctx.adapter_display.get(content_hash) == label:
+                ctx.adapter_display.pop(content_hash, None)
+            return
+        await _retire(ctx, content_hash)
+        merges = await run_in_threadpool(ctx.merges.drop_merges_of, content_hash) if ctx.merges else []
+        for merged in merges:
+            await ctx.engine.unload_adapter(merged)
+        if merges:  # nothing can name them again: their records and names go too
+            kept = await forget_merges(ctx, merges)
+            for merged in kept:  # a request still runs on it: the engine forgets it after
+                await _retire(ctx, merged)
+            ctx.merges.hand_back(kept)  # its names: a later merge request's housekeeping
+    except Exception:  # noqa: BLE001 - the delete itself is done; LRU eviction frees it later
+        log.exception("could not drop deleted adapter %s from the engine", content_hash)
 
 
 async def _retire(ctx: AppContext, content_hash: str) -> None:

@@ -157,7 +157,7 @@ async def unload_lora_adapter(request: Request) -> Response:
         raise vllm_error(404, f"The lora adapter '{name}' cannot be found.") from None
     except ManagedByOperator:
         raise managed_by_operator(name) from None
-    await drop_unused_from_engine(ctx, [(v.sha256, v.blob_key) for v in removed])
+    await drop_unused_from_engine(ctx, removed)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 

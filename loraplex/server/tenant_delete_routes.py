@@ -33,7 +33,7 @@ async def delete_tenant(request: Request) -> Response:
     deletion = await run_in_threadpool(delete, name, ACTOR)
     ctx.tenant_auth.forget_all()  # the revoked keys: effective at once on this replica
     ctx.tenant_limits.forget(name)
-    await drop_unused_from_engine(ctx, [(v.sha256, v.blob_key) for v in deletion.versions])
+    await drop_unused_from_engine(ctx, deletion.versions)
     return JSONResponse({"name": name, "deleted": True, **deletion.counts(), "adapters": deletion.adapters})
 
 

@@ -1,7 +1,8 @@
 """Deleted adapters leave the engine's stats (real engine, tiny Llama on CPU, in process): after
 vLLM's ``/v1/unload_lora_adapter`` and the admin delete, the adapter's record is gone from
 ``/admin/v1/status`` (``engine.lora.adapters`` and ``adapter_names``) once no request holds it,
-kept while a stream still runs on it, and loading the same files again serves them as before."""
+kept while a stream still runs on it, and loading the same files again serves them as before;
+weights another adapter still uses stay, without the deleted one's name."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def world(tiny_llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("forget")
     base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
     adapters = {name: make_peft_adapter(base, root / "allowed" / name, seed=seed, r=4)
-                for seed, name in enumerate(("runtime", "admin", "held"), start=1)}
+                for seed, name in enumerate(("runtime", "admin", "held", "shared"), start=1)}
     home = root / "home"
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", home=home, kv_cache_bytes=4 << 20,
               max_loras=2, max_lora_rank=8, max_num_seqs=8)
@@ -121,3 +122,20 @@ def test_a_running_stream_keeps_the_record_until_it_ends(world):
     deadline = time.monotonic() + 5
     while sha in _status(client)["engine"]["lora"]["adapters"]:
         assert time.monotonic() < deadline, "the record outlived the last request"
+
+
+def test_weights_another_adapter_uses_stay_without_the_deleted_name(world):
+    client, tenant, adapters = world
+    sha = _upload(client, "sh-one", adapters["shared"])
+    assert _upload(client, "sh-two", adapters["shared"]) == sha  # the same weights under two names
+    want = _complete(client, tenant, "sh-two")
+    assert _status(client)["adapter_names"][sha] == "acme/sh-two@1"  # the last name a request used
+    assert client.delete("/admin/v1/tenants/acme/adapters/sh-two").status_code == 200
+    status = _status(client)
+    assert sha in status["engine"]["lora"]["adapters"] and sha not in status["adapter_names"]
+    assert _complete(client, tenant, "sh-one") == want
+    assert _status(client)["adapter_names"][sha] == "acme/sh-one@1"
+    # a delete of a name the status page does not show leaves the page's name alone
+    assert _upload(client, "sh-three", adapters["shared"]) == sha
+    assert client.delete("/admin/v1/tenants/acme/adapters/sh-three").status_code == 200
+    assert _status(client)["adapter_names"][sha] == "acme/sh-one@1"
