@@ -45,6 +45,10 @@ def read_number(body, name, default=None, lo=None, hi=None):
     return as_float(v) if v is not None else None
 
 
+def read_str(body, name, default=None):
+    return _typed(body, name, lambda v: isinstance(v, str), "a string", default)
+
+
 def read_bool(body, name, default=False):
     return _typed(body, name, lambda v: isinstance(v, bool), "a boolean", default)
 

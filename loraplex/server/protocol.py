@@ -26,7 +26,7 @@ from loraplex.engine.admission_order import PRIORITY_LIMIT
 from loraplex.generation_defaults import SamplingDefaults
 from loraplex.sampling_params import SamplingParams
 from loraplex.server.beam_fields import BeamOptions, parse_beam_search
-from loraplex.server.body_fields import is_int, read_bool, read_int
+from loraplex.server.body_fields import is_int, read_bool, read_int, read_str
 from loraplex.server.chat_messages import parse_messages
 from loraplex.server.errors import bad_request
 from loraplex.server.prompt_fields import PromptOptions, parse_prompt_options
@@ -217,7 +217,7 @@ def parse_completion_request(body, defaults: SamplingDefaults | None = None,
         prompt_options=parse_prompt_options(body, "completion"),
         priority=_priority(body),
         max_tokens_given=max_tokens_given,
-        user=body.get("user") if isinstance(body.get("user"), str) else None,
+        user=read_str(body, "user"),
         beam=parse_beam_search(body, "completion"),
     )
 
@@ -265,6 +265,6 @@ def parse_chat_request(body, defaults: SamplingDefaults | None = None,
         top_logprobs=top_logprobs or 0,
         max_tokens_given=max_tokens_given,
         priority=_priority(body),
-        user=body.get("user") if isinstance(body.get("user"), str) else None,
+        user=read_str(body, "user"),
         beam=parse_beam_search(body, "chat"),
     )

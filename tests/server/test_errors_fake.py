@@ -96,6 +96,7 @@ def test_other_tenants_adapter_is_indistinguishable_from_missing(tenants):
         ({"prompt": 5}, "prompt"),
         ({"prompt": [1, "a"]}, "prompt"),
         ({"model": 3}, "model"),
+        ({"user": 5}, "user"),  # OpenAI's and vLLM's type check (it was dropped silently)
     ],
 )
 def test_completion_validation(tenants, patch, param):
@@ -138,6 +139,7 @@ def test_seeds_at_the_64_bit_bounds_are_taken(tenants):
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": "yes"}, "logprobs"),
         ({"max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"user": ["a"]}, "user"),
     ],
 )
 def test_chat_validation(tenants, patch, param):
