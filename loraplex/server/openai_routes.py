@@ -92,9 +92,12 @@ async def whole_answer(run: RequestRun, shaper: ResponseShaper, answer=None) -> 
     return answer(run, shaper, body) if answer is not None else body
 
 
-def _echo_text(run: RequestRun, p_idx: int) -> str:
-    prompt = run.req.prompts[p_idx]
-    return prompt if isinstance(prompt, str) else run.ctx.tokenizer.decode(prompt)
+def _echo_texts(run: RequestRun) -> list[str]:
+    """Each prompt's echoed text (none without ``echo``), decoded once for all its choices."""
+    if not run.req.echo:
+        return []
+    decode = run.ctx.tokenizer.decode
+    return [prompt if isinstance(prompt, str) else decode(prompt) for prompt in run.req.prompts]
 
 
 async def collect(run: RequestRun, shaper: ResponseShaper) -> dict:
@@ -119,10 +122,11 @@ async def collect(run: RequestRun, shaper: ResponseShaper) -> dict:
         # answers the engine's finish_reason and stop_reason: "stop" when that token was a stop)
         pieces, entries = [[] for _ in pieces], [[] for _ in entries]
     run.output_texts = texts = ["".join(p) for p in pieces]
+    echoes = _echo_texts(run)
     choices = []
     for i in range(n_choices):
         p_idx = i // req.params.n
-        prefix = _echo_text(run, p_idx) if req.echo else ""
+        prefix = echoes[p_idx] if req.echo else ""
         logprobs = None
         if req.logprobs and req.kind == "chat":
             logprobs = shaper.chat_logprobs(entries[i], req.top_logprobs)
@@ -173,7 +177,7 @@ def _ids(entries: list[dict]) -> list[int]:
 
 def _prompt_offsets(run: RequestRun, shaper: ResponseShaper, p_idx: int, entries: list[dict]) -> list[int]:
     """Text offsets of the echoed prompt's tokens in the echoed text: a text prompt as sent
-    (its special tokens, a BOS, not in it), token ids as decoded (``_echo_text``: kept)."""
+    (its special tokens, a BOS, not in it), token ids as decoded (``_echo_texts``: kept)."""
     skip_special = isinstance(run.req.prompts[p_idx], str)
     return shaper.text_offsets([], skip_special).of(_ids(entries))
 
@@ -234,6 +238,7 @@ async def _chunks(run: RequestRun, shaper: ResponseShaper, ids: StreamTokenIds |
     n_choices = len(run.prompt_ids) * req.params.n
     if req.continuous_usage:
         shaper.track_usage([len(run.prompt_ids[i // req.params.n]) for i in range(n_choices)])
+    echoes = _echo_texts(run)
     calls = None  # per choice, when the output is tool calls
     splits = None  # per choice, the reasoning before a tool choice's calls (None: no reasoning)
     parsed = None  # per choice, when the parsers read the text (reasoning, "auto" tool calls)
@@ -253,7 +258,7 @@ async def _chunks(run: RequestRun, shaper: ResponseShaper, ids: StreamTokenIds |
             yield shaper.chunk(i, "", None, role=True)
     elif req.echo and not req.logprobs:
         for i in range(n_choices):
-            yield shaper.chunk(i, _echo_text(run, i // req.params.n), None)
+            yield shaper.chunk(i, echoes[i // req.params.n], None)
     # echo with logprobs: each choice's echo chunk carries the prompt's logprobs, which come
     # with the choice's first output
     echo_pending = set(range(n_choices)) if req.echo and req.logprobs else set()
@@ -268,7 +273,7 @@ async def _chunks(run: RequestRun, shaper: ResponseShaper, ids: StreamTokenIds |
             prompt_entries = _prompt_entries(run, shaper, p_idx)
             prompt_part = shaper.completion_logprobs(prompt_entries, req.top_logprobs,
                                                      _prompt_offsets(run, shaper, p_idx, prompt_entries))
-            yield shaper.chunk(choice, _echo_text(run, p_idx), None, prompt_part)
+            yield shaper.chunk(choice, echoes[p_idx], None, prompt_part)
         shaper.count_tokens(choice, len(comp.token_ids))  # continuous usage: cumulative per choice
         if req.echo_without_generation:  # the prompt (echoed above) and the finish, no completion
             if comp.finish_reason is not None:
@@ -282,7 +287,7 @@ async def _chunks(run: RequestRun, shaper: ResponseShaper, ids: StreamTokenIds |
                 logprobs = shaper.chat_logprobs(comp.logprobs, req.top_logprobs)
             else:
                 if choice not in offsets:
-                    offsets[choice] = _output_offsets(run, shaper, p_idx, len(_echo_text(run, p_idx)) if req.echo else 0)
+                    offsets[choice] = _output_offsets(run, shaper, p_idx, len(echoes[p_idx]) if req.echo else 0)
                 logprobs = shaper.completion_logprobs(comp.logprobs, req.top_logprobs,
                                                       offsets[choice].of(_ids(comp.logprobs)))
         if calls is not None:
