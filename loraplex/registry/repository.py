@@ -30,7 +30,9 @@ def get_tenant(
 ) -> Tenant | None:
     """The live tenant of that name (with ``include_deleted``, its tombstone too). A row lock
     re-checks ``deleted_at`` on PostgreSQL once the lock is granted, so a writer that waited on a
-    tenant delete finds no tenant."""
+    tenant delete finds no tenant; on SQLite a lock is ``serialise_writer`` (so: a first read)."""
+    if for_update or for_share:
+        serialise_writer(session)
     query = select(Tenant).where(Tenant.name == name)
     if not include_deleted:
         query = query.where(Tenant.deleted_at.is_(None))
@@ -44,9 +46,17 @@ def lock_tenant(session: Session, name: str, *, exclusive: bool) -> Tenant | Non
     the delete itself; shared: writers adding keys or versions to it). PostgreSQL: ``FOR UPDATE``
     / ``FOR SHARE``. SQLite has no row locks: the database's write lock is taken first (as
     ``lock_blob`` does), so what is read afterwards is current. Call it before other reads."""
+    return get_tenant(session, name, for_update=exclusive, for_share=not exclusive)
+
+
+def serialise_writer(session: Session) -> None:
+    """Before the first read of a transaction that reads, checks, then writes (a row read
+    ``for_update``): SQLite has no row locks, so the database's one write lock is taken now
+    (waiting up to the busy timeout) and what is read afterwards is current; without it two
+    such writers both passed their checks (a hot-swap to a version being deleted: both
+    committed). PostgreSQL: nothing, the query's row lock serialises them per row."""
     if session.get_bind().dialect.name != "postgresql":
         _take_sqlite_write_lock(session)
-    return get_tenant(session, name, for_update=exclusive, for_share=not exclusive)
 
 
 def list_tenants(session: Session) -> list[Tenant]:
@@ -106,7 +116,8 @@ def find_api_key_by_hash(
 
 
 def get_adapter(session: Session, tenant: Tenant, name: str, *, for_update: bool = False) -> Adapter | None:
-    """The adapter row (deleted ones included: callers check ``deleted_at``)."""
+    """The adapter row (deleted ones included: callers check ``deleted_at``); ``for_update``
+    in a transaction that called ``serialise_writer`` first."""
     query = select(Adapter).where(Adapter.tenant_id == tenant.id, Adapter.name == name)
     if for_update:
         query = query.with_for_update()

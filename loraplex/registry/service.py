@@ -227,6 +227,7 @@ class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDe
             )
         elif adapter.deleted_at is not None:
             adapter.deleted_at = None  # re-created: numbering continues after the tombstones
+            adapter.active_version = None  # its first new version becomes active, as a new name's
             adapter.origin = origin
         else:
             claim_for(adapter, origin)
@@ -279,6 +280,8 @@ class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDe
 
     def _require_adapter(self, session: Session, tenant: str, name: str, *, for_update: bool = False) -> Adapter:
         validate_adapter_name(name)
+        if for_update:  # before the tenant's read: on SQLite, what both read is then current
+            repo.serialise_writer(session)
         adapter = repo.get_adapter(session, self._require_tenant(session, tenant), name, for_update=for_update)
         if adapter is None or adapter.deleted_at is not None:
             raise NotFound(f"adapter {name!r} not found for tenant {tenant!r}")
