@@ -65,7 +65,7 @@ class AdapterUploadMixin:
 
     def upload(
         self, tenant: str, name: str, adapter_dir: str | Path, uploader: str = "admin", origin: str | None = None,
-        warnings: list[str] | None = None, activate: bool = False,
+        warnings: list[str] | None = None, activate: bool = False, create_only: bool = False,
     ) -> tuple[VersionInfo, bool]:
         """Store a PEFT directory as a new version of ``tenant/name``. Returns ``(version,
         created)``; ``created`` is False when identical weights already are a live version of
@@ -74,17 +74,19 @@ class AdapterUploadMixin:
         (tenant), ``InvalidName``, ``ManagedByOperator`` (a runtime ``origin`` writing to an
         operator's adapter, see ``adapter_origin``) or a blob store error; on any failure no
         version is added. ``warnings``, when given, receives what the validator noted about an
-        accepted adapter (e.g. LoRA on a vision tower that is not served), for the upload's answer."""
+        accepted adapter (e.g. LoRA on a vision tower that is not served), for the upload's answer.
+        ``create_only``: ``AlreadyExists`` when the name already lives (``add_version``'s)."""
         validate_tenant_name(tenant)
         self.check_adapter_name(name)
         if self.registry.get_tenant(tenant) is None:
             raise NotFound(f"tenant {tenant!r} not found")
         # one read of the files: the bytes checked and hashed are the bytes stored
         with adapter_snapshot(adapter_dir, self.max_member_bytes) as snapshot:
-            return self._upload_checked(tenant, name, snapshot, uploader, origin, warnings, activate)
+            return self._upload_checked(tenant, name, snapshot, uploader, origin, warnings, activate, create_only)
 
     def _upload_checked(self, tenant: str, name: str, adapter_dir: Path, uploader: str, origin: str | None,
-                        warnings: list[str] | None, activate: bool = False) -> tuple[VersionInfo, bool]:
+                        warnings: list[str] | None, activate: bool = False,
+                        create_only: bool = False) -> tuple[VersionInfo, bool]:
         info = inspect_adapter_dir(adapter_dir, self.spec, self.max_lora_rank)
         for warning in info.warnings:
             log.warning("adapter %s/%s: %s", tenant, name, warning)
@@ -114,6 +116,7 @@ class AdapterUploadMixin:
                         check_blob=lambda: self.blobs.exists(key),
                         origin=origin,
                         activate=activate,
+                        create_only=create_only,
                     )
                 except BlobMissing:
                     log.info("blob %s was deleted by a concurrent delete during an upload; storing it again", key)
@@ -127,7 +130,8 @@ class AdapterUploadMixin:
             raise
 
     def upload_active(
-        self, tenant: str, name: str, adapter_dir: str | Path, uploader: str = "admin", origin: str | None = None
+        self, tenant: str, name: str, adapter_dir: str | Path, uploader: str = "admin", origin: str | None = None,
+        create_only: bool = False,
     ) -> tuple[VersionInfo, bool, bool]:
         """``upload``, then make that version the one ``name`` serves (a hot-swap, as
         ``PUT .../active`` is, unless it already is). Returns ``(version, created, activated)``;
@@ -136,7 +140,8 @@ class AdapterUploadMixin:
         written and made active in one transaction: a write between the two (an operator upload
         taking over a runtime adapter) cannot leave a version a refused call added."""
         before = self.registry.get_adapter(tenant, name)  # NotFound without the tenant, as upload
-        version, created = self.upload(tenant, name, adapter_dir, uploader=uploader, origin=origin, activate=True)
+        version, created = self.upload(tenant, name, adapter_dir, uploader=uploader, origin=origin, activate=True,
+                                       create_only=create_only)
         return version, created, before is None or before.active_version != version.version
 
     def upload_all_active(self, tenant: str, dirs: Sequence[tuple[str, Path]], uploader: str) -> list[ActiveVersion]:

@@ -157,6 +157,7 @@ class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDe
         check_blob: Callable[[], bool] | None = None,
         origin: str | None = None,
         activate: bool = False,
+        create_only: bool = False,
     ) -> tuple[VersionInfo, bool]:
         """Record a new immutable version (its blob must already be stored).
 
@@ -173,13 +174,16 @@ class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDe
 
         ``origin`` is who writes (``adapter_origin``): ``ADAPTER_ORIGIN_RUNTIME`` may only add to
         an adapter it created (else ``ManagedByOperator``, nothing written); the operator's
-        write (None) makes the adapter the operator's.
+        write (None) makes the adapter the operator's. ``create_only``: ``AlreadyExists``, nothing
+        written, when the adapter already lives (decided under the lock: of two such writers to a
+        new name, one creates it).
         """
         validate_adapter_name(name)
         fields = version_fields(sha256, base_model, rank, alpha, targets, size_bytes, blob_key, uploader)
         for attempt in range(WRITE_ATTEMPTS):
             try:
-                return self._add_version_once(tenant, name, fields, activate_if_first, check_blob, origin, activate)
+                return self._add_version_once(tenant, name, fields, activate_if_first, check_blob, origin, activate,
+                                              create_only)
             except IntegrityError:
                 # another writer created the adapter or took the version number first; retry
                 if attempt == WRITE_ATTEMPTS - 1:
@@ -196,6 +200,7 @@ class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDe
         check_blob: Callable[[], bool] | None,
         origin: str | None,
         activate: bool,
+        create_only: bool = False,
     ) -> tuple[VersionInfo, bool]:
         with self._transaction() as session:
             # first, so that a blob delete cannot run between our check and our commit (and, on
@@ -205,7 +210,7 @@ class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDe
             # or this upload waits for the delete and finds no tenant
             tenant_row = self._require_tenant(session, tenant, lock=True)
             version, created = self._put_version(session, tenant_row, name, fields, activate_if_first, check_blob,
-                                                 origin)
+                                                 origin, create_only)
             if activate:
                 adapter = repo.get_adapter(session, tenant_row, name)
                 if adapter.active_version != version.version:
@@ -215,7 +220,7 @@ class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDe
     @staticmethod
     def _put_version(session: Session, tenant_row: Tenant, name: str, fields: dict[str, Any],
                      activate_if_first: bool, check_blob: Callable[[], bool] | None,
-                     origin: str | None) -> tuple[VersionInfo, bool]:
+                     origin: str | None, create_only: bool = False) -> tuple[VersionInfo, bool]:
         """``add_version``'s writes, in ``session`` (which holds the blob's and tenant's locks)."""
         tenant = tenant_row.name
         adapter = repo.get_adapter(session, tenant_row, name, for_update=True)
@@ -230,6 +235,8 @@ class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDe
             adapter.active_version = None  # its first new version becomes active, as a new name's
             adapter.origin = origin
         else:
+            if create_only:
+                raise AlreadyExists(f"adapter {name!r} already exists for tenant {tenant!r}")
             claim_for(adapter, origin)
             existing = repo.find_live_version_by_sha(session, adapter, fields["sha256"])
             if existing is not None:

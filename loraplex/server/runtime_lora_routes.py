@@ -37,7 +37,7 @@ from starlette.routing import Route
 
 from loraplex.lora.snapshot import OutsideAllowedPaths, adapter_snapshot
 from loraplex.registry.adapter_upload import ADAPTER_FILES
-from loraplex.registry.errors import InvalidName, ManagedByOperator, NotFound
+from loraplex.registry.errors import AlreadyExists, InvalidName, ManagedByOperator, NotFound
 from loraplex.registry.models import ADAPTER_ORIGIN_RUNTIME
 from loraplex.server.admin_routes import drop_unused_from_engine
 from loraplex.server.context import AppContext
@@ -67,6 +67,11 @@ def managed_by_operator(name: str) -> APIError:
         "through the runtime LoRA endpoints.",
         param="lora_name", code="adapter_managed_by_operator",
     )
+
+
+def already_loaded(name: str) -> APIError:
+    """vLLM's answer to a load, without ``load_inplace``, of a name that is loaded."""
+    return vllm_error(400, f"The lora adapter '{name}' has already been loaded.")
 
 
 def path_refused() -> APIError:
@@ -101,12 +106,12 @@ def roots_check(roots: list[Path]) -> Callable[[str | Path], bool]:
     return inside
 
 
-def _upload_confined(ctx: AppContext, tenant: str, name: str, real: Path) -> None:
+def _upload_confined(ctx: AppContext, tenant: str, name: str, real: Path, create_only: bool) -> None:
     """Upload from a copy of the files read where the path check allowed: a link swapped in
     after ``allowed_path`` (by anyone who can write under a root) is refused, not followed."""
     adapters = ctx.adapters
     with adapter_snapshot(real, adapters.max_member_bytes, roots_check(ctx.settings.lora_path_roots)) as copy:
-        adapters.upload_active(tenant, name, copy, LOAD_ACTOR, origin=ADAPTER_ORIGIN_RUNTIME)
+        adapters.upload_active(tenant, name, copy, LOAD_ACTOR, origin=ADAPTER_ORIGIN_RUNTIME, create_only=create_only)
 
 
 async def _tenant_and_body(request: Request) -> tuple[AppContext, str, dict]:
@@ -133,11 +138,13 @@ async def load_lora_adapter(request: Request) -> Response:
     except InvalidName as exc:
         raise bad_request(str(exc), param="lora_name") from None
     if existing is not None and not inplace:
-        raise vllm_error(400, f"The lora adapter '{name}' has already been loaded.")
+        raise already_loaded(name)
     if existing is not None and existing.origin != ADAPTER_ORIGIN_RUNTIME:
         raise managed_by_operator(name)  # before reading the files; the upload checks again, atomically
     try:
-        await run_in_threadpool(_upload_confined, ctx, tenant, name, real)
+        await run_in_threadpool(_upload_confined, ctx, tenant, name, real, not inplace)
+    except AlreadyExists:  # another load of the name landed since the check above
+        raise already_loaded(name) from None
     except OutsideAllowedPaths:
         raise path_refused() from None
     except ManagedByOperator:  # the operator uploaded it since the check above

@@ -5,11 +5,16 @@ PostgreSQL against the rule in loraplex/registry/adapter_origin.py, with what th
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from loraplex.registry import db
-from loraplex.registry.errors import ManagedByOperator
+from loraplex.registry.errors import AlreadyExists, ManagedByOperator
 from loraplex.registry.models import ADAPTER_ORIGIN_RUNTIME as RUNTIME
+from loraplex.storage.base import content_key, open_blob_store
+from tests.registry.adapter_manager_helpers import make_manager
 from tests.registry.helpers import version_fields
 
 
@@ -97,3 +102,34 @@ def test_migration_0007_marks_adapters_only_runtime_loads_made(database_url):
     db.downgrade(database_url, "0006")  # and back: the column goes, the adapters stay
     db.upgrade(database_url)
     assert {a.name for a in RegistryService.from_url(database_url).list_adapters("acme")} == set(origins)
+
+
+def test_of_concurrent_create_only_loads_of_a_new_name_one_creates_it(registry, adapters, tmp_path):
+    """vLLM's load without ``load_inplace``, four at once with two sets of weights: one load
+    creates the name, the others are refused (``AlreadyExists``) and leave no version and no
+    blob of their own (each load used to pass the route's check and add a version)."""
+    spec, dirs = adapters
+    blobs = open_blob_store(str(tmp_path / "blobs"))
+    manager = make_manager(registry, blobs, tmp_path / "cache", spec)
+    barrier = threading.Barrier(4)
+
+    def load(which: str):
+        barrier.wait()
+        try:
+            return manager.upload_active("acme", "rt", dirs[which], origin=RUNTIME, create_only=True)
+        except AlreadyExists as exc:
+            return exc
+
+    with ThreadPoolExecutor(4) as pool:
+        outcomes = list(pool.map(load, ["a", "b", "a", "b"]))
+    won = [o for o in outcomes if not isinstance(o, AlreadyExists)]
+    assert len(won) == 1, outcomes
+    adapter = registry.get_adapter("acme", "rt")
+    assert [v.version for v in adapter.versions] == [1] and adapter.active_version == 1
+    assert adapter.versions[0].sha256 == won[0][0].sha256
+    # the refused loads' blobs went again: only the winner's bytes are stored
+    assert {b.key for b in blobs.list_blobs()} == {content_key(won[0][0].sha256)}
+    # a deleted name is new again
+    registry.delete_adapter("acme", "rt", origin=RUNTIME)
+    version, created, _ = manager.upload_active("acme", "rt", dirs["b"], origin=RUNTIME, create_only=True)
+    assert created and registry.resolve("acme", "rt").version == version.version == 2

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -100,6 +102,26 @@ def test_a_loaded_name_is_refused_as_in_vllm_unless_load_inplace(srv, adapters, 
     assert swap.status_code == 200
     adapter = srv.registry.get_adapter(name, "sql")
     assert adapter.active_version == 2 and adapter.versions[1].sha256 == compute_content_hash(dirs["b"])
+
+
+def test_concurrent_loads_of_a_new_name_add_it_once(srv, adapters, tenant):
+    """Four loads at once without ``load_inplace``: each passed the route's "already loaded"
+    check before any wrote, so all four answered success and two versions were added; the
+    registry now decides under its lock, and the others get vLLM's answer."""
+    name, client = tenant
+    dirs = adapters[2]
+    barrier = threading.Barrier(4)
+
+    def load(which):
+        barrier.wait()
+        return client.post(LOAD, json={"lora_name": "race", "lora_path": str(dirs[which])})
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(load, ["a", "b", "a", "b"]))
+    assert sorted(r.status_code for r in answers) == [200, 400, 400, 400], [r.text for r in answers]
+    assert {r.json()["error"]["message"] for r in answers if r.status_code == 400} == {
+        "The lora adapter 'race' has already been loaded."}
+    assert [v.version for v in srv.registry.get_adapter(name, "race").versions] == [1]
 
 
 def test_missing_fields_get_vllms_errors(srv, tenant):
