@@ -270,8 +270,12 @@ class AdapterManager(AdapterUploadMixin):
         Blobs younger than ``min_age_seconds`` stay (an upload stores its blob before its row),
         as do blobs this process is using. Each count and delete runs under the blob's lock, as
         a version delete does, so an upload of the same bytes meanwhile keeps its blob. Stops
-        early once ``stop`` is set. Returns the deleted keys."""
+        early once ``stop`` is set. Returns the deleted keys. The store's unfinished puts of
+        that age go too (a crash mid-put leaves a temporary file no key names)."""
         now = time.time()
+        partial = self.blobs.sweep_partial_puts(min_age_seconds)
+        if partial:
+            log.info("removed %d unfinished blob put(s) older than %.0f s", partial, min_age_seconds)
         deleted = []
         for entry in list(self.blobs.list_blobs("sha256/")):
             if stop is not None and stop.is_set():

@@ -90,6 +90,12 @@ class BlobStore(ABC):
     def describe(self) -> str:
         """Where the blobs live, for logs and error messages (no secrets)."""
 
+    def sweep_partial_puts(self, min_age_seconds: float) -> int:
+        """Remove what puts that never finished (a process killed mid-upload) left, once older
+        than ``min_age_seconds`` (a put running now is younger); returns how many. Nothing to
+        do for a store whose puts leave nothing behind."""
+        return 0
+
 
 def check_blob_url(url: str) -> None:
     """Raise ValueError for a blob url of no form ``open_blob_store`` opens (nothing is opened:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,6 +88,18 @@ class LocalBlobStore(BlobStore):
 
     def describe(self) -> str:
         return f"directory {self.root}"
+
+    def sweep_partial_puts(self, min_age_seconds: float) -> int:
+        cutoff = time.time() - min_age_seconds
+        removed = 0
+        for path in (self.root / _TMP_DIR).glob("*.part"):
+            try:
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:  # its put finished (or another sweep took it) meanwhile
+                continue
+        return removed
 
 
 def _read_chunks(handle: BinaryIO, chunk_bytes: int) -> Iterator[bytes]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import threading
 import time
 
@@ -321,6 +322,23 @@ def test_garbage_collection_of_crash_leftovers(registry, blobs, adapters, tmp_pa
     assert manager.collect_garbage(min_age_seconds=3600) == []  # too young: might be an upload in progress
     assert manager.collect_garbage(min_age_seconds=0) == [orphan_key]
     assert not blobs.exists(orphan_key) and blobs.exists(kept.blob_key)
+
+
+def test_garbage_collection_removes_a_killed_puts_temporary_file(registry, adapters, tmp_path):
+    """A process killed during a local put leaves ``.tmp/<random>.part``, which no key names:
+    the collection removes it once older than its age limit (a younger one may be a put
+    running now), and leaves blobs alone."""
+    spec, dirs = adapters
+    blobs = open_blob_store(str(tmp_path / "blobs"))
+    manager = make_manager(registry, blobs, tmp_path / "cache", spec)
+    kept, _ = manager.upload("acme", "kept", dirs["b"])
+    stale, fresh = tmp_path / "blobs" / ".tmp" / "dead.part", tmp_path / "blobs" / ".tmp" / "running.part"
+    for path in (stale, fresh):
+        path.write_bytes(b"half a blob")
+    two_hours_ago = time.time() - 7200
+    os.utime(stale, (two_hours_ago, two_hours_ago))
+    assert manager.collect_garbage(min_age_seconds=3600) == []  # no blob deleted
+    assert not stale.exists() and fresh.exists() and blobs.exists(kept.blob_key)
 
 
 def test_garbage_collection_after_deferred_delete_was_lost(registry, adapters, tmp_path):
