@@ -13,6 +13,8 @@ from loraplex.registry.info import ApiKeyInfo
 from loraplex.registry.keys import display_prefix, generate_secret, hash_secret, plausible_secret, secret_matches
 from loraplex.registry.models import Tenant, utcnow
 
+MAX_KEY_ID = 2**31 - 1  # the id column is an INTEGER: PostgreSQL refuses to compare more (SQLite 2**63)
+
 
 class ApiKeysMixin:
     """API key methods of RegistryService."""
@@ -47,6 +49,8 @@ class ApiKeysMixin:
             key_id = int(key_id)
         except (TypeError, ValueError):
             raise NotFound(f"API key {key_id!r} not found for tenant {tenant!r}") from None
+        if not 0 < key_id <= MAX_KEY_ID:  # no row has it, and the database cannot compare it (a 500)
+            raise NotFound(f"API key {key_id} not found for tenant {tenant!r}")
         with self._transaction() as session:
             row = repo.get_api_key(session, self._require_tenant(session, tenant), key_id)
             if row is None:

@@ -84,7 +84,7 @@ def parse_version(text: object) -> int:
     else:
         raise InvalidName(f"version must be a positive integer, got {text!r}")
     if number < 1 or number > MAX_VERSION:
-        raise InvalidName(f"version must be a positive integer, got {text!r}")
+        raise InvalidName(f"version must be a positive integer of at most {MAX_VERSION}, got {text!r}")
     return number
 
 

@@ -98,3 +98,5 @@ def test_parse_version_accepts_ints_and_digit_strings_only():
     for bad in (0, -1, True, 1.0, "04x", "", None):
         with pytest.raises(InvalidName):
             parse_version(bad)
+    with pytest.raises(InvalidName, match="positive integer of at most 2147483647"):  # the column's bound, said
+        parse_version(2**31)

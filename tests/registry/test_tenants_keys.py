@@ -53,6 +53,9 @@ def test_api_key_lifecycle(registry_service):
 
     with pytest.raises(NotFound):  # a tenant cannot revoke another tenant's key
         registry_service.revoke_api_key("acme", other_info.id)
+    for key_id in (0, -1, 2**31, 2**63, 10**40, "9223372036854775808"):  # the databases' overflow was a 500
+        with pytest.raises(NotFound):
+            registry_service.revoke_api_key("acme", key_id)
     with pytest.raises(NotFound):
         registry_service.create_api_key("nobody")
 
