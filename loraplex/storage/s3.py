@@ -226,6 +226,27 @@ class S3BlobStore(BlobStore):
         except Exception as exc:  # noqa: BLE001
             raise self._translate(exc, "listing", prefix + "*") from exc
 
+    def sweep_partial_puts(self, min_age_seconds: float) -> int:
+        """Abort multipart uploads of blobs begun more than ``min_age_seconds`` ago: a process
+        killed mid-put leaves its parts stored (and billed) until aborted. Needs
+        ``s3:ListBucketMultipartUploads`` and ``s3:AbortMultipartUpload``; without them (or on a
+        store that lists none) nothing is swept, and a bucket lifecycle rule can do it instead."""
+        base = f"{self.prefix}/sha256/" if self.prefix else "sha256/"
+        cutoff = time.time() - min_age_seconds
+        aborted = 0
+        try:
+            pages = self._client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=base)
+            for page in pages:
+                for upload in page.get("Uploads", []):
+                    if upload["Initiated"].timestamp() < cutoff:
+                        self._client.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"],
+                                                            UploadId=upload["UploadId"])
+                        aborted += 1
+        except Exception as exc:  # noqa: BLE001 - a sweep that cannot run leaves the rest of the pass
+            log.warning("could not sweep unfinished multipart uploads in %s: %s", self.describe(),
+                        self._translate(exc, "sweeping", "sha256/*"))
+        return aborted
+
 
 class _ExactSizeReader(io.RawIOBase):
     """Reads ``stream`` and fails (aborting the upload before it completes) when it holds more
