@@ -37,13 +37,19 @@ async def _admin(request: Request) -> AppContext:
     return ctx
 
 
-async def _json(request: Request, ctx: AppContext) -> dict:
+async def _json(request: Request, ctx: AppContext, fields: tuple[str, ...] | None = None) -> dict:
+    """The body's JSON object (``{}`` when empty); with ``fields``, a field not among them is a
+    400 naming it, so a misspelt option (``"pinned"`` for ``"pin"``) is not silently left out."""
     raw = await read_body(request, ctx.settings.max_body_bytes)
     if not raw:
         return {}
     body = parse_json(raw)
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object.")
+    unknown = sorted(set(body) - set(fields)) if fields is not None else []
+    if unknown:
+        raise bad_request(f"unknown field {unknown[0]!r}; this call takes {', '.join(map(repr, fields))}",
+                          param=unknown[0])
     return body
 
 
@@ -64,7 +70,7 @@ def _not_found(what: str) -> APIError:
 
 async def create_tenant(request: Request) -> Response:
     ctx = await _admin(request)
-    name = (await _json(request, ctx)).get("name")
+    name = (await _json(request, ctx, ("name",))).get("name")
     if not isinstance(name, str):
         raise bad_request("`name` must be a string", param="name")
     info = await run_in_threadpool(ctx.registry.create_tenant, name, ACTOR)
@@ -229,7 +235,7 @@ async def upload_version(request: Request) -> Response:
 async def activate(request: Request) -> Response:
     ctx = await _admin(request)
     p = request.path_params
-    version = _version((await _json(request, ctx)).get("version"))
+    version = _version((await _json(request, ctx, ("version",))).get("version"))
     info = await run_in_threadpool(ctx.registry.activate, p["tenant"], p["name"], version, ACTOR)
     return JSONResponse(info.to_dict())
 
@@ -237,7 +243,7 @@ async def activate(request: Request) -> Response:
 async def load(request: Request) -> Response:
     ctx = await _admin(request)
     p = request.path_params
-    body = await _json(request, ctx)
+    body = await _json(request, ctx, ("tier", "pin", "version"))
     tier = body.get("tier", "device")
     pin = body.get("pin", False)
     if tier not in ("device", "host"):

@@ -45,6 +45,9 @@ def test_tenants_and_keys(fake_server):
         assert c.post("/admin/v1/tenants", json={"name": "acme"}).status_code == 409
         bad = c.post("/admin/v1/tenants", json={"name": "../etc"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "name"
+        # settings go through PATCH: here they were dropped without a word
+        extra = c.post("/admin/v1/tenants", json={"name": "beta", "max_concurrent_requests": 8})
+        assert extra.status_code == 400 and extra.json()["error"]["param"] == "max_concurrent_requests"
         assert [t["name"] for t in c.get("/admin/v1/tenants").json()["data"]] == ["acme"]
         created = c.post("/admin/v1/tenants/acme/keys")
         assert created.status_code == 201
@@ -85,6 +88,14 @@ def test_adapter_lifecycle(fake_server):
         assert loaded.status_code == 200 and fake_server.engine.loaded[v2.json()["sha256"]] == ("device", True)
         assert c.get(base).json()["tier"] == "device"
         assert c.post(base + "/load", json={"tier": "moon"}).json()["error"]["param"] == "tier"
+        # a misspelt option is named, not left out (an operator asking to pin got an unpinned load)
+        audit = c.get("/admin/v1/audit", params={"tenant": "acme"}).json()["data"]
+        for path, method, body, field in (("/load", "post", {"tier": "host", "pinned": True}, "pinned"),
+                                          ("/active", "put", {"version": 1, "force": True}, "force")):
+            refused = getattr(c, method)(base + path, json=body)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+        assert c.get("/admin/v1/audit", params={"tenant": "acme"}).json()["data"] == audit  # nothing changed
+        assert c.get(base).json()["active_version"] == 2
         assert c.post(base + "/unload").status_code == 200 and not fake_server.engine.loaded
 
         assert c.delete(base + "/versions/2").status_code == 409  # the active one
