@@ -326,7 +326,8 @@ class Settings(BaseSettings):
     # registry and storage
     database_url: str | None = None  # default: sqlite under home
     blob_url: str | None = None  # default: directory under home; or s3://bucket/prefix
-    # how stale a replica's cached API keys and tenant limits may get
+    # how stale a replica's cached API keys and tenant limits may get, and how often it looks for
+    # deletes made elsewhere whose weights its engine holds (0: no such look)
     registry_poll_seconds: float = Field(default=1.0, ge=0)
     # the server deletes blobs no live version uses (crash leftovers) in a background thread:
     # first min(60 s, interval) after start, then every interval; 0 disables

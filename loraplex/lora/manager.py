@@ -383,6 +383,7 @@ class LoRAManager:
                 "pinned": aid in self._device_pinned or aid in self.host.pinned,
                 "rank": rec.info.rank,
                 "outstanding_requests": rec.outstanding,
+                "retiring": aid in self._retiring,  # deleted: forgotten once the last holder lets go
                 **asdict(rec.stats),
             }
         resident = self.pool.resident()

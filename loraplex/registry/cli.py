@@ -4,7 +4,7 @@
 --max-requests-per-minute N|unlimited --max-tokens-per-minute N|unlimited`` changes a tenant's
 serving limits; running servers apply them within ``registry_poll_seconds``. ``loraplex tenants
 delete NAME --yes`` offboards a tenant (``RegistryService.delete_tenant``): running servers refuse
-its keys within ``registry_poll_seconds`` and drop its weights from their engines by LRU; without
+its keys and drop its weights from their engines within ``registry_poll_seconds``; without
 ``--yes`` it only says what would be deleted.
 
 They work on whatever ``Settings`` name (``LORAPLEX_HOME``, ``LORAPLEX_DATABASE_URL``,

@@ -199,6 +199,17 @@ def add_version(session: Session, adapter: Adapter, number: int, **fields: Any) 
     return version
 
 
+def shas_without_live_version(session: Session, shas: list[str]) -> set[str]:
+    """Of ``shas``, those some version row has and no live one: weights that were deleted."""
+    known, live = set(), set()
+    for sha, state in session.execute(select(AdapterVersion.sha256, AdapterVersion.state)
+                                      .where(AdapterVersion.sha256.in_(shas))):
+        known.add(sha)
+        if state == VERSION_READY:
+            live.add(sha)
+    return known - live
+
+
 def count_live_versions_with_blob(session: Session, blob_key: str) -> int:
     return session.scalar(
         select(func.count())

@@ -374,6 +374,14 @@ class RegistryService(AdminKeyMixin, ApiKeysMixin, TenantSettingsMixin, TenantDe
         with self._transaction() as session:
             return repo.count_live_versions_with_blob(session, blob_key)
 
+    def deleted_weights(self, content_hashes: Sequence[str]) -> set[str]:
+        """Of ``content_hashes``, the weights that versions had and no live version (of any
+        tenant) has any more; a hash no version ever had (a merge built in memory) is not one."""
+        if not content_hashes:
+            return set()
+        with self._transaction() as session:
+            return repo.shas_without_live_version(session, list(content_hashes))
+
     def delete_blob_if_unused(self, blob_key: str, delete: Callable[[], None]) -> bool:
         """Call ``delete()`` (which removes the blob ``blob_key`` from the store) when no live
         version, of any tenant, uses it; return whether it was called. Exceptions from

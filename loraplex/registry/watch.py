@@ -24,7 +24,8 @@ class RegistryWatcher:
     """Calls ``on_change(counter)`` from a background thread whenever the change counter moves.
 
     Use as a context manager or call ``start()``/``stop()``. Errors reading the counter (database
-    briefly down) are logged and retried on the next tick; errors in ``on_change`` are logged.
+    briefly down) are retried on the next tick and logged once per outage; errors in
+    ``on_change`` are logged.
     """
 
     def __init__(self, service: _CounterSource, interval: float, on_change: Callable[[int], None]):
@@ -38,7 +39,8 @@ class RegistryWatcher:
         self.last_counter: int | None = None
 
     def poll_once(self) -> bool:
-        """Read the counter; call ``on_change`` and return True if it moved since the last read."""
+        """Read the counter; call ``on_change`` and return True if it moved since the last read.
+        A callback that raises is logged and called again at the next poll."""
         counter = self._service.change_counter()
         previous, self.last_counter = self.last_counter, counter
         if previous is None or counter == previous:
@@ -46,15 +48,24 @@ class RegistryWatcher:
         try:
             self._on_change(counter)
         except Exception:
-            logger.exception("registry on_change callback failed")
+            logger.exception("registry on_change callback failed; calling it again at the next poll")
+            self.last_counter = previous
         return True
 
     def _run(self) -> None:
+        failures = 0  # polls failed in a row: an outage is logged once, and its end
         while not self._stop.wait(self._interval):
             try:
                 self.poll_once()
             except Exception:
-                logger.warning("registry change poll failed; retrying", exc_info=True)
+                failures += 1
+                if failures == 1:
+                    logger.warning("registry change poll failed; retrying every %.1f s", self._interval,
+                                   exc_info=True)
+                continue
+            if failures:
+                logger.info("registry change poll back after %d failure(s)", failures)
+                failures = 0
 
     def start(self) -> RegistryWatcher:
         if self._thread is not None:

@@ -130,7 +130,7 @@ async def revoke_key(request: Request) -> Response:
 def _version_dict(ctx: AppContext, v, stats: dict) -> dict:
     d = v.to_dict()
     d["tier"] = adapter_tier(ctx, v.sha256, stats)
-    entry = (_lora_stats(stats).get("adapters") or {}).get(v.sha256) or {}
+    entry = engine_adapters(stats).get(v.sha256) or {}
     d["pinned"] = bool(entry.get("pinned", False))
     usage = adapter_usage(stats, v.sha256)
     d["requests"] = usage.get("requests", 0)
@@ -160,9 +160,14 @@ def _lora_stats(stats: dict) -> dict:
     return lora if isinstance(lora, dict) else stats
 
 
+def engine_adapters(stats: dict) -> dict:
+    """The engine's record of each adapter it holds, by content hash (``stats``: the engine's)."""
+    per = _lora_stats(stats).get("adapters")
+    return per if isinstance(per, dict) else {}
+
+
 def adapter_usage(stats: dict, content_hash: str) -> dict:
-    per = _lora_stats(stats).get("adapters") or {}
-    entry = per.get(content_hash) if isinstance(per, dict) else None
+    entry = engine_adapters(stats).get(content_hash)
     if not isinstance(entry, dict):
         return {}
     tokens = entry.get("tokens")
@@ -173,8 +178,7 @@ def adapter_usage(stats: dict, content_hash: str) -> dict:
 
 def adapter_tier(ctx: AppContext, content_hash: str, stats: dict) -> str:
     """Closest tier holding this version: device, host (engine), disk (local cache), store."""
-    per = _lora_stats(stats).get("adapters") or {}
-    entry = per.get(content_hash) if isinstance(per, dict) else None
+    entry = engine_adapters(stats).get(content_hash)
     if isinstance(entry, dict) and entry.get("tier") in ("device", "host"):
         return entry["tier"]
     tier_of = getattr(ctx.adapters, "tier_of", None)
@@ -274,7 +278,7 @@ async def unload(request: Request) -> Response:
     ctx = await _admin(request)
     p = request.path_params
     info = await _get_adapter(ctx, p["tenant"], p["name"])
-    known = _lora_stats(ctx.engine_stats()).get("adapters") or {}
+    known = engine_adapters(ctx.engine_stats())
     unloaded = []
     for v in info.versions:  # every version of the name: drop from device and host
         # unconditionally: the stats may predate a load that just finished (unknown ids are a no-op)

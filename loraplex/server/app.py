@@ -13,6 +13,7 @@ first, and so does a start that fails part-way, before the process exits with it
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable
 import logging
@@ -55,6 +56,7 @@ from loraplex.server.lifecycle import Lifecycle
 from loraplex.server.limits import BodySizeLimitMiddleware, TenantConcurrencyLimiter
 from loraplex.server.metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
 from loraplex.server.reasoning_parsers import get_reasoning_parser
+from loraplex.server.replica_deletes import watch_deletes
 from loraplex.server.request_ids import RequestIdMiddleware
 from loraplex.server.shutdown_steps import ShutdownSteps
 from loraplex.server.tenant_limits import TenantLimitsCache
@@ -256,6 +258,11 @@ def create_app(
             # its thread's first flush replays what an earlier run spooled
             ctx.usage = UsageRecorder(record_usage, settings.usage_flush_seconds, spool=spool).start()
             ctx.metrics.registry.register(UsageCollector(ctx.usage))
+        if settings.registry_poll_seconds > 0 and hasattr(ctx.registry, "deleted_weights"):
+            # deletes made through another replica: their weights leave this engine too
+            watcher = await run_in_threadpool(watch_deletes, ctx, asyncio.get_running_loop(),
+                                              settings.registry_poll_seconds)
+            steps.add("registry watch", lambda: run_in_threadpool(watcher.stop))
         if settings.tenant_limits_scope == "cluster":  # the first heartbeat before the first request
             presence = ctx.presence = await run_in_threadpool(_start_presence, ctx)
             # first at shutdown: the others take over this replica's share; and already when a

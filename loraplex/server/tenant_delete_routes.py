@@ -9,8 +9,8 @@ deleted once the last request running on them ends (shared blobs stay). Requests
 running finish normally.
 
 This replica forgets its cached keys at once, so the tenant's next request here gets 401;
-other replicas within ``registry_poll_seconds`` (their key cache), and they drop the weights
-from their engines by LRU eviction. Answers ``{"name", "deleted": true, "api_keys_revoked",
+other replicas within ``registry_poll_seconds`` (their key cache), and drop the weights
+from their engines within that interval too (replica_deletes.py). Answers ``{"name", "deleted": true, "api_keys_revoked",
 "adapters_deleted", "versions_deleted", "adapters": [names]}``; 404 for an unknown (or already
 deleted) tenant, 400 for a malformed name, and nothing changes then.
 """

@@ -128,6 +128,24 @@ def test_shared_blob_is_counted_until_its_last_user_goes(service):
     assert service.versions_using_blob(a.blob_key) == 0
 
 
+def test_deleted_weights_are_those_no_live_version_has_any_more(service):
+    """What another replica's watch asks (server/replica_deletes.py): of the hashes its engine
+    holds, which did versions have and no live version has; a hash no version ever had (a merge
+    built in memory) is not among them, nor are weights another tenant still serves."""
+    shared, _ = service.add_version("acme", "one", **version_fields(b"same"))
+    service.add_version("other", "one", **version_fields(b"same"))
+    solo, _ = service.add_version("acme", "two", **version_fields(b"solo"))
+    held = [shared.sha256, solo.sha256, "f" * 64]
+    assert service.deleted_weights(held) == set() and service.deleted_weights([]) == set()
+    service.delete_adapter("acme", "one")
+    service.delete_adapter("acme", "two")
+    assert service.deleted_weights(held) == {solo.sha256}
+    service.delete_adapter("other", "one")
+    assert service.deleted_weights(held) == {shared.sha256, solo.sha256}
+    service.add_version("acme", "three", **version_fields(b"solo"))  # the same bytes, live again
+    assert service.deleted_weights(held) == {shared.sha256}
+
+
 def test_delete_adapter_removes_all_versions(service):
     service.add_version("acme", "sql", **version_fields(b"one"))
     service.add_version("acme", "sql", **version_fields(b"two"))

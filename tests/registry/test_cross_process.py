@@ -95,3 +95,37 @@ def test_watcher_thread_survives_errors():
         while len(calls) < 2 and time.time() < deadline:
             time.sleep(0.01)
     assert len(calls) >= 2 and watcher._thread is None
+
+
+def test_a_failed_callback_is_called_again_and_an_outage_is_logged_once(caplog):
+    class Counter:
+        value, down = 1, False
+
+        def change_counter(self):
+            if self.down:
+                raise RuntimeError("database went away")
+            return self.value
+
+    source, calls = Counter(), []
+
+    def on_change(counter):
+        calls.append(counter)
+        if len(calls) == 1:
+            raise ValueError("engine busy")  # the change is not lost: the next poll calls again
+
+    watcher = RegistryWatcher(source, 60, on_change)
+    watcher.last_counter = 1
+    source.value = 2
+    assert watcher.poll_once() is True and calls == [2]
+    assert watcher.poll_once() is True and calls == [2, 2]
+    assert watcher.poll_once() is False
+    with caplog.at_level("INFO", logger="loraplex.registry.watch"), RegistryWatcher(source, 0.01, on_change):
+        source.down = True
+        time.sleep(0.3)  # about 30 failed polls
+        source.down = False
+        deadline = time.time() + 5
+        while not any("back after" in r.getMessage() for r in caplog.records) and time.time() < deadline:
+            time.sleep(0.01)
+    failed = [r for r in caplog.records if "poll failed" in r.getMessage()]
+    back = [r.getMessage() for r in caplog.records if "back after" in r.getMessage()]
+    assert len(failed) == 1 and len(back) == 1, [r.getMessage() for r in caplog.records]

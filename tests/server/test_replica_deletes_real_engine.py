@@ -1,0 +1,106 @@
+"""Deletes made through another replica leave this replica's engine (real engine, tiny Llama on
+CPU, in process): weights pinned here whose versions another replica deleted (a direct registry
+write, as that replica's admin API makes) leave the device slots, pin included, within a few
+``registry_poll_seconds``; weights another live version still uses stay pinned; and a request
+streaming on deleted weights finishes on them, as on the replica that took the delete."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from starlette.testclient import TestClient
+
+from loraplex import LLM
+from loraplex.engine.async_engine import AsyncLLMEngine
+from loraplex.server.app import create_app
+from tests.fixtures.peft_adapters import make_peft_adapter
+from tests.server.registry_stack import registry_stack
+
+ADMIN_KEY = "replica-admin-key"
+FILES = ("adapter_config.json", "adapter_model.safetensors")
+POLL = 0.2
+
+
+@pytest.fixture(scope="module")
+def world(tiny_llama_dir, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("replica-deletes")
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    adapters = {name: make_peft_adapter(base, root / name, seed=seed, r=4)
+                for seed, name in enumerate(("gone", "kept", "held"), start=1)}
+    home = root / "home"
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", home=home, kv_cache_bytes=4 << 20,
+              max_loras=4, max_lora_rank=8, max_num_seqs=8)
+    engine = AsyncLLMEngine(llm.config, engine=llm.engine)
+    settings, registry, manager, key = registry_stack(home, llm, tiny_llama_dir, ADMIN_KEY,
+                                                      registry_poll_seconds=POLL)
+    with TestClient(create_app(settings, engine=engine, registry=registry, adapters=manager)) as client:
+        client.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
+        yield client, {"Authorization": f"Bearer {key}"}, adapters, registry
+
+
+def _upload(client, name, path) -> str:
+    r = client.post(f"/admin/v1/tenants/acme/adapters/{name}/versions",
+                    files={n: (n, (path / n).read_bytes()) for n in FILES})
+    assert r.status_code == 201, r.text
+    return r.json()["sha256"]
+
+
+def _pin(client, name) -> None:
+    r = client.post(f"/admin/v1/tenants/acme/adapters/{name}/load", json={"tier": "device", "pin": True})
+    assert r.status_code == 200, r.text
+
+
+def _engine_adapters(client) -> dict:
+    return client.get("/admin/v1/status").json()["engine"]["lora"]["adapters"]
+
+
+def _wait_until(predicate, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "not within the time allowed"
+        time.sleep(POLL / 2)
+
+
+def test_weights_deleted_through_another_replica_leave_this_engine_pins_included(world):
+    client, _, adapters, registry = world
+    gone = _upload(client, "gone", adapters["gone"])
+    kept = _upload(client, "kept", adapters["kept"])
+    assert _upload(client, "kept-too", adapters["kept"]) == kept  # the same weights under a second name
+    for name in ("gone", "kept"):
+        _pin(client, name)
+    held = _engine_adapters(client)
+    assert held[gone]["pinned"] and held[kept]["pinned"]
+    # the other replica's deletes: the registry rows only, nothing through this server
+    registry.delete_adapter("acme", "gone")
+    registry.delete_adapter("acme", "kept")
+    _wait_until(lambda: gone not in _engine_adapters(client))
+    time.sleep(3 * POLL)  # a few more polls: the weights kept-too still uses stay
+    after = _engine_adapters(client)
+    assert after[kept]["pinned"] and after[kept]["tier"] == "device"
+    assert client.get("/admin/v1/status").json()["engine"]["lora"]["slots"]["pinned"] == 1
+
+
+def test_a_stream_on_weights_deleted_elsewhere_finishes_on_them(world):
+    client, tenant, adapters, registry = world
+    sha = _upload(client, "held", adapters["held"])
+    body = {"model": "held", "prompt": "hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    want = client.post("/v1/completions", headers=tenant, json=body).json()["choices"][0]["text"]
+    _pin(client, "held")
+    text = ""
+    with client.stream("POST", "/v1/completions", headers=tenant, json={**body, "stream": True}) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+                break
+        registry.delete_adapter("acme", "held")
+        for line in lines:
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    assert text == want
+    _wait_until(lambda: sha not in _engine_adapters(client))
