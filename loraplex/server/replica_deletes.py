@@ -5,9 +5,9 @@ from the engine of the replica that took it (``admin_routes.drop_weights_if_unus
 slots, host cache and pins. The other replicas share only the database. Each watches the
 registry's change counter (``watch.RegistryWatcher``, every ``registry_poll_seconds``), which
 every delete bumps; when it moves, the weights this engine holds that no live version has any
-more (``RegistryService.deleted_weights``) go the same way. Without it a pin taken on another
-replica held its device slot until that replica restarted, and nothing could unpin it (the
-name no longer resolved).
+more (``RegistryService.deleted_weights``) go the same way, with their local copy. Without it a
+pin taken on another replica held its device slot until that replica restarted, and nothing
+could unpin it (the name no longer resolved).
 
 Requests still running on such weights finish on them, as on the replica that took the
 delete. Weights being retired already are not swept again. A poll that fails (database down)
@@ -36,8 +36,11 @@ async def drop_weights_deleted_elsewhere(ctx: AppContext) -> list[str]:
     their content hashes."""
     held = [h for h, entry in engine_adapters(ctx.engine_stats()).items() if not entry.get("retiring")]
     gone = sorted(await run_in_threadpool(ctx.registry.deleted_weights, held)) if held else []
+    disk_cache = getattr(ctx.adapters, "disk_cache", None)
     for content_hash in gone:
         await drop_weights_if_unused(ctx, content_hash, content_key(content_hash))
+        if disk_cache is not None:  # its local copy too, unless a running request holds it (LRU later)
+            await run_in_threadpool(disk_cache.remove, content_hash)
     if gone:
         log.info("dropped %d adapter(s) whose versions were deleted (through another replica): %s",
                  len(gone), ", ".join(h[:12] for h in gone))

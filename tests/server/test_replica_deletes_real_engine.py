@@ -40,7 +40,7 @@ def world(tiny_llama_dir, tmp_path_factory):
                                                       registry_poll_seconds=POLL)
     with TestClient(create_app(settings, engine=engine, registry=registry, adapters=manager)) as client:
         client.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
-        yield client, {"Authorization": f"Bearer {key}"}, adapters, registry
+        yield client, {"Authorization": f"Bearer {key}"}, adapters, registry, manager
 
 
 def _upload(client, name, path) -> str:
@@ -67,7 +67,7 @@ def _wait_until(predicate, seconds: float = 10.0) -> None:
 
 
 def test_weights_deleted_through_another_replica_leave_this_engine_pins_included(world):
-    client, _, adapters, registry = world
+    client, _, adapters, registry, manager = world
     gone = _upload(client, "gone", adapters["gone"])
     kept = _upload(client, "kept", adapters["kept"])
     assert _upload(client, "kept-too", adapters["kept"]) == kept  # the same weights under a second name
@@ -79,6 +79,7 @@ def test_weights_deleted_through_another_replica_leave_this_engine_pins_included
     registry.delete_adapter("acme", "gone")
     registry.delete_adapter("acme", "kept")
     _wait_until(lambda: gone not in _engine_adapters(client))
+    assert not manager.disk_cache.contains(gone) and manager.disk_cache.contains(kept)  # its local copy too
     time.sleep(3 * POLL)  # a few more polls: the weights kept-too still uses stay
     after = _engine_adapters(client)
     assert after[kept]["pinned"] and after[kept]["tier"] == "device"
@@ -86,7 +87,7 @@ def test_weights_deleted_through_another_replica_leave_this_engine_pins_included
 
 
 def test_a_stream_on_weights_deleted_elsewhere_finishes_on_them(world):
-    client, tenant, adapters, registry = world
+    client, tenant, adapters, registry, _ = world
     sha = _upload(client, "held", adapters["held"])
     body = {"model": "held", "prompt": "hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     want = client.post("/v1/completions", headers=tenant, json=body).json()["choices"][0]["text"]
