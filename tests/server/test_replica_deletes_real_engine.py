@@ -6,21 +6,15 @@ streaming on deleted weights finishes on them, as on the replica that took the d
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 import torch
-from starlette.testclient import TestClient
 
-from loraplex import LLM
-from loraplex.engine.async_engine import AsyncLLMEngine
-from loraplex.server.app import create_app
 from tests.fixtures.peft_adapters import make_peft_adapter
-from tests.server.registry_stack import registry_stack
+from tests.server.registry_stack import real_server, stream_around, upload
 
 ADMIN_KEY = "replica-admin-key"
-FILES = ("adapter_config.json", "adapter_model.safetensors")
 POLL = 0.2
 
 
@@ -32,22 +26,13 @@ def world(tiny_llama_dir, tmp_path_factory):
     base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
     adapters = {name: make_peft_adapter(base, root / name, seed=seed, r=4)
                 for seed, name in enumerate(("gone", "kept", "held"), start=1)}
-    home = root / "home"
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", home=home, kv_cache_bytes=4 << 20,
-              max_loras=4, max_lora_rank=8, max_num_seqs=8)
-    engine = AsyncLLMEngine(llm.config, engine=llm.engine)
-    settings, registry, manager, key = registry_stack(home, llm, tiny_llama_dir, ADMIN_KEY,
-                                                      registry_poll_seconds=POLL)
-    with TestClient(create_app(settings, engine=engine, registry=registry, adapters=manager)) as client:
-        client.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
-        yield client, {"Authorization": f"Bearer {key}"}, adapters, registry, manager
+    llm_options = dict(kv_cache_bytes=4 << 20, max_loras=4, max_lora_rank=8, max_num_seqs=8)
+    with real_server(tiny_llama_dir, root / "home", ADMIN_KEY, llm_options, registry_poll_seconds=POLL) as (client, stack):
+        yield client, {"Authorization": f"Bearer {stack.tenant_key}"}, adapters, stack.registry, stack.manager
 
 
 def _upload(client, name, path) -> str:
-    r = client.post(f"/admin/v1/tenants/acme/adapters/{name}/versions",
-                    files={n: (n, (path / n).read_bytes()) for n in FILES})
-    assert r.status_code == 201, r.text
-    return r.json()["sha256"]
+    return upload(client, name, path)["sha256"]
 
 
 def _pin(client, name) -> None:
@@ -92,16 +77,6 @@ def test_a_stream_on_weights_deleted_elsewhere_finishes_on_them(world):
     body = {"model": "held", "prompt": "hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     want = client.post("/v1/completions", headers=tenant, json=body).json()["choices"][0]["text"]
     _pin(client, "held")
-    text = ""
-    with client.stream("POST", "/v1/completions", headers=tenant, json={**body, "stream": True}) as r:
-        lines = r.iter_lines()
-        for line in lines:
-            if line.startswith("data: {"):
-                text += json.loads(line[6:])["choices"][0]["text"]
-                break
-        registry.delete_adapter("acme", "held")
-        for line in lines:
-            if line.startswith("data: {"):
-                text += json.loads(line[6:])["choices"][0]["text"]
+    text, _ = stream_around(client, tenant, body, lambda: registry.delete_adapter("acme", "held"))
     assert text == want
     _wait_until(lambda: sha not in _engine_adapters(client))

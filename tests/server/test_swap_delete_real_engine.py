@@ -12,16 +12,11 @@ from collections import Counter
 
 import pytest
 import torch
-from starlette.testclient import TestClient
 
-from loraplex import LLM
-from loraplex.engine.async_engine import AsyncLLMEngine
-from loraplex.server.app import create_app
 from tests.fixtures.peft_adapters import make_peft_adapter
-from tests.server.registry_stack import registry_stack
+from tests.server.registry_stack import ADAPTER_FILES, real_server, stream_around, upload
 
 ADMIN_KEY = "swap-admin-key"
-FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -36,20 +31,12 @@ def world(tiny_llama_dir, tmp_path_factory):
         "other": make_peft_adapter(base, root / "other", seed=3, r=2),
     }
     home = root / "home"
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", home=home, kv_cache_bytes=4 << 20,
-              max_loras=2, max_lora_rank=8, max_num_seqs=16)
-    engine = AsyncLLMEngine(llm.config, engine=llm.engine)
-    settings, registry, manager, key = registry_stack(home, llm, tiny_llama_dir, ADMIN_KEY)
-    with TestClient(create_app(settings, engine=engine, registry=registry, adapters=manager)) as client:
-        client.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
-        yield client, {"Authorization": f"Bearer {key}"}, adapters, home, manager
+    llm_options = dict(kv_cache_bytes=4 << 20, max_loras=2, max_lora_rank=8, max_num_seqs=16)
+    with real_server(tiny_llama_dir, home, ADMIN_KEY, llm_options) as (client, stack):
+        yield client, {"Authorization": f"Bearer {stack.tenant_key}"}, adapters, home, stack.manager
 
 
-def _upload(client, name, path) -> dict:
-    r = client.post(f"/admin/v1/tenants/acme/adapters/{name}/versions",
-                    files={n: (n, (path / n).read_bytes()) for n in FILES})
-    assert r.status_code == 201, r.text
-    return r.json()
+_upload = upload
 
 
 def _stream(client, headers, body) -> str:
@@ -115,18 +102,11 @@ def test_delete_of_a_pinned_adapter_mid_stream(world):
     want = client.post("/v1/completions", headers=tenant, json={**body, "model": "gone@1"}).json()["choices"][0]["text"]
     assert client.post("/admin/v1/tenants/acme/adapters/gone/load", json={"tier": "device", "pin": True}).status_code == 200
 
-    text, deleted = "", None
-    with client.stream("POST", "/v1/completions", headers=tenant, json={**body, "stream": True}) as r:
-        lines = r.iter_lines()
-        for line in lines:
-            if line.startswith("data: {"):
-                text += json.loads(line[6:])["choices"][0]["text"]
-                break
-        deleted = client.delete("/admin/v1/tenants/acme/adapters/gone")
-        refused = client.post("/v1/completions", headers=tenant, json=body)
-        for line in lines:
-            if line.startswith("data: {"):
-                text += json.loads(line[6:])["choices"][0]["text"]
+    def delete_and_ask():
+        return (client.delete("/admin/v1/tenants/acme/adapters/gone"),
+                client.post("/v1/completions", headers=tenant, json=body))
+
+    text, (deleted, refused) = stream_around(client, tenant, body, delete_and_ask)
     assert deleted.status_code == 200
     assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
     assert text == want  # the running request finished on its weights
@@ -149,7 +129,7 @@ def test_an_adapter_named_as_the_base_model_is_refused(world):
     client, headers, adapters, _, _ = world
     base = client.get("/v1/models", headers=headers).json()["data"][0]["id"]
     r = client.post(f"/admin/v1/tenants/acme/adapters/{base}/versions",
-                    files={n: (n, (adapters["other"] / n).read_bytes()) for n in FILES})
+                    files={n: (n, (adapters["other"] / n).read_bytes()) for n in ADAPTER_FILES})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["code"] == "invalid_name" and "served base model's name" in error["message"], error

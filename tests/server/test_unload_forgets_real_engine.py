@@ -11,16 +11,11 @@ import time
 
 import pytest
 import torch
-from starlette.testclient import TestClient
 
-from loraplex import LLM
-from loraplex.engine.async_engine import AsyncLLMEngine
-from loraplex.server.app import create_app
 from tests.fixtures.peft_adapters import make_peft_adapter
-from tests.server.registry_stack import registry_stack
+from tests.server.registry_stack import real_server, upload
 
 ADMIN_KEY = "forget-admin-key"
-FILES = ("adapter_config.json", "adapter_model.safetensors")
 BODY = {"prompt": "hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
@@ -32,16 +27,10 @@ def world(tiny_llama_dir, tmp_path_factory):
     base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
     adapters = {name: make_peft_adapter(base, root / "allowed" / name, seed=seed, r=4)
                 for seed, name in enumerate(("runtime", "admin", "held", "shared"), start=1)}
-    home = root / "home"
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", home=home, kv_cache_bytes=4 << 20,
-              max_loras=2, max_lora_rank=8, max_num_seqs=8)
-    engine = AsyncLLMEngine(llm.config, engine=llm.engine)
-    settings, registry, manager, key = registry_stack(home, llm, tiny_llama_dir, ADMIN_KEY,
-                                                      allow_runtime_lora_updating=True,
-                                                      lora_path_roots=[root / "allowed"])
-    with TestClient(create_app(settings, engine=engine, registry=registry, adapters=manager)) as client:
-        client.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
-        yield client, {"Authorization": f"Bearer {key}"}, adapters
+    llm_options = dict(kv_cache_bytes=4 << 20, max_loras=2, max_lora_rank=8, max_num_seqs=8)
+    with real_server(tiny_llama_dir, root / "home", ADMIN_KEY, llm_options, allow_runtime_lora_updating=True,
+                     lora_path_roots=[root / "allowed"]) as (client, stack):
+        yield client, {"Authorization": f"Bearer {stack.tenant_key}"}, adapters
 
 
 def _status(client) -> dict:
@@ -56,10 +45,7 @@ def _complete(client, tenant, model) -> str:
 
 
 def _upload(client, name, path) -> str:
-    r = client.post(f"/admin/v1/tenants/acme/adapters/{name}/versions",
-                    files={n: (n, (path / n).read_bytes()) for n in FILES})
-    assert r.status_code == 201, r.text
-    return r.json()["sha256"]
+    return upload(client, name, path)["sha256"]
 
 
 def _load_runtime(client, tenant, name, path) -> None:
