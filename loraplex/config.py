@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -31,6 +32,19 @@ def shown_model_name(model: str) -> str:
         return model
     path = Path(model).expanduser()
     return path.stem if model.endswith(".gguf") else path.name
+
+
+def make_home(home: Path) -> Path:
+    """``home`` as a folder this process can write in, made when missing; else a ValueError
+    naming the path and why (a path under a file was a traceback from the first write)."""
+    path = Path(home).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{path}: not a folder loraplex can write in ({exc.strerror or exc})") from None
+    return path
 
 
 GiB = 1 << 30

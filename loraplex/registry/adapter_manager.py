@@ -317,12 +317,15 @@ def build_adapter_manager(
 ) -> AdapterManager:
     """The manager an entry point uses: blob store from ``settings.resolved_blob_url()``, disk
     cache under ``settings.home / "adapter-cache"`` within ``settings.max_disk_lora_bytes``.
-    ``settings`` is a ``loraplex.config.Settings`` built by the caller."""
+    ``settings`` is a ``loraplex.config.Settings`` built by the caller. No adapter may take the
+    served base model's name (``settings.served_name``), whichever entry point uploads."""
     from loraplex.storage.base import open_blob_store
 
     blobs = open_blob_store(settings.resolved_blob_url())
     disk_cache = AdapterManager.make_disk_cache(Path(settings.home) / "adapter-cache", settings.max_disk_lora_bytes)
-    return AdapterManager(
+    manager = AdapterManager(
         registry, blobs, disk_cache, spec, settings.max_lora_rank,
         max_member_bytes=settings.max_upload_member_bytes, background_deletes=background_deletes,
     )
+    manager.base_model_names = frozenset({settings.served_name})
+    return manager

@@ -15,7 +15,7 @@ import struct
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from loraplex.config import DEFAULT_MODEL
+from loraplex.config import DEFAULT_MODEL, shown_model_name
 from loraplex.lora.spec import LoRATargetSpec
 
 # GGUF value types: id -> struct format of a scalar (8: string, 9: array are handled apart)
@@ -133,12 +133,11 @@ def base_model_spec(settings, base_config: str | Path | None = None) -> LoRATarg
     model = str(settings.model)
     path = Path(model).expanduser()
     gguf: Path | None = None
-    if model == DEFAULT_MODEL:
-        name, config_dir = DEFAULT_MODEL, Path(settings.home) / "models" / DEFAULT_MODEL
-    elif model.endswith(".gguf"):
-        name, config_dir, gguf = path.stem, Path(settings.home) / "models" / path.stem, path
+    name = shown_model_name(model)
+    if model == DEFAULT_MODEL or model.endswith(".gguf"):  # converted under home, named so
+        config_dir, gguf = Path(settings.home) / "models" / name, (path if model != DEFAULT_MODEL else None)
     else:
-        name, config_dir = path.name, path
+        config_dir = path
     if base_config is not None:
         return ModelSpec.from_dict(json.loads(Path(base_config).read_text()), name=name).lora_target_spec(experts)
     if (config_dir / "config.json").is_file():

@@ -22,7 +22,7 @@ import argparse
 import json
 import sys
 
-from loraplex.config import Settings
+from loraplex.config import Settings, make_home
 from loraplex.lora.spec import LoRATargetSpec
 from loraplex.registry.base_model import base_model_spec
 from loraplex.registry.errors import RegistryError
@@ -124,6 +124,10 @@ def _registry(settings: Settings):
     from loraplex.registry.db import upgrade
     from loraplex.registry.service import RegistryService
 
+    try:  # one line naming it, where the first write under it was a traceback
+        make_home(settings.home)
+    except ValueError as exc:
+        raise ValueError(f"LORAPLEX_HOME {exc}") from None
     url = settings.resolved_database_url()
     upgrade(url)
     return RegistryService.from_url(url)
@@ -229,7 +233,12 @@ def _tenants_delete(args, settings: Settings) -> int:
 
 @_run
 def _adapters_upload(args, settings: Settings) -> int:
-    spec = base_model_spec(settings, args.base_config)
+    try:
+        spec = base_model_spec(settings, args.base_config)
+    except (OSError, ValueError) as exc:
+        if args.base_config is None:
+            raise
+        raise ValueError(f"--base-config {args.base_config}: {exc}") from None
     manager = _manager(settings, spec)
     version, created = manager.upload(args.tenant, args.name, args.path, uploader=args.uploader)
     if args.activate:

@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Mapping
 from pathlib import Path
 
-from loraplex.config import Settings
+from loraplex.config import Settings, make_home
 from loraplex.server import http_options, vllm_flags
 
 
@@ -48,7 +48,16 @@ def check_before_start(args: argparse.Namespace, settings: Settings,
         _check_blob_url(settings.blob_url, named("blob_url"))
     if settings.chat_template is not None:
         _check_chat_template(settings.chat_template, named("chat_template"))
+    check_home(settings.home, named("home"))  # last: it makes the folder, once all else is right
     return flags
+
+
+def check_home(home: Path, name: str = "--home") -> None:
+    """``config.make_home``, its refusal naming the flag or variable."""
+    try:
+        make_home(home)
+    except ValueError as exc:
+        raise StartupValueError(f"{name} {exc}") from None
 
 
 class SettingNames:

@@ -174,6 +174,4 @@ def _default_manager(settings: Settings, registry):
         spec = base_model_spec(settings)
     except (OSError, ValueError) as exc:  # no config.json, or a GGUF header it cannot read
         raise StartupError(f"--lora-modules: cannot read the served model's config to check adapters: {exc}") from exc
-    manager = build_adapter_manager(settings, registry, spec)
-    manager.base_model_names = frozenset({settings.served_name})
-    return manager
+    return build_adapter_manager(settings, registry, spec)

@@ -101,6 +101,10 @@ def test_embedded_default_walkthrough(home, setup, capsys):
         (["adapters", "upload", "--tenant", "acme", "--name", "x", "{big}"], "max_lora_rank"),
         (["adapters", "upload", "--tenant", "acme", "--name", "x", "{a}", "--base-config", "{other}"], "shape"),
         (["adapters", "upload", "--tenant", "acme", "--name", "x", "/nonexistent/dir"], "not a directory"),
+        # the served base model's name (its folder's), refused as the admin API refuses it
+        (["adapters", "upload", "--tenant", "acme", "--name", "tiny-base", "{a}"], "served base model's name"),
+        (["adapters", "upload", "--tenant", "acme", "--name", "x", "{a}", "--base-config", "/missing.json"],
+         "--base-config /missing.json: "),
         (["adapters", "activate", "--tenant", "acme", "--name", "nope", "--version", "1"], "not found"),
         (["adapters", "delete", "--tenant", "acme", "--name", "s", "--version", "1"], "active version"),
     ],
@@ -139,3 +143,11 @@ def test_cli_on_postgres_and_s3(home, setup, capsys, monkeypatch, pg_url, s3_blo
     assert compute_content_hash(ref.path) == compute_content_hash(a)
     assert run(capsys, "adapters", "delete", "--tenant", "acme", "--name", "support")[0] == 0
     assert not manager.blobs.exists(content_key(compute_content_hash(a)))
+
+
+def test_a_home_nothing_can_be_written_in_is_one_line(tmp_path, monkeypatch, capsys, setup):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "a-file" / "home"))
+    monkeypatch.setenv("LORAPLEX_MODEL", str(setup["model_dir"]))
+    code, _, err = run(capsys, "tenants", "list")
+    assert code == 1 and err.startswith("error: LORAPLEX_HOME ") and "not a folder" in err and err.count("\n") == 1

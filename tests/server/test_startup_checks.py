@@ -205,3 +205,18 @@ def test_sglang_serve_names_itself_for_errors_serve_finds_after_the_checks(capsy
     assert main(["sglang-serve", "--model-path", str(model_dir), "--lora-paths", f"a={adapter}"]) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == "loraplex sglang-serve: error: --lora-paths a=/x: refused for the test"
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_a_home_nothing_can_be_written_in_is_said_before_anything_starts(capsys, tmp_path, model_dir, monkeypatch,
+                                                                        home, flag):
+    (tmp_path / "a-file").write_text("")
+    unusable = tmp_path / "a-file" / "home"  # a path under a file: it was a traceback and exit 1
+    argv = ["serve", str(model_dir)]
+    if flag:
+        argv += ["--home", str(unusable)]
+    else:
+        monkeypatch.setenv("LORAPLEX_HOME", str(unusable))
+    line = refused(capsys, unusable, argv)
+    name = "--home" if flag else "LORAPLEX_HOME"
+    assert line.startswith(f"loraplex serve: error: {name} {unusable}: not a folder loraplex can write in"), line
