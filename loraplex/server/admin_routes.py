@@ -222,12 +222,13 @@ async def upload_version(request: Request) -> Response:
         raise bad_request("upload must be multipart/form-data", param="content-type")
     staging = new_staging_dir(ctx.staging_root)
     try:
-        async with request.form(max_files=8, max_fields=16) as form:
-            peft_dir = await stage_upload(form, staging, ctx.settings.max_upload_member_bytes)
-        warnings: list[str] = []
-        version, created = await run_in_threadpool(
-            ctx.adapters.upload, p["tenant"], p["name"], peft_dir, ACTOR, warnings=warnings
-        )
+        with ctx.lifecycle.admitted():  # a drain waits for it (a new one, once draining, is a 503)
+            async with request.form(max_files=8, max_fields=16) as form:
+                peft_dir = await stage_upload(form, staging, ctx.settings.max_upload_member_bytes)
+            warnings: list[str] = []
+            version, created = await run_in_threadpool(
+                ctx.adapters.upload, p["tenant"], p["name"], peft_dir, ACTOR, warnings=warnings
+            )
     finally:
         remove_staging(staging)
     body = {**version.to_dict(), "created": created}

@@ -11,10 +11,11 @@ app's shutdown (engine stopped). A second signal exits at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import uvicorn
 
@@ -51,6 +52,16 @@ class Lifecycle:
             raise APIError(503, "The server is shutting down.", code="server_shutting_down", headers={"Retry-After": "1"})
         self.in_flight += 1
         self._idle_event().clear()
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """``admit`` ... ``done`` around a block that is no generation but must finish before a
+        drain ends (an adapter upload: cut after a second, its client got a 500)."""
+        self.admit()
+        try:
+            yield
+        finally:
+            self.done()
 
     def done(self) -> None:
         self.in_flight -= 1

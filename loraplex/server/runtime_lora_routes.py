@@ -142,7 +142,8 @@ async def load_lora_adapter(request: Request) -> Response:
     if existing is not None and existing.origin != ADAPTER_ORIGIN_RUNTIME:
         raise managed_by_operator(name)  # before reading the files; the upload checks again, atomically
     try:
-        await run_in_threadpool(_upload_confined, ctx, tenant, name, real, not inplace)
+        with ctx.lifecycle.admitted():  # a drain waits for it
+            await run_in_threadpool(_upload_confined, ctx, tenant, name, real, not inplace)
     except AlreadyExists:  # another load of the name landed since the check above
         raise already_loaded(name) from None
     except OutsideAllowedPaths:
