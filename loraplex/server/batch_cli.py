@@ -12,7 +12,8 @@ directories, for this run only) or, with ``--tenant T``, one of T's adapters in 
 ``-i -`` reads stdin, ``-o -`` writes stdout; a file output appears whole, once every line is
 answered. Progress goes to stderr. The exit status is 0 once the file is processed, failed lines
 included (their status and error are in the output); 2 when the flags, input or output are
-unusable, 1 when the model or the engine fails.
+unusable, 1 when the model or the engine fails, 130 when SIGINT or SIGTERM stops it (no output
+file then, and no partial file left beside it).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import asyncio
 import errno
 import logging
 import os
+import signal
 import stat
 import sys
 import tempfile
@@ -42,6 +44,7 @@ SKIPPED_SETTINGS = frozenset({
 DEFAULT_MAX_CONCURRENCY = 256
 BATCH_TENANT = "batch"  # the tenant lines run as without --tenant (metrics and prefix-cache scope only)
 USAGE_ERROR, RUN_FAILED = 2, 1
+INTERRUPTED = 130  # a shell's status for a run stopped by Ctrl-C (SIGTERM is taken as one)
 
 
 def add_parser(subparsers) -> None:
@@ -145,14 +148,23 @@ def run_batch_command(args: argparse.Namespace) -> int:
     except OSError as exc:
         return _fail(f"cannot write the output file {args.output_file}: {exc}", USAGE_ERROR)
     code = RUN_FAILED
+    # SIGTERM as Ctrl-C: the run stops, and its partial output goes (it was left beside the target)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         code = _run(settings, args.tenant, modules, items, output, args.max_concurrency)
+    except KeyboardInterrupt:
+        code = _fail("stopped by a signal; no output written", INTERRUPTED)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if code == 0:
             output.commit()
         else:
             output.discard()
     return code
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _run(settings, tenant: str | None, modules, items, output: BatchOutput, max_concurrency: int) -> int:

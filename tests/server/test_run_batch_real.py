@@ -9,8 +9,10 @@ import asyncio
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -240,3 +242,30 @@ def test_the_command_line_end_to_end(world, tmp_path):
     for ours, theirs in zip(written[:2], expected[:2]):
         assert_same_answer(ours["response"], (theirs["response"]["status_code"], theirs["response"]["body"]))
     assert [r["response"]["status_code"] for r in written[:2]] == [200, 200]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_run_stopped_by_a_signal_leaves_no_output_and_no_partial_file(world, tmp_path, sig):
+    """It left ``.results.jsonl.<random>.partial`` beside the target (SIGTERM), or two
+    KeyboardInterrupt tracebacks (SIGINT)."""
+    lines = [line(f"l{i}", "/v1/completions", {"model": world.model, "prompt": f"p{i}", "max_tokens": 200,
+                                                "temperature": 0, "ignore_eos": True}) for i in range(2000)]
+    data = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+    (tmp_path / "in.jsonl").write_bytes(data)
+    out = tmp_path / "results.jsonl"
+    cmd = [sys.executable, "-m", "loraplex.cli", "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(out),
+           "--model", str(world.model_dir), "--dtype", "float32", "--device", "cpu", "--home", str(tmp_path / "home"),
+           "--kv-cache-bytes", str(4 << 20)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env)
+    deadline = time.monotonic() + 120
+    while not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]:  # the run is under way
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    time.sleep(1)  # the model loads or lines run (2,000 lines outlast it by far)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err.decode()
+    assert "stopped by a signal; no output written" in err.decode() and b"Traceback" not in err, err.decode()
+    assert [p.name for p in tmp_path.iterdir() if p.name != "home"] == ["in.jsonl"]  # no output, no partial
