@@ -51,7 +51,13 @@ def run_generate(args: argparse.Namespace) -> int:
     except InvalidRequestError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
-    llm = LLM(**vars_of(config))
+    from loraplex.model.gguf import ModelNotFoundError
+
+    try:
+        llm = LLM(**vars_of(config))
+    except ModelNotFoundError as exc:  # the one line serve and run-batch say, not a traceback
+        print(f"error: --model: {exc}", file=sys.stderr)
+        return 2
     prompts = list(args.prompt)
     if args.chat:
         tok = llm.get_tokenizer()

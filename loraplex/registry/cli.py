@@ -86,7 +86,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--version", type=int, help="only this version (not the active one)")
     p.set_defaults(func=_adapters_delete)
     p = asub.add_parser("gc", help="delete blobs no adapter version uses (left by crashes)")
-    p.add_argument("--min-age-seconds", type=float, default=3600.0,
+    p.add_argument("--min-age-seconds", type=_non_negative_seconds, default=3600.0,
                    help="keep blobs younger than this; uploads in progress store the blob first (default 3600)")
     p.set_defaults(func=_adapters_gc)
 
@@ -139,6 +139,13 @@ def _manager(settings: Settings, spec: LoRATargetSpec | None = None):
     # Deletes need no base model; a placeholder spec keeps them from loading one.
     spec = spec or LoRATargetSpec(model_name=str(settings.model), num_layers=0, module_shapes={})
     return build_adapter_manager(settings, _registry(settings), spec)
+
+
+def _non_negative_seconds(text: str) -> float:
+    value = float(text)  # argparse turns a ValueError into "invalid value"
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
 
 
 def _run(func):

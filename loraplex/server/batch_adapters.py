@@ -67,9 +67,9 @@ class BatchAdapters:
         refs: dict[str, AdapterRef] = {}
         for module in modules:
             if module.name in refs:
-                raise ValueError(f"--lora-modules: {module.name!r} is given twice")
+                raise ValueError(f"{module.name!r} is given twice")
             if module.name == base_name:
-                raise ValueError(f"--lora-modules: {module.name!r} is the base model's name")
+                raise ValueError(f"{module.name!r} is the base model's name")
             path = Path(module.path).expanduser().resolve()
             info = inspect_adapter_dir(path, spec, max_lora_rank)
             refs[module.name] = AdapterRef(name=module.name, path=str(path), content_hash=info.content_hash)

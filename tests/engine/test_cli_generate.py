@@ -33,3 +33,10 @@ def test_generate_command_rejects_bad_option(tiny_llama_dir, loraplex_home, monk
     rc = main(["generate", "--model", str(tiny_llama_dir), "--prompt", "x", "--max-tokens", "0"])
     assert rc == 2
     assert "max_tokens" in capsys.readouterr().err
+
+
+def test_generate_names_a_model_that_is_not_there_in_one_line(loraplex_home, monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("LORAPLEX_HOME", str(loraplex_home))
+    rc = main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "x"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: --model: ") and "not found" in err and err.count("\n") == 1, err

@@ -151,3 +151,9 @@ def test_a_home_nothing_can_be_written_in_is_one_line(tmp_path, monkeypatch, cap
     monkeypatch.setenv("LORAPLEX_MODEL", str(setup["model_dir"]))
     code, _, err = run(capsys, "tenants", "list")
     assert code == 1 and err.startswith("error: LORAPLEX_HOME ") and "not a folder" in err and err.count("\n") == 1
+
+
+def test_gc_refuses_a_negative_age(home, setup, capsys):
+    with pytest.raises(SystemExit) as caught:  # argparse: exit 2 and its one usage error
+        main(["adapters", "gc", "--min-age-seconds", "-5"])
+    assert caught.value.code == 2 and "must be a number of seconds >= 0" in capsys.readouterr().err

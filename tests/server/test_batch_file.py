@@ -72,3 +72,12 @@ def test_lora_modules_take_vllms_two_forms():
     for bad in ("sql", "=/a", "sql=", '{"name": "sql"}', "{oops"):
         with pytest.raises(ValueError, match="--lora-modules"):
             parse_lora_module(bad)
+
+
+def test_a_module_named_as_the_base_model_is_said_once():
+    from loraplex.server.batch_adapters import BatchAdapters
+
+    # batch_setup puts "--lora-modules: " before it (the flag was named twice)
+    with pytest.raises(ValueError) as caught:
+        BatchAdapters.load([LoraModule("base", "/a")], None, 8, "base")
+    assert str(caught.value) == "'base' is the base model's name"
