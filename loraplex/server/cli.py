@@ -264,21 +264,29 @@ def run_serve(args: argparse.Namespace) -> int:
     if setup.demo_key:
         print(f"loraplex: tenant 'demo' API key (shown once): {setup.demo_key}", flush=True)
         print(f"loraplex: OpenAI base URL for it: {base}/t/demo/v1", flush=True)
-    try:  # after the one-time secrets are printed, before the server listens
-        outcome = apply_startup_flags(flags, settings, setup.registry)
-    except StartupError as exc:
-        print(f"loraplex {command}: error: {words(str(exc))}", file=sys.stderr)
-        return 2
-    for note in outcome.notes():
-        print(f"loraplex: {note}", flush=True)
-    if settings.allow_runtime_lora_updating and not settings.lora_path_roots:
-        print("loraplex: runtime LoRA updating is on, but no --lora-path-root is given: every "
-              "POST /v1/load_lora_adapter is refused", flush=True)
-    app = create_app(settings, registry=setup.registry, on_started=freeze_startup_objects)
-    config = uvicorn_config(app, settings, args)
-    server = DrainingServer(config, app.state.ctx.lifecycle, settings.shutdown_grace_seconds)
-    server.run()
-    return 0
+    server = None
+    try:
+        try:  # after the one-time secrets are printed, before the server listens
+            outcome = apply_startup_flags(flags, settings, setup.registry)
+        except StartupError as exc:
+            print(f"loraplex {command}: error: {words(str(exc))}", file=sys.stderr)
+            return 2
+        for note in outcome.notes():
+            print(f"loraplex: {note}", flush=True)
+        if settings.allow_runtime_lora_updating and not settings.lora_path_roots:
+            print("loraplex: runtime LoRA updating is on, but no --lora-path-root is given: every "
+                  "POST /v1/load_lora_adapter is refused", flush=True)
+        app = create_app(settings, registry=setup.registry, on_started=freeze_startup_objects)
+        config = uvicorn_config(app, settings, args)
+        server = DrainingServer(config, app.state.ctx.lifecycle, settings.shutdown_grace_seconds)
+        server.run()
+        return 0
+    finally:
+        if (setup.admin_secret or setup.demo_key) and not (server is not None and server.started):
+            # the start failed after the first start's keys were printed: they are stored, and
+            # the next start does not show them again
+            print("loraplex: this start failed, but the keys printed above are stored and stay valid "
+                  "(the next start does not show them again): keep them", file=sys.stderr)
 
 
 def uvicorn_config(app, settings: Settings, args: argparse.Namespace):
