@@ -158,11 +158,21 @@ def setting_words(error: dict, args: argparse.Namespace | None) -> str:
     message = error["msg"].removeprefix("Value error, ")
     loc = error["loc"]
     if not loc:  # a model validator's: it names settings by field name
-        return re.sub(r"\b[a-z]+(?:_[a-z]+)+\b", lambda m: flag_name(m.group(0)), message)
+        return re.sub(r"\b[a-z]+(?:_[a-z]+)+\b", lambda m: _given_name(m.group(0), args), message)
     name = str(loc[0])
     if name in Settings.model_fields and args is not None and not _given_as_flag(args, name):
         return f"LORAPLEX_{name.upper()}: {message}"  # from the environment
     return f"{flag_name(name)}: {message}"
+
+
+def _given_name(setting: str, args: argparse.Namespace | None) -> str:
+    """A setting as the user gave it: its ``LORAPLEX_`` variable when no flag gave it and the
+    environment holds it (a Deployment's env), else its flag."""
+    variable = f"LORAPLEX_{setting.upper()}"
+    if args is not None and setting in Settings.model_fields and not _given_as_flag(args, setting) \
+            and variable in os.environ:
+        return variable
+    return flag_name(setting)
 
 
 def _given_as_flag(args: argparse.Namespace, name: str) -> bool:

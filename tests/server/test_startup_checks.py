@@ -220,3 +220,12 @@ def test_a_home_nothing_can_be_written_in_is_said_before_anything_starts(capsys,
     line = refused(capsys, unusable, argv)
     name = "--home" if flag else "LORAPLEX_HOME"
     assert line.startswith(f"loraplex serve: error: {name} {unusable}: not a folder loraplex can write in"), line
+
+
+def test_a_setting_a_rule_over_several_refuses_is_named_by_its_variable(capsys, home, model_dir, monkeypatch):
+    monkeypatch.setenv("LORAPLEX_MAX_LORAS", "0")  # it said --max-loras, which the command line never had
+    line = refused(capsys, home, ["serve", str(model_dir)])
+    assert line.startswith("loraplex serve: error: LORAPLEX_MAX_LORAS=0: must be at least 1"), line
+    monkeypatch.delenv("LORAPLEX_MAX_LORAS")
+    line = refused(capsys, home, ["serve", str(model_dir), "--max-loras", "0"])
+    assert line.startswith("loraplex serve: error: --max-loras=0: must be at least 1"), line
