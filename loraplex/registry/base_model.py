@@ -132,12 +132,10 @@ def base_model_spec(settings, base_config: str | Path | None = None) -> LoRATarg
 
     model = str(settings.model)
     path = Path(model).expanduser()
-    gguf: Path | None = None
     name = shown_model_name(model)
-    if model == DEFAULT_MODEL or model.endswith(".gguf"):  # converted under home, named so
-        config_dir, gguf = Path(settings.home) / "models" / name, (path if model != DEFAULT_MODEL else None)
-    else:
-        config_dir = path
+    converted = model == DEFAULT_MODEL or model.endswith(".gguf")  # under home, by its shown name
+    config_dir = Path(settings.home) / "models" / name if converted else path
+    gguf: Path | None = path if model.endswith(".gguf") else None
     if base_config is not None:
         return ModelSpec.from_dict(json.loads(Path(base_config).read_text()), name=name).lora_target_spec(experts)
     if (config_dir / "config.json").is_file():

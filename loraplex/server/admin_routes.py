@@ -155,14 +155,11 @@ def _adapter_dict(ctx: AppContext, a, stats: dict) -> dict:
     }
 
 
-def _lora_stats(stats: dict) -> dict:
-    lora = stats.get("lora")
-    return lora if isinstance(lora, dict) else stats
-
-
 def engine_adapters(stats: dict) -> dict:
-    """The engine's record of each adapter it holds, by content hash (``stats``: the engine's)."""
-    per = _lora_stats(stats).get("adapters")
+    """The engine's record of each adapter it holds, by content hash (``stats``: the engine's,
+    its LoRA part under ``lora``, or that part itself)."""
+    lora = stats.get("lora")
+    per = (lora if isinstance(lora, dict) else stats).get("adapters")
     return per if isinstance(per, dict) else {}
 
 
