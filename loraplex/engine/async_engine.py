@@ -77,6 +77,15 @@ class _Stream:
             return False
 
 
+class _PrepareMark(threading.Event):
+    """Set (on the engine thread) when a request is ended while ``generate`` still prepares it:
+    its add then aborts it, or, where ``error`` is given, ends it with that error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.error: BaseException | None = None
+
+
 def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
     """On the caller's loop: hand a step's deltas to their streams (a request that could not run
     gets its error instead)."""
@@ -173,7 +182,7 @@ class AsyncLLMEngine:
         response, a group of prompts read through tasks), and an abort in those ticks found no
         request and was dropped. One never read gives its mark up when it is collected."""
         request_id = request_id or f"req-{uuid.uuid4().hex}"
-        aborted_early = threading.Event()
+        aborted_early = _PrepareMark()
         self._preparing[request_id] = aborted_early
         gen = self._generate(prompt, params, request_id, adapter, cache_salt, priority, tenant, tenant_weight,
                              aborted_early)
@@ -190,7 +199,7 @@ class AsyncLLMEngine:
         priority: int,
         tenant: str | None,
         tenant_weight: float,
-        aborted_early: threading.Event,
+        aborted_early: _PrepareMark,
     ) -> AsyncIterator[RequestOutput]:
         stream = _Stream(asyncio.get_running_loop())
         engine = self.engine
@@ -206,8 +215,11 @@ class AsyncLLMEngine:
             engine.add_prepared(req)
             self._streams[request_id] = stream
             added.set()
-            if aborted_early.is_set():  # aborted while it was prepared: it ends before any step
-                self._abort_now(request_id)
+            if aborted_early.is_set():  # ended while it was prepared: it ends before any step
+                if aborted_early.error is not None:
+                    self._fail_now(request_id, aborted_early.error)
+                else:
+                    self._abort_now(request_id)
 
         try:
             prepared = grammar = None
@@ -234,7 +246,7 @@ class AsyncLLMEngine:
                 # sees whether the add went in (and never aborts another request's duplicate id)
                 self._abort(request_id, only_if=added)
 
-    def _done_preparing(self, request_id: str, mark: threading.Event) -> None:
+    def _done_preparing(self, request_id: str, mark: _PrepareMark) -> None:
         # from the loop (generate's end) or the engine thread (its add), maybe both at once
         if self._preparing.get(request_id) is mark:
             self._preparing.pop(request_id, None)
@@ -267,6 +279,33 @@ class AsyncLLMEngine:
         stream = self._streams.pop(request_id, None)
         if stream is not None and out is not None:
             stream.put(out)
+
+    async def fail_all_requests(self, error: BaseException) -> int:
+        """End every request with ``error``, raised in its stream after the deltas it already
+        had (a shutdown's cut: each caller answers it as it answers any failure). Running and
+        waiting requests are aborted, so their KV blocks are free before the next step; one
+        ``generate`` still prepares ends so when it is added. Returns how many were ended."""
+
+        def fail_all() -> int:
+            ids = list(self._streams)
+            for request_id in ids:
+                self._fail_now(request_id, error)
+            for mark in list(self._preparing.values()):
+                mark.error = error
+                mark.set()
+            return len(ids) + len(self._preparing)
+
+        return await self._call(fail_all)
+
+    def _fail_now(self, request_id: str, error: BaseException) -> None:
+        """On the engine thread: abort the request, its stream ending with ``error`` (or with its
+        own finish, where its deferred last token completed a stop string)."""
+        out = self.engine.abort(request_id)
+        self._refresh_stats()
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            finished_itself = out is not None and all(c.finish_reason != "abort" for c in out.outputs)
+            stream.put(out if finished_itself else error)
 
     async def flush_prefix_cache(self) -> bool:
         """Forget the prefix cache if no request is running or waiting (SGLang's

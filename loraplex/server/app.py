@@ -52,7 +52,7 @@ from loraplex.template_content_format import ContentFormatResolver
 from loraplex.server.components import Components
 from loraplex.server.context import AppContext
 from loraplex.server.errors import exception_handlers
-from loraplex.server.lifecycle import Lifecycle
+from loraplex.server.lifecycle import Lifecycle, grace_ended_error
 from loraplex.server.limits import BodySizeLimitMiddleware, TenantConcurrencyLimiter
 from loraplex.server.metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
 from loraplex.server.reasoning_parsers import get_reasoning_parser
@@ -238,6 +238,9 @@ def create_app(
 
         steps.add("tokenizer thread", stop_tokenizer_thread)
         use_parts(ctx, parts.engine, parts.registry, parts.adapters)
+        fail_all = getattr(ctx.engine, "fail_all_requests", None)
+        if fail_all is not None:  # the end of a drain's grace: its requests answer a 503 (lifecycle.py)
+            lifecycle.add_cut_step(lambda: fail_all(grace_ended_error()))
         ctx.metrics.stats_source = ctx.engine_stats
         ctx.metrics.limit_replicas = lambda: ctx.live_replicas
         await run_in_threadpool(sweep_stale_staging, ctx.staging_root)  # uploads a crash cut short

@@ -6,6 +6,11 @@ run as it starts (the replica's heartbeat ends there: a replica that admits noth
 not be counted in the others' shares of the tenant limits). When the last request ends, or after
 ``shutdown_grace_seconds``, uvicorn is told to exit; it then closes the connections and runs the
 app's shutdown (engine stopped). A second signal exits at once.
+
+Requests still running when the grace ends are cut by the cut steps first (the engine's requests
+end with a 503 ``server_shutting_down``, which each API answers in its own error shape: a JSON
+error, or an error event in a stream that already started), so that uvicorn does not cancel them
+(a text/plain 500 and a logged traceback for each).
 """
 
 from __future__ import annotations
@@ -23,6 +28,15 @@ from loraplex.server.errors import APIError
 
 log = logging.getLogger("loraplex.server")
 
+# after the grace, how long the requests the cut steps ended get to write their error answers
+CUT_ANSWER_SECONDS = 5.0
+
+
+def grace_ended_error() -> APIError:
+    """What a request still running at the end of the shutdown grace is answered."""
+    return APIError(503, "The server is shutting down: this request ran past its shutdown grace period.",
+                    code="server_shutting_down", headers={"Retry-After": "1"})
+
 
 class Lifecycle:
     """Process state the routes consult: ready, draining, and the count of admitted requests."""
@@ -33,11 +47,18 @@ class Lifecycle:
         self.in_flight = 0
         self._idle: asyncio.Event | None = None
         self._drain_steps: list[Callable[[], Awaitable[None]]] = []
+        self._cut_steps: list[Callable[[], Awaitable[int]]] = []
 
     def add_drain_step(self, step: Callable[[], Awaitable[None]]) -> None:
         """``step()`` is awaited once a drain starts, before it waits for the admitted requests
         (an error is logged, and the drain goes on)."""
         self._drain_steps.append(step)
+
+    def add_cut_step(self, step: Callable[[], Awaitable[int]]) -> None:
+        """``step()`` is awaited when a drain's grace ends with requests still in flight: it ends
+        the requests it knows of with an answer (returning how many), before uvicorn closes the
+        connections."""
+        self._cut_steps.append(step)
 
     def _idle_event(self) -> asyncio.Event:
         if self._idle is None:
@@ -96,6 +117,20 @@ class Lifecycle:
         )
         return ok
 
+    async def cut(self, answer_seconds: float = CUT_ANSWER_SECONDS) -> bool:
+        """Run the cut steps, then wait up to ``answer_seconds`` for the requests they ended to
+        close; True when none is left."""
+        ended = 0
+        for step in self._cut_steps:
+            try:
+                ended += await step()
+            except Exception:  # noqa: BLE001 - uvicorn still cuts what is left
+                log.exception("drain: a cut step failed")
+        ok = await self.wait_idle(answer_seconds)
+        log.info("drain: %d request(s) still running at the end of the grace ended with a 503%s", ended,
+                 "" if ok else f"; {self.in_flight} still open are cut by the server")
+        return ok
+
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, with a first SIGTERM/SIGINT that drains before exiting (exit status 0)."""
@@ -120,7 +155,8 @@ class DrainingServer(uvicorn.Server):
         log.info("signal %s: draining (grace %.1fs)", signal.Signals(sig).name, self.grace_seconds)
 
         async def drain_then_exit() -> None:
-            await self.lifecycle.drain(self.grace_seconds)
+            if not await self.lifecycle.drain(self.grace_seconds):
+                await self.lifecycle.cut()
             self.should_exit = True
 
         def start() -> None:

@@ -86,6 +86,7 @@ class FakeEngine:
         self._lock = threading.Lock()
         self.blocks_in_use: dict[str, int] = {}
         self.aborted: set[str] = set()
+        self.failed: dict[str, BaseException] = {}  # request_id -> what fail_all_requests ends it with
         self.started: list[tuple[str, str | None]] = []  # (request_id, adapter content hash)
         self.params_seen: dict[str, object] = {}  # request_id -> the SamplingParams it ran with
         self.prompts_seen: dict[str, list[int]] = {}  # request_id -> the prompt token ids it ran with
@@ -121,6 +122,8 @@ class FakeEngine:
             done = [False] * params.n
             for k in range(params.max_tokens):
                 await asyncio.sleep(self.step_seconds)
+                if request_id in self.failed:
+                    raise self.failed[request_id]
                 if request_id in self.aborted:
                     # as AsyncLLMEngine.abort: a stream still read ends with an "abort" delta
                     yield RequestOutput(request_id, None, list(prompt),
@@ -158,6 +161,15 @@ class FakeEngine:
         with self._lock:
             self.aborted.add(request_id)
             self.blocks_in_use.pop(request_id, None)
+
+    async def fail_all_requests(self, error: BaseException) -> int:
+        """As AsyncLLMEngine's: each open request's stream raises ``error`` at its next step."""
+        with self._lock:
+            ids = list(self.blocks_in_use)
+            for request_id in ids:
+                self.failed[request_id] = error
+                self.blocks_in_use.pop(request_id)
+        return len(ids)
 
     async def flush_prefix_cache(self) -> bool:
         """The engine's rule: flushed only when nothing runs (``flushes`` counts them)."""

@@ -88,3 +88,32 @@ def test_the_drain_steps_time_counts_in_the_grace():
     ok, took = asyncio.run(scenario())
     assert not ok
     assert took == pytest.approx(0.5, abs=0.15)
+
+
+def test_the_cut_runs_its_steps_then_waits_for_the_requests_they_ended(caplog):
+    async def scenario():
+        lifecycle = Lifecycle()
+        for _ in range(3):
+            lifecycle.admit()
+
+        async def failing_step():
+            raise RuntimeError("engine gone")
+
+        async def end_two():  # two requests it knows of answer a turn later; the third is not its
+            asyncio.get_running_loop().call_soon(lifecycle.done)
+            asyncio.get_running_loop().call_soon(lifecycle.done)
+            return 2
+
+        lifecycle.add_cut_step(failing_step)
+        lifecycle.add_cut_step(end_two)
+        left_one = await lifecycle.cut(0.2)
+        lifecycle.done()
+        return left_one, await lifecycle.cut(0.2)
+
+    with caplog.at_level(logging.INFO, logger="loraplex.server"):
+        left_one, none_left = asyncio.run(scenario())
+    assert (left_one, none_left) == (False, True)
+    messages = [r.getMessage() for r in caplog.records]
+    assert "drain: a cut step failed" in messages
+    assert "drain: 2 request(s) still running at the end of the grace ended with a 503; " \
+           "1 still open are cut by the server" in messages
