@@ -130,6 +130,7 @@ class AsyncLLMEngine:
         # prepares it (grammar, adapter read-ahead): the engine has no such request to abort yet
         self._preparing: dict[str, threading.Event] = {}
         self._stopped = False
+        self._grammar_warm: threading.Thread | None = None  # warm_grammars
         self._dead: BaseException | None = None
         self._stats: dict = self.engine.stats()
         self._stats_time = time.monotonic()
@@ -368,14 +369,22 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._dead is None and not self._stopped
 
+    def warm_grammars(self) -> None:
+        """Build structured output's tokenizer (about half a second) on a thread of its own, so
+        that the first structured request does not wait for it. ``shutdown`` waits for that
+        thread: a daemon thread still in native code while the interpreter exits can crash it."""
+        self._grammar_warm = threading.Thread(target=self.engine.grammars.warm, name="grammar-warm", daemon=True)
+        self._grammar_warm.start()
+
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Stop the loop; unfinished requests end with ``EngineDeadError``."""
-        if self._stopped:
-            return
-        self._stopped = True
-        self._wakeup.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        if not self._stopped:
+            self._stopped = True
+            self._wakeup.set()
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout)
+        if self._grammar_warm is not None:
+            self._grammar_warm.join(timeout)
 
     # ---- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:

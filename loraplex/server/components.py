@@ -8,7 +8,6 @@ at app startup, off the event loop.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass, field
 
 from loraplex.config import Settings
@@ -69,8 +68,7 @@ def build_components(settings: Settings, *, engine=None, registry=None, adapters
         from loraplex.engine.async_engine import AsyncLLMEngine
 
         engine = AsyncLLMEngine(settings.engine_config())
-        # structured output's tokenizer (about half a second), off the engine thread
-        threading.Thread(target=engine.engine.grammars.warm, name="grammar-warm", daemon=True).start()
+        engine.warm_grammars()
     try:
         if adapters is None:
             from loraplex.registry.adapter_manager import build_adapter_manager

@@ -1,4 +1,4 @@
-"""``AsyncLLMEngine.fail_all_requests``, the shutdown's cut, on the real tiny engine: every
+"""``AsyncLLMEngine``'s shutdown parts on the real tiny engine. ``fail_all_requests``, the cut: every
 request still open ends with the given error, raised in its stream after the deltas it had, both
 those that run and one whose stream was not read yet (still prepared); every KV block is free
 afterwards, and the engine goes on serving (the cut is not a state it stays in)."""
@@ -77,3 +77,24 @@ def test_with_nothing_open_it_ends_nothing(engine):
     done, ended = asyncio.run(main())
     assert done[-1].outputs[0].finish_reason == "length"
     assert ended == 0
+
+
+def test_shutdown_waits_for_the_grammar_warm_thread(engine, monkeypatch):
+    """No native tokenizer build may still run while the interpreter exits (a daemon thread
+    there can crash the process): ``shutdown`` joins the thread ``warm_grammars`` started."""
+    import threading
+    import time
+
+    started, finished = threading.Event(), threading.Event()
+
+    def slow_warm():
+        started.set()
+        time.sleep(0.4)
+        finished.set()
+
+    monkeypatch.setattr(engine.engine.grammars, "warm", slow_warm)
+    engine.warm_grammars()
+    assert started.wait(5)
+    engine.shutdown()
+    assert finished.is_set()
+    assert not engine._grammar_warm.is_alive()
