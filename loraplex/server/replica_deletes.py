@@ -5,7 +5,8 @@ from the engine of the replica that took it (``admin_routes.drop_weights_if_unus
 slots, host cache and pins. The other replicas share only the database. Each watches the
 registry's change counter (``watch.RegistryWatcher``, every ``registry_poll_seconds``), which
 every delete bumps; when it moves, the weights this engine holds that no live version has any
-more (``RegistryService.deleted_weights``) go the same way, with their local copy. Without it a
+more (``RegistryService.deleted_weights``) go the same way, with their local copy, and so do
+the local copies of such weights that the engine no longer holds. Without it a
 pin taken on another replica held its device slot until that replica restarted, and nothing
 could unpin it (the name no longer resolved).
 
@@ -32,19 +33,27 @@ SWEEP_TIMEOUT_SECONDS = 60.0  # the watcher thread waits at most this long for o
 
 
 async def drop_weights_deleted_elsewhere(ctx: AppContext) -> list[str]:
-    """Drop from the engine the weights it holds that no live version has any more; returns
-    their content hashes."""
+    """Drop the weights that no live version has any more from the engine, where it holds them,
+    and from the local disk cache; returns the content hashes of those dropped."""
     held = [h for h, entry in engine_adapters(ctx.engine_stats()).items() if not entry.get("retiring")]
-    gone = sorted(await run_in_threadpool(ctx.registry.deleted_weights, held)) if held else []
     disk_cache = getattr(ctx.adapters, "disk_cache", None)
+    cached = disk_cache.content_hashes() if disk_cache is not None else []
+    candidates = sorted(set(held) | set(cached))
+    gone = sorted(await run_in_threadpool(ctx.registry.deleted_weights, candidates)) if candidates else []
+    held_set, dropped = set(held), []
     for content_hash in gone:
-        await drop_weights_if_unused(ctx, content_hash, content_key(content_hash))
+        removed = False
+        if content_hash in held_set:
+            await drop_weights_if_unused(ctx, content_hash, content_key(content_hash))
+            removed = True
         if disk_cache is not None:  # its local copy too, unless a running request holds it (LRU later)
-            await run_in_threadpool(disk_cache.remove, content_hash)
-    if gone:
+            removed = await run_in_threadpool(disk_cache.remove, content_hash) or removed
+        if removed:
+            dropped.append(content_hash)
+    if dropped:
         log.info("dropped %d adapter(s) whose versions were deleted (through another replica): %s",
-                 len(gone), ", ".join(h[:12] for h in gone))
-    return gone
+                 len(dropped), ", ".join(h[:12] for h in dropped))
+    return dropped
 
 
 def watch_deletes(ctx: AppContext, loop: asyncio.AbstractEventLoop, interval_seconds: float) -> RegistryWatcher:

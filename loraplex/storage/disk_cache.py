@@ -94,6 +94,11 @@ class DiskCache:
         with self._lock:
             return content_hash in self._lru
 
+    def content_hashes(self) -> list[str]:
+        """The entries' content hashes, least recently used first (a snapshot)."""
+        with self._lock:
+            return list(self._lru)
+
     @property
     def total_bytes(self) -> int:
         with self._lock:

@@ -2,7 +2,9 @@
 CPU, in process): weights pinned here whose versions another replica deleted (a direct registry
 write, as that replica's admin API makes) leave the device slots, pin included, within a few
 ``registry_poll_seconds``; weights another live version still uses stay pinned; and a request
-streaming on deleted weights finishes on them, as on the replica that took the delete."""
+streaming on deleted weights finishes on them, as on the replica that took the delete. A local
+copy of deleted weights that the engine does not hold goes too (before, it waited for the disk
+cache's LRU)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def world(tiny_llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("replica-deletes")
     base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
     adapters = {name: make_peft_adapter(base, root / name, seed=seed, r=4)
-                for seed, name in enumerate(("gone", "kept", "held"), start=1)}
+                for seed, name in enumerate(("gone", "kept", "held", "cold"), start=1)}
     llm_options = dict(kv_cache_bytes=4 << 20, max_loras=4, max_lora_rank=8, max_num_seqs=8)
     with real_server(tiny_llama_dir, root / "home", ADMIN_KEY, llm_options, registry_poll_seconds=POLL) as (client, stack):
         yield client, {"Authorization": f"Bearer {stack.tenant_key}"}, adapters, stack.registry, stack.manager
@@ -80,3 +82,14 @@ def test_a_stream_on_weights_deleted_elsewhere_finishes_on_them(world):
     text, _ = stream_around(client, tenant, body, lambda: registry.delete_adapter("acme", "held"))
     assert text == want
     _wait_until(lambda: sha not in _engine_adapters(client))
+
+
+def test_a_local_copy_the_engine_does_not_hold_goes_too(world):
+    client, _, adapters, registry, manager = world
+    sha = _upload(client, "cold", adapters["cold"])
+    version = registry.resolve("acme", "cold")
+    manager.local_path(version)  # on disk, as after a request some time ago; not in the engine
+    assert manager.disk_cache.contains(sha) and sha not in _engine_adapters(client)
+    registry.delete_adapter("acme", "cold")  # the other replica's delete
+    _wait_until(lambda: not manager.disk_cache.contains(sha))
+    assert not manager.disk_cache.path_of(sha).exists()
