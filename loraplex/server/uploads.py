@@ -14,6 +14,8 @@ taken from the archive's own headers.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import lzma
 import shutil
@@ -38,6 +40,13 @@ STAGING_PREFIX = "upload-"
 STALE_STAGING_SECONDS = 3600
 log = logging.getLogger("loraplex.server")
 MAX_ARCHIVE_MEMBERS = 1000
+# what the file system answers to member paths an archive itself makes impossible: a file and a
+# folder of one path (in either order), or a name longer than the file system takes. The archive
+# is bad (400), not the server; other OSErrors (ENOSPC, EIO) stay server errors
+_MEMBER_PATH_ERRNOS = {errno.EEXIST: "clashes with another member (one path is both a file and a folder)",
+                       errno.ENOTDIR: "clashes with another member (one path is both a file and a folder)",
+                       errno.EISDIR: "clashes with another member (one path is both a file and a folder)",
+                       errno.ENAMETOOLONG: "has a name too long for the file system"}
 
 
 def new_staging_dir(root: Path) -> Path:
@@ -112,6 +121,18 @@ def _copy_capped(
             dst.write(chunk)
 
 
+@contextlib.contextmanager
+def _member_path_errors(name: str):
+    """Around one member's unpacking: a 400 naming it for the path errors its name causes."""
+    try:
+        yield
+    except OSError as exc:
+        why = _MEMBER_PATH_ERRNOS.get(exc.errno)
+        if why is None:
+            raise
+        raise bad_request(f"archive member {name!r} {why}", param=ARCHIVE_FIELD) from None
+
+
 def _safe_member_path(staging: Path, name: str) -> Path:
     """Where an archive member goes, or a 400 if its name could leave the staging directory."""
     if not name or "\x00" in name or "\\" in name:
@@ -142,26 +163,32 @@ def _unpack_tar(fileobj, staging: Path, member_limit: int) -> None:
     with archive:
         for member in archive:
             budget.add_member(member.name)
-            target = _safe_member_path(staging, member.name)
-            if member.isdir():
-                target.mkdir(parents=True, exist_ok=True)
-                continue
-            if member.issym() or member.islnk():
-                raise bad_request(f"archive member {member.name!r} is a link", param=ARCHIVE_FIELD)
-            if not member.isreg():
-                raise bad_request(f"archive member {member.name!r} is not a regular file", param=ARCHIVE_FIELD)
-            if member.size > member_limit:
-                raise too_large(f"archive member {member.name!r}", member_limit)
-            if budget.written + member.size > budget.total_limit:  # refuse before decompressing it
-                raise too_large("the archive's unpacked contents", budget.total_limit)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            src = archive.extractfile(member)
-            if src is None:
-                raise bad_request(f"archive member {member.name!r} cannot be read", param=ARCHIVE_FIELD)
-            try:
-                _copy_capped(src, target, member_limit, f"archive member {member.name!r}", budget)
-            except FileExistsError:
-                raise bad_request(f"archive member {member.name!r} appears twice", param=ARCHIVE_FIELD) from None
+            with _member_path_errors(member.name):
+                _unpack_tar_member(archive, member, staging, member_limit, budget)
+
+
+def _unpack_tar_member(archive: tarfile.TarFile, member: tarfile.TarInfo, staging: Path, member_limit: int,
+                       budget: _ArchiveBudget) -> None:
+    target = _safe_member_path(staging, member.name)
+    if member.isdir():
+        target.mkdir(parents=True, exist_ok=True)
+        return
+    if member.issym() or member.islnk():
+        raise bad_request(f"archive member {member.name!r} is a link", param=ARCHIVE_FIELD)
+    if not member.isreg():
+        raise bad_request(f"archive member {member.name!r} is not a regular file", param=ARCHIVE_FIELD)
+    if member.size > member_limit:
+        raise too_large(f"archive member {member.name!r}", member_limit)
+    if budget.written + member.size > budget.total_limit:  # refuse before decompressing it
+        raise too_large("the archive's unpacked contents", budget.total_limit)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    src = archive.extractfile(member)
+    if src is None:
+        raise bad_request(f"archive member {member.name!r} cannot be read", param=ARCHIVE_FIELD)
+    try:
+        _copy_capped(src, target, member_limit, f"archive member {member.name!r}", budget)
+    except FileExistsError:
+        raise bad_request(f"archive member {member.name!r} appears twice", param=ARCHIVE_FIELD) from None
 
 
 def _unpack_zip(fileobj, staging: Path, member_limit: int) -> None:
@@ -173,25 +200,31 @@ def _unpack_zip(fileobj, staging: Path, member_limit: int) -> None:
     with archive:
         for info in archive.infolist():
             budget.add_member(info.filename)
-            target = _safe_member_path(staging, info.filename)
-            mode = info.external_attr >> 16
-            if stat.S_ISLNK(mode):
-                raise bad_request(f"archive member {info.filename!r} is a link", param=ARCHIVE_FIELD)
-            if info.is_dir():
-                target.mkdir(parents=True, exist_ok=True)
-                continue
-            if stat.S_IFMT(mode) not in (0, stat.S_IFREG):  # 0: made without unix modes
-                raise bad_request(f"archive member {info.filename!r} is not a regular file", param=ARCHIVE_FIELD)
-            if info.file_size > member_limit:
-                raise too_large(f"archive member {info.filename!r}", member_limit)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                with archive.open(info) as src:  # the cap is enforced on the bytes, not the declared size
-                    _copy_capped(src, target, member_limit, f"archive member {info.filename!r}", budget)
-            except FileExistsError:
-                raise bad_request(f"archive member {info.filename!r} appears twice", param=ARCHIVE_FIELD) from None
-            except (zipfile.BadZipFile, NotImplementedError, RuntimeError) as exc:  # RuntimeError: encrypted
-                raise bad_request(f"archive member {info.filename!r}: {exc}", param=ARCHIVE_FIELD) from None
+            with _member_path_errors(info.filename):
+                _unpack_zip_member(archive, info, staging, member_limit, budget)
+
+
+def _unpack_zip_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, staging: Path, member_limit: int,
+                       budget: _ArchiveBudget) -> None:
+    target = _safe_member_path(staging, info.filename)
+    mode = info.external_attr >> 16
+    if stat.S_ISLNK(mode):
+        raise bad_request(f"archive member {info.filename!r} is a link", param=ARCHIVE_FIELD)
+    if info.is_dir():
+        target.mkdir(parents=True, exist_ok=True)
+        return
+    if stat.S_IFMT(mode) not in (0, stat.S_IFREG):  # 0: made without unix modes
+        raise bad_request(f"archive member {info.filename!r} is not a regular file", param=ARCHIVE_FIELD)
+    if info.file_size > member_limit:
+        raise too_large(f"archive member {info.filename!r}", member_limit)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with archive.open(info) as src:  # the cap is enforced on the bytes, not the declared size
+            _copy_capped(src, target, member_limit, f"archive member {info.filename!r}", budget)
+    except FileExistsError:
+        raise bad_request(f"archive member {info.filename!r} appears twice", param=ARCHIVE_FIELD) from None
+    except (zipfile.BadZipFile, NotImplementedError, RuntimeError) as exc:  # RuntimeError: encrypted
+        raise bad_request(f"archive member {info.filename!r}: {exc}", param=ARCHIVE_FIELD) from None
 
 
 def unpack_archive(fileobj, filename: str, staging: Path, member_limit: int) -> Path:

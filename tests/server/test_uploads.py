@@ -218,3 +218,41 @@ def test_truncated_or_corrupt_archive_is_a_400(tmp_path, make):
     with pytest.raises(APIError) as err:
         unpack_archive(make(), "adapter", tmp_path, 1 << 20)
     assert err.value.status == 400 and err.value.param == "archive"
+
+
+@pytest.mark.parametrize("kind", ["tar", "zip"])
+@pytest.mark.parametrize(
+    "members,what",
+    [
+        ([("x", b"1", "file"), ("x", None, "dir")], "both a file and a folder"),
+        ([("x", b"1", "file"), ("x/y", b"2", "file")], "both a file and a folder"),
+        ([("a" * 300, b"1", "file")], "too long"),
+    ],
+)
+def test_member_paths_the_file_system_refuses_are_a_400_naming_the_member(tmp_path, kind, members, what):
+    """An archive's own member names that cannot coexist on disk were a 500 (an OSError taken for
+    a disk failure); the archive is bad, so a 400 naming the member."""
+    ok = [("adapter_config.json", CONFIG, "file"), ("adapter_model.safetensors", WEIGHTS, "file")]
+    if kind == "tar":
+        archive = _tar(members + ok)
+    else:
+        archive = _zip([(name + "/" if k == "dir" else name, data or b"", None) for name, data, k in members + ok])
+    with pytest.raises(APIError) as err:
+        unpack_archive(archive, f"a.{kind}", tmp_path, 1 << 20)
+    assert err.value.status == 400 and err.value.param == "archive"
+    assert what in err.value.message and f"archive member {members[-1][0][:40]}" in err.value.message.replace("'", "")
+
+
+def test_a_full_disk_while_unpacking_stays_a_server_error(tmp_path, monkeypatch):
+    import errno
+
+    from loraplex.server import uploads
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(uploads, "_copy_capped", no_space)
+    archive = _tar([("adapter_config.json", CONFIG, "file")])
+    with pytest.raises(OSError) as err:
+        unpack_archive(archive, "a.tar", tmp_path, 1 << 20)
+    assert err.value.errno == errno.ENOSPC
