@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 
+from loraplex.lora import config_patterns
 from loraplex.lora.errors import InvalidAdapterError
 
 # Config fields that switch on a feature loraplex does not implement: any truthy value is refused.
@@ -73,8 +73,9 @@ class LoRAConfigView:
     def rank_alpha_for(self, module_key: str) -> tuple[int, float]:
         """PEFT's ``get_pattern_key``: the first pattern ``p`` (file order) with
         ``re.match(rf"(.*\\.)?({p})$", module_key)`` wins, else the global value."""
-        rank = next((v for p, v in self.rank_pattern if re.match(rf"(.*\.)?({p})$", module_key)), self.r)
-        alpha = next((v for p, v in self.alpha_pattern if re.match(rf"(.*\.)?({p})$", module_key)), self.lora_alpha)
+        rank = next((v for p, v in self.rank_pattern if _pattern_key_matches("rank_pattern", p, module_key)), self.r)
+        alpha = next((v for p, v in self.alpha_pattern if _pattern_key_matches("alpha_pattern", p, module_key)),
+                     self.lora_alpha)
         return rank, alpha
 
     def scaling(self, rank: int, alpha: float) -> float:
@@ -89,13 +90,23 @@ def _bad(msg: str) -> InvalidAdapterError:
     return InvalidAdapterError(f"adapter_config.json: {msg}")
 
 
-def _check_regex(what: str, pattern: str) -> None:
+def _pattern_key_regex(pattern: str) -> str:
+    """What PEFT's ``get_pattern_key`` matches a module key against, for a ``rank_pattern`` /
+    ``alpha_pattern`` key."""
+    return rf"(.*\.)?({pattern})$"
+
+
+def _pattern_key_matches(what: str, pattern: str, module_key: str) -> bool:
+    return config_patterns.match(what, _pattern_key_regex(pattern), pattern, module_key) is not None
+
+
+def _check_regex(what: str, pattern: str, built: str | None = None) -> None:
+    """``pattern`` and, where given, the expression PEFT builds around it must compile."""
     if len(pattern) > MAX_PATTERN_CHARS:
         raise _bad(f"{what} pattern is longer than {MAX_PATTERN_CHARS} characters")
-    try:
-        re.compile(pattern)
-    except re.error as exc:
-        raise _bad(f"{what} {pattern!r} is not a valid regular expression ({exc})") from None
+    config_patterns.check_compiles(what, pattern)
+    if built is not None:
+        config_patterns.check_compiles(what, built, shown=pattern)
 
 
 def _is_int(v: object) -> bool:
@@ -211,7 +222,7 @@ def _pattern_dict(name: str, value: object, want_int: bool) -> tuple:
         raise _bad(f"{name} must be an object, got {value!r}")
     out = []
     for k, v in value.items():
-        _check_regex(name, k)
+        _check_regex(name, k, _pattern_key_regex(k))
         if want_int and (not _is_int(v) or v < 1):
             raise _bad(f"{name}[{k!r}] must be a positive integer, got {v!r}")
         if not want_int and not _is_num(v):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from loraplex.lora import config_patterns
 from loraplex.lora.adapter_config import LoRAConfigView
 from loraplex.lora.errors import InvalidAdapterError
 from loraplex.lora.spec import TARGET_MODULES, LoRATargetSpec
@@ -273,13 +274,13 @@ class Matcher:
         ex = cfg.exclude_modules
         if ex:
             if isinstance(ex, str):
-                if re.fullmatch(ex, key):
+                if config_patterns.fullmatch("exclude_modules", ex, key):
                     return False
             elif key in ex or any(key.endswith(f".{e}") for e in ex):
                 return False
         tm = self.target_modules
         if isinstance(tm, str):
-            return re.fullmatch(tm, key) is not None
+            return config_patterns.fullmatch("target_modules", tm, key)
         if key in tm:
             return True
         found = any(key.endswith(f".{t}") for t in tm)
@@ -291,7 +292,7 @@ class Matcher:
             match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
         else:
             for pattern in cfg.layers_pattern:
-                match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
+                match = config_patterns.match("layers_pattern", rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", pattern, key)
                 if match is not None:
                     break
         if match is None:

@@ -150,6 +150,9 @@ def test_rejects_vllms_extra_vocabulary_file(lora_base, make_adapter, tmp_path):
         (dict(target_modules=["q_proj", "v_proj", "fc1"]), "fc1"),
         (dict(layers_to_transform=[5]), "layer 5"),
         (dict(rank_pattern={"[": 2}), "regular expression"),
+        # valid alone, but not inside the groups PEFT wraps a rank_pattern key in (a 500 before)
+        (dict(rank_pattern={r"(q)(v)?\2": 2}), r"rank_pattern '\(q\)\(v\)\?\\\\2' is not a valid regular expression inside"),
+        (dict(alpha_pattern={"(?i)q_proj": 2}), r"alpha_pattern '\(\?i\)q_proj' is not a valid regular expression inside"),
         (dict(lora_alpha=1e300), "scaling"),  # alpha / r beyond float32, where slot scalings live
         (dict(alpha_pattern={"v_proj": -1e300}), "scaling"),
         # finite in float32, but the update would overflow the forward (and poison the KV cache)
@@ -306,3 +309,47 @@ def test_update_bound_is_the_largest_possible_entry(lora_base, make_adapter, tmp
     check_update_bound("m", torch.tensor([[2.0]]), torch.tensor([[3.0]]), MAX_UPDATE_ENTRY / 6)
     with pytest.raises(InvalidAdapterError):
         check_update_bound("m", torch.tensor([[2.0]]), torch.tensor([[3.0]]), MAX_UPDATE_ENTRY / 5.99)
+
+
+# backtracks without bound on a module name: Python's re takes minutes holding the GIL
+# (named groups: rank_pattern's keys are wrapped in groups of PEFT's, which would shift numbers)
+SLOW_PATTERN = ("(?P<a>.*(?P<b>.*(?P<c>.*(?P<d>.*(?P<e>.*(?P<f>.*(?P<g>.*(?P<h>.*)(?P=h))(?P=g))(?P=f))(?P=e))"
+                "(?P=d))(?P=c))(?P=b))(?P=a)l")
+
+
+@pytest.mark.parametrize("changes", [
+    dict(target_modules=SLOW_PATTERN),
+    dict(exclude_modules=SLOW_PATTERN),
+    dict(rank_pattern={SLOW_PATTERN: 2}),
+    dict(alpha_pattern={SLOW_PATTERN: 2}),
+    dict(layers_to_transform=[0], layers_pattern=[SLOW_PATTERN]),
+])
+def test_a_config_pattern_that_backtracks_without_bound_is_refused_promptly(changes, lora_base, make_adapter,
+                                                                           tmp_path):
+    """An uploader's regular expression that would hold a server thread (and, with re, the GIL)
+    for minutes is refused within a fraction of a second, naming its field."""
+    import time
+
+    field = next(iter(changes)) if "layers_pattern" not in changes else "layers_pattern"
+    started = time.monotonic()
+    _rejects(edit_config(make_adapter("c", seed=1), tmp_path / "slow", **changes), lora_base.spec,
+             f"{field} .* takes too long to match a module name")
+    assert time.monotonic() - started < 5.0
+
+
+def test_config_patterns_match_as_re_does():
+    """The time-limited matching (``regex``) answers as PEFT's ``re`` on the patterns PEFT users
+    write."""
+    from loraplex.lora import config_patterns
+
+    keys = [f"model.layers.{i}.{m}" for i in (0, 1, 12) for m in ("self_attn.q_proj", "mlp.down_proj", "mlp.up_proj")]
+    patterns = [r".*\.0\.self_attn\.(q|v)_proj|.*\.1\.mlp\.up_proj", r".*(q_proj|down_proj)$",
+                r"model\.layers\.\d+\.mlp\..*", r"(?:.*\.)?layers\.1\d?\..*", r"(?i).*Q_PROJ"]
+    for pattern in patterns:
+        for key in keys:
+            assert config_patterns.fullmatch("target_modules", pattern, key) == (re.fullmatch(pattern, key) is not None)
+            built = rf"(.*\.)?({pattern})$"
+            if pattern.startswith("(?i)"):  # re refuses a global flag inside PEFT's groups: no rank_pattern key
+                continue
+            got = config_patterns.match("rank_pattern", built, pattern, key)
+            assert (got is None) == (re.match(built, key) is None)
