@@ -19,6 +19,8 @@ that is not a JSON object gets LoRAX's answer, as before).
 Errors have SGLang's shape ``{"error": {"message": str}}``. SGLang answers bad input and an
 unknown ``lora_path`` with 400; authentication (401), tenant limits (429), draining (503) keep
 their statuses. A stream whose headers are out ends with ``data: {"error": ...}`` and ``[DONE]``.
+``POST /generate`` checks the key before it reads the body, so its 401 cannot know the API yet:
+it has LoRAX's shape, a string ``error`` as SGLang's own ``--api-key`` check answers.
 """
 
 from __future__ import annotations
@@ -279,9 +281,18 @@ async def _serve_sglang(request: Request, ctx: AppContext, body: dict, arrival: 
 
 async def generate(request: Request) -> Response:
     """``POST /generate``: SGLang's body here, LoRAX's (and a body that is no JSON object,
-    which LoRAX answers as it always has) to tgi_routes."""
+    which LoRAX answers as it always has) to tgi_routes. The key is checked before the body is
+    read; its refusal has LoRAX's shape."""
     arrival = time.monotonic()
     ctx: AppContext = request.app.state.ctx
+    try:  # before the body: a caller without a key gets no read nor parse of up to --max-body-bytes
+        await authenticate(ctx, request)
+    except Exception as exc:
+        # which API the body speaks is not known yet: LoRAX's error shape, which is also the one
+        # SGLang's --api-key check answers (a string `error`)
+        err = from_exception(exc)
+        log_refused(ENDPOINT, None, None, tgi_routes.http_status(err), arrival, request_ids(request))
+        return tgi_routes.error_response(err)
     try:
         raw = await request.body()  # kept on the request: LoRAX's handler reads it again
     except Exception as exc:

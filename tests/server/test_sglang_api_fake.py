@@ -411,3 +411,31 @@ def test_a_client_that_leaves_aborts_every_run_of_its_batch(server_factory, stre
     _wait(lambda: engine.stats()["num_blocks_free"] == engine.num_blocks, 2.0)
     assert len(engine.aborted) == 2  # both runs: the adapter's and the base model's
     _wait(lambda: srv.app.state.ctx.limiter.in_flight() == 0, 1.0)
+
+
+def test_generate_checks_the_key_before_reading_the_body(world):
+    """A caller without a valid key gets its 401 before the body is read: before, POST /generate
+    buffered and parsed up to --max-body-bytes to learn which API spoke. The refusal has LoRAX's
+    shape, which is also what SGLang's --api-key check answers (a string ``error``)."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    srv, _, _ = world
+    url = urlsplit(srv.url)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        head = ("POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n"
+                "Content-Type: application/json\r\nContent-Length: 50000000\r\n\r\n")
+        sock.sendall(head.encode() + b'{"text": "aaaa')  # 50 MB announced, a few bytes sent
+        started = time.monotonic()
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    assert time.monotonic() - started < 5
+    status_line, _, rest = answer.decode("latin-1").partition("\r\n")
+    assert " 401 " in status_line, answer
+    body = json.loads(rest.split("\r\n\r\n", 1)[1])
+    assert body["error_type"] == "authentication" and isinstance(body["error"], str)
