@@ -66,12 +66,25 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+# a caller's value echoed in a message or an access line is cut to this many characters: a
+# 20 MB `model` was written whole into the log line of its refusal
+MAX_ECHOED_CHARS = 256
+
+
+def clipped(value: str) -> str:
+    """``value`` as a message or log line shows it: whole up to ``MAX_ECHOED_CHARS``, else its
+    start and its length."""
+    if len(value) <= MAX_ECHOED_CHARS:
+        return value
+    return f"{value[:MAX_ECHOED_CHARS]}... ({len(value)} characters)"
+
+
 def model_not_found(model: str) -> APIError:
     # One message for "does not exist" and "belongs to another tenant": the answer must not tell
     # the two apart.
     return APIError(
         404,
-        f"The model `{model}` does not exist or you do not have access to it.",
+        f"The model `{clipped(model)}` does not exist or you do not have access to it.",
         param="model",
         code="model_not_found",
     )

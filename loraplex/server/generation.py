@@ -24,7 +24,7 @@ from loraplex.chat_content import shape_messages
 from loraplex.engine.beam_search_async import beam_search_outputs
 from loraplex.lora.errors import InvalidAdapterError
 from loraplex.server.context import AppContext
-from loraplex.server.errors import APIError, bad_request, model_not_found
+from loraplex.server.errors import APIError, bad_request, clipped, model_not_found
 from loraplex.server.prompt_fields import PromptOptions
 from loraplex.server.rate_limits import TokenCost
 from loraplex.server.request_ids import RequestIds
@@ -426,8 +426,9 @@ def log_refused(kind: str, tenant: str | None, model: str | None, status: int, a
     request's (request_ids.py; none for a batch file's line)."""
     record = {
         "event": "request", "request_id": ids.server if ids else None,
-        "client_request_id": ids.client if ids else None, "tenant": tenant, "endpoint": kind, "model": model,
-        "adapter": None, "version": None, "prompt_tokens": 0, "completion_tokens": 0, "ttft_s": None,
+        "client_request_id": ids.client if ids else None, "tenant": tenant, "endpoint": kind,
+        "model": clipped(model) if isinstance(model, str) else model, "adapter": None, "version": None,
+        "prompt_tokens": 0, "completion_tokens": 0, "ttft_s": None,
         "duration_s": round(time.monotonic() - arrival, 4), "finish_reason": None, "status": status,
     }
     access_log.info(json.dumps(record, separators=(",", ":")))

@@ -26,7 +26,7 @@ from loraplex.lora.errors import InvalidAdapterError
 from loraplex.lora.merge import MAJORITY_SIGN_METHODS, MERGE_STRATEGIES, USES_DENSITY, USES_SIGN_METHOD, MergeParams
 from loraplex.registry.adapter_merges import MergeBusy, UnknownAdapter
 from loraplex.server.body_fields import as_float, is_number
-from loraplex.server.errors import APIError, bad_request
+from loraplex.server.errors import APIError, bad_request, clipped
 from loraplex.server.generation import Target
 from loraplex.server.rate_limits import TokenCost
 
@@ -98,7 +98,7 @@ async def resolve_merged_target(ctx, tenant: str, ids: tuple[str, ...], params: 
                                 "retry once it is done (a merge is built once, then reused)",
                            code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
         if isinstance(exc, UnknownAdapter):  # another tenant's adapter: the same answer as none
-            raise APIError(404, f"Adapter `{exc.ref}` does not exist or you do not have access to it.",
+            raise APIError(404, f"Adapter `{clipped(exc.ref)}` does not exist or you do not have access to it.",
                            code="adapter_not_found") from None
         if isinstance(exc, InvalidAdapterError) and getattr(exc, "http_status", 400) == 400:  # MergeError too
             raise _bad(exc.message) from None

@@ -31,7 +31,7 @@ from starlette.routing import Route
 
 from loraplex.server.admission import Admission, admit
 from loraplex.server.context import AppContext
-from loraplex.server.errors import CLIENT_CLOSED, APIError, from_exception
+from loraplex.server.errors import CLIENT_CLOSED, APIError, clipped, from_exception
 from loraplex.server.generation import RequestRun, Target, tokenize_prompts
 from loraplex.server.merged_adapters import resolve_merged_target
 from loraplex.server.protocol import GenerationRequest
@@ -195,7 +195,7 @@ async def _admit(request: Request, ctx: AppContext, stream: bool | None, arrival
         err = from_exception(exc, request_id=request_ids(request).server)
         if err.code == "model_not_found":
             model = steps.treq.gen.model
-            err.message, err.param = f"Adapter `{model}` does not exist or you do not have access to it.", None
+            err.message, err.param = f"Adapter `{clipped(model)}` does not exist or you do not have access to it.", None
         raise err from None
     return run, steps.treq, steps.stream
 

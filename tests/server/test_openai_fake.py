@@ -196,3 +196,28 @@ def test_model_left_out_is_the_base_model(setup, model):
     assert comp.json()["choices"][0]["text"] == expected_text(tok, ids, None, 3, 5)  # no adapter
     assert {r.json()["model"] for r in (comp, chat, resp)} == {"fake-model"}
     assert all(adapter is None for _, adapter in srv.engine.started[-3:])
+
+
+def test_a_huge_unknown_model_is_clipped_in_the_answer_and_the_access_line(setup, caplog):
+    """A tenant's 2 MB `model` was echoed whole in the 404 and written whole into the access
+    line (a 20 MB request, a 20 MB log line); both now show its start and its length."""
+    import json
+    import logging
+
+    import httpx
+
+    from loraplex.server.errors import MAX_ECHOED_CHARS
+
+    srv, key, _, _ = setup
+    model = "m" * (2 << 20)
+    with caplog.at_level(logging.INFO, logger="loraplex.access"):
+        r = httpx.post(f"{srv.url}/t/acme/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                       json={"model": model, "prompt": "hi", "max_tokens": 1}, timeout=30)
+    assert r.status_code == 404
+    message = r.json()["error"]["message"]
+    assert message == (f"The model `{'m' * MAX_ECHOED_CHARS}... ({len(model)} characters)` does not exist or you "
+                       "do not have access to it.")
+    access = [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == "loraplex.access"]
+    assert [a["status"] for a in access] == [404]
+    assert access[0]["model"] == f"{'m' * MAX_ECHOED_CHARS}... ({len(model)} characters)"
+    assert all(len(rec.getMessage()) < 4096 for rec in caplog.records)
