@@ -458,6 +458,12 @@ class Settings(BaseSettings):
         names = EngineConfig.option_names()
         return EngineConfig(**{k: v for k, v in self.model_dump().items() if k in names})
 
+    @property
+    def staging_dir(self) -> Path:
+        """Where uploads and adapter copies are staged while checked; swept at start of what a
+        crash left (server/uploads.py ``sweep_stale_staging``)."""
+        return self.home / "staging"
+
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{self.home / 'loraplex.db'}"
 

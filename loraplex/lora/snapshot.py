@@ -21,6 +21,7 @@ from loraplex.lora.errors import InvalidAdapterError
 from loraplex.lora.peft_format import CONFIG_NAME, WEIGHTS_NAME, reject_pickles
 
 SNAPSHOT_FILES = (CONFIG_NAME, WEIGHTS_NAME)
+SNAPSHOT_PREFIX = "loraplex-adapter-"
 
 
 class OutsideAllowedPaths(InvalidAdapterError):
@@ -32,7 +33,8 @@ class OutsideAllowedPaths(InvalidAdapterError):
 
 @contextmanager
 def adapter_snapshot(
-    path: str | Path, max_file_bytes: int | None = None, inside: Callable[[str], bool] | None = None
+    path: str | Path, max_file_bytes: int | None = None, inside: Callable[[str], bool] | None = None,
+    temp_root: Path | None = None,
 ) -> Iterator[Path]:
     """A temporary directory holding a copy of ``path``'s adapter files, removed afterwards.
     Raises ``InvalidAdapterError`` (the same refusals as ``load_adapter_files`` for a missing
@@ -43,12 +45,18 @@ def adapter_snapshot(
     ``inside(real_path)`` confines the read: each file is opened, then the file that was opened
     must be the one its resolved path names now, and that path must be ``inside``; else
     ``OutsideAllowedPaths``. A link swapped in between a caller's path check and this read is
-    caught so: what was read either lies where the check allowed or is refused."""
+    caught so: what was read either lies where the check allowed or is refused.
+
+    ``temp_root``: where the copy is made (default: the system's temporary folder). The server
+    passes its staging folder, which it sweeps at start: a process killed mid-check left a copy
+    of a tenant's weights in /tmp for good."""
     path = Path(path)
     if not path.is_dir():
         raise InvalidAdapterError(f"adapter path {str(path)!r} is not a directory")
     reject_pickles(path)
-    with tempfile.TemporaryDirectory(prefix="loraplex-adapter-") as temp:
+    if temp_root is not None:
+        temp_root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=SNAPSHOT_PREFIX, dir=temp_root) as temp:
         for name in SNAPSHOT_FILES:
             source = path / name
             if not source.exists():

@@ -54,10 +54,13 @@ class AdapterManager(AdapterUploadMixin):
         *,
         max_member_bytes: int = 2 << 30,
         background_deletes: bool = False,
+        snapshot_root: Path | None = None,
     ):
         """``background_deletes``: a delete deferred to the last ``release`` runs in a thread of
         its own instead of inside ``release`` (the server releases on its event loop, and the
-        delete takes a database lock and a blob store round trip)."""
+        delete takes a database lock and a blob store round trip). ``snapshot_root``: where an
+        upload's private copy of the files lives while checked (``adapter_snapshot``; default:
+        the system's temporary folder)."""
         self.registry = registry
         self.background_deletes = background_deletes
         self.blobs = blobs
@@ -65,6 +68,7 @@ class AdapterManager(AdapterUploadMixin):
         self.spec = spec
         self.max_lora_rank = max_lora_rank
         self.max_member_bytes = max_member_bytes
+        self.snapshot_root = snapshot_root
         # the names a request's ``model`` resolves to the base model by (the server's served
         # model name, set once it is known): an adapter may not take one (``check_adapter_name``)
         self.base_model_names: frozenset[str] = frozenset()
@@ -316,7 +320,8 @@ def build_adapter_manager(
     settings, registry: RegistryService, spec: LoRATargetSpec, *, background_deletes: bool = False
 ) -> AdapterManager:
     """The manager an entry point uses: blob store from ``settings.resolved_blob_url()``, disk
-    cache under ``settings.home / "adapter-cache"`` within ``settings.max_disk_lora_bytes``.
+    cache under ``settings.home / "adapter-cache"`` within ``settings.max_disk_lora_bytes``,
+    adapter copies staged under ``settings.staging_dir``.
     ``settings`` is a ``loraplex.config.Settings`` built by the caller. No adapter may take the
     served base model's name (``settings.served_name``), whichever entry point uploads."""
     from loraplex.storage.base import open_blob_store
@@ -326,6 +331,7 @@ def build_adapter_manager(
     manager = AdapterManager(
         registry, blobs, disk_cache, spec, settings.max_lora_rank,
         max_member_bytes=settings.max_upload_member_bytes, background_deletes=background_deletes,
+        snapshot_root=settings.staging_dir,
     )
     manager.base_model_names = frozenset({settings.served_name})
     return manager

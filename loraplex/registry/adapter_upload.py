@@ -50,6 +50,7 @@ class AdapterUploadMixin:
     spec: LoRATargetSpec
     max_lora_rank: int
     max_member_bytes: int
+    snapshot_root: Path | None
     base_model_names: frozenset[str]
 
     def check_adapter_name(self, name: str) -> None:
@@ -81,7 +82,7 @@ class AdapterUploadMixin:
         if self.registry.get_tenant(tenant) is None:
             raise NotFound(f"tenant {tenant!r} not found")
         # one read of the files: the bytes checked and hashed are the bytes stored
-        with adapter_snapshot(adapter_dir, self.max_member_bytes) as snapshot:
+        with adapter_snapshot(adapter_dir, self.max_member_bytes, temp_root=self.snapshot_root) as snapshot:
             return self._upload_checked(tenant, name, snapshot, uploader, origin, warnings, activate, create_only)
 
     def _upload_checked(self, tenant: str, name: str, adapter_dir: Path, uploader: str, origin: str | None,

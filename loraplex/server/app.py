@@ -126,7 +126,7 @@ def new_context(settings: Settings, *, engine=None, registry=None, adapters=None
         lifecycle=Lifecycle(),
         tenant_auth=TenantAuth(lambda secret: ctx.registry.authenticate(secret), settings.registry_poll_seconds),
         admin_auth=AdminAuth(settings.admin_key, lambda secret: ctx.registry.check_admin_key(secret)),
-        staging_root=settings.home / "staging",
+        staging_root=settings.staging_dir,
         tool_parser=tool_parser,
         reasoning_parser=reasoning_parser,
         chat_template=chat_template,

@@ -110,7 +110,8 @@ def _upload_confined(ctx: AppContext, tenant: str, name: str, real: Path, create
     """Upload from a copy of the files read where the path check allowed: a link swapped in
     after ``allowed_path`` (by anyone who can write under a root) is refused, not followed."""
     adapters = ctx.adapters
-    with adapter_snapshot(real, adapters.max_member_bytes, roots_check(ctx.settings.lora_path_roots)) as copy:
+    with adapter_snapshot(real, adapters.max_member_bytes, roots_check(ctx.settings.lora_path_roots),
+                          temp_root=ctx.staging_root) as copy:
         adapters.upload_active(tenant, name, copy, LOAD_ACTOR, origin=ADAPTER_ORIGIN_RUNTIME, create_only=create_only)
 
 

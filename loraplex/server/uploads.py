@@ -30,6 +30,7 @@ from pathlib import Path, PurePosixPath
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
+from loraplex.lora.snapshot import SNAPSHOT_PREFIX
 from loraplex.server.errors import APIError, bad_request
 
 CONFIG_FIELD = "adapter_config.json"
@@ -55,15 +56,15 @@ def new_staging_dir(root: Path) -> Path:
 
 
 def sweep_stale_staging(root: Path, max_age_seconds: float = STALE_STAGING_SECONDS) -> list[Path]:
-    """Remove upload staging directories a crash left under ``root``: those whose newest file is
-    older than ``max_age_seconds`` (a younger one may be an upload of another process sharing
-    the home). Returns the directories removed."""
+    """Remove upload staging directories and adapter copies (``adapter_snapshot``) a crash left
+    under ``root``: those whose newest file is older than ``max_age_seconds`` (a younger one may
+    be an upload of another process sharing the home). Returns the directories removed."""
     if not root.is_dir():
         return []
     cutoff = time.time() - max_age_seconds
     removed = []
     for d in root.iterdir():
-        if not d.name.startswith(STAGING_PREFIX) or not d.is_dir() or d.is_symlink():
+        if not d.name.startswith((STAGING_PREFIX, SNAPSHOT_PREFIX)) or not d.is_dir() or d.is_symlink():
             continue
         try:
             newest = max([d.lstat().st_mtime] + [p.lstat().st_mtime for p in d.rglob("*")])

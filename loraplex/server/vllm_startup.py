@@ -107,7 +107,7 @@ def apply_startup_flags(flags: StartupFlags, settings: Settings, registry, make_
             if flags.lora_modules:
                 manager = (make_adapter_manager or (lambda: _default_manager(settings, registry)))()
                 for module in flags.lora_modules:  # all of them before anything is written
-                    copy = copies.enter_context(_module_snapshot(module))
+                    copy = copies.enter_context(_module_snapshot(module, getattr(manager, "snapshot_root", None)))
                     check_module(LoRAModule(module.name, str(copy)), manager, shown_path=module.path)
                     checked.append((module, copy))
 
@@ -143,10 +143,10 @@ def _register_modules(manager, tenant: str, checked: list[tuple[LoRAModule, Path
 
 
 @contextmanager
-def _module_snapshot(module: LoRAModule) -> Iterator[Path]:
+def _module_snapshot(module: LoRAModule, temp_root: Path | None) -> Iterator[Path]:
     """``adapter_snapshot`` of a module's directory; ``StartupError`` naming the module."""
     try:
-        snapshot = adapter_snapshot(Path(module.path).expanduser())
+        snapshot = adapter_snapshot(Path(module.path).expanduser(), temp_root=temp_root)
         copy = snapshot.__enter__()
     except InvalidAdapterError as exc:
         raise StartupError(f"--lora-modules {module.name}={module.path}: {exc.message}") from None

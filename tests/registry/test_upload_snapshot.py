@@ -86,3 +86,41 @@ def test_an_adapter_may_not_take_the_served_base_models_name(manager, adapters, 
     assert list(manager.blobs.list_blobs()) == []  # the name is checked before any blob is stored
     version, created = manager.upload("acme", "smollm2-sql", dirs["a"])  # a name beside it is fine
     assert created and version.version == 1
+
+
+def test_the_copy_lives_in_the_snapshot_root_which_the_start_up_sweep_clears(manager, adapters, tmp_path,
+                                                                              monkeypatch):
+    """The private copy is taken under the manager's ``snapshot_root`` (the server's staging
+    folder), not the system's /tmp: a process killed while it checked an upload left a copy of a
+    tenant's weights there for good. The server's start-up sweep removes such leftovers."""
+    import os
+    import time
+
+    from loraplex.lora.snapshot import SNAPSHOT_PREFIX
+    from loraplex.server.uploads import STALE_STAGING_SECONDS, sweep_stale_staging
+
+    _, dirs = adapters
+    root = tmp_path / "staging"
+    manager.snapshot_root = root
+    seen = []
+    real_inspect = upload_module.inspect_adapter_dir
+
+    def inspect_and_look(path, spec, max_rank):
+        seen.append(path)
+        return real_inspect(path, spec, max_rank)
+
+    monkeypatch.setattr(upload_module, "inspect_adapter_dir", inspect_and_look)
+    manager.upload("acme", "support", dirs["a"])
+    assert seen and seen[0].parent == root and seen[0].name.startswith(SNAPSHOT_PREFIX)
+    assert list(root.iterdir()) == []  # removed once the upload is done
+
+    # what a killed process left: an old copy is swept, a young one (another process's) stays
+    old, young = root / f"{SNAPSHOT_PREFIX}old", root / f"{SNAPSHOT_PREFIX}young"
+    for d in (old, young):
+        d.mkdir()
+        (d / WEIGHTS_NAME).write_bytes(b"weights")
+    past = time.time() - STALE_STAGING_SECONDS - 60
+    for p in (old / WEIGHTS_NAME, old):
+        os.utime(p, (past, past))
+    assert sweep_stale_staging(root) == [old]
+    assert not old.exists() and young.exists()

@@ -156,12 +156,11 @@ def test_a_failed_build_stops_the_engine_it_built(tmp_path, monkeypatch):
     class Engine:
         def __init__(self, config):
             self.engine = self  # the attributes build_components reaches through
-            self.grammars = self
             self.runner = self
             self.shut_down = False
             built.append(self)
 
-        def warm(self):
+        def warm_grammars(self):
             pass
 
         def lora_target_spec(self):

@@ -68,6 +68,7 @@ def test_modules_and_keys_land_in_the_tenant_as_an_upload_would(world, adapter_d
     # the same directory uploaded by an operator: the same content hash, blob and base model
     registry.create_tenant("operator")
     manager = build_adapter_manager(settings, registry, base_model_spec(settings))
+    assert manager.snapshot_root == settings.home / "staging"  # copies where the server's start sweeps
     uploaded, _ = manager.upload("operator", "sql", adapter_dirs["a"], uploader="cli")
     sql = adapters["sql"].versions[0]
     assert (uploaded.sha256, uploaded.blob_key, uploaded.base_model, uploaded.rank) == (
