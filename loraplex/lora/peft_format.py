@@ -67,7 +67,7 @@ from loraplex.lora.module_match import (
 )
 from loraplex.lora.safetensors_io import MAX_HEADER_BYTES, SafetensorsFile, parse_safetensors
 from loraplex.lora.spec import TARGET_MODULES, VOCAB_TARGETS, LoRATargetSpec
-from loraplex.lora.vocab_names import EMBED, base_copy_module, prefix_for_lm_head
+from loraplex.lora.vocab_names import EMBED, LM_HEAD, base_copy_module, lm_head_key, prefix_for_lm_head
 
 __all__ = [
     "AdapterInfo",
@@ -377,6 +377,8 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
         else:
             modules[(layer, mod)] = module
 
+    if vocab_modules.keys() >= {EMBED, LM_HEAD}:
+        _check_tied_vocab_loras(cfg, spec, by_key[f"{prefix}embed_tokens"], by_key[lm_head_key(prefix)], parsed.tensors)
     for expert_key, m in expert_modules.items():
         check_update_bound(expert_label(expert_key), parsed.tensors[m.a_name], parsed.tensors[m.b_name], m.scaling)
 
@@ -438,6 +440,26 @@ def _base_copy(name: str, tensor: torch.Tensor, spec: LoRATargetSpec) -> str | N
             raise InvalidAdapterError(_resized_vocab(name, rows, spec))
         raise InvalidAdapterError(f"{name!r} has shape {list(tensor.shape)}, base model needs {list(want)}")
     return key
+
+
+def _check_tied_vocab_loras(cfg: LoRAConfigView, spec: LoRATargetSpec, embed: dict[str, str], head: dict[str, str],
+                            tensors: dict[str, torch.Tensor]) -> None:
+    """With ``ensure_weight_tying`` on a model whose lm_head is its embedding, PEFT ties the two
+    LoRAs when it loads the adapter, and the saved lm_head tensors overwrite the embedding's. A
+    file PEFT saved so holds each as the other's transpose; one that does not (a config edited by
+    hand) PEFT would serve with lm_head's LoRA on the embedding too, unlike its own tensors say:
+    refused, as the edit that targets lm_head alone is (``add_tied_lm_head``)."""
+    if not (cfg.raw.get("ensure_weight_tying") and spec.tied_embeddings):
+        return
+    pairs = ((tensors[head["A"]], tensors[embed["B"]]), (tensors[head["B"]], tensors[embed["A"]]))
+    if all(h.shape == e.T.shape and torch.equal(h.double(), e.T.double()) for h, e in pairs):
+        return
+    raise InvalidAdapterError(
+        f"adapter_config.json: ensure_weight_tying is set and base model {spec.model_name!r} ties lm_head to "
+        "embed_tokens, but the saved lm_head LoRA is not the embedding's transposed, as PEFT saves tied LoRAs: "
+        "loading it, PEFT would put lm_head's LoRA on the embedding too. Save the adapter again with PEFT, or "
+        "set ensure_weight_tying to false to serve the two LoRAs as saved"
+    )
 
 
 def _check_vocab_shapes(

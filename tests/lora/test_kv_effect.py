@@ -200,3 +200,42 @@ def test_a_merge_is_judged_on_its_own_modules(tmp_path):
         assert info.changes_kv is rule, names
         same = all(torch.equal(a, b) for a, b in zip(_kv(peft_model_for(base, {"m": d}), prompt), base_kv))
         assert same is not rule, names
+
+
+def test_untied_vocab_loras_with_ensure_weight_tying_are_refused(tmp_path):
+    """Tied embeddings, LoRAs on embed_tokens and lm_head trained apart (not each other's
+    transpose) and ``ensure_weight_tying`` added to the config by hand: PEFT ties the two when
+    it loads the adapter, so the saved lm_head LoRA overwrites the embedding's, and its tokens
+    differ from serving the two as saved. Refused, naming the flag; the same file without the
+    flag is served as saved, and PEFT's own tied save is accepted."""
+    import json
+    import shutil
+
+    from loraplex.lora.errors import InvalidAdapterError
+
+    model_dir = make_tiny_model_dir(tmp_path / "base", "tied", seed=3)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
+    spec = ModelSpec.from_dir(model_dir).lora_target_spec()
+    apart = make_peft_adapter(base, tmp_path / "apart", seed=8, r=4, target_modules=["embed_tokens", "lm_head"])
+    edited = tmp_path / "edited"
+    shutil.copytree(apart, edited)
+    config = json.loads((edited / "adapter_config.json").read_text())
+    (edited / "adapter_config.json").write_text(json.dumps({**config, "ensure_weight_tying": True}))
+
+    # the reference: PEFT's loaded embedding LoRA is not the one saved, but lm_head's transposed
+    from safetensors.torch import load_file
+    saved = load_file(str(edited / "adapter_model.safetensors"))
+    model = peft_model_for(base, {"edited": edited})
+    embedding = next(m for n, m in model.named_modules() if n.endswith("embed_tokens") and hasattr(m, "lora_embedding_A"))
+    loaded_a = embedding.lora_embedding_A["edited"].detach()
+    assert not torch.equal(loaded_a, saved["base_model.model.model.embed_tokens.lora_embedding_A"])
+    assert torch.equal(loaded_a, saved["base_model.model.lm_head.lora_B.weight"].T)
+
+    with pytest.raises(InvalidAdapterError, match="ensure_weight_tying is set .* not the embedding's transposed"):
+        validate_adapter(load_adapter_files(edited), spec, max_lora_rank=4)
+    assert validate_adapter(load_adapter_files(apart), spec, max_lora_rank=4).vocab_modules.keys() == {
+        "embed_tokens", "lm_head"}
+    tied = make_peft_adapter(base, tmp_path / "tied", seed=9, r=4, target_modules=["embed_tokens", "lm_head"],
+                             ensure_weight_tying=True)
+    assert validate_adapter(load_adapter_files(tied), spec, max_lora_rank=4).vocab_modules.keys() == {
+        "embed_tokens", "lm_head"}
