@@ -174,6 +174,8 @@ def parse_config(data: bytes) -> LoRAConfigView:
     target_modules = ()
     if cfg.get("target_modules") is not None:
         target_modules = _str_or_list("target_modules", cfg["target_modules"], allow_none=bool(target_parameters)) or ()
+    if isinstance(target_modules, str) and target_modules.lower() == "all-linear":
+        target_modules = "all-linear"  # PEFT takes the shorthand in any case (_maybe_include_all_linear_layers)
     if isinstance(target_modules, str):
         _check_regex("target_modules", target_modules)
     exclude_modules = _str_or_list("exclude_modules", cfg.get("exclude_modules"), allow_none=True)

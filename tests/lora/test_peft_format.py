@@ -353,3 +353,16 @@ def test_config_patterns_match_as_re_does():
                 continue
             got = config_patterns.match("rank_pattern", built, pattern, key)
             assert (got is None) == (re.match(built, key) is None)
+
+
+@pytest.mark.parametrize("spelling", ["ALL-LINEAR", "All-Linear"])
+def test_all_linear_in_any_case_is_peft_s_shorthand(spelling, lora_base, make_adapter, tmp_path):
+    """PEFT lower-cases ``target_modules`` before it compares it with ``all-linear``; loraplex
+    read another case as a regular expression that matched no module (a misleading 400)."""
+    src = make_adapter("lin", seed=2, target_modules="all-linear")  # PEFT saves the list it expanded
+    want = inspect_adapter_dir(edit_config(src, tmp_path / "lower", target_modules="all-linear"), lora_base.spec,
+                               max_lora_rank=64)
+    got = inspect_adapter_dir(edit_config(src, tmp_path / "case", target_modules=spelling), lora_base.spec,
+                              max_lora_rank=64)
+    assert got.modules == want.modules and got.targets == want.targets
+    assert got.content_hash == want.content_hash  # one shorthand, one identity
