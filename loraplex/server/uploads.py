@@ -4,7 +4,7 @@ An archive (``.tar.gz`` / ``.tgz`` / ``.tar`` / ``.zip``) is unpacked member by 
 code, never with ``extractall``: absolute paths, ``..`` components, links (symbolic or hard),
 devices and other special members, and members larger than the cap are rejected, so no path can
 leave the staging directory. The PEFT directory is the staging root or its single sub-directory
-holding ``adapter_config.json``.
+holding ``adapter_config.json``. The metadata macOS adds (``__MACOSX/``, ``._*``) is skipped.
 
 Decompression bombs: besides the cap per member (``max_upload_member_bytes``), an archive unpacks
 to at most ``MAX_ARCHIVE_MEMBERS`` members and at most twice the member cap in all (room for the
@@ -134,6 +134,14 @@ def _member_path_errors(name: str):
         raise bad_request(f"archive member {name!r} {why}", param=ARCHIVE_FIELD) from None
 
 
+def is_finder_metadata(name: str) -> bool:
+    """A member macOS adds to the archives it makes (Finder's "Compress" puts resource forks
+    under ``__MACOSX/``, its tar ``._name`` AppleDouble files beside each file): skipped, else
+    ``__MACOSX`` counted as a second top folder and the adapter was not found."""
+    parts = PurePosixPath(name).parts
+    return bool(parts) and (parts[0] == "__MACOSX" or parts[-1].startswith("._"))
+
+
 def _safe_member_path(staging: Path, name: str) -> Path:
     """Where an archive member goes, or a 400 if its name could leave the staging directory."""
     if not name or "\x00" in name or "\\" in name:
@@ -164,6 +172,8 @@ def _unpack_tar(fileobj, staging: Path, member_limit: int) -> None:
     with archive:
         for member in archive:
             budget.add_member(member.name)
+            if is_finder_metadata(member.name):
+                continue
             with _member_path_errors(member.name):
                 _unpack_tar_member(archive, member, staging, member_limit, budget)
 
@@ -201,6 +211,8 @@ def _unpack_zip(fileobj, staging: Path, member_limit: int) -> None:
     with archive:
         for info in archive.infolist():
             budget.add_member(info.filename)
+            if is_finder_metadata(info.filename):
+                continue
             with _member_path_errors(info.filename):
                 _unpack_zip_member(archive, info, staging, member_limit, budget)
 

@@ -256,3 +256,16 @@ def test_a_full_disk_while_unpacking_stays_a_server_error(tmp_path, monkeypatch)
     with pytest.raises(OSError) as err:
         unpack_archive(archive, "a.tar", tmp_path, 1 << 20)
     assert err.value.errno == errno.ENOSPC
+
+
+@pytest.mark.parametrize("kind", ["tar", "zip"])
+def test_macos_metadata_members_are_skipped(tmp_path, kind):
+    """Finder's "Compress" adds __MACOSX/ (and macOS tar ._ files): they were a second top
+    folder, so the adapter inside the archive's one folder was not found."""
+    members = [("sql/adapter_config.json", CONFIG), ("sql/adapter_model.safetensors", WEIGHTS),
+               ("__MACOSX/sql/._adapter_config.json", b"\x00\x05\x16\x07"), ("sql/._adapter_model.safetensors", b"x")]
+    archive = _tar([(n, d, "file") for n, d in members]) if kind == "tar" else _zip([(n, d, None) for n, d in members])
+    peft = unpack_archive(archive, f"sql.{kind}", tmp_path, 1 << 20)
+    assert peft == tmp_path / "sql"
+    assert sorted(p.name for p in peft.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert not (tmp_path / "__MACOSX").exists()
