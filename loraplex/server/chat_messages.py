@@ -69,17 +69,24 @@ def _reasoning(m: dict, where: str) -> str | None:
     return next(iter(values.values()), None)
 
 
+# the parts that are text, and the key holding it: OpenAI's ``text``, the Responses API's
+# ``input_text`` / ``output_text`` (sent back as chat history), and an earlier answer's
+# ``refusal`` (the SDK's assistant message type has it): vLLM's chat parser takes all four as text
+TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 def _content(content, where: str) -> str | list[dict]:
     """A string as sent, or the text parts as ``{"type": "text", "text"}`` (only text parts are
-    served); the chat template gets them in its content format when the prompt is rendered
-    (loraplex/chat_content.py)."""
+    served, ``TEXT_PART_KEYS``); the chat template gets them in its content format when the
+    prompt is rendered (loraplex/chat_content.py)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         texts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            key = TEXT_PART_KEYS.get(part.get("type")) if isinstance(part, dict) else None
+            if key is None or not isinstance(part.get(key), str):
                 raise bad_request(f"`{where}` parts must be text parts", param=where)
-            texts.append(part["text"])
+            texts.append(part[key])
         return [text_part(t) for t in texts]
     raise bad_request(f"`{where}` must be a string or a list of text parts", param=where)

@@ -187,6 +187,24 @@ def test_a_tool_result_of_parts_is_one_string_in_both_formats(auto):
     assert chat(auto, messages, chat_template=qwen) == reference_ids(qwen, want)
 
 
+def test_a_refusal_part_of_an_earlier_answer_renders_as_its_text(auto):
+    """The SDK's assistant message may hold ``{"type": "refusal", "refusal"}`` parts (an earlier
+    answer's refusal sent back); vLLM's chat parser takes them as text, as it takes
+    input_text / output_text. It was a 400."""
+    for name in ("gemma3", "llama3"):
+        template = TEMPLATES[name][0]
+        sent = [{"role": "user", "content": "help me"},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]},
+                {"role": "user", "content": [{"type": "input_text", "text": "why?"}]}]
+        as_text = [{"role": "user", "content": "help me"},
+                   {"role": "assistant", "content": [{"type": "text", "text": "I can't help with that."}]},
+                   {"role": "user", "content": [{"type": "text", "text": "why?"}]}]
+        assert chat(auto, sent, chat_template=template) == chat(auto, as_text, chat_template=template)
+    r = auto.client.post("/v1/chat/completions", json={"model": "sql", "max_tokens": 1, "messages": [
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": 5}]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [PARTS[0], IMAGE]}]}, "messages[0].content"),
     ("/tokenize", {"messages": [{"role": "user", "content": [IMAGE]}]}, "messages[0].content"),
