@@ -27,9 +27,26 @@ def _typed(body: dict, name: str, check, kind: str, default=None):
     return value
 
 
+def lax_int(value):
+    """``value``, or the integer a float with no fractional part stands for (``4.0``, what
+    Python's ``budget / 2`` sends): vLLM's request models (pydantic, lax) take it so."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return value
+
+
+def lax_bool(value):
+    """``value``, or the boolean 0 or 1 stands for (chat's ``logprobs: 1``), as pydantic's lax
+    booleans take them."""
+    if is_int(value) and value in (0, 1):
+        return bool(value)
+    return value
+
+
 def read_int(body, name, default=None, lo=None, hi=None):
-    """An integer (not a boolean) in ``[lo, hi]`` where given."""
-    v = _typed(body, name, is_int, "an integer", default)
+    """An integer (not a boolean; a float with no fractional part counts) in ``[lo, hi]`` where
+    given."""
+    v = _typed({name: lax_int(body.get(name))}, name, is_int, "an integer", default)
     _check_range(name, v, lo, hi)
     return v
 
@@ -50,7 +67,8 @@ def read_str(body, name, default=None):
 
 
 def read_bool(body, name, default=False):
-    return _typed(body, name, lambda v: isinstance(v, bool), "a boolean", default)
+    """A boolean (0 and 1 count)."""
+    return _typed({name: lax_bool(body.get(name))}, name, lambda v: isinstance(v, bool), "a boolean", default)
 
 
 def _check_range(name, v, lo, hi) -> None:

@@ -17,6 +17,7 @@ import functools
 import inspect
 from dataclasses import dataclass, field
 
+from loraplex.server.body_fields import lax_bool
 from loraplex.server.errors import bad_request
 
 # what loraplex hands the template itself: the conversation under both names
@@ -65,7 +66,7 @@ class PromptOptions:
 
 
 def _optional_bool(body: dict, name: str) -> bool | None:
-    value = body.get(name)
+    value = lax_bool(body.get(name))
     if value is not None and not isinstance(value, bool):
         raise bad_request(f"`{name}` must be a boolean, got {type(value).__name__}", param=name)
     return value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -218,3 +219,26 @@ def test_unknown_route_and_method(tenants):
     with srv.tenant_client(acme) as c:
         _envelope(c.get("/v1/nothing"), 404)
         _envelope(c.get("/v1/completions"), 405)
+
+
+def test_whole_number_floats_are_integers_and_0_or_1_booleans(tenants):
+    """vLLM's request models (pydantic, lax) take ``max_tokens=4.0`` (Python's ``budget / 2``) as
+    4 and chat's ``logprobs: 1`` as true; loraplex answered 400. A fractional value stays a 400."""
+    srv, acme, _ = tenants
+    with srv.tenant_client(acme) as c:
+        r = c.post("/t/acme/v1/chat/completions", json={
+            "model": "sql", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4.0, "n": 2.0,
+            "seed": 3.0, "logprobs": 1, "top_logprobs": 2.0})
+        assert r.status_code == 200, r.text
+        params = list(srv.engine.params_seen.values())[-1]
+        assert (params.max_tokens, params.n, params.seed) == (4, 2, 3)
+        assert all(type(v) is int for v in (params.max_tokens, params.n, params.seed))
+        body = r.json()
+        assert len(body["choices"]) == 2 and all(len(ch["logprobs"]["content"]) == 4 for ch in body["choices"])
+        r = c.post("/t/acme/v1/completions", json={"model": "sql", "prompt": "x", "max_tokens": 3.0, "logprobs": 1.0})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["tokens"]) == 3
+        for patch, param in (({"max_tokens": 4.5}, "max_tokens"), ({"logprobs": 2}, "logprobs"),
+                             ({"max_tokens": float("inf")}, "max_tokens")):
+            body = {"model": "sql", "messages": [{"role": "user", "content": "x"}], **patch}
+            _envelope(c.post("/t/acme/v1/chat/completions", content=json.dumps(body),
+                             headers={"content-type": "application/json"}), 400, param=param)
