@@ -118,8 +118,11 @@ async def admit_body(ctx: AppContext, tenant: str, body, steps: Admission, arriv
         except BaseException:
             release_target(ctx, target)
             raise
+        client_id = ids.client if ids is not None else None
+        if client_id is None:  # no X-Request-Id header: vLLM's request_id field, where the body has one
+            client_id = getattr(req, "client_request_id", None)
         run = RequestRun(ctx, tenant, target, req, prompt_ids, steps.request_id(req), arrival, limits,
-                         client_request_id=ids.client if ids else None)
+                         client_request_id=client_id)
         try:
             run.admit()  # on refusal (503/429/400) it has released everything
         except APIError as err:
@@ -129,5 +132,6 @@ async def admit_body(ctx: AppContext, tenant: str, body, steps: Admission, arriv
         log_refused(steps.endpoint, tenant, model, status, arrival, ids)
         raise
     if ids is not None:
-        ids.server = run.request_id  # the response's own id, in its header and its access line
+        ids.server = run.request_id  # the server's id of the response, in its header and its access line
+        ids.client = client_id  # a body's request_id is echoed as X-Request-Id is
     return run

@@ -16,7 +16,7 @@ from loraplex.server.errors import CLIENT_CLOSED, from_exception, model_not_foun
 from loraplex.server.generation import RequestRun
 from loraplex.server.protocol import GenerationRequest, parse_chat_request, parse_completion_request, with_default_model
 from loraplex.server.request_defaults import apply_server_defaults
-from loraplex.server.shapes import ResponseShaper, TextOffsets
+from loraplex.server.shapes import ResponseShaper, TextOffsets, client_answer_id
 from loraplex.server.streaming import DONE, ClientDisconnected, SSEResponse, run_unless_disconnected, sse_event
 from loraplex.server.token_ids_output import StreamTokenIds, add_to_answer
 
@@ -71,10 +71,12 @@ async def generate(request: Request, steps: Admission, answer=None, events=None)
 
 
 def shaper_for(run: RequestRun) -> ResponseShaper:
-    """The shaper of an admitted run's answer (its id is the run's request id)."""
+    """The shaper of an admitted run's answer (its id is the run's request id, or the one vLLM's
+    ``request_id`` field names)."""
     req = run.req
+    answer_id = run.request_id if req.client_request_id is None else client_answer_id(req.kind, req.client_request_id)
     return ResponseShaper(req.kind, req.model, run.ctx.tokenizer, include_usage=req.include_usage,
-                          response_id=run.request_id, tokens_as_ids=bool(req.return_tokens_as_token_ids),
+                          response_id=answer_id, tokens_as_ids=bool(req.return_tokens_as_token_ids),
                           role=req.response_role)
 
 

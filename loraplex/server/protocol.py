@@ -31,6 +31,7 @@ from loraplex.server.chat_messages import parse_messages
 from loraplex.server.errors import bad_request
 from loraplex.server.prompt_fields import PromptOptions, parse_prompt_options
 from loraplex.server.refused_fields import refuse_unsupported
+from loraplex.server.request_ids import MAX_CLIENT_REQUEST_ID_LENGTH, valid_client_id
 from loraplex.server.sampling_fields import logprobs_cap, parse_sampling
 from loraplex.server.structured_fields import parse_structured_output
 from loraplex.server.tool_calls import ToolRequest, parse_tools
@@ -64,6 +65,9 @@ class GenerationRequest:
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids alongside the text (token_ids_output.py)
     response_role: str = "assistant"  # chat: the answer's role (request_defaults.py)
     priority: int = 0  # vLLM's: lower is admitted first (not under --scheduling-policy fcfs)
+    # vLLM's request_id: the answer's id is "<prefix>-<it>" (shapes.client_answer_id); logged as
+    # client_request_id where no X-Request-Id header came
+    client_request_id: str | None = None
     beam: BeamOptions | None = None  # vLLM's use_beam_search: n beams instead of n samples
 
     @property
@@ -78,6 +82,16 @@ class GenerationRequest:
 
 
 # --- fields of both endpoints (the typed readers: body_fields.py) -----------------------------
+
+
+def _client_request_id(body: dict) -> str | None:
+    """vLLM's ``request_id`` field; 1 to 128 visible ASCII characters (it becomes the answer's
+    id, its header and a log field), else a 400."""
+    value = read_str(body, "request_id")
+    if value is not None and valid_client_id(value) is None:
+        raise bad_request(f"`request_id` must be 1 to {MAX_CLIENT_REQUEST_ID_LENGTH} visible ASCII characters "
+                          "(no spaces)", param="request_id")
+    return value
 
 
 def _model(body) -> str:
@@ -218,6 +232,7 @@ def parse_completion_request(body, defaults: SamplingDefaults | None = None,
         priority=_priority(body),
         max_tokens_given=max_tokens_given,
         user=read_str(body, "user"),
+        client_request_id=_client_request_id(body),
         beam=parse_beam_search(body, "completion"),
     )
 
@@ -266,5 +281,6 @@ def parse_chat_request(body, defaults: SamplingDefaults | None = None,
         max_tokens_given=max_tokens_given,
         priority=_priority(body),
         user=read_str(body, "user"),
+        client_request_id=_client_request_id(body),
         beam=parse_beam_search(body, "chat"),
     )

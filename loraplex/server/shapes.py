@@ -35,7 +35,17 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback
 
 
 def new_id(kind: str) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    return _id_prefix(kind) + uuid.uuid4().hex
+
+
+def client_answer_id(kind: str, client_id: str) -> str:
+    """The answer's ``id`` where the body named vLLM's ``request_id``: ``chatcmpl-<it>``, as vLLM
+    answers (the engine's own ids stay unique: two requests may name the same one)."""
+    return _id_prefix(kind) + client_id
+
+
+def _id_prefix(kind: str) -> str:
+    return "chatcmpl-" if kind == "chat" else "cmpl-"
 
 
 @functools.lru_cache(maxsize=1)

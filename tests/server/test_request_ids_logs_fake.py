@@ -142,3 +142,34 @@ def test_warnings_and_errors_while_serving_name_the_request(server_factory, capl
     assert internal == [f"internal error (request {whole.headers['x-request-id']})",
                         f"internal error (request {streamed.headers['x-request-id']})"]
     assert whole.headers["x-request-id"].startswith("cmpl-") and "engine exploded" not in whole.text
+
+
+def test_vllms_request_id_field_names_the_answer(tenant, caplog):
+    """vLLM's ``request_id`` body field: the answer's ``id`` is ``cmpl-<it>`` / ``chatcmpl-<it>``,
+    as vLLM answers, streamed or not; it is logged and echoed as an X-Request-Id header is (the
+    header wins when both come). Two requests naming the same one both run: the server's own id
+    (``x-request-id``, the access line's ``request_id``) stays unique. One that no log should
+    hold (a space, over 128 characters) is a 400 naming it."""
+    srv, client = tenant
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with caplog.at_level(logging.INFO, logger="loraplex.access"):
+        first = client.post("/v1/completions", json={**PROMPT, "request_id": "job-42"})
+        second = client.post("/v1/completions", json={**PROMPT, "request_id": "job-42"})
+        streamed = client.post("/v1/chat/completions", json={**chat, "request_id": "job-43", "stream": True})
+        both = client.post("/v1/chat/completions", json={**chat, "request_id": "job-44"},
+                           headers={"X-Request-Id": "gw-9"})
+        lines = _access_lines(caplog, 4)
+    assert [r.status_code for r in (first, second, streamed, both)] == [200] * 4
+    assert first.json()["id"] == second.json()["id"] == "cmpl-job-42"
+    chunks = [json.loads(line[5:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert chunks and {c["id"] for c in chunks} == {"chatcmpl-job-43"}
+    assert both.json()["id"] == "chatcmpl-job-44"
+    server_ids = [r.headers["x-request-id"] for r in (first, second, streamed, both)]
+    assert len(set(server_ids)) == 4 and all(i.startswith(("cmpl-", "chatcmpl-")) for i in server_ids)
+    assert [(line["request_id"], line["client_request_id"]) for line in lines] == list(
+        zip(server_ids, ["job-42", "job-42", "job-43", "gw-9"]))
+    assert [r.headers["x-client-request-id"] for r in (first, second, streamed, both)] == [
+        "job-42", "job-42", "job-43", "gw-9"]
+    for bad in ("has space", "x" * 129, 7):
+        r = client.post("/v1/completions", json={**PROMPT, "request_id": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", r.text
