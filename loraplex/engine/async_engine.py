@@ -128,7 +128,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}  # engine thread only
         # request id -> set (on the engine thread) when it is aborted while generate still
         # prepares it (grammar, adapter read-ahead): the engine has no such request to abort yet
-        self._preparing: dict[str, threading.Event] = {}
+        self._preparing: dict[str, _PrepareMark] = {}
         self._stopped = False
         self._grammar_warm: threading.Thread | None = None  # warm_grammars
         self._dead: BaseException | None = None
