@@ -137,6 +137,8 @@ def parse_responses_request(body, defaults: SamplingDefaults | None = None,
         chat["max_completion_tokens"] = body["max_output_tokens"]
     if body.get("stream") is not None:
         chat["stream"] = body["stream"]
+    if body.get("request_id") is not None:  # vLLM's: the response's id, as given
+        chat["request_id"] = body["request_id"]
     tools = _tools(body.get("tools"))
     if tools:
         chat["tools"] = tools

@@ -60,6 +60,12 @@ class ResponsesAdmission(Admission):
         return renamed(err)
 
 
+def answer_id(run: RequestRun) -> str:
+    """The response's id: the run's, or vLLM's ``request_id`` field as the body gave it (vLLM
+    names the response by it whole: it defaults to ``resp_...``)."""
+    return run.req.client_request_id or run.request_id
+
+
 def response_answer(run: RequestRun, shaper: ResponseShaper, chat: dict) -> dict:
     (choice,) = chat["choices"]
     maker = chat_output.outputs_for(run)
@@ -72,13 +78,13 @@ def response_answer(run: RequestRun, shaper: ResponseShaper, chat: dict) -> dict
         items = output_items(choice["message"], choice["finish_reason"])
     if run.req.output_options.logprobs:
         add_logprobs(items, (choice.get("logprobs") or {}).get("content") or [])
-    return response_object(run.request_id, shaper.created, run.req.model, run.req.echo_fields,
+    return response_object(answer_id(run), shaper.created, run.req.model, run.req.echo_fields,
                            status_of(choice["finish_reason"]), items,
                            usage(run.prompt_tokens, run.completion_tokens, run.cached_tokens))
 
 
 async def _events(run: RequestRun, shaper: ResponseShaper):
-    stream = EventStream(run.request_id, shaper.created, run.req.model, run.req.echo_fields)
+    stream = EventStream(answer_id(run), shaper.created, run.req.model, run.req.echo_fields)
     status = CLIENT_CLOSED
     try:
         for event in stream.start():

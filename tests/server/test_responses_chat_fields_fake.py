@@ -90,3 +90,21 @@ def test_a_reasoning_item_without_text_adds_no_turn():
     items = [{"role": "user", "content": "a"}, empty,
              {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]
     assert "reasoning" not in parse_responses_request({"model": "m", "input": items}).messages[1]
+
+
+def test_vllms_request_id_is_the_responses_id(tenant):
+    """vLLM names a response by its ``request_id`` field whole (it defaults to ``resp_...``),
+    streamed or not; one no log should hold is a 400 naming it."""
+    import json
+
+    body = {"model": "sql", "input": "hi", "max_output_tokens": 2}
+    r = tenant.client.post(PATH, json={**body, "request_id": "resp_job7"})
+    assert r.status_code == 200 and r.json()["id"] == "resp_job7", r.text
+    r = tenant.client.post(PATH, json={"model": "sql", "input": "hi", "max_output_tokens": 2, "request_id": "job8",
+                                       "stream": True})
+    events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    ids = {e["response"]["id"] for e in events if "response" in e}
+    assert ids == {"job8"}
+    plain = tenant.client.post(PATH, json={"model": "sql", "input": "hi", "max_output_tokens": 2}).json()["id"]
+    assert plain.startswith("resp_") and plain != "resp_job7"
+    tenant.refused(PATH, {"input": "hi", "max_output_tokens": 2, "request_id": "two words"}, "request_id")
