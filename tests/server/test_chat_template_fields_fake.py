@@ -102,7 +102,7 @@ def test_continue_final_message_leaves_the_last_turn_open(untrusted):
     ({"continue_final_message": True, "add_generation_prompt": True}, PREFILL, "continue_final_message"),
     ({"continue_final_message": True, "add_generation_prompt": False}, USER, "continue_final_message"),
     ({"continue_final_message": "yes", "add_generation_prompt": False}, PREFILL, "continue_final_message"),
-    ({"add_generation_prompt": 0}, USER, "add_generation_prompt"),
+    ({"add_generation_prompt": 2}, USER, "add_generation_prompt"),  # 0 and 1 are booleans, as in vLLM
     ({"add_generation_prompt": "false"}, USER, "add_generation_prompt"),
 ])
 def test_generation_prompt_fields_refused(untrusted, fields, messages, param):

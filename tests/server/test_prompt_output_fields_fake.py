@@ -85,7 +85,9 @@ def test_completions_add_special_tokens(t):
     assert t.last_prompt() == byte_ids("hi you")
     post(t, COMPLETIONS, prompt=[7, 8], add_special_tokens=True)  # token ids are taken as given
     assert t.last_prompt() == [7, 8]
-    t.refused(COMPLETIONS, {"prompt": "hi", "add_special_tokens": 0}, "add_special_tokens")
+    post(t, COMPLETIONS, prompt="hi you", add_special_tokens=0)  # 0 and 1 are booleans, as vLLM's pydantic takes them
+    assert t.last_prompt() == byte_ids("hi you")
+    t.refused(COMPLETIONS, {"prompt": "hi", "add_special_tokens": 2}, "add_special_tokens")
 
 
 # --- return_tokens_as_token_ids ----------------------------------------------------------------

@@ -185,7 +185,7 @@ def test_a_key_is_required(world):
     ("/tokenize", {"prompt": "x", "messages": CHAT}, "messages"),
     ("/tokenize", {"prompt": "x", "model": 7}, "model"),
     ("/tokenize", {"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens"),
-    ("/tokenize", {"prompt": "x", "return_token_strs": 1}, "return_token_strs"),
+    ("/tokenize", {"prompt": "x", "return_token_strs": 2}, "return_token_strs"),
     ("/tokenize", {"messages": []}, "messages"),
     ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ("/tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
