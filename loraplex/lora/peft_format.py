@@ -67,7 +67,8 @@ from loraplex.lora.module_match import (
 )
 from loraplex.lora.safetensors_io import MAX_HEADER_BYTES, SafetensorsFile, parse_safetensors
 from loraplex.lora.spec import TARGET_MODULES, VOCAB_TARGETS, LoRATargetSpec
-from loraplex.lora.vocab_names import EMBED, LM_HEAD, base_copy_module, lm_head_key, prefix_for_lm_head
+from loraplex.lora.vocab_checks import base_copies_warning, base_copy_key, check_tied_vocab_loras, check_vocab_shapes
+from loraplex.lora.vocab_names import EMBED, LM_HEAD, lm_head_key, prefix_for_lm_head
 
 __all__ = [
     "AdapterInfo",
@@ -282,7 +283,7 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
         if unserved_key is not None:
             unserved.add(unserved_key)
             continue
-        copy = _base_copy(name, parsed.tensors[name], spec)
+        copy = base_copy_key(name, parsed.tensors[name], spec)
         if copy is not None:
             base_copies[copy] = name
             continue
@@ -348,7 +349,7 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
         in_f, out_f = spec.module_shapes[mod] if layer >= 0 else spec.vocab_shapes[mod]
         a, b = parsed.tensors[names["A"]], parsed.tensors[names["B"]]
         if layer < 0:
-            _check_vocab_shapes(mod, names, a, b, rank, spec)
+            check_vocab_shapes(mod, names, a, b, rank, spec)
         if tuple(a.shape) != (rank, in_f):
             raise InvalidAdapterError(
                 f"{names['A']!r} has shape {list(a.shape)}, base model needs [{rank}, {in_f}] (rank {rank})"
@@ -378,7 +379,7 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
             modules[(layer, mod)] = module
 
     if vocab_modules.keys() >= {EMBED, LM_HEAD}:
-        _check_tied_vocab_loras(cfg, spec, by_key[f"{prefix}embed_tokens"], by_key[lm_head_key(prefix)], parsed.tensors)
+        check_tied_vocab_loras(cfg, spec, by_key[f"{prefix}embed_tokens"], by_key[lm_head_key(prefix)], parsed.tensors)
     for expert_key, m in expert_modules.items():
         check_update_bound(expert_label(expert_key), parsed.tensors[m.a_name], parsed.tensors[m.b_name], m.scaling)
 
@@ -387,7 +388,7 @@ def validate_adapter(parsed: ParsedAdapter, spec: LoRATargetSpec, max_lora_rank:
     if unserved:
         warnings.append(_unserved_warning(unserved))
     if base_copies:
-        warnings.append(_base_copies_warning(base_copies))
+        warnings.append(base_copies_warning(base_copies))
     return AdapterInfo(
         content_hash=parsed.content_hash,
         rank=max(m.rank for m in (*modules.values(), *vocab_modules.values(), *expert_modules.values())),
@@ -418,75 +419,6 @@ def check_update_bound(key: str, a: torch.Tensor, b: torch.Tensor, scaling: floa
             f"beyond {MAX_UPDATE_ENTRY:g}: an update that large overflows the forward pass (check lora_alpha, "
             "alpha_pattern and the weights)"
         )
-
-
-def _base_copy(name: str, tensor: torch.Tensor, spec: LoRATargetSpec) -> str | None:
-    """The module key when ``name`` is the base weight PEFT saves beside a targeted vocabulary
-    module (see ``vocab_names``), after checking its shape; else None."""
-    if not name.startswith(TENSOR_PREFIX):
-        return None
-    found = base_copy_module(name[len(TENSOR_PREFIX) :])
-    if found is None:
-        return None
-    mod, key = found
-    if mod not in spec.vocab_shapes:
-        raise InvalidAdapterError(
-            f"tensor {name!r} is a weight of {mod!r}, which base model {spec.model_name!r} does not serve LoRA on"
-        )
-    want = (spec.vocab_size, spec.hidden_size)
-    if tuple(tensor.shape) != want:
-        rows = tensor.shape[0] if tensor.dim() == 2 else None
-        if rows is not None and rows != spec.vocab_size and tensor.shape[1] == spec.hidden_size:
-            raise InvalidAdapterError(_resized_vocab(name, rows, spec))
-        raise InvalidAdapterError(f"{name!r} has shape {list(tensor.shape)}, base model needs {list(want)}")
-    return key
-
-
-def _check_tied_vocab_loras(cfg: LoRAConfigView, spec: LoRATargetSpec, embed: dict[str, str], head: dict[str, str],
-                            tensors: dict[str, torch.Tensor]) -> None:
-    """With ``ensure_weight_tying`` on a model whose lm_head is its embedding, PEFT ties the two
-    LoRAs when it loads the adapter, and the saved lm_head tensors overwrite the embedding's. A
-    file PEFT saved so holds each as the other's transpose; one that does not (a config edited by
-    hand) PEFT would serve with lm_head's LoRA on the embedding too, unlike its own tensors say:
-    refused, as the edit that targets lm_head alone is (``add_tied_lm_head``)."""
-    if not (cfg.raw.get("ensure_weight_tying") and spec.tied_embeddings):
-        return
-    pairs = ((tensors[head["A"]], tensors[embed["B"]]), (tensors[head["B"]], tensors[embed["A"]]))
-    if all(h.shape == e.T.shape and torch.equal(h.double(), e.T.double()) for h, e in pairs):
-        return
-    raise InvalidAdapterError(
-        f"adapter_config.json: ensure_weight_tying is set and base model {spec.model_name!r} ties lm_head to "
-        "embed_tokens, but the saved lm_head LoRA is not the embedding's transposed, as PEFT saves tied LoRAs: "
-        "loading it, PEFT would put lm_head's LoRA on the embedding too. Save the adapter again with PEFT, or "
-        "set ensure_weight_tying to false to serve the two LoRAs as saved"
-    )
-
-
-def _check_vocab_shapes(
-    mod: str, names: dict[str, str], a: torch.Tensor, b: torch.Tensor, rank: int, spec: LoRATargetSpec
-) -> None:
-    """A vocabulary-sized dimension that differs from the base vocabulary: the adapter was
-    trained with added tokens, which cannot be served (vLLM dropped extra-vocab LoRA too)."""
-    if mod == EMBED:  # lora_embedding_A [rank, vocab]
-        name, t, dim = names["A"], a, 1
-    else:  # lm_head lora_B [vocab, rank]
-        name, t, dim = names["B"], b, 0
-    if t.dim() == 2 and t.shape[1 - dim] == rank and t.shape[dim] != spec.vocab_size:
-        raise InvalidAdapterError(_resized_vocab(name, int(t.shape[dim]), spec))
-
-
-def _resized_vocab(name: str, vocab: int, spec: LoRATargetSpec) -> str:
-    return (
-        f"tensor {name!r} is for a vocabulary of {vocab} tokens, but base model {spec.model_name!r} has "
-        f"{spec.vocab_size}: adapters trained with a resized vocabulary (added tokens) are not served"
-    )
-
-
-def _base_copies_warning(base_copies: dict[str, str]) -> str:
-    return (
-        f"ignored the base-model weights saved with the adapter for {', '.join(sorted(base_copies))} "
-        "(PEFT's save_embedding_layers): LoRA training leaves them frozen, so the base model's own are used"
-    )
 
 
 def _unserved_warning(unserved: set[str]) -> str:

@@ -18,8 +18,12 @@ def is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _typed(body: dict, name: str, check, kind: str, default=None):
+def _typed(body: dict, name: str, check, kind: str, default=None, lax=None):
+    """``body[name]`` if ``check`` takes it (after ``lax``, the value it stands for), the
+    default when left out or null, else a 400 naming it."""
     value = body.get(name)
+    if lax is not None:
+        value = lax(value)
     if value is None:
         return default
     if not check(value):
@@ -46,7 +50,7 @@ def lax_bool(value):
 def read_int(body, name, default=None, lo=None, hi=None):
     """An integer (not a boolean; a float with no fractional part counts) in ``[lo, hi]`` where
     given."""
-    v = _typed({name: lax_int(body.get(name))}, name, is_int, "an integer", default)
+    v = _typed(body, name, is_int, "an integer", default, lax=lax_int)
     _check_range(name, v, lo, hi)
     return v
 
@@ -68,7 +72,7 @@ def read_str(body, name, default=None):
 
 def read_bool(body, name, default=False):
     """A boolean (0 and 1 count)."""
-    return _typed({name: lax_bool(body.get(name))}, name, lambda v: isinstance(v, bool), "a boolean", default)
+    return _typed(body, name, lambda v: isinstance(v, bool), "a boolean", default, lax=lax_bool)
 
 
 def _check_range(name, v, lo, hi) -> None:

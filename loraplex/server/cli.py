@@ -168,15 +168,19 @@ def setting_words(error: dict, args: argparse.Namespace | None) -> str:
 def _given_name(setting: str, args: argparse.Namespace | None) -> str:
     """A setting as the user gave it: its ``LORAPLEX_`` variable when no flag gave it and the
     environment holds it (a Deployment's env), else its flag."""
-    variable = f"LORAPLEX_{setting.upper()}"
-    if args is not None and setting in Settings.model_fields and not _given_as_flag(args, setting) \
-            and variable in os.environ:
-        return variable
+    if args is not None and setting in Settings.model_fields:
+        from loraplex.server.startup_checks import SettingNames
+
+        named = SettingNames(args, os.environ)
+        if not named.from_flag(setting) and named.variable(setting) in os.environ:
+            return named.variable(setting)
     return flag_name(setting)
 
 
 def _given_as_flag(args: argparse.Namespace, name: str) -> bool:
-    return getattr(args, name, None) is not None or (name == "model" and getattr(args, "model_tag", None) is not None)
+    from loraplex.server.startup_checks import SettingNames
+
+    return SettingNames(args, None).from_flag(name)
 
 
 def flag_name(setting: str) -> str:

@@ -68,18 +68,18 @@ class SettingNames:
         self.args = args
         self.environ = environ if environ is not None else {}
 
-    def _from_flag(self, setting: str) -> bool:
+    def from_flag(self, setting: str) -> bool:
         return getattr(self.args, setting, None) is not None or (
             setting == "model" and getattr(self.args, "model_tag", None) is not None)
 
     def __call__(self, setting: str) -> str:
-        if self._from_flag(setting) or self.variable(setting) not in self.environ:
+        if self.from_flag(setting) or self.variable(setting) not in self.environ:
             return "--" + setting.replace("_", "-")
         return self.variable(setting)
 
     def value(self, setting: str, default: str) -> str:
         """The value as typed (``half``, not the ``float16`` it means), flag or variable."""
-        if self._from_flag(setting):
+        if self.from_flag(setting):
             return str(getattr(self.args, setting))
         return self.environ.get(self.variable(setting), default)
 

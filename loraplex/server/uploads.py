@@ -44,9 +44,8 @@ MAX_ARCHIVE_MEMBERS = 1000
 # what the file system answers to member paths an archive itself makes impossible: a file and a
 # folder of one path (in either order), or a name longer than the file system takes. The archive
 # is bad (400), not the server; other OSErrors (ENOSPC, EIO) stay server errors
-_MEMBER_PATH_ERRNOS = {errno.EEXIST: "clashes with another member (one path is both a file and a folder)",
-                       errno.ENOTDIR: "clashes with another member (one path is both a file and a folder)",
-                       errno.EISDIR: "clashes with another member (one path is both a file and a folder)",
+_CLASH = "clashes with another member (one path is both a file and a folder)"
+_MEMBER_PATH_ERRNOS = {errno.EEXIST: _CLASH, errno.ENOTDIR: _CLASH, errno.EISDIR: _CLASH,
                        errno.ENAMETOOLONG: "has a name too long for the file system"}
 
 
